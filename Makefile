@@ -1,0 +1,31 @@
+# Two commands do everything on a fresh machine (Python 3.8+ with venv, g++):
+#   make demo   set up, then fuse + verify + benchmark the bundled example model
+#   make test   set up, then run the test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+demo: setup
+	$(BIN)/mxfuse examples/models/mobilenetv2_0.25-symbol.json \
+	    --params examples/models/mobilenetv2_0.25-0000.params \
+	    -o out/ --shape data=1,3,224,224 --verify --benchmark --report out/report.json
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+bench: setup
+	$(BIN)/python benchmarks/bench_cnn.py
+
+clean:
+	rm -rf $(VENV) out build *.egg-info

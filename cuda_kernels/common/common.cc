@@ -1,0 +1,162 @@
+// Library entry point, attribute helpers and the run-time binding to dnnl_sgemm.
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <cstdio>
+#include <sstream>
+
+#include "mxf_common.h"
+
+namespace mxf {
+
+std::string attr_str(const Attrs& a, const char* name, const char* dflt) {
+  auto it = a.find(name);
+  return it == a.end() ? std::string(dflt) : it->second;
+}
+
+bool has_attr(const Attrs& a, const char* name) { return a.count(name) > 0; }
+
+float attr_float(const Attrs& a, const char* name, float dflt) {
+  auto it = a.find(name);
+  if (it == a.end()) return dflt;
+  std::string v = it->second;
+  std::string lv = v;
+  std::transform(lv.begin(), lv.end(), lv.begin(), ::tolower);
+  if (lv == "-inf" || lv == "-infinity") return -INFINITY;
+  if (lv == "inf" || lv == "infinity" || lv == "+inf") return INFINITY;
+  try {
+    size_t pos = 0;
+    float f = std::stof(v, &pos);
+    if (pos != v.size()) throw std::invalid_argument("trailing");
+    return f;
+  } catch (const std::out_of_range&) {
+    // std::stof rejects e.g. -1e300; clamp like a float cast would.
+    double d = std::stod(v);
+    return static_cast<float>(d);
+  } catch (const std::exception&) {
+    throw OpError("attribute '" + std::string(name) + "' must be a float, got '" + v + "'");
+  }
+}
+
+int64_t attr_int(const Attrs& a, const char* name, int64_t dflt) {
+  auto it = a.find(name);
+  if (it == a.end()) return dflt;
+  try {
+    size_t pos = 0;
+    long long v = std::stoll(it->second, &pos);
+    if (pos != it->second.size()) throw std::invalid_argument("trailing");
+    return v;
+  } catch (const std::exception&) {
+    throw OpError("attribute '" + std::string(name) + "' must be an integer, got '" +
+                  it->second + "'");
+  }
+}
+
+bool attr_bool(const Attrs& a, const char* name, bool dflt) {
+  auto it = a.find(name);
+  if (it == a.end()) return dflt;
+  std::string v = it->second;
+  std::transform(v.begin(), v.end(), v.begin(), ::tolower);
+  if (v == "1" || v == "true") return true;
+  if (v == "0" || v == "false") return false;
+  throw OpError("attribute '" + std::string(name) + "' must be a boolean (True/False/1/0), got '" +
+                it->second + "'");
+}
+
+std::string attr_choice(const Attrs& a, const char* name, const char* dflt,
+                        const std::vector<std::string>& choices) {
+  std::string v = attr_str(a, name, dflt);
+  for (const auto& c : choices)
+    if (c == v) return v;
+  std::string msg = "attribute '" + std::string(name) + "' must be one of {";
+  for (size_t i = 0; i < choices.size(); ++i) msg += (i ? ", " : "") + choices[i];
+  throw OpError(msg + "}, got '" + v + "'");
+}
+
+std::string shape_str(const Shape& s) {
+  std::ostringstream o;
+  o << "(";
+  for (size_t i = 0; i < s.size(); ++i) o << (i ? "," : "") << s[i];
+  o << ")";
+  return o.str();
+}
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::ostringstream o;
+  o << "(";
+  for (size_t i = 0; i < s.size(); ++i) o << (i ? "," : "") << s[i];
+  o << ")";
+  return o.str();
+}
+int64_t numel(const std::vector<int64_t>& s) {
+  int64_t n = 1;
+  for (auto d : s) n *= d;
+  return n;
+}
+
+void require_f32(const MXTensor& t, const char* what) {
+  if (t.dtype != mxnet::ext::kFloat32)
+    throw OpError(std::string(what) + " must be float32");
+}
+
+// ---- dnnl_sgemm --------------------------------------------------------------
+namespace {
+using sgemm_fn = int (*)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t,
+                         const float*, int64_t, float, float*, int64_t);
+sgemm_fn g_sgemm = nullptr;
+std::string g_sgemm_error;
+std::once_flag g_sgemm_once;
+
+void bind_sgemm() {
+  // fusion._native sets MXFUSION_DNNL_LIB to the absolute path of libdnnl.so.3
+  // from the onednn-cpu-gomp wheel; fall back to the loader's search path.
+  std::vector<std::string> cands;
+  if (const char* p = std::getenv("MXFUSION_DNNL_LIB")) cands.emplace_back(p);
+  cands.emplace_back("libdnnl.so.3");
+  cands.emplace_back("libdnnl.so");
+  std::string errs;
+  for (const auto& c : cands) {
+    void* h = dlopen(c.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+      const char* e = dlerror();
+      errs += "\n  " + c + ": " + (e ? e : "not found");
+      continue;
+    }
+    g_sgemm = reinterpret_cast<sgemm_fn>(dlsym(h, "dnnl_sgemm"));
+    if (g_sgemm) return;
+    errs += "\n  " + c + ": no symbol dnnl_sgemm";
+  }
+  g_sgemm_error = "cannot load oneDNN (libdnnl.so.3 with dnnl_sgemm); install "
+                  "'onednn-cpu-gomp==2023.2.0' or set MXFUSION_DNNL_LIB. Tried:" + errs;
+}
+}  // namespace
+
+void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, float alpha,
+           const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+           int64_t ldc) {
+  std::call_once(g_sgemm_once, bind_sgemm);
+  if (!g_sgemm) throw OpError(g_sgemm_error);
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {  // oneDNN rejects K == 0; C = beta * C
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.f ? 0.f : beta * C[i * ldc + j];
+    return;
+  }
+  int st = g_sgemm(transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  if (st != 0) throw OpError("dnnl_sgemm failed with status " + std::to_string(st));
+}
+
+}  // namespace mxf
+
+// Exported for fusion._native: tells whether dnnl_sgemm could be bound.
+extern "C" const char* mxfusion_sgemm_status() {
+  std::call_once(mxf::g_sgemm_once, mxf::bind_sgemm);
+  return mxf::g_sgemm ? "" : mxf::g_sgemm_error.c_str();
+}
+
+mxnet::ext::MXReturnValue initialize(int version) {
+  if (version >= 10900) return mxnet::ext::MX_SUCCESS;
+  MX_ERROR_MSG << "mxnet-fusion ops need MXNet >= 1.9.0, found version " << version;
+  return mxnet::ext::MX_FAIL;
+}

@@ -1,0 +1,84 @@
+// Shared helpers for the mxnet-fusion CPU operator library.
+//  - attribute parsing that reports errors through MX_ERROR_MSG
+//  - dnnl_sgemm, loaded at run time (oneDNN ships no headers in its wheel)
+//  - small vectorizable math helpers
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "mxnet/lib_api.h"
+
+namespace mxf {
+
+using mxnet::ext::MXReturnValue;
+using mxnet::ext::MXTensor;
+using mxnet::ext::OpResource;
+using Attrs = std::unordered_map<std::string, std::string>;
+using Shape = std::vector<unsigned int>;
+
+// Raised by helpers; converted to an MXNet error at the op boundary.
+struct OpError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Runs `body` and turns any exception into MX_ERROR_MSG + MX_FAIL, so the
+// user sees an MXNetError naming the op and the problem.
+template <class F>
+MXReturnValue guarded(const char* op, F&& body) {
+  try {
+    body();
+    return mxnet::ext::MX_SUCCESS;
+  } catch (const std::exception& e) {
+    MX_ERROR_MSG << op << ": " << e.what();
+    return mxnet::ext::MX_FAIL;
+  }
+}
+
+std::string attr_str(const Attrs& a, const char* name, const char* dflt);
+bool has_attr(const Attrs& a, const char* name);
+float attr_float(const Attrs& a, const char* name, float dflt);
+int64_t attr_int(const Attrs& a, const char* name, int64_t dflt);
+bool attr_bool(const Attrs& a, const char* name, bool dflt);
+// Value must be one of `choices`; error message lists them.
+std::string attr_choice(const Attrs& a, const char* name, const char* dflt,
+                        const std::vector<std::string>& choices);
+std::string shape_str(const Shape& s);
+std::string shape_str(const std::vector<int64_t>& s);
+int64_t numel(const std::vector<int64_t>& s);
+
+void require_f32(const MXTensor& t, const char* what);
+
+// Row-major C = alpha * op(A) * op(B) + beta * C through oneDNN's dnnl_sgemm.
+// Inside an OpenMP parallel region oneDNN runs the call on the calling thread.
+void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, float alpha,
+           const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
+           float* C, int64_t ldc);
+
+// exp accurate to ~2 ulp over the float range; written so GCC vectorizes it.
+// Cody-Waite range reduction + degree-6 polynomial; -inf -> 0, nan -> nan.
+static inline float fast_exp(float x) {
+  const float hi = 88.3762626647949f, lo = -88.3762626647949f;
+  float xc = x > hi ? hi : (x < lo ? lo : x);
+  float fx = std::nearbyint(xc * 1.44269504088896341f);
+  float r = xc - fx * 0.693359375f;
+  r = r + fx * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t e = static_cast<int32_t>(fx) + 127;
+  union { int32_t i; float f; } u;
+  u.i = e << 23;
+  float res = p * u.f;
+  res = x < lo ? 0.0f : (x > hi ? INFINITY : res);
+  return x != x ? x : res;
+}
+
+}  // namespace mxf

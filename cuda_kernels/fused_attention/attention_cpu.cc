@@ -1,0 +1,244 @@
+// fused_attention CPU kernels: blockwise attention with an online softmax.
+// Each OpenMP task owns one (batch*head, query block); tile products go through
+// single-threaded dnnl_sgemm calls and the score tile never exceeds BQ x BK.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "attention_geom.h"
+
+namespace mxf {
+namespace attn {
+namespace {
+
+constexpr int64_t BQ = 64;   // query rows per task
+constexpr int64_t BK = 256;  // keys per score tile
+const float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// Number of keys row `i` may see: valid length and causal limit combined.
+inline int64_t row_limit(const Params& p, const Geom& g, int64_t kend, int64_t i) {
+  if (!p.causal) return kend;
+  int64_t lim = i + (g.Sk - g.Sq) + 1;  // bottom-right aligned causal band
+  return std::max<int64_t>(0, std::min(kend, lim));
+}
+
+inline int64_t key_end(const MaskView& m, const Geom& g, int64_t n) {
+  if (m.kind != MaskKind::valid_length) return g.Sk;
+  return std::max<int64_t>(0, std::min<int64_t>(g.Sk, m.lengths[n]));
+}
+
+// S[r, c] = scale * q_i . k_j, then mask; excluded columns (c >= lim[r]) untouched.
+void score_tile(const Params& p, const Geom& g, const MaskView& m, int64_t b, int64_t h,
+                int64_t i0, int64_t bq, int64_t j0, int64_t nb, float* S) {
+  sgemm('N', 'T', bq, nb, g.D, p.scale, g.q.row(b, h, i0), g.q.rs, g.k.row(b, h, j0), g.k.rs,
+        0.f, S, BK);
+  if (m.kind == MaskKind::additive || m.kind == MaskKind::boolean) {
+    const float* mb = m.base(b, h);
+    for (int64_t r = 0; r < bq; ++r) {
+      const float* mr = mb + (i0 + r) * m.sq + j0 * m.sk;
+      float* s = S + r * BK;
+      if (m.kind == MaskKind::additive) {
+        if (m.sk == 1)
+          for (int64_t c = 0; c < nb; ++c) s[c] += mr[c];
+        else
+          for (int64_t c = 0; c < nb; ++c) s[c] += mr[c * m.sk];
+      } else {
+        const float mv = p.mask_value;
+        for (int64_t c = 0; c < nb; ++c) s[c] = mr[c * m.sk] != 0.f ? s[c] : mv;
+      }
+    }
+  }
+}
+
+struct Scratch {
+  std::vector<float> S, P, O, m, l;
+  std::vector<int64_t> lim;
+  std::vector<char> touched;
+  Scratch(int64_t Dv) : S(BQ * BK), P(BQ * BK), O(BQ * std::max<int64_t>(Dv, 1)), m(BQ), l(BQ),
+                        lim(BQ), touched(BQ) {}
+};
+
+// Online-softmax statistics (row max m, row sum l) over all keys, for one query block.
+// Also used by backward.  touched[r] says whether row r saw at least one key.
+void row_stats(const Params& p, const Geom& g, const MaskView& mk, int64_t n, int64_t i0,
+               int64_t bq, Scratch& w) {
+  const int64_t b = n / g.H, h = n % g.H, kend = key_end(mk, g, n);
+  int64_t kmax = 0;
+  for (int64_t r = 0; r < bq; ++r) {
+    w.lim[r] = row_limit(p, g, kend, i0 + r);
+    w.m[r] = NEG_INF;
+    w.l[r] = 0.f;
+    w.touched[r] = w.lim[r] > 0;
+    kmax = std::max(kmax, w.lim[r]);
+  }
+  for (int64_t j0 = 0; j0 < kmax; j0 += BK) {
+    const int64_t nb = std::min(BK, kmax - j0);
+    score_tile(p, g, mk, b, h, i0, bq, j0, nb, w.S.data());
+    for (int64_t r = 0; r < bq; ++r) {
+      const int64_t cl = std::min(nb, w.lim[r] - j0);
+      if (cl <= 0) continue;
+      const float* s = &w.S[r * BK];
+      float mx = NEG_INF;
+      for (int64_t c = 0; c < cl; ++c) mx = std::max(mx, s[c]);
+      const float mn = std::max(w.m[r], mx);
+      if (mn == NEG_INF) continue;  // everything so far is -inf
+      float sum = 0.f;
+      for (int64_t c = 0; c < cl; ++c) sum += fast_exp(s[c] - mn);
+      w.l[r] = w.l[r] * fast_exp(w.m[r] - mn) + sum;
+      w.m[r] = mn;
+    }
+  }
+}
+
+void forward_block(const Params& p, const Geom& g, const MaskView& mk, int64_t n, int64_t i0,
+                   int64_t bq, Scratch& w) {
+  const int64_t b = n / g.H, h = n % g.H, kend = key_end(mk, g, n), Dv = g.Dv;
+  int64_t kmax = 0;
+  for (int64_t r = 0; r < bq; ++r) {
+    w.lim[r] = row_limit(p, g, kend, i0 + r);
+    w.m[r] = NEG_INF;
+    w.l[r] = 0.f;
+    w.touched[r] = w.lim[r] > 0;
+    kmax = std::max(kmax, w.lim[r]);
+  }
+  std::fill(w.O.begin(), w.O.begin() + bq * Dv, 0.f);
+  for (int64_t j0 = 0; j0 < kmax; j0 += BK) {
+    const int64_t nb = std::min(BK, kmax - j0);
+    float* S = w.S.data();
+    score_tile(p, g, mk, b, h, i0, bq, j0, nb, S);
+    for (int64_t r = 0; r < bq; ++r) {
+      float* s = S + r * BK;
+      const int64_t cl = std::max<int64_t>(0, std::min(nb, w.lim[r] - j0));
+      float mx = NEG_INF;
+      for (int64_t c = 0; c < cl; ++c) mx = std::max(mx, s[c]);
+      const float mn = std::max(w.m[r], mx);
+      if (mn == NEG_INF) {  // no finite score yet: contributes nothing
+        std::fill(s, s + nb, 0.f);
+        continue;
+      }
+      float sum = 0.f;
+      for (int64_t c = 0; c < cl; ++c) {
+        const float e = fast_exp(s[c] - mn);
+        s[c] = e;
+        sum += e;
+      }
+      for (int64_t c = cl; c < nb; ++c) s[c] = 0.f;
+      const float alpha = fast_exp(w.m[r] - mn);
+      w.l[r] = w.l[r] * alpha + sum;
+      w.m[r] = mn;
+      if (alpha != 1.f) {
+        float* o = &w.O[r * Dv];
+        for (int64_t c = 0; c < Dv; ++c) o[c] *= alpha;
+      }
+    }
+    sgemm('N', 'N', bq, Dv, nb, 1.f, S, BK, g.v.row(b, h, j0), g.v.rs, 1.f, w.O.data(), Dv);
+  }
+  for (int64_t r = 0; r < bq; ++r) {
+    float* out = g.o.mrow(b, h, i0 + r);
+    const float* o = &w.O[r * Dv];
+    if (w.l[r] > 0.f) {
+      const float inv = 1.f / w.l[r];
+      for (int64_t c = 0; c < Dv; ++c) out[c] = o[c] * inv;
+    } else {
+      // untouched rows (valid_length 0, empty causal band) give 0 like MXNet's
+      // softmax with length; rows whose scores are all -inf give NaN like softmax.
+      const float fill = w.touched[r] ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+      for (int64_t c = 0; c < Dv; ++c) out[c] = fill;
+    }
+  }
+}
+
+}  // namespace
+
+void forward(const Params& p, const Geom& g, const MaskView& m) {
+  const int64_t nqb = (g.Sq + BQ - 1) / BQ, N = g.B * g.H, tasks = N * nqb;
+  if (tasks == 0) return;
+  std::string err;
+#pragma omp parallel
+  {
+    Scratch w(g.Dv);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t n = t / nqb, i0 = (t % nqb) * BQ;
+      try {
+        forward_block(p, g, m, n, i0, std::min(BQ, g.Sq - i0), w);
+      } catch (const std::exception& e) {
+#pragma omp critical
+        err = e.what();
+      }
+    }
+  }
+  if (!err.empty()) throw OpError(err);
+}
+
+void backward(const Params& p, const Geom& g, const MaskView& mk, const View& dout,
+              const View& dq, const View& dk, const View& dv) {
+  const int64_t N = g.B * g.H, D = g.D, Dv = g.Dv;
+  std::string err;
+#pragma omp parallel
+  {
+    Scratch w(Dv);
+    std::vector<float> dP(BQ * BK), Di(BQ);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t n = 0; n < N; ++n) {
+      try {
+        const int64_t b = n / g.H, h = n % g.H;
+        for (int64_t i0 = 0; i0 < g.Sq; i0 += BQ) {
+          const int64_t bq = std::min(BQ, g.Sq - i0);
+          row_stats(p, g, mk, n, i0, bq, w);
+          int64_t kmax = 0;
+          for (int64_t r = 0; r < bq; ++r) {
+            kmax = std::max(kmax, w.lim[r]);
+            const float* o = g.o.row(b, h, i0 + r);
+            const float* d = dout.row(b, h, i0 + r);
+            float s = 0.f;
+            for (int64_t c = 0; c < Dv; ++c) s += o[c] * d[c];
+            Di[r] = s;
+            // lse; rows with no finite score contribute nothing
+            w.m[r] = (w.l[r] > 0.f) ? w.m[r] + std::log(w.l[r]) : INFINITY;
+          }
+          for (int64_t j0 = 0; j0 < kmax; j0 += BK) {
+            const int64_t nb = std::min(BK, kmax - j0);
+            float* S = w.S.data();
+            score_tile(p, g, mk, b, h, i0, bq, j0, nb, S);
+            for (int64_t r = 0; r < bq; ++r) {
+              float* s = S + r * BK;
+              const int64_t cl = std::max<int64_t>(0, std::min(nb, w.lim[r] - j0));
+              const float lse = w.m[r];
+              for (int64_t c = 0; c < cl; ++c) s[c] = fast_exp(s[c] - lse);
+              for (int64_t c = cl; c < nb; ++c) s[c] = 0.f;
+            }
+            // dV += P^T dO
+            sgemm('T', 'N', nb, Dv, bq, 1.f, S, BK, dout.row(b, h, i0), dout.rs, 1.f,
+                  dv.mrow(b, h, j0), dv.rs);
+            // dP = dO V^T
+            sgemm('N', 'T', bq, nb, Dv, 1.f, dout.row(b, h, i0), dout.rs, g.v.row(b, h, j0),
+                  g.v.rs, 0.f, dP.data(), BK);
+            for (int64_t r = 0; r < bq; ++r) {
+              float* s = S + r * BK;
+              const float* d = &dP[r * BK];
+              for (int64_t c = 0; c < nb; ++c) s[c] = s[c] * (d[c] - Di[r]);
+              if (mk.kind == MaskKind::boolean) {  // where(): no gradient through masked slots
+                const float* mr = mk.base(b, h) + (i0 + r) * mk.sq + j0 * mk.sk;
+                for (int64_t c = 0; c < nb; ++c) s[c] = mr[c * mk.sk] != 0.f ? s[c] : 0.f;
+              }
+            }
+            sgemm('N', 'N', bq, D, nb, p.scale, S, BK, g.k.row(b, h, j0), g.k.rs, 1.f,
+                  dq.mrow(b, h, i0), dq.rs);
+            sgemm('T', 'N', nb, D, bq, p.scale, S, BK, g.q.row(b, h, i0), g.q.rs, 1.f,
+                  dk.mrow(b, h, j0), dk.rs);
+          }
+        }
+      } catch (const std::exception& e) {
+#pragma omp critical
+        err = e.what();
+      }
+    }
+  }
+  if (!err.empty()) throw OpError(err);
+}
+
+}  // namespace attn
+}  // namespace mxf

@@ -1,0 +1,342 @@
+// fused_attention: out = softmax(scale * q k^T + mask) v, for several head layouts.
+// See README.md in this folder for the exact inputs, attributes and layouts.
+#include <cstring>
+#include <cstdio>
+#include <cstdlib>
+
+#include "attention_geom.h"
+
+namespace mxf {
+namespace attn {
+
+Params parse(const Attrs& a) {
+  Params p;
+  const std::string lay = attr_choice(a, "layout", "plain",
+                                      {"plain", "bshd", "packed_qkv", "interleaved",
+                                       "interleaved_encdec"});
+  p.layout = lay == "plain" ? Layout::plain
+           : lay == "bshd" ? Layout::bshd
+           : lay == "packed_qkv" ? Layout::packed_qkv
+           : lay == "interleaved" ? Layout::interleaved : Layout::interleaved_encdec;
+  const std::string mk = attr_choice(a, "mask_kind", "none",
+                                     {"none", "additive", "boolean", "valid_length"});
+  p.mask = mk == "none" ? MaskKind::none
+         : mk == "additive" ? MaskKind::additive
+         : mk == "boolean" ? MaskKind::boolean : MaskKind::valid_length;
+  if (!has_attr(a, "scale")) throw OpError("attribute 'scale' is required");
+  p.scale = attr_float(a, "scale", 1.f);
+  p.causal = attr_bool(a, "causal", false);
+  p.mask_value = attr_float(a, "mask_value", -1e18f);
+  p.heads = attr_int(a, "heads", p.layout == Layout::plain ? 1 : 0);
+  if (p.layout == Layout::plain) {
+    if (p.heads != 1) throw OpError("attribute 'heads' is only used with head-aware layouts");
+  } else if (p.heads <= 0) {
+    throw OpError("layout '" + lay + "' needs a positive integer attribute 'heads'");
+  }
+  return p;
+}
+
+int num_data_inputs(Layout l) {
+  switch (l) {
+    case Layout::plain:
+    case Layout::bshd: return 3;
+    case Layout::interleaved_encdec: return 2;
+    default: return 1;
+  }
+}
+
+namespace {
+void need_rank(const std::vector<int64_t>& s, size_t r, const char* what) {
+  if (s.size() != r)
+    throw OpError(std::string(what) + " must have rank " + std::to_string(r) + ", got shape " +
+                  shape_str(s));
+}
+int64_t split_heads(int64_t width, int64_t parts, int64_t H, const char* what) {
+  if (width % (parts * H) != 0)
+    throw OpError(std::string(what) + ": last dimension " + std::to_string(width) +
+                  " is not divisible by " + std::to_string(parts) + "*heads=" +
+                  std::to_string(parts * H));
+  return width / (parts * H);
+}
+}  // namespace
+
+Geom geometry(const Params& p, const std::vector<std::vector<int64_t>>& s) {
+  Geom g{};
+  const int64_t H = p.heads;
+  switch (p.layout) {
+    case Layout::plain: {
+      need_rank(s[0], 3, "q");
+      need_rank(s[1], 3, "k");
+      need_rank(s[2], 3, "v");
+      g.B = s[0][0]; g.H = 1; g.Sq = s[0][1]; g.D = s[0][2]; g.Sk = s[1][1]; g.Dv = s[2][2];
+      if (s[1][0] != g.B || s[2][0] != g.B || s[1][2] != g.D || s[2][1] != g.Sk)
+        throw OpError("shapes do not fit q (N,Sq,D), k (N,Sk,D), v (N,Sk,Dv): q" +
+                      shape_str(s[0]) + " k" + shape_str(s[1]) + " v" + shape_str(s[2]));
+      g.q = {nullptr, g.Sq * g.D, 0, g.D};
+      g.k = {nullptr, g.Sk * g.D, 0, g.D};
+      g.v = {nullptr, g.Sk * g.Dv, 0, g.Dv};
+      g.o = {nullptr, g.Sq * g.Dv, 0, g.Dv};
+      break;
+    }
+    case Layout::bshd: {
+      need_rank(s[0], 3, "q");
+      need_rank(s[1], 3, "k");
+      need_rank(s[2], 3, "v");
+      g.B = s[0][0]; g.H = H; g.Sq = s[0][1]; g.Sk = s[1][1];
+      g.D = split_heads(s[0][2], 1, H, "q");
+      g.Dv = split_heads(s[2][2], 1, H, "v");
+      if (s[1][0] != g.B || s[2][0] != g.B || s[1][2] != s[0][2] || s[2][1] != g.Sk)
+        throw OpError("shapes do not fit bshd q (B,Sq,H*D), k (B,Sk,H*D), v (B,Sk,H*Dv): q" +
+                      shape_str(s[0]) + " k" + shape_str(s[1]) + " v" + shape_str(s[2]));
+      const int64_t HD = H * g.D, HDv = H * g.Dv;
+      g.q = {nullptr, g.Sq * HD, g.D, HD};
+      g.k = {nullptr, g.Sk * HD, g.D, HD};
+      g.v = {nullptr, g.Sk * HDv, g.Dv, HDv};
+      g.o = {nullptr, g.Sq * HDv, g.Dv, HDv};
+      break;
+    }
+    case Layout::packed_qkv: {
+      need_rank(s[0], 3, "qkv");
+      g.B = s[0][0]; g.H = H; g.Sq = g.Sk = s[0][1];
+      g.D = g.Dv = split_heads(s[0][2], 3, H, "qkv");
+      const int64_t W = s[0][2], HD = H * g.D;
+      g.q = {nullptr, g.Sq * W, g.D, W};
+      g.k = g.q; g.v = g.q;  // offsets are added in bind_views()
+      g.o = {nullptr, g.Sq * HD, g.D, HD};
+      break;
+    }
+    case Layout::interleaved: {
+      need_rank(s[0], 3, "qkv");
+      g.Sq = g.Sk = s[0][0]; g.B = s[0][1]; g.H = H;
+      g.D = g.Dv = split_heads(s[0][2], 3, H, "qkv");
+      const int64_t W = s[0][2], HD = H * g.D;
+      g.q = {nullptr, W, 3 * g.D, g.B * W};
+      g.k = g.q; g.v = g.q;
+      g.o = {nullptr, HD, g.D, g.B * HD};
+      break;
+    }
+    case Layout::interleaved_encdec: {
+      need_rank(s[0], 3, "q");
+      need_rank(s[1], 3, "kv");
+      g.Sq = s[0][0]; g.B = s[0][1]; g.Sk = s[1][0]; g.H = H;
+      g.D = g.Dv = split_heads(s[0][2], 1, H, "q");
+      if (s[1][1] != g.B || s[1][2] != 2 * s[0][2])
+        throw OpError("shapes do not fit interleaved_encdec q (Sq,B,H*D), kv (Sk,B,H*2*D): q" +
+                      shape_str(s[0]) + " kv" + shape_str(s[1]));
+      const int64_t HD = H * g.D;
+      g.q = {nullptr, HD, g.D, g.B * HD};
+      g.k = {nullptr, 2 * HD, 2 * g.D, g.B * 2 * HD};
+      g.v = g.k;
+      g.o = g.q;
+      break;
+    }
+  }
+  if (g.D <= 0 || g.Dv <= 0) throw OpError("head dimension must be positive");
+  return g;
+}
+
+std::vector<int64_t> out_shape(const Params& p, const Geom& g,
+                               const std::vector<std::vector<int64_t>>& s) {
+  switch (p.layout) {
+    case Layout::plain: return {g.B, g.Sq, g.Dv};
+    case Layout::bshd:
+    case Layout::packed_qkv: return {g.B, g.Sq, g.H * g.Dv};
+    default: return {g.Sq, g.B, g.H * g.Dv};
+  }
+}
+
+void bind_views(const Params& p, Geom* g, const std::vector<float*>& d, float* out) {
+  g->o.p = out;
+  switch (p.layout) {
+    case Layout::plain:
+    case Layout::bshd:
+      g->q.p = d[0]; g->k.p = d[1]; g->v.p = d[2];
+      break;
+    case Layout::packed_qkv:
+      g->q.p = d[0]; g->k.p = d[0] + g->H * g->D; g->v.p = d[0] + 2 * g->H * g->D;
+      break;
+    case Layout::interleaved:
+      g->q.p = d[0]; g->k.p = d[0] + g->D; g->v.p = d[0] + 2 * g->D;
+      break;
+    case Layout::interleaved_encdec:
+      g->q.p = d[0]; g->k.p = d[1]; g->v.p = d[1] + g->D;
+      break;
+  }
+}
+
+void check_mask_shape(const Params& p, const Geom& g, const std::vector<int64_t>& ms) {
+  const int64_t N = g.B * g.H;
+  if (p.mask == MaskKind::valid_length) {
+    const int64_t n = numel(ms);
+    if (ms.size() != 1 || (n != N && n != g.B))
+      throw OpError("valid_length mask must have shape (" + std::to_string(N) + ",) (one per "
+                    "batch*head) or (" + std::to_string(g.B) + ",) (one per batch), got " +
+                    shape_str(ms));
+    return;
+  }
+  std::vector<int64_t> tgt = ms.size() == 4 ? std::vector<int64_t>{g.B, g.H, g.Sq, g.Sk}
+                                            : std::vector<int64_t>{N, g.Sq, g.Sk};
+  bool ok = ms.size() >= 1 && ms.size() <= 4;
+  for (size_t i = 0; ok && i < ms.size(); ++i) {
+    const int64_t d = ms[ms.size() - 1 - i], t = tgt[tgt.size() - 1 - i];
+    ok = d == 1 || d == t;
+  }
+  if (!ok)
+    throw OpError("mask of shape " + shape_str(ms) + " does not broadcast to " +
+                  shape_str(std::vector<int64_t>{N, g.Sq, g.Sk}) + " (batch*heads,Sq,Sk) or " +
+                  shape_str(std::vector<int64_t>{g.B, g.H, g.Sq, g.Sk}) + " (B,H,Sq,Sk)");
+}
+
+MaskView mask_view(const Params& p, const Geom& g, const MXTensor* mask) {
+  MaskView m;
+  m.kind = p.mask;
+  if (p.mask == MaskKind::none) return m;
+  check_mask_shape(p, g, mask->shape);
+  const auto& ms = mask->shape;
+  if (p.mask == MaskKind::valid_length) {
+    const int64_t n = numel(ms), N = g.B * g.H;
+    m.lengths.resize(N);
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t src = n == N ? i : i / g.H;
+      switch (mask->dtype) {
+        case mxnet::ext::kFloat32: m.lengths[i] = (int64_t)static_cast<const float*>(mask->data_ptr)[src]; break;
+        case mxnet::ext::kFloat64: m.lengths[i] = (int64_t)static_cast<const double*>(mask->data_ptr)[src]; break;
+        case mxnet::ext::kInt32: m.lengths[i] = static_cast<const int32_t*>(mask->data_ptr)[src]; break;
+        case mxnet::ext::kInt64: m.lengths[i] = static_cast<const int64_t*>(mask->data_ptr)[src]; break;
+        case mxnet::ext::kUint8: m.lengths[i] = static_cast<const uint8_t*>(mask->data_ptr)[src]; break;
+        default: throw OpError("valid_length must be float32/float64/int32/int64/uint8");
+      }
+    }
+    return m;
+  }
+  require_f32(*mask, "mask");
+  m.p = static_cast<const float*>(mask->data_ptr);
+  // contiguous strides of the mask, zeroed where it broadcasts
+  const size_t r = ms.size();
+  std::vector<int64_t> st(r);
+  int64_t acc = 1;
+  for (size_t i = r; i-- > 0;) { st[i] = ms[i] == 1 ? 0 : acc; acc *= ms[i]; }
+  auto dim_stride = [&](size_t from_end) -> int64_t {
+    return from_end < r ? st[r - 1 - from_end] : 0;
+  };
+  m.sk = dim_stride(0);
+  m.sq = dim_stride(1);
+  if (r == 4) {
+    m.sh = dim_stride(2);
+    m.sb = dim_stride(3);
+  } else {  // leading dim indexes batch*heads: n = b*H + h
+    const int64_t sn = dim_stride(2);
+    m.sb = sn * g.H;
+    m.sh = sn;
+  }
+  return m;
+}
+
+}  // namespace attn
+}  // namespace mxf
+
+using namespace mxf;
+using namespace mxf::attn;
+
+namespace {
+
+std::vector<std::vector<int64_t>> to64(const std::vector<Shape>& s, size_t n) {
+  std::vector<std::vector<int64_t>> r;
+  for (size_t i = 0; i < n; ++i) r.emplace_back(s[i].begin(), s[i].end());
+  return r;
+}
+
+MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
+  return guarded("fused_attention", [&] {
+    Params p = parse(a);
+    *nin = num_data_inputs(p.layout) + (p.mask == MaskKind::none ? 0 : 1);
+    *nout = 1;
+  });
+}
+
+MXReturnValue infer_type(const Attrs& a, std::vector<int>* in, std::vector<int>* out) {
+  return guarded("fused_attention", [&] {
+    Params p = parse(a);
+    const int nd = num_data_inputs(p.layout);
+    for (int i = 0; i < nd; ++i)
+      if ((*in)[i] != mxnet::ext::kFloat32)
+        throw OpError("input " + std::to_string(i) + " must be float32");
+    if (p.mask == MaskKind::additive || p.mask == MaskKind::boolean)
+      if ((*in)[nd] != mxnet::ext::kFloat32)
+        throw OpError("additive/boolean mask must be float32 (0/1 values for boolean)");
+    (*out)[0] = mxnet::ext::kFloat32;
+  });
+}
+
+MXReturnValue infer_shape(const Attrs& a, std::vector<Shape>* in, std::vector<Shape>* out) {
+  return guarded("fused_attention", [&] {
+    Params p = parse(a);
+    const int nd = num_data_inputs(p.layout);
+    auto s = to64(*in, in->size());
+    Geom g = geometry(p, s);
+    if (p.mask != MaskKind::none) check_mask_shape(p, g, s[nd]);
+    auto o = out_shape(p, g, s);
+    (*out)[0] = Shape(o.begin(), o.end());
+  });
+}
+
+std::vector<float*> data_ptrs(std::vector<MXTensor>& t, int nd) {
+  std::vector<float*> d;
+  for (int i = 0; i < nd; ++i) {
+    require_f32(t[i], "attention input");
+    d.push_back(t[i].data<float>());
+  }
+  return d;
+}
+
+MXReturnValue forward_cpu(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
+                          const OpResource&) {
+  return guarded("fused_attention", [&] {
+    Params p = parse(a);
+    const int nd = num_data_inputs(p.layout);
+    std::vector<std::vector<int64_t>> s;
+    for (int i = 0; i < nd; ++i) s.push_back((*in)[i].shape);
+    Geom g = geometry(p, s);
+    bind_views(p, &g, data_ptrs(*in, nd), (*out)[0].data<float>());
+    MaskView m = mask_view(p, g, p.mask == MaskKind::none ? nullptr : &(*in)[nd]);
+    forward(p, g, m);
+  });
+}
+
+// Backward inputs: [d_out, <forward inputs>, out]; outputs: grads of forward inputs.
+MXReturnValue backward_cpu(const Attrs& a, std::vector<MXTensor>* in,
+                           std::vector<MXTensor>* out, const OpResource&) {
+  return guarded("fused_attention backward", [&] {
+    Params p = parse(a);
+    const int nd = num_data_inputs(p.layout);
+    const bool has_mask = p.mask != MaskKind::none;
+    std::vector<std::vector<int64_t>> s;
+    for (int i = 0; i < nd; ++i) s.push_back((*in)[1 + i].shape);
+    Geom g = geometry(p, s);
+    std::vector<float*> d;
+    for (int i = 0; i < nd; ++i) d.push_back((*in)[1 + i].data<float>());
+    const int out_idx = 1 + nd + (has_mask ? 1 : 0);
+    bind_views(p, &g, d, (*in)[out_idx].data<float>());
+    MaskView m = mask_view(p, g, has_mask ? &(*in)[1 + nd] : nullptr);
+    for (auto& t : *out) std::memset(t.data_ptr, 0, t.size() * (t.dtype == mxnet::ext::kFloat64 ||
+                                                         t.dtype == mxnet::ext::kInt64 ? 8
+                                                         : t.dtype == mxnet::ext::kUint8 ||
+                                                         t.dtype == mxnet::ext::kInt8 ? 1 : 4));
+    View dout = g.o;
+    dout.p = (*in)[0].data<float>();
+    std::vector<float*> gd;
+    for (int i = 0; i < nd; ++i) gd.push_back((*out)[i].data<float>());
+    Geom gg = g;
+    bind_views(p, &gg, gd, nullptr);
+    backward(p, g, m, dout, gg.q, gg.k, gg.v);
+  });
+}
+
+}  // namespace
+
+REGISTER_OP(fused_attention)
+    .setParseAttrs(parse_attrs)
+    .setInferType(infer_type)
+    .setInferShape(infer_shape)
+    .setForward(forward_cpu, "cpu")
+    .setBackward(backward_cpu, "cpu");

@@ -1,0 +1,204 @@
+"""Build and load the fused-operator library (``fusion/_lib/libmxfusion_ops.so``).
+
+The CPU library is compiled from ``cuda_kernels/*/*.cc`` plus MXNet's ``lib_api.cc``
+and loaded with ``mx.library.load``; it registers the ``fused_*`` operators.  When
+``nvcc`` is found, ``build()`` also compiles ``cuda_kernels/*/*.cu`` into
+``fusion/_lib/libmxfusion_cuda.so``: a plain C interface (device pointers +
+``cudaStream_t``) with the CUDA runtime linked statically.
+
+A hash of the sources and flags is stored beside each library; ``load()`` refuses a
+library built from other sources, naming the rebuild command ``python -m fusion.build``.
+"""
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_REPO_DIR = os.path.dirname(_PKG_DIR)
+KERNEL_DIR = os.path.join(_REPO_DIR, "cuda_kernels")
+LIB_DIR = os.path.join(_PKG_DIR, "_lib")
+CPU_LIB = "libmxfusion_ops.so"
+CUDA_LIB = "libmxfusion_cuda.so"
+REBUILD = "python -m fusion.build"
+
+CXXFLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-march=x86-64-v3", "-mtune=generic",
+            "-fno-math-errno", "-DNDEBUG", "-Wall", "-Wno-unused-function"]
+NVCCFLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-cudart", "static",
+             "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
+
+_loaded = None
+
+
+def _mxnet_dir():
+    import importlib.util
+    spec = importlib.util.find_spec("mxnet")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("mxnet is not installed; it is needed to build the fused ops")
+    return os.path.dirname(spec.origin)
+
+
+def library_path(cuda=False, lib_dir=None):
+    """Absolute path of the CPU (or CUDA) library."""
+    return os.path.join(lib_dir or LIB_DIR, CUDA_LIB if cuda else CPU_LIB)
+
+
+def _sources(cuda):
+    pats = ["*/*.cu"] if cuda else ["*/*.cc"]
+    srcs = sorted(f for p in pats for f in glob.glob(os.path.join(KERNEL_DIR, p)))
+    deps = sorted(glob.glob(os.path.join(KERNEL_DIR, "*", "*.h")))
+    if cuda:  # the CUDA library reuses the expression parser
+        srcs.append(os.path.join(KERNEL_DIR, "fused_elemwise", "expr_program.cpp"))
+    return srcs, deps
+
+
+def source_hash(cuda=False):
+    """Hash of every kernel source, header and compile flag for one library."""
+    srcs, deps = _sources(cuda)
+    h = hashlib.sha256()
+    h.update(" ".join(NVCCFLAGS if cuda else CXXFLAGS).encode())
+    for f in srcs + deps:
+        h.update(os.path.relpath(f, KERNEL_DIR).encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()
+
+
+def _hash_file(lib):
+    return lib + ".sha256"
+
+
+def _is_current(lib, cuda):
+    if not os.path.exists(lib) or not os.path.exists(_hash_file(lib)):
+        return False
+    if not os.path.isdir(KERNEL_DIR):  # installed package: no sources to compare with
+        return True
+    with open(_hash_file(lib)) as fh:
+        return fh.read().strip() == source_hash(cuda)
+
+
+def _run(cmd, verbose):
+    if verbose:
+        print(" ".join(cmd), flush=True)
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if r.returncode != 0:
+        raise RuntimeError("build failed:\n%s\n%s" % (" ".join(cmd), r.stdout))
+    if verbose and r.stdout:
+        print(r.stdout)
+
+
+def nvcc_path():
+    return shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and
+                                    "/usr/local/cuda/bin/nvcc") or None
+
+
+def _build_one(cuda, lib_dir, verbose, jobs):
+    lib = library_path(cuda, lib_dir)
+    if _is_current(lib, cuda):
+        return lib
+    os.makedirs(lib_dir, exist_ok=True)
+    mxdir = _mxnet_dir()
+    inc = ["-I" + os.path.join(mxdir, "include"), "-I" + KERNEL_DIR,
+           "-I" + os.path.join(KERNEL_DIR, "common")]
+    srcs, _ = _sources(cuda)
+    tag = "cuda" if cuda else "cpu"
+    objdir = os.path.join(_REPO_DIR, "build", "mxfusion_" + tag)
+    os.makedirs(objdir, exist_ok=True)
+    if cuda:
+        nvcc = nvcc_path()
+        cmds, objs = [], []
+        for s in srcs:
+            o = os.path.join(objdir, os.path.basename(os.path.dirname(s)) + "_" +
+                             os.path.basename(s) + ".o")
+            cmds.append([nvcc] + NVCCFLAGS + inc + ["-x", "cu" if s.endswith(".cu") else "c++",
+                                                     "-c", s, "-o", o])
+            objs.append(o)
+        link = [nvcc] + NVCCFLAGS + ["-shared", "-o", lib + ".tmp"] + objs
+    else:
+        srcs = srcs + [os.path.join(mxdir, "src", "lib_api.cc")]
+        cmds, objs = [], []
+        for s in srcs:
+            o = os.path.join(objdir, os.path.basename(os.path.dirname(s)) + "_" +
+                             os.path.basename(s) + ".o")
+            cmds.append(["g++"] + CXXFLAGS + inc + ["-c", s, "-o", o])
+            objs.append(o)
+        link = ["g++", "-shared", "-fopenmp", "-o", lib + ".tmp"] + objs + ["-ldl"]
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as ex:
+        list(ex.map(lambda c: _run(c, verbose), cmds))
+    _run(link, verbose)
+    os.replace(lib + ".tmp", lib)
+    with open(_hash_file(lib), "w") as fh:
+        fh.write(source_hash(cuda) + "\n")
+    return lib
+
+
+def build(verbose=False, cuda=None, lib_dir=None, jobs=None):
+    """Compile the CPU library (and the CUDA one when nvcc exists, or cuda=True).
+
+    Skips a library whose stored source hash is current.  Returns the paths built.
+    """
+    lib_dir = lib_dir or LIB_DIR
+    jobs = jobs or int(os.environ.get("MXFUSION_BUILD_JOBS", "2"))
+    out = [_build_one(False, lib_dir, verbose, jobs)]
+    if cuda is None:
+        cuda = nvcc_path() is not None and os.environ.get("MXFUSION_NO_CUDA", "") != "1"
+    if cuda:
+        out.append(_build_one(True, lib_dir, verbose, jobs))
+    return out
+
+
+def dnnl_library():
+    """Path of libdnnl.so.3 from the onednn-cpu-gomp wheel, or None."""
+    env = os.environ.get("MXFUSION_DNNL_LIB")
+    if env and os.path.exists(env):
+        return env
+    roots = [sys.prefix, sys.base_prefix, sysconfig.get_paths()["data"],
+             os.path.join(os.path.dirname(sysconfig.get_paths()["purelib"]), "..", "..")]
+    for r in roots:
+        for name in ("libdnnl.so.3", "libdnnl.so"):
+            p = os.path.abspath(os.path.join(r, "lib", name))
+            if os.path.exists(p):
+                return p
+    return None
+
+
+def load():
+    """Load the CPU library into MXNet (idempotent).  Returns its path.
+
+    Raises RuntimeError when the library is missing, stale, or oneDNN is absent.
+    """
+    global _loaded
+    if _loaded:
+        return _loaded
+    lib = library_path()
+    if not os.path.exists(lib):
+        raise RuntimeError("mxnet-fusion operator library %s is missing; build it with `%s`"
+                           % (lib, REBUILD))
+    if not _is_current(lib, False):
+        raise RuntimeError("mxnet-fusion operator library %s is stale (sources changed); "
+                           "rebuild it with `%s`" % (lib, REBUILD))
+    dnnl = dnnl_library()
+    if dnnl is None:
+        raise RuntimeError("oneDNN (libdnnl.so.3) not found: `pip install "
+                           "onednn-cpu-gomp==2023.2.0` or set MXFUSION_DNNL_LIB")
+    os.environ["MXFUSION_DNNL_LIB"] = dnnl
+    import mxnet as mx
+    mx.library.load(os.path.abspath(lib), verbose=False)
+    _loaded = lib
+    return lib
+
+
+def load_cuda():
+    """ctypes handle on the CUDA C-interface library (for tests/benchmarks)."""
+    import ctypes
+    lib = library_path(cuda=True)
+    if not os.path.exists(lib):
+        raise RuntimeError("CUDA library %s is missing; build it with `%s` on a machine "
+                           "with nvcc" % (lib, REBUILD))
+    if not _is_current(lib, True):
+        raise RuntimeError("CUDA library %s is stale; rebuild it with `%s`" % (lib, REBUILD))
+    return ctypes.CDLL(lib)

@@ -1,0 +1,97 @@
+"""``fuse()``: the public entry point of the engine."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence
+
+from .errors import FusionError
+from .graph import Graph
+from .report import FusionReport
+from .rewrite import Context, run_rules
+
+MODES = ("inference", "training")
+
+
+@dataclass
+class FusionResult:
+    """The fused model: ``symbol`` with its ``arg_params``/``aux_params``, and the ``report``."""
+
+    symbol: Any
+    arg_params: Dict[str, Any]
+    aux_params: Dict[str, Any]
+    report: FusionReport
+    graph: Graph
+
+    def __iter__(self):  # sym, args, aux = fuse(...)
+        return iter((self.symbol, self.arg_params, self.aux_params))
+
+
+def _as_graph(symbol: Any) -> Graph:
+    if isinstance(symbol, Graph):
+        return symbol.copy()
+    if isinstance(symbol, (str, bytes, dict)):
+        return Graph.from_json(symbol)
+    if hasattr(symbol, "tojson"):
+        return Graph.from_symbol(symbol)
+    raise TypeError("fuse() takes an mx.sym.Symbol, Symbol JSON text or a Graph, not %s" % type(symbol).__name__)
+
+
+def resolve_rules(rules: Optional[Iterable[Any]]) -> list:
+    """Rule objects from ``rules``: None (the default set), rule objects, or rule/family names."""
+    from patterns import default_rules, rules_by_name   # the rule library; fusion/ never imports it at load
+
+    if rules is None:
+        return default_rules()
+    out, known = [], rules_by_name()
+    for r in rules:
+        if isinstance(r, str):
+            if r not in known:
+                raise FusionError("unknown rule %r (known: %s)" % (r, ", ".join(sorted(known))))
+            out.extend(known[r])
+        else:
+            out.append(r)
+    return out
+
+
+def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
+         aux_params: Optional[Mapping[str, Any]] = None, *, rules: Optional[Iterable[Any]] = None,
+         mode: str = "inference") -> FusionResult:
+    """Fuse ``symbol`` with ``rules`` (default: the whole rule library) and return a FusionResult.
+
+    ``arg_params``/``aux_params`` map names to NDArrays (or NumPy arrays); they
+    enable parameter transforms such as BatchNorm folding.  Neither the symbol
+    nor the arrays passed in are modified: folded parameters get new names and
+    new arrays.  ``mode="training"`` applies only rewrites valid in training.
+    """
+    if mode not in MODES:
+        raise ValueError("mode must be one of %s, not %r" % (", ".join(MODES), mode))
+    start = time.perf_counter()
+    graph = _as_graph(symbol)
+    rule_list = resolve_rules(rules)
+    report = FusionReport(mode=mode)
+    graph.compact()
+    report.nodes_before, report.ops_before = len(graph.nodes), len(graph.op_nodes())
+    ctx = Context(graph, arg_params or {}, aux_params or {}, mode)
+    run_rules(graph, rule_list, ctx, report)
+    report.nodes_after, report.ops_after = len(graph.nodes), len(graph.op_nodes())
+    arg_out, aux_out = _collect_params(graph, ctx)
+    report.params_removed = (len(ctx.arg_params) + len(ctx.aux_params)) - sum(
+        1 for n in list(arg_out) + list(aux_out) if n in ctx.arg_params or n in ctx.aux_params)
+    sym = graph.to_symbol()
+    report.seconds = time.perf_counter() - start
+    return FusionResult(sym, arg_out, aux_out, report, graph)
+
+
+def _collect_params(graph: Graph, ctx: Context):
+    """Parameters the fused graph still uses: the caller's arrays as given, plus the new ones."""
+    import mxnet as mx
+
+    used = {nd.name for nd in graph.variables()}
+    arg_out = {k: v for k, v in ctx.arg_params.items() if k in used}
+    aux_out = {k: v for k, v in ctx.aux_params.items() if k in used}
+    for store, out in ((ctx.new_args, arg_out), (ctx.new_aux, aux_out)):
+        for k, v in store.items():
+            if k in used:
+                out[k] = mx.nd.array(v, dtype=v.dtype)
+    return arg_out, aux_out

@@ -1,0 +1,62 @@
+"""Latency measurement of bound models: interleaved runs, medians.
+
+Machines are shared and noisy, so every system is timed in the same process,
+round-robin (one forward of each per round), and the median per system is
+reported.  ``MXNET_SUBGRAPH_BACKEND`` is read by MXNet at bind time, so an
+executor bound with ``subgraph=False`` runs without the oneDNN fusion
+backend while others in the same process keep it.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Mapping
+
+from .verify import bind
+
+
+@contextmanager
+def subgraph_backend(enabled: bool):
+    """Bind inside this block with MXNet's default subgraph backend on (enabled) or off."""
+    key = "MXNET_SUBGRAPH_BACKEND"
+    old = os.environ.get(key)
+    if enabled:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = "NONE"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
+def executor(symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any], inputs: Mapping[str, Any],
+             subgraph: bool = True) -> Callable[[], None]:
+    """A zero-argument function running one inference forward of the bound model to completion."""
+    with subgraph_backend(subgraph):
+        exe = bind(symbol, arg, aux, inputs)
+
+    def step() -> None:
+        for out in exe.forward(is_train=False):
+            out.wait_to_read()
+
+    return step
+
+
+def time_interleaved(systems: Mapping[str, Callable[[], None]], repeats: int = 30, warmup: int = 3) -> Dict[str, float]:
+    """Median seconds per call of each system, timed round-robin."""
+    for _ in range(warmup):
+        for step in systems.values():
+            step()
+    samples: Dict[str, list] = {name: [] for name in systems}
+    for _ in range(repeats):
+        for name, step in systems.items():
+            t = time.perf_counter()
+            step()
+            samples[name].append(time.perf_counter() - t)
+    return {name: statistics.median(v) for name, v in samples.items()}

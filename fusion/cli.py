@@ -1,0 +1,135 @@
+"""``mxfuse``: fuse an exported MXNet model on disk.
+
+    mxfuse MODEL-symbol.json [--params MODEL-0000.params] -o OUT_PREFIX
+           [--shape data=1,3,224,224 ...] [--verify] [--benchmark] [--explain] [--report report.json]
+
+Writes ``OUT_PREFIX-symbol.json`` and ``OUT_PREFIX-0000.params`` (``-o DIR/``
+keeps the model's name).  Exit status: 0 done, 1 verification failed (nothing
+written), 2 bad input or usage (one line on stderr, nothing written).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+from . import _env
+
+_env.configure_threads()
+
+from .api import fuse  # noqa: E402
+from .errors import FusionError  # noqa: E402
+from .modelio import (output_paths, parse_shape, read_graph, read_params, validate_params,  # noqa: E402
+                      write_model, write_text_atomic)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:   # one line, like every other error of mxfuse
+        self.exit(2, "mxfuse: error: %s (see mxfuse --help)\n" % message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="mxfuse", description="Fuse operators of an exported MXNet model (Symbol JSON + params).")
+    p.add_argument("model", help="MODEL-symbol.json")
+    p.add_argument("--params", help="MODEL-0000.params (needed for parameter transforms such as BatchNorm folding)")
+    p.add_argument("-o", "--output", required=True, help="output prefix: writes OUT-symbol.json and OUT-0000.params; "
+                   "a folder (ending in /) keeps the model's name")
+    p.add_argument("--shape", action="append", default=[], metavar="NAME=D1,D2,...",
+                   help="input shape, e.g. data=1,3,224,224 (repeatable; needed by --verify and --benchmark)")
+    p.add_argument("--rules", help="comma-separated rule or family names (default: all)")
+    p.add_argument("--mode", choices=("inference", "training"), default="inference")
+    p.add_argument("--verify", action="store_true", help="compare outputs on random inputs; refuse to write on mismatch")
+    p.add_argument("--rtol", type=float, default=1e-4, help="tolerance of --verify: max|Δ|/max|orig| (default 1e-4)")
+    p.add_argument("--benchmark", action="store_true", help="time the original and the fused model (medians)")
+    p.add_argument("--repeats", type=int, default=20, help="timed rounds of --benchmark (default 20)")
+    p.add_argument("--explain", action="store_true", help="also list near-misses: partial matches and why they failed")
+    p.add_argument("--report", metavar="FILE.json", help="write the report as JSON")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except FusionError as e:
+        print("mxfuse: error: %s" % e, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mxfuse: interrupted; nothing written", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    import mxnet as mx
+
+    shapes = dict(parse_shape(s) for s in args.shape)
+    if (args.verify or args.benchmark) and not shapes:
+        raise FusionError("--verify and --benchmark need the input shapes: add --shape NAME=D1,D2,...")
+    graph = read_graph(args.model)
+    symbol = graph.to_symbol()
+    arg, aux = read_params(args.params) if args.params else ({}, {})
+    validate_params(graph, symbol, arg, aux)
+    unknown_inputs = [n for n in shapes if n not in symbol.list_arguments()]
+    if unknown_inputs:
+        raise FusionError("--shape names %s, which is not an input of the graph (inputs: %s)"
+                          % (", ".join(unknown_inputs), ", ".join(n for n in symbol.list_arguments() if n not in arg)))
+    given = [n for n in shapes if n in arg]
+    if given:
+        raise FusionError("--shape names %s, which is a parameter in the params file, not an input" % ", ".join(given))
+    paths = output_paths(args.output, args.model)
+    protect = [args.model, args.params]
+    for p in paths:
+        if os.path.realpath(p) in {os.path.realpath(x) for x in protect if x}:
+            raise FusionError("refusing to write '%s' over an input file; choose another -o" % p)
+
+    rules = [r.strip() for r in args.rules.split(",") if r.strip()] if args.rules else None
+    result = fuse(symbol, arg, aux, rules=rules, mode=args.mode)
+    report = result.report
+    status = 0
+    if args.verify:
+        from .verify import verify
+        v = verify((symbol, arg, aux), result, input_shapes=shapes)
+        report.extra["verify"] = {"max_abs": v.max_abs, "max_rel": v.max_rel, "rtol": args.rtol, "ok": v.ok(args.rtol)}
+        if not v.ok(args.rtol):
+            status = 1
+    if args.benchmark and status == 0:
+        report.extra["benchmark"] = _benchmark(symbol, arg, aux, result, shapes, args.repeats)
+    if not args.quiet:
+        print(report.to_text(explain=args.explain))
+    if status:
+        print("mxfuse: error: fused outputs differ from the original (max rel error %.3g > %.3g); nothing written"
+              % (report.extra["verify"]["max_rel"], args.rtol), file=sys.stderr)
+        return status
+    write_model(paths, result.symbol, result.arg_params, result.aux_params, protect=protect)
+    if args.report:
+        write_text_atomic(args.report, report.to_json(), protect=protect)
+    if not args.quiet:
+        print("wrote %s and %s" % paths)
+    return 0
+
+
+def _benchmark(symbol, arg, aux, result, shapes, repeats: int) -> dict:
+    from .bench import executor, time_interleaved
+    from .verify import random_inputs
+
+    inputs = random_inputs(symbol, arg, shapes)
+    fused_inputs = {k: v for k, v in inputs.items() if k in set(result.symbol.list_arguments())}
+    t = time_interleaved({
+        "original": executor(symbol, arg, aux, inputs),
+        "fused": executor(result.symbol, result.arg_params, result.aux_params, fused_inputs),
+        "original_no_subgraph": executor(symbol, arg, aux, inputs, subgraph=False),
+        "fused_no_subgraph": executor(result.symbol, result.arg_params, result.aux_params, fused_inputs, subgraph=False),
+    }, repeats=repeats)
+    ms = {k: round(v * 1e3, 3) for k, v in t.items()}
+    return {
+        "median_ms": ms,
+        "speedup_vs_mxnet_default": round(t["original"] / t["fused"], 3),
+        "speedup_vs_subgraph_off": round(t["original_no_subgraph"] / t["fused"], 3),
+        "speedup_both_subgraph_off": round(t["original_no_subgraph"] / t["fused_no_subgraph"], 3),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

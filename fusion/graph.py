@@ -1,0 +1,277 @@
+"""Lossless graph IR over MXNet Symbol JSON.
+
+A :class:`Graph` is the Symbol JSON (``nodes``, ``arg_nodes``, ``node_row_ptr``,
+``heads``, graph ``attrs``) with its integer references resolved into objects:
+a :class:`Node` holds its inputs as :class:`Entry` values ``(node, output
+index, version)``.  Keys of a node that the engine does not interpret (e.g.
+``subgraphs`` of control-flow ops, ``control_deps``) are carried along
+verbatim.  Attributes are :class:`~fusion.attrs.Attrs`: typed on read,
+written back in MXNet's spelling, unchanged strings kept as they were.
+
+Nodes are kept in topological order (the order of the JSON).  A rewrite
+places the nodes it creates just before the node it replaces, so the order
+stays topological without re-sorting; :meth:`Graph.compact` then drops what
+no head reaches and renumbers.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
+
+import networkx as nx
+
+from . import opdefs
+from .attrs import Attrs
+from .errors import GraphError
+
+_NODE_KEYS = ("op", "name", "attrs", "attr", "param", "inputs")
+
+
+class Node:
+    """One operator (or, with ``op == "null"``, one variable) of the graph."""
+
+    __slots__ = ("op", "name", "attrs", "inputs", "extra", "num_outputs", "pos", "dead")
+
+    def __init__(self, op: str, name: str, attrs: Optional[Attrs] = None,
+                 inputs: Optional[List["Entry"]] = None, extra: Optional[Dict[str, Any]] = None,
+                 num_outputs: int = 1, pos: float = 0.0):
+        self.op = op
+        self.name = name
+        self.attrs = attrs if attrs is not None else Attrs()
+        self.inputs: List[Entry] = list(inputs or [])
+        self.extra = extra or {}
+        self.num_outputs = num_outputs
+        self.pos = pos
+        self.dead = False
+
+    @property
+    def is_variable(self) -> bool:
+        return self.op == "null"
+
+    def param(self, key: str, default: Any = ...) -> Any:
+        """Attribute ``key`` as a typed value, falling back to MXNet's default for this op."""
+        if key in self.attrs:
+            return self.attrs[key]
+        try:
+            return opdefs.default(self.op, key)
+        except KeyError:
+            if default is ...:
+                raise KeyError("%s '%s' has no attribute %r and no known default" % (self.op, self.name, key))
+            return default
+
+    def __repr__(self) -> str:
+        return "<%s '%s'>" % (self.op, self.name)
+
+
+class Entry(NamedTuple):
+    """Output ``index`` of ``node`` (``version`` is MXNet's variable version, normally 0)."""
+
+    node: Node
+    index: int = 0
+    version: int = 0
+
+    def __repr__(self) -> str:
+        return "%s[%d]" % (self.node.name, self.index) if self.index else repr(self.node.name)
+
+
+class Graph:
+    """An MXNet symbolic graph, loaded losslessly from Symbol JSON."""
+
+    def __init__(self, nodes: List[Node], heads: List[Entry], attrs: Optional[Dict[str, Any]] = None):
+        self.nodes = nodes
+        self.heads = heads
+        self.attrs = attrs if attrs is not None else {"mxnet_version": ["int", 10901]}
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_json(cls, data: Any) -> "Graph":
+        """Load Symbol JSON (a string, bytes or an already parsed dict); raise GraphError when malformed."""
+        if isinstance(data, (bytes, bytearray)):
+            try:
+                data = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise GraphError("symbol file is not UTF-8 text: %s" % e) from None
+        if isinstance(data, str):
+            if not data.strip():
+                raise GraphError("symbol JSON is empty")
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as e:
+                raise GraphError("symbol file is not valid JSON (%s at line %d column %d)"
+                                 % (e.msg, e.lineno, e.colno)) from None
+        if not isinstance(data, dict) or "nodes" not in data or "heads" not in data:
+            raise GraphError("not an MXNet Symbol JSON: expected an object with 'nodes' and 'heads'")
+        jnodes, jheads = data["nodes"], data["heads"]
+        if not isinstance(jnodes, list) or not isinstance(jheads, list):
+            raise GraphError("'nodes' and 'heads' must be lists")
+        n = len(jnodes)
+        row_ptr = data.get("node_row_ptr")
+        counts = None
+        if isinstance(row_ptr, list) and len(row_ptr) == n + 1:
+            counts = [row_ptr[i + 1] - row_ptr[i] for i in range(n)]
+        nodes: List[Node] = []
+        for i, jn in enumerate(jnodes):
+            if not isinstance(jn, dict) or not isinstance(jn.get("op"), str) or not isinstance(jn.get("name"), str):
+                raise GraphError("node %d is malformed: needs string 'op' and 'name'" % i)
+            raw_attrs = jn.get("attrs", jn.get("attr", jn.get("param", {}))) or {}
+            if not isinstance(raw_attrs, dict):
+                raise GraphError("node %d ('%s') has attributes that are not an object" % (i, jn["name"]))
+            extra = {k: v for k, v in jn.items() if k not in _NODE_KEYS}
+            nout = counts[i] if counts and counts[i] > 0 else 1
+            nodes.append(Node(jn["op"], jn["name"], Attrs({k: str(v) for k, v in raw_attrs.items()}),
+                              extra=extra, num_outputs=nout, pos=float(i)))
+        for i, jn in enumerate(jnodes):
+            ins = jn.get("inputs", [])
+            if not isinstance(ins, list):
+                raise GraphError("node %d ('%s') has 'inputs' that is not a list" % (i, jn["name"]))
+            nodes[i].inputs = [cls._entry(nodes, e, "node %d ('%s') input %d" % (i, jn["name"], k))
+                               for k, e in enumerate(ins)]
+        heads = [cls._entry(nodes, e, "head %d" % k) for k, e in enumerate(jheads)]
+        if not heads:
+            raise GraphError("the graph has no heads (outputs)")
+        graph = cls(nodes, heads, data.get("attrs", {"mxnet_version": ["int", 10901]}))
+        graph._check_acyclic()
+        return graph
+
+    @staticmethod
+    def _entry(nodes: List[Node], e: Any, where: str) -> Entry:
+        if not isinstance(e, list) or not 2 <= len(e) <= 3 or not all(isinstance(v, int) for v in e):
+            raise GraphError("%s is malformed: expected [node_id, output_index(, version)], got %r" % (where, e))
+        nid, idx = e[0], e[1]
+        if not 0 <= nid < len(nodes):
+            raise GraphError("%s points to node %d, past the node list (%d nodes)" % (where, nid, len(nodes)))
+        node = nodes[nid]
+        if idx < 0 or (node.num_outputs > 1 and idx >= node.num_outputs):
+            raise GraphError("%s uses output %d of '%s', which has %d outputs"
+                             % (where, idx, node.name, node.num_outputs))
+        if node.num_outputs == 1 and idx > 0:
+            node.num_outputs = idx + 1  # node_row_ptr absent: learn the count from its uses
+        return Entry(node, idx, e[2] if len(e) == 3 else 0)
+
+    def _check_acyclic(self) -> None:
+        g = self.to_networkx()
+        if not nx.is_directed_acyclic_graph(g):
+            cycle = nx.find_cycle(g)
+            names = " -> ".join(self.nodes[u].name for u, _ in cycle)
+            raise GraphError("the graph has a cycle: %s" % names)
+        for i, node in enumerate(self.nodes):
+            for e in node.inputs:
+                if e.node.pos >= node.pos:
+                    # Valid DAG but not in topological order: re-sort once, keeping the original order otherwise.
+                    order = list(nx.lexicographical_topological_sort(g, key=lambda k: k))
+                    self.nodes = [self.nodes[k] for k in order]
+                    for p, nd in enumerate(self.nodes):
+                        nd.pos = float(p)
+                    return
+
+    @classmethod
+    def from_symbol(cls, symbol: Any) -> "Graph":
+        return cls.from_json(symbol.tojson())
+
+    # ------------------------------------------------------------------ saving
+    def to_json(self) -> Dict[str, Any]:
+        """The graph as a Symbol JSON dict (nodes reachable from the heads, in topological order)."""
+        self.compact()
+        index = {id(nd): i for i, nd in enumerate(self.nodes)}
+        jnodes, row_ptr = [], [0]
+        for nd in self.nodes:
+            jn: Dict[str, Any] = {"op": nd.op, "name": nd.name}
+            if len(nd.attrs):
+                jn["attrs"] = nd.attrs.to_json()
+            jn["inputs"] = [[index[id(e.node)], e.index, e.version] for e in nd.inputs]
+            jn.update(nd.extra)
+            jnodes.append(jn)
+            row_ptr.append(row_ptr[-1] + nd.num_outputs)
+        return {
+            "nodes": jnodes,
+            "arg_nodes": [i for i, nd in enumerate(self.nodes) if nd.is_variable],
+            "node_row_ptr": row_ptr,
+            "heads": [[index[id(e.node)], e.index, e.version] for e in self.heads],
+            "attrs": self.attrs,
+        }
+
+    def to_json_str(self) -> str:
+        return json.dumps(self.to_json())
+
+    def to_symbol(self):
+        """The graph as an ``mx.sym.Symbol`` (raises GraphError when MXNet refuses it)."""
+        import mxnet as mx
+        try:
+            return mx.sym.load_json(self.to_json_str())
+        except mx.base.MXNetError as e:
+            raise GraphError("MXNet cannot load the graph: %s" % _first_line(str(e))) from None
+
+    # ------------------------------------------------------------------ queries
+    def op_nodes(self) -> List[Node]:
+        return [nd for nd in self.nodes if not nd.is_variable]
+
+    def variables(self) -> List[Node]:
+        return [nd for nd in self.nodes if nd.is_variable]
+
+    def consumers(self) -> Dict[int, List[Tuple[Node, int]]]:
+        """id(node) -> [(consumer, input slot)] over the live graph."""
+        users: Dict[int, List[Tuple[Node, int]]] = {}
+        for nd in self.nodes:
+            for slot, e in enumerate(nd.inputs):
+                users.setdefault(id(e.node), []).append((nd, slot))
+        return users
+
+    def to_networkx(self) -> nx.DiGraph:
+        """Edges producer -> consumer, nodes numbered by their position in ``self.nodes``."""
+        index = {id(nd): i for i, nd in enumerate(self.nodes)}
+        g = nx.DiGraph()
+        g.add_nodes_from(range(len(self.nodes)))
+        g.add_edges_from((index[id(e.node)], i) for i, nd in enumerate(self.nodes) for e in nd.inputs)
+        return g
+
+    def count_ops(self) -> Dict[str, int]:
+        counts: Dict[str, int] = {}
+        for nd in self.op_nodes():
+            counts[nd.op] = counts.get(nd.op, 0) + 1
+        return counts
+
+    def unknown_ops(self) -> List[str]:
+        """Ops in the graph that MXNet (with the libraries loaded now) does not know."""
+        return sorted({nd.op for nd in self.op_nodes() if not opdefs.is_registered(nd.op)})
+
+    # ------------------------------------------------------------------ editing
+    def compact(self) -> None:
+        """Drop nodes no head reaches, order by position, renumber positions 0..n-1."""
+        live = set()
+        stack = [e.node for e in self.heads]
+        while stack:
+            nd = stack.pop()
+            if id(nd) in live:
+                continue
+            live.add(id(nd))
+            stack.extend(e.node for e in nd.inputs)
+        kept = [nd for nd in self.nodes if id(nd) in live]
+        if len(kept) != len(self.nodes) or any(kept[i].pos > kept[i + 1].pos for i in range(len(kept) - 1)):
+            kept.sort(key=lambda nd: nd.pos)
+        for nd in self.nodes:
+            if id(nd) not in live:
+                nd.dead = True
+        for i, nd in enumerate(kept):
+            nd.pos = float(i)
+        self.nodes = kept
+
+    def copy(self) -> "Graph":
+        """A deep copy (new Node objects), so that rewriting never touches the caller's graph."""
+        return Graph.from_json(self.to_json())
+
+    def unique_name(self, base: str, taken: Optional[set] = None) -> str:
+        names = taken if taken is not None else {nd.name for nd in self.nodes}
+        if base not in names:
+            return base
+        k = 1
+        while "%s_%d" % (base, k) in names:
+            k += 1
+        return "%s_%d" % (base, k)
+
+
+def _first_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    for ln in lines:
+        if "Check failed" in ln or "Error" in ln:
+            return ln
+    return lines[-1] if lines else text

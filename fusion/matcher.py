@@ -1,0 +1,169 @@
+"""Structural matching of a pattern against the graph, anchored at the pattern's output.
+
+The matcher walks the pattern from its output backwards through the graph's
+inputs, trying alternatives and both orders of commutative ops with
+backtracking.  It yields every structural match; the rewriter then filters
+them (escaping interior outputs, cycles, overlaps, the rule's own check).
+When nothing matches, :class:`Trace` keeps the failure that got furthest,
+which is what ``--explain`` shows as a near-miss.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .graph import Entry, Node
+from .pattern import AnyOf, Const, OpPattern, Pattern, Var
+
+
+class _State:
+    __slots__ = ("bindings", "nodes")
+
+    def __init__(self, bindings: Dict[str, Union[Node, Entry]], nodes: Tuple[Node, ...]):
+        self.bindings = bindings
+        self.nodes = nodes
+
+    def bind(self, name: Optional[str], value: Union[Node, Entry]) -> "_State":
+        if name is None:
+            return self
+        b = dict(self.bindings)
+        b[name] = value
+        return _State(b, self.nodes)
+
+    def add(self, node: Node, name: Optional[str]) -> "_State":
+        nodes = self.nodes if any(n is node for n in self.nodes) else self.nodes + (node,)
+        st = _State(self.bindings, nodes)
+        return st.bind(name, node)
+
+
+class Trace:
+    """The deepest structural failure seen while matching at one anchor."""
+
+    __slots__ = ("depth", "reason")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.reason: Optional[str] = None
+
+    def fail(self, st: _State, reason: str) -> None:
+        if len(st.nodes) > self.depth:
+            self.depth, self.reason = len(st.nodes), reason
+
+
+def _where(parent: Optional[Node], slot: int) -> str:
+    return "the anchor" if parent is None else "input %d of %s '%s'" % (slot, parent.op, parent.name)
+
+
+def _satisfies(value: Any, constraint: Any) -> bool:
+    if callable(constraint) and not isinstance(constraint, type):
+        try:
+            return bool(constraint(value))
+        except Exception:  # a predicate that cannot judge this value does not match it
+            return False
+    return value == constraint
+
+
+def match_pattern(p: Pattern, entry: Entry, st: _State, trace: Trace,
+                  parent: Optional[Node] = None, slot: int = 0) -> Iterator[_State]:
+    """Yield every way ``p`` matches the value ``entry`` given the bindings so far."""
+    node = entry.node
+    if isinstance(p, Var):
+        if isinstance(p, Const) and not node.is_variable:
+            trace.fail(st, "%s: '%s' must be a parameter, but is computed by %s '%s'"
+                       % (_where(parent, slot), p.name, node.op, node.name))
+            return
+        bound = st.bindings.get(p.name)
+        if bound is None:
+            yield st.bind(p.name, entry)
+        elif bound == entry:
+            yield st
+        else:
+            trace.fail(st, "%s: '%s' must be the same value as %r, found %r" % (_where(parent, slot), p.name, bound, entry))
+        return
+    if isinstance(p, AnyOf):
+        for alt in p.alternatives:
+            yield from match_pattern(alt, entry, st, trace, parent, slot)
+        return
+    assert isinstance(p, OpPattern), p
+    if node.op not in p.ops:
+        found = "variable" if node.is_variable else node.op
+        trace.fail(st, "%s: expected %s, found %s '%s'" % (_where(parent, slot), p.label, found, node.name))
+        return
+    if entry.index != p.index:
+        trace.fail(st, "%s: uses output %d of '%s', expected output %d" % (_where(parent, slot), entry.index, node.name, p.index))
+        return
+    if p.name is not None and p.name in st.bindings and st.bindings[p.name] is not node:
+        trace.fail(st, "%s: '%s' must be the same node as '%s'" % (_where(parent, slot), node.name, st.bindings[p.name]))
+        return
+    for key, constraint in p.attrs.items():
+        value = node.param(key, None)
+        if not _satisfies(value, constraint):
+            trace.fail(st, "%s '%s': %s=%r, expected %r" % (node.op, node.name, key, value, constraint))
+            return
+    n = len(node.inputs)
+    if not p.required <= n <= len(p.inputs):
+        trace.fail(st, "%s '%s' has %d inputs, expected %d" % (node.op, node.name, n, p.required))
+        return
+    st = st.add(node, p.name)
+    orders: List[Sequence[Pattern]] = [p.inputs]
+    if p.commutative:
+        orders.append(p.inputs[::-1])
+    for pats in orders:
+        yield from _match_inputs(pats, node, 0, st, trace)
+
+
+def _match_inputs(pats: Sequence[Pattern], node: Node, k: int, st: _State, trace: Trace) -> Iterator[_State]:
+    if k == len(node.inputs):
+        yield st
+        return
+    for st2 in match_pattern(pats[k], node.inputs[k], st, trace, node, k):
+        yield from _match_inputs(pats, node, k + 1, st2, trace)
+
+
+class Match:
+    """One structural match: bound nodes and values, by the names the pattern gave them."""
+
+    def __init__(self, anchor: Node, st: _State, ctx: Any):
+        self.anchor = anchor
+        self.bindings = st.bindings
+        self.nodes: Tuple[Node, ...] = st.nodes
+        self.ctx = ctx
+
+    @property
+    def anchor_entry(self) -> Entry:
+        return Entry(self.anchor, 0, 0)
+
+    def has(self, name: str) -> bool:
+        """Whether ``name`` was bound (optional steps and inputs may be absent)."""
+        return name in self.bindings
+
+    def __getitem__(self, name: str) -> Union[Node, Entry]:
+        return self.bindings[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.bindings.get(name, default)
+
+    def node(self, name: str) -> Node:
+        v = self.bindings[name]
+        return v if isinstance(v, Node) else v.node
+
+    def value(self, name: str) -> Optional[np.ndarray]:
+        """The parameter value bound to Const ``name`` (None when absent or no params were given)."""
+        v = self.bindings.get(name)
+        if v is None:
+            return None
+        return self.ctx.value(v if isinstance(v, Entry) else Entry(v))
+
+    def external_inputs(self) -> List[Entry]:
+        inside = {id(n) for n in self.nodes}
+        seen, out = set(), []
+        for nd in self.nodes:
+            for e in nd.inputs:
+                if id(e.node) not in inside and e not in seen:
+                    seen.add(e)
+                    out.append(e)
+        return out
+
+    def __repr__(self) -> str:
+        return "Match(%s)" % ", ".join("%s=%r" % kv for kv in self.bindings.items())

@@ -1,0 +1,175 @@
+"""Reading and writing exported models (``NAME-symbol.json`` + ``NAME-0000.params``) safely.
+
+Reading validates everything a rewrite relies on and raises a one-line
+:class:`GraphError`/:class:`ParamsError` naming the problem.  Writing is
+atomic: each file goes to a temporary file in the target folder and is
+renamed into place only when every file of the model has been written, and
+never over the files the model was read from.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .errors import FusionError, GraphError, ParamsError
+from .graph import Graph, _first_line
+
+
+def read_graph(path: str) -> Graph:
+    """Load a Symbol JSON file; every op must be known to MXNet (with the libraries loaded now)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise GraphError("cannot read symbol file '%s': %s" % (path, e.strerror or e)) from None
+    try:
+        graph = Graph.from_json(data)
+    except GraphError as e:
+        raise GraphError("%s: %s" % (path, e)) from None
+    unknown = graph.unknown_ops()
+    if unknown:
+        raise GraphError("%s: unknown op(s) %s (not registered in MXNet %s; load the library that defines them)"
+                         % (path, ", ".join(unknown), _mx_version()))
+    return graph
+
+
+def _mx_version() -> str:
+    import mxnet as mx
+    return mx.__version__
+
+
+def read_params(path: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Load ``NAME-0000.params`` into (arg_params, aux_params) as MXNet saved them (``arg:``/``aux:`` keys)."""
+    import mxnet as mx
+
+    if not os.path.isfile(path):
+        raise ParamsError("cannot read params file '%s': no such file" % path)
+    try:
+        loaded = mx.nd.load(path)
+    except mx.base.MXNetError as e:
+        raise ParamsError("cannot load params file '%s' (truncated or not an MXNet params file): %s"
+                          % (path, _first_line(str(e)))) from None
+    if not isinstance(loaded, dict):
+        raise ParamsError("params file '%s' holds an unnamed list of arrays, expected arg:/aux: names" % path)
+    arg, aux = {}, {}
+    for key, value in loaded.items():
+        kind, _, name = key.partition(":")
+        if kind == "arg" and name:
+            arg[name] = value
+        elif kind == "aux" and name:
+            aux[name] = value
+        else:
+            raise ParamsError("params file '%s' has key '%s'; expected 'arg:NAME' or 'aux:NAME'" % (path, key))
+    return arg, aux
+
+
+def validate_params(graph: Graph, symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any]) -> None:
+    """Check that params fit the graph: names, arg/aux kind, shapes, finite values, variances."""
+    import mxnet as mx
+
+    args, auxs = set(symbol.list_arguments()), set(symbol.list_auxiliary_states())
+    for name in arg:
+        if name not in args:
+            hint = " (it is an auxiliary state: save it as 'aux:%s')" % name if name in auxs else ""
+            raise ParamsError("parameter '%s' is not an argument of the graph%s" % (name, hint))
+    for name in aux:
+        if name not in auxs:
+            hint = " (it is an argument: save it as 'arg:%s')" % name if name in args else ""
+            raise ParamsError("auxiliary state '%s' is not an auxiliary state of the graph%s" % (name, hint))
+    missing_aux = sorted(auxs - set(aux))
+    if arg and missing_aux:
+        raise ParamsError("auxiliary state(s) missing from params: %s" % ", ".join(missing_aux[:5]))
+    shapes = {k: v.shape for k, v in list(arg.items()) + list(aux.items())}
+    try:
+        symbol.infer_shape_partial(**shapes)
+    except mx.base.MXNetError as e:
+        raise ParamsError("parameter shapes do not fit the graph: %s" % _first_line(str(e))) from None
+    for name, value in list(arg.items()) + list(aux.items()):
+        a = value.asnumpy()
+        if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
+            raise ParamsError("parameter '%s' contains NaN or inf" % name)
+    for nd in graph.op_nodes():
+        if nd.op == "BatchNorm" and len(nd.inputs) == 5:
+            var = nd.inputs[4].node.name
+            if var in aux and (aux[var].asnumpy() < 0).any():
+                raise ParamsError("BatchNorm '%s' has a negative moving variance in '%s'" % (nd.name, var))
+
+
+def parse_shape(text: str) -> Tuple[str, Tuple[int, ...]]:
+    """``"data=1,3,224,224"`` -> ("data", (1, 3, 224, 224))."""
+    name, sep, dims = text.partition("=")
+    try:
+        shape = tuple(int(d) for d in dims.replace("x", ",").split(",") if d.strip())
+    except ValueError:
+        shape = ()
+    if not sep or not name.strip() or not shape or any(d <= 0 for d in shape):
+        raise FusionError("cannot parse --shape '%s': expected NAME=D1,D2,... with positive integers" % text)
+    return name.strip(), shape
+
+
+def output_paths(out: str, model_path: str) -> Tuple[str, str]:
+    """``OUT_PREFIX-symbol.json`` and ``OUT_PREFIX-0000.params``; ``OUT`` ending in / (or a folder) keeps the model's name."""
+    if out.endswith(os.sep) or os.path.isdir(out):
+        base = os.path.basename(model_path)
+        for suffix in ("-symbol.json", ".json", ".onnx"):
+            if base.endswith(suffix):
+                base = base[: -len(suffix)]
+                break
+        out = os.path.join(out, base)
+    return out + "-symbol.json", out + "-0000.params"
+
+
+def write_model(prefix_paths: Tuple[str, str], symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any],
+                protect: Iterable[str] = ()) -> None:
+    """Write symbol and params atomically; refuse to write over any path in ``protect``."""
+    import mxnet as mx
+
+    sym_path, params_path = prefix_paths
+    protected = {os.path.realpath(p) for p in protect if p}
+    for p in (sym_path, params_path):
+        if os.path.realpath(p) in protected:
+            raise FusionError("refusing to write '%s' over an input file; choose another -o" % p)
+    folder = os.path.dirname(os.path.abspath(sym_path))
+    os.makedirs(folder, exist_ok=True)
+    payload = {"arg:" + k: v for k, v in arg.items()}
+    payload.update({"aux:" + k: v for k, v in aux.items()})
+    temps = []
+    try:
+        fd, tmp_sym = tempfile.mkstemp(prefix=".mxfuse-", suffix=".json", dir=folder)
+        temps.append(tmp_sym)
+        with os.fdopen(fd, "w") as f:
+            f.write(symbol.tojson())
+        fd, tmp_params = tempfile.mkstemp(prefix=".mxfuse-", suffix=".params", dir=folder)
+        os.close(fd)
+        temps.append(tmp_params)
+        mx.nd.save(tmp_params, payload)
+        os.replace(tmp_params, params_path)
+        os.replace(tmp_sym, sym_path)
+        temps.clear()
+    finally:
+        for t in temps:
+            try:
+                os.unlink(t)
+            except OSError:
+                pass
+
+
+def write_text_atomic(path: str, text: str, protect: Iterable[str] = ()) -> None:
+    if os.path.realpath(path) in {os.path.realpath(p) for p in protect if p}:
+        raise FusionError("refusing to write '%s' over an input file" % path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".mxfuse-", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,158 @@
+"""The pattern DSL: declarative descriptions of subgraphs to fuse.
+
+Building blocks (in the spirit of TVM's dataflow patterns)::
+
+    x = Var("x")                              # any value, bound as "x"
+    w = Const("w")                            # a value produced by a variable (a parameter)
+    conv = op("Convolution", "Deconvolution")(x, w, Const("b", optional=True), name="conv")
+    bn = op.BatchNorm(conv, Const("gamma"), Const("beta"), Const("mean"), Const("var"), name="bn")
+    act = bn.optional(lambda y: op.Activation(y, act_type=OneOf("relu", "tanh"), name="act"))
+    gate = op.add(x, op.sigmoid(x))          # "add" matches elemwise_add, broadcast_add, _plus, ...
+    scaled = scalar("div", x, name="s")       # _div_scalar(x, scalar=c), binds the scalar as "s"
+
+* Names bind matched nodes (``name=``) and values (``Var``/``Const``); binding
+  a name twice requires the same value (``x * sigmoid(x)``).
+* Attribute constraints are keyword arguments: a value (compared with the
+  typed attribute, MXNet's default used when absent) or a predicate.
+* Commutative ops (add, mul, max, min) match their inputs in either order.
+* :meth:`Pattern.optional` makes a step optional; ``a | b`` is an alternative.
+  Alternatives are tried in order, longer first, with backtracking.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Optional, Sequence, Tuple, Union
+
+from . import opdefs
+
+
+class Pattern:
+    """Base class of all pattern nodes."""
+
+    def optional(self, wrap: Callable[["Pattern"], "Pattern"]) -> "Pattern":
+        """``wrap(self)`` if present in the graph, else ``self``: an optional step after this one."""
+        return AnyOf(wrap(self), self)
+
+    def __or__(self, other: "Pattern") -> "Pattern":
+        return AnyOf(self, other)
+
+    def roots(self) -> FrozenSet[str]:
+        """Ops an anchor node may have for this pattern to match there (empty: any node)."""
+        return frozenset()
+
+
+class Var(Pattern):
+    """Any value; bound under ``name``."""
+
+    def __init__(self, name: str, optional: bool = False):
+        self.name = name
+        self.optional_input = optional
+
+    def __repr__(self) -> str:
+        return "Var(%r)" % self.name
+
+
+class Const(Var):
+    """A value produced by a variable node: a parameter (its value comes from arg/aux params)."""
+
+    def __repr__(self) -> str:
+        return "Const(%r)" % self.name
+
+
+class OneOf:
+    """Attribute constraint: the value is one of ``values``."""
+
+    def __init__(self, *values: Any):
+        self.values = values
+
+    def __call__(self, v: Any) -> bool:
+        return v in self.values
+
+    def __repr__(self) -> str:
+        return " | ".join(repr(v) for v in self.values)
+
+
+Constraint = Union[Any, Callable[[Any], bool]]
+
+
+class OpPattern(Pattern):
+    """An operator node with the given op name(s), input patterns and attribute constraints."""
+
+    def __init__(self, ops: Iterable[str], inputs: Sequence[Pattern], name: Optional[str] = None,
+                 index: int = 0, attrs: Optional[Dict[str, Constraint]] = None):
+        self.ops = frozenset(ops)
+        self.inputs = list(inputs)
+        self.name = name
+        self.index = index
+        self.attrs = dict(attrs or {})
+        self.commutative = bool(self.ops & opdefs.COMMUTATIVE) and len(self.inputs) == 2
+        opt = [isinstance(p, Var) and p.optional_input for p in self.inputs]
+        self.required = len(opt) - sum(opt)
+        if any(opt[: self.required]):
+            raise ValueError("optional inputs of %s must come last" % self.label)
+
+    @property
+    def label(self) -> str:
+        return "|".join(sorted(self.ops))
+
+    def roots(self) -> FrozenSet[str]:
+        return self.ops
+
+    def __repr__(self) -> str:
+        return "%s(%s)" % (self.label, ", ".join(map(repr, self.inputs)))
+
+
+class AnyOf(Pattern):
+    """The first alternative that matches (tried in order, with backtracking)."""
+
+    def __init__(self, *alternatives: Pattern):
+        flat = []
+        for a in alternatives:
+            flat.extend(a.alternatives if isinstance(a, AnyOf) else [a])
+        self.alternatives = flat
+
+    def roots(self) -> FrozenSet[str]:
+        out: set = set()
+        for a in self.alternatives:
+            r = a.roots()
+            if not r:
+                return frozenset()
+            out |= r
+        return frozenset(out)
+
+    def __repr__(self) -> str:
+        return " | ".join(map(repr, self.alternatives))
+
+
+class _OpBuilder:
+    """``op.Name(*inputs, name=..., **attrs)`` or ``op("A", "B")(*inputs, ...)``.
+
+    The generic names ``add``, ``sub``, ``mul`` and ``div`` stand for all of
+    MXNet's spellings (``elemwise_add``, ``broadcast_add``, ``_plus``, ...).
+    """
+
+    def __call__(self, *ops: str) -> Callable[..., OpPattern]:
+        names: set = set()
+        for o in ops:
+            names |= opdefs.ALIASES.get(o, frozenset({o}))
+
+        def build(*inputs: Pattern, name: Optional[str] = None, index: int = 0, **attrs: Constraint) -> OpPattern:
+            return OpPattern(names, inputs, name=name, index=index, attrs=attrs)
+
+        return build
+
+    def __getattr__(self, op_name: str) -> Callable[..., OpPattern]:
+        if op_name.startswith("__"):
+            raise AttributeError(op_name)
+        return self(op_name)
+
+
+op = _OpBuilder()
+
+
+def scalar(kind: str, x: Pattern, name: Optional[str] = None, **attrs: Constraint) -> OpPattern:
+    """A scalar-op form, e.g. ``scalar("div", x, name="s")`` matches ``_div_scalar(x, scalar=c)``."""
+    try:
+        ops = opdefs.SCALAR_OPS[kind]
+    except KeyError:
+        raise ValueError("unknown scalar op kind %r (known: %s)" % (kind, ", ".join(sorted(opdefs.SCALAR_OPS))))
+    return OpPattern(ops, [x], name=name, attrs=attrs)

@@ -1,0 +1,118 @@
+"""What a fusion run did: per rule, matches fused, candidates rejected and why, near-misses."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class RuleReport:
+    name: str
+    benefit: int
+    description: str = ""
+    fused: List[Dict[str, Any]] = field(default_factory=list)      # {"anchor", "nodes": [...], "new": [...]}
+    rejected: Dict[str, str] = field(default_factory=dict)         # anchor name -> reason
+    near_misses: Dict[str, str] = field(default_factory=dict)      # anchor name -> first failure
+    nodes_removed: int = 0
+    params_added: int = 0
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "rule": self.name, "benefit": self.benefit, "description": self.description,
+            "fused": len(self.fused), "matches": self.fused,
+            "rejected": [{"anchor": a, "reason": r} for a, r in self.rejected.items()],
+            "near_misses": [{"anchor": a, "reason": r} for a, r in self.near_misses.items()],
+            "nodes_removed": self.nodes_removed, "params_added": self.params_added,
+        }
+
+
+@dataclass
+class FusionReport:
+    mode: str = "inference"
+    rules: Dict[str, RuleReport] = field(default_factory=dict)
+    ops_before: int = 0
+    ops_after: int = 0
+    nodes_before: int = 0
+    nodes_after: int = 0
+    passes: int = 0
+    params_removed: int = 0
+    seconds: float = 0.0
+    notes: List[str] = field(default_factory=list)
+    extra: Dict[str, Any] = field(default_factory=dict)   # verification, benchmark figures
+    _rejected_keys: Dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def reject(self, rule: Any, anchor: str, key: str, reason: str) -> None:
+        """Record a rejected candidate, once per family and key.
+
+        Variants run largest first, so a later rejection of the same key comes from a
+        smaller variant: its reason is the more fundamental one and replaces the earlier.
+        """
+        self.forget_rejections(rule, key)
+        self._rejected_keys[(rule.family or rule.name, key)] = (rule.name, anchor)
+        self.rule(rule).rejected[anchor] = reason
+
+    def forget_rejections(self, rule: Any, key: str) -> None:
+        """A variant fused the candidate ``key``: drop the family's rejections of it."""
+        owner = self._rejected_keys.pop((rule.family or rule.name, key), None)
+        if owner is not None:
+            self.rules[owner[0]].rejected.pop(owner[1], None)
+
+    def rule(self, rule: Any) -> RuleReport:
+        r = self.rules.get(rule.name)
+        if r is None:
+            r = self.rules[rule.name] = RuleReport(rule.name, rule.benefit, rule.description)
+        return r
+
+    @property
+    def fused_count(self) -> int:
+        return sum(len(r.fused) for r in self.rules.values())
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "mode": self.mode, "passes": self.passes, "seconds": round(self.seconds, 4),
+            "ops_before": self.ops_before, "ops_after": self.ops_after,
+            "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
+            "params_removed": self.params_removed, "fused": self.fused_count,
+            "rules": [r.to_dict() for r in self.rules.values()],
+            "notes": self.notes, **self.extra,
+        }
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_text(self, explain: bool = False) -> str:
+        lines = ["mxnet-fusion report (mode=%s): %d fused, ops %d -> %d, nodes %d -> %d, %d pass(es), %.3f s"
+                 % (self.mode, self.fused_count, self.ops_before, self.ops_after,
+                    self.nodes_before, self.nodes_after, self.passes, self.seconds)]
+        width = max([len(r.name) for r in self.rules.values()] + [4])
+        lines.append("  %-*s  %6s  %8s  %13s  %6s" % (width, "rule", "fused", "rejected", "nodes removed", "params"))
+        for r in self.rules.values():
+            lines.append("  %-*s  %6d  %8d  %13d  %6d" % (width, r.name, len(r.fused), len(r.rejected),
+                                                           r.nodes_removed, r.params_added))
+        for r in self.rules.values():
+            reasons: Dict[str, List[str]] = {}
+            for anchor, reason in r.rejected.items():
+                reasons.setdefault(reason, []).append(anchor)
+            for reason, anchors in reasons.items():
+                shown = ", ".join(anchors[:3]) + (" (+%d more)" % (len(anchors) - 3) if len(anchors) > 3 else "")
+                lines.append("  rejected %s at %s: %s" % (r.name, shown, reason))
+        if explain:
+            for r in self.rules.values():
+                for anchor, reason in r.near_misses.items():
+                    lines.append("  near-miss %s at '%s': %s" % (r.name, anchor, reason))
+        v = self.extra.get("verify")
+        if v:
+            lines.append("  verify: max abs error %.3g, max rel error %.3g (tolerance %.3g): %s"
+                         % (v["max_abs"], v["max_rel"], v["rtol"], "OK" if v["ok"] else "MISMATCH"))
+        b = self.extra.get("benchmark")
+        if b:
+            ms = b["median_ms"]
+            lines.append("  benchmark (median ms): " + ", ".join("%s %.3f" % kv for kv in ms.items()))
+            lines.append("  speed-up: %.2fx vs MXNet default bind, %.2fx vs MXNet with the subgraph backend off"
+                         % (b["speedup_vs_mxnet_default"], b["speedup_vs_subgraph_off"]))
+        lines.extend("  note: " + n for n in self.notes)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.to_text()

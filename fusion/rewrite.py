@@ -1,0 +1,294 @@
+"""Applying rules: filter structural matches, rewrite them in batches, repeat to a fixpoint.
+
+One pass runs every rule once, in decreasing ``benefit``.  For a rule, every
+node is tried as an anchor from the graph's outputs backwards; the first
+structural match that passes the filters below is taken, and its nodes are
+claimed for the rest of the pass.  A candidate is rejected, with the reason
+recorded in the report, when
+
+* an interior node's output is used outside the match or is a graph head
+  (the rewrite would have to keep computing it);
+* it overlaps a match already taken in this pass;
+* replacing it would create a cycle (only possible when the rewrite also
+  replaces interior outputs, see ``Rule.exports``);
+* the rule is inference-only and the mode is ``training``;
+* the rule's own ``check`` refuses it.
+
+The matches taken are then rewritten in topological order; the values they
+replace are redirected to the new ones and the graph is compacted.  Passes
+repeat until one changes nothing, so ``fuse(fuse(g)) == fuse(g)``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Union
+
+import networkx as nx
+import numpy as np
+
+from .attrs import Attrs
+from .errors import FusionError
+from .graph import Entry, Graph, Node
+from .matcher import Match, Trace, _State, match_pattern
+from .report import FusionReport
+
+MAX_PASSES = 32
+
+
+class Context:
+    """What rules may read besides the graph: the mode and parameter values."""
+
+    def __init__(self, graph: Graph, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any], mode: str):
+        self.graph = graph
+        self.mode = mode
+        self.arg_params = dict(arg_params)
+        self.aux_params = dict(aux_params)
+        self._numpy: Dict[str, np.ndarray] = {}
+        self.new_args: Dict[str, np.ndarray] = {}
+        self.new_aux: Dict[str, np.ndarray] = {}
+        self.names: Set[str] = {nd.name for nd in graph.nodes} | set(self.arg_params) | set(self.aux_params)
+
+    @property
+    def has_params(self) -> bool:
+        return bool(self.arg_params or self.aux_params)
+
+    def value(self, entry: Entry) -> Optional[np.ndarray]:
+        """The value of the parameter that produces ``entry`` (None if it is not a known parameter)."""
+        node = entry.node
+        if not node.is_variable:
+            return None
+        name = node.name
+        if name in self._numpy:
+            return self._numpy[name]
+        for store in (self.new_args, self.new_aux):
+            if name in store:
+                return store[name]
+        raw = self.arg_params.get(name, self.aux_params.get(name))
+        if raw is None:
+            return None
+        arr = raw.asnumpy() if hasattr(raw, "asnumpy") else np.asarray(raw)
+        arr.setflags(write=False)   # rules compute new arrays; the caller's stay untouched
+        self._numpy[name] = arr
+        return arr
+
+    def unique_name(self, base: str) -> str:
+        name = base
+        k = 1
+        while name in self.names:
+            name = "%s_%d" % (base, k)
+            k += 1
+        self.names.add(name)
+        return name
+
+
+class Builder:
+    """Creates the replacement of one match; its nodes go just before the anchor."""
+
+    def __init__(self, ctx: Context, anchor: Node, resolve):
+        self.ctx = ctx
+        self.anchor = anchor
+        self._resolve = resolve
+        self.created: List[Node] = []
+        self.params_added = 0
+
+    @property
+    def mode(self) -> str:
+        return self.ctx.mode
+
+    def value(self, entry: Entry) -> Optional[np.ndarray]:
+        return self.ctx.value(entry)
+
+    def _place(self, node: Node) -> Node:
+        node.pos = self.anchor.pos - 0.5 + len(self.created) * 1e-5
+        self.created.append(node)
+        return node
+
+    def op(self, op: str, inputs: Sequence[Entry], attrs: Union[Attrs, Mapping[str, Any], None] = None,
+           name: Optional[str] = None, num_outputs: int = 1, extra: Optional[Dict[str, Any]] = None):
+        """Add an operator node; returns its output Entry (a list of them when ``num_outputs > 1``).
+
+        ``name`` is used as given (a rewrite may reuse the name of the node it replaces);
+        without one, a fresh name is derived from the anchor's.
+        """
+        a = attrs.copy() if isinstance(attrs, Attrs) else Attrs.from_values(attrs or {})
+        node = Node(op, name or self.ctx.unique_name(self.anchor.name + "_fused"), a,
+                    [self._resolve(e) for e in inputs], extra=dict(extra or {}), num_outputs=num_outputs)
+        self._place(node)
+        outs = [Entry(node, i) for i in range(num_outputs)]
+        return outs if num_outputs > 1 else outs[0]
+
+    def param(self, name: str, value: np.ndarray, aux: bool = False) -> Entry:
+        """Add a new parameter variable (a fresh name, never one the caller already has)."""
+        unique = self.ctx.unique_name(name)
+        (self.ctx.new_aux if aux else self.ctx.new_args)[unique] = np.ascontiguousarray(value)
+        self.params_added += 1
+        return Entry(self._place(Node("null", unique)))
+
+
+def _escape_reason(m: Match, users: Dict[int, List], heads: Set[int], exported: Set[int]) -> Optional[str]:
+    inside = {id(n) for n in m.nodes}
+    for nd in m.nodes:
+        is_anchor = nd is m.anchor
+        if id(nd) in exported:
+            continue
+        for user, slot in users.get(id(nd), ()):
+            e = user.inputs[slot]
+            if id(user) in inside or (is_anchor and e.index == 0):
+                continue
+            return ("output %d of %s '%s' is also used by %s '%s' outside the match"
+                    % (e.index, nd.op, nd.name, user.op, user.name))
+        if not is_anchor and id(nd) in heads:
+            return "%s '%s' inside the match is a graph output" % (nd.op, nd.name)
+    return None
+
+
+def _head_reason(m: Match, graph: Graph) -> Optional[str]:
+    for e in graph.heads:
+        if e.node is m.anchor and e.index != 0:
+            return "output %d of %s '%s' is a graph output the rewrite does not produce" % (e.index, m.anchor.op, m.anchor.name)
+    return None
+
+
+def _key(rule, m: Match) -> str:
+    """What identifies a candidate within its rule family (see ``Rule.key``)."""
+    return m.node(rule.key).name if rule.key and m.has(rule.key) else m.anchor.name
+
+
+class _Pass:
+    def __init__(self, graph: Graph, ctx: Context, report: FusionReport):
+        self.graph = graph
+        self.ctx = ctx
+        self.report = report
+        self.first_pass = True   # near-misses are reported on the user's graph, not on our rewrites
+
+    def run_rule(self, rule) -> int:
+        graph, ctx = self.graph, self.ctx
+        pattern = _compiled(rule)
+        roots = pattern.roots()
+        users = graph.consumers()
+        heads = {id(e.node) for e in graph.heads}
+        rr = self.report.rule(rule)
+        taken: Dict[int, str] = {}
+        matches: List[Match] = []
+        nxg: Optional[nx.DiGraph] = None
+        for anchor in reversed(graph.nodes):
+            if anchor.is_variable or (roots and anchor.op not in roots) or id(anchor) in taken:
+                continue
+            trace = Trace()
+            first_reason = first_key = None
+            accepted = None
+            for st in match_pattern(pattern, Entry(anchor), _State({}, ()), trace):
+                m = Match(anchor, st, ctx)
+                exported = {id(m.node(n)) for n in rule.exports if m.has(n)}
+                reason = _escape_reason(m, users, heads, exported) or _head_reason(m, graph)
+                if reason is None:
+                    owner = next((taken[id(n)] for n in m.nodes if id(n) in taken), None)
+                    if owner is not None:
+                        reason = "overlaps the %s match already taken at '%s'" % (rule.name, owner)
+                if reason is None and exported:
+                    if nxg is None:
+                        nxg = graph.to_networkx()
+                    reason = _cycle_reason(m, exported, graph, nxg)
+                if reason is None and rule.inference_only and ctx.mode == "training":
+                    reason = rule.training_reason
+                if reason is None:
+                    reason = rule.check(m)
+                if reason is None:
+                    accepted = m
+                    break
+                if first_reason is None:
+                    first_reason, first_key = reason, _key(rule, m)
+            if accepted is not None:
+                for n in accepted.nodes:
+                    taken[id(n)] = anchor.name
+                matches.append(accepted)
+                self.report.forget_rejections(rule, _key(rule, accepted))
+            elif first_reason is not None:
+                self.report.reject(rule, anchor.name, first_key, first_reason)
+            elif self.first_pass and trace.depth >= 2 and trace.reason:
+                rr.near_misses[anchor.name] = trace.reason
+        return self._apply(rule, rr, matches)
+
+    def _apply(self, rule, rr, matches: List[Match]) -> int:
+        if not matches:
+            return 0
+        replaced: Dict[Entry, Entry] = {}
+
+        def resolve(e: Entry) -> Entry:
+            while e in replaced:
+                e = replaced[e]
+            return e
+
+        created: List[Node] = []
+        applied = 0
+        for m in sorted(matches, key=lambda m: m.anchor.pos):
+            b = Builder(self.ctx, m.anchor, resolve)
+            try:
+                out = rule.rewrite(m, b)
+            except FusionError as e:
+                rr.rejected[m.anchor.name] = "rewrite failed: %s" % e
+                continue
+            mapping = out if isinstance(out, dict) else {m.anchor_entry: out}
+            for old, new in mapping.items():
+                replaced[old] = resolve(new)
+            created.extend(b.created)
+            applied += 1
+            rr.fused.append({"anchor": m.anchor.name, "nodes": [n.name for n in m.nodes],
+                             "new": [n.name for n in b.created if not n.is_variable]})
+            rr.nodes_removed += len(m.nodes) - sum(1 for n in b.created if not n.is_variable)
+            rr.params_added += b.params_added
+        graph = self.graph
+        graph.nodes.extend(created)
+        for nd in graph.nodes:
+            nd.inputs = [resolve(e) for e in nd.inputs]
+        graph.heads = [resolve(e) for e in graph.heads]
+        graph.compact()
+        return applied
+
+
+def _cycle_reason(m: Match, exported: Set[int], graph: Graph, nxg: nx.DiGraph) -> Optional[str]:
+    index = {id(nd): i for i, nd in enumerate(graph.nodes)}
+    inside = {id(n) for n in m.nodes}
+    for nd in m.nodes:
+        if id(nd) not in exported:
+            continue
+        for e in m.external_inputs():
+            if e.node.is_variable:
+                continue
+            for user in nxg.successors(index[id(nd)]):
+                if id(graph.nodes[user]) in inside:
+                    continue
+                if nx.has_path(nxg, user, index[id(e.node)]):
+                    return ("fusing would create a cycle: '%s' depends on '%s' inside the match"
+                            % (e.node.name, nd.name))
+    return None
+
+
+_PATTERNS: Dict[int, Any] = {}
+
+
+def _compiled(rule) -> Any:
+    key = id(rule)
+    p = _PATTERNS.get(key)
+    if p is None or p[0] is not rule:
+        p = _PATTERNS[key] = (rule, rule.pattern())
+    return p[1]
+
+
+def run_rules(graph: Graph, rules: Sequence[Any], ctx: Context, report: FusionReport) -> None:
+    """Apply ``rules`` to ``graph`` (in place) until a whole pass changes nothing."""
+    ordered = sorted(rules, key=lambda r: (-r.benefit, r.name))
+    names = [r.name for r in ordered]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError("rule names must be unique: %s" % ", ".join(sorted(dup)))
+    for r in ordered:
+        report.rule(r)
+    p = _Pass(graph, ctx, report)
+    for k in range(MAX_PASSES):
+        report.passes = k + 1
+        changed = sum(p.run_rule(r) for r in ordered)
+        p.first_pass = False
+        if changed == 0:
+            return
+    raise FusionError("rules did not reach a fixpoint after %d passes (a rule keeps rewriting its own output)" % MAX_PASSES)
