@@ -52,7 +52,7 @@ def _sources(cuda):
     srcs = sorted(f for p in pats for f in glob.glob(os.path.join(KERNEL_DIR, p)))
     deps = sorted(glob.glob(os.path.join(KERNEL_DIR, "*", "*.h")))
     if cuda:  # the CUDA library reuses the expression parser
-        srcs.append(os.path.join(KERNEL_DIR, "fused_elemwise", "expr_program.cpp"))
+        srcs.append(os.path.join(KERNEL_DIR, "fused_elemwise", "expr_program.cc"))
     return srcs, deps
 
 

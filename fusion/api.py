@@ -1,9 +1,12 @@
 """``fuse()``: the public entry point of the engine."""
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
 
 from .errors import FusionError
 from .graph import Graph
@@ -66,6 +69,18 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     """
     if mode not in MODES:
         raise ValueError("mode must be one of %s, not %r" % (", ".join(MODES), mode))
+    # The IR allocates many small acyclic objects; Python's cyclic collector would rescan
+    # them all again and again on large graphs (a third of the time at 100k nodes).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _fuse(symbol, arg_params, aux_params, rules, mode)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _fuse(symbol, arg_params, aux_params, rules, mode) -> FusionResult:
     start = time.perf_counter()
     graph = _as_graph(symbol)
     rule_list = resolve_rules(rules)
@@ -93,5 +108,6 @@ def _collect_params(graph: Graph, ctx: Context):
     for store, out in ((ctx.new_args, arg_out), (ctx.new_aux, aux_out)):
         for k, v in store.items():
             if k in used:
-                out[k] = mx.nd.array(v, dtype=v.dtype)
+                # zero-copy: the array is ours (computed by a rule), contiguous and not used elsewhere
+                out[k] = mx.nd.from_numpy(np.ascontiguousarray(v), zero_copy=True)
     return arg_out, aux_out

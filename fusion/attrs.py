@@ -104,6 +104,9 @@ class Attrs(MutableMapping):
         del self._raw[key]
         self._parsed.pop(key, None)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._raw
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._raw)
 

@@ -16,6 +16,7 @@ no head reaches and renumbers.
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import networkx as nx
@@ -81,6 +82,7 @@ class Graph:
         self.nodes = nodes
         self.heads = heads
         self.attrs = attrs if attrs is not None else {"mxnet_version": ["int", 10901]}
+        self._users: Optional[Dict[Node, List[Tuple[Node, int]]]] = None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -124,9 +126,8 @@ class Graph:
             ins = jn.get("inputs", [])
             if not isinstance(ins, list):
                 raise GraphError("node %d ('%s') has 'inputs' that is not a list" % (i, jn["name"]))
-            nodes[i].inputs = [cls._entry(nodes, e, "node %d ('%s') input %d" % (i, jn["name"], k))
-                               for k, e in enumerate(ins)]
-        heads = [cls._entry(nodes, e, "head %d" % k) for k, e in enumerate(jheads)]
+            nodes[i].inputs = [cls._entry(nodes, e, i, k) for k, e in enumerate(ins)]
+        heads = [cls._entry(nodes, e, None, k) for k, e in enumerate(jheads)]
         if not heads:
             raise GraphError("the graph has no heads (outputs)")
         graph = cls(nodes, heads, data.get("attrs", {"mxnet_version": ["int", 10901]}))
@@ -134,35 +135,37 @@ class Graph:
         return graph
 
     @staticmethod
-    def _entry(nodes: List[Node], e: Any, where: str) -> Entry:
-        if not isinstance(e, list) or not 2 <= len(e) <= 3 or not all(isinstance(v, int) for v in e):
-            raise GraphError("%s is malformed: expected [node_id, output_index(, version)], got %r" % (where, e))
+    def _entry(nodes: List[Node], e: Any, owner: Optional[int], k: int) -> Entry:
+        def where() -> str:
+            return "head %d" % k if owner is None else "node %d ('%s') input %d" % (owner, nodes[owner].name, k)
+
+        if type(e) is not list or not 2 <= len(e) <= 3 or not all(type(v) is int for v in e):
+            raise GraphError("%s is malformed: expected [node_id, output_index(, version)], got %r" % (where(), e))
         nid, idx = e[0], e[1]
         if not 0 <= nid < len(nodes):
-            raise GraphError("%s points to node %d, past the node list (%d nodes)" % (where, nid, len(nodes)))
+            raise GraphError("%s points to node %d, past the node list (%d nodes)" % (where(), nid, len(nodes)))
         node = nodes[nid]
         if idx < 0 or (node.num_outputs > 1 and idx >= node.num_outputs):
             raise GraphError("%s uses output %d of '%s', which has %d outputs"
-                             % (where, idx, node.name, node.num_outputs))
+                             % (where(), idx, node.name, node.num_outputs))
         if node.num_outputs == 1 and idx > 0:
             node.num_outputs = idx + 1  # node_row_ptr absent: learn the count from its uses
         return Entry(node, idx, e[2] if len(e) == 3 else 0)
 
     def _check_acyclic(self) -> None:
+        # Symbol JSON lists producers before consumers; only a file that does not is checked further.
+        if all(e.node.pos < nd.pos for nd in self.nodes for e in nd.inputs):
+            return
         g = self.to_networkx()
         if not nx.is_directed_acyclic_graph(g):
             cycle = nx.find_cycle(g)
             names = " -> ".join(self.nodes[u].name for u, _ in cycle)
             raise GraphError("the graph has a cycle: %s" % names)
-        for i, node in enumerate(self.nodes):
-            for e in node.inputs:
-                if e.node.pos >= node.pos:
-                    # Valid DAG but not in topological order: re-sort once, keeping the original order otherwise.
-                    order = list(nx.lexicographical_topological_sort(g, key=lambda k: k))
-                    self.nodes = [self.nodes[k] for k in order]
-                    for p, nd in enumerate(self.nodes):
-                        nd.pos = float(p)
-                    return
+        # A DAG listed out of order: sort it once, keeping the file's order where it is free.
+        order = list(nx.lexicographical_topological_sort(g, key=lambda k: k))
+        self.nodes = [self.nodes[k] for k in order]
+        for p, nd in enumerate(self.nodes):
+            nd.pos = float(p)
 
     @classmethod
     def from_symbol(cls, symbol: Any) -> "Graph":
@@ -208,13 +211,15 @@ class Graph:
     def variables(self) -> List[Node]:
         return [nd for nd in self.nodes if nd.is_variable]
 
-    def consumers(self) -> Dict[int, List[Tuple[Node, int]]]:
-        """id(node) -> [(consumer, input slot)] over the live graph."""
-        users: Dict[int, List[Tuple[Node, int]]] = {}
-        for nd in self.nodes:
-            for slot, e in enumerate(nd.inputs):
-                users.setdefault(id(e.node), []).append((nd, slot))
-        return users
+    def consumers(self) -> Dict[Node, List[Tuple[Node, int]]]:
+        """node -> [(consumer, input slot)] over the live graph (cached until the next compact())."""
+        if self._users is None:
+            users: Dict[Node, List[Tuple[Node, int]]] = defaultdict(list)
+            for nd in self.nodes:
+                for slot, e in enumerate(nd.inputs):
+                    users[e[0]].append((nd, slot))
+            self._users = users
+        return self._users
 
     def to_networkx(self) -> nx.DiGraph:
         """Edges producer -> consumer, nodes numbered by their position in ``self.nodes``."""
@@ -237,6 +242,7 @@ class Graph:
     # ------------------------------------------------------------------ editing
     def compact(self) -> None:
         """Drop nodes no head reaches, order by position, renumber positions 0..n-1."""
+        self._users = None
         live = set()
         stack = [e.node for e in self.heads]
         while stack:

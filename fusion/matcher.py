@@ -37,18 +37,36 @@ class _State:
         return st.bind(name, node)
 
 
-class Trace:
-    """The deepest structural failure seen while matching at one anchor."""
+class _Lazy:
+    __slots__ = ("fn",)
 
-    __slots__ = ("depth", "reason")
+    def __init__(self, fn: Any):
+        self.fn = fn
+
+
+class Trace:
+    """The deepest structural failure seen while matching at one anchor.
+
+    Failures are frequent (every node tried as an anchor fails somewhere), so
+    the message is only formatted when read.
+    """
+
+    __slots__ = ("depth", "_fmt", "_args")
 
     def __init__(self) -> None:
         self.depth = 0
-        self.reason: Optional[str] = None
+        self._fmt: Optional[str] = None
+        self._args: tuple = ()
 
-    def fail(self, st: _State, reason: str) -> None:
+    def fail(self, st: _State, fmt: str, *args: Any) -> None:
         if len(st.nodes) > self.depth:
-            self.depth, self.reason = len(st.nodes), reason
+            self.depth, self._fmt, self._args = len(st.nodes), fmt, args
+
+    @property
+    def reason(self) -> Optional[str]:
+        if self._fmt is None:
+            return None
+        return self._fmt % tuple(a.fn() if isinstance(a, _Lazy) else a for a in self._args)
 
 
 def _where(parent: Optional[Node], slot: int) -> str:
@@ -70,8 +88,8 @@ def match_pattern(p: Pattern, entry: Entry, st: _State, trace: Trace,
     node = entry.node
     if isinstance(p, Var):
         if isinstance(p, Const) and not node.is_variable:
-            trace.fail(st, "%s: '%s' must be a parameter, but is computed by %s '%s'"
-                       % (_where(parent, slot), p.name, node.op, node.name))
+            trace.fail(st, "%s: '%s' must be a parameter, but is computed by %s '%s'",
+                       _Lazy(lambda: _where(parent, slot)), p.name, node.op, node.name)
             return
         bound = st.bindings.get(p.name)
         if bound is None:
@@ -79,7 +97,7 @@ def match_pattern(p: Pattern, entry: Entry, st: _State, trace: Trace,
         elif bound == entry:
             yield st
         else:
-            trace.fail(st, "%s: '%s' must be the same value as %r, found %r" % (_where(parent, slot), p.name, bound, entry))
+            trace.fail(st, "%s: '%s' must be the same value as %r, found %r", _Lazy(lambda: _where(parent, slot)), p.name, bound, entry)
         return
     if isinstance(p, AnyOf):
         for alt in p.alternatives:
@@ -87,23 +105,23 @@ def match_pattern(p: Pattern, entry: Entry, st: _State, trace: Trace,
         return
     assert isinstance(p, OpPattern), p
     if node.op not in p.ops:
-        found = "variable" if node.is_variable else node.op
-        trace.fail(st, "%s: expected %s, found %s '%s'" % (_where(parent, slot), p.label, found, node.name))
+        trace.fail(st, "%s: expected %s, found %s '%s'", _Lazy(lambda: _where(parent, slot)), p.label,
+                   "variable" if node.op == "null" else node.op, node.name)
         return
     if entry.index != p.index:
-        trace.fail(st, "%s: uses output %d of '%s', expected output %d" % (_where(parent, slot), entry.index, node.name, p.index))
+        trace.fail(st, "%s: uses output %d of '%s', expected output %d", _Lazy(lambda: _where(parent, slot)), entry.index, node.name, p.index)
         return
     if p.name is not None and p.name in st.bindings and st.bindings[p.name] is not node:
-        trace.fail(st, "%s: '%s' must be the same node as '%s'" % (_where(parent, slot), node.name, st.bindings[p.name]))
+        trace.fail(st, "%s: '%s' must be the same node as '%s'", _Lazy(lambda: _where(parent, slot)), node.name, st.bindings[p.name])
         return
     for key, constraint in p.attrs.items():
         value = node.param(key, None)
         if not _satisfies(value, constraint):
-            trace.fail(st, "%s '%s': %s=%r, expected %r" % (node.op, node.name, key, value, constraint))
+            trace.fail(st, "%s '%s': %s=%r, expected %r", node.op, node.name, key, value, constraint)
             return
     n = len(node.inputs)
     if not p.required <= n <= len(p.inputs):
-        trace.fail(st, "%s '%s' has %d inputs, expected %d" % (node.op, node.name, n, p.required))
+        trace.fail(st, "%s '%s' has %d inputs, expected %d", node.op, node.name, n, p.required)
         return
     st = st.add(node, p.name)
     orders: List[Sequence[Pattern]] = [p.inputs]

@@ -80,6 +80,7 @@ class OpPattern(Pattern):
     def __init__(self, ops: Iterable[str], inputs: Sequence[Pattern], name: Optional[str] = None,
                  index: int = 0, attrs: Optional[Dict[str, Constraint]] = None):
         self.ops = frozenset(ops)
+        self.label = "|".join(sorted(self.ops))
         self.inputs = list(inputs)
         self.name = name
         self.index = index
@@ -89,10 +90,6 @@ class OpPattern(Pattern):
         self.required = len(opt) - sum(opt)
         if any(opt[: self.required]):
             raise ValueError("optional inputs of %s must come last" % self.label)
-
-    @property
-    def label(self) -> str:
-        return "|".join(sorted(self.ops))
 
     def roots(self) -> FrozenSet[str]:
         return self.ops

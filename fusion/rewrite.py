@@ -125,13 +125,13 @@ class Builder:
         return Entry(self._place(Node("null", unique)))
 
 
-def _escape_reason(m: Match, users: Dict[int, List], heads: Set[int], exported: Set[int]) -> Optional[str]:
+def _escape_reason(m: Match, users: Dict[Node, List], heads: Set[int], exported: Set[int]) -> Optional[str]:
     inside = {id(n) for n in m.nodes}
     for nd in m.nodes:
         is_anchor = nd is m.anchor
         if id(nd) in exported:
             continue
-        for user, slot in users.get(id(nd), ()):
+        for user, slot in users.get(nd, ()):
             e = user.inputs[slot]
             if id(user) in inside or (is_anchor and e.index == 0):
                 continue
@@ -165,7 +165,7 @@ class _Pass:
         graph, ctx = self.graph, self.ctx
         pattern = _compiled(rule)
         roots = pattern.roots()
-        users = graph.consumers()
+        users: Any = None
         heads = {id(e.node) for e in graph.heads}
         rr = self.report.rule(rule)
         taken: Dict[int, str] = {}
@@ -180,6 +180,8 @@ class _Pass:
             for st in match_pattern(pattern, Entry(anchor), _State({}, ()), trace):
                 m = Match(anchor, st, ctx)
                 exported = {id(m.node(n)) for n in rule.exports if m.has(n)}
+                if users is None:
+                    users = graph.consumers()
                 reason = _escape_reason(m, users, heads, exported) or _head_reason(m, graph)
                 if reason is None:
                     owner = next((taken[id(n)] for n in m.nodes if id(n) in taken), None)
