@@ -70,7 +70,6 @@ def _run(args: argparse.Namespace) -> int:
     graph = read_graph(args.model)
     symbol = graph.to_symbol()
     arg, aux = read_params(args.params) if args.params else ({}, {})
-    validate_params(graph, symbol, arg, aux)
     unknown_inputs = [n for n in shapes if n not in symbol.list_arguments()]
     if unknown_inputs:
         raise FusionError("--shape names %s, which is not an input of the graph (inputs: %s)"
@@ -78,6 +77,7 @@ def _run(args: argparse.Namespace) -> int:
     given = [n for n in shapes if n in arg]
     if given:
         raise FusionError("--shape names %s, which is a parameter in the params file, not an input" % ", ".join(given))
+    validate_params(graph, symbol, arg, aux, shapes)
     paths = output_paths(args.output, args.model)
     protect = [args.model, args.params]
     for p in paths:

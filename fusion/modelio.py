@@ -66,7 +66,41 @@ def read_params(path: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     return arg, aux
 
 
-def validate_params(graph: Graph, symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any]) -> None:
+def _check_layer_shapes(graph: Graph, shapes: Mapping[str, Tuple[int, ...]]) -> None:
+    """Shapes MXNet cannot check without the input shape: weights against the layer's attributes."""
+    def expect(node, slot, want, what):
+        if slot >= len(node.inputs):
+            return
+        name = node.inputs[slot].node.name
+        got = shapes.get(name)
+        if got is None:
+            return
+        if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
+            shown = "(" + ", ".join("?" if w is None else str(w) for w in want) + ")"
+            raise ParamsError("parameter '%s' has shape %s but %s '%s' (%s) needs %s"
+                              % (name, tuple(got), node.op, node.name, what, shown))
+
+    for nd in graph.op_nodes():
+        if nd.op in ("Convolution", "Deconvolution"):
+            kernel = tuple(nd.param("kernel"))
+            nf, groups = nd.param("num_filter"), nd.param("num_group")
+            layout = str(nd.param("layout") or "")
+            if nd.op == "Convolution":
+                spatial = (None,) + kernel if not layout.endswith("C") else kernel + (None,)
+                expect(nd, 1, (nf,) + spatial, "num_filter=%d, kernel=%s" % (nf, kernel))
+            elif nf % groups == 0:
+                expect(nd, 1, (None, nf // groups) + kernel, "num_filter=%d, num_group=%d, kernel=%s" % (nf, groups, kernel))
+            if not nd.param("no_bias"):
+                expect(nd, 2, (nf,), "num_filter=%d" % nf)
+        elif nd.op == "FullyConnected":
+            nh = nd.param("num_hidden")
+            expect(nd, 1, (nh, None), "num_hidden=%d" % nh)
+            if not nd.param("no_bias"):
+                expect(nd, 2, (nh,), "num_hidden=%d" % nh)
+
+
+def validate_params(graph: Graph, symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any],
+                    input_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> None:
     """Check that params fit the graph: names, arg/aux kind, shapes, finite values, variances."""
     import mxnet as mx
 
@@ -83,10 +117,23 @@ def validate_params(graph: Graph, symbol: Any, arg: Mapping[str, Any], aux: Mapp
     if arg and missing_aux:
         raise ParamsError("auxiliary state(s) missing from params: %s" % ", ".join(missing_aux[:5]))
     shapes = {k: v.shape for k, v in list(arg.items()) + list(aux.items())}
+    _check_layer_shapes(graph, shapes)
     try:
-        symbol.infer_shape_partial(**shapes)
+        # MXNet's shape inference overrides some given shapes (e.g. BatchNorm's gamma) instead of
+        # refusing them, so compare what it infers from the inputs with what the params hold.
+        if input_shapes:
+            inferred = symbol.infer_shape(**input_shapes)
+        else:
+            inferred = symbol.infer_shape_partial(**shapes)
     except mx.base.MXNetError as e:
-        raise ParamsError("parameter shapes do not fit the graph: %s" % _first_line(str(e))) from None
+        what = "parameter and input shapes (--shape)" if input_shapes else "parameter shapes"
+        raise ParamsError("%s do not fit the graph: %s" % (what, _first_line(str(e)))) from None
+    names = symbol.list_arguments() + symbol.list_auxiliary_states()
+    for name, want in zip(names, list(inferred[0]) + list(inferred[2])):
+        got = shapes.get(name)
+        if got is not None and want and 0 not in want and tuple(want) != tuple(got):
+            raise ParamsError("parameter shapes do not fit the graph: '%s' has shape %s, the graph needs %s"
+                              % (name, tuple(got), tuple(want)))
     for name, value in list(arg.items()) + list(aux.items()):
         a = value.asnumpy()
         if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
@@ -102,7 +149,7 @@ def parse_shape(text: str) -> Tuple[str, Tuple[int, ...]]:
     """``"data=1,3,224,224"`` -> ("data", (1, 3, 224, 224))."""
     name, sep, dims = text.partition("=")
     try:
-        shape = tuple(int(d) for d in dims.replace("x", ",").split(",") if d.strip())
+        shape = tuple(int(d) for d in dims.split(",") if d.strip())
     except ValueError:
         shape = ()
     if not sep or not name.strip() or not shape or any(d <= 0 for d in shape):

@@ -1,0 +1,86 @@
+"""Shared test helpers.  Thread settings are applied before mxnet is imported (see fusion/_env.py)."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fusion import _env  # noqa: E402
+
+_env.configure_threads()
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+RTOL = 1e-4   # max|fused - original| / max|original|, fp32
+
+
+def random_params(sym, input_shapes, seed=0):
+    """Random arg/aux params for ``sym``: normal weights, BatchNorm stats with positive variance."""
+    import mxnet as mx
+
+    rng = np.random.default_rng(seed)
+    arg_shapes, _, aux_shapes = sym.infer_shape(**input_shapes)
+    arg = {}
+    for name, shape in zip(sym.list_arguments(), arg_shapes):
+        if name in input_shapes:
+            continue
+        if name.endswith("gamma"):
+            arg[name] = mx.nd.array(rng.uniform(0.5, 1.5, shape))
+        else:
+            arg[name] = mx.nd.array(rng.normal(0, 0.5, shape))
+    aux = {}
+    for name, shape in zip(sym.list_auxiliary_states(), aux_shapes):
+        if name.endswith("var"):
+            aux[name] = mx.nd.array(rng.uniform(0.5, 2.0, shape))
+        else:
+            aux[name] = mx.nd.array(rng.normal(0, 0.3, shape))
+    return arg, aux
+
+
+def fuse_and_check(sym, input_shapes, arg=None, aux=None, rtol=RTOL, **kwargs):
+    """Fuse with params (random ones unless given) and assert outputs match the original."""
+    import fusion
+
+    if arg is None:
+        arg, aux = random_params(sym, input_shapes)
+    result = fusion.fuse(sym, arg, aux, **kwargs)
+    v = fusion.verify(sym, result, (arg, aux), input_shapes)
+    assert v.max_rel <= rtol, (v, result.report.to_text())
+    return result
+
+
+def ops(result_or_sym):
+    """Op name -> count in a FusionResult's graph or a Symbol."""
+    from fusion.graph import Graph
+
+    g = result_or_sym.graph if hasattr(result_or_sym, "graph") else Graph.from_symbol(result_or_sym)
+    return g.count_ops()
+
+
+@pytest.fixture
+def tmp_model(tmp_path):
+    """Write a small Conv-BN-ReLU model to disk; returns (symbol path, params path)."""
+    def write(sym=None, arg=None, aux=None, name="model"):
+        import mxnet as mx
+
+        if sym is None:
+            sym = small_cnn()
+        if arg is None:
+            arg, aux = random_params(sym, {"data": (1, 3, 8, 8)})
+        sp, pp = tmp_path / (name + "-symbol.json"), tmp_path / (name + "-0000.params")
+        sym.save(str(sp))
+        mx.nd.save(str(pp), {**{"arg:" + k: v for k, v in arg.items()}, **{"aux:" + k: v for k, v in aux.items()}})
+        return sp, pp
+    return write
+
+
+def small_cnn():
+    import mxnet as mx
+
+    x = mx.sym.var("data")
+    y = mx.sym.Convolution(x, num_filter=4, kernel=(3, 3), pad=(1, 1), name="conv0")
+    y = mx.sym.BatchNorm(y, fix_gamma=False, eps=1e-5, name="bn0")
+    y = mx.sym.Activation(y, act_type="relu", name="relu0")
+    y = mx.sym.Convolution(y, num_filter=4, kernel=(1, 1), no_bias=True, name="conv1")
+    y = mx.sym.BatchNorm(y, name="bn1")
+    return mx.sym.Pooling(y, kernel=(1, 1), global_pool=True, pool_type="avg", name="pool")

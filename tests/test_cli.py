@@ -1,0 +1,145 @@
+"""mxfuse: writes fused models atomically; bad input gives one line, exit 2, nothing written."""
+import json
+import os
+import subprocess
+import sys
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+from fusion import cli
+
+from conftest import random_params, small_cnn
+
+
+def run_cli(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def written(folder):
+    return sorted(p for p in os.listdir(folder) if not p.startswith("model-"))
+
+
+def test_fuse_verify_and_report(tmp_model, tmp_path, capsys):
+    sp, pp = tmp_model()
+    out = tmp_path / "out" / "fused"
+    code, stdout, err = run_cli(capsys, sp, "--params", pp, "-o", out, "--shape", "data=1,3,8,8",
+                                "--verify", "--report", tmp_path / "r.json", "--explain")
+    assert code == 0, err
+    assert "conv_bn_act" in stdout and "OK" in stdout
+    sym = mx.sym.load(str(out) + "-symbol.json")
+    params = mx.nd.load(str(out) + "-0000.params")
+    assert "BatchNorm" not in sym.tojson()
+    assert set(params) == {"arg:" + n for n in sym.list_arguments() if n != "data"}
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["fused"] == 2 and report["verify"]["ok"]
+    assert not [p for p in os.listdir(tmp_path / "out") if p.startswith(".mxfuse-")]   # no temp files left
+
+
+def test_output_folder_keeps_model_name(tmp_model, tmp_path, capsys):
+    sp, pp = tmp_model(name="net")
+    code, _, err = run_cli(capsys, sp, "--params", pp, "-o", str(tmp_path / "o") + "/")
+    assert code == 0, err
+    assert sorted(os.listdir(tmp_path / "o")) == ["net-0000.params", "net-symbol.json"]
+
+
+def test_verify_mismatch_refuses_to_write(tmp_model, tmp_path, capsys, monkeypatch):
+    sp, pp = tmp_model()
+    real_fuse = cli.fuse
+
+    def broken_fuse(*a, **kw):
+        res = real_fuse(*a, **kw)
+        name = sorted(res.arg_params)[0]
+        res.arg_params[name] = res.arg_params[name] * 1.01
+        return res
+
+    monkeypatch.setattr(cli, "fuse", broken_fuse)
+    code, _, err = run_cli(capsys, sp, "--params", pp, "-o", tmp_path / "x", "--shape", "data=1,3,8,8", "--verify")
+    assert code == 1 and "nothing written" in err
+    assert not (tmp_path / "x-symbol.json").exists() and not (tmp_path / "x-0000.params").exists()
+
+
+def _mutated_json(tmp_path, mutate, name):
+    d = json.loads(small_cnn().tojson())
+    mutate(d)
+    p = tmp_path / (name + "-symbol.json")
+    p.write_text(json.dumps(d))
+    return p
+
+
+def _params_file(tmp_path, arg, aux):
+    p = tmp_path / ("bad%d-0000.params" % len(os.listdir(tmp_path)))
+    mx.nd.save(str(p), {**{"arg:" + k: v for k, v in arg.items()}, **{"aux:" + k: v for k, v in aux.items()}})
+    return p
+
+
+def _bad_inputs(tmp_path, tmp_model):
+    """(argv, expected message) for each kind of bad input."""
+    sp, pp = tmp_model()
+    arg, aux = random_params(small_cnn(), {"data": (1, 3, 8, 8)})
+    truncated = tmp_path / "trunc-symbol.json"
+    truncated.write_text(sp.read_text()[:200])
+    binary = tmp_path / "bin-symbol.json"
+    binary.write_bytes(b"\x89PNG\x00\xff\xfe")
+    short_params = tmp_path / "short-0000.params"
+    short_params.write_bytes(pp.read_bytes()[:100])
+    nan_arg = dict(arg, conv0_weight=mx.nd.array(np.full((4, 3, 3, 3), np.nan)))
+    neg_aux = dict(aux, bn0_moving_var=mx.nd.array([1.0, -0.5, 1.0, 1.0]))
+    wrong_shape = dict(arg, conv0_weight=mx.nd.ones((4, 3, 5, 5)))
+    return [
+        ([tmp_path / "missing-symbol.json"], "cannot read symbol file"),
+        ([truncated], "not valid JSON"),
+        ([binary], "not UTF-8"),
+        ([_mutated_json(tmp_path, lambda d: d["nodes"][2].__setitem__("inputs", [[77, 0, 0]]), "past")],
+         "points to node 77, past the node list"),
+        ([_mutated_json(tmp_path, lambda d: d["nodes"][2].__setitem__("op", "ConvolutionV9"), "unknown")], "unknown op(s) ConvolutionV9"),
+        ([sp, "--params", tmp_path / "nope.params"], "no such file"),
+        ([sp, "--params", short_params], "truncated or not an MXNet params file"),
+        ([sp, "--params", _params_file(tmp_path, dict(arg, extra_weight=mx.nd.ones(3)), aux)],
+         "'extra_weight' is not an argument of the graph"),
+        ([sp, "--params", _params_file(tmp_path, dict(arg, bn0_moving_mean=aux["bn0_moving_mean"]),
+                                       {k: v for k, v in aux.items() if k != "bn0_moving_mean"})],
+         "it is an auxiliary state"),
+        ([sp, "--params", _params_file(tmp_path, wrong_shape, aux)],
+         "'conv0_weight' has shape (4, 3, 5, 5) but Convolution 'conv0' (num_filter=4, kernel=(3, 3)) needs (4, ?, 3, 3)"),
+        ([sp, "--params", _params_file(tmp_path, dict(arg, bn0_gamma=mx.nd.ones(5)), aux), "--shape", "data=1,3,8,8"],
+         "parameter shapes do not fit the graph"),
+        ([sp, "--params", _params_file(tmp_path, nan_arg, aux)], "'conv0_weight' contains NaN"),
+        ([sp, "--params", _params_file(tmp_path, arg, neg_aux)], "negative moving variance in 'bn0_moving_var'"),
+        ([sp, "--params", pp, "--shape", "data=1,3,x"], "cannot parse --shape 'data=1,3,x'"),
+        ([sp, "--params", pp, "--shape", "data"], "cannot parse --shape"),
+        ([sp, "--params", pp, "--shape", "image=1,3,8,8", "--verify"], "not an input of the graph"),
+        ([sp, "--params", pp, "--verify"], "need the input shapes"),
+    ]
+
+
+def test_bad_inputs_one_line_exit_2_nothing_written(tmp_model, tmp_path, capsys):
+    cases = _bad_inputs(tmp_path, tmp_model)
+    before = sorted(os.listdir(tmp_path))
+    for argv, message in cases:
+        code, out, err = run_cli(capsys, *argv, "-o", tmp_path / "never")
+        assert code == 2, (argv, err)
+        assert message in err, (message, err)
+        assert err.count("\n") == 1 and "Traceback" not in err
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_never_writes_over_inputs(tmp_model, tmp_path, capsys):
+    sp, pp = tmp_model()
+    before = (sp.read_bytes(), pp.read_bytes())
+    code, _, err = run_cli(capsys, sp, "--params", pp, "-o", str(sp)[: -len("-symbol.json")])
+    assert code == 2 and "over an input file" in err
+    assert (sp.read_bytes(), pp.read_bytes()) == before
+
+
+def test_console_script_runs_without_traceback(tmp_path):
+    exe = os.path.join(os.path.dirname(sys.executable), "mxfuse")
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "fusion.cli"]
+    p = subprocess.run(cmd + [str(tmp_path / "missing.json"), "-o", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == ["mxfuse: error: cannot read symbol file '%s': No such file or directory"
+                                             % (tmp_path / "missing.json")]
