@@ -3,15 +3,29 @@
     import fusion
     result = fusion.fuse(sym, arg_params, aux_params)      # -> FusionResult
     print(result.report)
-    fusion.verify((sym, arg_params, aux_params), result, {"data": (1, 3, 224, 224)})
-"""
-from .api import FusionResult, fuse
-from .errors import FusionError, GraphError, ParamsError, VerificationError
-from .graph import Entry, Graph, Node
-from .report import FusionReport
-from .rule import Rule
-from .verify import VerifyResult, verify
+    fusion.verify((sym, arg_params, aux_params), result, input_shapes={"data": (1, 3, 224, 224)})
 
-__all__ = ["fuse", "FusionResult", "verify", "VerifyResult", "Graph", "Node", "Entry", "Rule",
+    net.hybridize(backend="fusion")                        # Gluon: fused on the first call
+
+Importing ``fusion`` sets ``OMP_NUM_THREADS`` (to the core count) and
+``MXNET_CPU_PARALLEL_SIZE`` when they are unset and mxnet is not imported
+yet: MXNet 1.9.1 otherwise runs on half the cores and slows down 1.3–4×
+after the first large NumPy conversion (see ``fusion/_env.py``).
+"""
+from . import _env
+
+_env.configure_threads()
+
+from .api import FusionResult, fuse  # noqa: E402
+from .backend import BACKEND, install as _install_backend  # noqa: E402
+from .errors import FusionError, GraphError, ParamsError, VerificationError  # noqa: E402
+from .graph import Entry, Graph, Node  # noqa: E402
+from .report import FusionReport  # noqa: E402
+from .rule import Rule  # noqa: E402
+from .verify import VerifyResult, verify  # noqa: E402
+
+_install_backend()
+
+__all__ = ["fuse", "FusionResult", "verify", "VerifyResult", "Graph", "Node", "Entry", "Rule", "BACKEND",
            "FusionReport", "FusionError", "GraphError", "ParamsError", "VerificationError"]
 __version__ = "0.1.0"

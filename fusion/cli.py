@@ -14,13 +14,9 @@ import os
 import sys
 from typing import List, Optional
 
-from . import _env
-
-_env.configure_threads()
-
-from .api import fuse  # noqa: E402
-from .errors import FusionError  # noqa: E402
-from .modelio import (output_paths, parse_shape, read_graph, read_params, validate_params,  # noqa: E402
+from .api import fuse
+from .errors import FusionError
+from .modelio import (output_paths, parse_shape, read_graph, read_params, validate_params,
                       write_model, write_text_atomic)
 
 

@@ -1,0 +1,126 @@
+"""The ``"fusion"`` backend for MXNet's partitioning API: ``hybridize(backend=...)`` and ``optimize_for``.
+
+After ``import fusion``::
+
+    net.hybridize(backend="fusion")                 # fused on the first call
+    net.optimize_for(x, backend="fusion")           # fused now
+    sym2 = sym.optimize_for("fusion", args, aux)    # plain symbols; new params are added to args
+
+MXNet 1.9.1 looks backends up in a C++ registry, so this module wraps
+``Symbol.optimize_for``: the backend name ``"fusion"`` runs :func:`fusion.fuse`,
+every other name goes to MXNet unchanged.  Like MXNet's own partitioners,
+new parameters (folded weights, under new names) are added to ``args`` and
+parameters the fused graph no longer uses are removed from ``args``/``aux``;
+a Gluon block then takes the new ones from there.
+
+Backend options (keyword arguments of ``hybridize``/``optimize_for`` in
+MXNet 1.9, e.g. ``hybridize(backend="fusion", mode="inference")``; a
+``backend_opts={...}`` dict as in MXNet 2.0 is accepted too): ``mode`` (``"inference"`` or
+``"training"``) and ``rules`` (names, comma-separated or a list).  Without
+``mode``, a Gluon block is fused for training when its graph is built under
+``autograd.record()`` in training mode — then only rewrites with a backward
+apply — and for inference otherwise; switching between the two rebuilds
+the cached graph.  The fused block's report is in ``block.fusion_report``.
+
+Folded weights are computed when the graph is built: after changing a
+block's parameters (``load_parameters``, training), call ``hybridize`` again
+so the next call rebuilds it.
+"""
+from __future__ import annotations
+
+import contextvars
+from typing import Any, Dict, Optional
+
+BACKEND = "fusion"
+
+_building_block: contextvars.ContextVar = contextvars.ContextVar("fusion_building_block", default=None)
+_installed = False
+
+
+def _mode_now() -> str:
+    import mxnet as mx
+    return "training" if mx.autograd.is_recording() and mx.autograd.is_training() else "inference"
+
+
+def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Optional[Dict[str, Any]] = None,
+                    mode: Optional[str] = None, rules: Any = None, **unused: Any):
+    """Fuse ``symbol``; update ``args``/``aux`` in place like MXNet's partitioners; return the new symbol."""
+    from .api import fuse
+
+    nested = unused.pop("backend_opts", None) or {}   # MXNet 2.0 spelling: hybridize(backend_opts={...})
+    mode, rules = nested.pop("mode", mode), nested.pop("rules", rules)
+    unused.update(nested)
+    if unused:
+        raise ValueError("unknown option(s) for backend '%s': %s (known: mode, rules)" % (BACKEND, ", ".join(sorted(unused))))
+    if isinstance(rules, str):
+        rules = [r.strip() for r in rules.split(",") if r.strip()]
+    block = _building_block.get()
+    if mode is None:
+        mode = _mode_now() if block is not None else "inference"
+    result = fuse(symbol, args or {}, aux or {}, rules=rules, mode=mode)
+    for store, new in ((args, result.arg_params), (aux, result.aux_params)):
+        if store is None:
+            if any(k not in (args or {}) for k in new):
+                raise RuntimeError("backend '%s' created new parameters; pass an args dict to optimize_for" % BACKEND)
+            continue
+        used = set(new)
+        for k in [k for k in store if k not in used and k in _param_names(symbol)]:
+            del store[k]
+        for k, v in new.items():
+            if k not in store:
+                store[k] = v
+    if block is not None:
+        block.fusion_report = result.report
+        block._fusion_mode = mode
+    return result.symbol
+
+
+def _param_names(symbol: Any) -> set:
+    return set(symbol.list_arguments()) | set(symbol.list_auxiliary_states())
+
+
+def install() -> None:
+    """Route backend ``"fusion"`` of ``Symbol.optimize_for`` and Gluon blocks to mxnet-fusion (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    import mxnet as mx
+    from mxnet.gluon import HybridBlock
+
+    original_optimize_for = mx.sym.Symbol.optimize_for
+
+    def optimize_for(self, backend, args=None, aux=None, ctx=None, shape_dict=None, type_dict=None,
+                     stype_dict=None, skip_infer=False, **kwargs):
+        if backend != BACKEND:
+            return original_optimize_for(self, backend, args, aux, ctx, shape_dict, type_dict,
+                                         stype_dict, skip_infer, **kwargs)
+        return optimize_symbol(self, args, aux, **kwargs)
+
+    optimize_for.__doc__ = original_optimize_for.__doc__
+    mx.sym.Symbol.optimize_for = optimize_for
+
+    original_build_cache = HybridBlock._build_cache
+    original_call_cached_op = HybridBlock._call_cached_op
+
+    def _build_cache(self, *args):
+        if self._backend == BACKEND and self._cached_graph and not hasattr(self, "_fusion_source_graph"):
+            self._fusion_source_graph = self._cached_graph   # a SymbolBlock's graph, kept to re-fuse from
+        token = _building_block.set(self if self._backend == BACKEND else None)
+        try:
+            return original_build_cache(self, *args)
+        finally:
+            _building_block.reset(token)
+
+    def _call_cached_op(self, *args):
+        opts = self._backend_opts or {}
+        if (self._backend == BACKEND and self._cached_op is not None
+                and "mode" not in opts and "mode" not in (opts.get("backend_opts") or {})
+                and getattr(self, "_fusion_mode", None) not in (None, _mode_now())):
+            self._clear_cached_op()      # fused for the other mode: retrace and fuse again
+            if hasattr(self, "_fusion_source_graph"):
+                self._cached_graph = self._fusion_source_graph
+        return original_call_cached_op(self, *args)
+
+    HybridBlock._build_cache = _build_cache
+    HybridBlock._call_cached_op = _call_cached_op
+    _installed = True

@@ -1,0 +1,135 @@
+"""Gluon door: hybridize(backend="fusion"), optimize_for, export, training under autograd."""
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, gluon
+
+import fusion
+from fusion.graph import Graph
+from fusion.testing import randomize_batchnorm
+
+RTOL = 1e-4
+
+
+def make_cnn(seed=0):
+    mx.random.seed(seed)
+    net = gluon.nn.HybridSequential()
+    with net.name_scope():
+        net.add(gluon.nn.Conv2D(8, 3, padding=1), gluon.nn.BatchNorm(), gluon.nn.Activation("relu"),
+                gluon.nn.Conv2D(8, 3, padding=1, use_bias=False), gluon.nn.BatchNorm(),
+                gluon.nn.GlobalAvgPool2D(), gluon.nn.Dense(5))
+    net.initialize(mx.init.Xavier())
+    net(mx.nd.zeros((1, 3, 8, 8)))
+    params = net.collect_params()
+    arg = {name: p.data() for name, p in params.items()}
+    randomize_batchnorm(arg, {}, seed)
+    for name, p in params.items():
+        p.set_data(arg[name])
+    return net
+
+
+def twin(seed=0):
+    """Two identical blocks: one plain, one to be fused."""
+    return make_cnn(seed), make_cnn(seed)
+
+
+def rel(a, b):
+    return float(np.abs(a.asnumpy() - b.asnumpy()).max() / np.abs(b.asnumpy()).max())
+
+
+def fused_ops(net):
+    return Graph.from_symbol(net._cached_graph[1]).count_ops()
+
+
+X = mx.nd.array(np.random.default_rng(0).standard_normal((2, 3, 8, 8)))
+
+
+@pytest.mark.parametrize("static_alloc", [False, True])
+def test_hybridize_backend(static_alloc):
+    ref, net = twin()
+    ref.hybridize()
+    net.hybridize(backend=fusion.BACKEND, static_alloc=static_alloc, static_shape=static_alloc)
+    assert rel(net(X), ref(X)) <= RTOL
+    assert "BatchNorm" not in fused_ops(net)
+    assert net.fusion_report.fused_count == 2
+    assert rel(net(X), ref(X)) <= RTOL     # second call runs the cached fused graph
+
+
+def test_optimize_for_then_export_and_reload(tmp_path):
+    ref, net = twin()
+    net.optimize_for(X, backend="fusion")
+    assert "BatchNorm" not in fused_ops(net)
+    net.export(str(tmp_path / "fused"))
+    sym_text = (tmp_path / "fused-symbol.json").read_text()
+    assert "BatchNorm" not in sym_text and "_folded_weight" in sym_text
+    loaded = gluon.SymbolBlock.imports(str(tmp_path / "fused-symbol.json"), ["data"],
+                                       str(tmp_path / "fused-0000.params"))
+    assert rel(loaded(X), ref(X)) <= RTOL
+
+
+def test_backend_opts_pass_through():
+    ref, net = twin()
+    net.hybridize(backend="fusion", backend_opts={"rules": "conv_bn"})
+    out = net(X)
+    assert rel(out, ref(X)) <= RTOL
+    assert set(r for r, rr in net.fusion_report.rules.items()) == {"conv_bn"}
+    _, net2 = twin()
+    net2.hybridize(backend="fusion", backend_opts={"mode": "training"})
+    net2(X)
+    assert "BatchNorm" in fused_ops(net2)
+
+
+def test_training_under_autograd_uses_no_inference_only_rewrite():
+    ref, net = twin()
+    ref.hybridize()
+    net.hybridize(backend="fusion")
+    grads = []
+    for block in (ref, net):
+        with autograd.record():
+            loss = block(X).sum()
+        loss.backward()
+        grads.append({k.split("_", 1)[1]: p.grad().asnumpy().copy() for k, p in block.collect_params().items()
+                      if p.grad_req != "null"})
+    assert net.fusion_report.mode == "training" and net.fusion_report.fused_count == 0
+    assert grads[0].keys() == grads[1].keys()
+    for k in grads[0]:
+        np.testing.assert_allclose(grads[1][k], grads[0][k], rtol=1e-4, atol=1e-5)
+    # back to inference: the block is fused again, with the (unchanged) moving statistics
+    assert rel(net(X), ref(X)) <= RTOL and net.fusion_report.mode == "inference"
+    assert "BatchNorm" not in fused_ops(net)
+
+
+def test_plain_symbol_optimize_for_updates_param_dicts():
+    net = make_cnn()
+    net.hybridize()
+    net(X)
+    sym = net._cached_graph[1]
+    params = {p.name: p.data() for p in net.collect_params().values()}
+    aux_names = set(sym.list_auxiliary_states())
+    args = {k: v for k, v in params.items() if k not in aux_names}
+    aux = {k: v for k, v in params.items() if k in aux_names}
+    before = set(args)
+    fused = sym.optimize_for("fusion", args, aux)
+    assert set(fused.list_arguments()) - {"data"} == set(args)
+    assert not aux and set(args) != before
+    v = fusion.verify(sym, (fused, args, aux), ({k: params[k] for k in before}, {k: params[k] for k in aux_names}),
+                      {"data": X.shape})
+    assert v.max_rel <= RTOL
+    with pytest.raises(ValueError, match="unknown option"):
+        sym.optimize_for("fusion", dict(args), {}, colour="blue")
+
+
+def test_other_backends_unchanged():
+    net = make_cnn()
+    net.hybridize()
+    net(X)
+    sym = net._cached_graph[1]
+    params = {p.name: p.data() for p in net.collect_params().values()}
+    aux_names = set(sym.list_auxiliary_states())
+    args = {k: v for k, v in params.items() if k not in aux_names}
+    aux = {k: v for k, v in params.items() if k in aux_names}
+    part = sym.optimize_for("MKLDNN", args, aux, shape_dict={"data": X.shape})
+    assert any(op.startswith("_sg_mkldnn") for op in Graph.from_symbol(part).count_ops())
+    ref, net2 = twin()
+    net2.hybridize(backend="MKLDNN")
+    assert rel(net2(X), ref(X)) <= RTOL
