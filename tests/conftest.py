@@ -14,15 +14,20 @@ import pytest  # noqa: E402
 RTOL = 1e-4   # max|fused - original| / max|original|, fp32
 
 
-def random_params(sym, input_shapes, seed=0):
-    """Random arg/aux params for ``sym``: normal weights, BatchNorm stats with positive variance."""
+def random_params(sym, input_shapes, seed=0, inputs=None):
+    """Random arg/aux params for ``sym``: normal weights, BatchNorm stats with positive variance.
+
+    ``inputs`` names the data inputs (default: the keys of ``input_shapes``, which may also
+    give shapes of parameters MXNet cannot infer).
+    """
     import mxnet as mx
 
     rng = np.random.default_rng(seed)
+    inputs = set(input_shapes if inputs is None else inputs)
     arg_shapes, _, aux_shapes = sym.infer_shape(**input_shapes)
     arg = {}
     for name, shape in zip(sym.list_arguments(), arg_shapes):
-        if name in input_shapes:
+        if name in inputs:
             continue
         if name.endswith("gamma"):
             arg[name] = mx.nd.array(rng.uniform(0.5, 1.5, shape))

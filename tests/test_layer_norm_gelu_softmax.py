@@ -1,0 +1,143 @@
+"""Decomposed LayerNorm / GELU / softmax → MXNet's built-in ops (patterns/layer_norm.py, gelu.py, softmax.py)."""
+import math
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+import fusion
+
+from conftest import fuse_and_check, ops, random_params
+
+S = mx.sym
+SHAPE = {"x": (2, 5, 16)}
+
+
+def ln_written(x, form, eps=1e-5, gamma=True, beta=True, axis=-1):
+    mean = S.mean(x, axis=axis, keepdims=True)
+    d = S.broadcast_sub(x, mean)
+    sq = S.square(d)
+    if form == "mul":
+        sq = d * d
+    elif form == "pow":
+        sq = d ** 2
+    elif form == "second_sub":                         # variance from a second x - mean node
+        sq = S.square(S.broadcast_sub(x, mean))
+    var = S.mean(sq, axis=axis, keepdims=True)
+    if form == "rsqrt":
+        y = S.broadcast_mul(d, S.rsqrt(var + eps))
+    elif form == "eps_param":
+        y = S.broadcast_div(d, S.sqrt(S.broadcast_add(var, S.var("eps_c", shape=(1,)))))
+    else:
+        y = S.broadcast_div(d, S.sqrt(var + eps))
+    if gamma:
+        y = S.broadcast_mul(S.var("gamma"), y)
+    if beta:
+        y = S.broadcast_add(y, S.var("beta"))
+    return y
+
+
+def ln_params(sym, shape, eps_value=1e-5):
+    arg, aux = random_params(sym, shape, inputs={"x"})
+    if "eps_c" in arg:
+        arg["eps_c"] = mx.nd.array([eps_value])
+    return arg, aux
+
+
+@pytest.mark.parametrize("form", ["square", "mul", "pow", "rsqrt", "eps_param", "second_sub"])
+def test_layer_norm_forms(form):
+    y = ln_written(S.var("x"), form)
+    arg, aux = ln_params(y, dict(SHAPE, gamma=(16,), beta=(16,), eps_c=(1,)) if form == "eps_param"
+                         else dict(SHAPE, gamma=(16,), beta=(16,)))
+    res = fuse_and_check(y, SHAPE, arg, aux)
+    assert ops(res) == {"LayerNorm": 1}, res.report.to_text()
+
+
+def test_layer_norm_axis_and_partial_affine():
+    y = ln_written(S.var("x"), "square", gamma=True, beta=False, axis=2)
+    arg, aux = random_params(y, dict(SHAPE, gamma=(1, 1, 16)), inputs={"x"})
+    res = fuse_and_check(y, SHAPE, arg, aux)
+    assert ops(res) == {"LayerNorm": 1}
+    assert res.graph.op_nodes()[0].attrs["axis"] == 2
+
+
+def test_layer_norm_refusals():
+    # variance over a different axis than the mean
+    x = S.var("x")
+    mean = S.mean(x, axis=-1, keepdims=True)
+    d = S.broadcast_sub(x, mean)
+    y = S.broadcast_add(S.broadcast_mul(S.broadcast_div(d, S.sqrt(S.mean(S.square(d), axis=1, keepdims=True) + 1e-5)),
+                                        S.var("gamma")), S.var("beta"))
+    arg, aux = random_params(y, dict(SHAPE, gamma=(16,), beta=(16,)), inputs={"x"})
+    res = fuse_and_check(y, SHAPE, arg, aux)
+    assert "LayerNorm" not in ops(res)
+    assert "different axes" in res.report.rules["layer_norm"].rejected[res.graph.nodes[-1].name]
+    # no params: γ's shape cannot be checked
+    res2 = fusion.fuse(ln_written(x, "square"))
+    assert "needs the value of 'gamma'" in list(res2.report.rules["layer_norm"].rejected.values())[0]
+
+
+def test_layer_norm_interior_used_outside():
+    x = S.var("x")
+    mean = S.mean(x, axis=-1, keepdims=True)
+    d = S.broadcast_sub(x, mean)
+    var = S.mean(S.square(d), axis=-1, keepdims=True)
+    y = S.broadcast_add(S.broadcast_mul(S.broadcast_div(d, S.sqrt(var + 1e-5)), S.var("gamma")), S.var("beta"))
+    out = S.Group([y, var])
+    arg, aux = random_params(out, dict(SHAPE, gamma=(16,), beta=(16,)), inputs={"x"})
+    res = fuse_and_check(out, SHAPE, arg, aux)
+    assert "LayerNorm" not in ops(res)
+    assert any("graph output" in r or "outside the match" in r for r in res.report.rules["layer_norm"].rejected.values())
+
+
+GELU_FORMS = {
+    "half_x": lambda x: (x * 0.5) * (S.erf(x / math.sqrt(2)) + 1),
+    "half_outside": lambda x: (x * (1 + S.erf(x * (1 / math.sqrt(2))))) * 0.5,
+    "half_bracket": lambda x: x * ((S.erf(x / math.sqrt(2)) + 1) * 0.5),
+    "split": lambda x: x * (0.5 + 0.5 * S.erf(x / math.sqrt(2))),
+    "bracket_first": lambda x: S.broadcast_mul(S.erf(x / math.sqrt(2)) + 1, x * 0.5),
+}
+
+
+@pytest.mark.parametrize("form", sorted(GELU_FORMS))
+def test_gelu_erf_forms(form):
+    y = GELU_FORMS[form](S.var("x"))
+    res = fuse_and_check(y, SHAPE, {}, {}, rtol=1e-5)
+    assert ops(res) == {"LeakyReLU": 1}, res.report.to_text(explain=True)
+
+
+def test_gelu_wrong_constant_refused():
+    x = S.var("x")
+    y = (x * 0.5) * (S.erf(x / 1.5) + 1)
+    res = fusion.fuse(y)
+    assert res.report.fused_count == 0
+    assert "not x/√2" in list(res.report.rules["gelu_erf"].rejected.values())[0]
+
+
+@pytest.mark.parametrize("shifted", [True, False])
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_softmax_written_out(shifted, axis):
+    x = S.var("x")
+    z = S.broadcast_sub(x, S.max(x, axis=axis, keepdims=True)) if shifted else x
+    e = S.exp(z)
+    y = S.broadcast_div(e, S.sum(e, axis=axis, keepdims=True))
+    res = fuse_and_check(y, SHAPE, {}, {}, rtol=1e-5)
+    assert ops(res) == {"softmax": 1}
+
+
+def test_softmax_shift_on_another_axis_is_part_of_the_input():
+    # exp(x - max over axis 1) / sum over axis -1 is softmax over -1 of the shifted value
+    x = S.var("x")
+    e = S.exp(S.broadcast_sub(x, S.max(x, axis=1, keepdims=True)))
+    y = S.broadcast_div(e, S.sum(e, axis=-1, keepdims=True))
+    res = fuse_and_check(y, SHAPE, {}, {}, rtol=1e-5)
+    assert ops(res) == {"max": 1, "broadcast_sub": 1, "softmax": 1}
+
+
+def test_softmax_over_two_axes_refused():
+    x = S.var("x")
+    e = S.exp(x)
+    y = S.broadcast_div(e, S.sum(e, axis=(1, 2), keepdims=True))
+    res = fuse_and_check(y, SHAPE, {}, {})
+    assert "softmax" not in ops(res)
+    assert "one axis" in list(res.report.rules["softmax"].rejected.values())[0]
