@@ -58,9 +58,17 @@ def random_inputs(symbol: Any, arg_params: Mapping[str, Any], input_shapes: Mapp
 
 
 def run(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any],
-        inputs: Mapping[str, np.ndarray], ctx: Any = None) -> List[np.ndarray]:
-    """Bind ``symbol`` for inference and return its outputs as NumPy arrays."""
-    exe = bind(symbol, arg_params, aux_params, inputs, ctx)
+        inputs: Mapping[str, np.ndarray], ctx: Any = None, subgraph: bool = False) -> List[np.ndarray]:
+    """Bind ``symbol`` for inference and return its outputs as NumPy arrays.
+
+    By default MXNet's oneDNN subgraph backend is off: verification compares the
+    arithmetic of the graphs, and MXNet 1.9.1's backend aborts the process on some
+    valid graphs (e.g. Convolution → BatchNorm over a non-channel axis).
+    """
+    from .bench import subgraph_backend
+
+    with subgraph_backend(subgraph):
+        exe = bind(symbol, arg_params, aux_params, inputs, ctx)
     return [o.asnumpy() for o in exe.forward(is_train=False)]
 
 
