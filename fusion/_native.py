@@ -26,8 +26,10 @@ CPU_LIB = "libmxfusion_ops.so"
 CUDA_LIB = "libmxfusion_cuda.so"
 REBUILD = "python -m fusion.build"
 
-CXXFLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-march=x86-64-v3", "-mtune=generic",
-            "-fno-math-errno", "-DNDEBUG", "-Wall", "-Wno-unused-function"]
+# x86-64-v3 = AVX2 + FMA (Haswell / Zen and newer); MXFUSION_MARCH overrides it.
+CXXFLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp",
+            "-march=" + os.environ.get("MXFUSION_MARCH", "x86-64-v3"), "-mtune=generic",
+            "-fno-math-errno", "-fno-trapping-math", "-DNDEBUG", "-Wall", "-Wno-unused-function"]
 NVCCFLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-cudart", "static",
              "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
 

@@ -59,13 +59,15 @@ def resolve_rules(rules: Optional[Iterable[Any]]) -> list:
 
 def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
          aux_params: Optional[Mapping[str, Any]] = None, *, rules: Optional[Iterable[Any]] = None,
-         mode: str = "inference") -> FusionResult:
+         mode: str = "inference", input_shapes: Optional[Mapping[str, Sequence[int]]] = None) -> FusionResult:
     """Fuse ``symbol`` with ``rules`` (default: the whole rule library) and return a FusionResult.
 
     ``arg_params``/``aux_params`` map names to NDArrays (or NumPy arrays); they
     enable parameter transforms such as BatchNorm folding.  Neither the symbol
     nor the arrays passed in are modified: folded parameters get new names and
     new arrays.  ``mode="training"`` applies only rewrites valid in training.
+    ``input_shapes`` (name -> shape of the data inputs) lets rules that need
+    tensor shapes (e.g. head layouts of attention) check them exactly.
     """
     if mode not in MODES:
         raise ValueError("mode must be one of %s, not %r" % (", ".join(MODES), mode))
@@ -74,20 +76,20 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _fuse(symbol, arg_params, aux_params, rules, mode)
+        return _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _fuse(symbol, arg_params, aux_params, rules, mode) -> FusionResult:
+def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes) -> FusionResult:
     start = time.perf_counter()
     graph = _as_graph(symbol)
     rule_list = resolve_rules(rules)
     report = FusionReport(mode=mode)
     graph.compact()
     report.nodes_before, report.ops_before = len(graph.nodes), len(graph.op_nodes())
-    ctx = Context(graph, arg_params or {}, aux_params or {}, mode)
+    ctx = Context(graph, arg_params or {}, aux_params or {}, mode, input_shapes)
     run_rules(graph, rule_list, ctx, report)
     report.nodes_after, report.ops_after = len(graph.nodes), len(graph.op_nodes())
     arg_out, aux_out = _collect_params(graph, ctx)

@@ -43,7 +43,8 @@ def _mode_now() -> str:
 
 
 def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Optional[Dict[str, Any]] = None,
-                    mode: Optional[str] = None, rules: Any = None, **unused: Any):
+                    mode: Optional[str] = None, rules: Any = None, shape_dict: Optional[Dict[str, Any]] = None,
+                    **unused: Any):
     """Fuse ``symbol``; update ``args``/``aux`` in place like MXNet's partitioners; return the new symbol."""
     from .api import fuse
 
@@ -57,13 +58,20 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
     block = _building_block.get()
     if mode is None:
         mode = _mode_now() if block is not None else "inference"
-    result = fuse(symbol, args or {}, aux or {}, rules=rules, mode=mode)
+    # Inputs are not parameters: a rule must never bake the current input into a weight.
+    data_names = set(shape_dict or {})
+    if block is not None and block._cached_graph:
+        data_names |= {s.name for s in block._cached_graph[0]}
+    params = {k: v for k, v in (args or {}).items() if k not in data_names}
+    shapes = {k: tuple(v) for k, v in (shape_dict or {}).items()}
+    shapes.update({k: tuple(v.shape) for k, v in (args or {}).items() if k in data_names})
+    result = fuse(symbol, params, aux or {}, rules=rules, mode=mode, input_shapes=shapes)
     for store, new in ((args, result.arg_params), (aux, result.aux_params)):
         if store is None:
             if any(k not in (args or {}) for k in new):
                 raise RuntimeError("backend '%s' created new parameters; pass an args dict to optimize_for" % BACKEND)
             continue
-        used = set(new)
+        used = set(new) | data_names
         for k in [k for k in store if k not in used and k in _param_names(symbol)]:
             del store[k]
         for k, v in new.items():
@@ -94,7 +102,7 @@ def install() -> None:
         if backend != BACKEND:
             return original_optimize_for(self, backend, args, aux, ctx, shape_dict, type_dict,
                                          stype_dict, skip_infer, **kwargs)
-        return optimize_symbol(self, args, aux, **kwargs)
+        return optimize_symbol(self, args, aux, shape_dict=shape_dict, **kwargs)
 
     optimize_for.__doc__ = original_optimize_for.__doc__
     mx.sym.Symbol.optimize_for = optimize_for

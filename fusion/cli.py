@@ -81,7 +81,7 @@ def _run(args: argparse.Namespace) -> int:
             raise FusionError("refusing to write '%s' over an input file; choose another -o" % p)
 
     rules = [r.strip() for r in args.rules.split(",") if r.strip()] if args.rules else None
-    result = fuse(symbol, arg, aux, rules=rules, mode=args.mode)
+    result = fuse(symbol, arg, aux, rules=rules, mode=args.mode, input_shapes=shapes)
     report = result.report
     status = 0
     if args.verify:

@@ -83,6 +83,7 @@ class Graph:
         self.heads = heads
         self.attrs = attrs if attrs is not None else {"mxnet_version": ["int", 10901]}
         self._users: Optional[Dict[Node, List[Tuple[Node, int]]]] = None
+        self.version = 0      # bumped by every compact(): caches keyed on it (consumers, shapes) go stale
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -243,6 +244,7 @@ class Graph:
     def compact(self) -> None:
         """Drop nodes no head reaches, order by position, renumber positions 0..n-1."""
         self._users = None
+        self.version += 1
         live = set()
         stack = [e.node for e in self.heads]
         while stack:

@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .graph import Entry, Node
-from .pattern import AnyOf, Const, OpPattern, Pattern, Var
+from .pattern import AnyOf, Chain, Const, OpPattern, Pattern, Var
 
 
 class _State:
@@ -102,6 +102,18 @@ def match_pattern(p: Pattern, entry: Entry, st: _State, trace: Trace,
     if isinstance(p, AnyOf):
         for alt in p.alternatives:
             yield from match_pattern(alt, entry, st, trace, parent, slot)
+        return
+    if isinstance(p, Chain):
+        chain = [entry]
+        while (len(chain) <= p.max_len and chain[-1].node.op in p.ops and len(chain[-1].node.inputs) == 1
+               and not any(n is chain[-1].node for n in st.nodes)):
+            chain.append(chain[-1].node.inputs[0])
+        for k in range(len(chain) - 1, -1, -1):     # longest chain first
+            st2 = st
+            for e in chain[:k]:
+                st2 = st2.add(e.node, None)
+            st2 = st2.bind(p.name, tuple(chain[:k]))
+            yield from match_pattern(p.inner, chain[k], st2, trace, chain[k - 1].node if k else parent, 0 if k else slot)
         return
     assert isinstance(p, OpPattern), p
     if node.op not in p.ops:

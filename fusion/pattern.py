@@ -120,6 +120,28 @@ class AnyOf(Pattern):
         return " | ".join(map(repr, self.alternatives))
 
 
+class Chain(Pattern):
+    """Zero or more single-input ops from ``ops`` applied on top of ``inner`` (longest first).
+
+    Binds ``name`` to the tuple of the chain's entries, outermost first (empty when
+    the chain has no op).  Used for layout shuffles (Reshape/transpose/...) whose
+    number and order vary between models; the rule's ``check`` judges what they do.
+    """
+
+    def __init__(self, ops: Iterable[str], inner: Pattern, name: str, max_len: int = 8):
+        self.ops = frozenset(ops)
+        self.inner = inner
+        self.name = name
+        self.max_len = max_len
+
+    def roots(self) -> FrozenSet[str]:
+        inner = self.inner.roots()
+        return self.ops | inner if inner else frozenset()
+
+    def __repr__(self) -> str:
+        return "Chain(%s, %r)" % ("|".join(sorted(self.ops)), self.inner)
+
+
 class _OpBuilder:
     """``op.Name(*inputs, name=..., **attrs)`` or ``op("A", "B")(*inputs, ...)``.
 

@@ -38,9 +38,13 @@ MAX_PASSES = 32
 class Context:
     """What rules may read besides the graph: the mode and parameter values."""
 
-    def __init__(self, graph: Graph, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any], mode: str):
+    def __init__(self, graph: Graph, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any], mode: str,
+                 input_shapes: Optional[Mapping[str, Sequence[int]]] = None):
         self.graph = graph
         self.mode = mode
+        self.input_shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
+        self._shapes: Optional[Dict[Entry, tuple]] = None
+        self._shapes_version = -1
         self.arg_params = dict(arg_params)
         self.aux_params = dict(aux_params)
         self._numpy: Dict[str, np.ndarray] = {}
@@ -70,6 +74,43 @@ class Context:
         arr.setflags(write=False)   # rules compute new arrays; the caller's stay untouched
         self._numpy[name] = arr
         return arr
+
+    def shape(self, entry: Entry) -> Optional[tuple]:
+        """The shape of ``entry`` when MXNet can infer it from the input shapes and params (else None)."""
+        if self._shapes is None or self._shapes_version != self.graph.version:
+            self._shapes = self._infer_shapes()
+            self._shapes_version = self.graph.version
+        return self._shapes.get(entry)
+
+    def _infer_shapes(self) -> Dict[Entry, tuple]:
+        import json
+
+        import mxnet as mx
+
+        g = self.graph
+        data = g.to_json()
+        known: Dict[str, tuple] = {}
+        for i, (jn, nd) in enumerate(zip(data["nodes"], g.nodes)):
+            jn["name"] = "__n%d" % i
+            if nd.is_variable:
+                v = self.value(Entry(nd))
+                shape = v.shape if v is not None else self.input_shapes.get(nd.name)
+                if shape:
+                    known[jn["name"]] = tuple(shape)
+        try:
+            internals = mx.sym.load_json(json.dumps(data)).get_internals()
+            _, out_shapes, _ = internals.infer_shape_partial(**known)
+        except Exception:       # an op without shape inference, or shapes that do not fit: no shapes
+            return {}
+        shapes: Dict[Entry, tuple] = {}
+        seen: Dict[int, int] = {}
+        for name, shape in zip(internals.list_outputs(), out_shapes):
+            idx = int(name[3:].split("_", 1)[0])
+            k = seen.get(idx, 0)
+            seen[idx] = k + 1
+            if shape and 0 not in shape:
+                shapes[Entry(g.nodes[idx], k)] = tuple(shape)
+        return shapes
 
     def unique_name(self, base: str) -> str:
         name = base
