@@ -190,5 +190,5 @@ RULES: List[Rule] = [
     ConvBN("conv_bn_add_act", 40, with_add=True),
     ConvBN("conv_bn_act", 30, with_act=True),
     ConvBN("conv_bn", 20),
-    ConvBN("dense_bn", 20, producer="dense"),
+    ConvBN("dense_bn", 85, producer="dense"),     # before dense_act turns the FullyConnected into fused_dense
 ]

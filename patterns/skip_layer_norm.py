@@ -1,0 +1,86 @@
+r"""Residual add followed by LayerNorm → ``fused_add_layer_norm``.
+
+Matched::
+
+    s = a + b                       elemwise_add | broadcast_add (b broadcast over a's leading axes)
+    y = LayerNorm(s, γ, β, axis=-1, eps=ε)
+
+Rewrite: ``y = fused_add_layer_norm(a, b, γ, β, eps=ε)`` — one pass over the rows
+instead of writing ``s`` and reading it back.  When ``s`` is also used elsewhere
+(pre-LN transformers carry it as the residual stream), the op also returns it
+(``output_sum=True``) and those uses read the second output.
+
+Refused: LayerNorm over an axis other than the last; a broadcast add whose shapes
+are unknown or where the first operand is the broadcast one in a way the op cannot
+take (its second input may only broadcast over the first's leading axes).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from fusion.graph import Entry
+from fusion.matcher import Match
+from fusion.pattern import Pattern, Var, op
+from fusion.rewrite import Builder
+from fusion.rule import Rule
+
+
+def _broadcasts_over_leading(big, small) -> bool:
+    small = tuple(small)
+    while small and small[0] == 1:
+        small = small[1:]
+    return len(small) <= len(big) and tuple(big[len(big) - len(small):]) == small
+
+
+class SkipLayerNorm(Rule):
+    name = "skip_layer_norm"
+    family = "skip_layer_norm"
+    key = "ln"
+    benefit = 70
+    exports = ("add",)
+    description = "residual add → LayerNorm → fused_add_layer_norm (optionally also returning the sum)"
+
+    def pattern(self) -> Pattern:
+        return op.LayerNorm(op.add(Var("a"), Var("b"), name="add"), Var("gamma"), Var("beta"), name="ln")
+
+    def _operands(self, m: Match):
+        """(a, b) in the order the op takes them, or a reason."""
+        add = m.node("add")
+        a, b = m["a"], m["b"]
+        if add.op == "elemwise_add" or a == b:
+            return a, b
+        sa, sb = m.ctx.shape(a), m.ctx.shape(b)
+        if sa is None or sb is None:
+            return "the shapes of the broadcast add are unknown (pass input shapes)"
+        if tuple(sa) == tuple(sb) or _broadcasts_over_leading(sa, sb):
+            return a, b
+        if _broadcasts_over_leading(sb, sa):
+            return b, a
+        return "add of shapes %s and %s broadcasts in a way fused_add_layer_norm cannot" % (sa, sb)
+
+    def check(self, m: Match) -> Optional[str]:
+        ln = m.node("ln")
+        axis = ln.param("axis")
+        if axis != -1:
+            shape = m.ctx.shape(Entry(ln))
+            if shape is None or axis != len(shape) - 1:
+                return "LayerNorm axis=%d is not known to be the last axis" % axis
+        if ln.param("output_mean_var"):
+            return "LayerNorm also returns its mean and variance"
+        ops = self._operands(m)
+        return ops if isinstance(ops, str) else None
+
+    def rewrite(self, m: Match, b: Builder):
+        a, bb = self._operands(m)
+        ln = m.node("ln")
+        users_outside = m.ctx.graph.consumers().get(m.node("add"), ())
+        need_sum = any(u is not ln for u, _ in users_outside) or any(e.node is m.node("add") for e in m.ctx.graph.heads)
+        attrs = {"eps": float(ln.param("eps")), "output_sum": need_sum}
+        out = b.op("fused_add_layer_norm", [a, bb, m["gamma"], m["beta"]], attrs=attrs, name=ln.name,
+                   num_outputs=2 if need_sum else 1)
+        if not need_sum:
+            return out
+        return {m.anchor_entry: out[0], Entry(m.node("add")): out[1]}
+
+
+RULES: List[Rule] = [SkipLayerNorm()]
