@@ -26,6 +26,26 @@ from .verify import VerifyResult, verify  # noqa: E402
 
 _install_backend()
 
+
+def _load_native_ops() -> None:
+    import os
+
+    from . import _native
+
+    try:
+        if os.environ.get("MXFUSION_AUTOBUILD") == "1":   # developers and the test suite: rebuild when stale
+            try:
+                _native.load()
+                return
+            except RuntimeError:
+                _native.build(cuda=False)
+        _native.load()
+    except RuntimeError as e:     # missing/stale library or no oneDNN: say how to fix it, in one line
+        raise ImportError("mxnet-fusion: %s" % e) from None
+
+
+_load_native_ops()
+
 __all__ = ["fuse", "FusionResult", "verify", "VerifyResult", "Graph", "Node", "Entry", "Rule", "BACKEND",
            "FusionReport", "FusionError", "GraphError", "ParamsError", "VerificationError"]
 __version__ = "0.1.0"

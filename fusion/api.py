@@ -51,8 +51,8 @@ def resolve_rules(rules: Optional[Iterable[Any]]) -> list:
         if isinstance(r, str):
             if r not in known:
                 raise FusionError("unknown rule %r (known: %s)" % (r, ", ".join(sorted(known))))
-            out.extend(known[r])
-        else:
+            out.extend(x for x in known[r] if x not in out)     # a family and one of its rules: once
+        elif r not in out:
             out.append(r)
     return out
 

@@ -62,6 +62,12 @@ class Trace:
         if len(st.nodes) > self.depth:
             self.depth, self._fmt, self._args = len(st.nodes), fmt, args
 
+    def snapshot(self) -> tuple:
+        return self.depth, self._fmt, self._args
+
+    def restore(self, snap: tuple) -> None:
+        self.depth, self._fmt, self._args = snap
+
     @property
     def reason(self) -> Optional[str]:
         if self._fmt is None:
@@ -100,13 +106,16 @@ def match_pattern(p: Pattern, entry: Entry, st: _State, trace: Trace,
             trace.fail(st, "%s: '%s' must be the same value as %r, found %r", _Lazy(lambda: _where(parent, slot)), p.name, bound, entry)
         return
     if isinstance(p, AnyOf):
+        # Failures of alternatives that lost to one that matched explain nothing: drop them.
+        snap = trace.snapshot()
         for alt in p.alternatives:
-            yield from match_pattern(alt, entry, st, trace, parent, slot)
+            for st2 in match_pattern(alt, entry, st, trace, parent, slot):
+                trace.restore(snap)
+                yield st2
         return
     if isinstance(p, Chain):
         chain = [entry]
-        while (len(chain) <= p.max_len and chain[-1].node.op in p.ops and len(chain[-1].node.inputs) == 1
-               and not any(n is chain[-1].node for n in st.nodes)):
+        while len(chain) <= p.max_len and chain[-1].node.op in p.ops and len(chain[-1].node.inputs) == 1:
             chain.append(chain[-1].node.inputs[0])
         for k in range(len(chain) - 1, -1, -1):     # longest chain first
             st2 = st
@@ -139,8 +148,12 @@ def match_pattern(p: Pattern, entry: Entry, st: _State, trace: Trace,
     orders: List[Sequence[Pattern]] = [p.inputs]
     if p.commutative:
         orders.append(p.inputs[::-1])
+    snap = trace.snapshot()
     for pats in orders:
-        yield from _match_inputs(pats, node, 0, st, trace)
+        for st2 in _match_inputs(pats, node, 0, st, trace):
+            if len(orders) > 1:
+                trace.restore(snap)
+            yield st2
 
 
 def _match_inputs(pats: Sequence[Pattern], node: Node, k: int, st: _State, trace: Trace) -> Iterator[_State]:

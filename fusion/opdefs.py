@@ -23,6 +23,8 @@ DEFAULTS: Dict[str, Dict[str, Any]] = {
     "Dropout": dict(p=0.5, mode="training", axes=()),
     "LayerNorm": dict(axis=-1, eps=1e-5, output_mean_var=False),
     "batch_dot": dict(transpose_a=False, transpose_b=False),
+    "_linalg_gemm2": dict(transpose_a=False, transpose_b=False, alpha=1.0, axis=-2),
+    "linalg_gemm2": dict(transpose_a=False, transpose_b=False, alpha=1.0, axis=-2),
 }
 
 # Binary ops whose two inputs may be swapped without changing the result.
@@ -38,6 +40,7 @@ ALIASES: Dict[str, FrozenSet[str]] = {
     "mul": frozenset({"elemwise_mul", "broadcast_mul", "_mul", "_Mul"}),
     "sub": frozenset({"elemwise_sub", "broadcast_sub", "broadcast_minus", "_sub", "_minus", "_Minus"}),
     "div": frozenset({"elemwise_div", "broadcast_div", "_div", "_Div"}),
+    "gemm2": frozenset({"linalg_gemm2", "_linalg_gemm2"}),
 }
 
 # Scalar-op forms: kind -> MXNet op taking (x, scalar=c).

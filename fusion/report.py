@@ -45,9 +45,13 @@ class FusionReport:
     def reject(self, rule: Any, anchor: str, key: str, reason: str) -> None:
         """Record a rejected candidate, once per family and key.
 
-        Variants run largest first, so a later rejection of the same key comes from a
-        smaller variant: its reason is the more fundamental one and replaces the earlier.
+        Variants run largest first, so a later rejection of the same key by another rule
+        of the family comes from a smaller variant: its reason is the more fundamental one
+        and replaces the earlier.  Within one rule, the first (largest) candidate's reason stays.
         """
+        owner = self._rejected_keys.get((rule.family or rule.name, key))
+        if owner is not None and owner[0] == rule.name:
+            return
         self.forget_rejections(rule, key)
         self._rejected_keys[(rule.family or rule.name, key)] = (rule.name, anchor)
         self.rule(rule).rejected[anchor] = reason

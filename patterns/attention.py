@@ -84,10 +84,10 @@ def _probabilities(scores: Pattern) -> Pattern:
 def core_pattern() -> Pattern:
     q = _scaled(Var("q"), "q_scale")
     qk = (op.batch_dot(q, Var("k"), name="qk", transpose_a=OneOf(False, None))
-          | op.linalg_gemm2(q, Var("k"), name="qk", transpose_a=OneOf(False, None)))
+          | op.gemm2(q, Var("k"), name="qk", transpose_a=OneOf(False, None)))
     p = _probabilities(qk)
     return (op.batch_dot(p, Var("v"), name="pv", transpose_a=OneOf(False, None), transpose_b=OneOf(False, None))
-            | op.linalg_gemm2(p, Var("v"), name="pv", transpose_a=OneOf(False, None), transpose_b=OneOf(False, None)))
+            | op.gemm2(p, Var("v"), name="pv", transpose_a=OneOf(False, None), transpose_b=OneOf(False, None)))
 
 
 def _scale_factor(m: Match, name: str) -> Tuple[Optional[float], Optional[str]]:
@@ -153,7 +153,7 @@ class Attention(Rule):
 
     def check(self, m: Match) -> Optional[str]:
         qk, pv = m.node("qk"), m.node("pv")
-        if qk.op == "linalg_gemm2" and pv.op == "linalg_gemm2":
+        if qk.op.endswith("linalg_gemm2") and pv.op.endswith("linalg_gemm2"):
             pass
         scale = 1.0
         for name in ("q_scale", "s_scale"):
@@ -161,7 +161,7 @@ class Attention(Rule):
             if reason:
                 return reason
             scale *= c
-        if pv.op == "linalg_gemm2" and float(pv.param("alpha", 1.0)) != 1.0:
+        if pv.op.endswith("linalg_gemm2") and float(pv.param("alpha", 1.0)) != 1.0:
             return "value product linalg_gemm2 with alpha=%g" % float(pv.param("alpha", 1.0))
         if m.has("mask_op") and m.has("length"):
             return "both a mask and softmax lengths: not supported together"
@@ -169,7 +169,7 @@ class Attention(Rule):
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
         qk = m.node("qk")
-        scale = float(qk.param("alpha", 1.0)) if qk.op == "linalg_gemm2" else 1.0
+        scale = float(qk.param("alpha", 1.0)) if qk.op.endswith("linalg_gemm2") else 1.0
         for name in ("q_scale", "s_scale"):
             scale *= _scale_factor(m, name)[0]
         k = m["k"]

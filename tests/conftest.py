@@ -4,6 +4,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+os.environ.setdefault("MXFUSION_AUTOBUILD", "1")    # build the fused-op library if missing or stale
+
 from fusion import _env  # noqa: E402
 
 _env.configure_threads()

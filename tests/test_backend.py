@@ -51,7 +51,7 @@ def test_hybridize_backend(static_alloc):
     net.hybridize(backend=fusion.BACKEND, static_alloc=static_alloc, static_shape=static_alloc)
     assert rel(net(X), ref(X)) <= RTOL
     assert "BatchNorm" not in fused_ops(net)
-    assert net.fusion_report.fused_count == 2
+    assert sum(len(net.fusion_report.rules[r].fused) for r in ("conv_bn", "conv_bn_act")) == 2
     assert rel(net(X), ref(X)) <= RTOL     # second call runs the cached fused graph
 
 
@@ -90,7 +90,8 @@ def test_training_under_autograd_uses_no_inference_only_rewrite():
         loss.backward()
         grads.append({k.split("_", 1)[1]: p.grad().asnumpy().copy() for k, p in block.collect_params().items()
                       if p.grad_req != "null"})
-    assert net.fusion_report.mode == "training" and net.fusion_report.fused_count == 0
+    assert net.fusion_report.mode == "training"
+    assert "BatchNorm" in fused_ops(net) or not net._cached_graph     # no folding while training
     assert grads[0].keys() == grads[1].keys()
     for k in grads[0]:
         np.testing.assert_allclose(grads[1][k], grads[0][k], rtol=1e-4, atol=1e-5)

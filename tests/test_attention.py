@@ -1,0 +1,275 @@
+"""Attention rules (patterns/attention.py): every written form fuses into one fused_attention, numbers unchanged."""
+import math
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+import fusion
+
+from conftest import fuse_and_check, ops, random_params
+
+S = mx.sym
+N, SQ, SK, D = 6, 5, 7, 8
+RULES = ["attention"]
+
+
+def qkv_vars():
+    return S.var("q"), S.var("k"), S.var("v")
+
+
+SHAPES = {"q": (N, SQ, D), "k": (N, SK, D), "v": (N, SK, D)}
+
+
+def check_fused(y, shapes, rules=RULES, arg=None, aux=None, rtol=1e-5, expect=None, **kw):
+    if arg is None:
+        arg, aux = random_params(y, shapes)
+    res = fuse_and_check(y, shapes, arg, aux, rtol=rtol, rules=rules, **kw)
+    counts = ops(res)
+    assert counts.get("fused_attention") == 1, res.report.to_text(explain=True)
+    if expect is not None:
+        assert counts == expect, counts
+    return res
+
+
+@pytest.mark.parametrize("scale", [
+    lambda s: s / math.sqrt(D),
+    lambda s: s * 0.3,
+    lambda s: S.broadcast_div(s, S.var("temp")),
+    lambda s: s,
+])
+def test_scores_scales(scale):
+    q, k, v = qkv_vars()
+    y = S.batch_dot(S.softmax(scale(S.batch_dot(q, k, transpose_b=True)), axis=-1), v)
+    arg = {"temp": mx.nd.array([2.5])}
+    check_fused(y, SHAPES, arg=arg, aux={}, expect={"fused_attention": 1})
+
+
+def test_scale_on_q_and_gemm2_alpha():
+    q, k, v = qkv_vars()
+    s = S.linalg_gemm2(q * 0.5, k, transpose_b=True, alpha=0.25)
+    y = S.linalg_gemm2(S.softmax(s, axis=-1), v)
+    res = check_fused(y, SHAPES, expect={"fused_attention": 1})
+    assert float(res.graph.op_nodes()[0].attrs["scale"]) == 0.125
+
+
+def test_k_given_transposed_gets_a_swap():
+    q, k, v = qkv_vars()
+    kt = S.var("kt")
+    y = S.batch_dot(S.softmax(S.batch_dot(q, kt) * 0.2, axis=-1), v)
+    check_fused(y, {"q": (N, SQ, D), "kt": (N, D, SK), "v": (N, SK, D)}, expect={"SwapAxis": 1, "fused_attention": 1})
+
+
+@pytest.mark.parametrize("mask_shape", [(N, SQ, SK), (N, 1, SK), (1, 1, SK)])
+def test_additive_mask(mask_shape):
+    q, k, v = qkv_vars()
+    s = S.broadcast_add(S.batch_dot(q, k, transpose_b=True) * 0.3, S.var("mask"))
+    y = S.batch_dot(S.Dropout(S.softmax(s, axis=-1), p=0.1), v)
+    check_fused(y, dict(SHAPES, mask=mask_shape), expect={"fused_attention": 1})
+
+
+def _attention_with(s_fn, extra_shapes, inputs):
+    q, k, v = qkv_vars()
+    y = S.batch_dot(s_fn(S.batch_dot(q, k, transpose_b=True) * 0.3), v)
+    return y, dict(SHAPES, **extra_shapes)
+
+
+def test_fully_masked_rows_match_unfused():
+    q, k, v = qkv_vars()
+    mask = np.zeros((N, SQ, SK), np.float32)
+    mask[0, 1, :] = -1e9          # one fully masked row
+    mask[1, :, 3:] = -1e9
+    s = S.broadcast_add(S.batch_dot(q, k, transpose_b=True) * 0.3, S.var("mask"))
+    y = S.batch_dot(S.softmax(s, axis=-1), v)
+    res = fusion.fuse(y, rules=RULES)
+    rng = np.random.default_rng(1)
+    inputs = {n: rng.standard_normal(shp).astype(np.float32) for n, shp in SHAPES.items()}
+    inputs["mask"] = mask
+    v_ = fusion.verify(y, res, ({}, {}), inputs=inputs)
+    assert v_.max_rel <= 1e-5 and ops(res) == {"fused_attention": 1}
+
+
+def test_boolean_mask_with_where():
+    q, k, v = qkv_vars()
+    s = S.batch_dot(q, k, transpose_b=True) / math.sqrt(D)
+    s = S.where(S.var("m"), s, S.ones_like(s) * -1e18)
+    y = S.batch_dot(S.softmax(s, axis=-1), v)
+    rng = np.random.default_rng(2)
+    inputs = {n: rng.standard_normal(shp).astype(np.float32) for n, shp in SHAPES.items()}
+    m = (rng.uniform(size=(N, SQ, SK)) > 0.3).astype(np.float32)
+    m[2, 0, :] = 0                 # fully masked row: uniform average of v, as unfused
+    inputs["m"] = m
+    res = fusion.fuse(y, rules=RULES)
+    assert ops(res) == {"fused_attention": 1}
+    assert fusion.verify(y, res, ({}, {}), inputs=inputs).max_rel <= 1e-5
+
+
+def test_valid_length_softmax():
+    q, k, v = qkv_vars()
+    s = S.batch_dot(q, k, transpose_b=True) * 0.3
+    y = S.batch_dot(S.softmax(s, S.var("len"), axis=-1, use_length=True), v)
+    rng = np.random.default_rng(3)
+    inputs = {n: rng.standard_normal(shp).astype(np.float32) for n, shp in SHAPES.items()}
+    lengths = rng.integers(0, SK + 1, size=(N, SQ)).astype(np.int32)
+    lengths[0, 0] = 0
+    res = fusion.fuse(y, rules=RULES)
+    assert ops(res) == {"fused_attention": 1}
+    import mxnet as mx_
+    exe_inputs = dict(inputs, len=lengths)
+    ref = S.Group([y]).bind(mx_.cpu(), {k_: mx_.nd.array(v_, dtype=v_.dtype) for k_, v_ in exe_inputs.items()}).forward()[0]
+    out = res.symbol.bind(mx_.cpu(), {k_: mx_.nd.array(v_, dtype=v_.dtype) for k_, v_ in exe_inputs.items()}).forward()[0]
+    np.testing.assert_allclose(out.asnumpy(), ref.asnumpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_training_mode_with_dropout_refused_without_dropout_allowed():
+    q, k, v = qkv_vars()
+    s = S.batch_dot(q, k, transpose_b=True) * 0.3
+    y = S.batch_dot(S.Dropout(S.softmax(s, axis=-1), p=0.1), v)
+    res = fusion.fuse(y, rules=RULES, mode="training")
+    assert res.report.fused_count == 0
+    assert "Dropout(p=0.1)" in list(res.report.rules["attention"].rejected.values())[0]
+    y2 = S.batch_dot(S.softmax(s, axis=-1), v)
+    assert fusion.fuse(y2, rules=RULES, mode="training").report.fused_count == 1
+
+
+def test_backward_matches_unfused():
+    q, k, v = qkv_vars()
+    y = S.batch_dot(S.softmax(S.batch_dot(q, k, transpose_b=True) * 0.3, axis=-1), v)
+    res = fusion.fuse(y, rules=RULES, mode="training")
+    rng = np.random.default_rng(4)
+    vals = {n: mx.nd.array(rng.standard_normal(shp)) for n, shp in SHAPES.items()}
+    grads = []
+    for sym in (y, res.symbol):
+        g = {n: mx.nd.zeros(shp) for n, shp in SHAPES.items()}
+        exe = sym.bind(mx.cpu(), dict(vals), args_grad=g)
+        exe.forward(is_train=True)
+        exe.backward(mx.nd.ones((N, SQ, D)))
+        grads.append({n: a.asnumpy() for n, a in g.items()})
+    for n in SHAPES:
+        np.testing.assert_allclose(grads[1][n], grads[0][n], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- refusals
+
+def test_scores_used_elsewhere_not_fused():
+    q, k, v = qkv_vars()
+    s = S.batch_dot(q, k, transpose_b=True) * 0.3
+    y = S.Group([S.batch_dot(S.softmax(s, axis=-1), v), s])
+    res = fusion.fuse(y, rules=RULES)
+    assert res.report.fused_count == 0
+    assert "graph output" in list(res.report.rules["attention"].rejected.values())[0]
+
+
+def test_non_constant_scale_not_fused():
+    q, k, v = qkv_vars()
+    s = S.broadcast_mul(S.batch_dot(q, k, transpose_b=True), S.exp(S.var("t")))
+    y = S.batch_dot(S.softmax(s, axis=-1), v)
+    res = fusion.fuse(y, rules=RULES)
+    assert res.report.fused_count == 0
+    assert "must be a parameter" in res.report.rules["attention"].near_misses[res.graph.nodes[-1].name]
+
+
+def test_softmax_over_wrong_axis_not_fused():
+    q, k, v = qkv_vars()
+    y = S.batch_dot(S.softmax(S.batch_dot(q, k, transpose_b=True), axis=1), S.var("v2"))
+    res = fusion.fuse(y, rules=RULES)
+    assert res.report.fused_count == 0
+    assert "axis 1" in list(res.report.rules["attention"].rejected.values())[0]
+
+
+# ---------------------------------------------------------------- multi-head layouts
+
+B, L, LK, H, HD = 2, 5, 7, 3, 4
+E = H * HD
+HEAD_RULES = ["attention", "attention_heads"]
+
+
+def split_std(t):
+    return S.reshape(S.transpose(S.reshape(t, shape=(0, 0, H, -1)), axes=(0, 2, 1, 3)), shape=(-3, 0, 0))
+
+
+def split_codes(t):
+    t = S.reshape(t, shape=(0, 0, -4, H, -1))
+    return S.reshape(S.swapaxes(t, dim1=1, dim2=2), shape=(-1, 0, 0), reverse=True)
+
+
+def merge_std(o):
+    return S.reshape(S.transpose(S.reshape(o, shape=(-4, -1, H, 0, 0)), axes=(0, 2, 1, 3)), shape=(0, 0, -3))
+
+
+def merge_codes(o):
+    return S.reshape(S.swapaxes(S.reshape(o, shape=(-1, H, 0, 0), reverse=True), dim1=1, dim2=2), shape=(0, 0, -1))
+
+
+def mha(split, merge, cross=False, mask=False):
+    x = S.var("x")
+    mem = S.var("mem") if cross else x
+    fc = lambda t, n: S.FullyConnected(t, num_hidden=E, flatten=False, name=n)
+    q, k, v = split(fc(x, "q")), split(fc(mem, "k")), split(fc(mem, "v"))
+    s = S.batch_dot(q, k, transpose_b=True) / math.sqrt(HD)
+    if mask:
+        s = S.broadcast_add(s, S.var("mask"))
+    return fc(merge(S.batch_dot(S.softmax(s, axis=-1), v)), "o")
+
+
+@pytest.mark.parametrize("split,merge", [(split_std, merge_std), (split_codes, merge_codes), (split_std, merge_codes)])
+def test_head_split_and_merge_disappear(split, merge):
+    y = mha(split, merge)
+    res = check_fused(y, {"x": (B, L, 10)}, rules=HEAD_RULES)
+    counts = ops(res)
+    assert counts == {"FullyConnected": 4, "fused_attention": 1}, counts
+    attn = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert attn.attrs["layout"] == "bshd" and attn.attrs["heads"] == H
+
+
+def test_cross_attention_with_mask():
+    y = mha(split_std, merge_std, cross=True, mask=True)
+    res = check_fused(y, {"x": (B, L, 10), "mem": (B, LK, 9), "mask": (B * H, 1, LK)}, rules=HEAD_RULES)
+    assert ops(res) == {"FullyConnected": 4, "fused_attention": 1}
+
+
+def test_packed_qkv_projection():
+    x = S.var("x")
+    qkv = S.FullyConnected(x, num_hidden=3 * E, flatten=False, name="qkv")
+    parts = S.split(qkv, num_outputs=3, axis=-1)
+    q, k, v = (split_std(parts[i]) for i in range(3))
+    y = merge_std(S.batch_dot(S.softmax(S.batch_dot(q, k, transpose_b=True) * 0.5, axis=-1), v))
+    res = check_fused(y, {"x": (B, L, 10)}, rules=HEAD_RULES)
+    assert ops(res) == {"FullyConnected": 1, "fused_attention": 1}
+    attn = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert attn.attrs["layout"] == "packed_qkv"
+
+
+def test_reshape_that_changes_head_order_is_not_folded():
+    def bad_split(t):            # (B, S, D, H): heads taken from the wrong factor of the width
+        return S.reshape(S.transpose(S.reshape(t, shape=(0, 0, -1, H)), axes=(0, 3, 1, 2)), shape=(-3, 0, 0))
+    y = mha(bad_split, merge_std)
+    res = fuse_and_check(y, {"x": (B, L, 10)}, rules=HEAD_RULES, rtol=1e-5)
+    assert ops(res)["fused_attention"] == 1 and ops(res).get("transpose")   # core fused, layout kept
+    reasons = list(res.report.rules["attention_heads"].rejected.values())
+    assert reasons and "not the head split" in reasons[0]
+
+
+def test_interleaved_selfatt_with_valid_length():
+    x = S.var("x")
+    qkv = S.FullyConnected(x, num_hidden=3 * E, flatten=False, name="qkv")      # (L, B, 3E)
+    s = S.contrib.interleaved_matmul_selfatt_qk(qkv, heads=H)
+    p = S.softmax(s, S.var("len"), axis=-1, use_length=True)
+    y = S.contrib.interleaved_matmul_selfatt_valatt(qkv, S.Dropout(p, p=0.1), heads=H)
+    rng = np.random.default_rng(5)
+    arg, aux = random_params(y, {"x": (L, B, 10), "len": (B * H, L)}, inputs={"x", "len"})
+    res = fusion.fuse(y, arg, aux, rules=["attention"])
+    assert ops(res) == {"FullyConnected": 1, "fused_attention": 1}, res.report.to_text()
+    inputs = {"x": rng.standard_normal((L, B, 10)).astype(np.float32),
+              "len": np.repeat(rng.integers(1, L + 1, size=(B * H, 1)), L, axis=1).astype(np.int32)}
+    assert fusion.verify(y, res, (arg, aux), inputs=inputs).max_rel <= 1e-5
+
+
+def test_interleaved_encdec():
+    x, mem = S.var("x"), S.var("mem")
+    q = S.FullyConnected(x, num_hidden=E, flatten=False, name="q")
+    kv = S.FullyConnected(mem, num_hidden=2 * E, flatten=False, name="kv")
+    s = S.contrib.interleaved_matmul_encdec_qk(q, kv, heads=H)
+    y = S.contrib.interleaved_matmul_encdec_valatt(kv, S.softmax(s, axis=-1), heads=H)
+    res = check_fused(y, {"x": (L, B, 10), "mem": (LK, B, 6)}, rules=["attention"])
+    assert ops(res) == {"FullyConnected": 2, "fused_attention": 1}
