@@ -1,0 +1,136 @@
+"""dense_act (FullyConnected + bias + activation → fused_dense) and skip_layer_norm (add + LayerNorm)."""
+import math
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+import fusion
+
+from conftest import fuse_and_check, ops, random_params
+
+S = mx.sym
+X3 = {"x": (2, 5, 12)}
+
+
+def fc(x, n=16, **kw):
+    return S.FullyConnected(x, num_hidden=n, name="fc", **kw)
+
+
+ACTS = {
+    "none": lambda z: z,
+    "relu": lambda z: S.Activation(z, act_type="relu"),
+    "sigmoid": lambda z: S.Activation(z, act_type="sigmoid"),
+    "tanh": lambda z: S.tanh(z),
+    "softrelu": lambda z: S.Activation(z, act_type="softrelu"),
+    "leaky": lambda z: S.LeakyReLU(z, act_type="leaky", slope=0.2),
+    "gelu": lambda z: S.LeakyReLU(z, act_type="gelu"),
+    "gelu_erf_written": lambda z: (z * 0.5) * (S.erf(z / math.sqrt(2)) + 1),
+    "gelu_tanh_written": lambda z: (z * 0.5) * (1 + S.tanh((z + 0.044715 * z ** 3) * math.sqrt(2 / math.pi))),
+}
+
+
+@pytest.mark.parametrize("act", sorted(ACTS))
+@pytest.mark.parametrize("flatten", [False, True])
+def test_dense_activation(act, flatten):
+    y = ACTS[act](fc(S.var("x"), flatten=flatten))
+    res = fuse_and_check(y, X3, rules=["dense_act"], rtol=2e-5)
+    assert ops(res) == {"fused_dense": 1}, res.report.to_text(explain=True)
+
+
+def test_separate_bias_add_is_folded_into_the_op():
+    z = fc(S.var("x"), no_bias=True, flatten=False)
+    y = S.Activation(S.broadcast_add(z, S.var("b2")), act_type="relu")
+    arg, aux = random_params(y, dict(X3, b2=(16,)), inputs={"x"})
+    res = fuse_and_check(y, X3, arg, aux, rules=["dense_act"])
+    assert ops(res) == {"fused_dense": 1}
+    assert "fc_fused_bias" in res.arg_params and "b2" not in res.arg_params
+
+
+def test_bias_and_extra_bias_are_summed():
+    y = S.broadcast_add(fc(S.var("x"), flatten=False), S.var("b2"))
+    arg, aux = random_params(y, dict(X3, b2=(1, 1, 16)), inputs={"x"})
+    res = fuse_and_check(y, X3, arg, aux, rules=["dense_act"])
+    assert ops(res) == {"fused_dense": 1}
+
+
+def test_bias_of_wrong_size_not_folded():
+    y = S.broadcast_add(fc(S.var("x"), flatten=False, no_bias=True), S.var("b2"))
+    arg, aux = random_params(y, dict(X3, b2=(5, 1)), inputs={"x"})
+    res = fuse_and_check(y, X3, arg, aux, rules=["dense_act"])
+    # the FullyConnected alone is still fused; the add stays
+    assert ops(res) == {"fused_dense": 1, "broadcast_add": 1}
+
+
+def test_prelu_not_fused_into_dense():
+    y = S.LeakyReLU(fc(S.var("x")), S.var("alpha"), act_type="prelu")
+    shapes = {"x": (4, 12)}
+    arg, aux = random_params(y, dict(shapes, alpha=(16,)), inputs={"x"})
+    res = fuse_and_check(y, shapes, arg, aux, rules=["dense_act"])
+    assert ops(res) == {"fused_dense": 1, "LeakyReLU": 1}
+
+
+def test_activation_output_shared_keeps_activation_outside():
+    z = fc(S.var("x"), flatten=False)
+    y = S.Group([S.relu(z), z])
+    res = fuse_and_check(y, X3, rules=["dense_act"])
+    assert ops(res) == {"fused_dense": 1, "relu": 1}
+
+
+def test_dense_backward_matches_unfused():
+    y = S.Activation(fc(S.var("x"), flatten=False), act_type="tanh")
+    arg, _ = random_params(y, X3)
+    res = fusion.fuse(y, arg, {}, rules=["dense_act"], mode="training")
+    assert ops(res) == {"fused_dense": 1}
+    x = mx.nd.array(np.random.default_rng(0).standard_normal(X3["x"]))
+    grads = []
+    for sym, params in ((y, arg), (res.symbol, res.arg_params)):
+        args = dict(params, x=x)
+        g = {k: mx.nd.zeros(v.shape) for k, v in args.items()}
+        exe = sym.bind(mx.cpu(), args, args_grad=g)
+        exe.forward(is_train=True)
+        exe.backward(mx.nd.ones(exe.outputs[0].shape))
+        grads.append({k: v.asnumpy() for k, v in g.items()})
+    for k in grads[0]:
+        np.testing.assert_allclose(grads[1][k], grads[0][k], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- skip_layer_norm
+
+def ln(s, name="ln"):
+    return S.LayerNorm(s, S.var(name + "_gamma"), S.var(name + "_beta"), name=name)
+
+
+@pytest.mark.parametrize("add", [S.elemwise_add, S.broadcast_add, lambda a, b: b + a])
+def test_add_layer_norm(add):
+    y = ln(add(S.var("a"), S.var("b")))
+    res = fuse_and_check(y, {"a": (3, 4, 16), "b": (3, 4, 16)}, rules=["skip_layer_norm"])
+    assert ops(res) == {"fused_add_layer_norm": 1}
+
+
+def test_broadcast_residual_with_shapes():
+    y = ln(S.broadcast_add(S.var("b"), S.var("a")))        # b (1, 4, 16) broadcasts over a's batch
+    shapes = {"a": (3, 4, 16), "b": (1, 4, 16)}
+    arg, aux = random_params(y, shapes)
+    res = fusion.fuse(y, arg, aux, rules=["skip_layer_norm"], input_shapes=shapes)
+    assert ops(res) == {"fused_add_layer_norm": 1}
+    assert fusion.verify(y, res, (arg, aux), shapes).max_rel <= 1e-5
+    unknown = fusion.fuse(y, arg, aux, rules=["skip_layer_norm"])
+    assert "shapes of the broadcast add are unknown" in list(unknown.report.rules["skip_layer_norm"].rejected.values())[0]
+
+
+def test_sum_reused_as_residual_comes_out_of_the_op():
+    s = S.var("a") + S.var("b")
+    h = ln(s)
+    y = S.Group([S.FullyConnected(h, num_hidden=16, flatten=False, name="f") + s])     # pre-LN residual stream
+    res = fuse_and_check(y, {"a": (2, 3, 16), "b": (2, 3, 16)}, rules=["skip_layer_norm"])
+    assert ops(res) == {"fused_add_layer_norm": 1, "FullyConnected": 1, "elemwise_add": 1}
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_add_layer_norm"][0]
+    assert node.attrs["output_sum"] is True
+
+
+def test_layer_norm_not_on_last_axis_refused():
+    y = S.LayerNorm(S.var("a") + S.var("b"), S.var("g"), S.var("be"), axis=1, name="ln")
+    res = fusion.fuse(y, rules=["skip_layer_norm"])
+    assert res.report.fused_count == 0
+    assert "axis=1" in list(res.report.rules["skip_layer_norm"].rejected.values())[0]
