@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .graph import Entry, Node
-from .pattern import AnyOf, Chain, Const, OpPattern, Pattern, Var
+from .pattern import AnyOf, Chain, Const, OpPattern, Pattern, Region, Var
 
 
 class _State:
@@ -51,9 +51,11 @@ class Trace:
     the message is only formatted when read.
     """
 
-    __slots__ = ("depth", "_fmt", "_args")
+    __slots__ = ("depth", "_fmt", "_args", "graph", "ctx")
 
-    def __init__(self) -> None:
+    def __init__(self, graph: Any = None, ctx: Any = None) -> None:
+        self.graph = graph      # for patterns that look at consumers (Region)
+        self.ctx = ctx
         self.depth = 0
         self._fmt: Optional[str] = None
         self._args: tuple = ()
@@ -124,6 +126,14 @@ def match_pattern(p: Pattern, entry: Entry, st: _State, trace: Trace,
             st2 = st2.bind(p.name, tuple(chain[:k]))
             yield from match_pattern(p.inner, chain[k], st2, trace, chain[k - 1].node if k else parent, 0 if k else slot)
         return
+    if isinstance(p, Region):
+        nodes = _grow_region(p, entry, trace)
+        if len(nodes) < p.min_nodes:
+            return
+        for n in nodes:
+            st = st.add(n, None)
+        yield st.bind(p.name, tuple(nodes))
+        return
     assert isinstance(p, OpPattern), p
     if node.op not in p.ops:
         trace.fail(st, "%s: expected %s, found %s '%s'", _Lazy(lambda: _where(parent, slot)), p.label,
@@ -154,6 +164,41 @@ def match_pattern(p: Pattern, entry: Entry, st: _State, trace: Trace,
             if len(orders) > 1:
                 trace.restore(snap)
             yield st2
+
+
+def _grow_region(p: Region, entry: Entry, trace: Trace) -> List[Node]:
+    anchor = entry.node
+    if entry.index != 0 or anchor.op == "null" or not p.member(anchor, trace.ctx):
+        return []
+    users = trace.graph.consumers()
+    heads = {id(e.node) for e in trace.graph.heads}
+    inside = {id(anchor)}
+    region = [anchor]
+
+    def external_inputs(nodes) -> set:
+        ids = {id(n) for n in nodes}
+        return {e for n in nodes for e in n.inputs if id(e.node) not in ids}
+
+    grown = True
+    while grown and len(region) < p.max_nodes:
+        grown = False
+        for nd in list(region):
+            for e in nd.inputs:
+                cand = e.node
+                if (id(cand) in inside or cand.op == "null" or e.index != 0
+                        or id(cand) in heads or not p.member(cand, trace.ctx)):
+                    continue
+                if any(id(u) not in inside for u, _ in users.get(cand, ())):
+                    continue
+                if len(external_inputs(region + [cand])) > p.max_inputs:
+                    continue
+                inside.add(id(cand))
+                region.append(cand)
+                grown = True
+                if len(region) >= p.max_nodes:
+                    break
+    region.sort(key=lambda n: n.pos)
+    return region
 
 
 def _match_inputs(pats: Sequence[Pattern], node: Node, k: int, st: _State, trace: Trace) -> Iterator[_State]:

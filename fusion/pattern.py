@@ -142,6 +142,28 @@ class Chain(Pattern):
         return "Chain(%s, %r)" % ("|".join(sorted(self.ops)), self.inner)
 
 
+class Region(Pattern):
+    """A maximal connected region of ops accepted by ``member(node, ctx)``, anchored at its output.
+
+    Grows backwards from the anchor over member producers whose outputs are used only
+    inside the region (so no interior value escapes and no cycle can form, as in TVM's
+    FuseOps), up to ``max_nodes`` ops and ``max_inputs`` distinct external inputs.
+    Binds ``name`` to the region's nodes in topological order; regions smaller than
+    ``min_nodes`` do not match.
+    """
+
+    def __init__(self, member: Callable[[Any, Any], bool], name: str, min_nodes: int = 2,
+                 max_nodes: int = 32, max_inputs: int = 8):
+        self.member = member
+        self.name = name
+        self.min_nodes = min_nodes
+        self.max_nodes = max_nodes
+        self.max_inputs = max_inputs
+
+    def __repr__(self) -> str:
+        return "Region(%s)" % self.name
+
+
 class _OpBuilder:
     """``op.Name(*inputs, name=..., **attrs)`` or ``op("A", "B")(*inputs, ...)``.
 

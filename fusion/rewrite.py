@@ -215,7 +215,7 @@ class _Pass:
         for anchor in reversed(graph.nodes):
             if anchor.is_variable or (roots and anchor.op not in roots) or id(anchor) in taken:
                 continue
-            trace = Trace()
+            trace = Trace(graph, ctx)
             first_reason = first_key = None
             accepted = None
             for st in match_pattern(pattern, Entry(anchor), _State({}, ()), trace):
