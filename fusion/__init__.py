@@ -16,7 +16,7 @@ from . import _env
 
 _env.configure_threads()
 
-from .api import FusionResult, fuse  # noqa: E402
+from .api import FusionResult, fuse, unfuse  # noqa: E402
 from .backend import BACKEND, install as _install_backend  # noqa: E402
 from .errors import FusionError, GraphError, ParamsError, VerificationError  # noqa: E402
 from .graph import Entry, Graph, Node  # noqa: E402
@@ -46,6 +46,6 @@ def _load_native_ops() -> None:
 
 _load_native_ops()
 
-__all__ = ["fuse", "FusionResult", "verify", "VerifyResult", "Graph", "Node", "Entry", "Rule", "BACKEND",
+__all__ = ["fuse", "unfuse", "FusionResult", "verify", "VerifyResult", "Graph", "Node", "Entry", "Rule", "BACKEND",
            "FusionReport", "FusionError", "GraphError", "ParamsError", "VerificationError"]
 __version__ = "0.1.0"

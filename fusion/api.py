@@ -113,3 +113,33 @@ def _collect_params(graph: Graph, ctx: Context):
                 # zero-copy: the array is ours (computed by a rule), contiguous and not used elsewhere
                 out[k] = mx.nd.from_numpy(np.ascontiguousarray(v), zero_copy=True)
     return arg_out, aux_out
+
+
+def unfuse(symbol: Any, input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
+           arg_params: Optional[Mapping[str, Any]] = None, aux_params: Optional[Mapping[str, Any]] = None):
+    """Rewrite every ``fused_*`` op of ``symbol`` back into stock MXNet ops; returns an ``mx.sym.Symbol``.
+
+    ``input_shapes`` (and the params, for their shapes) are needed only where the
+    stock form depends on a tensor's rank (attention masks given per head).
+
+    Parameter transforms stay applied (folded convolutions remain folded) and parameter
+    names are unchanged, so the fused model's params go with the result: it loads
+    where mxnet-fusion is not installed.
+    """
+    from patterns.unfuse import RULES
+
+    graph = _as_graph(symbol)
+    report = FusionReport(mode="inference")
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        run_rules(graph, RULES, Context(graph, arg_params or {}, aux_params or {}, "inference", input_shapes),
+                  report)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    left = sorted({n.op for n in graph.op_nodes() if n.op.startswith("fused_")})
+    if left:
+        reasons = "; ".join(r for rr in report.rules.values() for r in rr.rejected.values())
+        raise FusionError("cannot unfuse %s: %s" % (", ".join(left), reasons or "no stock form"))
+    return graph.to_symbol()

@@ -2,6 +2,9 @@
 
     mxfuse MODEL-symbol.json [--params MODEL-0000.params] -o OUT_PREFIX
            [--shape data=1,3,224,224 ...] [--verify] [--benchmark] [--explain] [--report report.json]
+    mxfuse model.onnx -o OUT_PREFIX [--shape ...] [--to-onnx fused.onnx]
+    mxfuse FUSED-symbol.json --params FUSED-0000.params --unfuse -o OUT_PREFIX
+    mxfuse MODEL_OR_DIR... -o OUTDIR [-j N] [--reports]       (batch: one process per model)
 
 Writes ``OUT_PREFIX-symbol.json`` and ``OUT_PREFIX-0000.params`` (``-o DIR/``
 keeps the model's name).  Exit status: 0 done, 1 verification failed (nothing
@@ -14,8 +17,9 @@ import os
 import sys
 from typing import List, Optional
 
-from .api import fuse
+from .api import FusionResult, fuse, unfuse
 from .errors import FusionError
+from .graph import Graph
 from .modelio import (output_paths, parse_shape, read_graph, read_params, validate_params,
                       write_model, write_text_atomic)
 
@@ -27,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mxfuse", description="Fuse operators of an exported MXNet model (Symbol JSON + params).")
-    p.add_argument("model", help="MODEL-symbol.json")
+    p.add_argument("model", help="MODEL-symbol.json, or an ONNX file (model.onnx)")
     p.add_argument("--params", help="MODEL-0000.params (needed for parameter transforms such as BatchNorm folding)")
     p.add_argument("-o", "--output", required=True, help="output prefix: writes OUT-symbol.json and OUT-0000.params; "
                    "a folder (ending in /) keeps the model's name")
@@ -41,11 +45,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=20, help="timed rounds of --benchmark (default 20)")
     p.add_argument("--explain", action="store_true", help="also list near-misses: partial matches and why they failed")
     p.add_argument("--report", metavar="FILE.json", help="write the report as JSON")
+    p.add_argument("--unfuse", action="store_true",
+                   help="rewrite fused_* ops back into stock MXNet ops (the result loads without mxnet-fusion)")
+    p.add_argument("--to-onnx", metavar="OUT.onnx",
+                   help="also export the fused model to ONNX, validated in ONNX Runtime (needs --shape)")
+    p.add_argument("--html", metavar="FILE.html", help="write a readable HTML report with drawings of both graphs")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    from .batch import is_batch, main_batch
+
+    if is_batch(argv):          # several inputs, or a directory: one process per model
+        return main_batch(argv)
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
@@ -63,9 +77,16 @@ def _run(args: argparse.Namespace) -> int:
     shapes = dict(parse_shape(s) for s in args.shape)
     if (args.verify or args.benchmark) and not shapes:
         raise FusionError("--verify and --benchmark need the input shapes: add --shape NAME=D1,D2,...")
-    graph = read_graph(args.model)
-    symbol = graph.to_symbol()
-    arg, aux = read_params(args.params) if args.params else ({}, {})
+    if args.model.lower().endswith(".onnx"):
+        if args.params:
+            raise FusionError("an ONNX file carries its own weights; drop --params")
+        from .onnx_io import import_onnx
+        symbol, arg, aux = import_onnx(args.model, input_shapes=shapes)
+        graph = Graph.from_symbol(symbol)
+    else:
+        graph = read_graph(args.model)
+        symbol = graph.to_symbol()
+        arg, aux = read_params(args.params) if args.params else ({}, {})
     unknown_inputs = [n for n in shapes if n not in symbol.list_arguments()]
     if unknown_inputs:
         raise FusionError("--shape names %s, which is not an input of the graph (inputs: %s)"
@@ -80,8 +101,15 @@ def _run(args: argparse.Namespace) -> int:
         if os.path.realpath(p) in {os.path.realpath(x) for x in protect if x}:
             raise FusionError("refusing to write '%s' over an input file; choose another -o" % p)
 
+    if args.to_onnx and not shapes:
+        raise FusionError("--to-onnx needs the input shapes: add --shape NAME=D1,D2,...")
     rules = [r.strip() for r in args.rules.split(",") if r.strip()] if args.rules else None
-    result = fuse(symbol, arg, aux, rules=rules, mode=args.mode, input_shapes=shapes)
+    if args.unfuse:
+        if args.rules or args.benchmark:
+            raise FusionError("--unfuse takes no --rules or --benchmark")
+        result = _unfused_result(symbol, arg, aux, shapes)
+    else:
+        result = fuse(symbol, arg, aux, rules=rules, mode=args.mode, input_shapes=shapes)
     report = result.report
     status = 0
     if args.verify:
@@ -98,12 +126,51 @@ def _run(args: argparse.Namespace) -> int:
         print("mxfuse: error: fused outputs differ from the original (max rel error %.3g > %.3g); nothing written"
               % (report.extra["verify"]["max_rel"], args.rtol), file=sys.stderr)
         return status
+    if args.to_onnx:
+        _export_onnx(result, shapes, args.to_onnx, protect, args.quiet)
     write_model(paths, result.symbol, result.arg_params, result.aux_params, protect=protect)
     if args.report:
         write_text_atomic(args.report, report.to_json(), protect=protect)
+    if args.html:
+        from .html_report import write_html
+        write_html(args.html, graph, result, title=os.path.basename(args.model),
+                   inputs=list(shapes) or None, protect=protect)
     if not args.quiet:
         print("wrote %s and %s" % paths)
     return 0
+
+
+def _unfused_result(symbol, arg, aux, shapes) -> FusionResult:
+    from .report import FusionReport
+
+    plain = unfuse(symbol, shapes, arg, aux)
+    g = Graph.from_symbol(symbol)
+    report = FusionReport(mode="inference", ops_before=len(g.op_nodes()), nodes_before=len(g.nodes))
+    g2 = Graph.from_symbol(plain)
+    report.ops_after, report.nodes_after = len(g2.op_nodes()), len(g2.nodes)
+    report.notes.append("unfused: every fused_* op rewritten into stock MXNet ops")
+    return FusionResult(plain, arg, aux, report, g2)
+
+
+def _export_onnx(result, shapes, path, protect, quiet: bool) -> None:
+    from .errors import GraphError
+    from .onnx_io import export_onnx
+
+    if os.path.realpath(path) in {os.path.realpath(p) for p in protect if p}:
+        raise FusionError("refusing to write '%s' over an input file" % path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    symbol = result.symbol
+    try:
+        v = export_onnx(symbol, result.arg_params, result.aux_params, shapes, path)
+    except GraphError as e:
+        if "fused_" not in str(e):
+            raise
+        # a fused op ONNX has no form for: export that model un-fused instead
+        symbol = unfuse(symbol, shapes, result.arg_params, result.aux_params)
+        v = export_onnx(symbol, result.arg_params, result.aux_params, shapes, path)
+        result.report.notes.append("ONNX export: %s; exported the un-fused form" % e)
+    if not quiet:
+        print("wrote %s (ONNX Runtime vs MXNet: %s)" % (path, v))
 
 
 def _benchmark(symbol, arg, aux, result, shapes, repeats: int) -> dict:

@@ -122,7 +122,7 @@ def validate_params(graph: Graph, symbol: Any, arg: Mapping[str, Any], aux: Mapp
         # MXNet's shape inference overrides some given shapes (e.g. BatchNorm's gamma) instead of
         # refusing them, so compare what it infers from the inputs with what the params hold.
         if input_shapes:
-            inferred = symbol.infer_shape(**input_shapes)
+            inferred = symbol.infer_shape(**shapes, **input_shapes)
         else:
             inferred = symbol.infer_shape_partial(**shapes)
     except mx.base.MXNetError as e:
@@ -169,6 +169,13 @@ def output_paths(out: str, model_path: str) -> Tuple[str, str]:
     return out + "-symbol.json", out + "-0000.params"
 
 
+def _umask_mode() -> int:
+    """The mode a plain open() would give a new file (mkstemp's temporaries are 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_model(prefix_paths: Tuple[str, str], symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any],
                 protect: Iterable[str] = ()) -> None:
     """Write symbol and params atomically; refuse to write over any path in ``protect``."""
@@ -193,6 +200,8 @@ def write_model(prefix_paths: Tuple[str, str], symbol: Any, arg: Mapping[str, An
         os.close(fd)
         temps.append(tmp_params)
         mx.nd.save(tmp_params, payload)
+        for t in temps:
+            os.chmod(t, _umask_mode())
         os.replace(tmp_params, params_path)
         os.replace(tmp_sym, sym_path)
         temps.clear()
@@ -213,6 +222,7 @@ def write_text_atomic(path: str, text: str, protect: Iterable[str] = ()) -> None
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         try:

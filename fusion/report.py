@@ -91,9 +91,15 @@ class FusionReport:
                     self.nodes_before, self.nodes_after, self.passes, self.seconds)]
         width = max([len(r.name) for r in self.rules.values()] + [4])
         lines.append("  %-*s  %6s  %8s  %13s  %6s" % (width, "rule", "fused", "rejected", "nodes removed", "params"))
+        quiet = []
         for r in self.rules.values():
+            if not (r.fused or r.rejected or (explain and r.near_misses)):
+                quiet.append(r.name)
+                continue
             lines.append("  %-*s  %6d  %8d  %13d  %6d" % (width, r.name, len(r.fused), len(r.rejected),
                                                            r.nodes_removed, r.params_added))
+        if quiet:
+            lines.append("  no candidates for: " + ", ".join(quiet))
         for r in self.rules.values():
             reasons: Dict[str, List[str]] = {}
             for anchor, reason in r.rejected.items():

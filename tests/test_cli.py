@@ -143,3 +143,24 @@ def test_console_script_runs_without_traceback(tmp_path):
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == ["mxfuse: error: cannot read symbol file '%s': No such file or directory"
                                              % (tmp_path / "missing.json")]
+
+
+def test_onnx_in_onnx_out_and_unfuse(tmp_path, capsys):
+    onnx_file = os.path.join(os.path.dirname(__file__), "data", "torch_tiny_bert.onnx")
+    shapes = ["--shape", "hidden_states=1,8,32", "--shape", "attention_mask=1,8"]
+    code, out, err = run_cli(capsys, onnx_file, "-o", tmp_path / "fused", "--verify", "--to-onnx",
+                             tmp_path / "fused.onnx", *shapes)
+    assert code == 0, err
+    assert "fused_attention" in (tmp_path / "fused-symbol.json").read_text()
+    assert (tmp_path / "fused.onnx").exists() and "ONNX Runtime vs MXNet" in out
+    code, out, err = run_cli(capsys, tmp_path / "fused-symbol.json", "--params", tmp_path / "fused-0000.params",
+                             "--unfuse", "-o", tmp_path / "plain", "--verify", *shapes)
+    assert code == 0, err
+    plain = json.loads((tmp_path / "plain-symbol.json").read_text())
+    assert not [n["op"] for n in plain["nodes"] if n["op"].startswith("fused_")]
+
+
+def test_onnx_with_params_is_an_error(tmp_path, capsys):
+    onnx_file = os.path.join(os.path.dirname(__file__), "data", "torch_tiny_bert.onnx")
+    code, _, err = run_cli(capsys, onnx_file, "--params", "x.params", "-o", tmp_path / "o")
+    assert code == 2 and "drop --params" in err
