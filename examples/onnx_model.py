@@ -130,7 +130,10 @@ def main():
     ap.add_argument("model", nargs="?", help="an ONNX file (default: a CNN built here and the BERT-layer fixture)")
     ap.add_argument("--shape", action="append", help="NAME=D1,D2,... for each input")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--quick", action="store_true", help="3 timed rounds (used by the tests)")
     args = ap.parse_args()
+    if args.quick:
+        args.repeats = 3
 
     if args.model:
         runs = [(os.path.basename(args.model), args.model, parse_shapes(args.shape))]

@@ -29,8 +29,12 @@ _install_backend()
 
 def _load_native_ops() -> None:
     import os
+    import sys
 
     from . import _native
+
+    if sys.argv[:1] == ["-m"] and "fusion.build" in getattr(sys, "orig_argv", ["fusion.build"]):
+        return                     # `python -m fusion.build` is what makes the library
 
     try:
         if os.environ.get("MXFUSION_AUTOBUILD") == "1":   # developers and the test suite: rebuild when stale

@@ -40,18 +40,57 @@ def _as_graph(symbol: Any) -> Graph:
     raise TypeError("fuse() takes an mx.sym.Symbol, Symbol JSON text or a Graph, not %s" % type(symbol).__name__)
 
 
+def load_user_rules(spec: str) -> list:
+    """Rules named ``"module:NAME"``: NAME is a Rule, a Rule subclass, or a list of them, in an importable module.
+
+    ``"module"`` alone takes the module's ``RULES`` list, like the files of the rule library.
+    """
+    import importlib
+    from .rule import Rule
+
+    import os
+    import sys
+
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:          # like `python -m`: modules beside the user are importable
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise FusionError("cannot import rule module '%s': %s" % (module_name, e)) from None
+    obj = getattr(module, attr or "RULES", None)
+    if obj is None:
+        raise FusionError("module '%s' has no %s" % (module_name, attr or "RULES"))
+    items = obj if isinstance(obj, (list, tuple)) else [obj]
+    out = []
+    for item in items:
+        if isinstance(item, type) and issubclass(item, Rule):
+            item = item()
+        if not isinstance(item, Rule):
+            raise FusionError("%s is not a fusion.Rule (got %s)" % (spec, type(item).__name__))
+        out.append(item)
+    return out
+
+
 def resolve_rules(rules: Optional[Iterable[Any]]) -> list:
-    """Rule objects from ``rules``: None (the default set), rule objects, or rule/family names."""
+    """Rule objects from ``rules``: None (the default set), rule objects, rule/family names,
+    ``"module:NAME"`` for rules of your own, and ``"default"`` for the whole library."""
     from patterns import default_rules, rules_by_name   # the rule library; fusion/ never imports it at load
 
     if rules is None:
         return default_rules()
     out, known = [], rules_by_name()
+    known["default"] = default_rules()
     for r in rules:
         if isinstance(r, str):
-            if r not in known:
-                raise FusionError("unknown rule %r (known: %s)" % (r, ", ".join(sorted(known))))
-            out.extend(x for x in known[r] if x not in out)     # a family and one of its rules: once
+            if ":" in r or (r not in known and "." in r):
+                items = load_user_rules(r)
+            elif r in known:
+                items = known[r]
+            else:
+                raise FusionError("unknown rule %r (known: %s; or module:NAME for your own)"
+                                  % (r, ", ".join(sorted(known))))
+            out.extend(x for x in items if x not in out)     # a family and one of its rules: once
         elif r not in out:
             out.append(r)
     return out
