@@ -10,6 +10,7 @@ Three rules, applied in this order in every pass:
     s  = s | s·c | s/c                                scalar ops or broadcast_mul/div by a 1-element Const
     s  = s | s + mask                                 additive mask (any broadcastable tensor)
        | where(m, s, c·ones_like(s) | zeros_like(s)+c)   boolean mask, fill value c
+                                                      (m may be broadcast_like(m', s): the kernel broadcasts m')
     p  = softmax(s, axis=-1) | softmax(s, len, axis=-1, use_length=True)
     p  = p | Dropout(p)                               identity at inference
     o  = batch_dot(p, v) | linalg_gemm2(p, v)
@@ -73,7 +74,9 @@ def _scaled(x: Pattern, name: str) -> Pattern:
 def _masked(s: Pattern) -> Pattern:
     fill = (scalar("mul", op.ones_like(s, name="fill_base"), name="fill")
             | scalar("add", op.zeros_like(s, name="fill_base"), name="fill"))
-    return op.add(s, Var("mask"), name="mask_op") | op.where(Var("mask"), s, fill, name="mask_op") | s
+    # broadcast_like(m, s) only borrows the scores' shape; the kernel broadcasts the mask itself
+    mask = op.broadcast_like(Var("mask"), s, name="mask_like") | Var("mask")
+    return op.add(s, mask, name="mask_op") | op.where(mask, s, fill, name="mask_op") | s
 
 
 def _probabilities(scores: Pattern) -> Pattern:
@@ -124,6 +127,11 @@ def _common_checks(m: Match) -> Optional[str]:
         p = float(m.node("dropout").param("p"))
         if p > 0:
             return "Dropout(p=%g) on the attention probabilities runs in training; fused_attention has no dropout" % p
+    if m.has("mask_like"):
+        bl = m.node("mask_like")
+        if bl.param("lhs_axes", None) != bl.param("rhs_axes", None):
+            return "broadcast_like of the mask maps axes %s to %s, not position by position" % (
+                bl.param("lhs_axes", None), bl.param("rhs_axes", None))
     if m.has("mask_op") and m.node("mask_op").op == "where":
         fill = m.node("fill")
         if float(fill.attrs["scalar"]) >= -1e4 and fill.op in ("_mul_scalar", "_plus_scalar"):
