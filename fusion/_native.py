@@ -40,7 +40,10 @@ def _mxnet_dir():
     import importlib.util
     spec = importlib.util.find_spec("mxnet")
     if spec is None or spec.origin is None:
-        raise RuntimeError("mxnet is not installed; it is needed to build the fused ops")
+        raise RuntimeError(
+            "mxnet is not importable here; building the fused ops needs its lib_api.h/.cc. "
+            "Under pip's build isolation add 'mxnet==1.9.1' to [build-system].requires "
+            "in pyproject.toml, or install with `pip install --no-build-isolation .`")
     return os.path.dirname(spec.origin)
 
 
@@ -103,12 +106,27 @@ def _build_one(cuda, lib_dir, verbose, jobs):
     if _is_current(lib, cuda):
         return lib
     os.makedirs(lib_dir, exist_ok=True)
+    # several processes (parallel test runs) may build at once: one builds, the rest wait
+    import fcntl
+    with open(lib + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if _is_current(lib, cuda):
+                return lib
+            return _compile(cuda, lib, verbose, jobs)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _compile(cuda, lib, verbose, jobs):
     mxdir = _mxnet_dir()
     inc = ["-I" + os.path.join(mxdir, "include"), "-I" + KERNEL_DIR,
            "-I" + os.path.join(KERNEL_DIR, "common")]
     srcs, _ = _sources(cuda)
     tag = "cuda" if cuda else "cpu"
     objdir = os.path.join(_REPO_DIR, "build", "mxfusion_" + tag)
+    tmp = "%s.%d.tmp" % (lib, os.getpid())
+    digest = source_hash(cuda)  # of the sources as they were when the compile started
     os.makedirs(objdir, exist_ok=True)
     if cuda:
         nvcc = nvcc_path()
@@ -119,7 +137,7 @@ def _build_one(cuda, lib_dir, verbose, jobs):
             cmds.append([nvcc] + NVCCFLAGS + inc + ["-x", "cu" if s.endswith(".cu") else "c++",
                                                      "-c", s, "-o", o])
             objs.append(o)
-        link = [nvcc] + NVCCFLAGS + ["-shared", "-o", lib + ".tmp"] + objs
+        link = [nvcc] + NVCCFLAGS + ["-shared", "-o", tmp] + objs
     else:
         srcs = srcs + [os.path.join(mxdir, "src", "lib_api.cc")]
         cmds, objs = [], []
@@ -128,13 +146,14 @@ def _build_one(cuda, lib_dir, verbose, jobs):
                              os.path.basename(s) + ".o")
             cmds.append(["g++"] + CXXFLAGS + inc + ["-c", s, "-o", o])
             objs.append(o)
-        link = ["g++", "-shared", "-fopenmp", "-o", lib + ".tmp"] + objs + ["-ldl"]
+        link = ["g++", "-shared", "-fopenmp", "-o", tmp] + objs + ["-ldl"]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as ex:
         list(ex.map(lambda c: _run(c, verbose), cmds))
     _run(link, verbose)
-    os.replace(lib + ".tmp", lib)
-    with open(_hash_file(lib), "w") as fh:
-        fh.write(source_hash(cuda) + "\n")
+    with open(tmp + ".sha256", "w") as fh:
+        fh.write(digest + "\n")
+    os.replace(tmp, lib)  # atomic: a process loading the library never sees half a file
+    os.replace(tmp + ".sha256", _hash_file(lib))
     return lib
 
 

@@ -83,6 +83,7 @@ class Graph:
         self.heads = heads
         self.attrs = attrs if attrs is not None else {"mxnet_version": ["int", 10901]}
         self._users: Optional[Dict[Node, List[Tuple[Node, int]]]] = None
+        self._by_op: Optional[Tuple[int, Dict[str, List[Node]]]] = None
         self.version = 0      # bumped by every compact(): caches keyed on it (consumers, shapes) go stale
 
     # ------------------------------------------------------------------ loading
@@ -229,6 +230,15 @@ class Graph:
         g.add_nodes_from(range(len(self.nodes)))
         g.add_edges_from((index[id(e.node)], i) for i, nd in enumerate(self.nodes) for e in nd.inputs)
         return g
+
+    def nodes_by_op(self) -> Dict[str, List[Node]]:
+        """op -> its nodes in topological order (cached until the next compact())."""
+        if self._by_op is None or self._by_op[0] != self.version:
+            index: Dict[str, List[Node]] = defaultdict(list)
+            for nd in self.nodes:
+                index[nd.op].append(nd)
+            self._by_op = (self.version, index)
+        return self._by_op[1]
 
     def count_ops(self) -> Dict[str, int]:
         counts: Dict[str, int] = {}

@@ -18,22 +18,23 @@ from .pattern import AnyOf, Chain, Const, OpPattern, Pattern, Region, Var
 
 
 class _State:
-    __slots__ = ("bindings", "nodes")
+    __slots__ = ("bindings", "nodes", "depth")
 
-    def __init__(self, bindings: Dict[str, Union[Node, Entry]], nodes: Tuple[Node, ...]):
+    def __init__(self, bindings: Dict[str, Union[Node, Entry]], nodes: Tuple[Node, ...], depth: int = 0):
         self.bindings = bindings
         self.nodes = nodes
+        self.depth = depth      # ops matched by op patterns (chains and regions do not count for near-misses)
 
     def bind(self, name: Optional[str], value: Union[Node, Entry]) -> "_State":
         if name is None:
             return self
         b = dict(self.bindings)
         b[name] = value
-        return _State(b, self.nodes)
+        return _State(b, self.nodes, self.depth)
 
-    def add(self, node: Node, name: Optional[str]) -> "_State":
+    def add(self, node: Node, name: Optional[str], core: bool = True) -> "_State":
         nodes = self.nodes if any(n is node for n in self.nodes) else self.nodes + (node,)
-        st = _State(self.bindings, nodes)
+        st = _State(self.bindings, nodes, self.depth + (1 if core else 0))
         return st.bind(name, node)
 
 
@@ -61,8 +62,8 @@ class Trace:
         self._args: tuple = ()
 
     def fail(self, st: _State, fmt: str, *args: Any) -> None:
-        if len(st.nodes) > self.depth:
-            self.depth, self._fmt, self._args = len(st.nodes), fmt, args
+        if st.depth > self.depth:
+            self.depth, self._fmt, self._args = st.depth, fmt, args
 
     def snapshot(self) -> tuple:
         return self.depth, self._fmt, self._args
@@ -122,7 +123,7 @@ def match_pattern(p: Pattern, entry: Entry, st: _State, trace: Trace,
         for k in range(len(chain) - 1, -1, -1):     # longest chain first
             st2 = st
             for e in chain[:k]:
-                st2 = st2.add(e.node, None)
+                st2 = st2.add(e.node, None, core=False)
             st2 = st2.bind(p.name, tuple(chain[:k]))
             yield from match_pattern(p.inner, chain[k], st2, trace, chain[k - 1].node if k else parent, 0 if k else slot)
         return
@@ -131,7 +132,7 @@ def match_pattern(p: Pattern, entry: Entry, st: _State, trace: Trace,
         if len(nodes) < p.min_nodes:
             return
         for n in nodes:
-            st = st.add(n, None)
+            st = st.add(n, None, core=False)
         yield st.bind(p.name, tuple(nodes))
         return
     assert isinstance(p, OpPattern), p

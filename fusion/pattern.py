@@ -153,12 +153,16 @@ class Region(Pattern):
     """
 
     def __init__(self, member: Callable[[Any, Any], bool], name: str, min_nodes: int = 2,
-                 max_nodes: int = 32, max_inputs: int = 8):
+                 max_nodes: int = 32, max_inputs: int = 8, ops: Iterable[str] = ()):
         self.member = member
+        self.ops = frozenset(ops)      # ops an anchor may have (empty: any); lets the engine skip the rest
         self.name = name
         self.min_nodes = min_nodes
         self.max_nodes = max_nodes
         self.max_inputs = max_inputs
+
+    def roots(self) -> FrozenSet[str]:
+        return self.ops
 
     def __repr__(self) -> str:
         return "Region(%s)" % self.name

@@ -212,8 +212,13 @@ class _Pass:
         taken: Dict[int, str] = {}
         matches: List[Match] = []
         nxg: Optional[nx.DiGraph] = None
-        for anchor in reversed(graph.nodes):
-            if anchor.is_variable or (roots and anchor.op not in roots) or id(anchor) in taken:
+        if roots:
+            by_op = graph.nodes_by_op()
+            anchors = sorted((n for op_name in roots for n in by_op.get(op_name, ())), key=lambda n: -n.pos)
+        else:
+            anchors = reversed(graph.nodes)
+        for anchor in anchors:
+            if anchor.is_variable or id(anchor) in taken:
                 continue
             trace = Trace(graph, ctx)
             first_reason = first_key = None

@@ -164,7 +164,7 @@ class Elementwise(Rule):
     description = "maximal regions of elementwise/broadcast/scalar ops → one fused_elemwise pass"
 
     def pattern(self) -> Pattern:
-        return Region(member, "region")
+        return Region(member, "region", ops=set(EXPR) | {"BatchNorm"})
 
     def check(self, m: Match) -> Optional[str]:
         region = m["region"]
