@@ -55,7 +55,8 @@ def library_path(cuda=False, lib_dir=None):
 def _sources(cuda):
     pats = ["*/*.cu"] if cuda else ["*/*.cc"]
     srcs = sorted(f for p in pats for f in glob.glob(os.path.join(KERNEL_DIR, p)))
-    deps = sorted(glob.glob(os.path.join(KERNEL_DIR, "*", "*.h")))
+    deps = sorted(glob.glob(os.path.join(KERNEL_DIR, "*", "*.h")) +
+                  (glob.glob(os.path.join(KERNEL_DIR, "*", "*.cuh")) if cuda else []))
     if cuda:  # the CUDA library reuses the expression parser
         srcs.append(os.path.join(KERNEL_DIR, "fused_elemwise", "expr_program.cc"))
     return srcs, deps

@@ -194,6 +194,24 @@ class _OpBuilder:
 op = _OpBuilder()
 
 
+def required_ops(p: Pattern) -> FrozenSet[FrozenSet[str]]:
+    """Groups of ops every match of ``p`` contains one of: a graph without some group cannot match."""
+    if isinstance(p, OpPattern):
+        groups = {p.ops}
+        for q in p.inputs:
+            if not (isinstance(q, Var) and q.optional_input):
+                groups |= required_ops(q)
+        return frozenset(groups)
+    if isinstance(p, AnyOf):
+        sets = [required_ops(a) for a in p.alternatives]
+        return frozenset.intersection(*sets) if sets else frozenset()
+    if isinstance(p, Chain):
+        return required_ops(p.inner)   # the chain may be empty, its inner pattern is always there
+    if isinstance(p, Region) and p.ops:
+        return frozenset({p.ops})
+    return frozenset()          # Var, Const, Region without ops
+
+
 def scalar(kind: str, x: Pattern, name: Optional[str] = None, **attrs: Constraint) -> OpPattern:
     """A scalar-op form, e.g. ``scalar("div", x, name="s")`` matches ``_div_scalar(x, scalar=c)``."""
     try:

@@ -30,6 +30,7 @@ from .attrs import Attrs
 from .errors import FusionError
 from .graph import Entry, Graph, Node
 from .matcher import Match, Trace, _State, match_pattern
+from .pattern import required_ops
 from .report import FusionReport
 
 MAX_PASSES = 32
@@ -204,7 +205,10 @@ class _Pass:
 
     def run_rule(self, rule) -> int:
         graph, ctx = self.graph, self.ctx
-        pattern = _compiled(rule)
+        pattern, required = _compiled(rule)
+        by_op = graph.nodes_by_op()
+        if any(not any(op_name in by_op for op_name in group) for group in required):
+            return 0            # an op every match needs is not in the graph
         roots = pattern.roots()
         users: Any = None
         heads = {id(e.node) for e in graph.heads}
@@ -213,7 +217,6 @@ class _Pass:
         matches: List[Match] = []
         nxg: Optional[nx.DiGraph] = None
         if roots:
-            by_op = graph.nodes_by_op()
             anchors = sorted((n for op_name in roots for n in by_op.get(op_name, ())), key=lambda n: -n.pos)
         else:
             anchors = reversed(graph.nodes)
@@ -319,7 +322,8 @@ def _compiled(rule) -> Any:
     key = id(rule)
     p = _PATTERNS.get(key)
     if p is None or p[0] is not rule:
-        p = _PATTERNS[key] = (rule, rule.pattern())
+        pattern = rule.pattern()
+        p = _PATTERNS[key] = (rule, (pattern, required_ops(pattern)))
     return p[1]
 
 
