@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
-#include <cstdio>
 #include <sstream>
 
 #include "mxf_common.h"
@@ -89,6 +88,21 @@ std::string shape_str(const std::vector<int64_t>& s) {
   o << ")";
   return o.str();
 }
+bool shape_unknown(const Shape& s) {
+  if (s.empty()) return true;
+  for (auto d : s)
+    if (d == static_cast<unsigned int>(-1)) return true;
+  return false;
+}
+
+void require_known_shapes(const std::vector<Shape>& in) {
+  for (size_t i = 0; i < in.size(); ++i)
+    if (shape_unknown(in[i]))
+      throw OpError("the shape of input " + std::to_string(i) + " is unknown; fused ops cannot "
+                    "infer input shapes, so give the shapes of all inputs (e.g. of the bound "
+                    "parameters) when binding");
+}
+
 int64_t numel(const std::vector<int64_t>& s) {
   int64_t n = 1;
   for (auto d : s) n *= d;

@@ -49,6 +49,11 @@ std::string attr_choice(const Attrs& a, const char* name, const char* dflt,
 std::string shape_str(const Shape& s);
 std::string shape_str(const std::vector<int64_t>& s);
 int64_t numel(const std::vector<int64_t>& s);
+// A shape MXNet has not inferred yet (no dims, or the unknown-dim marker).
+bool shape_unknown(const Shape& s);
+// MXNet 1.9's wrapper for library ops cannot infer input shapes backwards (and
+// mis-sizes its buffers when one is unknown), so every input shape must be known.
+void require_known_shapes(const std::vector<Shape>& in);
 
 void require_f32(const MXTensor& t, const char* what);
 
@@ -58,10 +63,11 @@ void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, float alph
            const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
            float* C, int64_t ldc);
 
-// exp accurate to ~2 ulp over the float range; written so GCC vectorizes it.
-// Cody-Waite range reduction + degree-6 polynomial; -inf -> 0, nan -> nan.
+// exp accurate to ~2 ulp for normal results; written so GCC vectorizes it.
+// Cody-Waite range reduction + Cephes polynomial; results below ~2.4e-38 (x < -86.6)
+// flush to 0; x > ln(FLT_MAX) -> inf; -inf -> 0, +inf -> inf, nan -> nan.
 static inline float fast_exp(float x) {
-  const float hi = 88.3762626647949f, lo = -88.3762626647949f;
+  const float hi = 88.72283935546875f, lo = -86.6f;  // hi = ln(FLT_MAX)
   float xc = x > hi ? hi : (x < lo ? lo : x);
   float fx = std::nearbyint(xc * 1.44269504088896341f);
   float r = xc - fx * 0.693359375f;
@@ -73,12 +79,13 @@ static inline float fast_exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t e = static_cast<int32_t>(fx) + 127;
+  // 2^fx built as 2^(fx-1) * 2 so that fx = 128 (x up to ln(FLT_MAX)) stays finite
+  int32_t e = static_cast<int32_t>(fx) + 126;
   union { int32_t i; float f; } u;
   u.i = e << 23;
-  float res = p * u.f;
-  res = x < lo ? 0.0f : (x > hi ? INFINITY : res);
-  return x != x ? x : res;
+  float res = p * u.f * 2.0f;
+  // NaN flows through the arithmetic (r is NaN), so it needs no select of its own
+  return x < lo ? 0.0f : (x > hi ? INFINITY : res);
 }
 
 }  // namespace mxf

@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -13,21 +14,27 @@ namespace mxf {
 namespace attn {
 namespace {
 
-constexpr int64_t BQ = 64;   // query rows per task
-constexpr int64_t BK = 256;  // keys per score tile
+// Tile sizes: query rows per task, keys per score tile.  MXFUSION_ATTN_BQ / _BK
+// override them (read when the library loads) for tuning on other machines.
+int64_t env_tile(const char* name, int64_t dflt) {
+  const char* v = std::getenv(name);
+  const int64_t t = v ? std::atoll(v) : 0;
+  return t >= 8 && t <= 4096 ? t : dflt;
+}
+const int64_t BQ = env_tile("MXFUSION_ATTN_BQ", 64);
+const int64_t BK = env_tile("MXFUSION_ATTN_BK", 256);
 const float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// Number of keys row `i` may see: valid length and causal limit combined.
-inline int64_t row_limit(const Params& p, const Geom& g, int64_t kend, int64_t i) {
+// Number of keys row `i` of head `n` may see: valid length and causal limit combined.
+inline int64_t row_limit(const Params& p, const Geom& g, const MaskView& m, int64_t n, int64_t i) {
+  int64_t kend = g.Sk;
+  if (m.kind == MaskKind::valid_length)
+    kend = std::max<int64_t>(0, std::min<int64_t>(g.Sk, m.lengths[n * g.Sq + i]));
   if (!p.causal) return kend;
   int64_t lim = i + (g.Sk - g.Sq) + 1;  // bottom-right aligned causal band
   return std::max<int64_t>(0, std::min(kend, lim));
 }
 
-inline int64_t key_end(const MaskView& m, const Geom& g, int64_t n) {
-  if (m.kind != MaskKind::valid_length) return g.Sk;
-  return std::max<int64_t>(0, std::min<int64_t>(g.Sk, m.lengths[n]));
-}
 
 // S[r, c] = scale * q_i . k_j, then mask; excluded columns (c >= lim[r]) untouched.
 void score_tile(const Params& p, const Geom& g, const MaskView& m, int64_t b, int64_t h,
@@ -53,10 +60,10 @@ void score_tile(const Params& p, const Geom& g, const MaskView& m, int64_t b, in
 }
 
 struct Scratch {
-  std::vector<float> S, P, O, m, l;
+  std::vector<float> S, O, m, l;
   std::vector<int64_t> lim;
   std::vector<char> touched;
-  Scratch(int64_t Dv) : S(BQ * BK), P(BQ * BK), O(BQ * std::max<int64_t>(Dv, 1)), m(BQ), l(BQ),
+  Scratch(int64_t Dv) : S(BQ * BK), O(BQ * std::max<int64_t>(Dv, 1)), m(BQ), l(BQ),
                         lim(BQ), touched(BQ) {}
 };
 
@@ -64,10 +71,10 @@ struct Scratch {
 // Also used by backward.  touched[r] says whether row r saw at least one key.
 void row_stats(const Params& p, const Geom& g, const MaskView& mk, int64_t n, int64_t i0,
                int64_t bq, Scratch& w) {
-  const int64_t b = n / g.H, h = n % g.H, kend = key_end(mk, g, n);
+  const int64_t b = n / g.H, h = n % g.H;
   int64_t kmax = 0;
   for (int64_t r = 0; r < bq; ++r) {
-    w.lim[r] = row_limit(p, g, kend, i0 + r);
+    w.lim[r] = row_limit(p, g, mk, n, i0 + r);
     w.m[r] = NEG_INF;
     w.l[r] = 0.f;
     w.touched[r] = w.lim[r] > 0;
@@ -94,10 +101,10 @@ void row_stats(const Params& p, const Geom& g, const MaskView& mk, int64_t n, in
 
 void forward_block(const Params& p, const Geom& g, const MaskView& mk, int64_t n, int64_t i0,
                    int64_t bq, Scratch& w) {
-  const int64_t b = n / g.H, h = n % g.H, kend = key_end(mk, g, n), Dv = g.Dv;
+  const int64_t b = n / g.H, h = n % g.H, Dv = g.Dv;
   int64_t kmax = 0;
   for (int64_t r = 0; r < bq; ++r) {
-    w.lim[r] = row_limit(p, g, kend, i0 + r);
+    w.lim[r] = row_limit(p, g, mk, n, i0 + r);
     w.m[r] = NEG_INF;
     w.l[r] = 0.f;
     w.touched[r] = w.lim[r] > 0;

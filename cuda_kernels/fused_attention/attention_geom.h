@@ -49,7 +49,7 @@ struct MaskView {
   MaskKind kind = MaskKind::none;
   const float* p = nullptr;
   int64_t sb = 0, sh = 0, sq = 0, sk = 0;  // strides for b, h, row, col
-  std::vector<int64_t> lengths;             // valid_length, per (b*H + h)
+  std::vector<int64_t> lengths;             // valid_length per (b*H + h, query row)
   const float* base(int64_t b, int64_t h) const { return p + b * sb + h * sh; }
 };
 void check_mask_shape(const Params& p, const Geom& g, const std::vector<int64_t>& ms);

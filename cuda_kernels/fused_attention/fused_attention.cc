@@ -1,8 +1,6 @@
 // fused_attention: out = softmax(scale * q k^T + mask) v, for several head layouts.
 // See README.md in this folder for the exact inputs, attributes and layouts.
 #include <cstring>
-#include <cstdio>
-#include <cstdlib>
 
 #include "attention_geom.h"
 
@@ -167,11 +165,12 @@ void bind_views(const Params& p, Geom* g, const std::vector<float*>& d, float* o
 void check_mask_shape(const Params& p, const Geom& g, const std::vector<int64_t>& ms) {
   const int64_t N = g.B * g.H;
   if (p.mask == MaskKind::valid_length) {
-    const int64_t n = numel(ms);
-    if (ms.size() != 1 || (n != N && n != g.B))
-      throw OpError("valid_length mask must have shape (" + std::to_string(N) + ",) (one per "
-                    "batch*head) or (" + std::to_string(g.B) + ",) (one per batch), got " +
-                    shape_str(ms));
+    const bool ok = (ms.size() == 1 || (ms.size() == 2 && ms[1] == g.Sq)) &&
+                    (ms[0] == N || ms[0] == g.B);
+    if (!ok)
+      throw OpError("valid_length must have shape (N,) or (N,Sq) with N = batch*heads = " +
+                    std::to_string(N) + " or N = batch = " + std::to_string(g.B) + ", Sq = " +
+                    std::to_string(g.Sq) + "; got " + shape_str(ms));
     return;
   }
   std::vector<int64_t> tgt = ms.size() == 4 ? std::vector<int64_t>{g.B, g.H, g.Sq, g.Sk}
@@ -194,10 +193,12 @@ MaskView mask_view(const Params& p, const Geom& g, const MXTensor* mask) {
   check_mask_shape(p, g, mask->shape);
   const auto& ms = mask->shape;
   if (p.mask == MaskKind::valid_length) {
-    const int64_t n = numel(ms), N = g.B * g.H;
-    m.lengths.resize(N);
-    for (int64_t i = 0; i < N; ++i) {
-      const int64_t src = n == N ? i : i / g.H;
+    const int64_t N = g.B * g.H, per_row = ms.size() == 2 ? 1 : 0;
+    m.lengths.resize(N * g.Sq);
+    for (int64_t i = 0; i < N * g.Sq; ++i) {
+      const int64_t n = i / g.Sq, row = i % g.Sq;
+      const int64_t nn = ms[0] == N ? n : n / g.H;
+      const int64_t src = per_row ? nn * g.Sq + row : nn;
       switch (mask->dtype) {
         case mxnet::ext::kFloat32: m.lengths[i] = (int64_t)static_cast<const float*>(mask->data_ptr)[src]; break;
         case mxnet::ext::kFloat64: m.lengths[i] = (int64_t)static_cast<const double*>(mask->data_ptr)[src]; break;
@@ -272,12 +273,24 @@ MXReturnValue infer_shape(const Attrs& a, std::vector<Shape>* in, std::vector<Sh
   return guarded("fused_attention", [&] {
     Params p = parse(a);
     const int nd = num_data_inputs(p.layout);
+    require_known_shapes(*in);
     auto s = to64(*in, in->size());
     Geom g = geometry(p, s);
     if (p.mask != MaskKind::none) check_mask_shape(p, g, s[nd]);
     auto o = out_shape(p, g, s);
     (*out)[0] = Shape(o.begin(), o.end());
   });
+}
+
+size_t dtype_bytes(int dt) {
+  switch (dt) {
+    case mxnet::ext::kFloat64:
+    case mxnet::ext::kInt64: return 8;
+    case mxnet::ext::kFloat16: return 2;
+    case mxnet::ext::kUint8:
+    case mxnet::ext::kInt8: return 1;
+    default: return 4;
+  }
 }
 
 std::vector<float*> data_ptrs(std::vector<MXTensor>& t, int nd) {
@@ -318,10 +331,7 @@ MXReturnValue backward_cpu(const Attrs& a, std::vector<MXTensor>* in,
     const int out_idx = 1 + nd + (has_mask ? 1 : 0);
     bind_views(p, &g, d, (*in)[out_idx].data<float>());
     MaskView m = mask_view(p, g, has_mask ? &(*in)[1 + nd] : nullptr);
-    for (auto& t : *out) std::memset(t.data_ptr, 0, t.size() * (t.dtype == mxnet::ext::kFloat64 ||
-                                                         t.dtype == mxnet::ext::kInt64 ? 8
-                                                         : t.dtype == mxnet::ext::kUint8 ||
-                                                         t.dtype == mxnet::ext::kInt8 ? 1 : 4));
+    for (auto& t : *out) std::memset(t.data_ptr, 0, t.size() * dtype_bytes(t.dtype));
     View dout = g.o;
     dout.p = (*in)[0].data<float>();
     std::vector<float*> gd;

@@ -1,0 +1,283 @@
+// fused_dense: y = act(x W^T + b), optionally written head-split as (B, H, S, D).
+//
+// Stateful op: the weight is kept transposed to (K, N) in the op state (dnnl_sgemm ran
+// ~1.05-2x faster with B in (K, N) row-major here), packed on the second call that sees
+// the same weight version and refreshed when MXNet reports a new version of the weight
+// array (MXTensor::verID) or a new buffer.
+// Plain output: one multi-threaded sgemm, then bias + activation over rows in parallel.
+// Head-split output: one OpenMP task per (batch, head) tile, a single-threaded sgemm
+// writing straight into (B, H, S, D), epilogue applied while the tile is in cache.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#include "act.h"
+#include "mxf_common.h"
+
+using namespace mxf;
+
+namespace {
+
+struct DenseParams {
+  bool no_bias, flatten, heads_out;
+  int64_t heads, num_hidden;
+  Act act;
+  float slope;
+};
+
+DenseParams parse(const Attrs& a) {
+  DenseParams p;
+  p.no_bias = attr_bool(a, "no_bias", false);
+  p.flatten = attr_bool(a, "flatten", true);
+  p.act = parse_act(a);
+  p.slope = attr_float(a, "slope", 0.25f);
+  p.num_hidden = attr_int(a, "num_hidden", -1);
+  p.heads_out = attr_choice(a, "out_layout", "plain", {"plain", "heads_bhsd"}) == "heads_bhsd";
+  p.heads = attr_int(a, "heads", 0);
+  if (p.heads_out) {
+    if (p.heads <= 0) throw OpError("out_layout='heads_bhsd' needs a positive attribute 'heads'");
+    if (p.flatten) throw OpError("out_layout='heads_bhsd' needs flatten=False");
+  }
+  return p;
+}
+
+struct Dims {
+  int64_t M, K, N;
+  std::vector<int64_t> out;
+};
+
+Dims dims(const DenseParams& p, const std::vector<int64_t>& xs, const std::vector<int64_t>& ws) {
+  if (ws.size() != 2) throw OpError("weight must be 2-D (num_hidden, K), got " + shape_str(ws));
+  if (xs.empty()) throw OpError("data must have rank >= 1");
+  Dims d;
+  d.N = ws[0];
+  if (p.num_hidden >= 0 && p.num_hidden != d.N)
+    throw OpError("num_hidden=" + std::to_string(p.num_hidden) + " but weight has " +
+                  std::to_string(d.N) + " rows");
+  if (p.flatten) {
+    d.M = xs[0];
+    d.K = 1;
+    for (size_t i = 1; i < xs.size(); ++i) d.K *= xs[i];
+    d.out = {xs[0], d.N};
+  } else {
+    d.K = xs.back();
+    d.M = numel(xs) / std::max<int64_t>(d.K, 1);
+    d.out.assign(xs.begin(), xs.end() - 1);
+    d.out.push_back(d.N);
+  }
+  if (d.K != ws[1])
+    throw OpError("data has K=" + std::to_string(d.K) + " input features but weight is " +
+                  shape_str(ws));
+  if (p.heads_out) {
+    if (xs.size() != 3) throw OpError("out_layout='heads_bhsd' needs data (B, S, K)");
+    if (d.N % p.heads)
+      throw OpError("num_hidden " + std::to_string(d.N) + " not divisible by heads " +
+                    std::to_string(p.heads));
+    d.out = {xs[0], p.heads, xs[1], d.N / p.heads};
+  }
+  return d;
+}
+
+MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
+  return guarded("fused_dense", [&] {
+    DenseParams p = parse(a);
+    *nin = p.no_bias ? 2 : 3;
+    *nout = 1;
+  });
+}
+
+MXReturnValue infer_type(const Attrs& a, std::vector<int>* in, std::vector<int>* out) {
+  return guarded("fused_dense", [&] {
+    for (size_t i = 0; i < in->size(); ++i)
+      if ((*in)[i] != mxnet::ext::kFloat32)
+        throw OpError("input " + std::to_string(i) + " must be float32");
+    (*out)[0] = mxnet::ext::kFloat32;
+  });
+}
+
+MXReturnValue infer_shape(const Attrs& a, std::vector<Shape>* in, std::vector<Shape>* out) {
+  return guarded("fused_dense", [&] {
+    DenseParams p = parse(a);
+    require_known_shapes(*in);
+    std::vector<int64_t> xs((*in)[0].begin(), (*in)[0].end()), ws((*in)[1].begin(), (*in)[1].end());
+    Dims d = dims(p, xs, ws);
+    if (!p.no_bias && !((*in)[2].size() == 1 && (*in)[2][0] == d.N))
+      throw OpError("bias must have shape (" + std::to_string(d.N) + ",), got " +
+                    shape_str((*in)[2]));
+    (*out)[0] = Shape(d.out.begin(), d.out.end());
+  });
+}
+
+class DenseOp : public mxnet::ext::CustomStatefulOp {
+ public:
+  explicit DenseOp(Attrs attrs) : attrs_(std::move(attrs)), p_(parse(attrs_)) {}
+
+  // The weight as the GEMM's B operand.  Packing (W^T, (K, N) row-major) pays off only
+  // when the same weight version is used again, so it happens on the second call that
+  // sees it (an executor / CachedOp); a one-off call (mx.nd) multiplies by W directly.
+  struct WeightView {
+    const float* p;
+    char trans;   // 'N': p is W^T (K, N);  'T': p is W (N, K)
+    int64_t ld;
+    const float* cols(int64_t n0, int64_t K) const { return trans == 'N' ? p + n0 : p + n0 * K; }
+  };
+
+  WeightView weight(MXTensor& w, int64_t N, int64_t K) {
+    std::lock_guard<std::mutex> lk(mu_);
+    const bool same = w.data_ptr == w_ptr_ && w.verID == w_ver_;
+    if (same && packed_) return {wt_.data(), 'N', N};
+    if (same) {  // second use of this weight version: pack it
+      wt_.resize(N * K);
+      const float* W = w.data<float>();
+#pragma omp parallel for schedule(dynamic, 4)
+      for (int64_t kb = 0; kb < K; kb += 64)
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t k = kb; k < std::min(K, kb + 64); ++k) wt_[k * N + n] = W[n * K + k];
+      packed_ = true;
+      return {wt_.data(), 'N', N};
+    }
+    w_ptr_ = w.data_ptr;
+    w_ver_ = w.verID;
+    packed_ = false;
+    return {w.data<float>(), 'T', K};
+  }
+
+  MXReturnValue Forward(std::vector<MXTensor>* in, std::vector<MXTensor>* out,
+                        const OpResource&) override {
+    return guarded("fused_dense", [&] {
+      for (auto& t : *in) require_f32(t, "fused_dense input");
+      Dims d = dims(p_, (*in)[0].shape, (*in)[1].shape);
+      const float* X = (*in)[0].data<float>();
+      const WeightView W = weight((*in)[1], d.N, d.K);
+      const float* bias = p_.no_bias ? nullptr : (*in)[2].data<float>();
+      float* Y = (*out)[0].data<float>();
+      run(d, X, W, bias, Y, (*in)[0].shape);
+    });
+  }
+
+  void run(const Dims& d, const float* X, const WeightView& W, const float* bias, float* Y,
+           const std::vector<int64_t>& xs) {
+    const int64_t M = d.M, N = d.N, K = d.K;
+    if (M == 0 || N == 0) return;
+    if (!p_.heads_out) {
+      // one multi-threaded sgemm, then bias + activation by rows (measured 3-14% faster
+      // than per-tile single-threaded sgemm calls on the BERT shapes)
+      sgemm('N', W.trans, M, N, K, 1.f, X, K, W.p, W.ld, 0.f, Y, N);
+#pragma omp parallel for schedule(dynamic, 4)
+      for (int64_t i = 0; i < M; ++i) {
+        float* row = Y + i * N;
+        if (bias)
+          for (int64_t j = 0; j < N; ++j) row[j] += bias[j];
+        act_forward(p_.act, p_.slope, row, N);
+      }
+      return;
+    }
+    // (batch, head) tiles written straight into (B, H, S, D)
+    const int64_t B = xs[0], S = xs[1], H = p_.heads, D = N / H;
+    std::string err;
+#pragma omp parallel for schedule(dynamic, 1) collapse(2)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h) {
+        float* C = Y + (b * H + h) * S * D;
+        try {
+          sgemm('N', W.trans, S, D, K, 1.f, X + b * S * K, K, W.cols(h * D, K), W.ld, 0.f, C, D);
+        } catch (const std::exception& e) {
+#pragma omp critical
+          err = e.what();
+          continue;
+        }
+        for (int64_t i = 0; i < S; ++i) {
+          float* row = C + i * D;
+          if (bias)
+            for (int64_t j = 0; j < D; ++j) row[j] += bias[h * D + j];
+          act_forward(p_.act, p_.slope, row, D);
+        }
+      }
+    if (!err.empty()) throw OpError(err);
+  }
+
+  // inputs: [dy, x, w, (b), y]; outputs: [dx, dw, (db)]
+  MXReturnValue Backward(std::vector<MXTensor>* in, std::vector<MXTensor>* out,
+                         const OpResource&) override {
+    return guarded("fused_dense backward", [&] {
+      MXTensor& xT = (*in)[1];
+      MXTensor& wT = (*in)[2];
+      Dims d = dims(p_, xT.shape, wT.shape);
+      const int64_t M = d.M, N = d.N, K = d.K;
+      const float* X = xT.data<float>();
+      const float* W = wT.data<float>();
+      const float* bias = p_.no_bias ? nullptr : (*in)[3].data<float>();
+      const float* dY = (*in)[0].data<float>();
+      const float* Yv = (*in)[p_.no_bias ? 3 : 4].data<float>();
+      std::vector<float> dz(M * N), ybuf, zbuf;
+      if (p_.heads_out) {  // bring (B,H,S,D) back to (B*S, H*D)
+        const int64_t B = xT.shape[0], S = xT.shape[1], H = p_.heads, D = N / H;
+        ybuf.resize(M * N);
+        std::vector<float> dyb(M * N);
+#pragma omp parallel for collapse(2)
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t s = 0; s < S; ++s)
+            for (int64_t h = 0; h < H; ++h)
+              for (int64_t j = 0; j < D; ++j) {
+                const int64_t src = ((b * H + h) * S + s) * D + j, dst = (b * S + s) * N + h * D + j;
+                ybuf[dst] = Yv[src];
+                dyb[dst] = dY[src];
+              }
+        Yv = ybuf.data();
+        dz.swap(dyb);
+        dY = dz.data();
+      }
+      const float* Z = nullptr;
+      if (act_needs_preactivation(p_.act)) {
+        zbuf.resize(M * N);
+        sgemm('N', 'T', M, N, K, 1.f, X, K, W, K, 0.f, zbuf.data(), N);
+        if (bias) {
+#pragma omp parallel for
+          for (int64_t i = 0; i < M; ++i)
+            for (int64_t j = 0; j < N; ++j) zbuf[i * N + j] += bias[j];
+        }
+        Z = zbuf.data();
+      }
+      std::vector<float> dzz(M * N);
+#pragma omp parallel for
+      for (int64_t i = 0; i < M; ++i)
+        act_backward(p_.act, p_.slope, Z ? Z + i * N : nullptr, Yv + i * N, dY + i * N,
+                     dzz.data() + i * N, N);
+      sgemm('N', 'N', M, K, N, 1.f, dzz.data(), N, W, K, 0.f, (*out)[0].data<float>(), K);
+      sgemm('T', 'N', N, K, M, 1.f, dzz.data(), N, X, K, 0.f, (*out)[1].data<float>(), K);
+      if (!p_.no_bias) {
+        float* db = (*out)[2].data<float>();
+        std::fill(db, db + N, 0.f);
+        for (int64_t i = 0; i < M; ++i)
+          for (int64_t j = 0; j < N; ++j) db[j] += dzz[i * N + j];
+      }
+    });
+  }
+
+ private:
+  Attrs attrs_;
+  DenseParams p_;
+  std::mutex mu_;
+  std::vector<float> wt_;
+  void* w_ptr_ = nullptr;
+  size_t w_ver_ = static_cast<size_t>(-1);
+  bool packed_ = false;
+};
+
+MXReturnValue create_state(const Attrs& a, const mxnet::ext::MXContext&,
+                           const std::vector<Shape>&, const std::vector<int>,
+                           mxnet::ext::CustomStatefulOp** op) {
+  return guarded("fused_dense", [&] {
+    *op = mxnet::ext::CustomStatefulOp::create<DenseOp>(a);
+  });
+}
+
+}  // namespace
+
+REGISTER_OP(fused_dense)
+    .setParseAttrs(parse_attrs)
+    .setInferType(infer_type)
+    .setInferShape(infer_shape)
+    .setCreateOpState(create_state, "cpu");

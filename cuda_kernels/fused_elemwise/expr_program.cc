@@ -1,0 +1,163 @@
+// Recursive-descent parser for the fused_elemwise expression language -> SSA bytecode.
+#include "expr_program.h"
+
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+
+namespace mxf {
+namespace expr {
+
+namespace {
+struct OpInfo {
+  const char* name;
+  int op, arity;
+};
+const OpInfo kOps[] = {
+    {"neg", NEG, 1}, {"abs", ABS, 1}, {"exp", EXP, 1}, {"log", LOG, 1}, {"sqrt", SQRT, 1},
+    {"rsqrt", RSQRT, 1}, {"tanh", TANH, 1}, {"sigmoid", SIGMOID, 1}, {"relu", RELU, 1},
+    {"erf", ERF, 1}, {"square", SQUARE, 1}, {"softrelu", SOFTRELU, 1},
+    {"softsign", SOFTSIGN, 1}, {"log_sigmoid", LOG_SIGMOID, 1}, {"mish", MISH, 1},
+    {"log1p", LOG1P, 1}, {"expm1", EXPM1, 1}, {"add", ADD, 2}, {"sub", SUB, 2}, {"mul", MUL, 2},
+    {"div", DIV, 2}, {"pow", POW, 2}, {"max", MAX, 2}, {"min", MIN, 2}, {"lt", LT, 2},
+    {"le", LE, 2}, {"gt", GT, 2}, {"ge", GE, 2}, {"eq", EQ, 2}, {"ne", NE, 2},
+    {"where", WHERE, 3}};
+
+class Parser {
+ public:
+  Parser(const std::string& s, int num_args) : s_(s), num_args_(num_args) {}
+
+  Program run() {
+    skip();
+    if (pos_ >= s_.size()) fail("empty expression");
+    const int r = parse_expr();
+    skip();
+    if (pos_ != s_.size()) fail("unexpected '" + s_.substr(pos_, 10) + "' after the expression");
+    if (r != static_cast<int>(prog_.code.size()) - 1) {
+      // the whole program is an input read earlier -- cannot happen for a single
+      // expression, but keep the invariant explicit
+      fail("internal error: result is not the last instruction");
+    }
+    prog_.num_inputs = num_args_ >= 0 ? num_args_ : max_input_ + 1;
+    prog_.load_of.assign(prog_.num_inputs, -1);
+    for (size_t i = 0; i < prog_.code.size(); ++i)
+      if (prog_.code[i].op == LOAD) prog_.load_of[prog_.code[i].input] = static_cast<int>(i);
+    return prog_;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& why) const {
+    throw ExprError("invalid expression '" + s_ + "' at position " + std::to_string(pos_) +
+                    ": " + why);
+  }
+  void skip() {
+    while (pos_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[pos_]))) ++pos_;
+  }
+  int emit(Instr in) {
+    prog_.code.push_back(in);
+    return static_cast<int>(prog_.code.size()) - 1;
+  }
+  // Emits operands before their user, so the result is always the last instruction.
+  // Each input gets one LOAD, at its first use; later uses refer back to it.
+  int parse_expr() {
+    skip();
+    if (pos_ >= s_.size()) fail("expected an expression");
+    const char ch = s_[pos_];
+    if (ch == 'x' && pos_ + 1 < s_.size() && std::isdigit(static_cast<unsigned char>(s_[pos_ + 1]))) {
+      ++pos_;
+      size_t st = pos_;
+      while (pos_ < s_.size() && std::isdigit(static_cast<unsigned char>(s_[pos_]))) ++pos_;
+      const int idx = std::atoi(s_.substr(st, pos_ - st).c_str());
+      if (num_args_ >= 0 && idx >= num_args_)
+        fail("input x" + std::to_string(idx) + " does not exist: the op has num_args=" +
+             std::to_string(num_args_) + " inputs (x0..x" + std::to_string(num_args_ - 1) + ")");
+      if (idx > 4096) fail("input index too large");
+      max_input_ = std::max(max_input_, idx);
+      auto it = loads_.find(idx);
+      if (it != loads_.end()) return it->second;
+      const int r = emit({LOAD, -1, -1, -1, idx, 0.f});
+      loads_[idx] = r;
+      return r;
+    }
+    if (std::isdigit(static_cast<unsigned char>(ch)) || ch == '-' || ch == '+' || ch == '.' ||
+        s_.compare(pos_, 3, "inf") == 0 || s_.compare(pos_, 3, "nan") == 0) {
+      const char* begin = s_.c_str() + pos_;
+      char* end = nullptr;
+      const float v = std::strtof(begin, &end);
+      if (end == begin) fail("expected a number");
+      pos_ += end - begin;
+      return emit({CONST, -1, -1, -1, -1, v});
+    }
+    if (std::isalpha(static_cast<unsigned char>(ch))) {
+      size_t st = pos_;
+      while (pos_ < s_.size() && (std::isalnum(static_cast<unsigned char>(s_[pos_])) || s_[pos_] == '_'))
+        ++pos_;
+      const std::string name = s_.substr(st, pos_ - st);
+      const OpInfo* info = nullptr;
+      for (const auto& o : kOps)
+        if (name == o.name) info = &o;
+      const bool is_clip = name == "clip";
+      if (!info && !is_clip) {
+        pos_ = st;
+        fail("unknown function '" + name + "' (known: neg abs exp log sqrt rsqrt tanh sigmoid "
+             "relu erf square softrelu softsign log_sigmoid mish log1p expm1 add sub mul div pow "
+             "max min lt le gt ge eq ne where clip)");
+      }
+      const int want = is_clip ? 3 : info->arity;
+      skip();
+      if (pos_ >= s_.size() || s_[pos_] != '(') fail("expected '(' after '" + name + "'");
+      ++pos_;
+      std::vector<int> args;
+      for (;;) {
+        args.push_back(parse_expr());
+        skip();
+        if (pos_ < s_.size() && s_[pos_] == ',') { ++pos_; continue; }
+        if (pos_ < s_.size() && s_[pos_] == ')') { ++pos_; break; }
+        fail("expected ',' or ')' in the arguments of '" + name + "'");
+      }
+      if (static_cast<int>(args.size()) != want)
+        fail("'" + name + "' takes " + std::to_string(want) + " argument(s), got " +
+             std::to_string(args.size()));
+      if (is_clip) {
+        const int m = emit({MAX, args[0], args[1], -1, -1, 0.f});
+        return emit({MIN, m, args[2], -1, -1, 0.f});
+      }
+      return emit({info->op, args[0], want > 1 ? args[1] : -1, want > 2 ? args[2] : -1, -1, 0.f});
+    }
+    fail(std::string("unexpected character '") + ch + "'");
+  }
+
+  const std::string& s_;
+  int num_args_;
+  size_t pos_ = 0;
+  int max_input_ = -1;
+  std::map<int, int> loads_;
+  Program prog_;
+};
+}  // namespace
+
+int arity(int op) {
+  if (op == LOAD || op == CONST) return 0;
+  if (op <= EXPM1) return 1;
+  if (op <= NE) return 2;
+  return 3;
+}
+
+const char* op_name(int op) {
+  for (const auto& o : kOps)
+    if (o.op == op) return o.name;
+  return op == LOAD ? "load" : op == CONST ? "const" : "?";
+}
+
+Program compile(const std::string& text, int num_args) {
+  Program p = Parser(text, num_args).run();
+  if (p.num_inputs <= 0)
+    throw ExprError("invalid expression '" + text + "': it reads no input (use at least x0) "
+                    "and num_args is not set");
+  return p;
+}
+
+}  // namespace expr
+}  // namespace mxf

@@ -1,0 +1,389 @@
+// fused_elemwise: one pass over N broadcast inputs evaluating an expression program.
+//
+// attrs: expr (required, see README.md), num_args (optional; default max input index+1)
+// The output has the NumPy broadcast shape of all inputs.  The program is parsed at
+// bind time (parse_attrs) so a bad expression fails when the symbol is created.
+// CPU: OpenMP over blocks of kBlock output elements; each instruction is a vector loop
+// over the block; inputs with the output's shape are read in place, broadcast inputs
+// are gathered run by run along the innermost dimension.
+// Backward: reverse mode over the same bytecode, block by block; gradients of
+// broadcast inputs are reduced through per-thread accumulators.
+#include <omp.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "elemwise_eval.h"
+#include "mxf_common.h"
+
+using namespace mxf;
+using namespace mxf::expr;
+
+namespace {
+
+const Program& program_for(const Attrs& a) {
+  // Programs are cached by text: parse once, reuse on every call.
+  static std::mutex mu;
+  static std::map<std::pair<std::string, int64_t>, std::unique_ptr<Program>> cache;
+  if (!has_attr(a, "expr")) throw OpError("attribute 'expr' is required");
+  const std::string text = attr_str(a, "expr", "");
+  const int64_t n = attr_int(a, "num_args", -1);
+  if (has_attr(a, "num_args") && n < 1) throw OpError("num_args must be >= 1");
+  std::lock_guard<std::mutex> lk(mu);
+  auto key = std::make_pair(text, n);
+  auto it = cache.find(key);
+  if (it != cache.end()) return *it->second;
+  try {
+    auto p = std::make_unique<Program>(compile(text, static_cast<int>(n)));
+    return *cache.emplace(key, std::move(p)).first->second;
+  } catch (const ExprError& e) {
+    throw OpError(e.what());
+  }
+}
+
+std::vector<int64_t> broadcast_shape(const std::vector<std::vector<int64_t>>& shapes) {
+  size_t r = 0;
+  for (auto& s : shapes) r = std::max(r, s.size());
+  std::vector<int64_t> out(r, 1);
+  for (size_t k = 0; k < shapes.size(); ++k) {
+    const auto& s = shapes[k];
+    for (size_t i = 0; i < s.size(); ++i) {
+      int64_t& o = out[r - s.size() + i];
+      if (s[i] == o || s[i] == 1) continue;
+      if (o == 1) { o = s[i]; continue; }
+      std::string all;
+      for (auto& t : shapes) all += shape_str(t) + " ";
+      throw OpError("inputs do not broadcast together: " + all);
+    }
+  }
+  return out;
+}
+
+// Reads/writes an input that broadcasts against the output, for a range of output
+// elements, walking runs along the innermost dimension.
+struct BView {
+  std::vector<int64_t> oshape, stride;  // stride in input elements per output dim (0 = bcast)
+  bool full;                            // same shape as output: plain offset
+  BView(const std::vector<int64_t>& os, const std::vector<int64_t>& is) : oshape(os) {
+    const size_t r = os.size();
+    stride.assign(r, 0);
+    int64_t acc = 1;
+    for (size_t i = r; i-- > 0;) {
+      const size_t j = i + is.size();  // index in is, offset by r
+      if (j >= r) {
+        const int64_t d = is[j - r];
+        stride[i] = d == 1 ? 0 : acc;
+        acc *= d;
+      }
+    }
+    full = numel(os) == numel(is);
+  }
+  template <class F>
+  void runs(int64_t start, int64_t n, F&& f) const {  // f(out_off, in_off, len, in_step)
+    const size_t r = oshape.size();
+    if (r == 0) { f(0, 0, n, 0); return; }
+    std::vector<int64_t> idx(r);
+    int64_t rem = start, in_off = 0;
+    for (size_t i = r; i-- > 0;) {
+      idx[i] = rem % oshape[i];
+      rem /= oshape[i];
+      in_off += idx[i] * stride[i];
+    }
+    int64_t done = 0;
+    const int64_t last = oshape[r - 1];
+    while (done < n) {
+      const int64_t len = std::min(n - done, last - idx[r - 1]);
+      f(done, in_off, len, stride[r - 1]);
+      done += len;
+      in_off += len * stride[r - 1];
+      idx[r - 1] += len;
+      for (size_t i = r - 1; i > 0 && idx[i] == oshape[i]; --i) {
+        in_off -= idx[i] * stride[i];
+        idx[i] = 0;
+        ++idx[i - 1];
+        in_off += stride[i - 1];
+      }
+    }
+  }
+  void gather(const float* src, int64_t start, int64_t n, float* dst) const {
+    runs(start, n, [&](int64_t o, int64_t i, int64_t len, int64_t st) {
+      if (st == 1) std::memcpy(dst + o, src + i, len * sizeof(float));
+      else if (st == 0) std::fill(dst + o, dst + o + len, src[i]);
+      else for (int64_t k = 0; k < len; ++k) dst[o + k] = src[i + k * st];
+    });
+  }
+  void scatter_add(const float* g, int64_t start, int64_t n, float* acc) const {
+    runs(start, n, [&](int64_t o, int64_t i, int64_t len, int64_t st) {
+      if (st == 0) {
+        float s = 0.f;
+        for (int64_t k = 0; k < len; ++k) s += g[o + k];
+        acc[i] += s;
+      } else {
+        for (int64_t k = 0; k < len; ++k) acc[i + k * st] += g[o + k];
+      }
+    });
+  }
+};
+
+MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
+  return guarded("fused_elemwise", [&] {
+    const Program& p = program_for(a);
+    *nin = p.num_inputs;
+    *nout = 1;
+  });
+}
+
+MXReturnValue infer_type(const Attrs& a, std::vector<int>* in, std::vector<int>* out) {
+  return guarded("fused_elemwise", [&] {
+    for (size_t i = 0; i < in->size(); ++i)
+      if ((*in)[i] != mxnet::ext::kFloat32)
+        throw OpError("input x" + std::to_string(i) + " must be float32");
+    (*out)[0] = mxnet::ext::kFloat32;
+  });
+}
+
+MXReturnValue infer_shape(const Attrs& a, std::vector<Shape>* in, std::vector<Shape>* out) {
+  return guarded("fused_elemwise", [&] {
+    require_known_shapes(*in);
+    std::vector<std::vector<int64_t>> s;
+    for (auto& x : *in) s.emplace_back(x.begin(), x.end());
+    auto o = broadcast_shape(s);
+    (*out)[0] = Shape(o.begin(), o.end());
+  });
+}
+
+struct Bound {
+  const Program* prog;
+  std::vector<int64_t> oshape;
+  int64_t total;
+  std::vector<BView> views;
+  std::vector<const float*> data;
+};
+
+Bound bind_inputs(const Attrs& a, std::vector<MXTensor>& in, size_t first) {
+  Bound b;
+  b.prog = &program_for(a);
+  std::vector<std::vector<int64_t>> s;
+  for (int i = 0; i < b.prog->num_inputs; ++i) {
+    require_f32(in[first + i], "fused_elemwise input");
+    s.push_back(in[first + i].shape);
+    b.data.push_back(in[first + i].data<float>());
+  }
+  b.oshape = broadcast_shape(s);
+  b.total = numel(b.oshape);
+  for (auto& x : s) b.views.emplace_back(b.oshape, x);
+  return b;
+}
+
+// Evaluates instructions [0, code.size()) for one block; vals[i] points at value i.
+// `result` (optional) receives the last instruction's value directly.
+void eval_block(const Bound& b, int64_t start, int64_t n, float* scratch,
+                std::vector<const float*>& vals, float* result = nullptr) {
+  const auto& code = b.prog->code;
+  for (size_t i = 0; i < code.size(); ++i) {
+    const Instr& in = code[i];
+    float* o = (result && i + 1 == code.size()) ? result : scratch + i * kSlot;
+    switch (in.op) {
+      case LOAD:
+        if (b.views[in.input].full) {
+          vals[i] = b.data[in.input] + start;
+        } else {
+          b.views[in.input].gather(b.data[in.input], start, n, o);
+          vals[i] = o;
+        }
+        continue;
+      case CONST:
+        vals[i] = scratch + i * kSlot;  // filled once per thread (see fill_consts)
+        continue;
+      case WHERE: {
+        const float *c = vals[in.a], *x = vals[in.b], *y = vals[in.c];
+        for (int64_t k = 0; k < n; ++k) o[k] = c[k] != 0.f ? x[k] : y[k];
+        break;
+      }
+      default:
+        if (arity(in.op) == 1) eval_unary(in.op, vals[in.a], o, n);
+        else eval_binary(in.op, vals[in.a], code[in.a].op == CONST, vals[in.b],
+                         code[in.b].op == CONST, o, n);
+    }
+    vals[i] = o;
+  }
+}
+
+void fill_consts(const Program& p, float* scratch) {
+  for (size_t i = 0; i < p.code.size(); ++i)
+    if (p.code[i].op == CONST) std::fill(scratch + i * kSlot, scratch + i * kSlot + kBlock, p.code[i].imm);
+}
+
+MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
+                      const OpResource&) {
+  return guarded("fused_elemwise", [&] {
+    Bound b = bind_inputs(a, *in, 0);
+    float* Y = (*out)[0].data<float>();
+    const int64_t nblk = (b.total + kBlock - 1) / kBlock;
+    const size_t ni = b.prog->code.size();
+#pragma omp parallel if (nblk > 1)
+    {
+      std::vector<float> scratch(ni * kSlot);
+      std::vector<const float*> vals(ni);
+      fill_consts(*b.prog, scratch.data());
+#pragma omp for schedule(dynamic, 8)
+      for (int64_t blk = 0; blk < nblk; ++blk) {
+        const int64_t s = blk * kBlock, n = std::min(kBlock, b.total - s);
+        eval_block(b, s, n, scratch.data(), vals, Y + s);
+        if (vals[ni - 1] != Y + s) std::memcpy(Y + s, vals[ni - 1], n * sizeof(float));
+      }
+    }
+  });
+}
+
+// Adds the adjoint of instruction `in` (value y, adjoint g) into its operands' adjoints.
+void backprop(const Instr& in, const std::vector<const float*>& v, const float* y, const float* g,
+              std::vector<float*>& adj, const std::vector<char>& wants, int64_t n) {
+  auto A = [&](int k) { return wants[k] ? adj[k] : nullptr; };
+  float* ga = in.a >= 0 ? A(in.a) : nullptr;
+  float* gb = in.b >= 0 ? A(in.b) : nullptr;
+  const float* a = in.a >= 0 ? v[in.a] : nullptr;
+  const float* b = in.b >= 0 ? v[in.b] : nullptr;
+  switch (in.op) {
+    case NEG: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] -= g[i]; break;
+    case ABS: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += a[i] > 0.f ? g[i] : (a[i] < 0.f ? -g[i] : 0.f); break;
+    case EXP: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * y[i]; break;
+    case LOG: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] / a[i]; break;
+    case SQRT: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += 0.5f * g[i] / y[i]; break;
+    case RSQRT: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] -= 0.5f * g[i] * y[i] * y[i] * y[i]; break;
+    case TANH: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * (1.f - y[i] * y[i]); break;
+    case SIGMOID: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * y[i] * (1.f - y[i]); break;
+    case RELU: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += a[i] > 0.f ? g[i] : 0.f; break;
+    case ERF: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * 1.1283791670955126f * fast_exp(-a[i] * a[i]); break;
+    case SQUARE: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += 2.f * g[i] * a[i]; break;
+    case SOFTRELU: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * fast_sigmoid(a[i]); break;
+    case SOFTSIGN:
+      if (ga) for (int64_t i = 0; i < n; ++i) {
+        const float d = 1.f + std::fabs(a[i]);
+        ga[i] += g[i] / (d * d);
+      }
+      break;
+    case LOG_SIGMOID: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * fast_sigmoid(-a[i]); break;
+    case MISH:
+      if (ga) for (int64_t i = 0; i < n; ++i) {
+        const float t = fast_tanh(softrelu(a[i]));
+        ga[i] += g[i] * (t + a[i] * (1.f - t * t) * fast_sigmoid(a[i]));
+      }
+      break;
+    case LOG1P: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] / (1.f + a[i]); break;
+    case EXPM1: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * (y[i] + 1.f); break;
+    case ADD:
+      if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i];
+      if (gb) for (int64_t i = 0; i < n; ++i) gb[i] += g[i];
+      break;
+    case SUB:
+      if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i];
+      if (gb) for (int64_t i = 0; i < n; ++i) gb[i] -= g[i];
+      break;
+    case MUL:
+      if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * b[i];
+      if (gb) for (int64_t i = 0; i < n; ++i) gb[i] += g[i] * a[i];
+      break;
+    case DIV:
+      if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] / b[i];
+      if (gb) for (int64_t i = 0; i < n; ++i) gb[i] -= g[i] * y[i] / b[i];
+      break;
+    case POW:
+      if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * b[i] * std::pow(a[i], b[i] - 1.f);
+      if (gb) for (int64_t i = 0; i < n; ++i) gb[i] += g[i] * y[i] * std::log(a[i]);
+      break;
+    case MAX:  // MXNet: lhs gets the gradient where a >= b
+      if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += a[i] >= b[i] ? g[i] : 0.f;
+      if (gb) for (int64_t i = 0; i < n; ++i) gb[i] += a[i] >= b[i] ? 0.f : g[i];
+      break;
+    case MIN:
+      if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += a[i] <= b[i] ? g[i] : 0.f;
+      if (gb) for (int64_t i = 0; i < n; ++i) gb[i] += a[i] <= b[i] ? 0.f : g[i];
+      break;
+    case WHERE: {
+      const float* c = v[in.a];
+      float* gx = A(in.b);
+      float* gy = A(in.c);
+      if (gx) for (int64_t i = 0; i < n; ++i) gx[i] += c[i] != 0.f ? g[i] : 0.f;
+      if (gy) for (int64_t i = 0; i < n; ++i) gy[i] += c[i] != 0.f ? 0.f : g[i];
+      break;
+    }
+    default: break;  // comparisons, loads, constants: nothing flows further
+  }
+}
+
+// inputs: [dy, x0..x{n-1}, y]; outputs: [dx0..dx{n-1}]
+MXReturnValue backward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
+                       const OpResource&) {
+  return guarded("fused_elemwise backward", [&] {
+    Bound b = bind_inputs(a, *in, 1);
+    const Program& p = *b.prog;
+    const float* dY = (*in)[0].data<float>();
+    const size_t ni = p.code.size();
+    const int nin = p.num_inputs;
+    // which instructions carry a gradient back to some input
+    std::vector<char> wants(ni, 0);
+    for (size_t i = 0; i < ni; ++i) {
+      const Instr& c = p.code[i];
+      if (c.op == LOAD) wants[i] = 1;
+      else if (c.op != CONST && !(c.op >= LT && c.op <= NE)) {
+        for (int k : {c.a, c.b, c.c})
+          if (k >= 0 && wants[k]) wants[i] = 1;
+      }
+    }
+    const int nt = omp_get_max_threads();
+    std::vector<std::vector<float>> acc(nin);  // per-thread accumulators for broadcast inputs
+    for (int k = 0; k < nin; ++k) {
+      float* dx = (*out)[k].data<float>();
+      std::fill(dx, dx + (*out)[k].size(), 0.f);
+      if (!b.views[k].full) acc[k].assign(static_cast<size_t>(nt) * (*out)[k].size(), 0.f);
+    }
+    const int64_t nblk = (b.total + kBlock - 1) / kBlock;
+#pragma omp parallel num_threads(nt)
+    {
+      const int t = omp_get_thread_num();
+      std::vector<float> scratch(ni * kSlot), gbuf(ni * kSlot);
+      std::vector<const float*> vals(ni);
+      std::vector<float*> adj(ni);
+      for (size_t i = 0; i < ni; ++i) adj[i] = gbuf.data() + i * kSlot;
+      fill_consts(p, scratch.data());
+#pragma omp for schedule(dynamic, 8)
+      for (int64_t blk = 0; blk < nblk; ++blk) {
+        const int64_t s = blk * kBlock, n = std::min(kBlock, b.total - s);
+        eval_block(b, s, n, scratch.data(), vals);
+        for (size_t i = 0; i < ni; ++i)
+          if (wants[i]) std::fill(adj[i], adj[i] + n, 0.f);
+        if (wants[ni - 1]) std::memcpy(adj[ni - 1], dY + s, n * sizeof(float));
+        for (size_t i = ni; i-- > 0;)
+          if (wants[i] && p.code[i].op != LOAD) backprop(p.code[i], vals, vals[i], adj[i], adj, wants, n);
+        for (int k = 0; k < nin; ++k) {
+          const int li = p.load_of[k];
+          if (li < 0) continue;
+          if (b.views[k].full) {
+            std::memcpy((*out)[k].data<float>() + s, adj[li], n * sizeof(float));
+          } else {
+            b.views[k].scatter_add(adj[li], s, n, acc[k].data() + static_cast<size_t>(t) * (*out)[k].size());
+          }
+        }
+      }
+    }
+    for (int k = 0; k < nin; ++k) {
+      if (b.views[k].full || p.load_of[k] < 0) continue;
+      float* dx = (*out)[k].data<float>();
+      const int64_t sz = (*out)[k].size();
+      for (int t = 0; t < nt; ++t)
+        for (int64_t i = 0; i < sz; ++i) dx[i] += acc[k][static_cast<size_t>(t) * sz + i];
+    }
+  });
+}
+
+}  // namespace
+
+REGISTER_OP(fused_elemwise)
+    .setParseAttrs(parse_attrs)
+    .setInferType(infer_type)
+    .setInferShape(infer_shape)
+    .setForward(forward, "cpu")
+    .setBackward(backward, "cpu");

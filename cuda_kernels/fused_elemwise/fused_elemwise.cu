@@ -1,0 +1,156 @@
+// CUDA fused elementwise: the expression is parsed on the host (the same parser as the
+// CPU op) and interpreted by one kernel; each thread evaluates the whole program for
+// its elements (grid-stride loop), so every input is read once and the output written once.
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda_common.cuh"
+#include "fused_elemwise.h"
+#include "expr_program.h"
+
+namespace {
+
+using mxf::expr::Instr;
+constexpr int kMaxInstr = 64, kMaxIn = 8, kMaxDim = 6;
+
+struct EwParams {
+  Instr code[kMaxInstr];
+  const float* in[kMaxIn];
+  int64_t stride[kMaxIn][kMaxDim];
+  int64_t oshape[kMaxDim];
+  int64_t total;
+  float* out;
+  int ninstr, nin, ndim;
+};
+
+__device__ float unary(int op, float a) {
+  using namespace mxf::expr;
+  switch (op) {
+    case NEG: return -a;
+    case ABS: return fabsf(a);
+    case EXP: return expf(a);
+    case LOG: return logf(a);
+    case SQRT: return sqrtf(a);
+    case RSQRT: return rsqrtf(a);
+    case TANH: return tanhf(a);
+    case SIGMOID: return 1.f / (1.f + expf(-a));
+    case RELU: return a > 0.f ? a : 0.f;
+    case ERF: return erff(a);
+    case SQUARE: return a * a;
+    case SOFTRELU: return a > 20.f ? a : log1pf(expf(a));
+    case SOFTSIGN: return a / (1.f + fabsf(a));
+    case LOG_SIGMOID: return -a > 20.f ? a : -log1pf(expf(-a));
+    case MISH: return a * tanhf(a > 20.f ? a : log1pf(expf(a)));
+    case LOG1P: return log1pf(a);
+    case EXPM1: return expm1f(a);
+  }
+  return a;
+}
+
+__device__ float binary(int op, float a, float b) {
+  using namespace mxf::expr;
+  switch (op) {
+    case ADD: return a + b;
+    case SUB: return a - b;
+    case MUL: return a * b;
+    case DIV: return a / b;
+    case POW: return powf(a, b);
+    case MAX: return a >= b ? a : b;
+    case MIN: return a <= b ? a : b;
+    case LT: return a < b ? 1.f : 0.f;
+    case LE: return a <= b ? 1.f : 0.f;
+    case GT: return a > b ? 1.f : 0.f;
+    case GE: return a >= b ? 1.f : 0.f;
+    case EQ: return a == b ? 1.f : 0.f;
+    case NE: return a != b ? 1.f : 0.f;
+  }
+  return a;
+}
+
+__global__ void elemwise_kernel(const EwParams p) {
+  using namespace mxf::expr;
+  float v[kMaxInstr];
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < p.total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    for (int i = 0; i < p.ninstr; ++i) {
+      const Instr& c = p.code[i];
+      if (c.op == LOAD) {
+        int64_t rem = e, off = 0;
+        for (int d = p.ndim - 1; d >= 0; --d) {
+          off += (rem % p.oshape[d]) * p.stride[c.input][d];
+          rem /= p.oshape[d];
+        }
+        v[i] = p.in[c.input][off];
+      } else if (c.op == CONST) {
+        v[i] = c.imm;
+      } else if (c.op == WHERE) {
+        v[i] = v[c.a] != 0.f ? v[c.b] : v[c.c];
+      } else if (c.b < 0) {
+        v[i] = unary(c.op, v[c.a]);
+      } else {
+        v[i] = binary(c.op, v[c.a], v[c.b]);
+      }
+    }
+    p.out[e] = v[p.ninstr - 1];
+  }
+}
+
+int fail(char* err, int errlen, const std::string& msg) {
+  if (err && errlen > 0) {
+    std::strncpy(err, msg.c_str(), errlen - 1);
+    err[errlen - 1] = 0;
+  }
+  return -1;
+}
+
+}  // namespace
+
+extern "C" int mxf_elemwise_forward(const char* expr, int num_args, const float* const* inputs,
+                                    const int64_t* const* shapes, const int* ndims, float* out,
+                                    char* err, int errlen, void* stream) {
+  mxf::expr::Program prog;
+  try {
+    prog = mxf::expr::compile(expr ? expr : "", num_args);
+  } catch (const std::exception& e) {
+    return fail(err, errlen, e.what());
+  }
+  if (static_cast<int>(prog.code.size()) > kMaxInstr) return fail(err, errlen, "program too long");
+  if (prog.num_inputs > kMaxIn) return fail(err, errlen, "too many inputs (max 8)");
+  EwParams p{};
+  int ndim = 0;
+  for (int k = 0; k < prog.num_inputs; ++k) ndim = std::max(ndim, ndims[k]);
+  if (ndim > kMaxDim) return fail(err, errlen, "rank > 6");
+  p.ndim = ndim;
+  for (int d = 0; d < kMaxDim; ++d) p.oshape[d] = 1;
+  for (int k = 0; k < prog.num_inputs; ++k)
+    for (int d = 0; d < ndims[k]; ++d) {
+      int64_t& o = p.oshape[ndim - ndims[k] + d];
+      const int64_t s = shapes[k][d];
+      if (s == o || s == 1) continue;
+      if (o == 1) { o = s; continue; }
+      return fail(err, errlen, "inputs do not broadcast together");
+    }
+  p.total = 1;
+  for (int d = 0; d < ndim; ++d) p.total *= p.oshape[d];
+  for (int k = 0; k < prog.num_inputs; ++k) {
+    int64_t acc = 1;
+    for (int d = ndim - 1; d >= 0; --d) {
+      const int kd = d - (ndim - ndims[k]);
+      const int64_t s = kd >= 0 ? shapes[k][kd] : 1;
+      p.stride[k][d] = s == 1 ? 0 : acc;
+      acc *= s;
+    }
+    p.in[k] = inputs[k];
+  }
+  for (size_t i = 0; i < prog.code.size(); ++i) p.code[i] = prog.code[i];
+  p.ninstr = static_cast<int>(prog.code.size());
+  p.nin = prog.num_inputs;
+  p.out = out;
+  if (p.total == 0) return 0;
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((p.total + threads - 1) / threads, 65535 * 8);
+  elemwise_kernel<<<static_cast<unsigned>(blocks), threads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  MXF_CUDA_RETURN_LAST();
+}

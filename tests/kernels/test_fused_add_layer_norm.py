@@ -1,0 +1,91 @@
+"""fused_add_layer_norm vs NumPy (forward) and MXNet add + LayerNorm autograd (backward).
+
+Tolerances (fp32): forward rtol=1e-5, atol=2e-5; backward rtol=1e-4, atol=1e-4.
+"""
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet.base import MXNetError
+from kernel_fixtures import fused_ops  # noqa: F401  (builds + loads the library)
+
+FWD = dict(rtol=1e-5, atol=2e-5)
+BWD = dict(rtol=1e-4, atol=1e-4)
+
+
+def rnd(*shape, seed=0):
+    return np.random.RandomState(seed + len(shape)).uniform(-1, 1, shape).astype(np.float32)
+
+
+def ref(a, b, g, be, eps):
+    s = a.astype(np.float64) + b
+    mu = s.mean(-1, keepdims=True)
+    var = ((s - mu) ** 2).mean(-1, keepdims=True)
+    return (s - mu) / np.sqrt(var + eps) * g + be, s
+
+
+@pytest.mark.parametrize("ashape,bshape", [((1, 1), (1, 1)), ((4, 768), (4, 768)),
+                                           ((2, 7, 33), (2, 7, 33)), ((2, 7, 33), (7, 33)),
+                                           ((2, 7, 33), (1, 7, 33)), ((3, 5, 16), (16,))])
+@pytest.mark.parametrize("output_sum", [False, True])
+def test_forward(ashape, bshape, output_sum):
+    a, b = rnd(*ashape), rnd(*bshape, seed=1)
+    C = ashape[-1]
+    g, be = rnd(C, seed=2), rnd(C, seed=3)
+    out = mx.nd.fused_add_layer_norm(*(mx.nd.array(x) for x in (a, b, g, be)), eps=1e-5,
+                                     output_sum=output_sum)
+    y, s = ref(a, b, g, be, 1e-5)
+    if output_sum:
+        np.testing.assert_allclose(out[0].asnumpy(), y, **FWD)
+        np.testing.assert_allclose(out[1].asnumpy(), s, **FWD)
+    else:
+        np.testing.assert_allclose(out.asnumpy(), y, **FWD)
+
+
+@pytest.mark.parametrize("bshape", [(3, 6, 20), (6, 20)])
+@pytest.mark.parametrize("output_sum", [False, True])
+def test_backward_vs_mxnet(bshape, output_sum):
+    a, b, g, be = rnd(3, 6, 20), rnd(*bshape, seed=1), rnd(20, seed=2), rnd(20, seed=3)
+    dy, ds = rnd(3, 6, 20, seed=4), rnd(3, 6, 20, seed=5)
+    xs = [mx.nd.array(x) for x in (a, b, g, be)]
+    res = []
+    for fused in (False, True):
+        for x in xs:
+            x.attach_grad()
+        with mx.autograd.record():
+            if fused:
+                o = mx.nd.fused_add_layer_norm(*xs, eps=1e-3, output_sum=output_sum)
+                outs = list(o) if output_sum else [o]
+            else:
+                s = mx.nd.broadcast_add(xs[0], xs[1])
+                outs = [mx.nd.LayerNorm(s, xs[2], xs[3], eps=1e-3)] + ([s] if output_sum else [])
+        heads = [mx.nd.array(dy)] + ([mx.nd.array(ds)] if output_sum else [])
+        mx.autograd.backward(outs, heads)
+        res.append([x.grad.asnumpy().copy() for x in xs])
+    for got, want in zip(res[1], res[0]):
+        np.testing.assert_allclose(got, want, **BWD)
+
+
+@pytest.mark.parametrize("attrs,msg", [(dict(axis=1), "axis"), (dict(output_sum="2"), "output_sum"),
+                                       (dict(eps="tiny"), "eps")])
+def test_invalid_attributes(attrs, msg):
+    x = mx.nd.ones((2, 4))
+    with pytest.raises(MXNetError, match=msg):
+        mx.nd.fused_add_layer_norm(x, x, mx.nd.ones(4), mx.nd.ones(4), **attrs).wait_to_read()
+
+
+def test_bad_broadcast_is_reported():
+    with pytest.raises(MXNetError, match="trailing dimensions"):
+        mx.nd.fused_add_layer_norm(mx.nd.ones((2, 4)), mx.nd.ones((3, 4)), mx.nd.ones(4),
+                                   mx.nd.ones(4)).wait_to_read()
+
+
+def test_symbol_json_roundtrip_two_outputs():
+    names = ["a", "b", "g", "be"]
+    s = mx.sym.fused_add_layer_norm(*[mx.sym.var(n) for n in names], output_sum=True, eps=1e-6)
+    s2 = mx.sym.load_json(s.tojson())
+    assert len(s2.list_outputs()) == 2
+    vals = [rnd(2, 8), rnd(2, 8, seed=1), rnd(8, seed=2), rnd(8, seed=3)]
+    outs = s2.bind(mx.cpu(), dict(zip(names, map(mx.nd.array, vals)))).forward()
+    y, s_ = ref(*vals, 1e-6)
+    np.testing.assert_allclose(outs[0].asnumpy(), y, **FWD)
+    np.testing.assert_allclose(outs[1].asnumpy(), s_, **FWD)

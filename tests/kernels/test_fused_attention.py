@@ -1,0 +1,283 @@
+"""fused_attention vs a NumPy reference and MXNet's unfused graph.
+
+Tolerances (fp32): forward rtol=1e-5, atol=2e-5 vs NumPy (float64 reference);
+backward rtol=1e-4, atol=1e-4 vs MXNet autograd on batch_dot/softmax/batch_dot.
+"""
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet.base import MXNetError
+from kernel_fixtures import fused_ops  # noqa: F401  (builds + loads the library)
+
+FWD = dict(rtol=1e-5, atol=2e-5)
+BWD = dict(rtol=1e-4, atol=1e-4)
+
+
+def ref_attention(q, k, v, scale, mask=None, mask_kind="none", causal=False, mask_value=-1e18):
+    """NumPy reference on plain (N,Sq,D) inputs, float64, MXNet softmax semantics."""
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    N, Sq, _ = q.shape
+    Sk = k.shape[1]
+    s = np.einsum("nqd,nkd->nqk", q, k) * scale
+    keep = np.ones((N, Sq, Sk), bool)
+    if mask_kind == "additive":
+        s = s + np.broadcast_to(mask, s.shape)
+    elif mask_kind == "boolean":
+        s = np.where(np.broadcast_to(mask, s.shape) != 0, s, mask_value)
+    elif mask_kind == "valid_length":
+        L = mask.astype(np.int64)
+        L = L[:, :, None] if L.ndim == 2 else L[:, None, None]
+        keep &= np.arange(Sk)[None, None, :] < L
+    if causal:
+        keep &= np.arange(Sk)[None, None, :] <= np.arange(Sq)[None, :, None] + (Sk - Sq)
+    with np.errstate(invalid="ignore", over="ignore"):
+        sm = np.where(keep, s, -np.inf)
+        mx_ = sm.max(-1, keepdims=True)
+        e = np.where(keep, np.exp(sm - mx_), 0.0)
+        den = e.sum(-1, keepdims=True)
+        p = np.where(keep.any(-1, keepdims=True), e / den, 0.0)
+    return np.einsum("nqk,nkd->nqd", p, v)
+
+
+def rnd(*shape, seed=0):
+    return np.random.RandomState(seed + sum(shape)).uniform(-1, 1, shape).astype(np.float32)
+
+
+def fused(*args, **attrs):
+    return mx.nd.fused_attention(*[mx.nd.array(a, dtype=a.dtype) for a in args], **attrs).asnumpy()
+
+
+@pytest.mark.parametrize("N,Sq,Sk,D,Dv", [(1, 1, 1, 8, 8), (2, 5, 7, 40, 40), (3, 65, 300, 80, 80),
+                                         (1, 130, 257, 96, 32), (2, 64, 64, 128, 128)])
+def test_plain_forward(N, Sq, Sk, D, Dv):
+    q, k, v = rnd(N, Sq, D), rnd(N, Sk, D, seed=1), rnd(N, Sk, Dv, seed=2)
+    scale = 1.0 / np.sqrt(D)
+    np.testing.assert_allclose(fused(q, k, v, scale=scale), ref_attention(q, k, v, scale), **FWD)
+
+
+def test_exact_call_form():
+    q = mx.nd.array(rnd(2, 4, 8))
+    out = mx.nd.fused_attention(q, q, q, scale=0.125)
+    assert out.shape == (2, 4, 8)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask_shape", [(2, 33, 300), (2, 1, 300), (1, 33, 300), (300,)])
+def test_additive_and_boolean_masks(mask_shape, causal):
+    N, Sq, Sk, D = 2, 33, 300, 16
+    q, k, v = rnd(N, Sq, D), rnd(N, Sk, D, seed=1), rnd(N, Sk, D, seed=2)
+    rs = np.random.RandomState(3)
+    boolm = (rs.rand(*mask_shape) > 0.3).astype(np.float32)
+    addm = np.where(boolm > 0, 0.0, -1e9).astype(np.float32)
+    for kind, m in (("additive", addm), ("boolean", boolm)):
+        got = fused(q, k, v, m, scale=0.25, mask_kind=kind, causal=causal)
+        np.testing.assert_allclose(got, ref_attention(q, k, v, 0.25, m, kind, causal), **FWD)
+
+
+def _unfused_mx(q, k, v, scale, mask=None, kind="none"):
+    s = mx.nd.batch_dot(q, k, transpose_b=True) * scale
+    if kind == "additive":
+        s = mx.nd.broadcast_add(s, mask)
+    elif kind == "boolean":
+        s = mx.nd.where(mx.nd.broadcast_like(mask, s) != 0, s, mx.nd.ones_like(s) * -1e18)
+    if kind == "valid_length":  # MXNet takes integer lengths, one per softmax row: (N, Sq)
+        mask = mask.astype("int32")
+        if mask.ndim == 1:
+            mask = mx.nd.broadcast_to(mask.reshape((-1, 1)), shape=s.shape[:2])
+        p = mx.nd.softmax(s, mask, axis=-1, use_length=True)
+    else:
+        p = mx.nd.softmax(s, axis=-1)
+    return mx.nd.batch_dot(p, v)
+
+
+@pytest.mark.parametrize("kind,value", [("additive", -1e9), ("additive", -np.inf),
+                                        ("boolean", 0.0), ("valid_length", 0)])
+def test_fully_masked_rows_match_mxnet(kind, value):
+    N, S, D = 2, 6, 8
+    q, k, v = rnd(N, S, D), rnd(N, S, D, seed=1), rnd(N, S, D, seed=2)
+    if kind == "valid_length":
+        m = np.array([0, 4], np.float32)
+    else:
+        m = np.zeros((N, S, S), np.float32) if kind == "additive" else np.ones((N, S, S), np.float32)
+        m[0, 2, :] = value  # one fully masked row
+        m[1, :, 3] = value
+    want = _unfused_mx(*(mx.nd.array(x) for x in (q, k, v)), 0.5, mx.nd.array(m), kind).asnumpy()
+    got = fused(q, k, v, m, scale=0.5, mask_kind=kind)
+    np.testing.assert_allclose(got, want, equal_nan=True, **FWD)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_valid_length(dtype):
+    N, Sq, Sk, D = 3, 20, 300, 24
+    q, k, v = rnd(N, Sq, D), rnd(N, Sk, D, seed=1), rnd(N, Sk, D, seed=2)
+    L = np.array([0, 5, 300], dtype)
+    got = fused(q, k, v, L, scale=0.3, mask_kind="valid_length")
+    np.testing.assert_allclose(got, ref_attention(q, k, v, 0.3, L, "valid_length"), **FWD)
+    want = _unfused_mx(*(mx.nd.array(x) for x in (q, k, v)), 0.3, mx.nd.array(L, dtype=dtype),
+                       "valid_length").asnumpy()
+    np.testing.assert_allclose(got, want, **FWD)
+    # per-row lengths (N, Sq), exactly as softmax(use_length=True) takes them
+    L2 = np.random.RandomState(0).randint(0, Sk + 1, (N, Sq)).astype(dtype)
+    got = fused(q, k, v, L2, scale=0.3, mask_kind="valid_length")
+    want = _unfused_mx(*(mx.nd.array(x) for x in (q, k, v)), 0.3, mx.nd.array(L2, dtype=dtype),
+                       "valid_length").asnumpy()
+    np.testing.assert_allclose(got, want, **FWD)
+
+
+# ---- head-aware layouts ---------------------------------------------------------------
+def split_heads(x, H):  # (B,S,H*D) -> (B*H,S,D)
+    B, S, W = x.shape
+    return x.reshape(B, S, H, W // H).transpose(0, 2, 1, 3).reshape(B * H, S, W // H)
+
+
+def merge_heads(x, B):  # (B*H,S,D) -> (B,S,H*D)
+    BH, S, D = x.shape
+    return x.reshape(B, BH // B, S, D).transpose(0, 2, 1, 3).reshape(B, S, -1)
+
+
+def test_bshd_and_packed():
+    B, S, H, D = 2, 70, 3, 40
+    q, k, v = rnd(B, S, H * D), rnd(B, S, H * D, seed=1), rnd(B, S, H * D, seed=2)
+    want = merge_heads(ref_attention(split_heads(q, H), split_heads(k, H), split_heads(v, H), 0.2), B)
+    np.testing.assert_allclose(fused(q, k, v, scale=0.2, layout="bshd", heads=H), want, **FWD)
+    qkv = np.concatenate([q, k, v], axis=-1)
+    np.testing.assert_allclose(fused(qkv, scale=0.2, layout="packed_qkv", heads=H), want, **FWD)
+    # per-batch mask (B,1,1,S) broadcast over heads, and per-batch valid lengths
+    m = (np.arange(S)[None, :] < np.array([[30], [70]])).astype(np.float32)
+    m4 = m.reshape(B, 1, 1, S)
+    got = fused(qkv, m4, scale=0.2, layout="packed_qkv", heads=H, mask_kind="boolean")
+    want = merge_heads(ref_attention(split_heads(q, H), split_heads(k, H), split_heads(v, H), 0.2,
+                                     np.repeat(m, H, 0)[:, None, :], "boolean"), B)
+    np.testing.assert_allclose(got, want, **FWD)
+    L = np.array([30, 70], np.float32)
+    got = fused(qkv, L, scale=0.2, layout="packed_qkv", heads=H, mask_kind="valid_length")
+    np.testing.assert_allclose(got, want, **FWD)
+
+
+def test_interleaved_matches_mxnet_contrib():
+    S, B, H, D = 37, 2, 4, 16
+    qkv = rnd(S, B, H * 3 * D)
+    x = mx.nd.array(qkv)
+    att = mx.nd.softmax(mx.nd.contrib.interleaved_matmul_selfatt_qk(x, heads=H), axis=-1)
+    want = mx.nd.contrib.interleaved_matmul_selfatt_valatt(x, att, heads=H).asnumpy()
+    got = fused(qkv, scale=1.0 / np.sqrt(D), layout="interleaved", heads=H)
+    np.testing.assert_allclose(got, want, **FWD)
+
+
+def test_interleaved_encdec_matches_mxnet_contrib():
+    Sq, Sk, B, H, D = 9, 21, 3, 2, 8
+    q, kv = rnd(Sq, B, H * D), rnd(Sk, B, H * 2 * D, seed=1)
+    xq, xkv = mx.nd.array(q), mx.nd.array(kv)
+    att = mx.nd.softmax(mx.nd.contrib.interleaved_matmul_encdec_qk(xq, xkv, heads=H), axis=-1)
+    want = mx.nd.contrib.interleaved_matmul_encdec_valatt(xkv, att, heads=H).asnumpy()
+    got = fused(q, kv, scale=1.0 / np.sqrt(D), layout="interleaved_encdec", heads=H)
+    np.testing.assert_allclose(got, want, **FWD)
+
+
+# ---- backward --------------------------------------------------------------------------
+def _grads(fn, arrays, head_grad):
+    xs = [mx.nd.array(a) for a in arrays]
+    for x in xs:
+        x.attach_grad()
+    with mx.autograd.record():
+        y = fn(*xs)
+    y.backward(mx.nd.array(head_grad))
+    return [x.grad.asnumpy() for x in xs]
+
+
+@pytest.mark.parametrize("kind", ["none", "additive", "boolean", "valid_length"])
+@pytest.mark.parametrize("N,Sq,Sk,D", [(2, 7, 300, 16), (1, 70, 65, 40)])
+def test_backward_vs_mxnet_autograd(kind, N, Sq, Sk, D):
+    q, k, v = rnd(N, Sq, D), rnd(N, Sk, D, seed=1), rnd(N, Sk, D, seed=2)
+    dy = rnd(N, Sq, D, seed=3)
+    rs = np.random.RandomState(4)
+    m = {"none": None,
+         "additive": np.where(rs.rand(N, 1, Sk) > 0.3, 0, -1e4).astype(np.float32),
+         "boolean": (rs.rand(N, Sq, Sk) > 0.3).astype(np.float32),
+         "valid_length": np.array([Sk // 2 + 1] + [Sk] * (N - 1), np.float32)}[kind]
+    mm = None if m is None else mx.nd.array(m)
+    want = _grads(lambda a, b, c: _unfused_mx(a, b, c, 0.3, mm, kind), [q, k, v], dy)
+    extra = {} if m is None else {"mask_kind": kind}
+    got = _grads(lambda a, b, c: mx.nd.fused_attention(a, b, c, *([] if m is None else [mm]),
+                                                       scale=0.3, **extra), [q, k, v], dy)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, **BWD)
+
+
+def test_backward_packed_and_causal():
+    B, S, H, D = 2, 20, 2, 8
+    qkv, dy = rnd(B, S, 3 * H * D), rnd(B, S, H * D, seed=5)
+
+    def unfused(x):
+        q, k, v = (mx.nd.slice_axis(x, axis=-1, begin=i * H * D, end=(i + 1) * H * D)
+                   for i in range(3))
+        sp = lambda t: t.reshape((B, S, H, D)).transpose((0, 2, 1, 3)).reshape((B * H, S, D))
+        s = mx.nd.batch_dot(sp(q), sp(k), transpose_b=True) * 0.3
+        tri = mx.nd.array(np.tril(np.ones((S, S))))
+        s = mx.nd.where(mx.nd.broadcast_like(tri.reshape((1, S, S)), s) != 0, s,
+                        mx.nd.ones_like(s) * -1e18)
+        o = mx.nd.batch_dot(mx.nd.softmax(s, axis=-1), sp(v))
+        return o.reshape((B, H, S, D)).transpose((0, 2, 1, 3)).reshape((B, S, H * D))
+
+    want = _grads(unfused, [qkv], dy)[0]
+    got = _grads(lambda x: mx.nd.fused_attention(x, scale=0.3, layout="packed_qkv", heads=H,
+                                                 causal=True), [qkv], dy)[0]
+    np.testing.assert_allclose(got, want, **BWD)
+
+
+def test_backward_interleaved():
+    S, B, H, D = 11, 2, 2, 8
+    qkv, dy = rnd(S, B, H * 3 * D), rnd(S, B, H * D, seed=6)
+
+    def unfused(x):
+        att = mx.nd.softmax(mx.nd.contrib.interleaved_matmul_selfatt_qk(x, heads=H), axis=-1)
+        return mx.nd.contrib.interleaved_matmul_selfatt_valatt(x, att, heads=H)
+
+    want = _grads(unfused, [qkv], dy)[0]
+    got = _grads(lambda x: mx.nd.fused_attention(x, scale=1 / np.sqrt(D), layout="interleaved",
+                                                 heads=H), [qkv], dy)[0]
+    np.testing.assert_allclose(got, want, **BWD)
+
+
+def test_symbol_json_roundtrip():
+    q, k, v = (mx.sym.var(n) for n in "qkv")
+    s = mx.sym.fused_attention(q, k, v, scale=0.5, causal=True)
+    s2 = mx.sym.load_json(s.tojson())
+    a = {n: mx.nd.array(rnd(2, 9, 8, seed=i)) for i, n in enumerate("qkv")}
+    out = s2.bind(mx.cpu(), a).forward()[0].asnumpy()
+    want = ref_attention(*(a[n].asnumpy() for n in "qkv"), 0.5, causal=True)
+    np.testing.assert_allclose(out, want, **FWD)
+
+
+@pytest.mark.parametrize("attrs,msg", [
+    (dict(scale=0.1, layout="bhsd"), "layout"),
+    (dict(scale=0.1, mask_kind="soft"), "mask_kind"),
+    (dict(layout="plain"), "scale"),
+    (dict(scale=0.1, causal="maybe"), "causal"),
+    (dict(scale=0.1, layout="bshd"), "heads"),
+])
+def test_invalid_attributes(attrs, msg):
+    q = mx.nd.array(rnd(2, 4, 8))
+    with pytest.raises(MXNetError, match=msg):
+        mx.nd.fused_attention(q, q, q, **attrs).wait_to_read()
+
+
+def test_bad_shapes_are_reported():
+    q, k = mx.nd.array(rnd(2, 4, 8)), mx.nd.array(rnd(2, 5, 6))
+    with pytest.raises(MXNetError, match="q \\(N,Sq,D\\)"):
+        mx.nd.fused_attention(q, k, k, scale=0.1).wait_to_read()
+    with pytest.raises(MXNetError, match="does not broadcast"):
+        mx.nd.fused_attention(q, q, q, mx.nd.ones((3, 4, 4)), scale=0.1,
+                              mask_kind="additive").wait_to_read()
+
+
+@pytest.mark.parametrize("Sq,Sk", [(40, 300), (300, 40), (1, 1)])
+def test_causal_with_valid_length(Sq, Sk):
+    """Bottom-right aligned causal band combined with per-row lengths; rows that see no
+    key (Sq > Sk, or length 0) give 0."""
+    N, D = 2, 16
+    q, k, v = rnd(N, Sq, D), rnd(N, Sk, D, seed=1), rnd(N, Sk, D, seed=2)
+    L = np.random.RandomState(1).randint(0, Sk + 1, (N, Sq)).astype(np.int32)
+    got = fused(q, k, v, L, scale=0.3, mask_kind="valid_length", causal=True)
+    np.testing.assert_allclose(got, ref_attention(q, k, v, 0.3, L, "valid_length", causal=True),
+                               **FWD)

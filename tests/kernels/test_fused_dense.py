@@ -1,0 +1,206 @@
+"""fused_dense vs NumPy (forward) and MXNet FullyConnected + activation (backward).
+
+Tolerances (fp32): forward rtol=1e-5, atol=1e-5 (float64 reference); backward
+rtol=1e-4, atol=1e-4 vs MXNet autograd.
+"""
+import math
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet.base import MXNetError
+from kernel_fixtures import fused_ops  # noqa: F401  (builds + loads the library)
+
+FWD = dict(rtol=1e-5, atol=1e-5)
+BWD = dict(rtol=1e-4, atol=1e-4)
+ACTS = ["none", "relu", "sigmoid", "tanh", "softrelu", "leaky", "gelu_erf", "gelu_tanh"]
+_erf = np.vectorize(math.erf)
+
+
+def np_act(z, act, slope=0.25):
+    if act == "relu":
+        return np.maximum(z, 0)
+    if act == "sigmoid":
+        return 1 / (1 + np.exp(-z))
+    if act == "tanh":
+        return np.tanh(z)
+    if act == "softrelu":
+        return np.where(z > 20, z, np.log1p(np.exp(np.minimum(z, 20))))
+    if act == "leaky":
+        return np.where(z > 0, z, slope * z)
+    if act == "gelu_erf":
+        return 0.5 * z * (1 + _erf(z / np.sqrt(2)))
+    if act == "gelu_tanh":
+        return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+    return z
+
+
+def mx_act(z, act, slope=0.25):
+    if act in ("relu", "sigmoid", "tanh", "softrelu"):
+        return mx.nd.Activation(z, act_type=act)
+    if act == "leaky":
+        return mx.nd.LeakyReLU(z, act_type="leaky", slope=slope)
+    if act == "gelu_erf":
+        return mx.nd.LeakyReLU(z, act_type="gelu")
+    if act == "gelu_tanh":
+        return 0.5 * z * (1 + mx.nd.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3)))
+    return z
+
+
+def rnd(*shape, seed=0):
+    return np.random.RandomState(seed + len(shape)).uniform(-1, 1, shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_forward_acts(act):
+    x, w, b = rnd(37, 50), rnd(70, 50, seed=1) * 2, rnd(70, seed=2)
+    z = x.astype(np.float64) @ w.T + b
+    got = mx.nd.fused_dense(mx.nd.array(x), mx.nd.array(w), mx.nd.array(b), act=act).asnumpy()
+    np.testing.assert_allclose(got, np_act(z, act), **FWD)
+
+
+@pytest.mark.parametrize("shape,flatten", [((1, 3), True), ((2, 3, 4), True), ((2, 3, 4), False),
+                                           ((300, 17), False), ((1, 1, 1, 5), False)])
+def test_flatten_and_no_bias(shape, flatten):
+    x = rnd(*shape)
+    K = int(np.prod(shape[1:])) if flatten else shape[-1]
+    w = rnd(9, K, seed=1)
+    got = mx.nd.fused_dense(mx.nd.array(x), mx.nd.array(w), no_bias=True, flatten=flatten)
+    want = mx.nd.FullyConnected(mx.nd.array(x), mx.nd.array(w), num_hidden=9, no_bias=True,
+                                flatten=flatten)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), **FWD)
+
+
+def test_heads_bhsd_output():
+    B, S, K, H, D = 2, 7, 16, 3, 8
+    x, w, b = rnd(B, S, K), rnd(H * D, K, seed=1), rnd(H * D, seed=2)
+    got = mx.nd.fused_dense(mx.nd.array(x), mx.nd.array(w), mx.nd.array(b), flatten=False,
+                            out_layout="heads_bhsd", heads=H, act="relu").asnumpy()
+    z = np.maximum(x @ w.T + b, 0)
+    np.testing.assert_allclose(got, z.reshape(B, S, H, D).transpose(0, 2, 1, 3), **FWD)
+
+
+def _grads(fn, arrays, head_grad):
+    xs = [mx.nd.array(a) for a in arrays]
+    for x in xs:
+        x.attach_grad()
+    with mx.autograd.record():
+        y = fn(*xs)
+    y.backward(mx.nd.array(head_grad))
+    return [x.grad.asnumpy() for x in xs]
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_backward_vs_mxnet(act):
+    x, w, b = rnd(2, 9, 12), rnd(20, 12, seed=1), rnd(20, seed=2)
+    dy = rnd(2, 9, 20, seed=3)
+    want = _grads(lambda x, w, b: mx_act(mx.nd.FullyConnected(x, w, b, num_hidden=20,
+                                                              flatten=False), act), [x, w, b], dy)
+    got = _grads(lambda x, w, b: mx.nd.fused_dense(x, w, b, act=act, flatten=False), [x, w, b], dy)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, **BWD)
+
+
+def test_backward_heads_and_no_bias():
+    B, S, K, H, D = 2, 5, 6, 2, 4
+    x, w = rnd(B, S, K), rnd(H * D, K, seed=1)
+    dy = rnd(B, H, S, D, seed=3)
+
+    def unfused(x, w):
+        y = mx.nd.FullyConnected(x, w, num_hidden=H * D, no_bias=True, flatten=False)
+        return mx.nd.tanh(y).reshape((B, S, H, D)).transpose((0, 2, 1, 3))
+
+    want = _grads(unfused, [x, w], dy)
+    got = _grads(lambda x, w: mx.nd.fused_dense(x, w, no_bias=True, flatten=False, act="tanh",
+                                                out_layout="heads_bhsd", heads=H), [x, w], dy)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, **BWD)
+
+
+def test_packed_weight_follows_weight_updates():
+    """The op caches W^T; an in-place weight update must be seen on the next forward."""
+    x, w, b = rnd(4, 8), rnd(6, 8, seed=1), rnd(6, seed=2)
+    s = mx.sym.fused_dense(mx.sym.var("x"), mx.sym.var("w"), mx.sym.var("b"))
+    args = {"x": mx.nd.array(x), "w": mx.nd.array(w), "b": mx.nd.array(b)}
+    ex = s.bind(mx.cpu(), args, grad_req="null")
+    for _ in range(3):  # 1st call multiplies by W, 2nd packs W^T, 3rd reuses the packing
+        np.testing.assert_allclose(ex.forward()[0].asnumpy(), x @ w.T + b, **FWD)
+    args["w"][:] = 2 * w
+    for _ in range(3):
+        np.testing.assert_allclose(ex.forward()[0].asnumpy(), x @ (2 * w).T + b, **FWD)
+
+
+def test_packed_weight_with_head_split_output():
+    B, S, K, H, D = 2, 3, 8, 2, 4
+    x, w = rnd(B, S, K), rnd(H * D, K, seed=1)
+    s = mx.sym.fused_dense(mx.sym.var("x"), mx.sym.var("w"), no_bias=True, flatten=False,
+                           out_layout="heads_bhsd", heads=H)
+    ex = s.bind(mx.cpu(), {"x": mx.nd.array(x), "w": mx.nd.array(w)}, grad_req="null")
+    want = (x @ w.T).reshape(B, S, H, D).transpose(0, 2, 1, 3)
+    for _ in range(3):
+        np.testing.assert_allclose(ex.forward()[0].asnumpy(), want, **FWD)
+
+
+@pytest.mark.parametrize("attrs,msg", [
+    (dict(act="swish"), "act"),
+    (dict(flatten="yes"), "flatten"),
+    (dict(num_hidden=7), "num_hidden"),
+    (dict(out_layout="heads_bhsd", flatten=False), "heads"),
+    (dict(out_layout="bshd"), "out_layout"),
+])
+def test_invalid_attributes(attrs, msg):
+    x, w, b = mx.nd.ones((2, 4)), mx.nd.ones((6, 4)), mx.nd.ones((6,))
+    with pytest.raises(MXNetError, match=msg):
+        mx.nd.fused_dense(x, w, b, **attrs).wait_to_read()
+
+
+def test_shape_mismatch_is_reported():
+    with pytest.raises(MXNetError, match="K=5"):
+        mx.nd.fused_dense(mx.nd.ones((2, 5)), mx.nd.ones((6, 4)), mx.nd.ones((6,))).wait_to_read()
+
+
+def test_cached_op_sees_weight_updates_and_trains():
+    """Through a hybridized block (CachedOp keeps the op state): the packed weight must
+    follow optimizer updates, and gradients must match FullyConnected's."""
+    class Net(mx.gluon.HybridBlock):
+        def __init__(self, fused, **kw):
+            super().__init__(**kw)
+            self.fused = fused
+            with self.name_scope():
+                self.w = self.params.get("w", shape=(6, 8), init=mx.init.Constant(0.1))
+                self.b = self.params.get("b", shape=(6,), init=mx.init.Zero())
+
+        def hybrid_forward(self, F, x, w, b):
+            if self.fused:
+                return F.fused_dense(x, w, b, act="tanh")
+            return F.tanh(F.FullyConnected(x, w, b, num_hidden=6))
+
+    x = mx.nd.array(rnd(4, 8))
+    outs = []
+    for fused in (True, False):
+        net = Net(fused)
+        net.initialize()
+        net.hybridize()
+        tr = mx.gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.5})
+        hist = []
+        for _ in range(3):
+            with mx.autograd.record():
+                y = net(x)
+                loss = ((y - 0.9) ** 2).sum()
+            loss.backward()
+            tr.step(1)
+            hist.append(y.asnumpy())
+        outs.append(hist)
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, **BWD)
+    assert not np.allclose(outs[0][0], outs[0][2])  # the weights did change
+
+
+def test_symbol_json_roundtrip():
+    s = mx.sym.fused_dense(mx.sym.var("x"), mx.sym.var("w"), no_bias=True, act="leaky",
+                           slope=0.1, flatten=False)
+    s2 = mx.sym.load_json(s.tojson())
+    x, w = rnd(2, 3, 5), rnd(4, 5, seed=1)
+    out = s2.bind(mx.cpu(), {"x": mx.nd.array(x), "w": mx.nd.array(w)}).forward()[0].asnumpy()
+    np.testing.assert_allclose(out, np_act(x.astype(np.float64) @ w.T, "leaky", 0.1), **FWD)

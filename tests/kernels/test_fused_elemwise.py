@@ -1,0 +1,188 @@
+"""fused_elemwise vs a NumPy evaluation of the same expression (forward) and MXNet
+autograd over the equivalent chain of separate ops (backward).
+
+Tolerances (fp32): forward rtol=1e-5, atol=1e-5 (float64 reference); backward
+rtol=1e-4, atol=1e-5.
+"""
+import math
+import re
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet.base import MXNetError
+from kernel_fixtures import fused_ops  # noqa: F401  (builds + loads the library)
+
+FWD = dict(rtol=1e-5, atol=1e-5)
+BWD = dict(rtol=1e-4, atol=1e-5)
+_erf = np.vectorize(math.erf)
+
+NP = {
+    "neg": np.negative, "abs": np.abs, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
+    "rsqrt": lambda a: 1 / np.sqrt(a), "tanh": np.tanh, "sigmoid": lambda a: 1 / (1 + np.exp(-a)),
+    "relu": lambda a: np.maximum(a, 0), "erf": _erf, "square": np.square,
+    "softrelu": lambda a: np.where(a > 20, a, np.log1p(np.exp(np.minimum(a, 20)))),
+    "softsign": lambda a: a / (1 + np.abs(a)), "log_sigmoid": lambda a: -np.log1p(np.exp(-a)),
+    "mish": lambda a: a * np.tanh(np.log1p(np.exp(a))), "log1p": np.log1p, "expm1": np.expm1,
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "pow": np.power,
+    "max": np.maximum, "min": np.minimum,
+    "lt": lambda a, b: (a < b) * 1.0, "le": lambda a, b: (a <= b) * 1.0,
+    "gt": lambda a, b: (a > b) * 1.0, "ge": lambda a, b: (a >= b) * 1.0,
+    "eq": lambda a, b: (a == b) * 1.0, "ne": lambda a, b: (a != b) * 1.0,
+    "where": lambda c, a, b: np.where(c != 0, a, b),
+    "clip": lambda a, lo, hi: np.minimum(np.maximum(a, lo), hi),
+}
+
+
+def _bc(f):
+    def g(*xs):
+        xs = list(xs)
+        shape = np.broadcast_shapes(*[x.shape for x in xs if isinstance(x, mx.nd.NDArray)])
+        xs = [mx.nd.broadcast_to(x.reshape((1,) * (len(shape) - x.ndim) + x.shape), shape)
+              if isinstance(x, mx.nd.NDArray) and x.shape != shape else x for x in xs]
+        return f(*xs)
+    return g
+
+
+MX = {
+    "neg": lambda a: -a, "abs": mx.nd.abs, "exp": mx.nd.exp, "log": mx.nd.log, "sqrt": mx.nd.sqrt,
+    "rsqrt": mx.nd.rsqrt, "tanh": mx.nd.tanh, "sigmoid": mx.nd.sigmoid, "relu": mx.nd.relu,
+    "erf": mx.nd.erf, "square": mx.nd.square,
+    "softrelu": lambda a: mx.nd.Activation(a, act_type="softrelu"),
+    "softsign": lambda a: mx.nd.Activation(a, act_type="softsign"),
+    "log_sigmoid": lambda a: mx.nd.log(mx.nd.sigmoid(a)),  # no such act_type in MXNet 1.9.1
+    "mish": lambda a: a * mx.nd.tanh(mx.nd.Activation(a, act_type="softrelu")),
+    "log1p": mx.nd.log1p, "expm1": mx.nd.expm1,
+    "add": _bc(lambda a, b: a + b), "sub": _bc(lambda a, b: a - b), "mul": _bc(lambda a, b: a * b),
+    "div": _bc(lambda a, b: a / b), "pow": _bc(lambda a, b: a ** b),
+    "max": _bc(lambda a, b: mx.nd.maximum(a, b)), "min": _bc(lambda a, b: mx.nd.minimum(a, b)),
+    "gt": _bc(lambda a, b: a > b), "lt": _bc(lambda a, b: a < b),
+    "where": _bc(lambda c, a, b: mx.nd.where(c, a, b)),
+    "clip": lambda a, lo, hi: mx.nd.clip(a, lo, hi),
+}
+
+
+def evaluate(expr, xs, table):
+    """Tiny test-side evaluator of the expression language (independent of the C++)."""
+    toks = re.findall(r"x\d+\b|[A-Za-z_][A-Za-z0-9_]*|-?\d+\.?\d*(?:e-?\d+)?|[(),]", expr)
+    pos = [0]
+
+    def parse():
+        t = toks[pos[0]]
+        pos[0] += 1
+        if re.fullmatch(r"x\d+", t):
+            return xs[int(t[1:])]
+        if re.fullmatch(r"-?\d.*", t):
+            return float(t)
+        assert toks[pos[0]] == "("
+        pos[0] += 1
+        args = []
+        while True:
+            args.append(parse())
+            sep = toks[pos[0]]
+            pos[0] += 1
+            if sep == ")":
+                break
+        return table[t](*args)
+    return parse()
+
+
+def rnd(*shape, seed=0, lo=-2.0, hi=2.0):
+    return np.random.RandomState(seed + len(shape)).uniform(lo, hi, shape).astype(np.float32)
+
+
+EXPRS = [
+    ("mul(x0, sigmoid(add(x1, 3.0)))", [(7, 300), (7, 300)]),
+    ("add(mul(x0, 0.5), x1)", [(4, 1, 5), (3, 1)]),
+    ("where(gt(x0, 0), exp(x1), neg(x2))", [(2, 3, 4), (3, 4), (1,)]),
+    ("clip(tanh(x0), -0.5, 0.25)", [(5000,)]),
+    ("div(sub(x0, x1), sqrt(add(square(x1), 1e-3)))", [(64, 65), (64, 1)]),
+    ("max(min(x0, x1), relu(erf(x0)))", [(3, 1, 9), (1, 4, 1)]),
+    ("rsqrt(add(abs(x0), 1))", [(1,)]),
+    ("pow(add(abs(x0), 0.5), x1)", [(10, 11), (11,)]),
+    ("log(add(exp(x0), 1))", [(2049,)]),
+    ("x0", [(3, 4)]),
+    ("add(softrelu(x0), mul(softsign(x1), log_sigmoid(x0)))", [(5, 7), (7,)]),
+    ("sub(mish(x0), expm1(mul(log1p(abs(x0)), 0.5)))", [(300,)]),
+]
+
+
+@pytest.mark.parametrize("expr,shapes", EXPRS)
+def test_forward(expr, shapes):
+    xs = [rnd(*s, seed=i) for i, s in enumerate(shapes)]
+    got = mx.nd.fused_elemwise(*[mx.nd.array(x) for x in xs], expr=expr).asnumpy()
+    want = evaluate(expr, [x.astype(np.float64) for x in xs], NP)
+    assert got.shape == np.broadcast_shapes(*shapes)
+    np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), **FWD)
+
+
+def test_comparisons():
+    a = np.array([1, 2, 3, 4], np.float32)
+    b = np.array([2, 2, 2, 2], np.float32)
+    for op, want in [("lt", a < b), ("le", a <= b), ("gt", a > b), ("ge", a >= b), ("eq", a == b),
+                     ("ne", a != b)]:
+        got = mx.nd.fused_elemwise(mx.nd.array(a), mx.nd.array(b), expr="%s(x0, x1)" % op)
+        np.testing.assert_array_equal(got.asnumpy(), want.astype(np.float32))
+
+
+@pytest.mark.parametrize("expr,shapes", EXPRS)
+def test_backward_vs_mxnet(expr, shapes):
+    xs = [rnd(*s, seed=i) for i, s in enumerate(shapes)]
+    out_shape = np.broadcast_shapes(*shapes)
+    dy = rnd(*out_shape, seed=9)
+    res = []
+    for fused in (True, False):
+        arrs = [mx.nd.array(x) for x in xs]
+        for a in arrs:
+            a.attach_grad()
+        with mx.autograd.record():
+            y = (mx.nd.fused_elemwise(*arrs, expr=expr) if fused else evaluate(expr, arrs, MX))
+            if y.shape != out_shape:
+                y = mx.nd.broadcast_to(y, out_shape)
+        y.backward(mx.nd.array(dy))
+        res.append([a.grad.asnumpy() for a in arrs])
+    for g, w in zip(*res):
+        np.testing.assert_allclose(g, w, **BWD)
+
+
+def test_constant_program():
+    y = mx.nd.fused_elemwise(mx.nd.ones((3, 5000)), expr="2.5", num_args=1)
+    np.testing.assert_array_equal(y.asnumpy(), np.full((3, 5000), 2.5, np.float32))
+
+
+def test_num_args_allows_unused_inputs():
+    x0, x1 = mx.nd.ones((2, 3)), mx.nd.ones((4, 1, 3))
+    y = mx.nd.fused_elemwise(x0, x1, expr="mul(x0, 2)", num_args=2)
+    assert y.shape == (4, 2, 3)
+    np.testing.assert_array_equal(y.asnumpy(), 2 * np.ones((4, 2, 3)))
+
+
+@pytest.mark.parametrize("expr,msg", [
+    ("", "empty expression"),
+    ("foo(x0)", "unknown function 'foo'"),
+    ("add(x0)", "'add' takes 2 argument"),
+    ("add(x0, x1", "expected ',' or '\\)'"),
+    ("mul(x0, x1) x2", "after the expression"),
+    ("add(x0, $)", "unexpected character"),
+])
+def test_invalid_programs(expr, msg):
+    with pytest.raises(MXNetError, match=msg):
+        mx.nd.fused_elemwise(mx.nd.ones(3), mx.nd.ones(3), expr=expr, num_args=2).wait_to_read()
+
+
+def test_invalid_program_fails_at_symbol_creation():
+    with pytest.raises(MXNetError, match="does not exist"):
+        mx.sym.fused_elemwise(mx.sym.var("a"), expr="add(x0, x5)", num_args=1)
+
+
+def test_non_broadcastable_inputs():
+    with pytest.raises(MXNetError, match="do not broadcast"):
+        mx.nd.fused_elemwise(mx.nd.ones((2, 3)), mx.nd.ones((4,)), expr="add(x0, x1)").wait_to_read()
+
+
+def test_symbol_json_roundtrip():
+    s = mx.sym.fused_elemwise(mx.sym.var("a"), mx.sym.var("b"), expr="where(gt(x0, x1), x0, 0.5)")
+    s2 = mx.sym.load_json(s.tojson())
+    a, b = rnd(3, 4), rnd(4, seed=1)
+    out = s2.bind(mx.cpu(), {"a": mx.nd.array(a), "b": mx.nd.array(b)}).forward()[0].asnumpy()
+    np.testing.assert_allclose(out, np.where(a > b, a, 0.5), **FWD)

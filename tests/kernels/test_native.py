@@ -1,0 +1,34 @@
+"""fusion._native: the build/load contract (clear errors for a missing or stale library)."""
+import os
+import shutil
+
+import pytest
+from kernel_fixtures import fused_ops  # noqa: F401  (builds + loads the library)
+
+
+def test_load_is_idempotent(fused_ops):
+    assert fused_ops.load() == fused_ops.load() == fused_ops.library_path()
+
+
+def test_library_is_current(fused_ops):
+    with open(fused_ops.library_path() + ".sha256") as fh:
+        assert fh.read().strip() == fused_ops.source_hash()
+
+
+def test_missing_and_stale_library_errors(fused_ops, tmp_path, monkeypatch):
+    built = fused_ops.library_path()
+    monkeypatch.setattr(fused_ops, "_loaded", None)
+    monkeypatch.setattr(fused_ops, "LIB_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="missing.*python -m fusion.build"):
+        fused_ops.load()
+    lib = os.path.join(str(tmp_path), fused_ops.CPU_LIB)
+    shutil.copy(built, lib)
+    with open(lib + ".sha256", "w") as fh:
+        fh.write("0" * 64 + "\n")
+    with pytest.raises(RuntimeError, match="stale.*python -m fusion.build"):
+        fused_ops.load()
+
+
+def test_cpu_library_does_not_need_cuda(fused_ops):
+    with open(fused_ops.library_path(), "rb") as fh:
+        assert b"libcudart" not in fh.read()
