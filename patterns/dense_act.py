@@ -13,8 +13,10 @@ prepared once, with bias and activation applied while the output tile is in cach
 The arithmetic is the same; only the summation order inside the GEMM differs, as
 between any two BLAS libraries (fp32 error ~1e-6 relative).
 
-A bare FullyConnected (no bias add, no activation) is rewritten too: the GEMM alone
-is faster than MXNet's.  Refused: a bias add whose other operand is not a parameter
+A bare FullyConnected (no bias add, no activation) is rewritten too when it has
+many rows (≥ 8, e.g. a projection over a sequence): the GEMM alone is faster than
+MXNet's there, while on a few rows (a classifier head at small batch) MXNet's own
+FullyConnected is as fast and is left alone.  Refused: a bias add whose other operand is not a parameter
 of N values; LeakyReLU kinds other than leaky/gelu (prelu, elu, selu, rrelu).
 """
 from __future__ import annotations
@@ -69,7 +71,24 @@ class DenseAct(Rule):
             return ("gelu_erf" if m.node("inner").op == "erf" else "gelu_tanh"), None
         return "none", None
 
+    MIN_ROWS = 8
+
+    def _rows(self, m: Match) -> Optional[int]:
+        """Rows of the GEMM (product of the leading dims of x), when the shapes are known."""
+        shape = m.ctx.shape(m["x"])
+        if not shape:
+            return None
+        rows = 1
+        for d in (shape[:1] if m.node("fc").param("flatten") else shape[:-1]):
+            rows *= d
+        return rows
+
     def check(self, m: Match) -> Optional[str]:
+        rows = self._rows(m)
+        if rows is not None and rows < self.MIN_ROWS:
+            return "%d rows: MXNet's FullyConnected is as fast as fused_dense on so few" % rows
+        if rows is None and m.node("fc").param("flatten") and not (m.has("act") or m.has("inner") or m.has("bias_add")):
+            return "a bare FullyConnected(flatten=True) of unknown batch size is left to MXNet (pass input shapes)"
         if m.has("inner"):
             reason = gelu_erf_reason(m) if m.node("inner").op == "erf" else gelu_tanh_reason(m)
             if reason:

@@ -10,7 +10,7 @@ import fusion
 from conftest import fuse_and_check, ops, random_params
 
 S = mx.sym
-X3 = {"x": (2, 5, 12)}
+X3 = {"x": (40, 3, 12)}     # ≥ 8 GEMM rows: dense_act leaves smaller ones to MXNet
 
 
 def fc(x, n=16, **kw):
@@ -56,7 +56,7 @@ def test_bias_and_extra_bias_are_summed():
 
 def test_bias_of_wrong_size_not_folded():
     y = S.broadcast_add(fc(S.var("x"), flatten=False, no_bias=True), S.var("b2"))
-    arg, aux = random_params(y, dict(X3, b2=(5, 1)), inputs={"x"})
+    arg, aux = random_params(y, dict(X3, b2=(3, 1)), inputs={"x"})
     res = fuse_and_check(y, X3, arg, aux, rules=["dense_act"])
     # the FullyConnected alone is still fused; the add stays
     assert ops(res) == {"fused_dense": 1, "broadcast_add": 1}
@@ -64,7 +64,7 @@ def test_bias_of_wrong_size_not_folded():
 
 def test_prelu_not_fused_into_dense():
     y = S.LeakyReLU(fc(S.var("x")), S.var("alpha"), act_type="prelu")
-    shapes = {"x": (4, 12)}
+    shapes = {"x": (40, 12)}
     arg, aux = random_params(y, dict(shapes, alpha=(16,)), inputs={"x"})
     res = fuse_and_check(y, shapes, arg, aux, rules=["dense_act"])
     assert ops(res) == {"fused_dense": 1, "LeakyReLU": 1}
@@ -134,3 +134,10 @@ def test_layer_norm_not_on_last_axis_refused():
     res = fusion.fuse(y, rules=["skip_layer_norm"])
     assert res.report.fused_count == 0
     assert "axis=1" in list(res.report.rules["skip_layer_norm"].rejected.values())[0]
+
+
+def test_few_rows_left_to_mxnet():
+    y = fc(S.var("x"))
+    res = fuse_and_check(y, {"x": (4, 12)}, rules=["dense_act"])
+    assert ops(res) == {"FullyConnected": 1}
+    assert "4 rows" in list(res.report.rules["dense_act"].rejected.values())[0]

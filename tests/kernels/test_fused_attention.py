@@ -281,3 +281,33 @@ def test_causal_with_valid_length(Sq, Sk):
     got = fused(q, k, v, L, scale=0.3, mask_kind="valid_length", causal=True)
     np.testing.assert_allclose(got, ref_attention(q, k, v, 0.3, L, "valid_length", causal=True),
                                **FWD)
+
+
+def test_backward_encdec_and_bshd():
+    Sq, Sk, B, H, D = 7, 12, 2, 2, 8
+    q, kv, dy = rnd(Sq, B, H * D), rnd(Sk, B, H * 2 * D, seed=1), rnd(Sq, B, H * D, seed=2)
+
+    def unfused(q, kv):
+        att = mx.nd.softmax(mx.nd.contrib.interleaved_matmul_encdec_qk(q, kv, heads=H), axis=-1)
+        return mx.nd.contrib.interleaved_matmul_encdec_valatt(kv, att, heads=H)
+
+    want = _grads(unfused, [q, kv], dy)
+    got = _grads(lambda q, kv: mx.nd.fused_attention(q, kv, scale=1 / np.sqrt(D), heads=H,
+                                                     layout="interleaved_encdec"), [q, kv], dy)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, **BWD)
+
+    S = 9
+    x = [rnd(B, S, H * D, seed=i) for i in range(3)]
+    dy = rnd(B, S, H * D, seed=5)
+
+    def unfused_bshd(q, k, v):
+        sp = lambda t: t.reshape((B, S, H, D)).transpose((0, 2, 1, 3)).reshape((B * H, S, D))
+        o = _unfused_mx(sp(q), sp(k), sp(v), 0.4)
+        return o.reshape((B, H, S, D)).transpose((0, 2, 1, 3)).reshape((B, S, H * D))
+
+    want = _grads(unfused_bshd, x, dy)
+    got = _grads(lambda q, k, v: mx.nd.fused_attention(q, k, v, scale=0.4, layout="bshd", heads=H),
+                 x, dy)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, **BWD)
