@@ -273,3 +273,13 @@ def test_interleaved_encdec():
     y = S.contrib.interleaved_matmul_encdec_valatt(kv, S.softmax(s, axis=-1), heads=H)
     res = check_fused(y, {"x": (L, B, 10), "mem": (LK, B, 6)}, rules=["attention"])
     assert ops(res) == {"FullyConnected": 2, "fused_attention": 1}
+
+
+def test_four_dimensional_gemm2_attention_with_head_mask():
+    # (B, H, S, D) operands straight into linalg_gemm2, a (B, 1, 1, Sk) padding mask
+    q, k, v = qkv_vars()
+    s = S.broadcast_add(S.linalg_gemm2(q, k, transpose_b=True, alpha=0.25), S.var("mask"))
+    y = S.linalg_gemm2(S.softmax(s, axis=-1), v)
+    shapes = {"q": (2, 3, SQ, D), "k": (2, 3, SK, D), "v": (2, 3, SK, D), "mask": (2, 1, 1, SK)}
+    res = check_fused(y, shapes, expect={"fused_attention": 1})
+    assert res.graph.op_nodes()[0].attrs["layout"] == "plain"

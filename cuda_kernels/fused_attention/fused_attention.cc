@@ -63,17 +63,23 @@ Geom geometry(const Params& p, const std::vector<std::vector<int64_t>>& s) {
   const int64_t H = p.heads;
   switch (p.layout) {
     case Layout::plain: {
-      need_rank(s[0], 3, "q");
-      need_rank(s[1], 3, "k");
-      need_rank(s[2], 3, "v");
-      g.B = s[0][0]; g.H = 1; g.Sq = s[0][1]; g.D = s[0][2]; g.Sk = s[1][1]; g.Dv = s[2][2];
-      if (s[1][0] != g.B || s[2][0] != g.B || s[1][2] != g.D || s[2][1] != g.Sk)
-        throw OpError("shapes do not fit q (N,Sq,D), k (N,Sk,D), v (N,Sk,Dv): q" +
+      // (N, S, D), or (B, H, S, D) as a 4-D batch_dot/linalg_gemm2 attention computes it
+      const size_t r = s[0].size();
+      if (r != 3 && r != 4) need_rank(s[0], 3, "q");
+      need_rank(s[1], r, "k");
+      need_rank(s[2], r, "v");
+      const size_t o = r - 3;  // offset of the (N|H, S, D) part
+      g.B = s[0][0]; g.H = r == 4 ? s[0][1] : 1;
+      g.Sq = s[0][o + 1]; g.D = s[0][o + 2]; g.Sk = s[1][o + 1]; g.Dv = s[2][o + 2];
+      bool fits = s[1][o + 2] == g.D && s[2][o + 1] == g.Sk;
+      for (size_t i = 0; i <= o; ++i) fits = fits && s[1][i] == s[0][i] && s[2][i] == s[0][i];
+      if (!fits)
+        throw OpError("shapes do not fit q (N,Sq,D) or (B,H,Sq,D), k (..,Sk,D), v (..,Sk,Dv): q" +
                       shape_str(s[0]) + " k" + shape_str(s[1]) + " v" + shape_str(s[2]));
-      g.q = {nullptr, g.Sq * g.D, 0, g.D};
-      g.k = {nullptr, g.Sk * g.D, 0, g.D};
-      g.v = {nullptr, g.Sk * g.Dv, 0, g.Dv};
-      g.o = {nullptr, g.Sq * g.Dv, 0, g.Dv};
+      g.q = {nullptr, g.H * g.Sq * g.D, g.Sq * g.D, g.D};
+      g.k = {nullptr, g.H * g.Sk * g.D, g.Sk * g.D, g.D};
+      g.v = {nullptr, g.H * g.Sk * g.Dv, g.Sk * g.Dv, g.Dv};
+      g.o = {nullptr, g.H * g.Sq * g.Dv, g.Sq * g.Dv, g.Dv};
       break;
     }
     case Layout::bshd: {
@@ -136,7 +142,9 @@ Geom geometry(const Params& p, const std::vector<std::vector<int64_t>>& s) {
 std::vector<int64_t> out_shape(const Params& p, const Geom& g,
                                const std::vector<std::vector<int64_t>>& s) {
   switch (p.layout) {
-    case Layout::plain: return {g.B, g.Sq, g.Dv};
+    case Layout::plain:
+      if (s[0].size() == 4) return {g.B, g.H, g.Sq, g.Dv};
+      return {g.B, g.Sq, g.Dv};
     case Layout::bshd:
     case Layout::packed_qkv: return {g.B, g.Sq, g.H * g.Dv};
     default: return {g.Sq, g.B, g.H * g.Dv};
