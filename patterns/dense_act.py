@@ -16,7 +16,8 @@ between any two BLAS libraries (fp32 error ~1e-6 relative).
 A bare FullyConnected (no bias add, no activation) is rewritten too when it has
 many rows (≥ 8, e.g. a projection over a sequence): the GEMM alone is faster than
 MXNet's there, while on a few rows (a classifier head at small batch) MXNet's own
-FullyConnected is as fast and is left alone.  Refused: a bias add whose other operand is not a parameter
+FullyConnected is as fast and is left alone — as is a ``flatten=True`` layer whose
+batch size is unknown.  Refused: a bias add whose other operand is not a parameter
 of N values; LeakyReLU kinds other than leaky/gelu (prelu, elu, selu, rrelu).
 """
 from __future__ import annotations
@@ -87,8 +88,10 @@ class DenseAct(Rule):
         rows = self._rows(m)
         if rows is not None and rows < self.MIN_ROWS:
             return "%d rows: MXNet's FullyConnected is as fast as fused_dense on so few" % rows
-        if rows is None and m.node("fc").param("flatten") and not (m.has("act") or m.has("inner") or m.has("bias_add")):
-            return "a bare FullyConnected(flatten=True) of unknown batch size is left to MXNet (pass input shapes)"
+        if rows is None and m.node("fc").param("flatten"):
+            # a classifier head, typically run at small batch where MXNet's own FullyConnected
+            # (fused with its activation by oneDNN) is as fast: fuse it only when the rows are known
+            return "FullyConnected(flatten=True) of unknown batch size is left to MXNet (pass input shapes)"
         if m.has("inner"):
             reason = gelu_erf_reason(m) if m.node("inner").op == "erf" else gelu_tanh_reason(m)
             if reason:

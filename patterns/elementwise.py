@@ -124,17 +124,17 @@ def _batchnorm_scale_shift(node: Node, ctx) -> Optional[tuple]:
     return scale, beta - mean * scale, axis, len(shape)
 
 
-_CONV = ("Convolution", "Deconvolution")
+_CONV = ("Convolution", "Deconvolution", "FullyConnected")
 _TAIL = ("Activation", "LeakyReLU", "clip", "relu", "sigmoid", "tanh",
          "elemwise_add", "broadcast_add", "broadcast_plus", "_plus", "_Plus", "_add")
 
 
 def _conv_tail(node: Node, depth: int = 3) -> bool:
-    """Whether ``node`` is in the activation / residual-add tail of a convolution.
+    """Whether ``node`` is in the activation / residual-add tail of a convolution (or dense layer).
 
     MXNet's oneDNN backend fuses Convolution with its activation, its residual add
-    and the activation after it into one kernel; taking those ops into a
-    fused_elemwise would undo that, so they are left to it.
+    and the activation after it into one kernel (FullyConnected with its activation);
+    taking those ops into a fused_elemwise would undo that, so they are left to it.
     """
     if depth == 0 or node.op not in _TAIL:
         return False
