@@ -84,6 +84,7 @@ class Graph:
         self.attrs = attrs if attrs is not None else {"mxnet_version": ["int", 10901]}
         self._users: Optional[Dict[Node, List[Tuple[Node, int]]]] = None
         self._by_op: Optional[Tuple[int, Dict[str, List[Node]]]] = None
+        self._compacted = False
         self.version = 0      # bumped by every compact(): caches keyed on it (consumers, shapes) go stale
 
     # ------------------------------------------------------------------ loading
@@ -128,7 +129,13 @@ class Graph:
             ins = jn.get("inputs", [])
             if not isinstance(ins, list):
                 raise GraphError("node %d ('%s') has 'inputs' that is not a list" % (i, jn["name"]))
-            nodes[i].inputs = [cls._entry(nodes, e, i, k) for k, e in enumerate(ins)]
+            try:                                  # the common, well-formed case, checked cheaply
+                nodes[i].inputs = [Entry(nodes[e[0]], e[1], e[2] if len(e) == 3 else 0) for e in ins
+                                   if 0 <= e[0] < n and 0 <= e[1] < nodes[e[0]].num_outputs and type(e) is list]
+                if len(nodes[i].inputs) != len(ins):
+                    raise ValueError
+            except (TypeError, ValueError, IndexError, KeyError):
+                nodes[i].inputs = [cls._entry(nodes, e, i, k) for k, e in enumerate(ins)]
         heads = [cls._entry(nodes, e, None, k) for k, e in enumerate(jheads)]
         if not heads:
             raise GraphError("the graph has no heads (outputs)")
@@ -252,26 +259,33 @@ class Graph:
 
     # ------------------------------------------------------------------ editing
     def compact(self) -> None:
-        """Drop nodes no head reaches, order by position, renumber positions 0..n-1."""
+        """Drop nodes no head reaches, order by position, renumber positions 0..n-1.
+
+        A no-op when nothing changed since the last call (``mark_changed`` says otherwise).
+        """
+        if self._compacted:
+            return
         self._users = None
         self.version += 1
-        live = set()
-        stack = [e.node for e in self.heads]
-        while stack:
-            nd = stack.pop()
-            if id(nd) in live:
-                continue
-            live.add(id(nd))
-            stack.extend(e.node for e in nd.inputs)
-        kept = [nd for nd in self.nodes if id(nd) in live]
-        if len(kept) != len(self.nodes) or any(kept[i].pos > kept[i + 1].pos for i in range(len(kept) - 1)):
-            kept.sort(key=lambda nd: nd.pos)
-        for nd in self.nodes:
-            if id(nd) not in live:
-                nd.dead = True
+        nodes = self.nodes
+        nodes.sort(key=lambda nd: nd.pos)        # nearly sorted: rewrites append their nodes at the end
+        for nd in nodes:
+            nd.dead = True
+        for e in self.heads:
+            e.node.dead = False
+        for nd in reversed(nodes):               # topological order: consumers come after producers
+            if not nd.dead:
+                for e in nd.inputs:
+                    e.node.dead = False
+        kept = [nd for nd in nodes if not nd.dead]
         for i, nd in enumerate(kept):
             nd.pos = float(i)
         self.nodes = kept
+        self._compacted = True
+
+    def mark_changed(self) -> None:
+        """Nodes were added or rewired: the next compact() has work to do."""
+        self._compacted = False
 
     def copy(self) -> "Graph":
         """A deep copy (new Node objects), so that rewriting never touches the caller's graph."""

@@ -300,6 +300,7 @@ class _Pass:
         for nd in graph.nodes:
             nd.inputs = [resolve(e) for e in nd.inputs]
         graph.heads = [resolve(e) for e in graph.heads]
+        graph.mark_changed()
         graph.compact()
         return applied
 
