@@ -88,10 +88,12 @@ void row_stats(const Params& p, const Geom& g, const MaskView& mk, int64_t n, in
       if (cl <= 0) continue;
       const float* s = &w.S[r * BK];
       float mx = NEG_INF;
-      for (int64_t c = 0; c < cl; ++c) mx = std::max(mx, s[c]);
+#pragma omp simd reduction(max : mx)
+      for (int64_t c = 0; c < cl; ++c) mx = s[c] > mx ? s[c] : mx;
       const float mn = std::max(w.m[r], mx);
       if (mn == NEG_INF) continue;  // everything so far is -inf
       float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t c = 0; c < cl; ++c) sum += fast_exp(s[c] - mn);
       w.l[r] = w.l[r] * fast_exp(w.m[r] - mn) + sum;
       w.m[r] = mn;
@@ -118,19 +120,21 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, int64_t n
     for (int64_t r = 0; r < bq; ++r) {
       float* s = S + r * BK;
       const int64_t cl = std::max<int64_t>(0, std::min(nb, w.lim[r] - j0));
+      // The reductions are written for `omp simd` so that the loops vectorize (a plain float
+      // sum may not be reordered, which keeps GCC from vectorizing the exp loop at all).
       float mx = NEG_INF;
-      for (int64_t c = 0; c < cl; ++c) mx = std::max(mx, s[c]);
+#pragma omp simd reduction(max : mx)
+      for (int64_t c = 0; c < cl; ++c) mx = s[c] > mx ? s[c] : mx;
       const float mn = std::max(w.m[r], mx);
       if (mn == NEG_INF) {  // no finite score yet: contributes nothing
         std::fill(s, s + nb, 0.f);
         continue;
       }
+#pragma omp simd
+      for (int64_t c = 0; c < cl; ++c) s[c] = fast_exp(s[c] - mn);
       float sum = 0.f;
-      for (int64_t c = 0; c < cl; ++c) {
-        const float e = fast_exp(s[c] - mn);
-        s[c] = e;
-        sum += e;
-      }
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < cl; ++c) sum += s[c];
       for (int64_t c = cl; c < nb; ++c) s[c] = 0.f;
       const float alpha = fast_exp(w.m[r] - mn);
       w.l[r] = w.l[r] * alpha + sum;
@@ -214,6 +218,7 @@ void backward(const Params& p, const Geom& g, const MaskView& mk, const View& do
               float* s = S + r * BK;
               const int64_t cl = std::max<int64_t>(0, std::min(nb, w.lim[r] - j0));
               const float lse = w.m[r];
+#pragma omp simd
               for (int64_t c = 0; c < cl; ++c) s[c] = fast_exp(s[c] - lse);
               for (int64_t c = cl; c < nb; ++c) s[c] = 0.f;
             }
