@@ -37,7 +37,7 @@ configure_threads()
 import numpy as np  # noqa: E402
 
 import fusion  # noqa: E402
-from fusion.bench import executor, time_interleaved  # noqa: E402
+from fusion.bench import fused_vs_original  # noqa: E402
 from fusion.testing import zoo_model  # noqa: E402
 from fusion.verify import random_inputs  # noqa: E402
 
@@ -53,14 +53,9 @@ def bench_model(name: str, repeats: int) -> dict:
     sym, arg, aux = zoo_model(name, shape, seed=0)
     result = fusion.fuse(sym, arg, aux)
     check = fusion.verify((sym, arg, aux), result, input_shapes={"data": shape})
-    inputs = random_inputs(sym, arg, {"data": shape})
-    fused_inputs = {k: v for k, v in inputs.items() if k in set(result.symbol.list_arguments())}
-    t = time_interleaved({
-        "orig": executor(sym, arg, aux, inputs),
-        "fused": executor(result.symbol, result.arg_params, result.aux_params, fused_inputs),
-        "orig_off": executor(sym, arg, aux, inputs, subgraph=False),
-        "fused_off": executor(result.symbol, result.arg_params, result.aux_params, fused_inputs, subgraph=False),
-    }, repeats=repeats)
+    t = fused_vs_original(sym, arg, aux, result, random_inputs(sym, arg, {"data": shape}), repeats)
+    t = {"orig": t["original"], "fused": t["fused"], "orig_off": t["original_no_subgraph"],
+         "fused_off": t["fused_no_subgraph"]}
     rep = result.report
     return {"model": name, "size": size, "folded": rep.fused_count, "ops": (rep.ops_before, rep.ops_after),
             "max_rel": check.max_rel, "ms": {k: v * 1e3 for k, v in t.items()}}

@@ -86,3 +86,17 @@ def time_interleaved(systems: Mapping[str, Callable[[], None]], repeats: int = 3
             step()
             samples[name].append(time.perf_counter() - t)
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def fused_vs_original(symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any], result: Any,
+                      inputs: Mapping[str, Any], repeats: int = 30) -> Dict[str, float]:
+    """Median seconds of the original and the fused model, each with MXNet's default bind and
+    with its subgraph backend off: keys original, fused, original_no_subgraph, fused_no_subgraph."""
+    fused_inputs = {k: v for k, v in inputs.items() if k in set(result.symbol.list_arguments())}
+    return time_interleaved({
+        "original": executor(symbol, arg, aux, inputs),
+        "fused": executor(result.symbol, result.arg_params, result.aux_params, fused_inputs),
+        "original_no_subgraph": executor(symbol, arg, aux, inputs, subgraph=False),
+        "fused_no_subgraph": executor(result.symbol, result.arg_params, result.aux_params, fused_inputs,
+                                      subgraph=False),
+    }, repeats=repeats)

@@ -174,17 +174,10 @@ def _export_onnx(result, shapes, path, protect, quiet: bool) -> None:
 
 
 def _benchmark(symbol, arg, aux, result, shapes, repeats: int) -> dict:
-    from .bench import executor, time_interleaved
+    from .bench import fused_vs_original
     from .verify import random_inputs
 
-    inputs = random_inputs(symbol, arg, shapes)
-    fused_inputs = {k: v for k, v in inputs.items() if k in set(result.symbol.list_arguments())}
-    t = time_interleaved({
-        "original": executor(symbol, arg, aux, inputs),
-        "fused": executor(result.symbol, result.arg_params, result.aux_params, fused_inputs),
-        "original_no_subgraph": executor(symbol, arg, aux, inputs, subgraph=False),
-        "fused_no_subgraph": executor(result.symbol, result.arg_params, result.aux_params, fused_inputs, subgraph=False),
-    }, repeats=repeats)
+    t = fused_vs_original(symbol, arg, aux, result, random_inputs(symbol, arg, shapes), repeats)
     ms = {k: round(v * 1e3, 3) for k, v in t.items()}
     return {
         "median_ms": ms,

@@ -100,7 +100,8 @@ def test_training_under_autograd_uses_no_inference_only_rewrite():
     assert "BatchNorm" not in fused_ops(net)
 
 
-def test_plain_symbol_optimize_for_updates_param_dicts():
+def cnn_symbol():
+    """The CNN's graph and its parameters as plain dicts (params, args, aux)."""
     net = make_cnn()
     net.hybridize()
     net(X)
@@ -109,6 +110,12 @@ def test_plain_symbol_optimize_for_updates_param_dicts():
     aux_names = set(sym.list_auxiliary_states())
     args = {k: v for k, v in params.items() if k not in aux_names}
     aux = {k: v for k, v in params.items() if k in aux_names}
+    return sym, params, args, aux
+
+
+def test_plain_symbol_optimize_for_updates_param_dicts():
+    sym, params, args, aux = cnn_symbol()
+    aux_names = set(aux)
     before = set(args)
     fused = sym.optimize_for("fusion", args, aux)
     assert set(fused.list_arguments()) - {"data"} == set(args)
@@ -121,14 +128,7 @@ def test_plain_symbol_optimize_for_updates_param_dicts():
 
 
 def test_other_backends_unchanged():
-    net = make_cnn()
-    net.hybridize()
-    net(X)
-    sym = net._cached_graph[1]
-    params = {p.name: p.data() for p in net.collect_params().values()}
-    aux_names = set(sym.list_auxiliary_states())
-    args = {k: v for k, v in params.items() if k not in aux_names}
-    aux = {k: v for k, v in params.items() if k in aux_names}
+    sym, _, args, aux = cnn_symbol()
     part = sym.optimize_for("MKLDNN", args, aux, shape_dict={"data": X.shape})
     assert any(op.startswith("_sg_mkldnn") for op in Graph.from_symbol(part).count_ops())
     ref, net2 = twin()
