@@ -98,7 +98,8 @@ def resolve_rules(rules: Optional[Iterable[Any]]) -> list:
 
 def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
          aux_params: Optional[Mapping[str, Any]] = None, *, rules: Optional[Iterable[Any]] = None,
-         mode: str = "inference", input_shapes: Optional[Mapping[str, Sequence[int]]] = None) -> FusionResult:
+         mode: str = "inference", input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
+         input_dtypes: Optional[Mapping[str, Any]] = None) -> FusionResult:
     """Fuse ``symbol`` with ``rules`` (default: the whole rule library) and return a FusionResult.
 
     ``arg_params``/``aux_params`` map names to NDArrays (or NumPy arrays); they
@@ -106,7 +107,9 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     nor the arrays passed in are modified: folded parameters get new names and
     new arrays.  ``mode="training"`` applies only rewrites valid in training.
     ``input_shapes`` (name -> shape of the data inputs) lets rules that need
-    tensor shapes (e.g. head layouts of attention) check them exactly.
+    tensor shapes (e.g. head layouts of attention) check them exactly;
+    ``input_dtypes`` (name -> dtype, default float32 unless the graph says otherwise)
+    keeps float32-only fused ops away from other inputs.
     """
     if mode not in MODES:
         raise ValueError("mode must be one of %s, not %r" % (", ".join(MODES), mode))
@@ -115,20 +118,20 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes)
+        return _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes) -> FusionResult:
+def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes) -> FusionResult:
     start = time.perf_counter()
     graph = _as_graph(symbol)
     rule_list = resolve_rules(rules)
     report = FusionReport(mode=mode)
     graph.compact()
     report.nodes_before, report.ops_before = len(graph.nodes), len(graph.op_nodes())
-    ctx = Context(graph, arg_params or {}, aux_params or {}, mode, input_shapes)
+    ctx = Context(graph, arg_params or {}, aux_params or {}, mode, input_shapes, input_dtypes)
     run_rules(graph, rule_list, ctx, report)
     report.nodes_after, report.ops_after = len(graph.nodes), len(graph.op_nodes())
     arg_out, aux_out = _collect_params(graph, ctx)

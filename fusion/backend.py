@@ -65,7 +65,9 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
     params = {k: v for k, v in (args or {}).items() if k not in data_names}
     shapes = {k: tuple(v) for k, v in (shape_dict or {}).items()}
     shapes.update({k: tuple(v.shape) for k, v in (args or {}).items() if k in data_names})
-    result = fuse(symbol, params, aux or {}, rules=rules, mode=mode, input_shapes=shapes)
+    dtypes = {k: v.dtype.__name__ if hasattr(v.dtype, "__name__") else str(v.dtype)
+              for k, v in (args or {}).items() if k in data_names}
+    result = fuse(symbol, params, aux or {}, rules=rules, mode=mode, input_shapes=shapes, input_dtypes=dtypes)
     for store, new in ((args, result.arg_params), (aux, result.aux_params)):
         if store is None:
             if any(k not in (args or {}) for k in new):

@@ -40,9 +40,11 @@ class Context:
     """What rules may read besides the graph: the mode and parameter values."""
 
     def __init__(self, graph: Graph, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any], mode: str,
-                 input_shapes: Optional[Mapping[str, Sequence[int]]] = None):
+                 input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
+                 input_dtypes: Optional[Mapping[str, Any]] = None):
         self.graph = graph
         self.mode = mode
+        self.input_dtypes = {k: str(v) for k, v in (input_dtypes or {}).items()}
         self.input_shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
         self._shapes: Optional[Dict[Entry, tuple]] = None
         self._shapes_version = -1

@@ -103,3 +103,18 @@ def test_expression_is_readable():
     res = fusion.fuse(x * S.clip(x + 3, 0, 6) / 6, rules=["elementwise"])
     node = res.graph.op_nodes()[0]
     assert node.attrs["expr"] == "div(mul(x0, clip(add(x0, 3.0), 0.0, 6.0)), 6.0)"
+
+
+def test_integer_inputs_stay_out():
+    # a padding mask built from int32 token ids: the comparison reads ints, so it is not fused;
+    # the float part after the Cast still is
+    ids = S.var("ids", dtype="int32")
+    m = S.Cast(ids != 0, dtype="float32")
+    y = (1.0 - m) * -10000.0
+    res = fusion.fuse(y, rules=["elementwise"])
+    counts = ops(res)
+    assert counts.get("_not_equal_scalar") == 1 and counts.get("fused_elemwise") == 1, counts
+    ids_val = np.array([[5, 0, 3], [0, 0, 7]], np.int32)
+    ref = y.bind(mx.cpu(), {"ids": mx.nd.array(ids_val, dtype="int32")}).forward()[0].asnumpy()
+    out = res.symbol.bind(mx.cpu(), {"ids": mx.nd.array(ids_val, dtype="int32")}).forward()[0].asnumpy()
+    np.testing.assert_array_equal(out, ref)
