@@ -57,6 +57,8 @@ from fusion.pattern import Chain, Const, OneOf, Pattern, Var, op, scalar
 from fusion.rewrite import Builder
 from fusion.rule import Rule
 
+from ._dtypes import float32_reason
+
 LAYOUT_OPS = ("Reshape", "transpose", "SwapAxis", "expand_dims", "squeeze", "slice_axis",
               "split", "SliceChannel", "_split_v2", "_npx_reshape", "_np_transpose")
 FUSED = "fused_attention"
@@ -115,6 +117,9 @@ def _scale_factor(m: Match, name: str) -> Tuple[Optional[float], Optional[str]]:
 
 
 def _common_checks(m: Match) -> Optional[str]:
+    reason = float32_reason([m[n] for n in ("q", "k", "v", "qkv", "kv") if m.has(n)], m.ctx)
+    if reason:
+        return reason
     sm = m.node("softmax")
     axis = sm.param("axis")
     if axis not in (-1, 2):

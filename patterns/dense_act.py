@@ -32,6 +32,7 @@ from fusion.pattern import Const, OneOf, Pattern, Var, op
 from fusion.rewrite import Builder
 from fusion.rule import Rule
 
+from ._dtypes import float32_reason
 from .gelu import gelu_erf_pattern, gelu_erf_reason, gelu_tanh_pattern, gelu_tanh_reason
 
 ACTIVATIONS = {"relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh", "softrelu": "softrelu"}
@@ -85,6 +86,9 @@ class DenseAct(Rule):
         return rows
 
     def check(self, m: Match) -> Optional[str]:
+        reason = float32_reason([m["x"], m["w"]] + ([m["b"]] if m.has("b") else []), m.ctx)
+        if reason:
+            return reason
         rows = self._rows(m)
         if rows is not None and rows < self.MIN_ROWS:
             return "%d rows: MXNet's FullyConnected is as fast as fused_dense on so few" % rows

@@ -35,6 +35,8 @@ from fusion.pattern import Pattern, Region
 from fusion.rewrite import Builder
 from fusion.rule import Rule
 
+from ._dtypes import not_float32 as _not_float32
+
 
 def _c(v) -> str:
     return repr(float(v))
@@ -142,34 +144,6 @@ def _conv_tail(node: Node, depth: int = 3) -> bool:
     if depth == 0 or node.op not in _TAIL:
         return False
     return any(e.node.op in _CONV or _conv_tail(e.node, depth - 1) for e in node.inputs)
-
-
-# MXNet's dtype codes (mshadow): 0 float32, 1 float64, 2 float16, 3 uint8, 4 int32, 5 int8, 6 int64, ...
-_FLOAT32_NAMES = {"float32", "0", None}
-_INT_PRODUCERS = {"shape_array", "size_array", "argmax", "argmin", "argsort", "topk"}
-
-
-def _not_float32(entry: Entry, ctx) -> bool:
-    """Whether ``entry`` is known (or very likely) to hold something else than float32.
-
-    fused_elemwise computes in float32; a region over integer ids (e.g. a padding mask
-    built from token ids) or half precision must stay as it is.
-    """
-    node = entry.node
-    if node.op == "null":
-        dtype = node.attrs.get("__dtype__")
-        if dtype is None:
-            dtype = ctx.input_dtypes.get(node.name)
-        if dtype is None and ctx.value(entry) is not None:
-            dtype = str(ctx.value(entry).dtype)
-        return str(dtype) not in {"float32", "0", "None"}
-    if node.op in ("Cast", "cast", "amp_cast"):
-        return str(node.attrs.get("dtype")) not in _FLOAT32_NAMES
-    if node.op in _INT_PRODUCERS:
-        return True
-    if "dtype" in node.attrs and node.op not in ("fused_elemwise",):
-        return str(node.attrs.get("dtype")) not in _FLOAT32_NAMES
-    return False
 
 
 def member(node: Node, ctx) -> bool:

@@ -24,6 +24,8 @@ from fusion.pattern import Pattern, Var, op
 from fusion.rewrite import Builder
 from fusion.rule import Rule
 
+from ._dtypes import float32_reason
+
 
 def _broadcasts_over_leading(big, small) -> bool:
     small = tuple(small)
@@ -59,6 +61,9 @@ class SkipLayerNorm(Rule):
         return "add of shapes %s and %s broadcasts in a way fused_add_layer_norm cannot" % (sa, sb)
 
     def check(self, m: Match) -> Optional[str]:
+        reason = float32_reason([m["a"], m["b"], m["gamma"], m["beta"]], m.ctx)
+        if reason:
+            return reason
         ln = m.node("ln")
         axis = ln.param("axis")
         if axis != -1:

@@ -141,3 +141,11 @@ def test_few_rows_left_to_mxnet():
     res = fuse_and_check(y, {"x": (4, 12)}, rules=["dense_act"])
     assert ops(res) == {"FullyConnected": 1}
     assert "4 rows" in list(res.report.rules["dense_act"].rejected.values())[0]
+
+
+def test_float16_dense_left_to_mxnet():
+    y = S.Activation(S.FullyConnected(S.Cast(S.var("x"), dtype="float16"), num_hidden=16, flatten=False, name="fc"),
+                     act_type="relu")
+    res = fusion.fuse(y, rules=["dense_act"], input_shapes=X3)
+    assert res.report.fused_count == 0
+    assert "not float32" in list(res.report.rules["dense_act"].rejected.values())[0]

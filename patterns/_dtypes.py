@@ -1,0 +1,42 @@
+"""Which values the float32-only fused ops must not take."""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from fusion.graph import Entry
+
+# MXNet's dtype codes (mshadow): 0 float32, 1 float64, 2 float16, 3 uint8, 4 int32, 5 int8, 6 int64, ...
+_FLOAT32_NAMES = {"float32", "0", None}
+_INT_PRODUCERS = {"shape_array", "size_array", "argmax", "argmin", "argsort", "topk"}
+
+
+def not_float32(entry: Entry, ctx) -> bool:
+    """Whether ``entry`` is known (or very likely) to hold something else than float32.
+
+    The fused ops compute in float32; a value of integer ids (e.g. a padding mask built
+    from token ids) or of half precision must stay with MXNet's own ops.
+    """
+    node = entry.node
+    if node.op == "null":
+        dtype = node.attrs.get("__dtype__")
+        if dtype is None:
+            dtype = ctx.input_dtypes.get(node.name)
+        if dtype is None and ctx.value(entry) is not None:
+            dtype = str(ctx.value(entry).dtype)
+        return str(dtype) not in {"float32", "0", "None"}
+    if node.op in ("Cast", "cast", "amp_cast"):
+        return str(node.attrs.get("dtype")) not in _FLOAT32_NAMES
+    if node.op in _INT_PRODUCERS:
+        return True
+    if "dtype" in node.attrs and node.op not in ("fused_elemwise",):
+        return str(node.attrs.get("dtype")) not in _FLOAT32_NAMES
+    return False
+
+
+
+def float32_reason(entries: Iterable[Entry], ctx) -> Optional[str]:
+    """A reason when one of ``entries`` is not float32 (the fused ops compute in float32)."""
+    for e in entries:
+        if not_float32(e, ctx):
+            return "'%s' is not float32; the fused op computes in float32" % e.node.name
+    return None
