@@ -78,12 +78,25 @@ class Context:
         self._numpy[name] = arr
         return arr
 
+    def _param_shape(self, name: str) -> Optional[tuple]:
+        """A parameter's shape without copying its values out of MXNet."""
+        for store in (self.new_args, self.new_aux, self.arg_params, self.aux_params):
+            if name in store:
+                return tuple(store[name].shape)
+        return None
+
     def shape(self, entry: Entry) -> Optional[tuple]:
         """The shape of ``entry`` when MXNet can infer it from the input shapes and params (else None)."""
-        if self._shapes is None or self._shapes_version != self.graph.version:
-            self._shapes = self._infer_shapes()
+        # Rewrites keep every surviving value's shape, so shapes are kept across graph versions
+        # and inferred again only for a value not seen yet (one inference per graph version at most).
+        if self._shapes is None:
+            self._shapes = {}
+        shape = self._shapes.get(entry)
+        if shape is None and self._shapes_version != self.graph.version:
+            self._shapes.update(self._infer_shapes())
             self._shapes_version = self.graph.version
-        return self._shapes.get(entry)
+            shape = self._shapes.get(entry)
+        return shape
 
     def _infer_shapes(self) -> Dict[Entry, tuple]:
         import json
@@ -97,8 +110,7 @@ class Context:
         for i, (jn, nd) in enumerate(zip(data["nodes"], g.nodes)):
             jn["name"] = "__n%d" % i
             if nd.is_variable:
-                v = self.value(Entry(nd))
-                shape = v.shape if v is not None else self.input_shapes.get(nd.name)
+                shape = self._param_shape(nd.name) or self.input_shapes.get(nd.name)
                 if shape:
                     known[jn["name"]] = tuple(shape)
                 else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Dict, List
 
-FAMILIES = ("attention", "dense_act", "skip_layer_norm", "conv_bn_act", "layer_norm", "gelu", "softmax", "elementwise")
+FAMILIES = ("constant_fold", "attention", "dense_act", "skip_layer_norm", "conv_bn_act", "layer_norm", "gelu", "softmax", "elementwise")
 
 
 def _family(name: str) -> List:

@@ -1,0 +1,94 @@
+r"""Inference clean-ups: Dropout removed, computations on parameters alone precomputed.
+
+``dropout`` — at inference MXNet's ``Dropout`` is the identity (unless ``mode='always'``,
+Monte-Carlo dropout, which is kept)::
+
+    y = Dropout(x)            →   y = x
+
+``constant_fold`` — an op all of whose inputs are parameters with known values (GluonNLP
+builds its interleaved QKV weight with ``Reshape``/``Concat``/``stack`` of the separate
+q/k/v weights on every call) is evaluated once, with MXNet's own op, and replaced by a new
+parameter holding the result::
+
+    W = Concat(Reshape(Wq), Reshape(Wk), Reshape(Wv))     →   W = <new parameter>
+
+Repeated to a fixpoint, whole parameter-only chains fold, and the rules that need their
+weights as parameters (``dense_act``'s ``Const("w")``) see them.  Both are inference-only:
+in training the parameters change and the computation must stay.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from fusion.graph import Entry, Node
+from fusion.matcher import Match
+from fusion.pattern import Pattern, Region, Var, op
+from fusion.rewrite import Builder
+from fusion.rule import Rule
+
+# Deterministic ops that only rearrange or combine values: safe to evaluate ahead of time.
+FOLDABLE = frozenset({
+    "Reshape", "reshape", "Concat", "concat", "stack", "transpose", "SwapAxis", "expand_dims", "squeeze",
+    "slice", "slice_axis", "slice_like", "Flatten", "Cast", "cast", "broadcast_to", "tile", "repeat", "_copy",
+    "elemwise_add", "elemwise_sub", "elemwise_mul", "elemwise_div", "broadcast_add", "broadcast_sub",
+    "broadcast_mul", "broadcast_div", "_plus_scalar", "_minus_scalar", "_mul_scalar", "_div_scalar",
+    "_rminus_scalar", "_rdiv_scalar", "negative", "sqrt", "rsqrt", "square", "reciprocal",
+})
+MAX_BYTES = 1 << 30     # do not materialize anything larger than the model's own weights would be
+
+
+class Dropout(Rule):
+    name = "dropout"
+    family = "inference_cleanup"
+    benefit = 200
+    inference_only = True
+    training_reason = "Dropout is active in training; kept in mode='training'"
+    description = "Dropout is the identity at inference: removed"
+
+    def pattern(self) -> Pattern:
+        return op.Dropout(Var("x"), name="dropout")
+
+    def check(self, m: Match) -> Optional[str]:
+        if m.node("dropout").param("mode") == "always":
+            return "Dropout(mode='always') samples at inference too (Monte-Carlo dropout)"
+        return None
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        return m["x"]
+
+
+def _foldable(node: Node, ctx) -> bool:
+    if node.op not in FOLDABLE or not node.inputs:
+        return False
+    for e in node.inputs:
+        if e.node.op != "null":
+            return False
+        v = ctx.value(e)
+        if v is None or v.nbytes > MAX_BYTES:
+            return False
+    return True
+
+
+class ConstantFold(Rule):
+    name = "constant_fold"
+    family = "inference_cleanup"
+    benefit = 190
+    inference_only = True
+    training_reason = "folding parameters into a new one would stop their training; kept in mode='training'"
+    description = "ops computing on parameters alone are evaluated once into a new parameter"
+
+    def pattern(self) -> Pattern:
+        return Region(_foldable, "op", min_nodes=1, max_nodes=1, ops=FOLDABLE)
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        import mxnet as mx
+
+        node = m["op"][0]
+        fn = getattr(mx.nd, node.op, None) or getattr(mx.nd._internal, node.op)
+        args = [mx.nd.array(b.value(e), dtype=b.value(e).dtype) for e in node.inputs]
+        out = fn(*args, **node.attrs.to_json())
+        value = (out[0] if isinstance(out, (list, tuple)) else out).asnumpy()
+        return b.param(node.name + "_const", value)
+
+
+RULES: List[Rule] = [Dropout(), ConstantFold()]

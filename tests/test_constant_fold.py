@@ -1,0 +1,40 @@
+"""Inference clean-ups (patterns/constant_fold.py): Dropout removal, parameter-only ops precomputed."""
+import mxnet as mx
+import numpy as np
+
+import fusion
+
+from conftest import fuse_and_check, ops, random_params
+
+S = mx.sym
+
+
+def test_dropout_removed_at_inference_kept_in_training_and_mc_dropout_kept():
+    y = S.Dropout(S.relu(S.var("x")), p=0.3) * 2.0
+    res = fuse_and_check(y, {"x": (2, 3)}, rules=["dropout"])
+    assert "Dropout" not in ops(res)
+    assert "Dropout" in ops(fusion.fuse(y, rules=["dropout"], mode="training"))
+    mc = S.Dropout(S.var("x"), p=0.3, mode="always")
+    res = fusion.fuse(mc, rules=["dropout"])
+    assert ops(res) == {"Dropout": 1}
+    assert "Monte-Carlo" in list(res.report.rules["dropout"].rejected.values())[0]
+
+
+def test_weight_built_from_parameters_is_folded_then_fused():
+    # GluonNLP-style: the projection weight is assembled from q/k/v weights on every call
+    w = S.Concat(*[S.reshape(S.var(n), shape=(4, 2, 6)) for n in ("wq", "wk", "wv")], dim=1)
+    y = S.FullyConnected(S.var("x"), weight=S.reshape(w, shape=(-1, 6)), num_hidden=24, no_bias=True,
+                         flatten=False, name="qkv")
+    shapes = {"x": (2, 9, 6), "wq": (8, 6), "wk": (8, 6), "wv": (8, 6)}
+    arg, aux = random_params(y, shapes, inputs={"x"})
+    res = fuse_and_check(y, {"x": (2, 9, 6)}, arg, aux, rules=["constant_fold", "dense_act"])
+    assert ops(res) == {"fused_dense": 1}
+    assert not {"wq", "wk", "wv"} & set(res.arg_params)
+
+
+def test_data_dependent_ops_not_folded():
+    y = S.reshape(S.var("x"), shape=(-1,)) + S.reshape(S.var("b"), shape=(-1,))
+    arg = {"b": mx.nd.ones((2, 3))}
+    res = fuse_and_check(y, {"x": (2, 3)}, arg, {}, rules=["constant_fold"])
+    assert ops(res) == {"Reshape": 1, "elemwise_add": 1}      # only the parameter's reshape folded
+    assert fusion.fuse(y, arg, {}, rules=["constant_fold"], mode="training").report.fused_count == 0
