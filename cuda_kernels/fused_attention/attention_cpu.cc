@@ -67,11 +67,9 @@ struct Scratch {
                         lim(BQ), touched(BQ) {}
 };
 
-// Online-softmax statistics (row max m, row sum l) over all keys, for one query block.
-// Also used by backward.  touched[r] says whether row r saw at least one key.
-void row_stats(const Params& p, const Geom& g, const MaskView& mk, int64_t n, int64_t i0,
-               int64_t bq, Scratch& w) {
-  const int64_t b = n / g.H, h = n % g.H;
+// Resets the running statistics of a query block; returns how many keys any row sees.
+static int64_t init_rows(const Params& p, const Geom& g, const MaskView& mk, int64_t n, int64_t i0,
+                         int64_t bq, Scratch& w) {
   int64_t kmax = 0;
   for (int64_t r = 0; r < bq; ++r) {
     w.lim[r] = row_limit(p, g, mk, n, i0 + r);
@@ -80,6 +78,15 @@ void row_stats(const Params& p, const Geom& g, const MaskView& mk, int64_t n, in
     w.touched[r] = w.lim[r] > 0;
     kmax = std::max(kmax, w.lim[r]);
   }
+  return kmax;
+}
+
+// Online-softmax statistics (row max m, row sum l) over all keys, for one query block.
+// Also used by backward.  touched[r] says whether row r saw at least one key.
+void row_stats(const Params& p, const Geom& g, const MaskView& mk, int64_t n, int64_t i0,
+               int64_t bq, Scratch& w) {
+  const int64_t b = n / g.H, h = n % g.H;
+  const int64_t kmax = init_rows(p, g, mk, n, i0, bq, w);
   for (int64_t j0 = 0; j0 < kmax; j0 += BK) {
     const int64_t nb = std::min(BK, kmax - j0);
     score_tile(p, g, mk, b, h, i0, bq, j0, nb, w.S.data());
@@ -104,14 +111,7 @@ void row_stats(const Params& p, const Geom& g, const MaskView& mk, int64_t n, in
 void forward_block(const Params& p, const Geom& g, const MaskView& mk, int64_t n, int64_t i0,
                    int64_t bq, Scratch& w) {
   const int64_t b = n / g.H, h = n % g.H, Dv = g.Dv;
-  int64_t kmax = 0;
-  for (int64_t r = 0; r < bq; ++r) {
-    w.lim[r] = row_limit(p, g, mk, n, i0 + r);
-    w.m[r] = NEG_INF;
-    w.l[r] = 0.f;
-    w.touched[r] = w.lim[r] > 0;
-    kmax = std::max(kmax, w.lim[r]);
-  }
+  const int64_t kmax = init_rows(p, g, mk, n, i0, bq, w);
   std::fill(w.O.begin(), w.O.begin() + bq * Dv, 0.f);
   for (int64_t j0 = 0; j0 < kmax; j0 += BK) {
     const int64_t nb = std::min(BK, kmax - j0);
