@@ -100,7 +100,6 @@ def random_weights(sym, seq, hidden, seed=0):
 # ---------------------------------------------------------------- the same model, in ONNX
 
 def onnx_model(params, layers, hidden, heads, ffn, seq, written):
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     nodes, inits = [], []
@@ -199,7 +198,6 @@ def run(seq, variant, args):
     ref = run_model(sym, arg, {}, inputs, subgraph=True)[0]
     out = run_model(result.symbol, result.arg_params, {}, inputs, subgraph=True)[0]
     rel = float(np.abs(out - ref).max() / np.abs(ref).max())
-    ort_ms = None
     ort_rel = None
     if not args.no_ort:
         sess = ort_session(onnx_model(weights, args.layers, hidden, heads, ffn, seq, written), args.threads)

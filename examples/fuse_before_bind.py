@@ -2,9 +2,10 @@
 
     python examples/fuse_before_bind.py [--quick]
 """
-import mxnet as mx
-import numpy as np
-from _common import MODEL, repeats, speedups
+from _common import MODEL, repeats, speedups  # first: thread settings before mxnet loads
+
+import mxnet as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 import fusion
 from fusion.bench import executor, time_interleaved

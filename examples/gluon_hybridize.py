@@ -5,13 +5,14 @@
 import math
 import time
 
-import mxnet as mx
-import numpy as np
-from _common import QUICK, repeats
-from mxnet import gluon
+from _common import QUICK, repeats  # first: thread settings before mxnet loads
+
+import mxnet as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from mxnet import gluon  # noqa: E402
 from mxnet.gluon.model_zoo import vision
 
-import fusion
+import fusion  # noqa: F401  (registers the "fusion" backend)
 from fusion.testing import randomize_batchnorm
 
 

@@ -2,15 +2,15 @@
 
     python examples/unfuse_model.py [--quick]
 """
-import math
 import os
 import subprocess
 import sys
 import tempfile
 
-import mxnet as mx
-import numpy as np
-from _common import ROOT
+import _common  # noqa: F401  (first: thread settings before mxnet loads)
+
+import mxnet as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 import fusion
 from fusion.graph import Graph

@@ -72,8 +72,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import mxnet as mx
-
     shapes = dict(parse_shape(s) for s in args.shape)
     if (args.verify or args.benchmark) and not shapes:
         raise FusionError("--verify and --benchmark need the input shapes: add --shape NAME=D1,D2,...")

@@ -20,7 +20,7 @@ Building blocks (in the spirit of TVM's dataflow patterns)::
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, FrozenSet, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Optional, Sequence, Union
 
 from . import opdefs
 

@@ -20,8 +20,7 @@ repeat until one changes nothing, so ``fuse(fuse(g)) == fuse(g)``.
 """
 from __future__ import annotations
 
-import time
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Union
 
 import networkx as nx
 import numpy as np

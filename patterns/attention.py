@@ -51,7 +51,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from fusion.graph import Entry, Node
+from fusion.graph import Entry
 from fusion.matcher import Match
 from fusion.pattern import Chain, Const, OneOf, Pattern, Var, op, scalar
 from fusion.rewrite import Builder

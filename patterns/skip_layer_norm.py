@@ -16,7 +16,7 @@ take (its second input may only broadcast over the first's leading axes).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from fusion.graph import Entry
 from fusion.matcher import Match

@@ -17,7 +17,7 @@ fused_attention            head split (Reshape/transpose/slice_axis) → batch_d
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import List
 
 from fusion.errors import FusionError
 from fusion.graph import Entry

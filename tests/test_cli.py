@@ -6,7 +6,6 @@ import sys
 
 import mxnet as mx
 import numpy as np
-import pytest
 
 from fusion import cli
 

@@ -1,6 +1,5 @@
 """Inference clean-ups (patterns/constant_fold.py): Dropout removal, parameter-only ops precomputed."""
 import mxnet as mx
-import numpy as np
 
 import fusion
 

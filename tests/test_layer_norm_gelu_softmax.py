@@ -2,7 +2,6 @@
 import math
 
 import mxnet as mx
-import numpy as np
 import pytest
 
 import fusion
