@@ -155,7 +155,7 @@ def match_pattern(p: Pattern, entry: Entry, st: _State, trace: Trace,
     if not p.required <= n <= len(p.inputs):
         trace.fail(st, "%s '%s' has %d inputs, expected %d", node.op, node.name, n, p.required)
         return
-    st = st.add(node, p.name)
+    st = st.bind(p.name, node) if p.keep else st.add(node, p.name)
     orders: List[Sequence[Pattern]] = [p.inputs]
     if p.commutative:
         orders.append(p.inputs[::-1])

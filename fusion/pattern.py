@@ -86,6 +86,7 @@ class OpPattern(Pattern):
         self.index = index
         self.attrs = dict(attrs or {})
         self.commutative = bool(self.ops & opdefs.COMMUTATIVE) and len(self.inputs) == 2
+        self.keep = False       # see kept()
         opt = [isinstance(p, Var) and p.optional_input for p in self.inputs]
         self.required = len(opt) - sum(opt)
         if any(opt[: self.required]):
@@ -93,6 +94,12 @@ class OpPattern(Pattern):
 
     def roots(self) -> FrozenSet[str]:
         return self.ops
+
+    def kept(self) -> "OpPattern":
+        """This step as context only: matched and bound, but not part of what the rewrite replaces
+        (its value may be used elsewhere, and it stays in the graph)."""
+        self.keep = True
+        return self
 
     def __repr__(self) -> str:
         return "%s(%s)" % (self.label, ", ".join(map(repr, self.inputs)))

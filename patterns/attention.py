@@ -381,4 +381,50 @@ class AttentionHeads(Rule):
         return "bshd", heads, [m["xq"], m["xk"], m["xv"]]
 
 
-RULES: List[Rule] = [Attention(), InterleavedAttention("selfatt"), InterleavedAttention("encdec"), AttentionHeads()]
+# ---------------------------------------------------------------- shape-only uses of the scores
+
+class ScoresShape(Rule):
+    """``arange_like(scores, axis=-1 | -2)`` → ``arange_like(k | q, axis=-2)``: the same positions.
+
+    A causal mask is often built from positions taken off the scores themselves
+    (``arange_like(s, axis=-1)`` compared with ``arange_like(s, axis=-2)``).  Those uses
+    keep the scores alive outside an attention match; taken from q (query positions,
+    ``Sq = q.shape[-2]``) and k (key positions, ``Sk = k.shape[-2]`` as ``s = q·kᵀ``)
+    instead, they leave the attention free to fuse, its mask computed beside it.
+    """
+    name = "scores_shape"
+    family = "attention"
+    benefit = 150
+    description = "positions taken off the attention scores → taken off q / k"
+
+    def pattern(self) -> Pattern:
+        # the scores are context: read, not replaced (they feed the attention as before)
+        qk = op.batch_dot(Var("q"), Var("k"), name="qk", transpose_a=OneOf(False, None), transpose_b=True).kept()
+        scaled = (scalar("mul", qk, name="s_scale").kept() | scalar("div", qk, name="s_scale").kept() | qk)
+        return op._contrib_arange_like(scaled, name="arange")
+
+    def _axis(self, m: Match) -> Optional[int]:
+        axis = m.node("arange").param("axis", None)
+        if axis in (-1, -2):
+            return axis
+        shape = m.ctx.shape(m["q"])
+        if isinstance(axis, int) and shape is not None and axis - len(shape) in (-1, -2):
+            return axis - len(shape)
+        return None
+
+    def check(self, m: Match) -> Optional[str]:
+        if self._axis(m) is None:
+            return "arange_like over axis %r of the scores: not a query/key position axis" % (
+                m.node("arange").param("axis", None),)
+        return None
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        node = m.node("arange")
+        attrs = node.attrs.copy()
+        attrs["axis"] = -2
+        source = m["k"] if self._axis(m) == -1 else m["q"]
+        return b.op(node.op, [source], attrs=attrs, name=node.name)
+
+
+RULES: List[Rule] = [ScoresShape(), Attention(), InterleavedAttention("selfatt"), InterleavedAttention("encdec"),
+                     AttentionHeads()]

@@ -283,3 +283,18 @@ def test_four_dimensional_gemm2_attention_with_head_mask():
     shapes = {"q": (2, 3, SQ, D), "k": (2, 3, SK, D), "v": (2, 3, SK, D), "mask": (2, 1, 1, SK)}
     res = check_fused(y, shapes, expect={"fused_attention": 1})
     assert res.graph.op_nodes()[0].attrs["layout"] == "plain"
+
+
+def test_positions_taken_off_the_scores_move_to_q_and_k():
+    q, k, v = qkv_vars()
+    s = S.batch_dot(q, k, transpose_b=True) * 0.3
+    causal = S.broadcast_lesser_equal(S.reshape(S.contrib.arange_like(s, axis=-1), shape=(1, -1)),
+                                      S.reshape(S.contrib.arange_like(s, axis=1), shape=(-1, 1)))
+    y = S.batch_dot(S.softmax(S.broadcast_add(s, S.expand_dims((1 - causal) * -1e9, axis=0)), axis=-1), v)
+    shapes = {"q": (N, SQ, D), "k": (N, SQ, D), "v": (N, SQ, D)}
+    res = check_fused(y, shapes, rules=["scores_shape", "attention"])
+    assert len(res.report.rules["scores_shape"].fused) == 2
+    # an arange over the feature axis of the scores is not a position: left alone, with the reason
+    y2 = S.Group([y, S.contrib.arange_like(s, axis=0)])
+    res2 = fusion.fuse(y2, rules=["scores_shape"], input_shapes=shapes)
+    assert any("not a query/key position axis" in r for r in res2.report.rules["scores_shape"].rejected.values())

@@ -112,14 +112,18 @@ def test_gluonnlp_interleaved_encoder():
     assert ops(res) == {"fused_attention": 2, "fused_dense": 8, "fused_add_layer_norm": 4}, res.report.to_text()
 
 
-def gpt_block(x, i, mask_style):
+def gpt_block(x, i, mask_style, positions_from_scores=False):
     """Pre-LN causal block; the causal mask is built in the graph from arange_like comparisons."""
     p = "g%d_" % i
     h = layer_norm(x, p + "ln1", False)
     q, k, v = (split(fc(h, UNITS, p + n)) for n in ("q", "k", "v"))
     s = S.batch_dot(q, k, transpose_b=True) * (1.0 / math.sqrt(D))
-    steps = S.contrib.arange_like(x, axis=1)                                        # (L,)
-    causal = S.broadcast_lesser_equal(S.reshape(steps, shape=(1, -1)), S.reshape(steps, shape=(-1, 1)))
+    if positions_from_scores:                   # positions taken off the scores themselves
+        causal = S.broadcast_lesser_equal(S.reshape(S.contrib.arange_like(s, axis=-1), shape=(1, -1)),
+                                          S.reshape(S.contrib.arange_like(s, axis=1), shape=(-1, 1)))
+    else:
+        steps = S.contrib.arange_like(x, axis=1)                                    # (L,)
+        causal = S.broadcast_lesser_equal(S.reshape(steps, shape=(1, -1)), S.reshape(steps, shape=(-1, 1)))
     if mask_style == "where":
         m = S.broadcast_like(S.expand_dims(causal, axis=0), s, lhs_axes=(0,), rhs_axes=(0,))
         s = S.where(m, s, S.ones_like(s) * -1e18)
@@ -131,11 +135,11 @@ def gpt_block(x, i, mask_style):
     return f + x
 
 
-@pytest.mark.parametrize("mask_style", ["where", "additive"])
-def test_gpt_causal_blocks(mask_style):
+@pytest.mark.parametrize("mask_style,from_scores", [("where", False), ("additive", False), ("additive", True)])
+def test_gpt_causal_blocks(mask_style, from_scores):
     x = S.var("data")
     for i in range(2):
-        x = gpt_block(x, i, mask_style)
+        x = gpt_block(x, i, mask_style, from_scores)
     rng = np.random.default_rng(3)
     inputs = {"data": rng.standard_normal((B, L, UNITS)).astype(np.float32)}
     res, v = run_both(x, params_for(x, {"data": (B, L, UNITS)}), inputs)
@@ -144,3 +148,5 @@ def test_gpt_causal_blocks(mask_style):
     assert counts["fused_attention"] == 2 and counts["fused_dense"] == 12, res.report.to_text(explain=True)
     assert counts.get("fused_add_layer_norm", 0) >= 2          # residual add + next block's LayerNorm
     assert "batch_dot" not in counts and "softmax" not in counts
+    if from_scores:   # positions re-taken from q/k: the head split stays (arange_like reads it)
+        assert counts.get("_contrib_arange_like") == 4
