@@ -211,6 +211,11 @@ def _head_reason(m: Match, graph: Graph) -> Optional[str]:
     return None
 
 
+def _internal(rule, e: Exception) -> str:
+    return "internal error in rule %s (%s: %s); the subgraph is left as it was" % (
+        rule.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+
+
 def _key(rule, m: Match) -> str:
     """What identifies a candidate within its rule family (see ``Rule.key``)."""
     return m.node(rule.key).name if rule.key and m.has(rule.key) else m.anchor.name
@@ -230,12 +235,12 @@ class _Pass:
         if any(not any(op_name in by_op for op_name in group) for group in required):
             return 0            # an op every match needs is not in the graph
         roots = pattern.roots()
-        users: Any = None
+        users_cache: list = []          # consumers / networkx view, computed on first need
+        nx_cache: list = []
         heads = {id(e.node) for e in graph.heads}
         rr = self.report.rule(rule)
         taken: Dict[int, str] = {}
         matches: List[Match] = []
-        nxg: Optional[nx.DiGraph] = None
         if roots:
             anchors = sorted((n for op_name in roots for n in by_op.get(op_name, ())), key=lambda n: -n.pos)
         else:
@@ -243,42 +248,50 @@ class _Pass:
         for anchor in anchors:
             if anchor.is_variable or id(anchor) in taken:
                 continue
-            trace = Trace(graph, ctx)
-            first_reason = first_key = None
-            accepted = None
-            for st in match_pattern(pattern, Entry(anchor), _State({}, ()), trace):
-                m = Match(anchor, st, ctx)
-                exported = {id(m.node(n)) for n in rule.exports if m.has(n)}
-                if users is None:
-                    users = graph.consumers()
-                reason = _escape_reason(m, users, heads, exported) or _head_reason(m, graph)
-                if reason is None:
-                    owner = next((taken[id(n)] for n in m.nodes if id(n) in taken), None)
-                    if owner is not None:
-                        reason = "overlaps the %s match already taken at '%s'" % (rule.name, owner)
-                if reason is None and exported:
-                    if nxg is None:
-                        nxg = graph.to_networkx()
-                    reason = _cycle_reason(m, exported, graph, nxg)
-                if reason is None and rule.inference_only and ctx.mode == "training":
-                    reason = rule.training_reason
-                if reason is None:
-                    reason = rule.check(m)
-                if reason is None:
-                    accepted = m
-                    break
-                if first_reason is None:
-                    first_reason, first_key = reason, _key(rule, m)
-            if accepted is not None:
-                for n in accepted.nodes:
-                    taken[id(n)] = anchor.name
-                matches.append(accepted)
-                self.report.forget_rejections(rule, _key(rule, accepted))
-            elif first_reason is not None:
-                self.report.reject(rule, anchor.name, first_key, first_reason)
-            elif self.first_pass and trace.depth >= 2 and trace.reason:
-                rr.near_misses[anchor.name] = trace.reason
+            try:
+                self._candidates(rule, rr, anchor, pattern, users_cache, heads, taken, matches, nx_cache)
+            except Exception as e:   # a rule's bug must not cost the user the whole model: skip this candidate
+                self.report.reject(rule, anchor.name, anchor.name, _internal(rule, e))
         return self._apply(rule, rr, matches)
+
+    def _candidates(self, rule, rr, anchor, pattern, users_cache, heads, taken, matches, nx_cache) -> None:
+        """Try ``anchor``: take the first structural match passing every filter, or record why none did."""
+        graph, ctx = self.graph, self.ctx
+        trace = Trace(graph, ctx)
+        first_reason = first_key = None
+        accepted = None
+        for st in match_pattern(pattern, Entry(anchor), _State({}, ()), trace):
+            m = Match(anchor, st, ctx)
+            exported = {id(m.node(n)) for n in rule.exports if m.has(n)}
+            if not users_cache:
+                users_cache.append(graph.consumers())
+            reason = _escape_reason(m, users_cache[0], heads, exported) or _head_reason(m, graph)
+            if reason is None:
+                owner = next((taken[id(n)] for n in m.nodes if id(n) in taken), None)
+                if owner is not None:
+                    reason = "overlaps the %s match already taken at '%s'" % (rule.name, owner)
+            if reason is None and exported:
+                if not nx_cache:
+                    nx_cache.append(graph.to_networkx())
+                reason = _cycle_reason(m, exported, graph, nx_cache[0])
+            if reason is None and rule.inference_only and ctx.mode == "training":
+                reason = rule.training_reason
+            if reason is None:
+                reason = rule.check(m)
+            if reason is None:
+                accepted = m
+                break
+            if first_reason is None:
+                first_reason, first_key = reason, _key(rule, m)
+        if accepted is not None:
+            for n in accepted.nodes:
+                taken[id(n)] = anchor.name
+            matches.append(accepted)
+            self.report.forget_rejections(rule, _key(rule, accepted))
+        elif first_reason is not None:
+            self.report.reject(rule, anchor.name, first_key, first_reason)
+        elif self.first_pass and trace.depth >= 2 and trace.reason:
+            rr.near_misses[anchor.name] = trace.reason
 
     def _apply(self, rule, rr, matches: List[Match]) -> int:
         if not matches:
@@ -298,6 +311,9 @@ class _Pass:
                 out = rule.rewrite(m, b)
             except FusionError as e:
                 rr.rejected[m.anchor.name] = "rewrite failed: %s" % e
+                continue
+            except Exception as e:   # a rule's bug: keep the original subgraph, say so
+                rr.rejected[m.anchor.name] = _internal(rule, e)
                 continue
             mapping = out if isinstance(out, dict) else {m.anchor_entry: out}
             for old, new in mapping.items():

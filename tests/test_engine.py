@@ -276,3 +276,28 @@ def test_rule_that_rewrites_its_own_output_forever_is_reported():
     x, y = mx.sym.var("x"), mx.sym.var("y")
     with pytest.raises(FusionError, match="fixpoint"):
         fusion.fuse(mx.sym.relu(x + y), rules=[Forever()])
+
+
+def test_a_rule_that_raises_costs_only_its_candidates():
+    class BuggyCheck(MulChain):
+        name = "buggy_check"
+
+        def check(self, m):
+            return None if m.node("b").attrs["scalar"] == 3.0 else {}["missing"]
+
+    class BuggyRewrite(MulChain):
+        name = "buggy_rewrite"
+
+        def rewrite(self, m, b):
+            raise TypeError("oops")
+
+    x, z = mx.sym.var("x"), mx.sym.var("z")
+    y = mx.sym.Group([x * 2.0 * 3.0, z * 2.0 * 5.0])
+    res = run(y, [BuggyCheck()], shapes={"x": (2, 3), "z": (2, 3)})
+    rr = res.report.rules["buggy_check"]
+    assert len(rr.fused) == 1
+    assert any("internal error in rule buggy_check (KeyError" in r for r in rr.rejected.values())
+    res = run(y, [BuggyRewrite()], shapes={"x": (2, 3), "z": (2, 3)})
+    assert res.symbol.tojson() == y.tojson()
+    assert all("internal error in rule buggy_rewrite (TypeError: oops)" in r
+               for r in res.report.rules["buggy_rewrite"].rejected.values())
