@@ -229,7 +229,7 @@ class _Pass:
         self.first_pass = True   # near-misses are reported on the user's graph, not on our rewrites
 
     def run_rule(self, rule) -> int:
-        graph, ctx = self.graph, self.ctx
+        graph = self.graph
         pattern, required = _compiled(rule)
         by_op = graph.nodes_by_op()
         if any(not any(op_name in by_op for op_name in group) for group in required):
