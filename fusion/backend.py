@@ -29,6 +29,7 @@ so the next call rebuilds it.
 from __future__ import annotations
 
 import contextvars
+import warnings
 from typing import Any, Dict, Optional
 
 BACKEND = "fusion"
@@ -47,6 +48,7 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
                     **unused: Any):
     """Fuse ``symbol``; update ``args``/``aux`` in place like MXNet's partitioners; return the new symbol."""
     from .api import fuse
+    from .errors import FusionError
 
     nested = unused.pop("backend_opts", None) or {}   # MXNet 2.0 spelling: hybridize(backend_opts={...})
     mode, rules = nested.pop("mode", mode), nested.pop("rules", rules)
@@ -67,7 +69,14 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
     shapes.update({k: tuple(v.shape) for k, v in (args or {}).items() if k in data_names})
     dtypes = {k: v.dtype.__name__ if hasattr(v.dtype, "__name__") else str(v.dtype)
               for k, v in (args or {}).items() if k in data_names}
-    result = fuse(symbol, params, aux or {}, rules=rules, mode=mode, input_shapes=shapes, input_dtypes=dtypes)
+    try:
+        result = fuse(symbol, params, aux or {}, rules=rules, mode=mode, input_shapes=shapes, input_dtypes=dtypes)
+    except FusionError:
+        raise
+    except Exception as e:      # never cost a Gluon user their model: run it as it was
+        warnings.warn("mxnet-fusion could not fuse this graph (%s: %s); it runs unfused"
+                      % (type(e).__name__, str(e).splitlines()[0] if str(e) else ""), RuntimeWarning)
+        return symbol
     for store, new in ((args, result.arg_params), (aux, result.aux_params)):
         if store is None:
             if any(k not in (args or {}) for k in new):

@@ -181,3 +181,18 @@ def test_gluon_attention_block_fuses_and_trains():
     assert net.fusion_report.mode == "training"
     for a, b in zip(*grads):
         np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-5)
+
+
+def test_unexpected_failure_runs_the_block_unfused(monkeypatch):
+    import fusion.api
+
+    def broken(*a, **kw):
+        raise RuntimeError("simulated")
+
+    monkeypatch.setattr(fusion.api, "fuse", broken)
+    ref, net = twin()
+    ref.hybridize()
+    net.hybridize(backend="fusion")
+    with pytest.warns(RuntimeWarning, match="runs unfused"):
+        out = net(X)
+    assert rel(out, ref(X)) <= RTOL
