@@ -187,7 +187,8 @@ class Builder:
         return Entry(self._place(Node("null", unique)))
 
 
-def _escape_reason(m: Match, users: Dict[Node, List], heads: Set[int], exported: Set[int]) -> Optional[str]:
+def _escape_reason(m: Match, users: Dict[Node, List], heads: Set[int], exported: Set[int],
+                   rule: Any = None) -> Optional[str]:
     inside = {id(n) for n in m.nodes}
     for nd in m.nodes:
         is_anchor = nd is m.anchor
@@ -196,6 +197,8 @@ def _escape_reason(m: Match, users: Dict[Node, List], heads: Set[int], exported:
         for user, slot in users.get(nd, ()):
             e = user.inputs[slot]
             if id(user) in inside or (is_anchor and e.index == 0):
+                continue
+            if rule is not None and rule.outside_use_ok(m, e, user):
                 continue
             return ("output %d of %s '%s' is also used by %s '%s' outside the match"
                     % (e.index, nd.op, nd.name, user.op, user.name))
@@ -265,7 +268,7 @@ class _Pass:
             exported = {id(m.node(n)) for n in rule.exports if m.has(n)}
             if not users_cache:
                 users_cache.append(graph.consumers())
-            reason = _escape_reason(m, users_cache[0], heads, exported) or _head_reason(m, graph)
+            reason = _escape_reason(m, users_cache[0], heads, exported, rule) or _head_reason(m, graph)
             if reason is None:
                 owner = next((taken[id(n)] for n in m.nodes if id(n) in taken), None)
                 if owner is not None:

@@ -21,7 +21,7 @@ Rules keep no state between ``check`` and ``rewrite``: both read the match.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 from .graph import Entry
 from .matcher import Match
@@ -52,6 +52,14 @@ class Rule:
 
     def check(self, m: Match) -> Optional[str]:
         return None
+
+    def outside_use_ok(self, m: Match, entry: Entry, user: Any) -> bool:
+        """Whether ``user``, outside the match, may keep reading the interior value ``entry``.
+
+        Only for a rule whose rewrite then maps ``entry`` to a value that serves that user
+        exactly (returned in its replacement dict).  Default: no interior value escapes.
+        """
+        return False
 
     def rewrite(self, m: Match, b: "Builder") -> Union[Entry, Dict[Entry, Entry]]:
         raise NotImplementedError

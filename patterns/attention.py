@@ -51,7 +51,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from fusion.graph import Entry
+from fusion.graph import Entry, Node
 from fusion.matcher import Match
 from fusion.pattern import Chain, Const, OneOf, Pattern, Var, op, scalar
 from fusion.rewrite import Builder
@@ -309,14 +309,35 @@ class AttentionHeads(Rule):
         plan = self._plan(m)
         return plan if isinstance(plan, str) else None
 
-    def rewrite(self, m: Match, b: Builder) -> Entry:
+    @staticmethod
+    def _positions_only(m: Match, entry: Entry, user: Node) -> Optional[str]:
+        """'q'/'k' when ``user`` takes sequence positions (arange_like over axis -2) off that head split."""
+        if user.op != "_contrib_arange_like" or user.param("axis", None) != -2:
+            return None
+        for n in ("q", "k"):
+            chain = m[n + "_chain"]
+            if chain and chain[0] == entry:
+                return n
+        return None
+
+    def outside_use_ok(self, m: Match, entry: Entry, user: Node) -> bool:
+        # (B·H, S, D) and (B, S, H·D) have the sequence on axis -2 alike: positions read off a
+        # head split (see scores_shape) can be read off the projection it came from
+        return self._positions_only(m, entry, user) is not None
+
+    def rewrite(self, m: Match, b: Builder):
         layout, heads, inputs = self._plan(m)
         attn = m.node("attn")
         attrs = attn.attrs.copy()
         attrs["layout"] = layout
         attrs["heads"] = heads
         mask = [m["mask"]] if m.has("mask") else []
-        return b.op(FUSED, inputs + mask, attrs=attrs, name=m.anchor.name)
+        out = b.op(FUSED, inputs + mask, attrs=attrs, name=m.anchor.name)
+        mapping = {m.anchor_entry: out}
+        for n, x in (("q", "xq"), ("k", "xk")):
+            if m[n + "_chain"]:
+                mapping.setdefault(m[n + "_chain"][0], m[x])
+        return mapping
 
     def _plan(self, m: Match):
         """(layout, heads, inputs) when the chains are a head split/merge, else the reason they are not."""

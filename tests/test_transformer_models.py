@@ -148,5 +148,5 @@ def test_gpt_causal_blocks(mask_style, from_scores):
     assert counts["fused_attention"] == 2 and counts["fused_dense"] == 12, res.report.to_text(explain=True)
     assert counts.get("fused_add_layer_norm", 0) >= 2          # residual add + next block's LayerNorm
     assert "batch_dot" not in counts and "softmax" not in counts
-    if from_scores:   # positions re-taken from q/k: the head split stays (arange_like reads it)
-        assert counts.get("_contrib_arange_like") == 4
+    if from_scores:   # positions re-taken from q/k, then from the projections: the head split is gone too
+        assert counts.get("_contrib_arange_like") == 4 and "transpose" not in counts, counts
