@@ -46,10 +46,10 @@ def load_user_rules(spec: str) -> list:
     ``"module"`` alone takes the module's ``RULES`` list, like the files of the rule library.
     """
     import importlib
-    from .rule import Rule
-
     import os
     import sys
+
+    from .rule import Rule
 
     module_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path:          # like `python -m`: modules beside the user are importable

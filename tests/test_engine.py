@@ -301,3 +301,24 @@ def test_a_rule_that_raises_costs_only_its_candidates():
     assert res.symbol.tojson() == y.tojson()
     assert all("internal error in rule buggy_rewrite (TypeError: oops)" in r
                for r in res.report.rules["buggy_rewrite"].rejected.values())
+
+
+def test_user_rules_by_module_name(tmp_path, monkeypatch):
+    (tmp_path / "my_rules.py").write_text(
+        "from fusion import Rule\n"
+        "from fusion.pattern import Var, scalar\n"
+        "class Double(Rule):\n"
+        "    name = 'double_mul'\n"
+        "    def pattern(self):\n"
+        "        return scalar('mul', scalar('mul', Var('x'), name='a'), name='b')\n"
+        "    def rewrite(self, m, b):\n"
+        "        return b.op('_mul_scalar', [m['x']], attrs={'scalar': float(m.node('a').attrs['scalar'])"
+        " * float(m.node('b').attrs['scalar'])})\n"
+        "RULES = [Double]\n")
+    monkeypatch.chdir(tmp_path)
+    res = fusion.fuse(mx.sym.var("x") * 2.0 * 3.0, rules=["my_rules:RULES"])
+    assert len(res.report.rules["double_mul"].fused) == 1
+    with pytest.raises(FusionError, match="cannot import rule module 'nope'"):
+        fusion.fuse(mx.sym.var("x"), rules=["nope:RULES"])
+    with pytest.raises(FusionError, match="has no MISSING"):
+        fusion.fuse(mx.sym.var("x"), rules=["my_rules:MISSING"])
