@@ -98,8 +98,10 @@ class FusionReport:
                 continue
             lines.append("  %-*s  %6d  %8d  %13d  %6d" % (width, r.name, len(r.fused), len(r.rejected),
                                                            r.nodes_removed, r.params_added))
-        if quiet:
+        if quiet and explain:
             lines.append("  no candidates for: " + ", ".join(quiet))
+        elif quiet:
+            lines.append("  %d other rule(s) found no candidates (--explain lists them)" % len(quiet))
         for r in self.rules.values():
             reasons: Dict[str, List[str]] = {}
             for anchor, reason in r.rejected.items():
