@@ -44,6 +44,7 @@ class Context:
         self.graph = graph
         self.mode = mode
         self.input_dtypes = {k: str(v) for k, v in (input_dtypes or {}).items()}
+        self.memo: Dict[Any, Any] = {}      # rules' derived facts about values (they never change)
         self.input_shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
         self._shapes: Optional[Dict[Entry, tuple]] = None
         self._shapes_version = -1
@@ -76,6 +77,38 @@ class Context:
         arr.setflags(write=False)   # rules compute new arrays; the caller's stay untouched
         self._numpy[name] = arr
         return arr
+
+    def evaluate(self, entry: Entry, seed: int = 0) -> Optional[np.ndarray]:
+        """The value of ``entry`` computed by MXNet, with random data inputs of the given shapes.
+
+        None when an input shape is unknown or MXNet cannot run it.  Meant for values that do
+        not depend on the data (masks built from positions): call it with two seeds to check.
+        """
+        import json
+
+        import mxnet as mx
+
+        data = self.graph.to_json()
+        data["heads"] = [[int(entry.node.pos), entry.index, 0]]
+        try:
+            sym = mx.sym.load_json(json.dumps(data))
+            rng = np.random.default_rng(seed)
+            args = {}
+            for name in sym.list_arguments():
+                node = next(n for n in self.graph.variables() if n.name == name)
+                v = self.value(Entry(node))
+                if v is None:
+                    shape = self.input_shapes.get(name)
+                    if shape is None:
+                        return None
+                    v = rng.standard_normal(shape).astype(np.float32)
+                args[name] = mx.nd.array(v, dtype=v.dtype)
+            from .bench import subgraph_backend
+            with subgraph_backend(False):
+                exe = sym.bind(mx.cpu(), args, grad_req="null")
+            return exe.forward(is_train=False)[0].asnumpy()
+        except Exception:       # not computable here: the caller keeps the value as it is
+            return None
 
     def _param_shape(self, name: str) -> Optional[tuple]:
         """A parameter's shape without copying its values out of MXNet."""

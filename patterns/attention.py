@@ -144,11 +144,72 @@ def _common_checks(m: Match) -> Optional[str]:
     return None
 
 
+# inputs read only for their shape: (op, input slot)
+_SHAPE_ONLY = {("_contrib_arange_like", 0), ("ones_like", 0), ("zeros_like", 0), ("shape_array", 0),
+               ("size_array", 0), ("broadcast_like", 1), ("reshape_like", 1), ("slice_like", 1)}
+
+
+def _reads_data(entry: Entry, ctx) -> bool:
+    """Whether the value of ``entry`` depends on the values (not only the shapes) of data inputs."""
+    seen, stack = set(), [entry.node]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op == "null":
+            if ctx.value(Entry(node)) is None:
+                return True
+            continue
+        if node.op.startswith("_random") or node.op.startswith("_sample") or node.op == "Dropout":
+            return True
+        stack.extend(e.node for slot, e in enumerate(node.inputs) if (node.op, slot) not in _SHAPE_ONLY)
+    return False
+
+
+def _is_causal(m: Match) -> bool:
+    """Whether the mask is exactly the causal one (key j visible to query i iff j ≤ i + Sk − Sq).
+
+    The mask must not read data values (only shapes, through ``arange_like`` and the like:
+    checked on the graph), and is computed for the known input shapes.  The kernel then skips the masked key tiles
+    instead of reading a mask; an additive mask must be 0 where visible and ≤ −1e4 elsewhere
+    (exp underflows to exactly 0 there, as the kernel's exclusion does).
+    """
+    ctx = m.ctx
+    if not m.has("mask_op") or m.has("length"):
+        return False
+    key = ("causal", m["mask"], m.node("mask_op").op)
+    if key in ctx.memo:
+        return ctx.memo[key]
+    ctx.memo[key] = False
+    qs, ks = ctx.shape(m["q"]), ctx.shape(m["k"])
+    if not qs or not ks or _reads_data(m["mask"], ctx):
+        return False
+    sq = qs[-2]
+    sk = ks[-2] if m.node("qk").param("transpose_b", False) else ks[-1]
+    a, b = ctx.evaluate(m["mask"], seed=1), ctx.evaluate(m["mask"], seed=2)
+    if a is None or b is None or a.shape != b.shape or not np.array_equal(a, b) or a.ndim < 2:
+        return False
+    try:
+        full = np.broadcast_to(a, a.shape[:-2] + (sq, sk))
+    except ValueError:
+        return False
+    visible = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+    if m.node("mask_op").op == "where":
+        ok = np.all((full != 0) == visible)
+    else:
+        ok = np.all(full[..., visible] == 0) and np.all(full[..., ~visible] <= -1e4)
+    ctx.memo[key] = bool(ok)
+    return ctx.memo[key]
+
+
 def _mask_attrs(m: Match) -> Tuple[List[Entry], Dict[str, object]]:
     if m.has("length"):
         return [m["length"]], {"mask_kind": "valid_length"}
     if not m.has("mask_op"):
         return [], {"mask_kind": "none"}
+    if _is_causal(m):
+        return [], {"mask_kind": "none", "causal": True}
     if m.node("mask_op").op == "where":
         return [m["mask"]], {"mask_kind": "boolean", "mask_value": float(m.node("fill").attrs["scalar"])}
     return [m["mask"]], {"mask_kind": "additive"}

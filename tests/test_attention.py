@@ -298,3 +298,24 @@ def test_positions_taken_off_the_scores_move_to_q_and_k():
     y2 = S.Group([y, S.contrib.arange_like(s, axis=0)])
     res2 = fusion.fuse(y2, rules=["scores_shape"], input_shapes=shapes)
     assert any("not a query/key position axis" in r for r in res2.report.rules["scores_shape"].rejected.values())
+
+
+def test_causal_mask_recognized_only_when_exactly_causal():
+    q, k, v = qkv_vars()
+    shapes = {"q": (N, SQ, D), "k": (N, SQ, D), "v": (N, SQ, D)}
+    s = S.batch_dot(q, k, transpose_b=True) * 0.3
+    steps = S.contrib.arange_like(q, axis=1)
+    lower = S.broadcast_lesser_equal(S.reshape(steps, shape=(1, -1)), S.reshape(steps, shape=(-1, 1)))
+    for allowed, causal in ((lower, True), (1 - lower, False)):      # the second one looks ahead: not causal
+        y = S.batch_dot(S.softmax(S.broadcast_add(s, S.expand_dims((1 - allowed) * -1e9, axis=0)), axis=-1), v)
+        res = check_fused(y, shapes)
+        node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+        assert node.param("causal", False) is causal
+        assert node.attrs["mask_kind"] == ("none" if causal else "additive")
+    # a mask that depends on the data is never taken for causal, even if it happens to look so
+    m = S.broadcast_mul(S.broadcast_lesser_equal(S.reshape(steps, shape=(1, -1)), S.reshape(steps, shape=(-1, 1))),
+                        S.reshape(S.sum(S.var("gate") > 0) > 0, shape=(1, 1)))
+    y = S.batch_dot(S.softmax(S.broadcast_add(s, S.expand_dims((1 - m) * -1e9, axis=0)), axis=-1), v)
+    res = check_fused(y, dict(shapes, gate=(3,)))
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert node.attrs["mask_kind"] == "additive"
