@@ -319,3 +319,13 @@ def test_causal_mask_recognized_only_when_exactly_causal():
     res = check_fused(y, dict(shapes, gate=(3,)))
     node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
     assert node.attrs["mask_kind"] == "additive"
+
+
+def test_interleaved_head_size_unknown_is_explained():
+    qkv = S.var("qkv")                       # not a projection, and no shapes given: the head size is unknown
+    s = S.contrib.interleaved_matmul_selfatt_qk(qkv, heads=H)
+    y = S.contrib.interleaved_matmul_selfatt_valatt(qkv, S.softmax(s, axis=-1), heads=H)
+    res = fusion.fuse(y, rules=["attention"])
+    assert res.report.fused_count == 0
+    assert "head size is unknown" in list(res.report.rules["attention_interleaved"].rejected.values())[0]
+    res = check_fused(y, {"qkv": (L, B, 3 * E)}, rules=["attention"])      # with the shape it fuses

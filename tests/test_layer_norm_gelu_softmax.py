@@ -140,3 +140,14 @@ def test_softmax_over_two_axes_refused():
     res = fuse_and_check(y, SHAPE, {}, {})
     assert "softmax" not in ops(res)
     assert "one axis" in list(res.report.rules["softmax"].rejected.values())[0]
+
+
+def test_gelu_tanh_form_and_wrong_constant():
+    x = S.var("x")
+    y = (x * 0.5) * (1 + S.tanh((x + 0.044715 * x ** 3) * math.sqrt(2 / math.pi)))
+    res = fuse_and_check(y, SHAPE, {}, {}, rules=["gelu_tanh"], rtol=1e-5)
+    assert ops(res) == {"fused_elemwise": 1}
+    bad = (x * 0.5) * (1 + S.tanh((x + 0.5 * x ** 3) * math.sqrt(2 / math.pi)))
+    res = fusion.fuse(bad, rules=["gelu_tanh"])
+    assert res.report.fused_count == 0
+    assert "not GELU's" in list(res.report.rules["gelu_tanh"].rejected.values())[0]
