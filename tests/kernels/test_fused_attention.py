@@ -7,7 +7,7 @@ import mxnet as mx
 import numpy as np
 import pytest
 from mxnet.base import MXNetError
-from kernel_fixtures import fused_ops  # noqa: F401  (builds + loads the library)
+from kernel_fixtures import fused_ops, grads  # noqa: F401  (fused_ops builds + loads the library)
 
 FWD = dict(rtol=1e-5, atol=2e-5)
 BWD = dict(rtol=1e-4, atol=1e-4)
@@ -175,14 +175,6 @@ def test_interleaved_encdec_matches_mxnet_contrib():
 
 
 # ---- backward --------------------------------------------------------------------------
-def _grads(fn, arrays, head_grad):
-    xs = [mx.nd.array(a) for a in arrays]
-    for x in xs:
-        x.attach_grad()
-    with mx.autograd.record():
-        y = fn(*xs)
-    y.backward(mx.nd.array(head_grad))
-    return [x.grad.asnumpy() for x in xs]
 
 
 @pytest.mark.parametrize("kind", ["none", "additive", "boolean", "valid_length"])
@@ -196,9 +188,9 @@ def test_backward_vs_mxnet_autograd(kind, N, Sq, Sk, D):
          "boolean": (rs.rand(N, Sq, Sk) > 0.3).astype(np.float32),
          "valid_length": np.array([Sk // 2 + 1] + [Sk] * (N - 1), np.float32)}[kind]
     mm = None if m is None else mx.nd.array(m)
-    want = _grads(lambda a, b, c: _unfused_mx(a, b, c, 0.3, mm, kind), [q, k, v], dy)
+    want = grads(lambda a, b, c: _unfused_mx(a, b, c, 0.3, mm, kind), [q, k, v], dy)
     extra = {} if m is None else {"mask_kind": kind}
-    got = _grads(lambda a, b, c: mx.nd.fused_attention(a, b, c, *([] if m is None else [mm]),
+    got = grads(lambda a, b, c: mx.nd.fused_attention(a, b, c, *([] if m is None else [mm]),
                                                        scale=0.3, **extra), [q, k, v], dy)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, **BWD)
@@ -219,8 +211,8 @@ def test_backward_packed_and_causal():
         o = mx.nd.batch_dot(mx.nd.softmax(s, axis=-1), sp(v))
         return o.reshape((B, H, S, D)).transpose((0, 2, 1, 3)).reshape((B, S, H * D))
 
-    want = _grads(unfused, [qkv], dy)[0]
-    got = _grads(lambda x: mx.nd.fused_attention(x, scale=0.3, layout="packed_qkv", heads=H,
+    want = grads(unfused, [qkv], dy)[0]
+    got = grads(lambda x: mx.nd.fused_attention(x, scale=0.3, layout="packed_qkv", heads=H,
                                                  causal=True), [qkv], dy)[0]
     np.testing.assert_allclose(got, want, **BWD)
 
@@ -233,8 +225,8 @@ def test_backward_interleaved():
         att = mx.nd.softmax(mx.nd.contrib.interleaved_matmul_selfatt_qk(x, heads=H), axis=-1)
         return mx.nd.contrib.interleaved_matmul_selfatt_valatt(x, att, heads=H)
 
-    want = _grads(unfused, [qkv], dy)[0]
-    got = _grads(lambda x: mx.nd.fused_attention(x, scale=1 / np.sqrt(D), layout="interleaved",
+    want = grads(unfused, [qkv], dy)[0]
+    got = grads(lambda x: mx.nd.fused_attention(x, scale=1 / np.sqrt(D), layout="interleaved",
                                                  heads=H), [qkv], dy)[0]
     np.testing.assert_allclose(got, want, **BWD)
 
@@ -291,8 +283,8 @@ def test_backward_encdec_and_bshd():
         att = mx.nd.softmax(mx.nd.contrib.interleaved_matmul_encdec_qk(q, kv, heads=H), axis=-1)
         return mx.nd.contrib.interleaved_matmul_encdec_valatt(kv, att, heads=H)
 
-    want = _grads(unfused, [q, kv], dy)
-    got = _grads(lambda q, kv: mx.nd.fused_attention(q, kv, scale=1 / np.sqrt(D), heads=H,
+    want = grads(unfused, [q, kv], dy)
+    got = grads(lambda q, kv: mx.nd.fused_attention(q, kv, scale=1 / np.sqrt(D), heads=H,
                                                      layout="interleaved_encdec"), [q, kv], dy)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, **BWD)
@@ -306,8 +298,8 @@ def test_backward_encdec_and_bshd():
         o = _unfused_mx(sp(q), sp(k), sp(v), 0.4)
         return o.reshape((B, H, S, D)).transpose((0, 2, 1, 3)).reshape((B, S, H * D))
 
-    want = _grads(unfused_bshd, x, dy)
-    got = _grads(lambda q, k, v: mx.nd.fused_attention(q, k, v, scale=0.4, layout="bshd", heads=H),
+    want = grads(unfused_bshd, x, dy)
+    got = grads(lambda q, k, v: mx.nd.fused_attention(q, k, v, scale=0.4, layout="bshd", heads=H),
                  x, dy)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, **BWD)

@@ -9,7 +9,7 @@ import mxnet as mx
 import numpy as np
 import pytest
 from mxnet.base import MXNetError
-from kernel_fixtures import fused_ops  # noqa: F401  (builds + loads the library)
+from kernel_fixtures import fused_ops, grads  # noqa: F401  (fused_ops builds + loads the library)
 
 FWD = dict(rtol=1e-5, atol=1e-5)
 BWD = dict(rtol=1e-4, atol=1e-4)
@@ -81,23 +81,15 @@ def test_heads_bhsd_output():
     np.testing.assert_allclose(got, z.reshape(B, S, H, D).transpose(0, 2, 1, 3), **FWD)
 
 
-def _grads(fn, arrays, head_grad):
-    xs = [mx.nd.array(a) for a in arrays]
-    for x in xs:
-        x.attach_grad()
-    with mx.autograd.record():
-        y = fn(*xs)
-    y.backward(mx.nd.array(head_grad))
-    return [x.grad.asnumpy() for x in xs]
 
 
 @pytest.mark.parametrize("act", ACTS)
 def test_backward_vs_mxnet(act):
     x, w, b = rnd(2, 9, 12), rnd(20, 12, seed=1), rnd(20, seed=2)
     dy = rnd(2, 9, 20, seed=3)
-    want = _grads(lambda x, w, b: mx_act(mx.nd.FullyConnected(x, w, b, num_hidden=20,
+    want = grads(lambda x, w, b: mx_act(mx.nd.FullyConnected(x, w, b, num_hidden=20,
                                                               flatten=False), act), [x, w, b], dy)
-    got = _grads(lambda x, w, b: mx.nd.fused_dense(x, w, b, act=act, flatten=False), [x, w, b], dy)
+    got = grads(lambda x, w, b: mx.nd.fused_dense(x, w, b, act=act, flatten=False), [x, w, b], dy)
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, **BWD)
 
@@ -111,8 +103,8 @@ def test_backward_heads_and_no_bias():
         y = mx.nd.FullyConnected(x, w, num_hidden=H * D, no_bias=True, flatten=False)
         return mx.nd.tanh(y).reshape((B, S, H, D)).transpose((0, 2, 1, 3))
 
-    want = _grads(unfused, [x, w], dy)
-    got = _grads(lambda x, w: mx.nd.fused_dense(x, w, no_bias=True, flatten=False, act="tanh",
+    want = grads(unfused, [x, w], dy)
+    got = grads(lambda x, w: mx.nd.fused_dense(x, w, no_bias=True, flatten=False, act="tanh",
                                                 out_layout="heads_bhsd", heads=H), [x, w], dy)
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, **BWD)
