@@ -9,9 +9,11 @@
 namespace mxf {
 namespace expr {
 
-constexpr int64_t kBlock = 1024;  // elements per block: all temporaries stay in L1/L2
-// Distance between the per-instruction block buffers: not a multiple of 4 KiB, so a
-// loop reading one buffer and writing the next does not suffer 4K-aliasing stalls.
+// Elements per block.  Every instruction is one vector loop over a block, so a block's
+// live values (a few buffers after slot reuse, see Program::slot) must stay in L1: 256
+// floats is 1 KiB per value.  Threads take kChunk blocks at a time.
+constexpr int64_t kBlock = 256;
+constexpr int kChunk = 64;
 constexpr int64_t kSlot = kBlock + 48;
 
 // The vector loops are compiled twice and picked at load time: AVX-512 where the CPU
@@ -24,6 +26,13 @@ constexpr int64_t kSlot = kBlock + 48;
 
 // MXNet's softrelu: x > 20 ? x : log1p(exp(x))
 inline float softrelu(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+
+// o = a * s + t; t = -0 is the neutral addend (a plain product), see Instr::t
+MXF_CLONES void eval_affine(const float* a, float s, float t, float* o, int64_t n) {
+  if (t == 0.f && std::signbit(t)) for (int64_t i = 0; i < n; ++i) o[i] = a[i] * s;
+  else if (s == 1.f) for (int64_t i = 0; i < n; ++i) o[i] = a[i] + t;
+  else for (int64_t i = 0; i < n; ++i) o[i] = a[i] * s + t;
+}
 
 MXF_CLONES void eval_unary(int op, const float* a, float* o, int64_t n) {
   switch (op) {

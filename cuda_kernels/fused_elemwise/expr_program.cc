@@ -140,6 +140,7 @@ class Parser {
 
 int arity(int op) {
   if (op == LOAD || op == CONST) return 0;
+  if (op == AFFINE) return 1;
   if (op <= EXPM1) return 1;
   if (op <= NE) return 2;
   return 3;
@@ -148,14 +149,113 @@ int arity(int op) {
 const char* op_name(int op) {
   for (const auto& o : kOps)
     if (o.op == op) return o.name;
-  return op == LOAD ? "load" : op == CONST ? "const" : "?";
+  return op == LOAD ? "load" : op == CONST ? "const" : op == AFFINE ? "affine" : "?";
 }
+
+namespace {
+bool normal_or_zero(float v) { return v == 0.f || std::fpclassify(v) == FP_NORMAL; }
+
+void plan_forward(Program& p) {
+  std::vector<Instr>& f = p.fwd;
+  f = p.code;
+  const int n = static_cast<int>(f.size());
+  std::vector<int> uses(n, 0);
+  for (const Instr& in : f)
+    for (int k : {in.a, in.b, in.c})
+      if (k >= 0) ++uses[k];
+  uses[n - 1] += 1;  // the result is read by the caller
+  auto is_const = [&](int k) { return k >= 0 && f[k].op == CONST; };
+  for (int i = 0; i < n; ++i) {
+    Instr& in = f[i];
+    // 1. scalar arithmetic -> AFFINE(a; s, t)
+    float s = 1.f, t = -0.f;  // -0: the neutral addend, see Instr::t
+    int x = -1, c = -1;
+    if (in.op == NEG) { x = in.a; s = -1.f; }
+    if (arity(in.op) == 2 && (is_const(in.a) != is_const(in.b))) {
+      const bool ca = is_const(in.a);
+      x = ca ? in.b : in.a;
+      c = ca ? in.a : in.b;
+      const float v = f[c].imm;
+      if (in.op == ADD) t = v;
+      else if (in.op == MUL) s = v;
+      else if (in.op == SUB) { if (ca) { s = -1.f; t = v; } else { t = -v; } }
+      else if (in.op == DIV && !ca && std::isfinite(v) && v != 0.f) {
+        int e;
+        if (std::frexp(v, &e) == (v > 0 ? 0.5f : -0.5f) && normal_or_zero(1.f / v)) s = 1.f / v;
+        else x = -1;  // x / c is not x * (1/c) in floating point unless c is a power of 2
+      } else {
+        x = -1;
+      }
+      if (!std::isfinite(s) || !std::isfinite(t)) x = -1;  // keep inf/nan constants exact
+    }
+    if (x >= 0) {
+      in = Instr{AFFINE, x, -1, -1, -1, 0.f, s, t};  // x * s + t, exactly the op it replaces
+      if (c >= 0) --uses[c];
+    }
+    // 2. fold a single-use AFFINE operand into this op's pre-affine
+    if ((arity(in.op) == 1) && in.a >= 0 && f[in.a].op == AFFINE && uses[in.a] == 1) {
+      const Instr& g = f[in.a];  // in reads (y * g.s + g.t) * in.s + in.t, y = g's operand
+      const bool neutral = g.neutral_t() && in.neutral_t();  // products only: stays a product
+      const float s2 = g.s * in.s, t2 = neutral ? -0.f : g.t * in.s + in.t;
+      if (std::isfinite(s2) && std::isfinite(t2) && normal_or_zero(s2) && normal_or_zero(t2) &&
+          (s2 != 0.f || g.s == 0.f || in.s == 0.f)) {
+        const int y = g.a;
+        --uses[in.a];
+        in.a = y;
+        in.s = s2;
+        in.t = t2;
+      }
+    }
+  }
+  // instructions nothing reads any more are dead; the slot planner gives them no buffer
+}
+
+void plan_slots(Program& p) {
+  const int n = static_cast<int>(p.fwd.size());
+  std::vector<int> last(n, -1);
+  // liveness over the forward plan, reached from the result only
+  std::vector<char> live(n, 0);
+  live[n - 1] = 1;
+  for (int i = n - 1; i >= 0; --i)
+    if (live[i])
+      for (int k : {p.fwd[i].a, p.fwd[i].b, p.fwd[i].c})
+        if (k >= 0) live[k] = 1;
+  for (int i = 0; i < n; ++i)
+    if (live[i])
+      for (int k : {p.fwd[i].a, p.fwd[i].b, p.fwd[i].c})
+        if (k >= 0) last[k] = i;
+  last[n - 1] = n;  // the result outlives the program
+  p.slot.assign(n, -1);
+  std::vector<int> free_slots;
+  p.num_slots = 0;
+  for (int i = 0; i < n; ++i) {
+    const Instr& in = p.fwd[i];
+    if (!live[i]) continue;
+    if (in.op != CONST)  // operands whose last reader is i give their buffer back first
+      for (int k : {in.a, in.b, in.c})
+        if (k >= 0 && last[k] == i && p.fwd[k].op != CONST && p.slot[k] >= 0) {
+          free_slots.push_back(p.slot[k]);
+          p.slot[k] = -2 - p.slot[k];  // keep it recoverable but mark it released
+        }
+    if (in.op == CONST || free_slots.empty()) {
+      p.slot[i] = p.num_slots++;
+    } else {
+      p.slot[i] = free_slots.back();
+      free_slots.pop_back();
+    }
+  }
+  for (int i = 0; i < n; ++i)
+    if (p.slot[i] <= -2) p.slot[i] = -2 - p.slot[i];
+}
+}  // namespace
 
 Program compile(const std::string& text, int num_args) {
   Program p = Parser(text, num_args).run();
   if (p.num_inputs <= 0)
     throw ExprError("invalid expression '" + text + "': it reads no input (use at least x0) "
                     "and num_args is not set");
+  plan_forward(p);
+  plan_slots(p);
   return p;
 }
 

@@ -11,6 +11,7 @@
 // binary: add sub mul div pow max min lt le gt ge eq ne   (comparisons give 1.0 / 0.0)
 // ternary: where(c, a, b)  (c != 0 ? a : b),  clip(a, lo, hi) == min(max(a, lo), hi)
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -32,6 +33,8 @@ enum Op : int32_t {
   ADD, SUB, MUL, DIV, POW, MAX, MIN, LT, LE, GT, GE, EQ, NE,
   // ternary
   WHERE,
+  // forward-plan only (never parsed): y = a * s + t, see Program::fwd
+  AFFINE,
   NUM_OPS
 };
 
@@ -40,12 +43,33 @@ enum Op : int32_t {
 struct Instr {
   int32_t op, a, b, c, input;
   float imm;
+  // Pre-scale of operand a, used by the forward plan only: the op reads a * s + t.
+  // t = -0 is the neutral addend (x + -0 == x for every x, -0 included), so a product
+  // alone keeps t = -0 and stays exact; x + 0 (t = +0) turns -0 into +0 as MXNet does.
+  float s = 1.f, t = -0.f;
+  bool pre_affine() const { return s != 1.f || !neutral_t(); }
+  bool neutral_t() const { return t == 0.f && std::signbit(t); }
 };
 
 struct Program {
   std::vector<Instr> code;   // the last instruction is the result
   int num_inputs = 0;        // max input index + 1
   std::vector<int> load_of;  // input index -> LOAD instruction, or -1 if unused
+  // Forward plan for the CPU: `code` with scalar add/sub/mul (and neg, and division by a
+  // power of two) turned into AFFINE and every single-use AFFINE folded into the
+  // operand of the unary op (or AFFINE) that reads it, so `x * 1.5 + 0.5 -> sigmoid`
+  // is one pass over the block instead of three.  Same length as `code`; folded
+  // instructions are dead (slot -1).  Results agree with `code` to float rounding
+  // (one fused multiply-add instead of separately rounded ops; a folded chain of them
+  // rounds once, sign of a zero result included).  The backward pass and
+  // the CUDA kernels run `code`.
+  std::vector<Instr> fwd;
+  // Forward-only buffer plan over `fwd`: value i lives in buffer slot[i] of num_slots.  A buffer is
+  // reused once every reader of its value has run (elementwise ops read element k
+  // before writing element k, so an instruction may also write over a dying operand).
+  // Constants keep buffers of their own (filled once); unused values get -1.
+  std::vector<int> slot;
+  int num_slots = 0;
 };
 
 int arity(int op);

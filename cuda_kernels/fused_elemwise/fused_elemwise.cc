@@ -8,13 +8,16 @@
 // are gathered run by run along the innermost dimension.
 // Backward: reverse mode over the same bytecode, block by block; gradients of
 // broadcast inputs are reduced through per-thread accumulators.
+#include <immintrin.h>
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
 
+#include "elemwise_avx512.h"
 #include "elemwise_eval.h"
 #include "mxf_common.h"
 
@@ -160,6 +163,7 @@ struct Bound {
   int64_t total;
   std::vector<BView> views;
   std::vector<const float*> data;
+  bool avx512 = cpu_has_avx512();
 };
 
 Bound bind_inputs(const Attrs& a, std::vector<MXTensor>& in, size_t first) {
@@ -178,13 +182,19 @@ Bound bind_inputs(const Attrs& a, std::vector<MXTensor>& in, size_t first) {
 }
 
 // Evaluates instructions [0, code.size()) for one block; vals[i] points at value i.
-// `result` (optional) receives the last instruction's value directly.
+// `result` (optional) receives the last instruction's value directly.  `slot` maps a
+// value to its scratch buffer: the forward pass passes the program's reuse plan (a
+// few buffers stay in L1), the backward pass null (every value keeps its own buffer,
+// since the adjoints read them all).
 void eval_block(const Bound& b, int64_t start, int64_t n, float* scratch,
-                std::vector<const float*>& vals, float* result = nullptr) {
-  const auto& code = b.prog->code;
+                std::vector<const float*>& vals, float* result = nullptr,
+                const int* slot = nullptr) {
+  const auto& code = slot ? b.prog->fwd : b.prog->code;
   for (size_t i = 0; i < code.size(); ++i) {
     const Instr& in = code[i];
-    float* o = (result && i + 1 == code.size()) ? result : scratch + i * kSlot;
+    const int64_t si = slot ? slot[i] : static_cast<int64_t>(i);
+    if (si < 0) continue;  // dead value
+    float* o = (result && i + 1 == code.size()) ? result : scratch + si * kSlot;
     switch (in.op) {
       case LOAD:
         if (b.views[in.input].full) {
@@ -195,7 +205,7 @@ void eval_block(const Bound& b, int64_t start, int64_t n, float* scratch,
         }
         continue;
       case CONST:
-        vals[i] = scratch + i * kSlot;  // filled once per thread (see fill_consts)
+        vals[i] = scratch + si * kSlot;  // filled once per thread (see fill_consts)
         continue;
       case WHERE: {
         const float *c = vals[in.a], *x = vals[in.b], *y = vals[in.c];
@@ -203,7 +213,15 @@ void eval_block(const Bound& b, int64_t start, int64_t n, float* scratch,
         break;
       }
       default:
-        if (arity(in.op) == 1) eval_unary(in.op, vals[in.a], o, n);
+        if (arity(in.op) == 1) {
+          if (b.avx512 && eval_unary_avx512(in.op, vals[in.a], in.s, in.t, o, n)) break;
+          const float* x = vals[in.a];
+          if (in.pre_affine() || in.op == AFFINE) {
+            eval_affine(x, in.s, in.t, o, n);
+            x = o;
+          }
+          if (in.op != AFFINE) eval_unary(in.op, x, o, n);
+        }
         else eval_binary(in.op, vals[in.a], code[in.a].op == CONST, vals[in.b],
                          code[in.b].op == CONST, o, n);
     }
@@ -211,9 +229,49 @@ void eval_block(const Bound& b, int64_t start, int64_t n, float* scratch,
   }
 }
 
-void fill_consts(const Program& p, float* scratch) {
-  for (size_t i = 0; i < p.code.size(); ++i)
-    if (p.code[i].op == CONST) std::fill(scratch + i * kSlot, scratch + i * kSlot + kBlock, p.code[i].imm);
+void fill_consts(const Program& p, float* scratch, const int* slot = nullptr) {
+  for (size_t i = 0; i < p.code.size(); ++i) {
+    const int64_t si = slot ? slot[i] : static_cast<int64_t>(i);
+    if (p.code[i].op == CONST && si >= 0)
+      std::fill(scratch + si * kSlot, scratch + si * kSlot + kBlock, p.code[i].imm);
+  }
+}
+
+// Outputs at least this large are written with non-temporal stores: they cannot stay in
+// the last-level cache anyway, and a normal store would first read every output line
+// from memory (one extra memory transfer per element, a third more traffic).
+int64_t stream_threshold_bytes() {
+  static const int64_t t = [] {
+    long l3 = -1;
+#ifdef _SC_LEVEL3_CACHE_SIZE
+    l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+#endif
+    return static_cast<int64_t>(l3 > 0 ? l3 : 32L << 20);
+  }();
+  return t;
+}
+
+// Inputs read in place are streamed from memory a block at a time between long runs
+// of arithmetic; the hardware prefetcher alone leaves each block's first loads waiting
+// on memory.  Touch the block kPrefetchBlocks ahead instead.
+constexpr int64_t kPrefetchBlocks = 8;
+inline void prefetch_inputs(const Bound& b, int64_t start) {
+  if (start >= b.total) return;
+  const int64_t n = std::min(kBlock, b.total - start);
+  for (size_t k = 0; k < b.data.size(); ++k) {
+    if (!b.views[k].full) continue;
+    const char* p = reinterpret_cast<const char*>(b.data[k] + start);
+    for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(float)); off += 64)
+      _mm_prefetch(p + off, _MM_HINT_T0);
+  }
+}
+
+// dst[0, n) = src[0, n) with streaming stores where dst is 32-byte aligned.
+void stream_copy(float* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+  while (i < n && (reinterpret_cast<uintptr_t>(dst + i) & 31)) { dst[i] = src[i]; ++i; }
+  for (; i + 8 <= n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+  for (; i < n; ++i) dst[i] = src[i];
 }
 
 MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
@@ -223,17 +281,26 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
     float* Y = (*out)[0].data<float>();
     const int64_t nblk = (b.total + kBlock - 1) / kBlock;
     const size_t ni = b.prog->code.size();
+    const int* slot = b.prog->slot.data();
+    const bool streaming = b.total * static_cast<int64_t>(sizeof(float)) >= stream_threshold_bytes();
 #pragma omp parallel if (nblk > 1)
     {
-      std::vector<float> scratch(ni * kSlot);
+      std::vector<float> scratch(static_cast<size_t>(b.prog->num_slots) * kSlot);
       std::vector<const float*> vals(ni);
-      fill_consts(*b.prog, scratch.data());
-#pragma omp for schedule(dynamic, 8)
+      fill_consts(*b.prog, scratch.data(), slot);
+#pragma omp for schedule(dynamic, kChunk)
       for (int64_t blk = 0; blk < nblk; ++blk) {
         const int64_t s = blk * kBlock, n = std::min(kBlock, b.total - s);
-        eval_block(b, s, n, scratch.data(), vals, Y + s);
-        if (vals[ni - 1] != Y + s) std::memcpy(Y + s, vals[ni - 1], n * sizeof(float));
+        prefetch_inputs(b, s + kPrefetchBlocks * kBlock);
+        if (streaming) {  // the result stays in L1, then streams out
+          eval_block(b, s, n, scratch.data(), vals, nullptr, slot);
+          stream_copy(Y + s, vals[ni - 1], n);
+        } else {
+          eval_block(b, s, n, scratch.data(), vals, Y + s, slot);
+          if (vals[ni - 1] != Y + s) std::memcpy(Y + s, vals[ni - 1], n * sizeof(float));
+        }
       }
+      if (streaming) _mm_sfence();  // order the streaming stores before the op returns
     }
   });
 }
@@ -349,7 +416,7 @@ MXReturnValue backward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MX
       std::vector<float*> adj(ni);
       for (size_t i = 0; i < ni; ++i) adj[i] = gbuf.data() + i * kSlot;
       fill_consts(p, scratch.data());
-#pragma omp for schedule(dynamic, 8)
+#pragma omp for schedule(dynamic, kChunk)
       for (int64_t blk = 0; blk < nblk; ++blk) {
         const int64_t s = blk * kBlock, n = std::min(kBlock, b.total - s);
         eval_block(b, s, n, scratch.data(), vals);

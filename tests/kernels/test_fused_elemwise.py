@@ -104,6 +104,14 @@ EXPRS = [
     ("x0", [(3, 4)]),
     ("add(softrelu(x0), mul(softsign(x1), log_sigmoid(x0)))", [(5, 7), (7,)]),
     ("sub(mish(x0), expm1(mul(log1p(abs(x0)), 0.5)))", [(300,)]),
+    # scalar arithmetic the CPU forward plan folds into the op that reads it
+    ("mul(sigmoid(add(mul(x0, 1.5), 0.5)), tanh(sub(x0, 0.25)))", [(1000,)]),
+    ("exp(neg(div(sub(0.5, mul(x0, 3)), 4)))", [(17, 33)]),
+    ("relu(add(mul(add(x0, 1), 2), -1))", [(257,)]),
+    ("mul(add(mul(x0, 0.5), 0.25), 2)", [(31,)]),  # the result itself is the folded chain
+    ("tanh(div(x0, 3))", [(100,)]),  # not a power of two: stays a division
+    ("add(mul(x0, x0), mul(x0, 2))", [(65,)]),  # x0 read by several ops
+    ("sigmoid(add(x0, x1))", [(6, 40), (40,)]),
 ]
 
 
@@ -186,3 +194,119 @@ def test_symbol_json_roundtrip():
     a, b = rnd(3, 4), rnd(4, seed=1)
     out = s2.bind(mx.cpu(), {"a": mx.nd.array(a), "b": mx.nd.array(b)}).forward()[0].asnumpy()
     np.testing.assert_allclose(out, np.where(a > b, a, 0.5), **FWD)
+
+
+# --- the CPU's vector kernels -------------------------------------------------------
+
+_WIDE = np.concatenate([
+    np.linspace(-30, 30, 600001, dtype=np.float32),
+    np.float32(10.0) ** np.arange(-30, 1.6, 0.01, dtype=np.float32),
+    -np.float32(10.0) ** np.arange(-30, 1.6, 0.01, dtype=np.float32),
+    np.array([0.0, -0.0, 88.5, 89.5, -87.0, -103.0, -110.0, np.inf, -np.inf, np.nan], np.float32)])
+_REF = {"exp": np.exp, "sigmoid": lambda a: 1 / (1 + np.exp(-a)), "tanh": np.tanh}
+_REL = {"exp": 3e-7, "sigmoid": 3e-7, "tanh": 5e-7}
+
+
+def _check_unary(name, got):
+    with np.errstate(all="ignore"):
+        want = _REF[name](_WIDE.astype(np.float64))
+    got = got.astype(np.float64)
+    # below 2.5e-38 the portable exp flushes to 0 (mxf_common.h): absolute error there
+    big = np.isfinite(want) & (np.abs(want) > 2.5e-38) & (np.abs(want) < 3.4e38)
+    rel = np.abs(got[big] - want[big]) / np.abs(want[big])
+    assert rel.max() < _REL[name], (name, float(rel.max()), _WIDE[big][np.argmax(rel)])
+    tiny = np.abs(want) <= 2.5e-38  # underflow end: absolute error
+    assert np.all(np.abs(got[tiny] - want[tiny]) <= 2.5e-38)
+    huge = np.isfinite(want) & (np.abs(want) >= 3.4e38)  # beyond float: inf
+    assert np.all(np.isinf(got[huge]))
+    special = ~np.isfinite(want)
+    np.testing.assert_array_equal(got[special], want[special])  # inf stays inf, nan nan
+    assert np.all(np.abs(got[np.isfinite(got)]) <= (np.inf if name == "exp" else 1.0))
+
+
+@pytest.mark.parametrize("name", ["exp", "sigmoid", "tanh"])
+def test_transcendentals_accuracy(name):
+    """Relative error over the whole float range, including tiny arguments (where tanh
+    must stay relatively accurate), the overflow/underflow ends and inf/nan."""
+    _check_unary(name, mx.nd.fused_elemwise(mx.nd.array(_WIDE), expr="%s(x0)" % name).asnumpy())
+
+
+def test_portable_and_avx512_paths_agree():
+    """MXFUSION_DISABLE_AVX512=1 forces the portable loops: same accuracy contract, and
+    the two paths agree to a few ulp on the folded forward plan too."""
+    import subprocess
+    import sys
+    code = (
+        "import numpy as np, mxnet as mx, fusion, sys\n"
+        "x = mx.nd.array(np.load(sys.argv[1]))\n"
+        "out = {e: mx.nd.fused_elemwise(x, expr=e).asnumpy() for e in sys.argv[3:]}\n"
+        "np.savez(sys.argv[2], *[out[e] for e in sys.argv[3:]])\n")
+    import os
+    import tempfile
+    exprs = ["exp(x0)", "sigmoid(x0)", "tanh(x0)", "relu(mul(add(x0, 1), -2))",
+             "mul(sigmoid(add(mul(x0, 1.5), 0.5)), tanh(sub(x0, 0.25)))"]
+    with tempfile.TemporaryDirectory() as d:
+        np.save(os.path.join(d, "x.npy"), _WIDE)
+        res = []
+        for off in ("1", "0"):
+            env = dict(os.environ, MXFUSION_DISABLE_AVX512=off)
+            outp = os.path.join(d, "o%s.npz" % off)
+            subprocess.run([sys.executable, "-c", code, os.path.join(d, "x.npy"), outp] + exprs,
+                           env=env, check=True, timeout=300)
+            with np.load(outp) as z:
+                res.append([z["arr_%d" % i] for i in range(len(exprs))])
+    for name, got in zip(["exp", "sigmoid", "tanh"], res[0][:3]):
+        _check_unary(name, got)  # the portable loops keep the contract
+    for e, a, b in zip(exprs, *res):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-37, err_msg=e)
+
+
+@pytest.mark.parametrize("expr,f,exact_zero_sign", [
+    ("mul(x0, 0)", lambda a: a * 0, True),
+    ("mul(x0, 1)", lambda a: a * 1, True),
+    ("add(x0, 0)", lambda a: a + 0, True),  # -0 + 0 is +0
+    ("sub(x0, 0)", lambda a: a - 0, True),  # -0 - 0 is -0
+    ("sub(0, x0)", lambda a: 0 - a, True),
+    ("neg(x0)", np.negative, True),
+    ("tanh(div(x0, 0.5))", lambda a: np.tanh(a / 0.5), True),
+    ("exp(mul(x0, inf))", lambda a: np.exp(a * np.inf), True),  # inf constants never fold
+    ("mul(mul(x0, 1e30), 1e30)", lambda a: a * np.float32(1e30) * np.float32(1e30), False),
+    ("mul(mul(x0, 1e-30), 1e-30)", lambda a: a * np.float32(1e-30) * np.float32(1e-30), False),
+    ("mul(neg(mul(x0, 2)), 3)", lambda a: -(a * 2) * 3, False),
+])
+def test_folded_scalar_ops_keep_special_values(expr, f, exact_zero_sign):
+    """Folding x*s+t into the op that reads it keeps inf/nan, and (for a single folded
+    op) the sign of zero.  A chain composed into one x*s+t rounds once, so only its
+    values are compared; constants whose product would overflow or go subnormal are not
+    composed."""
+    x = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1e38, -1e38, 3.0, 1e-30], np.float32)
+    with np.errstate(all="ignore"):
+        want = f(x).astype(np.float32)
+    got = mx.nd.fused_elemwise(mx.nd.array(x), expr=expr).asnumpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0, err_msg=expr)
+    if exact_zero_sign:
+        np.testing.assert_array_equal(np.signbit(got[want == 0]), np.signbit(want[want == 0]),
+                                      err_msg=expr)
+
+
+def test_large_output_streams_to_memory():
+    """Outputs larger than the last-level cache are written with streaming stores; the
+    values, a broadcast input and an unaligned tail included, are unchanged."""
+    n = 9 * 2**20 + 13  # > 32 MiB of float32
+    x0 = rnd(n, seed=3)
+    x1 = rnd(1, seed=4)
+    got = mx.nd.fused_elemwise(mx.nd.array(x0), mx.nd.array(x1),
+                               expr="mul(sigmoid(add(mul(x0, 1.5), x1)), tanh(x0))").asnumpy()
+    want = 1 / (1 + np.exp(-(x0.astype(np.float64) * 1.5 + x1))) * np.tanh(x0.astype(np.float64))
+    np.testing.assert_allclose(got, want, **FWD)
+
+
+def test_many_live_values():
+    """The forward plan reuses block buffers once a value's last reader has run; values
+    kept alive across many instructions must not be overwritten."""
+    expr = ("add(add(mul(exp(x0), x1), mul(tanh(x0), sigmoid(x1))), "
+            "add(sub(x0, x1), mul(add(exp(x0), tanh(x1)), sub(sigmoid(x0), x0))))")
+    xs = [rnd(3000, seed=5), rnd(3000, seed=6)]
+    got = mx.nd.fused_elemwise(*[mx.nd.array(x) for x in xs], expr=expr).asnumpy()
+    want = evaluate(expr, [x.astype(np.float64) for x in xs], NP)
+    np.testing.assert_allclose(got, want, **FWD)
