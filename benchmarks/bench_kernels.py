@@ -66,13 +66,68 @@ def run_exec(ex):
     return lambda: ex.forward()[0].wait_to_read()
 
 
+def fma_peak_gflops(threads):
+    """This machine's peak fp32 FMA rate, from benchmarks/fma_peak.cc built here with
+    -march=native (None when no compiler is at hand)."""
+    import ctypes
+    import shutil
+    import subprocess
+    import tempfile
+    if not shutil.which("g++"):
+        return None
+    d = tempfile.mkdtemp(prefix="mxf_peak_")
+    so = os.path.join(d, "fma_peak.so")
+    try:
+        subprocess.run(["g++", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+                        os.path.join(os.path.dirname(os.path.abspath(__file__)), "fma_peak.cc"),
+                        "-o", so], check=True, capture_output=True)
+        lib = ctypes.CDLL(so)
+        lib.fma_peak_gflops.restype = ctypes.c_double
+        lib.fma_peak_gflops.argtypes = [ctypes.c_int, ctypes.c_long]
+        return lib.fma_peak_gflops(threads, 20_000_000)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def ort_dense_runner(x, w, b, threads):
+    """ONNX Runtime running MatMul + Add on the same data (None without onnxruntime)."""
+    try:
+        import onnx
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+    except ImportError:
+        return None
+    M, K = x.shape
+    N = w.shape[0]
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "wt"], ["y0"]), helper.make_node("Add", ["y0", "b"], ["y"])],
+        "dense", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [M, N])],
+        [numpy_helper.from_array(np.ascontiguousarray(w.T), "wt"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    feed = {"x": x}
+    return lambda: sess.run(None, feed)
+
+
 def bench_dense(reps):
     import mxnet as mx
     M = 128
-    print("\n## fused_dense vs FullyConnected(+Activation), M=%d, fp32, %s threads" %
-          (M, os.environ["OMP_NUM_THREADS"]))
-    print("| K -> N | act | fused GFLOP/s | MXNet GFLOP/s | ratio | ratio of best times |")
-    print("|---|---|---|---|---|---|")
+    nt = int(os.environ["OMP_NUM_THREADS"])
+    peak = fma_peak_gflops(nt)
+    print("\n## fused_dense vs FullyConnected(+Activation), M=%d, fp32, %d threads" % (M, nt))
+    if peak:
+        print("machine peak (FMA loop, %d threads): %.0f GFLOP/s; \"%%pk\" columns are fractions of it"
+              % (nt, peak))
+    print("| K -> N | act | fused GFLOP/s | MXNet GFLOP/s | ONNX Runtime GFLOP/s | fused / MXNet | "
+          "ratio of best times | fused %pk | MXNet %pk | ORT %pk |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     x, w, b = mx.sym.var("x"), mx.sym.var("w"), mx.sym.var("b")
     for K, N in [(768, 2304), (768, 768), (768, 3072), (3072, 768)]:
         for act in ("none", "gelu_erf"):
@@ -86,8 +141,16 @@ def bench_dense(reps):
             t1, t2 = timeit_interleaved([run_exec(e1), run_exec(e2)], reps)
             g1, g2 = 2 * M * N * K / t1 / 1e9, 2 * M * N * K / t2 / 1e9
             b1, b2 = MINS["last"]
-            print("| %d -> %d | %s | %.1f | %.1f | %.2fx | %.2fx |" % (K, N, act, g1, g2, g1 / g2,
-                                                                  b2 / b1))
+            g3 = None
+            if act == "none":  # ONNX Runtime's MatMul+Add, timed apart (its workers spin)
+                r = ort_dense_runner(*(args[k].asnumpy() for k in "xwb"), nt)
+                if r is not None:
+                    g3 = 2 * M * N * K / timeit_interleaved([r], reps)[0] / 1e9
+                    time.sleep(0.1)
+            pct = lambda g: "%.0f%%" % (100 * g / peak) if (peak and g) else "-"
+            print("| %d -> %d | %s | %.1f | %.1f | %s | %.2fx | %.2fx | %s | %s | %s |" % (
+                K, N, act, g1, g2, "%.1f" % g3 if g3 else "-", g1 / g2, b2 / b1, pct(g1), pct(g2),
+                pct(g3)))
 
 
 def bench_attention(reps, seqs):

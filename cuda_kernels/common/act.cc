@@ -1,4 +1,5 @@
 #include "act.h"
+#include "vmath_avx512.h"
 
 namespace mxf {
 
@@ -27,6 +28,7 @@ constexpr float kGeluC = 0.044715f;
 }  // namespace
 
 void act_forward(Act a, float slope, float* x, int64_t n) {
+  if (cpu_has_avx512() && act_forward_avx512(a, x, n)) return;
   switch (a) {
     case Act::none: return;
     case Act::relu:

@@ -2,13 +2,13 @@
 #pragma once
 #include <cstdint>
 
+#include "vmath_avx512.h"  // cpu_has_avx512()
+
 namespace mxf {
 namespace expr {
 
-// True when the CPU has AVX-512 F/DQ and MXFUSION_DISABLE_AVX512 is not set.
-bool cpu_has_avx512();
 // o[0, n) = op(a[0, n) * s + t) for the ops it has a kernel for (affine, exp, sigmoid,
-// tanh, relu); returns false, touching nothing, for any other op.  t = -0 is the
+// tanh, erf, relu); returns false, touching nothing, for any other op.  t = -0 is the
 // neutral addend (a plain product; see Instr::t).  Call only when
 // cpu_has_avx512().
 bool eval_unary_avx512(int op, const float* a, float s, float t, float* o, int64_t n);

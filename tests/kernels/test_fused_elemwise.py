@@ -203,8 +203,8 @@ _WIDE = np.concatenate([
     np.float32(10.0) ** np.arange(-30, 1.6, 0.01, dtype=np.float32),
     -np.float32(10.0) ** np.arange(-30, 1.6, 0.01, dtype=np.float32),
     np.array([0.0, -0.0, 88.5, 89.5, -87.0, -103.0, -110.0, np.inf, -np.inf, np.nan], np.float32)])
-_REF = {"exp": np.exp, "sigmoid": lambda a: 1 / (1 + np.exp(-a)), "tanh": np.tanh}
-_REL = {"exp": 3e-7, "sigmoid": 3e-7, "tanh": 5e-7}
+_REF = {"exp": np.exp, "sigmoid": lambda a: 1 / (1 + np.exp(-a)), "tanh": np.tanh, "erf": _erf}
+_REL = {"exp": 3e-7, "sigmoid": 3e-7, "tanh": 5e-7, "erf": 7e-7}
 
 
 def _check_unary(name, got):
@@ -224,7 +224,7 @@ def _check_unary(name, got):
     assert np.all(np.abs(got[np.isfinite(got)]) <= (np.inf if name == "exp" else 1.0))
 
 
-@pytest.mark.parametrize("name", ["exp", "sigmoid", "tanh"])
+@pytest.mark.parametrize("name", ["exp", "sigmoid", "tanh", "erf"])
 def test_transcendentals_accuracy(name):
     """Relative error over the whole float range, including tiny arguments (where tanh
     must stay relatively accurate), the overflow/underflow ends and inf/nan."""
@@ -233,14 +233,20 @@ def test_transcendentals_accuracy(name):
 
 def test_portable_and_avx512_paths_agree():
     """MXFUSION_DISABLE_AVX512=1 forces the portable loops: same accuracy contract, and
-    the two paths agree to a few ulp on the folded forward plan too."""
+    the two paths agree to a few ulp on the folded forward plan too, and on fused_dense's
+    activation epilogues."""
     import subprocess
     import sys
     code = (
         "import numpy as np, mxnet as mx, fusion, sys\n"
         "x = mx.nd.array(np.load(sys.argv[1]))\n"
-        "out = {e: mx.nd.fused_elemwise(x, expr=e).asnumpy() for e in sys.argv[3:]}\n"
-        "np.savez(sys.argv[2], *[out[e] for e in sys.argv[3:]])\n")
+        "out = [mx.nd.fused_elemwise(x, expr=e).asnumpy() for e in sys.argv[3:]]\n"
+        "rng = np.random.RandomState(0)\n"
+        "a, w, b = [mx.nd.array(rng.uniform(-3, 3, s).astype(np.float32)) for s in "
+        "[(37, 40), (29, 40), (29,)]]\n"
+        "out += [mx.nd.fused_dense(a, w, b, act=act).asnumpy() for act in "
+        "['sigmoid', 'tanh', 'gelu_erf', 'gelu_tanh']]\n"
+        "np.savez(sys.argv[2], *out)\n")
     import os
     import tempfile
     exprs = ["exp(x0)", "sigmoid(x0)", "tanh(x0)", "relu(mul(add(x0, 1), -2))",
@@ -254,11 +260,13 @@ def test_portable_and_avx512_paths_agree():
             subprocess.run([sys.executable, "-c", code, os.path.join(d, "x.npy"), outp] + exprs,
                            env=env, check=True, timeout=300)
             with np.load(outp) as z:
-                res.append([z["arr_%d" % i] for i in range(len(exprs))])
+                res.append([z["arr_%d" % i] for i in range(len(exprs) + 4)])
     for name, got in zip(["exp", "sigmoid", "tanh"], res[0][:3]):
         _check_unary(name, got)  # the portable loops keep the contract
     for e, a, b in zip(exprs, *res):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-37, err_msg=e)
+    for act, a, b in zip(["sigmoid", "tanh", "gelu_erf", "gelu_tanh"], res[0][-4:], res[1][-4:]):
+        np.testing.assert_allclose(a, b, **FWD, err_msg="fused_dense " + act)
 
 
 @pytest.mark.parametrize("expr,f,exact_zero_sign", [

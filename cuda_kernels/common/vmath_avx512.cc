@@ -1,0 +1,50 @@
+// AVX-512 activations for fused_dense's epilogue (see vmath_avx512.h) and the run-time
+// CPU check shared with fused_elemwise.
+#include "vmath_avx512.h"
+
+#include <cstdlib>
+#include <cstring>
+
+namespace mxf {
+
+#ifdef MXF_HAVE_AVX512_PATH
+bool cpu_has_avx512() {
+  static const bool has = [] {
+    const char* off = std::getenv("MXFUSION_DISABLE_AVX512");
+    if (off && *off && std::strcmp(off, "0") != 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  }();
+  return has;
+}
+
+MXF_AVX512 bool act_forward_avx512(Act a, float* x, int64_t n) {
+  using namespace vmath;
+  switch (a) {
+    case Act::sigmoid: map16(x, x, n, [](__m512 v) MXF_AVX512 { return sigmoid16(v); }); return true;
+    case Act::tanh: map16(x, x, n, [](__m512 v) MXF_AVX512 { return tanh16(v); }); return true;
+    case Act::gelu_erf:  // 0.5 x (1 + erf(x / sqrt 2))
+      map16(x, x, n, [](__m512 v) MXF_AVX512 {
+        const __m512 e = erf16(_mm512_mul_ps(v, _mm512_set1_ps(0.70710678118654752f)));
+        return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v),
+                             _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+      });
+      return true;
+    case Act::gelu_tanh:  // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+      map16(x, x, n, [](__m512 v) MXF_AVX512 {
+        const __m512 v3 = _mm512_mul_ps(_mm512_mul_ps(v, v), v);
+        const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.79788456080286536f),
+                                       _mm512_fmadd_ps(v3, _mm512_set1_ps(0.044715f), v));
+        return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v),
+                             _mm512_add_ps(_mm512_set1_ps(1.0f), tanh16(u)));
+      });
+      return true;
+    default: return false;
+  }
+}
+#else
+bool cpu_has_avx512() { return false; }
+bool act_forward_avx512(Act, float*, int64_t) { return false; }
+#endif
+
+}  // namespace mxf

@@ -1,0 +1,110 @@
+// AVX-512 vector math shared by the CPU kernels: exp, reciprocal, sigmoid, tanh, erf on
+// 16 floats.  Each function carries its own target attribute, so this header may be
+// included from files built for the library's baseline (x86-64-v3); call the functions
+// only when cpu_has_avx512() says the CPU has the instructions.
+//
+// GCC vectorizes the portable scalar forms (act.h, mxf_common.h) well, but each still
+// ends in a true division (vdivps), the slowest vector instruction on the CPUs we
+// measured, and building 2^n for exp takes integer shifts plus range selects.  Here exp
+// scales with vscalefps (which also yields inf/0 at the range ends) and every reciprocal
+// is vrcp14ps refined by one Newton step (relative error ~2^-28, below float rounding).
+// Same accuracy contract as the scalar forms:
+//   exp     ~2 ulp; inf -> inf, -inf -> 0, NaN -> NaN
+//   sigmoid 1 / (1 + exp(-x)), relative error < 2.5e-7
+//   tanh    the rational fit of act.h, < 4e-7 relative
+//   erf     as fast_erf: < 7e-7 relative (series below |x| = 0.5)
+#pragma once
+#include <cstdint>
+
+#include "act.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
+#include <immintrin.h>
+
+#define MXF_HAVE_AVX512_PATH 1
+#define MXF_AVX512 __attribute__((target("avx512f,avx512dq,fma")))
+
+namespace mxf {
+namespace vmath {
+
+MXF_AVX512 inline __m512 exp16(__m512 x) {
+  // clamp (NaN passes: max/min return their second operand when one is NaN)
+  x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);  // p * 2^n: overflows to inf, underflows to 0
+}
+
+MXF_AVX512 inline __m512 recip16(__m512 d) {
+  const __m512 r = _mm512_rcp14_ps(d);
+  return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+}
+
+MXF_AVX512 inline __m512 sigmoid16(__m512 x) {
+  // exp(-x) is kept finite (<= e^88) so that the Newton step never sees inf * 0
+  const __m512 nx = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_sub_ps(_mm512_setzero_ps(), x));
+  return recip16(_mm512_add_ps(_mm512_set1_ps(1.0f), exp16(nx)));
+}
+
+MXF_AVX512 inline __m512 tanh16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(kTanhClip), _mm512_max_ps(_mm512_set1_ps(-kTanhClip), x));
+  const __m512 s = _mm512_mul_ps(x, x);
+  __m512 p = _mm512_set1_ps(kTanhP[5]);
+  for (int k = 4; k >= 0; --k) p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(kTanhP[k]));
+  __m512 q = _mm512_set1_ps(kTanhQ[3]);
+  for (int k = 2; k >= 0; --k) q = _mm512_fmadd_ps(q, s, _mm512_set1_ps(kTanhQ[k]));
+  const __m512 t = _mm512_mul_ps(_mm512_mul_ps(x, p), recip16(q));
+  return _mm512_min_ps(_mm512_set1_ps(1.0f), _mm512_max_ps(_mm512_set1_ps(-1.0f), t));
+}
+
+MXF_AVX512 inline __m512 erf16(__m512 x) {
+  const __m512 sign = _mm512_and_ps(x, _mm512_set1_ps(-0.0f));
+  // |x| capped at 10 (erf = 1 in float well before): keeps 1 + p|x| finite; NaN passes
+  const __m512 ax = _mm512_min_ps(_mm512_set1_ps(10.0f), _mm512_andnot_ps(_mm512_set1_ps(-0.0f), x));
+  const __m512 t = recip16(_mm512_fmadd_ps(ax, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.0f)));
+  __m512 y = _mm512_set1_ps(1.061405429f);
+  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(-1.453152027f));
+  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(1.421413741f));
+  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(-0.284496736f));
+  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(0.254829592f));
+  const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), ax), ax));
+  const __m512 r = _mm512_or_ps(_mm512_fnmadd_ps(_mm512_mul_ps(y, t), e, _mm512_set1_ps(1.0f)), sign);
+  const __m512 s = _mm512_mul_ps(x, x);  // small |x|: the series, as fast_erf
+  __m512 p = _mm512_set1_ps(kErfTaylor[6]);
+  for (int k = 5; k >= 0; --k) p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(kErfTaylor[k]));
+  const __mmask16 small = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(kErfSmall), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(small, r, _mm512_mul_ps(x, p));
+}
+
+// o = f(a) over n floats, a masked tail included (o may equal a)
+template <class F>
+MXF_AVX512 inline void map16(const float* a, float* o, int64_t n, F f) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(o + i, f(_mm512_loadu_ps(a + i)));
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    _mm512_mask_storeu_ps(o + i, m, f(_mm512_maskz_loadu_ps(m, a + i)));
+  }
+}
+
+}  // namespace vmath
+}  // namespace mxf
+#endif
+
+namespace mxf {
+// True when the CPU has AVX-512 F/DQ and MXFUSION_DISABLE_AVX512 is not set (then the
+// portable loops run everywhere; the tests compare both).
+bool cpu_has_avx512();
+// x = act(x) in place for sigmoid, tanh, gelu_erf, gelu_tanh; false (x untouched) for
+// the other activations.  Call only when cpu_has_avx512().
+bool act_forward_avx512(Act a, float* x, int64_t n);
+}  // namespace mxf
