@@ -119,6 +119,7 @@ namespace {
 using sgemm_fn = int (*)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t,
                          const float*, int64_t, float, float*, int64_t);
 sgemm_fn g_sgemm = nullptr;
+void* g_dnnl = nullptr;  // the dlopen handle g_sgemm came from
 std::string g_sgemm_error;
 std::once_flag g_sgemm_once;
 
@@ -138,13 +139,21 @@ void bind_sgemm() {
       continue;
     }
     g_sgemm = reinterpret_cast<sgemm_fn>(dlsym(h, "dnnl_sgemm"));
-    if (g_sgemm) return;
+    if (g_sgemm) {
+      g_dnnl = h;
+      return;
+    }
     errs += "\n  " + c + ": no symbol dnnl_sgemm";
   }
   g_sgemm_error = "cannot load oneDNN (libdnnl.so.3 with dnnl_sgemm); install "
                   "'onednn-cpu-gomp==2023.2.0' or set MXFUSION_DNNL_LIB. Tried:" + errs;
 }
 }  // namespace
+
+void* dnnl_symbol(const char* name) {
+  std::call_once(g_sgemm_once, bind_sgemm);
+  return g_dnnl ? dlsym(g_dnnl, name) : nullptr;
+}
 
 void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, float alpha,
            const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,

@@ -57,6 +57,9 @@ void require_known_shapes(const std::vector<Shape>& in);
 
 void require_f32(const MXTensor& t, const char* what);
 
+// A symbol of the oneDNN library dnnl_sgemm was bound from (null if none / missing).
+void* dnnl_symbol(const char* name);
+
 // Row-major C = alpha * op(A) * op(B) + beta * C through oneDNN's dnnl_sgemm.
 // Inside an OpenMP parallel region oneDNN runs the call on the calling thread.
 void sgemm(char transa, char transb, int64_t M, int64_t N, int64_t K, float alpha,

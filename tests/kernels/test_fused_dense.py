@@ -123,6 +123,54 @@ def test_packed_weight_follows_weight_updates():
         np.testing.assert_allclose(ex.forward()[0].asnumpy(), x @ (2 * w).T + b, **FWD)
 
 
+@pytest.mark.parametrize("M,K,N,act,bias", [
+    (33, 70, 48, "none", True), (1, 64, 96, "gelu_erf", True), (128, 96, 40, "relu", False),
+    (7, 300, 17, "sigmoid", True),
+])
+def test_prepacked_matmul_path(M, K, N, act, bias):
+    """From the second call on, the plain output goes through oneDNN's matmul with the
+    weight prepacked into its blocked layout (bias added by the matmul, activation
+    after): odd shapes, with and without bias, must match the first (sgemm) call."""
+    x, w, b = rnd(M, K), rnd(N, K, seed=1), rnd(N, seed=2)
+    xs, ws, bs = mx.sym.var("x"), mx.sym.var("w"), mx.sym.var("b")
+    s = (mx.sym.fused_dense(xs, ws, bs, act=act) if bias else
+         mx.sym.fused_dense(xs, ws, no_bias=True, act=act, num_hidden=N))
+    args = {"x": mx.nd.array(x), "w": mx.nd.array(w)}
+    if bias:
+        args["b"] = mx.nd.array(b)
+    ex = s.bind(mx.cpu(), args, grad_req="null")
+    outs = [ex.forward()[0].asnumpy() for _ in range(4)]
+    z = x.astype(np.float64) @ w.T.astype(np.float64) + (b if bias else 0)
+    want = {"none": z, "relu": np.maximum(z, 0), "sigmoid": 1 / (1 + np.exp(-z)),
+            "gelu_erf": 0.5 * z * (1 + np.vectorize(math.erf)(z / math.sqrt(2)))}[act]
+    for o in outs:
+        np.testing.assert_allclose(o, want, **FWD)
+    np.testing.assert_allclose(outs[3], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_prepacked_matmul_many_batch_sizes():
+    """One op state serving many row counts (a hybridized block fed different batch
+    sizes): each size gets its own primitive, up to a limit, then dnnl_sgemm."""
+    class Net(mx.gluon.HybridBlock):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            with self.name_scope():
+                self.w = self.params.get("w", shape=(24, 16), init=mx.init.Uniform(0.5))
+                self.b = self.params.get("b", shape=(24,), init=mx.init.Uniform(0.5))
+
+        def hybrid_forward(self, F, x, w, b):
+            return F.fused_dense(x, w, b, act="tanh")
+
+    net = Net()
+    net.initialize()
+    net.hybridize(static_alloc=True)
+    w, b = net.w.data().asnumpy(), net.b.data().asnumpy()
+    for rep in range(3):
+        for m in range(1, 14):
+            x = rnd(m, 16, seed=m)
+            np.testing.assert_allclose(net(mx.nd.array(x)).asnumpy(), np.tanh(x @ w.T + b), **FWD)
+
+
 def test_packed_weight_with_head_split_output():
     B, S, K, H, D = 2, 3, 8, 2, 4
     x, w = rnd(B, S, K), rnd(H * D, K, seed=1)
