@@ -2,6 +2,7 @@
 // CPU check shared with fused_elemwise.
 #include "vmath_avx512.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -42,9 +43,44 @@ MXF_AVX512 bool act_forward_avx512(Act a, float* x, int64_t n) {
     default: return false;
   }
 }
+MXF_AVX512 float row_max_avx512(const float* s, int64_t n) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // a > m ? a : m, so a NaN score never becomes the max
+    const __m512 a = _mm512_loadu_ps(s + i);
+    m = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, m, _CMP_GT_OQ), m, a);
+  }
+  if (i < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 a = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, s + i);
+    m = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, m, _CMP_GT_OQ), m, a);
+  }
+  return _mm512_reduce_max_ps(m);
+}
+
+MXF_AVX512 float exp_shift_sum_avx512(float* s, int64_t n, float m) {
+  using namespace vmath;
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
+    _mm512_storeu_ps(s + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (i < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vm));
+    _mm512_mask_storeu_ps(s + i, k, e);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
+  }
+  return _mm512_reduce_add_ps(acc);
+}
 #else
 bool cpu_has_avx512() { return false; }
 bool act_forward_avx512(Act, float*, int64_t) { return false; }
+float row_max_avx512(const float*, int64_t) { return -INFINITY; }
+float exp_shift_sum_avx512(float*, int64_t, float) { return 0.f; }
 #endif
 
 }  // namespace mxf

@@ -107,4 +107,9 @@ bool cpu_has_avx512();
 // x = act(x) in place for sigmoid, tanh, gelu_erf, gelu_tanh; false (x untouched) for
 // the other activations.  Call only when cpu_has_avx512().
 bool act_forward_avx512(Act a, float* x, int64_t n);
+// Softmax pieces for the attention kernel (call only when cpu_has_avx512()):
+// the maximum of s[0, n) (-inf when n == 0; NaN is ignored as by a > b ? a : b) ...
+float row_max_avx512(const float* s, int64_t n);
+// ... and s[c] = exp(s[c] - m) in place, returning the sum of the new values.
+float exp_shift_sum_avx512(float* s, int64_t n, float m);
 }  // namespace mxf
