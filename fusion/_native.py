@@ -120,9 +120,10 @@ def _build_one(cuda, lib_dir, verbose, jobs):
 
 
 def _compile(cuda, lib, verbose, jobs):
-    mxdir = _mxnet_dir()
-    inc = ["-I" + os.path.join(mxdir, "include"), "-I" + KERNEL_DIR,
-           "-I" + os.path.join(KERNEL_DIR, "common")]
+    # the CUDA library uses no MXNet header, so it builds where MXNet is not installed
+    mxdir = None if cuda else _mxnet_dir()
+    inc = (["-I" + os.path.join(mxdir, "include")] if mxdir else []) + [
+        "-I" + KERNEL_DIR, "-I" + os.path.join(KERNEL_DIR, "common")]
     srcs, _ = _sources(cuda)
     tag = "cuda" if cuda else "cpu"
     objdir = os.path.join(_REPO_DIR, "build", "mxfusion_" + tag)
@@ -158,14 +159,16 @@ def _compile(cuda, lib, verbose, jobs):
     return lib
 
 
-def build(verbose=False, cuda=None, lib_dir=None, jobs=None):
+def build(verbose=False, cuda=None, lib_dir=None, jobs=None, cpu=True):
     """Compile the CPU library (and the CUDA one when nvcc exists, or cuda=True).
 
     Skips a library whose stored source hash is current.  Returns the paths built.
+    ``cpu=False`` builds only the CUDA library, which needs no MXNet (GPU machines
+    without an MXNet install).
     """
     lib_dir = lib_dir or LIB_DIR
     jobs = jobs or int(os.environ.get("MXFUSION_BUILD_JOBS", "2"))
-    out = [_build_one(False, lib_dir, verbose, jobs)]
+    out = [_build_one(False, lib_dir, verbose, jobs)] if cpu else []
     if cuda is None:
         cuda = nvcc_path() is not None and os.environ.get("MXFUSION_NO_CUDA", "") != "1"
     if cuda:

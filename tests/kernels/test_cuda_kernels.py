@@ -2,51 +2,43 @@
 
 Runs only with an NVIDIA GPU and PyTorch with CUDA (tensors are allocated with torch and
 handed to the launchers as device pointers through ctypes); otherwise skipped.
+Imports no MXNet, so on a GPU machine without MXNet it runs as
+
+    python3 -m pytest --noconftest -q tests/kernels/test_cuda_kernels.py
+
+(the library is built from cuda_kernels/ with nvcc on first use).
 Tolerances (fp32): rtol=1e-4, atol=1e-4 (GPU transcendental functions differ by ulps).
 """
 import ctypes
+import os
+import sys
 
 import numpy as np
 import pytest
 
-from test_fused_attention import ref_attention
-from test_fused_dense import np_act
-from kernel_fixtures import fused_ops  # noqa: F401  (builds + loads the library)
+from references import np_act, ref_attention
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "cuda_kernels"))
+import cuda_iface  # noqa: E402
+from cuda_iface import ACTS, AttnArgs, ptr  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 TOL = dict(rtol=1e-4, atol=1e-4)
-ACTS = ["none", "relu", "sigmoid", "tanh", "softrelu", "leaky", "gelu_erf", "gelu_tanh"]
-
-
-class AttnArgs(ctypes.Structure):
-    _fields_ = ([(n, ctypes.c_int64) for n in ("B", "H", "Sq", "Sk", "D", "Dv")] +
-                [(n, ctypes.c_void_p) for n in ("q", "k", "v", "o")] +
-                [(n, ctypes.c_int64) for n in ("q_bs", "q_hs", "q_rs", "k_bs", "k_hs", "k_rs",
-                                               "v_bs", "v_hs", "v_rs", "o_bs", "o_hs", "o_rs")] +
-                [("mask_kind", ctypes.c_int32), ("mask", ctypes.c_void_p)] +
-                [(n, ctypes.c_int64) for n in ("m_sb", "m_sh", "m_sq", "m_sk")] +
-                [("lengths", ctypes.c_void_p), ("len_sn", ctypes.c_int64), ("len_sq", ctypes.c_int64),
-                 ("scale", ctypes.c_float), ("mask_value", ctypes.c_float), ("causal", ctypes.c_int32)])
 
 
 @pytest.fixture(scope="module")
-def cuda(fused_ops):
+def cuda():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU available")
-    if fused_ops.nvcc_path() is None and not __import__("os").path.exists(
-            fused_ops.library_path(cuda=True)):
+    nat = cuda_iface.native()
+    if nat.nvcc_path() is None and not os.path.exists(nat.library_path(cuda=True)):
         pytest.skip("CUDA library not built (no nvcc)")
-    fused_ops.build(cuda=True)
-    return fused_ops.load_cuda(), torch
+    return cuda_iface.load(), torch
 
 
 def dev(torch, a):
     return torch.from_numpy(np.ascontiguousarray(a)).cuda()
-
-
-def ptr(t):
-    return ctypes.c_void_p(t.data_ptr()) if t is not None else None
 
 
 @pytest.mark.parametrize("N,Sq,Sk,D", [(1, 1, 1, 8), (2, 17, 70, 40), (3, 65, 129, 128), (1, 5, 33, 96)])
@@ -90,9 +82,7 @@ def test_dense(cuda, act, M, N, K, heads):
     ty = torch.empty((M * N,), device="cuda")
     tx, tw, tb = dev(torch, x), dev(torch, w), dev(torch, b)
     S = M // 2 if heads else 0
-    rc = lib.mxf_dense_forward(ptr(tx), ptr(tw), ptr(tb), ptr(ty), ctypes.c_int64(M),
-                               ctypes.c_int64(N), ctypes.c_int64(K), ACTS.index(act),
-                               ctypes.c_float(0.25), ctypes.c_int64(heads), ctypes.c_int64(S), None)
+    rc = cuda_iface.dense(lib, tx, tw, tb, ty, M, N, K, act, heads=heads, S=S)
     assert rc == 0
     torch.cuda.synchronize()
     want = np_act(x.astype(np.float64) @ w.T + b, act)
@@ -108,9 +98,7 @@ def test_add_layer_norm(cuda, R, C, b_rows):
     a, b, g, be = (rs.uniform(-1, 1, s).astype(np.float32) for s in ((R, C), (b_rows, C), (C,), (C,)))
     ty, ts = torch.empty((R, C), device="cuda"), torch.empty((R, C), device="cuda")
     args = [dev(torch, x) for x in (a, b, g, be)]
-    rc = lib.mxf_add_layer_norm_forward(*[ptr(t) for t in args], ptr(ty), ptr(ts), ctypes.c_int64(R),
-                                        ctypes.c_int64(C), ctypes.c_int64(b_rows),
-                                        ctypes.c_float(1e-5), None)
+    rc = cuda_iface.add_layer_norm(lib, *args, ty, ts, R, C, b_rows)
     assert rc == 0
     torch.cuda.synchronize()
     s = a.astype(np.float64) + np.tile(b, (R // b_rows, 1))
@@ -131,14 +119,8 @@ def test_elemwise(cuda, expr, shapes, fn):
     ts = [dev(torch, x) for x in xs]
     out_shape = np.broadcast_shapes(*shapes)
     to = torch.empty(out_shape, device="cuda")
-    n = len(xs)
-    ptrs = (ctypes.c_void_p * n)(*[t.data_ptr() for t in ts])
-    shp = [(ctypes.c_int64 * len(s))(*s) for s in shapes]
-    shp_arr = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(s, ctypes.POINTER(ctypes.c_int64)) for s in shp])
-    nd = (ctypes.c_int * n)(*[len(s) for s in shapes])
-    err = ctypes.create_string_buffer(512)
-    rc = lib.mxf_elemwise_forward(expr.encode(), n, ptrs, shp_arr, nd, ptr(to), err, 512, None)
-    assert rc == 0, err.value.decode()
+    rc, err = cuda_iface.elemwise(lib, expr, ts, to)
+    assert rc == 0, err
     torch.cuda.synchronize()
     np.testing.assert_allclose(to.cpu().numpy(), fn(*[x.astype(np.float64) for x in xs]), **TOL)
 

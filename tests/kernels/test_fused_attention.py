@@ -8,35 +8,10 @@ import numpy as np
 import pytest
 from mxnet.base import MXNetError
 from kernel_fixtures import fused_ops, grads  # noqa: F401  (fused_ops builds + loads the library)
+from references import ref_attention
 
 FWD = dict(rtol=1e-5, atol=2e-5)
 BWD = dict(rtol=1e-4, atol=1e-4)
-
-
-def ref_attention(q, k, v, scale, mask=None, mask_kind="none", causal=False, mask_value=-1e18):
-    """NumPy reference on plain (N,Sq,D) inputs, float64, MXNet softmax semantics."""
-    q, k, v = (x.astype(np.float64) for x in (q, k, v))
-    N, Sq, _ = q.shape
-    Sk = k.shape[1]
-    s = np.einsum("nqd,nkd->nqk", q, k) * scale
-    keep = np.ones((N, Sq, Sk), bool)
-    if mask_kind == "additive":
-        s = s + np.broadcast_to(mask, s.shape)
-    elif mask_kind == "boolean":
-        s = np.where(np.broadcast_to(mask, s.shape) != 0, s, mask_value)
-    elif mask_kind == "valid_length":
-        L = mask.astype(np.int64)
-        L = L[:, :, None] if L.ndim == 2 else L[:, None, None]
-        keep &= np.arange(Sk)[None, None, :] < L
-    if causal:
-        keep &= np.arange(Sk)[None, None, :] <= np.arange(Sq)[None, :, None] + (Sk - Sq)
-    with np.errstate(invalid="ignore", over="ignore"):
-        sm = np.where(keep, s, -np.inf)
-        mx_ = sm.max(-1, keepdims=True)
-        e = np.where(keep, np.exp(sm - mx_), 0.0)
-        den = e.sum(-1, keepdims=True)
-        p = np.where(keep.any(-1, keepdims=True), e / den, 0.0)
-    return np.einsum("nqk,nkd->nqd", p, v)
 
 
 def rnd(*shape, seed=0):

@@ -10,29 +10,11 @@ import numpy as np
 import pytest
 from mxnet.base import MXNetError
 from kernel_fixtures import fused_ops, grads  # noqa: F401  (fused_ops builds + loads the library)
+from references import np_act
 
 FWD = dict(rtol=1e-5, atol=1e-5)
 BWD = dict(rtol=1e-4, atol=1e-4)
 ACTS = ["none", "relu", "sigmoid", "tanh", "softrelu", "leaky", "gelu_erf", "gelu_tanh"]
-_erf = np.vectorize(math.erf)
-
-
-def np_act(z, act, slope=0.25):
-    if act == "relu":
-        return np.maximum(z, 0)
-    if act == "sigmoid":
-        return 1 / (1 + np.exp(-z))
-    if act == "tanh":
-        return np.tanh(z)
-    if act == "softrelu":
-        return np.where(z > 20, z, np.log1p(np.exp(np.minimum(z, 20))))
-    if act == "leaky":
-        return np.where(z > 0, z, slope * z)
-    if act == "gelu_erf":
-        return 0.5 * z * (1 + _erf(z / np.sqrt(2)))
-    if act == "gelu_tanh":
-        return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
-    return z
 
 
 def mx_act(z, act, slope=0.25):
@@ -140,9 +122,7 @@ def test_prepacked_matmul_path(M, K, N, act, bias):
         args["b"] = mx.nd.array(b)
     ex = s.bind(mx.cpu(), args, grad_req="null")
     outs = [ex.forward()[0].asnumpy() for _ in range(4)]
-    z = x.astype(np.float64) @ w.T.astype(np.float64) + (b if bias else 0)
-    want = {"none": z, "relu": np.maximum(z, 0), "sigmoid": 1 / (1 + np.exp(-z)),
-            "gelu_erf": 0.5 * z * (1 + np.vectorize(math.erf)(z / math.sqrt(2)))}[act]
+    want = np_act(x.astype(np.float64) @ w.T.astype(np.float64) + (b if bias else 0), act)
     for o in outs:
         np.testing.assert_allclose(o, want, **FWD)
     np.testing.assert_allclose(outs[3], outs[0], rtol=1e-5, atol=1e-5)
