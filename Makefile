@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,12 @@ test: setup
 
 bench: setup
 	$(BIN)/python benchmarks/bench_cnn.py
+
+# On a GPU machine with PyTorch and nvcc (no MXNet or venv needed): the CUDA kernels'
+# tests and their benchmark against PyTorch, in one command.
+gpu-check:
+	$(PY) -m pytest --noconftest -q tests/kernels/test_cuda_kernels.py
+	$(PY) benchmarks/bench_cuda.py --quick
 
 clean:
 	rm -rf $(VENV) out build *.egg-info
