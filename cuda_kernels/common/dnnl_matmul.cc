@@ -3,6 +3,7 @@
 // as void*; the enum values below are those of the 3.x headers).
 #include "dnnl_matmul.h"
 
+#include <cstdlib>
 #include <mutex>
 
 #include "mxf_common.h"
@@ -61,6 +62,12 @@ const Api& api() {
   static Api a;
   static std::once_flag once;
   std::call_once(once, [] {
+    if (const char* off = std::getenv("MXFUSION_NO_DNNL_MATMUL")) {
+      if (*off && std::string(off) != "0") {  // debugging aid; the tests cover the sgemm path
+        a.error = "oneDNN matmul disabled by MXFUSION_NO_DNNL_MATMUL";
+        return;
+      }
+    }
     std::string miss;
     bind_symbol(a.engine_create, "dnnl_engine_create", miss);
     bind_symbol(a.stream_create, "dnnl_stream_create", miss);
@@ -171,6 +178,42 @@ PackedMatmul::Packed* PackedMatmul::packed_for(const void* wmd, const float* W) 
   if (!ok) return nullptr;
   packed_.push_back(std::move(p));
   return packed_.back().get();
+}
+
+bool matmul_unpacked(const float* X, int64_t M, const float* W, int64_t N, int64_t K,
+                     const float* bias, float* Y) {
+  const Api& a = api();
+  if (!a.engine) return false;
+  // one stream per thread: MXNet may run ops from several engine threads
+  struct Stream {
+    void* s = nullptr;
+    ~Stream() { if (s) api().stream_destroy(s); }
+  };
+  thread_local Stream stream;
+  if (!stream.s && a.stream_create(&stream.s, a.engine, kInOrder) != 0) {
+    stream.s = nullptr;
+    return false;
+  }
+  Md src, wmd, bmd, dst;
+  void *pd = nullptr, *prim = nullptr, *ms = nullptr, *mw = nullptr, *mb = nullptr, *md = nullptr;
+  bool ok = src.strided(M, K, K, 1) && wmd.strided(K, N, 1, K) && dst.strided(M, N, N, 1) &&
+            (!bias || bmd.strided(1, N, N, 1)) &&
+            a.matmul_pd_create(&pd, a.engine, src.p, wmd.p, bias ? bmd.p : nullptr, dst.p,
+                               nullptr) == 0 &&
+            a.prim_create(&prim, pd) == 0 &&  // served from oneDNN's primitive cache
+            a.mem_create(&ms, src.p, a.engine, const_cast<float*>(X)) == 0 &&
+            a.mem_create(&mw, wmd.p, a.engine, const_cast<float*>(W)) == 0 &&
+            a.mem_create(&md, dst.p, a.engine, Y) == 0 &&
+            (!bias || a.mem_create(&mb, bmd.p, a.engine, const_cast<float*>(bias)) == 0);
+  if (ok) {
+    const ExecArg args[4] = {{kArgSrc, ms}, {kArgWeights, mw}, {kArgDst, md}, {kArgBias, mb}};
+    ok = a.prim_execute(prim, stream.s, bias ? 4 : 3, args) == 0 && a.stream_wait(stream.s) == 0;
+  }
+  for (void* m : {ms, mw, mb, md})
+    if (m) a.mem_destroy(m);
+  if (prim) a.prim_destroy(prim);
+  if (pd) a.pd_destroy(pd);
+  return ok;
 }
 
 bool PackedMatmul::run(const float* X, int64_t M, const float* W, const float* bias, float* Y) {

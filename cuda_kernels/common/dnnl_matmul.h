@@ -2,6 +2,8 @@
 // through oneDNN's matmul primitive (its C API, bound at run time from the same library
 // as dnnl_sgemm: the onednn-cpu-gomp wheel ships no headers).
 //
+// MXFUSION_NO_DNNL_MATMUL=1 turns it off (everything then goes through dnnl_sgemm).
+//
 // Why: dnnl_sgemm re-packs its B operand on every call.  For the weights of an inference
 // model that is wasted work; on BERT's shapes (M = 128/512) the prepacked matmul measured
 // up to 10% faster than dnnl_sgemm (768 -> 3072: 189-192 against 171-174 GFLOP/s at
@@ -45,5 +47,14 @@ class PackedMatmul {
   std::map<int64_t, std::unique_ptr<Shape>> shapes_;
   std::vector<std::unique_ptr<Packed>> packed_;
 };
+
+// Y (M, N) = X (M, K) * W^T (+ bias) with W read in place (no packing kept): for calls
+// whose op state does not outlive the call (mx.nd, a CachedOp without static_alloc),
+// where dnnl_sgemm with a transposed B measured 90-153 GFLOP/s at M = 128 on BERT's
+// shapes and this 166-185 (oneDNN caches the primitive; only the descriptor is rebuilt
+// per call).  Returns false, writing nothing, when oneDNN's matmul API is unavailable
+// or fails: the caller falls back to sgemm.
+bool matmul_unpacked(const float* X, int64_t M, const float* W, int64_t N, int64_t K,
+                     const float* bias, float* Y);
 
 }  // namespace mxf

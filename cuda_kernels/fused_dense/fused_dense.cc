@@ -7,8 +7,9 @@
 //   (dnnl_matmul.h), which then also adds the bias; the activation runs over rows after;
 // - head-split output, or no matmul API: kept transposed to (K, N) for dnnl_sgemm
 //   (~1.05-2x faster than B as (N, K) here).
-// First calls, and shapes the matmul cannot serve: one multi-threaded sgemm, then bias +
-// activation over rows in parallel.
+// First calls (and states that live for one call: mx.nd, a CachedOp without static_alloc):
+// oneDNN's matmul reading W in place.  Fallback when oneDNN's matmul API is missing or
+// fails: one multi-threaded sgemm, then bias + activation over rows in parallel.
 // Head-split output: one OpenMP task per (batch, head) tile, a single-threaded sgemm
 // writing straight into (B, H, S, D), epilogue applied while the tile is in cache.
 #include <omp.h>
@@ -177,11 +178,17 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
     const int64_t M = d.M, N = d.N, K = d.K;
     if (M == 0 || N == 0) return;
     if (!p_.heads_out) {
-      if (W.mm && W.mm->run(X, M, W.p, bias, Y)) {  // bias added by the matmul
-        if (p_.act != Act::none) {
+      // oneDNN's matmul adds the bias; the activation then runs over rows
+      auto activate = [&] {
+        if (p_.act == Act::none) return;
 #pragma omp parallel for schedule(dynamic, 4)
-          for (int64_t i = 0; i < M; ++i) act_forward(p_.act, p_.slope, Y + i * N, N);
-        }
+        for (int64_t i = 0; i < M; ++i) act_forward(p_.act, p_.slope, Y + i * N, N);
+      };
+      // reused weight: prepacked; a state that lives for one call (mx.nd, CachedOp
+      // without static_alloc) or a first call: W read in place
+      if ((W.mm && W.mm->run(X, M, W.p, bias, Y)) ||
+          (W.trans == 'T' && matmul_unpacked(X, M, W.p, N, K, bias, Y))) {
+        activate();
         return;
       }
       // one multi-threaded sgemm, then bias + activation by rows (measured 3-14% faster

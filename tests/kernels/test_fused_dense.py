@@ -128,6 +128,32 @@ def test_prepacked_matmul_path(M, K, N, act, bias):
     np.testing.assert_allclose(outs[3], outs[0], rtol=1e-5, atol=1e-5)
 
 
+def test_sgemm_path_without_dnnl_matmul():
+    """MXFUSION_NO_DNNL_MATMUL=1 (or a oneDNN without the matmul API) sends every plain
+    output through dnnl_sgemm: first call with W as is, later calls with W^T packed."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import numpy as np, mxnet as mx, fusion, sys\n"
+        "sys.path.insert(0, %r)\n"
+        "from references import np_act\n"
+        "rs = np.random.RandomState(0)\n"
+        "x, w, b = (rs.uniform(-1, 1, s).astype(np.float32) for s in [(33, 70), (48, 70), (48,)])\n"
+        "for act in ['none', 'gelu_erf']:\n"
+        "    ex = mx.sym.fused_dense(mx.sym.var('x'), mx.sym.var('w'), mx.sym.var('b'), act=act).bind(\n"
+        "        mx.cpu(), {'x': mx.nd.array(x), 'w': mx.nd.array(w), 'b': mx.nd.array(b)})\n"
+        "    want = np_act(x.astype(np.float64) @ w.T + b, act)\n"
+        "    for _ in range(3):\n"
+        "        np.testing.assert_allclose(ex.forward()[0].asnumpy(), want, rtol=1e-5, atol=1e-5)\n"
+        "print('ok')\n") % os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, MXFUSION_NO_DNNL_MATMUL="1", ONEDNN_VERBOSE="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+    assert "exec,cpu,matmul" not in r.stdout  # no matmul primitive ran
+
+
 def test_prepacked_matmul_many_batch_sizes():
     """One op state serving many row counts (a hybridized block fed different batch
     sizes): each size gets its own primitive, up to a limit, then dnnl_sgemm."""
