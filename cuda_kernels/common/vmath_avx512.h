@@ -27,21 +27,28 @@
 namespace mxf {
 namespace vmath {
 
-MXF_AVX512 inline __m512 exp16(__m512 x) {
-  // clamp (NaN passes: max/min return their second operand when one is NaN)
-  x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
+// exp of x already clamped to [-104, 89] (a NaN passes through the arithmetic)
+MXF_AVX512 inline __m512 exp16_clamped(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, in two parts
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  // e^r = 1 + r + r^2 (1/2 + r (1/6 + ...)), Horner all the way down
   __m512 p = _mm512_set1_ps(1.9875691500e-4f);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);  // p * 2^n: overflows to inf, underflows to 0
+}
+
+MXF_AVX512 inline __m512 exp16(__m512 x) {
+  // clamp (NaN passes: max/min return their second operand when one is NaN)
+  return exp16_clamped(
+      _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x)));
 }
 
 MXF_AVX512 inline __m512 recip16(__m512 d) {
@@ -49,10 +56,15 @@ MXF_AVX512 inline __m512 recip16(__m512 d) {
   return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
 }
 
+// 1 / (1 + exp(u)), i.e. sigmoid(-u): callers that scale their input anyway pass -x
+// for free.  exp(u) is kept finite (u <= 88) so that the Newton step never sees inf * 0.
+MXF_AVX512 inline __m512 sigmoid_neg16(__m512 u) {
+  u = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), u));
+  return recip16(_mm512_add_ps(_mm512_set1_ps(1.0f), exp16_clamped(u)));
+}
+
 MXF_AVX512 inline __m512 sigmoid16(__m512 x) {
-  // exp(-x) is kept finite (<= e^88) so that the Newton step never sees inf * 0
-  const __m512 nx = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_sub_ps(_mm512_setzero_ps(), x));
-  return recip16(_mm512_add_ps(_mm512_set1_ps(1.0f), exp16(nx)));
+  return sigmoid_neg16(_mm512_sub_ps(_mm512_setzero_ps(), x));
 }
 
 MXF_AVX512 inline __m512 tanh16(__m512 x) {

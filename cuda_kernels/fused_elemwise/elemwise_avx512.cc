@@ -45,7 +45,9 @@ MXF_AVX512 bool eval_unary_avx512(int op, const float* a, float s, float t, floa
   switch (op) {
     case AFFINE: map16s(a, s, t, o, n, [](__m512 v) MXF_AVX512 { return v; }); return true;
     case EXP: map16s(a, s, t, o, n, [](__m512 v) MXF_AVX512 { return exp16(v); }); return true;
-    case SIGMOID: map16s(a, s, t, o, n, [](__m512 v) MXF_AVX512 { return sigmoid16(v); }); return true;
+    case SIGMOID:  // sigmoid(a s + t) = 1 / (1 + exp(a (-s) + (-t))): the negation is free
+      map16s(a, -s, -t, o, n, [](__m512 v) MXF_AVX512 { return sigmoid_neg16(v); });
+      return true;
     case TANH: map16s(a, s, t, o, n, [](__m512 v) MXF_AVX512 { return tanh16(v); }); return true;
     case ERF: map16s(a, s, t, o, n, [](__m512 v) MXF_AVX512 { return erf16(v); }); return true;
     case RELU:  // a > 0 ? a : 0, NaN included, as the portable loop
