@@ -109,6 +109,39 @@ struct Md {
     return api().md_with_strides(&p, 2, d, kF32, s) == 0;
   }
 };
+
+// The calling thread's oneDNN stream (MXNet may run ops from several engine threads);
+// null when none can be created.
+void* thread_stream() {
+  struct Stream {
+    void* s = nullptr;
+    ~Stream() { if (s) api().stream_destroy(s); }
+  };
+  thread_local Stream st;
+  const Api& a = api();
+  if (!st.s && a.engine && a.stream_create(&st.s, a.engine, kInOrder) != 0) st.s = nullptr;
+  return st.s;
+}
+
+// The matmul primitive Y (M, N) = X (M, K) * W (K, N) [+ bias (1, N)] for row-major X
+// and Y and the weight layout `wmd` (oneDNN caches primitives: a repeat is cheap).
+struct MatmulPrim {
+  Md src, bias, dst;
+  void* pd = nullptr;
+  void* prim = nullptr;
+  ~MatmulPrim() {
+    if (prim) api().prim_destroy(prim);
+    if (pd) api().pd_destroy(pd);
+  }
+  bool create(int64_t M, int64_t N, int64_t K, const void* wmd, bool has_bias) {
+    const Api& a = api();
+    return src.strided(M, K, K, 1) && dst.strided(M, N, N, 1) &&
+           (!has_bias || bias.strided(1, N, N, 1)) &&
+           a.matmul_pd_create(&pd, a.engine, src.p, wmd, has_bias ? bias.p : nullptr, dst.p,
+                              nullptr) == 0 &&
+           a.prim_create(&prim, pd) == 0;
+  }
+};
 }  // namespace
 
 struct PackedMatmul::Packed {
@@ -118,16 +151,12 @@ struct PackedMatmul::Packed {
 };
 
 struct PackedMatmul::Shape {
-  void* pd = nullptr;
-  void* prim = nullptr;
+  MatmulPrim mm;
   Packed* w = nullptr;
   void *src = nullptr, *bias = nullptr, *dst = nullptr;  // memories; handles set per call
   ~Shape() {
-    const Api& a = api();
     for (void* m : {src, bias, dst})
-      if (m) a.mem_destroy(m);
-    if (prim) a.prim_destroy(prim);
-    if (pd) a.pd_destroy(pd);
+      if (m) api().mem_destroy(m);
   }
 };
 
@@ -140,24 +169,17 @@ std::unique_ptr<PackedMatmul> PackedMatmul::create(int64_t N, int64_t K, bool bi
     if (why) *why = a.error;
     return nullptr;
   }
-  std::unique_ptr<PackedMatmul> m(new PackedMatmul(N, K, bias));
-  if (a.stream_create(&m->stream_, a.engine, kInOrder) != 0) {
-    if (why) *why = "oneDNN stream could not be created";
-    return nullptr;
-  }
-  return m;
+  return std::unique_ptr<PackedMatmul>(new PackedMatmul(N, K, bias));
 }
 
-PackedMatmul::~PackedMatmul() {
-  shapes_.clear();
-  packed_.clear();
-  if (stream_) api().stream_destroy(stream_);
-}
+PackedMatmul::~PackedMatmul() = default;
 
 PackedMatmul::Packed* PackedMatmul::packed_for(const void* wmd, const float* W) {
   const Api& a = api();
   for (auto& p : packed_)
     if (a.md_equal(p->md.p, wmd)) return p.get();
+  void* stream = thread_stream();
+  if (!stream) return nullptr;
   auto p = std::make_unique<Packed>();
   Md user;  // W (N, K) row-major is the (K, N) weight matrix with strides (1, K)
   void* rpd = nullptr;
@@ -170,7 +192,7 @@ PackedMatmul::Packed* PackedMatmul::packed_for(const void* wmd, const float* W) 
             a.prim_create(&rprim, rpd) == 0;
   if (ok) {
     const ExecArg args[2] = {{kArgSrc, umem}, {kArgDst, p->mem}};
-    ok = a.prim_execute(rprim, stream_, 2, args) == 0 && a.stream_wait(stream_) == 0;
+    ok = a.prim_execute(rprim, stream, 2, args) == 0 && a.stream_wait(stream) == 0;
   }
   if (rprim) a.prim_destroy(rprim);
   if (rpd) a.pd_destroy(rpd);
@@ -183,61 +205,45 @@ PackedMatmul::Packed* PackedMatmul::packed_for(const void* wmd, const float* W) 
 bool matmul_unpacked(const float* X, int64_t M, const float* W, int64_t N, int64_t K,
                      const float* bias, float* Y) {
   const Api& a = api();
-  if (!a.engine) return false;
-  // one stream per thread: MXNet may run ops from several engine threads
-  struct Stream {
-    void* s = nullptr;
-    ~Stream() { if (s) api().stream_destroy(s); }
-  };
-  thread_local Stream stream;
-  if (!stream.s && a.stream_create(&stream.s, a.engine, kInOrder) != 0) {
-    stream.s = nullptr;
-    return false;
-  }
-  Md src, wmd, bmd, dst;
-  void *pd = nullptr, *prim = nullptr, *ms = nullptr, *mw = nullptr, *mb = nullptr, *md = nullptr;
-  bool ok = src.strided(M, K, K, 1) && wmd.strided(K, N, 1, K) && dst.strided(M, N, N, 1) &&
-            (!bias || bmd.strided(1, N, N, 1)) &&
-            a.matmul_pd_create(&pd, a.engine, src.p, wmd.p, bias ? bmd.p : nullptr, dst.p,
-                               nullptr) == 0 &&
-            a.prim_create(&prim, pd) == 0 &&  // served from oneDNN's primitive cache
-            a.mem_create(&ms, src.p, a.engine, const_cast<float*>(X)) == 0 &&
+  void* stream = thread_stream();
+  if (!stream) return false;
+  Md wmd;  // W (N, K) row-major read in place as the (K, N) weights
+  MatmulPrim mm;
+  void *ms = nullptr, *mw = nullptr, *mb = nullptr, *md = nullptr;
+  bool ok = wmd.strided(K, N, 1, K) && mm.create(M, N, K, wmd.p, bias != nullptr) &&
+            a.mem_create(&ms, mm.src.p, a.engine, const_cast<float*>(X)) == 0 &&
             a.mem_create(&mw, wmd.p, a.engine, const_cast<float*>(W)) == 0 &&
-            a.mem_create(&md, dst.p, a.engine, Y) == 0 &&
-            (!bias || a.mem_create(&mb, bmd.p, a.engine, const_cast<float*>(bias)) == 0);
+            a.mem_create(&md, mm.dst.p, a.engine, Y) == 0 &&
+            (!bias || a.mem_create(&mb, mm.bias.p, a.engine, const_cast<float*>(bias)) == 0);
   if (ok) {
     const ExecArg args[4] = {{kArgSrc, ms}, {kArgWeights, mw}, {kArgDst, md}, {kArgBias, mb}};
-    ok = a.prim_execute(prim, stream.s, bias ? 4 : 3, args) == 0 && a.stream_wait(stream.s) == 0;
+    ok = a.prim_execute(mm.prim, stream, bias ? 4 : 3, args) == 0 && a.stream_wait(stream) == 0;
   }
   for (void* m : {ms, mw, mb, md})
     if (m) a.mem_destroy(m);
-  if (prim) a.prim_destroy(prim);
-  if (pd) a.pd_destroy(pd);
   return ok;
 }
 
 bool PackedMatmul::run(const float* X, int64_t M, const float* W, const float* bias, float* Y) {
   const Api& a = api();
+  void* stream = thread_stream();
+  if (!stream) return false;
   std::lock_guard<std::mutex> lk(mu_);
   auto it = shapes_.find(M);
   if (it != shapes_.end() && !it->second) return false;  // this M failed before
   if (it == shapes_.end()) {
     if (shapes_.size() >= kMaxShapes) return false;
     auto s = std::make_unique<Shape>();
-    Md src, wany, bmd, dst;
+    Md wany;  // "any": oneDNN picks the blocked layout, packed_for() reorders W into it
     const dims12 wd = {K_, N_};
-    bool ok = src.strided(M, K_, K_, 1) && dst.strided(M, N_, N_, 1) &&
-              (!bias_ || bmd.strided(1, N_, N_, 1)) &&
-              a.md_with_tag(&wany.p, 2, wd, kF32, kTagAny) == 0 &&
-              a.matmul_pd_create(&s->pd, a.engine, src.p, wany.p, bias_ ? bmd.p : nullptr, dst.p,
-                                 nullptr) == 0 &&
-              a.prim_create(&s->prim, s->pd) == 0;
+    bool ok = a.md_with_tag(&wany.p, 2, wd, kF32, kTagAny) == 0 &&
+              s->mm.create(M, N_, K_, wany.p, bias_);
     if (ok) {
-      const void* wmd = a.pd_query_md(s->pd, kQueryWeightsMd, 0);
+      const void* wmd = a.pd_query_md(s->mm.pd, kQueryWeightsMd, 0);
       s->w = wmd ? packed_for(wmd, W) : nullptr;
-      ok = s->w && a.mem_create(&s->src, src.p, a.engine, nullptr) == 0 &&
-           a.mem_create(&s->dst, dst.p, a.engine, nullptr) == 0 &&
-           (!bias_ || a.mem_create(&s->bias, bmd.p, a.engine, nullptr) == 0);
+      ok = s->w && a.mem_create(&s->src, s->mm.src.p, a.engine, nullptr) == 0 &&
+           a.mem_create(&s->dst, s->mm.dst.p, a.engine, nullptr) == 0 &&
+           (!bias_ || a.mem_create(&s->bias, s->mm.bias.p, a.engine, nullptr) == 0);
     }
     if (!ok) {
       shapes_.emplace(M, nullptr);  // remember: sgemm serves this M from now on
@@ -250,7 +256,7 @@ bool PackedMatmul::run(const float* X, int64_t M, const float* W, const float* b
       (bias_ && a.mem_set_handle(s.bias, const_cast<float*>(bias)) != 0))
     return false;
   ExecArg args[4] = {{kArgSrc, s.src}, {kArgWeights, s.w->mem}, {kArgDst, s.dst}, {kArgBias, s.bias}};
-  return a.prim_execute(s.prim, stream_, bias_ ? 4 : 3, args) == 0 && a.stream_wait(stream_) == 0;
+  return a.prim_execute(s.mm.prim, stream, bias_ ? 4 : 3, args) == 0 && a.stream_wait(stream) == 0;
 }
 
 }  // namespace mxf

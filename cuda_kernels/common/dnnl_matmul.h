@@ -42,7 +42,6 @@ class PackedMatmul {
 
   int64_t N_, K_;
   bool bias_;
-  void* stream_ = nullptr;
   std::mutex mu_;
   std::map<int64_t, std::unique_ptr<Shape>> shapes_;
   std::vector<std::unique_ptr<Packed>> packed_;

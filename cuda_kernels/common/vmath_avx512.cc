@@ -51,7 +51,7 @@ MXF_AVX512 float row_max_avx512(const float* s, int64_t n) {
     m = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, m, _CMP_GT_OQ), m, a);
   }
   if (i < n) {
-    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __mmask16 k = vmath::tail_mask16(n - i);
     const __m512 a = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, s + i);
     m = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, m, _CMP_GT_OQ), m, a);
   }
@@ -69,7 +69,7 @@ MXF_AVX512 float exp_shift_sum_avx512(float* s, int64_t n, float m) {
     acc = _mm512_add_ps(acc, e);
   }
   if (i < n) {
-    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __mmask16 k = vmath::tail_mask16(n - i);
     const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vm));
     _mm512_mask_storeu_ps(s + i, k, e);
     acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));

@@ -97,13 +97,19 @@ MXF_AVX512 inline __m512 erf16(__m512 x) {
   return _mm512_mask_blend_ps(small, r, _mm512_mul_ps(x, p));
 }
 
+// The first min(max(n, 0), 16) lanes.
+inline __mmask16 tail_mask16(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF)
+                 : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
 // o = f(a) over n floats, a masked tail included (o may equal a)
 template <class F>
 MXF_AVX512 inline void map16(const float* a, float* o, int64_t n, F f) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(o + i, f(_mm512_loadu_ps(a + i)));
   if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __mmask16 m = tail_mask16(n - i);
     _mm512_mask_storeu_ps(o + i, m, f(_mm512_maskz_loadu_ps(m, a + i)));
   }
 }

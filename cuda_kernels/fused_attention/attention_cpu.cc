@@ -43,15 +43,13 @@ inline int64_t row_limit(const Params& p, const Geom& g, const MaskView& m, int6
 // dimension D = 64 for q.k) re-packs both operands on every call and reached ~65% of
 // the FMA peak here; these register-blocked loops read k pre-transposed once per call
 // (kt: per head, D rows of Sk keys) and v in place.
-inline __mmask16 tail_mask(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
-}
+using vmath::tail_mask16;
 
 // S[r, c] = scale * sum_d q[r*qs + d] * kt[d*kts + c], r < R, c < nc (<= 32)
 template <int R>
 MXF_AVX512 void qk_block(const float* q, int64_t qs, const float* kt, int64_t kts, int64_t D,
                          int64_t nc, float scale, float* S, int64_t ss) {
-  const __mmask16 m0 = tail_mask(nc), m1 = tail_mask(nc - 16);
+  const __mmask16 m0 = tail_mask16(nc), m1 = tail_mask16(nc - 16);
   __m512 acc0[R], acc1[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
@@ -97,7 +95,7 @@ template <int R>
 MXF_AVX512 void pv_block(const float* P, int64_t ps, const float* v, int64_t vs, int64_t nb,
                          int64_t nc, float* O, int64_t os) {
   __mmask16 mk[4];
-  for (int k = 0; k < 4; ++k) mk[k] = nc > 16 * k ? tail_mask(nc - 16 * k) : 0;
+  for (int k = 0; k < 4; ++k) mk[k] = tail_mask16(nc - 16 * k);
   __m512 acc[R][4];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)

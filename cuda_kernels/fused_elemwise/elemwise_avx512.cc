@@ -4,8 +4,6 @@
 // arithmetic feeding them costs no pass of its own.
 #include "elemwise_avx512.h"
 
-#include <cmath>
-
 #include "expr_program.h"
 #include "vmath_avx512.h"
 
@@ -20,22 +18,15 @@ namespace {
 template <int PRE, class F>
 MXF_AVX512 inline void map16s(const float* a, float s, float t, float* o, int64_t n, F f) {
   const __m512 vs = _mm512_set1_ps(s), vt = _mm512_set1_ps(t);
-  auto pre = [&](__m512 v) MXF_AVX512 {
-    return PRE == 0 ? v : PRE == 1 ? _mm512_mul_ps(v, vs) : _mm512_fmadd_ps(v, vs, vt);
-  };
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(o + i, f(pre(_mm512_loadu_ps(a + i))));
-  if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1u);
-    _mm512_mask_storeu_ps(o + i, m, f(pre(_mm512_maskz_loadu_ps(m, a + i))));
-  }
+  map16(a, o, n, [&](__m512 v) MXF_AVX512 {
+    return f(PRE == 0 ? v : PRE == 1 ? _mm512_mul_ps(v, vs) : _mm512_fmadd_ps(v, vs, vt));
+  });
 }
 
 template <class F>
 MXF_AVX512 inline void map16s(const float* a, float s, float t, float* o, int64_t n, F f) {
-  const bool neutral_t = t == 0.f && std::signbit(t);  // -0: x + t == x, see Instr::t
-  if (s == 1.f && neutral_t) map16s<0>(a, s, t, o, n, f);
-  else if (neutral_t) map16s<1>(a, s, t, o, n, f);
+  if (s == 1.f && neutral_addend(t)) map16s<0>(a, s, t, o, n, f);
+  else if (neutral_addend(t)) map16s<1>(a, s, t, o, n, f);
   else map16s<2>(a, s, t, o, n, f);
 }
 

@@ -29,7 +29,7 @@ inline float softrelu(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); 
 
 // o = a * s + t; t = -0 is the neutral addend (a plain product), see Instr::t
 MXF_CLONES void eval_affine(const float* a, float s, float t, float* o, int64_t n) {
-  if (t == 0.f && std::signbit(t)) for (int64_t i = 0; i < n; ++i) o[i] = a[i] * s;
+  if (neutral_addend(t)) for (int64_t i = 0; i < n; ++i) o[i] = a[i] * s;
   else if (s == 1.f) for (int64_t i = 0; i < n; ++i) o[i] = a[i] + t;
   else for (int64_t i = 0; i < n; ++i) o[i] = a[i] * s + t;
 }

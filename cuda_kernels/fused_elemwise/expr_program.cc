@@ -231,12 +231,15 @@ void plan_slots(Program& p) {
   for (int i = 0; i < n; ++i) {
     const Instr& in = p.fwd[i];
     if (!live[i]) continue;
-    if (in.op != CONST)  // operands whose last reader is i give their buffer back first
-      for (int k : {in.a, in.b, in.c})
-        if (k >= 0 && last[k] == i && p.fwd[k].op != CONST && p.slot[k] >= 0) {
-          free_slots.push_back(p.slot[k]);
-          p.slot[k] = -2 - p.slot[k];  // keep it recoverable but mark it released
-        }
+    // operands whose last reader is i give their buffer back first (once, however often
+    // i reads them); constants keep theirs
+    const int ops[3] = {in.a, in.b, in.c};
+    for (int j = 0; j < 3; ++j) {
+      const int k = ops[j];
+      if (k < 0 || last[k] != i || p.fwd[k].op == CONST) continue;
+      if ((j > 0 && ops[0] == k) || (j > 1 && ops[1] == k)) continue;
+      free_slots.push_back(p.slot[k]);
+    }
     if (in.op == CONST || free_slots.empty()) {
       p.slot[i] = p.num_slots++;
     } else {
@@ -244,8 +247,6 @@ void plan_slots(Program& p) {
       free_slots.pop_back();
     }
   }
-  for (int i = 0; i < n; ++i)
-    if (p.slot[i] <= -2) p.slot[i] = -2 - p.slot[i];
 }
 }  // namespace
 

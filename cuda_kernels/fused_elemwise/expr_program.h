@@ -38,6 +38,9 @@ enum Op : int32_t {
   NUM_OPS
 };
 
+// -0 is the neutral addend: x + -0 == x for every x, -0 included (see Instr::t).
+inline bool neutral_addend(float t) { return t == 0.f && std::signbit(t); }
+
 // One SSA instruction: value i = op(a, b, c), operands are earlier instruction indices.
 // LOAD uses `input`; CONST uses `imm`.
 struct Instr {
@@ -48,7 +51,7 @@ struct Instr {
   // alone keeps t = -0 and stays exact; x + 0 (t = +0) turns -0 into +0 as MXNet does.
   float s = 1.f, t = -0.f;
   bool pre_affine() const { return s != 1.f || !neutral_t(); }
-  bool neutral_t() const { return t == 0.f && std::signbit(t); }
+  bool neutral_t() const { return neutral_addend(t); }
 };
 
 struct Program {

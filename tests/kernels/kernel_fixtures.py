@@ -43,3 +43,18 @@ def grads(fn, arrays, head_grad):
         y = fn(*xs)
     y.backward(mx.nd.array(head_grad))
     return [x.grad.asnumpy() for x in xs]
+
+
+def run_python(code, *args, **env):
+    """Runs ``code`` in a fresh Python (``args`` as sys.argv[1:], ``env`` added to the
+    environment: the library reads its switches when it loads) with this folder on
+    sys.path, so it can import the references.  Asserts a zero exit; returns stdout and
+    stderr together."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, %r)\n%s" % (here, code)]
+                       + [str(a) for a in args], env=dict(os.environ, **env), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout + r.stderr

@@ -9,7 +9,7 @@ import mxnet as mx
 import numpy as np
 import pytest
 from mxnet.base import MXNetError
-from kernel_fixtures import fused_ops, grads  # noqa: F401  (fused_ops builds + loads the library)
+from kernel_fixtures import fused_ops, grads, run_python  # noqa: F401  (fused_ops builds + loads the library)
 from references import np_act
 
 FWD = dict(rtol=1e-5, atol=1e-5)
@@ -131,12 +131,8 @@ def test_prepacked_matmul_path(M, K, N, act, bias):
 def test_sgemm_path_without_dnnl_matmul():
     """MXFUSION_NO_DNNL_MATMUL=1 (or a oneDNN without the matmul API) sends every plain
     output through dnnl_sgemm: first call with W as is, later calls with W^T packed."""
-    import os
-    import subprocess
-    import sys
     code = (
-        "import numpy as np, mxnet as mx, fusion, sys\n"
-        "sys.path.insert(0, %r)\n"
+        "import numpy as np, mxnet as mx, fusion\n"
         "from references import np_act\n"
         "rs = np.random.RandomState(0)\n"
         "x, w, b = (rs.uniform(-1, 1, s).astype(np.float32) for s in [(33, 70), (48, 70), (48,)])\n"
@@ -147,14 +143,10 @@ def test_sgemm_path_without_dnnl_matmul():
         "    for _ in range(3):\n"
         "        np.testing.assert_allclose(ex.forward()[0].asnumpy(), want, rtol=1e-5, atol=1e-5)\n"
         "import ctypes; ctypes.CDLL(None).fflush(None)\n"  # oneDNN's verbose lines
-        "print('ok')\n") % os.path.dirname(os.path.abspath(__file__))
-    runs = {}
-    for off in ("1", "0"):  # "0": the control, showing that the check sees matmul runs
-        env = dict(os.environ, MXFUSION_NO_DNNL_MATMUL=off, ONEDNN_VERBOSE="1")
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                           text=True, timeout=300)
-        assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
-        runs[off] = r.stdout + r.stderr
+        "print('ok')\n")
+    # "0": the control, showing that the check sees matmul runs
+    runs = {off: run_python(code, MXFUSION_NO_DNNL_MATMUL=off, ONEDNN_VERBOSE="1")
+            for off in ("1", "0")}
     assert "exec,cpu,matmul" not in runs["1"]  # no matmul primitive ran
     assert "exec,cpu,matmul" in runs["0"]
 

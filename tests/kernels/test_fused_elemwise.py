@@ -5,13 +5,15 @@ Tolerances (fp32): forward rtol=1e-5, atol=1e-5 (float64 reference); backward
 rtol=1e-4, atol=1e-5.
 """
 import math
+import os
 import re
+import tempfile
 
 import mxnet as mx
 import numpy as np
 import pytest
 from mxnet.base import MXNetError
-from kernel_fixtures import fused_ops  # noqa: F401  (builds + loads the library)
+from kernel_fixtures import fused_ops, run_python  # noqa: F401  (fused_ops builds + loads the library)
 
 FWD = dict(rtol=1e-5, atol=1e-5)
 BWD = dict(rtol=1e-4, atol=1e-5)
@@ -235,10 +237,8 @@ def test_portable_and_avx512_paths_agree():
     """MXFUSION_DISABLE_AVX512=1 forces the portable loops: same accuracy contract, and
     the two paths agree to a few ulp on the folded forward plan too, and on fused_dense's
     activation epilogues."""
-    import subprocess
-    import sys
     code = (
-        "import numpy as np, mxnet as mx, fusion, sys\n"
+        "import numpy as np, mxnet as mx, fusion\n"
         "x = mx.nd.array(np.load(sys.argv[1]))\n"
         "out = [mx.nd.fused_elemwise(x, expr=e).asnumpy() for e in sys.argv[3:]]\n"
         "rng = np.random.RandomState(0)\n"
@@ -247,18 +247,14 @@ def test_portable_and_avx512_paths_agree():
         "out += [mx.nd.fused_dense(a, w, b, act=act).asnumpy() for act in "
         "['sigmoid', 'tanh', 'gelu_erf', 'gelu_tanh']]\n"
         "np.savez(sys.argv[2], *out)\n")
-    import os
-    import tempfile
     exprs = ["exp(x0)", "sigmoid(x0)", "tanh(x0)", "relu(mul(add(x0, 1), -2))",
              "mul(sigmoid(add(mul(x0, 1.5), 0.5)), tanh(sub(x0, 0.25)))"]
     with tempfile.TemporaryDirectory() as d:
         np.save(os.path.join(d, "x.npy"), _WIDE)
         res = []
         for off in ("1", "0"):
-            env = dict(os.environ, MXFUSION_DISABLE_AVX512=off)
             outp = os.path.join(d, "o%s.npz" % off)
-            subprocess.run([sys.executable, "-c", code, os.path.join(d, "x.npy"), outp] + exprs,
-                           env=env, check=True, timeout=300)
+            run_python(code, os.path.join(d, "x.npy"), outp, *exprs, MXFUSION_DISABLE_AVX512=off)
             with np.load(outp) as z:
                 res.append([z["arr_%d" % i] for i in range(len(exprs) + 4)])
     for name, got in zip(["exp", "sigmoid", "tanh"], res[0][:3]):
