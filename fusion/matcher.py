@@ -52,11 +52,12 @@ class Trace:
     the message is only formatted when read.
     """
 
-    __slots__ = ("depth", "_fmt", "_args", "graph", "ctx")
+    __slots__ = ("depth", "_fmt", "_args", "graph", "ctx", "excluded")
 
     def __init__(self, graph: Any = None, ctx: Any = None) -> None:
         self.graph = graph      # for patterns that look at consumers (Region)
         self.ctx = ctx
+        self.excluded: Optional[str] = None   # a Region's why_not for a refused anchor
         self.depth = 0
         self._fmt: Optional[str] = None
         self._args: tuple = ()
@@ -169,7 +170,11 @@ def match_pattern(p: Pattern, entry: Entry, st: _State, trace: Trace,
 
 def _grow_region(p: Region, entry: Entry, trace: Trace) -> List[Node]:
     anchor = entry.node
-    if entry.index != 0 or anchor.op == "null" or not p.member(anchor, trace.ctx):
+    if entry.index != 0 or anchor.op == "null":
+        return []
+    if not p.member(anchor, trace.ctx):
+        if p.why_not is not None:
+            trace.excluded = p.why_not(anchor, trace.ctx)
         return []
     users = trace.graph.consumers()
     heads = {id(e.node) for e in trace.graph.heads}

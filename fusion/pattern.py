@@ -156,12 +156,16 @@ class Region(Pattern):
     inside the region (so no interior value escapes and no cycle can form, as in TVM's
     FuseOps), up to ``max_nodes`` ops and ``max_inputs`` distinct external inputs.
     Binds ``name`` to the region's nodes in topological order; regions smaller than
-    ``min_nodes`` do not match.
+    ``min_nodes`` do not match.  ``why_not(node, ctx)``, when given, says why an anchor
+    that ``member`` refuses was refused, for the exclusions worth reporting (it returns
+    None for the rest); the report lists it among the rule's near-misses.
     """
 
     def __init__(self, member: Callable[[Any, Any], bool], name: str, min_nodes: int = 2,
-                 max_nodes: int = 32, max_inputs: int = 8, ops: Iterable[str] = ()):
+                 max_nodes: int = 32, max_inputs: int = 8, ops: Iterable[str] = (),
+                 why_not: Optional[Callable[[Any, Any], Optional[str]]] = None):
         self.member = member
+        self.why_not = why_not
         self.ops = frozenset(ops)      # ops an anchor may have (empty: any); lets the engine skip the rest
         self.name = name
         self.min_nodes = min_nodes

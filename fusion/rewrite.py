@@ -326,6 +326,8 @@ class _Pass:
             self.report.forget_rejections(rule, _key(rule, accepted))
         elif first_reason is not None:
             self.report.reject(rule, anchor.name, first_key, first_reason)
+        elif self.first_pass and trace.excluded:
+            rr.near_misses[anchor.name] = trace.excluded
         elif self.first_pass and trace.depth >= 2 and trace.reason:
             rr.near_misses[anchor.name] = trace.reason
 

@@ -69,6 +69,17 @@ def _foldable(node: Node, ctx) -> bool:
     return True
 
 
+def _why_not_folded(node: Node, ctx) -> Optional[str]:
+    """Reported: parameters-only ops not folded because the result would be too large."""
+    if node.op not in FOLDABLE or not node.inputs or any(e.node.op != "null" for e in node.inputs):
+        return None
+    values = [ctx.value(e) for e in node.inputs]
+    big = next((v for v in values if v is not None and v.nbytes > MAX_BYTES), None)
+    if big is None:
+        return None
+    return "'%s' reads a %d-byte parameter (limit %d): not materialized" % (node.name, big.nbytes, MAX_BYTES)
+
+
 class ConstantFold(Rule):
     name = "constant_fold"
     family = "inference_cleanup"
@@ -78,7 +89,7 @@ class ConstantFold(Rule):
     description = "ops computing on parameters alone are evaluated once into a new parameter"
 
     def pattern(self) -> Pattern:
-        return Region(_foldable, "op", min_nodes=1, max_nodes=1, ops=FOLDABLE)
+        return Region(_foldable, "op", min_nodes=1, max_nodes=1, ops=FOLDABLE, why_not=_why_not_folded)
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
         import mxnet as mx

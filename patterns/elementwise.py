@@ -146,6 +146,18 @@ def _conv_tail(node: Node, depth: int = 3) -> bool:
     return any(e.node.op in _CONV or _conv_tail(e.node, depth - 1) for e in node.inputs)
 
 
+def why_not(node: Node, ctx) -> Optional[str]:
+    """The reportable reasons an elementwise op stays out of every region."""
+    if _conv_tail(node):
+        return ("%s '%s' is in the tail of a convolution or dense layer: left to MXNet's oneDNN "
+                "backend, which fuses it there" % (node.op, node.name))
+    bad = next((e for e in node.inputs if _not_float32(e, ctx)), None)
+    if bad is not None:
+        return ("%s '%s' reads '%s', which is not float32: fused_elemwise computes in float32"
+                % (node.op, node.name, bad.node.name))
+    return None
+
+
 def member(node: Node, ctx) -> bool:
     if _conv_tail(node):
         return False
@@ -171,7 +183,7 @@ class Elementwise(Rule):
     description = "maximal regions of elementwise/broadcast/scalar ops → one fused_elemwise pass"
 
     def pattern(self) -> Pattern:
-        return Region(member, "region", ops=set(EXPR) | {"BatchNorm"})
+        return Region(member, "region", ops=set(EXPR) | {"BatchNorm"}, why_not=why_not)
 
     def check(self, m: Match) -> Optional[str]:
         region = m["region"]

@@ -37,3 +37,16 @@ def test_data_dependent_ops_not_folded():
     res = fuse_and_check(y, {"x": (2, 3)}, arg, {}, rules=["constant_fold"])
     assert ops(res) == {"Reshape": 1, "elemwise_add": 1}      # only the parameter's reshape folded
     assert fusion.fuse(y, arg, {}, rules=["constant_fold"], mode="training").report.fused_count == 0
+
+
+def test_oversized_result_not_materialized(monkeypatch):
+    """Folding stops at MAX_BYTES per input; the report says so (the limit is lowered here
+    so the test needs no gigabyte parameter)."""
+    import patterns.constant_fold as cf
+    monkeypatch.setattr(cf, "MAX_BYTES", 16)
+    y = S.reshape(S.var("b"), shape=(-1,)) + S.var("x")
+    arg = {"b": mx.nd.ones((2, 3))}
+    res = fuse_and_check(y, {"x": (6,)}, arg, {}, rules=["constant_fold"])
+    assert res.report.fused_count == 0
+    reasons = res.report.rules["constant_fold"].near_misses
+    assert any("24-byte parameter (limit 16)" in r for r in reasons.values()), reasons

@@ -85,6 +85,8 @@ def test_conv_tail_left_to_onednn():
     y = S.Activation(S.Activation(c, act_type="relu") + x, act_type="relu")
     res = fuse_and_check(y, X, rules=["elementwise"])
     assert res.report.fused_count == 0
+    reasons = res.report.rules["elementwise"].near_misses
+    assert any("tail of a convolution" in r and "oneDNN" in r for r in reasons.values()), reasons
 
 
 def test_fused_ops_compose():
@@ -114,6 +116,8 @@ def test_integer_inputs_stay_out():
     res = fusion.fuse(y, rules=["elementwise"])
     counts = ops(res)
     assert counts.get("_not_equal_scalar") == 1 and counts.get("fused_elemwise") == 1, counts
+    reasons = res.report.rules["elementwise"].near_misses
+    assert any("reads 'ids', which is not float32" in r for r in reasons.values()), reasons
     ids_val = np.array([[5, 0, 3], [0, 0, 7]], np.int32)
     ref = y.bind(mx.cpu(), {"ids": mx.nd.array(ids_val, dtype="int32")}).forward()[0].asnumpy()
     out = res.symbol.bind(mx.cpu(), {"ids": mx.nd.array(ids_val, dtype="int32")}).forward()[0].asnumpy()
