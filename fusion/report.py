@@ -56,11 +56,20 @@ class FusionReport:
         self._rejected_keys[(rule.family or rule.name, key)] = (rule.name, anchor)
         self.rule(rule).rejected[anchor] = reason
 
-    def forget_rejections(self, rule: Any, key: str) -> None:
-        """A variant fused the candidate ``key``: drop the family's rejections of it."""
+    def forget_rejections(self, rule: Any, key: str, fused_at: Optional[str] = None) -> None:
+        """Drop the family's rejection of the candidate ``key``.
+
+        ``fused_at``: a variant fused the candidate there, in a smaller form; the dropped
+        reason says why the larger form was not taken, so it stays, as a near-miss.
+        """
         owner = self._rejected_keys.pop((rule.family or rule.name, key), None)
-        if owner is not None:
-            self.rules[owner[0]].rejected.pop(owner[1], None)
+        if owner is None:
+            return
+        reason = self.rules[owner[0]].rejected.pop(owner[1], None)
+        if reason is not None and fused_at is not None:
+            self.rules[owner[0]].near_misses[owner[1]] = (
+                "fused in a smaller form (%s at '%s'); the larger one was refused: %s"
+                % (rule.name, fused_at, reason))
 
     def rule(self, rule: Any) -> RuleReport:
         r = self.rules.get(rule.name)

@@ -58,8 +58,10 @@ def test_bias_of_wrong_size_not_folded():
     y = S.broadcast_add(fc(S.var("x"), flatten=False, no_bias=True), S.var("b2"))
     arg, aux = random_params(y, dict(X3, b2=(3, 1)), inputs={"x"})
     res = fuse_and_check(y, X3, arg, aux, rules=["dense_act"])
-    # the FullyConnected alone is still fused; the add stays
+    # the FullyConnected alone is still fused; the add stays, and the report says why
     assert ops(res) == {"fused_dense": 1, "broadcast_add": 1}
+    why = " ".join(res.report.rules["dense_act"].near_misses.values())
+    assert "smaller form" in why and "not one value per output feature" in why, why
 
 
 def test_prelu_not_fused_into_dense():
@@ -75,6 +77,8 @@ def test_activation_output_shared_keeps_activation_outside():
     y = S.Group([S.relu(z), z])
     res = fuse_and_check(y, X3, rules=["dense_act"])
     assert ops(res) == {"fused_dense": 1, "relu": 1}
+    why = " ".join(res.report.rules["dense_act"].near_misses.values())
+    assert "smaller form" in why and "graph output" in why, why
 
 
 def test_dense_backward_matches_unfused():
