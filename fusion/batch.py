@@ -307,6 +307,7 @@ def run_batch(inputs: Sequence[str], outdir: str, *, jobs: Optional[int] = None,
     bar = Progress(len(models), progress if progress is not None else sys.stderr)
     ctx = multiprocessing.get_context("spawn")
     results: Dict[int, Outcome] = {}
+    temps_before = set(_orphan_temps(outdir))
 
     def finish(k: int, outcome: Outcome) -> None:
         results[k] = outcome
@@ -318,6 +319,7 @@ def run_batch(inputs: Sequence[str], outdir: str, *, jobs: Optional[int] = None,
             argv = [m.path] + (["--params", m.params] if m.params else []) + ["-o", os.path.join(outdir, "")]
             todo[k] = (argv + list(options), os.path.join(outdir if reports else scratch, m.name + "-report.json"),
                        reports)
+        broken: List[int] = []
         try:
             broken = _in_pool(ctx, jobs, _job, todo, lambda k, r: finish(k, _outcome(models[k], r)))
             # A worker that dies (a crash in native code) takes every model in the pool down with it:
@@ -333,7 +335,22 @@ def run_batch(inputs: Sequence[str], outdir: str, *, jobs: Optional[int] = None,
                                                         "the worker process died (a crash in native code?)")))
         finally:
             bar.close()
+            if broken:  # a killed worker may have been writing: its temp files stay behind
+                for t in set(_orphan_temps(outdir)) - temps_before:
+                    try:
+                        os.unlink(t)
+                    except OSError:
+                        pass
     return outcomes + [results[k] for k in range(len(models))]
+
+
+def _orphan_temps(outdir: str) -> List[str]:
+    """The temporary files of mxfuse's atomic writes (modelio) in ``outdir``."""
+    from .modelio import TEMP_PREFIX
+    try:
+        return [os.path.join(outdir, n) for n in os.listdir(outdir) if n.startswith(TEMP_PREFIX)]
+    except OSError:
+        return []
 
 
 # ---------------------------------------------------------------- command line

@@ -18,6 +18,10 @@ from .errors import FusionError, GraphError, ParamsError
 from .graph import Graph, _first_line
 
 
+
+TEMP_PREFIX = ".mxfuse-"   # atomic writes go through such files beside their target
+
+
 def read_graph(path: str) -> Graph:
     """Load a Symbol JSON file; every op must be known to MXNet (with the libraries loaded now)."""
     try:
@@ -194,11 +198,11 @@ def write_model(prefix_paths: Tuple[str, str], symbol: Any, arg: Mapping[str, An
     payload.update({"aux:" + k: v for k, v in aux.items()})
     temps = []
     try:
-        fd, tmp_sym = tempfile.mkstemp(prefix=".mxfuse-", suffix=".json", dir=folder)
+        fd, tmp_sym = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".json", dir=folder)
         temps.append(tmp_sym)
         with os.fdopen(fd, "w") as f:
             f.write(symbol.tojson())
-        fd, tmp_params = tempfile.mkstemp(prefix=".mxfuse-", suffix=".params", dir=folder)
+        fd, tmp_params = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".params", dir=folder)
         os.close(fd)
         temps.append(tmp_params)
         mx.nd.save(tmp_params, payload)
@@ -220,7 +224,7 @@ def write_text_atomic(path: str, text: str, protect: Iterable[str] = ()) -> None
         raise FusionError("refusing to write '%s' over an input file" % path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".mxfuse-", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=folder)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

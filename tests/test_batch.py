@@ -110,8 +110,12 @@ def test_usage_errors():
 
 
 def crash_on_name(argv, report, keep):
-    """run_job, except that a model named 'crash' kills its worker like a segfault in native code would."""
+    """run_job, except that a model named 'crash' kills its worker like a segfault in native code
+    would, in the middle of writing its output (a temp file of an atomic write is left)."""
     if os.path.basename(argv[0]).startswith("crash"):
+        outdir = argv[argv.index("-o") + 1]
+        with open(os.path.join(outdir, ".mxfuse-half-written.json"), "w") as f:
+            f.write("{")
         os._exit(134)
     return batch.run_job(argv, report, keep)
 
