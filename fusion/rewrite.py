@@ -20,7 +20,7 @@ repeat until one changes nothing, so ``fuse(fuse(g)) == fuse(g)``.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import networkx as nx
 import numpy as np
@@ -46,8 +46,8 @@ class Context:
         self.input_dtypes = {k: str(v) for k, v in (input_dtypes or {}).items()}
         self.memo: Dict[Any, Any] = {}      # rules' derived facts about values (they never change)
         self.input_shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
-        self._shapes: Optional[Dict[Entry, tuple]] = None
-        self._shapes_version = -1
+        self._probes: Optional[List[Dict[str, tuple]]] = None
+        self._fact_cache: Dict[int, list] = {}
         self.arg_params = dict(arg_params)
         self.aux_params = dict(aux_params)
         self._numpy: Dict[str, np.ndarray] = {}
@@ -117,54 +117,81 @@ class Context:
                 return tuple(store[name].shape)
         return None
 
-    def shape(self, entry: Entry) -> Optional[tuple]:
-        """The shape of ``entry`` when MXNet can infer it from the input shapes and params (else None)."""
-        # Rewrites keep every surviving value's shape, so shapes are kept across graph versions
-        # and inferred again only for a value not seen yet (one inference per graph version at most).
-        if self._shapes is None:
-            self._shapes = {}
-        shape = self._shapes.get(entry)
-        if shape is None and self._shapes_version != self.graph.version:
-            self._shapes.update(self._infer_shapes())
-            self._shapes_version = self.graph.version
-            shape = self._shapes.get(entry)
-        return shape
+    def _param_dtype(self, name: str) -> Optional[str]:
+        for store in (self.new_args, self.new_aux, self.arg_params, self.aux_params):
+            if name in store:
+                return np.dtype(store[name].dtype).name
+        return None
 
-    def _infer_shapes(self) -> Dict[Entry, tuple]:
-        import json
+    @property
+    def probes(self) -> List[Dict[str, tuple]]:
+        """Input shapes the facts are inferred at: the user's, then alternates (see fusion/facts.py)."""
+        if self._probes is None:
+            from .facts import make_probes
+            params = {nd.name: self._param_shape(nd.name) for nd in self.graph.variables()
+                      if self._param_shape(nd.name) is not None}
+            self._probes = make_probes(self.graph, params, self.input_shapes) if self.input_shapes else [{}]
+        return self._probes
 
-        import mxnet as mx
+    def _facts(self, probe: int):
+        """(shapes, dtypes) of the current graph at probe ``probe``, kept across graph versions:
+        rewrites keep every surviving value's shape, so values not seen yet are inferred again
+        at most once per graph version."""
+        cache = self._fact_cache.setdefault(probe, [{}, {}, -1])
+        return cache
 
-        g = self.graph
-        data = g.to_json()
-        known: Dict[str, tuple] = {}
-        unknown = False
-        for i, (jn, nd) in enumerate(zip(data["nodes"], g.nodes)):
-            jn["name"] = "__n%d" % i
-            if nd.is_variable:
-                shape = self._param_shape(nd.name) or self.input_shapes.get(nd.name)
-                if shape:
-                    known[jn["name"]] = tuple(shape)
-                else:
-                    unknown = True
-        if unknown and any(nd.op.startswith("fused_") for nd in g.nodes):
-            # MXNet 1.9.1's wrapper around a library op's shape function overruns a buffer when an
-            # input shape is unknown (it can crash the process): infer only with every shape known.
-            return {}
-        try:
-            internals = mx.sym.load_json(json.dumps(data)).get_internals()
-            _, out_shapes, _ = internals.infer_shape_partial(**known)
-        except Exception:       # an op without shape inference, or shapes that do not fit: no shapes
-            return {}
-        shapes: Dict[Entry, tuple] = {}
-        seen: Dict[int, int] = {}
-        for name, shape in zip(internals.list_outputs(), out_shapes):
-            idx = int(name[3:].split("_", 1)[0])
-            k = seen.get(idx, 0)
-            seen[idx] = k + 1
-            if shape and 0 not in shape:
-                shapes[Entry(g.nodes[idx], k)] = tuple(shape)
+    def _lookup(self, entry: Entry, probe: int, kind: int):
+        cache = self._facts(probe)
+        value = cache[kind].get(entry)
+        if value is None and cache[2] != self.graph.version:
+            from .facts import infer
+            shapes = self._variable_shapes(probe)
+            dtypes = self._variable_dtypes() if probe == 0 else None
+            s, t = infer(self.graph, shapes, dtypes)
+            cache[0].update(s)
+            cache[1].update(t)
+            cache[2] = self.graph.version
+            value = cache[kind].get(entry)
+        return value
+
+    def _variable_shapes(self, probe: int) -> Dict[str, tuple]:
+        shapes = dict(self.probes[probe]) if probe < len(self.probes) else {}
+        for nd in self.graph.variables():
+            s = self._param_shape(nd.name)
+            if s is not None:
+                shapes[nd.name] = s
         return shapes
+
+    def _variable_dtypes(self) -> Dict[str, str]:
+        dtypes = {}
+        for nd in self.graph.variables():
+            t = self._param_dtype(nd.name) or self.input_dtypes.get(nd.name)
+            if t is None and "__dtype__" not in nd.attrs:
+                t = "float32"       # what bind gives an input of no declared dtype
+            if t is not None:
+                dtypes[nd.name] = t
+        return dtypes
+
+    def shape(self, entry: Entry) -> Optional[tuple]:
+        """The shape of ``entry`` at the user's input shapes (None when MXNet cannot infer it)."""
+        return self._lookup(entry, 0, 0)
+
+    def shapes(self, entry: Entry) -> Tuple[tuple, ...]:
+        """The shape of ``entry`` at every probe where it is known, the user's input shapes first
+        (empty when unknown there).  A decision that depends on sizes must hold for all of them."""
+        first = self.shape(entry)
+        if first is None:
+            return ()
+        out = [first]
+        for p in range(1, len(self.probes)):
+            s = self._lookup(entry, p, 0)
+            if s is not None:
+                out.append(s)
+        return tuple(out)
+
+    def dtype(self, entry: Entry) -> Optional[str]:
+        """The dtype of ``entry`` ('float32', 'int32', ...) from MXNet's type inference, or None."""
+        return self._lookup(entry, 0, 1)
 
     def unique_name(self, base: str) -> str:
         name = base
