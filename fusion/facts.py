@@ -91,8 +91,10 @@ def infer(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[st
     for e, s in zip(entries, out_shapes):
         if s and 0 not in s:        # MXNet reports an unknown shape as () (and unknown dims as 0)
             result[e] = tuple(s)
-    if complete and len(result) < len(entries):
-        return {}, {}
+    if complete and (len(result) < len(entries) or any(
+            e.node.is_variable and e.node.name in shapes and result[e] != tuple(shapes[e.node.name])
+            for e in result)):
+        return {}, {}       # partial inference does not report shapes that contradict the given ones
     types: Dict[Entry, str] = {}
     if dtypes is not None:
         try:
