@@ -490,11 +490,12 @@ class SelfCheck:
                 for n, e in names.items():
                     feed[n] = it.values[e]
         args, aux = _arrays(sym, feed)
-        grad_req = "null"
+        grad_req, args_grad = "null", None
         if training:
             grad_req = {n: ("write" if np.issubdtype(feed[n].dtype, np.floating) else "null") for n in args}
+            args_grad = {n: mx.nd.zeros(a.shape, dtype=a.dtype) for n, a in args.items() if grad_req[n] == "write"}
         with subgraph_backend(False):
-            exe = sym.bind(mx.cpu(), args, aux_states=aux, grad_req=grad_req)
+            exe = sym.bind(mx.cpu(), args, args_grad=args_grad, aux_states=aux, grad_req=grad_req)
         outs = exe.forward(is_train=training)
         results = []
         head = 0
@@ -519,7 +520,7 @@ class SelfCheck:
             head += 2 * n_out
         if training:
             exe.backward([mx.nd.array(g, dtype=g.dtype) for g in out_grads])
-            grads = exe.grad_dict
+            grads = args_grad
             for r, it, (_, v_old, v_new) in zip(results, items, layout):
                 if r[1] is not None:
                     continue
