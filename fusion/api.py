@@ -13,6 +13,7 @@ from .graph import Graph
 from .report import FusionReport
 from .rewrite import Context, run_rules
 from .selfcheck import SelfCheck
+from .workarounds import guard_layer_outputs
 
 MODES = ("inference", "training")
 
@@ -143,6 +144,12 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     checker = SelfCheck(ctx, enabled=self_check)
     run_rules(graph, rule_list, ctx, report, checker)
     report.self_check = checker.stats if self_check else None
+    guarded = guard_layer_outputs(graph)
+    if guarded:
+        report.notes.append("%d layer output(s) read more than once pass through an identity Reshape before an "
+                            "activation (MXNet 1.9.1's oneDNN backend otherwise hands the other readers the "
+                            "activation's result): %s" % (len(guarded), ", ".join(guarded[:5])
+                                                          + (" …" if len(guarded) > 5 else "")))
     report.nodes_after, report.ops_after = len(graph.nodes), len(graph.op_nodes())
     arg_out, aux_out = _collect_params(graph, ctx)
     report.params_removed = (len(ctx.arg_params) + len(ctx.aux_params)) - sum(
