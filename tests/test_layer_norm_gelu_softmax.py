@@ -56,9 +56,11 @@ def test_layer_norm_axis_and_partial_affine():
     y = ln_written(S.var("x"), "square", gamma=True, beta=False, axis=2)
     arg, aux = random_params(y, dict(SHAPE, gamma=(1, 1, 16)), inputs={"x"})
     res = fuse_and_check(y, SHAPE, arg, aux)
-    assert ops(res) == {"LayerNorm": 1, "Reshape": 1, "_zeros": 1}       # γ (1,1,16) viewed as (16,); β = 0
+    assert ops(res) == {"LayerNorm": 1, "_zeros": 1}       # β = 0; γ (1,1,16) reshaped, then constant-folded
     assert [n for n in res.graph.op_nodes() if n.op == "LayerNorm"][0].attrs["axis"] == 2
-    assert set(res.arg_params) == {"gamma"}                                # no parameter added
+    train = fuse_and_check(y, SHAPE, arg, aux, mode="training")
+    assert ops(train) == {"LayerNorm": 1, "Reshape": 1, "_zeros": 1}       # γ keeps its gradient through a view
+    assert set(train.arg_params) == {"gamma"}
 
 
 def test_layer_norm_refusals():
