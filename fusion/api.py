@@ -13,7 +13,7 @@ from .graph import Graph
 from .report import FusionReport
 from .rewrite import Context, run_rules
 from .selfcheck import SelfCheck
-from .workarounds import guard_layer_outputs
+from .workarounds import guard_layer_outputs, strip_guards
 
 MODES = ("inference", "training")
 
@@ -140,6 +140,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     report = FusionReport(mode=mode)
     graph.compact()
     report.nodes_before, report.ops_before = len(graph.nodes), len(graph.op_nodes())
+    strip_guards(graph)
     ctx = Context(graph, arg_params or {}, aux_params or {}, mode, input_shapes, input_dtypes)
     checker = SelfCheck(ctx, enabled=self_check)
     run_rules(graph, rule_list, ctx, report, checker)

@@ -79,6 +79,24 @@ class Context:
         self._numpy[name] = arr
         return arr
 
+    def array(self, entry: Entry) -> Any:
+        """The parameter producing ``entry`` as an NDArray (as given, or made once from a new parameter),
+        for binding without a copy; None if it is not a known parameter."""
+        node = entry.node
+        if not node.is_variable:
+            return None
+        raw = self.arg_params.get(node.name, self.aux_params.get(node.name))
+        if raw is not None and hasattr(raw, "asnumpy"):
+            return raw
+        v = self.value(entry)
+        if v is None:
+            return None
+        import mxnet as mx
+        key = ("ndarray", node.name)
+        if key not in self.memo:
+            self.memo[key] = mx.nd.array(v, dtype=v.dtype)
+        return self.memo[key]
+
     def evaluate(self, entry: Entry, seed: int = 0) -> Optional[np.ndarray]:
         """The value of ``entry`` computed by MXNet, with random data inputs of the given shapes.
 

@@ -159,6 +159,8 @@ def _draw(rng: np.random.Generator, shape: tuple, dtype: str, domain: Optional[T
         return rng.integers(lo, hi + 1, shape).astype(dtype)
     if np.issubdtype(np.dtype(dtype), np.integer):
         return rng.integers(0, 4, shape).astype(dtype)
+    if np.dtype(dtype) == np.float32:
+        return rng.standard_normal(shape, dtype=np.float32)
     return rng.standard_normal(shape).astype(dtype)
 
 
@@ -287,8 +289,18 @@ def compare(old: np.ndarray, new: np.ndarray) -> Tuple[float, Optional[str]]:
         return float("inf"), "shape %s instead of %s" % (new.shape, old.shape)
     if old.size == 0:
         return 0.0, None
-    a = old.astype(np.float64)
-    b = new.astype(np.float64)
+    if old.dtype != new.dtype:
+        return float("inf"), "dtype %s instead of %s" % (new.dtype, old.dtype)
+    if not np.issubdtype(old.dtype, np.floating):
+        diff = int(np.count_nonzero(old != new))
+        return (0.0, None) if diff == 0 else (float("inf"), "%d value(s) differ" % diff)
+    a, b = old, new
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.abs(a - b)
+        worst = d.max()
+        if np.isfinite(worst):       # no NaN/inf on either side (the common case): one pass
+            scale = float(np.abs(a).max())
+            return (float(worst) / scale if scale > 0 else float(worst)), None
     nan_a, nan_b = np.isnan(a), np.isnan(b)
     if not np.array_equal(nan_a, nan_b):
         return float("inf"), "NaN at %d position(s) where the original has NaN at %d" % (nan_b.sum(), nan_a.sum())
@@ -298,7 +310,7 @@ def compare(old: np.ndarray, new: np.ndarray) -> Tuple[float, Optional[str]]:
     fin = ~(nan_a | inf_a)
     if not fin.any():
         return 0.0, None
-    diff = float(np.abs(a[fin] - b[fin]).max())
+    diff = float(np.abs(a[fin].astype(np.float64) - b[fin].astype(np.float64)).max())
     scale = float(np.abs(a[fin]).max())
     return (diff / scale if scale > 0 else diff), None
 
@@ -380,9 +392,9 @@ class SelfCheck:
         rng = np.random.default_rng(self.seed + 7919 * i + p)
         for e in _unique(old.external + new.external):
             if e.node.is_variable:
-                v = ctx.value(e)
+                v = ctx.array(e)
                 if v is not None:
-                    values[e] = np.asarray(v)
+                    values[e] = v
                     continue
                 shape = ctx.probes[p].get(e.node.name)
             else:
@@ -492,7 +504,7 @@ class SelfCheck:
         args, aux = _arrays(sym, feed)
         grad_req, args_grad = "null", None
         if training:
-            grad_req = {n: ("write" if np.issubdtype(feed[n].dtype, np.floating) else "null") for n in args}
+            grad_req = {n: ("write" if np.issubdtype(np.dtype(feed[n].dtype), np.floating) else "null") for n in args}
             args_grad = {n: mx.nd.zeros(a.shape, dtype=a.dtype) for n, a in args.items() if grad_req[n] == "write"}
         with subgraph_backend(False):
             exe = sym.bind(mx.cpu(), args, args_grad=args_grad, aux_states=aux, grad_req=grad_req)
@@ -549,12 +561,14 @@ class SelfCheck:
 _UNCHECKED = "unchecked"
 
 
-def _arrays(sym: Any, feed: Dict[str, np.ndarray]):
+def _arrays(sym: Any, feed: Dict[str, Any]):
+    """NDArrays to bind: parameters as they are (bound read-only), NumPy values copied in."""
     import mxnet as mx
 
-    args = {n: mx.nd.array(feed[n], dtype=feed[n].dtype) for n in sym.list_arguments()}
-    aux = {n: mx.nd.array(feed[n], dtype=feed[n].dtype) for n in sym.list_auxiliary_states()}
-    return args, aux
+    def nd(v):
+        return v if isinstance(v, mx.nd.NDArray) else mx.nd.array(v, dtype=v.dtype)
+
+    return ({n: nd(feed[n]) for n in sym.list_arguments()}, {n: nd(feed[n]) for n in sym.list_auxiliary_states()})
 
 
 def _unique(entries: Sequence[Entry]) -> List[Entry]:

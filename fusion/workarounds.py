@@ -28,6 +28,28 @@ FUSED_AFTER: Dict[str, frozenset] = {
 }
 
 
+def _is_guard(nd: Node) -> bool:
+    return nd.op == "Reshape" and nd.attrs.get("shape") == (-2,) and not nd.param("reverse", False)
+
+
+def strip_guards(graph: Graph) -> None:
+    """Remove identity ``Reshape(shape=(-2,))`` nodes (in place), so that rules see the graph as
+    written; ``guard_layer_outputs`` puts back those still needed."""
+    heads = set(graph.heads)
+    if not any(_is_guard(nd) for nd in graph.nodes):
+        return
+    target = {}
+    for nd in graph.nodes:
+        if _is_guard(nd) and Entry(nd) not in heads:      # a graph output keeps its name
+            src = nd.inputs[0]
+            target[Entry(nd)] = target.get(src, src)
+    for nd in graph.nodes:
+        nd.inputs = [target.get(e, e) for e in nd.inputs]
+    graph.heads = [target.get(e, e) for e in graph.heads]
+    graph.mark_changed()
+    graph.compact()
+
+
 def guard_layer_outputs(graph: Graph) -> List[str]:
     """Insert the guards described above (in place); returns the names of the layers guarded."""
     users = graph.consumers()
