@@ -40,7 +40,7 @@ def test_forms_fuse_into_one_pass(form):
     shapes = dict(X, **{k: v for k, v in EXTRA.items() if k in y.list_arguments()})
     rng = np.random.default_rng(0)
     inputs = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
-    res = fusion.fuse(y, rules=["elementwise"])
+    res = fusion.fuse(y, rules=["elementwise"], input_shapes=shapes)   # where needs its ranks
     counts = only_fused(res)
     assert counts == {"fused_elemwise": 1}
     v = fusion.verify(y, res, ({}, {}), inputs=inputs)
