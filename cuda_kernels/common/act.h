@@ -85,9 +85,10 @@ static inline float fast_erf(float x) {
 
 // tanh to ~2 ulp of glibc's tanhf (MXNet's tanh), as Cephes' tanhf:
 //   |x| < 0.625:   x + x s P(s), s = x^2 (Cephes' minimax P of degree 4)
-//   |x| >= 0.625:  1 - 2 / (exp(2|x|) + 1), sign of x  (|x| capped at 9: tanh rounds to 1)
+//   |x| >= 0.625:  1 - 2 / (exp(2|x|) + 1), sign of x  (|x| capped at 10: tanh rounds to 1
+//                  from 9.01 on, while tanh(9) is 1 - 2^-24; so ±inf gives exactly ±1)
 // Both are computed and one selected (vectorizable).  tanh(±0) = ±0, ±inf gives ±1.
-constexpr float kTanhSplit = 0.625f, kTanhClip = 9.0f;
+constexpr float kTanhSplit = 0.625f, kTanhClip = 10.0f;
 constexpr float kTanhP[5] = {-3.33332819422E-1f, 1.33314422036E-1f, -5.37397155531E-2f,
                              2.06390887954E-2f, -5.70498872745E-3f};
 

@@ -89,7 +89,7 @@ MXF_AVX512 inline __m512 tanh16(__m512 x) {
   for (int k = 3; k >= 0; --k) p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(kTanhP[k]));
   const __m512 small = _mm512_or_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, s), x, x), sign);  // keeps -0
   const __m512 a = _mm512_min_ps(_mm512_set1_ps(kTanhClip), ax);  // NaN passes (second operand)
-  const __m512 e = exp16_clamped(_mm512_add_ps(a, a));              // finite: 2|x| <= 18
+  const __m512 e = exp16_clamped(_mm512_add_ps(a, a));              // finite: 2|x| <= 20
   const __m512 big = _mm512_fnmadd_ps(_mm512_set1_ps(2.0f), recip16(_mm512_add_ps(e, _mm512_set1_ps(1.0f))),
                                       _mm512_set1_ps(1.0f));
   const __mmask16 lo = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(kTanhSplit), _CMP_LT_OQ);
