@@ -131,7 +131,7 @@ EXPR["LeakyReLU"] = lambda n, a: ("gelu(%s)" % a[0] if n.param("act_type") == "g
 EXPR["Dropout"] = lambda n, a: a[0]
 EXPR["_copy"] = lambda n, a: a[0]
 EXPR["identity"] = lambda n, a: a[0]
-EXPR["fused_elemwise"] = lambda n, a: re.sub(r"\bx(\d+)\b", lambda t: a[int(t.group(1))], n.attrs["expr"])
+EXPR["fused_elemwise"] = lambda n, a: re.sub(r"\bx(\d+)\b", lambda t: a[int(t.group(1))], n.attrs.raw("expr"))
 
 
 def _batchnorm_scale_shift(node: Node, ctx) -> Optional[tuple]:

@@ -79,6 +79,10 @@ def _parse(text: str):
     return expr()
 
 
+def _spell(v: float) -> str:
+    return "nan" if v != v else ("inf" if v == float("inf") else "-inf" if v == -float("inf") else repr(v))
+
+
 def _inputs_read(tree, acc: set) -> set:
     if tree[0] == "in":
         acc.add(tree[1])
@@ -106,7 +110,9 @@ class ElemwiseProgram:
         return out
 
     def _op(self, op_name: str, ins, **attrs) -> Entry:
-        return self.b.op(op_name, ins, attrs=attrs)
+        # floats spelled here: nan (a program may hold one) and -0.0 as MXNet parses them
+        return self.b.op(op_name, ins, attrs={k: _spell(v) if isinstance(v, float) else v
+                                              for k, v in attrs.items()})
 
     # -0 tensors: x + (-0) == x for every x (-0 and NaN included), so adding one broadcasts
     # a value to a shape without changing it; zeros_like reads only its input's shape
@@ -214,4 +220,4 @@ class UnfuseElemwise(_Unfuse):
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
         f = m.node("f")
-        return ElemwiseProgram(b, self.inputs(m), f.name).build(f.attrs["expr"])
+        return ElemwiseProgram(b, self.inputs(m), f.name).build(f.attrs.raw("expr"))
