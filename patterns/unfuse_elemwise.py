@@ -22,7 +22,7 @@ included, at any input shapes the fused op accepts:
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from fusion.errors import FusionError
 from fusion.graph import Entry

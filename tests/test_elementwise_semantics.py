@@ -23,11 +23,9 @@ Tolerances:
 * gradients summed over broadcast axes: NaN/±inf exactly, finite within 1e-5 of the
   sum of |terms|.
 """
-import json
 import os
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -96,7 +94,6 @@ def build_cases() -> List[Case]:
     x = _unary_x()
     a, b = _pairs()
     transcendental = {"exp", "sigmoid", "tanh", "erf"}
-    glibc = {"log", "sqrt", "rsqrt"}
     for name in sorted(EXPR):
         if name in ("Activation", "LeakyReLU", "hard_sigmoid", "clip", "where", "Dropout", "_copy",
                     "identity", "fused_elemwise", "reciprocal"):
@@ -207,7 +204,8 @@ def group(cases: List[Case], rank: int):
     return S.Group(outs), data, params
 
 
-def head_grads(cases, shapes, special=False):
+def head_grads(shapes, special=False):
+    """Head gradients: uniform in [-2, 2], or the special values (NaN, inf, ...) repeated."""
     rng = np.random.RandomState(7)
     out = []
     for shape in shapes:
@@ -234,7 +232,7 @@ def run(sym, data, params, with_grad, special_dy=False):
             exe = sym.bind(mx.cpu(), args, args_grad=gargs, aux_states=aux,
                            grad_req={k: ("write" if k in data else "null") for k in args})
         exe.forward(is_train=True)
-        exe.backward([mx.nd.array(g) for g in head_grads(None, [o.shape for o in fwd], special_dy)])
+        exe.backward([mx.nd.array(g) for g in head_grads([o.shape for o in fwd], special_dy)])
         grads = {k: v.asnumpy() for k, v in gargs.items()}
     return fwd, grads
 
@@ -374,7 +372,7 @@ def compare_all(rank, got_fwd, got_grads, ref_rank=6, special_dy=False):
             ref_fwd, ref_grads = run(sym6, data6, group(cases, ref_rank)[2], True, special_dy=True)
         ref_grads = {k: v.reshape(want_grads[k].shape) for k, v in ref_grads.items()}
         ref_fwd = [r.reshape(w.shape) for r, w in zip(ref_fwd, want_fwd)]
-    dys = head_grads(None, [o.shape for o in want_fwd], special_dy)
+    dys = head_grads([o.shape for o in want_fwd], special_dy)
     errors = []
     for i, case in enumerate(cases):
         if special_dy and case.bwd not in ("exact",):

@@ -21,7 +21,7 @@ import sys
 import mxnet as mx
 import numpy as np
 import pytest
-from kernel_fixtures import fused_ops  # noqa: F401  (builds + loads the library)
+from kernel_fixtures import fused_ops  # noqa: F401  (the fixture builds + loads the library)
 
 ULPS = 4
 SPECIAL = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-40, 1.2e-38, 3e38, -3e38,
