@@ -230,7 +230,10 @@ def member(node: Node, ctx) -> bool:
     if node.op == "where":
         return len(node.inputs) == 3 and _where_rows(node, ctx) is not None
     if node.op == "fused_elemwise":
-        return True
+        # inlined: its output has the broadcast shape of all its inputs, the program's only
+        # when the program reads every one of them
+        read = {int(k) for k in re.findall(r"\bx(\d+)\b", node.attrs.raw("expr") or "")}
+        return read == set(range(len(node.inputs)))
     return node.op in EXPR
 
 

@@ -277,3 +277,13 @@ def test_broadcast_ops_broadcast_as_mxnet_at_other_shapes():
         got = _run(res.symbol, inputs)[0]
         assert got.shape == want.shape, (sa, sb)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_op_with_an_unread_input_is_not_inlined():
+    # its output broadcasts against the unread input: the program alone would be smaller
+    a, b = S.var("a"), S.var("b")
+    f = S.fused_elemwise(a, b, expr="mul(x0, 2.0)", num_args=2)
+    y = S.tanh(S.exp(f))
+    res = fusion.fuse(y, rules=["elementwise"], input_shapes={"a": (2, 3), "b": (4, 1, 3)})
+    inputs = {"a": np.ones((2, 3), np.float32), "b": np.ones((4, 1, 3), np.float32)}
+    assert _run(res.symbol, inputs)[0].shape == _run(y, inputs)[0].shape == (4, 2, 3)
