@@ -58,9 +58,13 @@ from ._dtypes import not_float32 as _heuristic_not_float32
 def _not_float32(entry: Entry, ctx) -> bool:
     """Whether ``entry`` holds something else than float32 (or might: then it stays out).
 
-    The engine's own type inference (``ctx.dtype``) decides when the context has it;
-    until then the heuristic of ``patterns/_dtypes.py``.
+    MXNet's own type inference (``ctx.dtype``) decides; where it cannot tell (no input
+    shapes: MXNet infers types only with every shape known when library ops are in the
+    graph), the conservative heuristic of ``patterns/_dtypes.py``.
     """
+    dtype = ctx.dtype(entry)
+    if dtype is not None:
+        return dtype != "float32"
     return _heuristic_not_float32(entry, ctx)
 
 
