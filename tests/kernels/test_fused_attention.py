@@ -231,7 +231,7 @@ def test_invalid_attributes(attrs, msg):
 
 def test_bad_shapes_are_reported():
     q, k = mx.nd.array(rnd(2, 4, 8)), mx.nd.array(rnd(2, 5, 6))
-    with pytest.raises(MXNetError, match="q \\(N,Sq,D\\)"):
+    with pytest.raises(MXNetError, match="q \\(\.\.,Sq,D\\)"):
         mx.nd.fused_attention(q, k, k, scale=0.1).wait_to_read()
     with pytest.raises(MXNetError, match="does not broadcast"):
         mx.nd.fused_attention(q, q, q, mx.nd.ones((3, 4, 4)), scale=0.1,
