@@ -161,6 +161,12 @@ inline float norm(const float* a, int64_t n) {
   return std::isfinite(s) ? static_cast<float>(std::sqrt(s)) : INFINITY;
 }
 
+bool has_nan(const float* s, int64_t n) {
+  for (int64_t c = 0; c < n; ++c)
+    if (std::isnan(s[c])) return true;
+  return false;
+}
+
 bool skips_keys(const Params& p, const MaskView& m) {
   return p.causal || m.kind == MaskKind::valid_length;
 }
@@ -227,10 +233,12 @@ bool band_skips(const Params& p, const Geom& g, const Prep& pr, int64_t n, int64
   }
   if (c == -INFINITY) return true;  // every skipped score is -inf
   if (c == INFINITY) return false;
-  const double L = p.scale * dot(qi, g.k.row(b, h, e - 1), g.D);
+  const float* ke = g.k.row(b, h, e - 1);
+  const double L = p.scale * dot(qi, ke, g.D);
   if (!std::isfinite(L)) return false;
-  // slack for the float32 rounding of the scores and of score + c
-  const double lower = L - 1e-3 * std::fabs(L);
+  // slack for the float32 rounding of the scores (relative to |scale|·|q|·|k|) and of score + c
+  const double lower = L - 1e-3 * std::fabs(L) -
+                       1e-4 * std::fabs(static_cast<double>(p.scale)) * norm(qi, g.D) * norm(ke, g.D);
   const double upper = c + 1e-6 * std::fabs(c) + (add ? U * (1 + 1e-3) : 0.0);
   return upper - lower < -110.0;
 }
@@ -329,7 +337,10 @@ void row_stats(const Params& p, const Geom& g, const MaskView& mk, const Prep& p
 #pragma omp simd reduction(max : mx)
       for (int64_t c = 0; c < cl; ++c) mx = s[c] > mx ? s[c] : mx;
       const float mn = std::max(w.m[r], mx);
-      if (mn == NEG_INF) continue;  // everything so far is -inf
+      if (mn == NEG_INF) {  // everything so far is -inf (or NaN: the row's output is NaN)
+        if (has_nan(s, cl)) w.l[r] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t c = 0; c < cl; ++c) sum += fast_exp(s[c] - mn);
@@ -391,7 +402,8 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Pre
         for (int64_t c = 0; c < cl; ++c) mx = s[c] > mx ? s[c] : mx;
       }
       const float mn = std::max(w.m[r], mx);
-      if (mn == NEG_INF) {  // no finite score yet: contributes nothing
+      if (mn == NEG_INF) {  // no finite score yet: contributes nothing, unless one is NaN
+        if (has_nan(s, cl)) w.l[r] = std::numeric_limits<float>::quiet_NaN();
         std::fill(s, s + nb, 0.f);
         continue;
       }
