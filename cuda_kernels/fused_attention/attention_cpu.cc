@@ -150,15 +150,25 @@ struct Prep {
   std::vector<int64_t> vbad;
 };
 
-inline double dot(const float* a, const float* b, int64_t n) {
-  double s = 0;
-  for (int64_t d = 0; d < n; ++d) s += static_cast<double>(a[d]) * b[d];
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
   return s;
 }
 
+// |a|, or +inf when a holds a non-finite value (or its squares overflow)
 inline float norm(const float* a, int64_t n) {
-  const double s = dot(a, a, n);
-  return std::isfinite(s) ? static_cast<float>(std::sqrt(s)) : INFINITY;
+  const float s = dot(a, a, n);
+  return std::isfinite(s) ? std::sqrt(s) : INFINITY;
+}
+
+// Whether a row holds a non-finite value: 0 * x is NaN exactly for x = ±inf or NaN.
+inline bool any_non_finite(const float* a, int64_t n) {
+  float z = 0.f;
+#pragma omp simd reduction(+ : z)
+  for (int64_t c = 0; c < n; ++c) z += a[c] * 0.f;
+  return z != 0.f || std::isnan(z);
 }
 
 bool has_nan(const float* s, int64_t n) {
@@ -205,6 +215,7 @@ Prep prepare(const Params& p, const Geom& g, const MaskView& m, bool forward) {
       int64_t* bad = pr.vbad.data() + n * g.Dv;
       for (int64_t j = 0; j < g.Sk; ++j) {
         const float* vr = g.v.row(n / g.H, n % g.H, j);
+        if (!any_non_finite(vr, g.Dv)) continue;
         for (int64_t c = 0; c < g.Dv; ++c)
           if (!std::isfinite(vr[c])) bad[c] = j;
       }
@@ -234,11 +245,11 @@ bool band_skips(const Params& p, const Geom& g, const Prep& pr, int64_t n, int64
   if (c == -INFINITY) return true;  // every skipped score is -inf
   if (c == INFINITY) return false;
   const float* ke = g.k.row(b, h, e - 1);
-  const double L = p.scale * dot(qi, ke, g.D);
+  const double L = static_cast<double>(p.scale) * dot(qi, ke, g.D);
   if (!std::isfinite(L)) return false;
   // slack for the float32 rounding of the scores (relative to |scale|·|q|·|k|) and of score + c
-  const double lower = L - 1e-3 * std::fabs(L) -
-                       1e-4 * std::fabs(static_cast<double>(p.scale)) * norm(qi, g.D) * norm(ke, g.D);
+  const double lower = L - 1e-3 * std::fabs(L) - (1e-4 + 1.2e-7 * g.D) *
+                       std::fabs(static_cast<double>(p.scale)) * norm(qi, g.D) * norm(ke, g.D);
   const double upper = c + 1e-6 * std::fabs(c) + (add ? U * (1 + 1e-3) : 0.0);
   return upper - lower < -110.0;
 }

@@ -126,12 +126,14 @@ __global__ void attention_fwd_kernel(mxf_attention_args a) {
           skip = false;
         } else {
           const double Ls = static_cast<double>(a.scale) * qk;
-          const double lower = Ls - 1e-3 * fabs(Ls) - 1e-4 * sc * qnorm * sqrt(static_cast<double>(kk));
+          const double lower = Ls - 1e-3 * fabs(Ls) -
+                               (1e-4 + 1.2e-7 * a.D) * sc * qnorm * sqrt(static_cast<double>(kk));
           const double upper = c + 1e-6 * fabs(c) + (add ? U * (1 + 1e-3) : 0.0);
           skip = isfinite(Ls) && isfinite(lower) && upper - lower < -110.0;
         }
       }
-      if (skip) lim[r] = e;
+      // one decision per warp (the warp sums agree across lanes; this makes it explicit)
+      if (__shfl_sync(0xffffffffu, skip ? 1 : 0, 0)) lim[r] = e;
     }
   }
   for (int r = 0; r < kRowsPerWarp; ++r) {

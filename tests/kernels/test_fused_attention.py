@@ -545,3 +545,36 @@ def test_condition_and_length_inputs_get_zero_gradient():
         g = grads(lambda a, b, c, d: mx.nd.fused_attention(a, b, c, d, scale=0.3, mask_kind=kind),
                   [q, k, v, m], rnd(N, S, D, seed=3))
         assert not g[3].any()
+
+
+@pytest.mark.parametrize("avx512", ["0", "1"])
+def test_edge_semantics_across_small_tiles(avx512):
+    """Tiles of 8 rows × 32 keys (MXFUSION_ATTN_BQ/BK), both tile-product paths: a NaN score in a
+    tile that is otherwise -inf still makes the row NaN when later tiles are finite; causal add
+    rows that must compute the keys after their band; the non-finite v rule across tiles."""
+    code = (
+        "import numpy as np, mxnet as mx, fusion\n"
+        "from references import ref_attention\n"
+        "rs = np.random.RandomState(0)\n"
+        "q, k, v = (rs.uniform(-1, 1, (2, 20, 8)).astype(np.float32) for _ in range(3))\n"
+        "k = rs.uniform(-1, 1, (2, 70, 8)).astype(np.float32); v = rs.uniform(-1, 1, (2, 70, 8)).astype(np.float32)\n"
+        "m = np.zeros((2, 20, 70), np.float32); m[0, 3, :32] = -np.inf; m[0, 3, 5] = np.nan\n"
+        "nd = lambda *a: [mx.nd.array(x) for x in a]\n"
+        "got = mx.nd.fused_attention(*nd(q, k, v, m), scale=0.5, mask_kind='additive').asnumpy()\n"
+        "assert np.isnan(got[0, 3]).all() and np.isfinite(np.delete(got[0], 3, 0)).all()\n"
+        "for c, amp in ((-1e4, 300.0), (-1e9, 1.0)):\n"
+        "    got = mx.nd.fused_attention(*nd(q * amp, k * amp, v), scale=0.5, causal=True, causal_mode='add',\n"
+        "                                mask_value=c).asnumpy()\n"
+        "    want = ref_attention(q * amp, k * amp, v, 0.5, causal=True, causal_mode='add', mask_value=c)\n"
+        "    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)\n"
+        "v2 = v.copy(); v2[1, 69, 2] = np.inf\n"
+        "L = np.array([70, 40], np.int32)\n"
+        "got = mx.nd.fused_attention(*nd(q, k, v2), mx.nd.array(L, dtype='int32'), scale=0.5,\n"
+        "                            mask_kind='valid_length').asnumpy()\n"
+        "assert np.isnan(got[1, :, 2]).all() and np.isfinite(np.delete(got[1], 2, 1)).all()\n"
+        "assert np.isfinite(got[0]).all()\n"
+        "print('ok')\n")
+    env = dict(MXFUSION_ATTN_BQ="8", MXFUSION_ATTN_BK="32")
+    if avx512 == "0":
+        env["MXFUSION_DISABLE_AVX512"] = "1"
+    assert "ok" in run_python(code, **env)
