@@ -361,8 +361,9 @@ def causal_form(m: Match) -> Optional[Tuple[str, float]]:
 
     The mask must not read data values (only shapes, through ``arange_like`` and the like:
     checked on the graph; in training not parameters either), and is computed with MXNet at
-    each probe (the user's input shapes and the alternates of ``Context.probes``): a mask
-    causal at one sequence length only (a fixed offset, a sliding window) stays a mask.
+    each probe (the user's input shapes and the alternates of ``Context.probes``, which must
+    include at least two (Sq, Sk)): a mask causal at one sequence length only (a fixed offset,
+    a sliding window wider than the probes' lengths excepted) stays a mask, which is exact.
     """
     ctx = m.ctx
     if not m.has("mask_op") or m.has("length"):
@@ -376,6 +377,8 @@ def causal_form(m: Match) -> Optional[Tuple[str, float]]:
     scores = _shapes(m, _scores(m))
     if len(scores) != len(probes) or _reads_data(m["mask"], ctx):
         return None
+    if len({tuple(sh[-2:]) for sh in scores}) < 2:
+        return None                 # one (Sq, Sk) only: a fixed offset or window could not be told apart
     values = set()
     for shapes, sshape in zip(probes, scores):
         runs = [_evaluate_at(ctx, m["mask"], shapes, seed) for seed in (1, 2)]

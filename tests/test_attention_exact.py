@@ -168,6 +168,33 @@ def test_fixed_offset_mask_is_kept_as_a_mask():
     assert not node.param("causal", False) and node.attrs["mask_kind"] == "additive"
 
 
+def test_sliding_window_is_kept_as_a_mask():
+    """A window i - 2 <= j <= i looks causal at length 3; the probe at length 4 shows it is not."""
+    q, k, v = S.var("q"), S.var("k"), S.var("v")
+    s = S.batch_dot(q, k, transpose_b=True)
+    qpos = S.reshape(S.contrib.arange_like(q, axis=-2), shape=(-1, 1))
+    kpos = S.reshape(S.contrib.arange_like(k, axis=-2), shape=(1, -1))
+    keep = S.broadcast_mul(S.broadcast_lesser_equal(kpos, qpos),
+                           S.broadcast_greater_equal(kpos, I._plus_scalar(qpos, scalar=-2.0)))
+    y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - keep) * -1e9)), v)
+    res = equivalent(y, qkv((2, 3, 8)), rules=["attention", "elementwise"], others=[qkv((2, 7, 8))])
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert not node.param("causal", False) and node.attrs["mask_kind"] == "additive"
+
+
+def test_causal_needs_more_than_one_length():
+    """A graph that takes one input shape only (a fixed Reshape) gives one (Sq, Sk): the mask stays."""
+    x = S.var("x")
+    q, k, v = (S.reshape(S.slice_axis(x, axis=1, begin=i * 20, end=(i + 1) * 20), shape=(2, 5, 4))
+               for i in range(3))
+    s = S.batch_dot(q, k, transpose_b=True)
+    band = _band_mask(q, k)
+    y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - band) * -1e9)), v)
+    res = equivalent(y, {"x": (2, 60)}, rules=["attention"])
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert not node.param("causal", False) and node.attrs["mask_kind"] == "additive"
+
+
 def test_causal_positions_from_the_scores_in_training():
     q, k, v = S.var("q"), S.var("k"), S.var("v")
     s = S.batch_dot(q, k, transpose_b=True)
