@@ -199,7 +199,7 @@ def _axis_reason(m: Match) -> Optional[str]:
                     "only the last axis is the key axis" % (axis,))
         if axis not in (rank - 1,):
             return "softmax over axis %r of rank-%d scores, not the key axis (the last)" % (axis, rank)
-    for name, operand in (("qk", "q"), ("pv", None)):
+    for name in ("qk", "pv"):
         node = m.node(name)
         if not node.op.endswith("linalg_gemm2"):
             continue
@@ -333,27 +333,27 @@ def _evaluate_at(ctx, entry: Entry, shapes: Dict[str, tuple], seed: int) -> Opti
         return None
 
 
-def _causal_value(a: np.ndarray, sq: int, sk: int, where: bool) -> Optional[float]:
-    """c when mask ``a`` is causal on (Sq, Sk) scores — 0 (additive) / nonzero (where) on the band
-    j ≤ i + Sk − Sq of every slice, and one constant c after it (additive) — else None.
-    For ``where`` the fill decides c: 0.0 is returned for a causal condition."""
+def _causal_value(a: np.ndarray, sq: int, sk: int, where: bool) -> Tuple[bool, Optional[float]]:
+    """(causal, c): whether mask ``a`` is causal on (Sq, Sk) scores — 0 (additive) / nonzero (where)
+    on the band j ≤ i + Sk − Sq of every slice, one constant c after it (additive; None when
+    nothing is after the band here, or for ``where``, whose fill gives c)."""
     if a.ndim < 2:
-        return None
+        return False, None
     try:
         slices = np.broadcast_to(a, a.shape[:-2] + (sq, sk)).reshape(-1, sq, sk)
     except ValueError:
-        return None
+        return False, None
     visible = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
-    if visible.all():
-        return None                 # nothing is masked here: no evidence of the masked value
     if where:
-        return 0.0 if np.all((slices != 0) == visible) else None
+        return bool(np.all((slices != 0) == visible)), None
     if not np.all(slices[:, visible] == 0):
-        return None
+        return False, None
+    if visible.all():
+        return True, None
     masked = np.unique(slices[:, ~visible])
     if masked.size != 1 or np.isnan(masked[0]):
-        return None
-    return float(masked[0])
+        return False, None
+    return True, float(masked[0])
 
 
 def causal_form(m: Match) -> Optional[Tuple[str, float]]:
@@ -384,16 +384,17 @@ def causal_form(m: Match) -> Optional[Tuple[str, float]]:
         runs = [_evaluate_at(ctx, m["mask"], shapes, seed) for seed in (1, 2)]
         if any(r is None for r in runs) or runs[0].shape != runs[1].shape or not np.array_equal(runs[0], runs[1]):
             return None
-        c = _causal_value(runs[0], sshape[-2], sshape[-1], where)
-        if c is None:
+        causal, c = _causal_value(runs[0], sshape[-2], sshape[-1], where)
+        if not causal:
             return None
-        values.add(c)
-    if len(values) != 1:
-        return None
+        if c is not None:
+            values.add(c)
     if where:
         form = ("fill", float(m.node("fill").attrs["scalar"]))
-    else:
+    elif len(values) == 1:
         form = ("add", values.pop())
+    else:
+        return None                 # masked values differ between shapes, or none was seen
     ctx.memo[key] = form
     return form
 
