@@ -171,3 +171,12 @@ def test_fused_causal_model_unfuses_and_runs_at_other_lengths():
         assert_same(got[0], want[0], 1e-5, str(shp))
         for n in wgrad:
             assert_same(ggrad[n], wgrad[n], 1e-4, n)
+
+
+@pytest.mark.parametrize("kind,form", [("additive", "xxx"), ("additive", "x"), ("boolean", "xxx"), ("boolean", "1xx"),
+                                       ("valid_length", "rows")])
+def test_plain_rank4_lower_rank_masks(kind, form):
+    """On (B, H, Sq, Sk) scores a rank-3 mask is per head, (H, Sq, Sk), as broadcast_add aligns it."""
+    shapes = dict(data_shapes("plain", 2, 6, 5, 4), mask=mask_shape(kind, "plain", 2, 6, 5, 4, form))
+    others = dict(data_shapes("plain", 3, 4, 9, 4), mask=mask_shape(kind, "plain", 3, 4, 9, 4, form))
+    check_roundtrip(build("plain", kind, False, None, 4), shapes, [others], kind, [5, 9])
