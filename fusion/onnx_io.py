@@ -1106,11 +1106,9 @@ def _export_fused_attention(node, **kwargs):
             nodes.append(helper.make_node("Transpose", [name + "_%s4" % tag], [name + "_%sh" % tag],
                                           perm=[0, 2, 1, 3]))
         q, k, v = name + "_qh", name + "_kh", name + "_vh"
-    rank = 4 if layout == "bshd" else 3
-    perm = list(range(rank - 2)) + [rank - 1, rank - 2]
     scale = _const_tensor(kwargs, name + "_scale", np.array(float(attrs["scale"]), np.float32))
-    nodes += [helper.make_node("Transpose", [k], [name + "_kT"], perm=perm),
-              helper.make_node("MatMul", [q, name + "_kT"], [name + "_qk"]),
+    # q·kᵀ over the last two axes at any rank (a plain op may have rank 3, 4, …)
+    nodes += [helper.make_node("Einsum", [q, k], [name + "_qk"], equation="...id,...jd->...ij"),
               helper.make_node("Mul", [name + "_qk", scale], [name + "_scores"])]
     scores = name + "_scores"
     if mask == "additive":

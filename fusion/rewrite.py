@@ -99,12 +99,15 @@ class Context:
             self.memo[key] = mx.nd.array(v, dtype=v.dtype)
         return self.memo[key]
 
-    def evaluate(self, entry: Entry, seed: int = 0) -> Optional[np.ndarray]:
-        """The value of ``entry`` computed by MXNet, with random data inputs of the given shapes.
+    def evaluate(self, entry: Entry, seed: int = 0,
+                 input_shapes: Optional[Mapping[str, Sequence[int]]] = None) -> Optional[np.ndarray]:
+        """The value of ``entry`` computed by MXNet, with random data inputs of the given shapes
+        (default: the user's; e.g. one of ``probes``).
 
         None when an input shape is unknown or MXNet cannot run it.  Meant for values that do
         not depend on the data (masks built from positions): call it with two seeds to check.
         """
+        shapes = self.input_shapes if input_shapes is None else input_shapes
         import json
 
         import mxnet as mx
@@ -115,11 +118,11 @@ class Context:
             sym = mx.sym.load_json(json.dumps(data))
             rng = np.random.default_rng(seed)
             args = {}
+            variables = {n.name: n for n in self.graph.variables()}
             for name in sym.list_arguments():
-                node = next(n for n in self.graph.variables() if n.name == name)
-                v = self.value(Entry(node))
+                v = self.value(Entry(variables[name]))
                 if v is None:
-                    shape = self.input_shapes.get(name)
+                    shape = shapes.get(name)
                     if shape is None:
                         return None
                     v = rng.standard_normal(shape).astype(np.float32)

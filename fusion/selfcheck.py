@@ -173,10 +173,12 @@ def _draw(rng: np.random.Generator, shape: tuple, dtype: str, domain: Optional[T
 # ---------------------------------------------------------------- which values depend on data
 
 class DataDependence:
-    """Whether a value depends on the values (not only the shapes) of the model's data inputs."""
+    """Whether a value depends on the values (not only the shapes) of the model's data inputs —
+    or, with ``params=True``, of any variable (a trained parameter included)."""
 
-    def __init__(self, ctx: Any):
+    def __init__(self, ctx: Any, params: bool = False):
         self.ctx = ctx
+        self.params = params
         self._memo: Dict[Node, bool] = {}
 
     def __call__(self, node: Node) -> bool:
@@ -187,7 +189,7 @@ class DataDependence:
             if nd in memo:
                 continue
             if nd.op == "null":
-                memo[nd] = self.ctx.value(Entry(nd)) is None
+                memo[nd] = self.params or self.ctx.value(Entry(nd)) is None
                 continue
             if nd.op.startswith(("_random", "_sample")) or nd.op == "Dropout":
                 memo[nd] = True
@@ -332,6 +334,7 @@ class SelfCheck:
         self.stats = CheckStats()
         self.seed = seed
         self.depends = DataDependence(ctx)
+        self.reads_values = DataDependence(ctx, params=True)
 
     # -- entry point -------------------------------------------------------------------
     def run(self, rule: Any, candidates: Sequence[Candidate]) -> List[Optional[str]]:
@@ -570,7 +573,8 @@ class SelfCheck:
                     g_old = g_old.asnumpy()
                     m = new_by_entry.get(e)
                     if m is None or grads.get(m) is None:
-                        if np.any(g_old != 0):
+                        # a value computed from shapes alone (positions, a causal mask) trains nothing
+                        if np.any(g_old != 0) and (e.node.is_variable or self.reads_values(e.node)):
                             r[1] = "the gradient of '%s' is lost (it would stop training)" % e.node.name
                             break
                         continue

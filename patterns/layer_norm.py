@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-import numpy as np
 
 from fusion.graph import Entry
 from fusion.matcher import Match

@@ -182,6 +182,21 @@ def test_sliding_window_is_kept_as_a_mask():
     assert not node.param("causal", False) and node.attrs["mask_kind"] == "additive"
 
 
+def test_sliding_window_wider_than_every_probe_is_kept_as_a_mask():
+    """A window i - 10 <= j <= i is causal at every length up to 11 (the user's 8, the probes' 5):
+    the mask computed at a longer length shows it is not."""
+    q, k, v = S.var("q"), S.var("k"), S.var("v")
+    s = S.batch_dot(q, k, transpose_b=True)
+    qpos = S.reshape(S.contrib.arange_like(q, axis=-2), shape=(-1, 1))
+    kpos = S.reshape(S.contrib.arange_like(k, axis=-2), shape=(1, -1))
+    keep = S.broadcast_mul(S.broadcast_lesser_equal(kpos, qpos),
+                           S.broadcast_greater_equal(kpos, I._plus_scalar(qpos, scalar=-10.0)))
+    y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - keep) * -1e9)), v)
+    res = equivalent(y, qkv((2, 8, 4)), rules=["attention", "elementwise"], others=[qkv((2, 30, 4))])
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert not node.param("causal", False) and node.attrs["mask_kind"] == "additive"
+
+
 def test_causal_needs_more_than_one_length():
     """A graph that takes one input shape only (a fixed Reshape) gives one (Sq, Sk): the mask stays."""
     x = S.var("x")
