@@ -364,7 +364,7 @@ class Oracle:
             try:
                 res = self._fuse("inference")
             except Exception as e:
-                self._find("inference.fuse_crash", _first_line(e) + "\n" + _short_tb(e))
+                self._find("inference.fuse_error", _first_line(e) + "\n" + _short_tb(e))
             if res is not None:
                 for name, r in res.report.rules.items():
                     if r.fused:
@@ -410,7 +410,7 @@ class Oracle:
                     self._find("idempotence.changed", "fuse(fuse(g)) != fuse(g): the second fuse fired %s; ops %s -> %s"
                                % (fired or "nothing", op_counts(res.symbol), op_counts(again.symbol)))
             except Exception as e:
-                self._find("idempotence.crash", _first_line(e))
+                self._find("idempotence.error", _first_line(e))
         if self._wanted("training") and "no_train" not in c.flags:
             self._training(sym0, x1, names, random)
         if res is not None and self._wanted("subgraph") and "no_subgraph" not in c.flags and not random and fused_ok:
@@ -434,7 +434,7 @@ class Oracle:
             u = fusion.unfuse(res.symbol, input_shapes=c.shapes(), arg_params=res.arg_params,
                               aux_params=res.aux_params)
         except Exception as e:
-            self._find("unfuse.crash", _first_line(e))
+            self._find("unfuse.error", _first_line(e))
             return
         left = sorted(op for op in op_counts(u) if op.startswith("fused_"))
         if left:
@@ -474,7 +474,7 @@ class Oracle:
         try:
             res = self._fuse("training")
         except Exception as e:
-            self._find("training.fuse_crash", _first_line(e) + "\n" + _short_tb(e))
+            self._find("training.fuse_error", _first_line(e) + "\n" + _short_tb(e))
             return
         for name, r in res.report.rules.items():
             if r.fused:

@@ -204,8 +204,10 @@ def _ident(name: str, used: set) -> str:
 def _callee(op: str) -> str:
     import mxnet as mx
 
-    if op.startswith("_contrib_") and hasattr(mx.sym.contrib, op[len("_contrib_"):]):
-        return "S.contrib." + op[len("_contrib_"):]
+    for prefix, mod in (("_contrib_", "contrib"), ("_linalg_", "linalg"), ("_random_", "random"),
+                        ("_sparse_", "sparse"), ("_image_", "image")):
+        if op.startswith(prefix) and hasattr(getattr(mx.sym, mod), op[len(prefix):]):
+            return "S.%s.%s" % (mod, op[len(prefix):])
     if not op.startswith("_") and hasattr(mx.sym, op):
         return "S." + op
     if hasattr(mx.sym._internal, op):
@@ -273,7 +275,7 @@ def write(case: Case, finding: Finding, path: str, shrunk_from: int = 0) -> None
     if group not in CHECK_CODE:
         group = "inference"
     ops = case.op_count()
-    head = ["#!/usr/bin/env python3", '"""Reproducer: %s on a %s graph (%d ops%s; fuzz seed %d)."' % (
+    head = ["#!/usr/bin/env python3", '"""Reproducer: %s on a %s graph (%d ops%s; fuzz seed %d).' % (
         finding.check, case.family, ops, ", shrunk from %d" % shrunk_from if shrunk_from and shrunk_from != ops else "",
         case.seed)]
     head.append("")

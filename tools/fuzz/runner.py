@@ -218,7 +218,7 @@ class Summary:
 def signature(check: str, detail: str) -> str:
     """A failure class: the check and its message with numbers, names and shapes blurred."""
     first = detail.splitlines()[0]
-    tb = detail.splitlines()[1] if check.endswith("fuse_crash") and "\n" in detail else ""
+    tb = detail.splitlines()[1] if check.endswith("_error") and "\n" in detail else ""
     first = re.sub(r"\[\d\d:\d\d:\d\d\] ", "", first)
     first = re.sub(r"'[^']*'", "'…'", first)
     first = re.sub(r"\([^()]*\)", "(…)", first)
@@ -270,8 +270,8 @@ def _account(sm: Summary, task: Dict, r: Dict, out_dir: Optional[str]) -> None:
     findings: List[Tuple[str, str]] = []
     if "crash" in r or "timeout" in r:
         stage = r.get("crash", r.get("timeout"))
-        what = "crash" if "crash" in r else "timeout"
-        if what == "crash" and stage in CRASH_IS_MXNETS:
+        what = "worker_crash" if "crash" in r else "timeout"
+        if what == "worker_crash" and stage in CRASH_IS_MXNETS:
             sm.counters["mxnet_crash_on_original"] += 1
             return
         check = "%s.%s" % (STAGE_CHECK.get(stage, "inference"), what)
@@ -339,7 +339,7 @@ def _shrink_classes(sm: Summary, jobs: int, out_dir: str, per_class: int, second
     tasks = []
     for sig, items in sm.classes.items():
         for it in items[:per_class]:
-            if it["check"].endswith((".crash", ".timeout")):
+            if it["check"].endswith((".worker_crash", ".timeout")):
                 continue            # shrinking a crash needs a process per attempt: left as generated
             tasks.append({"kind": "shrink", "seed": it["seed"], "family": it["family"], "check": it["check"],
                           "attempts": 250, "seconds": seconds, "timeout": seconds + 120, "_sig": sig,
