@@ -19,6 +19,8 @@ ids        integers in [0, hi) — token ids
 mask01     0/1 (mostly 1)
 addmask    0 or −1e9 (some masked)
 neginf     0 or −inf (some masked; a fully masked row gives NaN in MXNet)
+rowmask    0 or −1e9, whole rows of the last axis masked (queries that see no key)
+rowmask01  the same as 0/1 (for where)
 =========  ================================================================
 """
 from __future__ import annotations
@@ -79,6 +81,11 @@ def make_value(spec: InputSpec, dims: Dict[str, int], rng: np.random.RandomState
         v = np.where(rng.uniform(size=shape) < 0.3, -1e9, 0.0)
     elif k == "neginf":
         v = np.where(rng.uniform(size=shape) < 0.3, -np.inf, 0.0)
+    elif k in ("rowmask", "rowmask01"):      # whole rows (all keys of a query) masked, others partly
+        rows = rng.uniform(size=shape[:-1] + (1,)) < 0.35 if len(shape) else np.zeros((), bool)
+        part = rng.uniform(size=shape) < 0.2
+        masked = rows | part
+        v = np.where(masked, 0.0, 1.0) if k == "rowmask01" else np.where(masked, -1e9, 0.0)
     else:
         raise ValueError("unknown value kind %r" % k)
     v = np.asarray(v).astype(spec.dtype)
@@ -146,6 +153,7 @@ class Builder:
         self.flags: Set[str] = set()
         self.notes: List[str] = []
         self._used: Set[str] = set()
+        self.float_dtype = "float32"          # of new float inputs and parameters
 
     # ------------------------------------------------------------------ names and dimensions
     def name(self, prefix: str) -> str:
@@ -179,21 +187,24 @@ class Builder:
         return tuple(_eval_dim(t, self.dims) for t in template)
 
     # ------------------------------------------------------------------ inputs and parameters
-    def input(self, prefix: str, shape: Sequence[Dim], kind: str = "normal", dtype: str = "float32",
+    def input(self, prefix: str, shape: Sequence[Dim], kind: str = "normal", dtype: Optional[str] = None,
               lo: int = 0, hi: Optional[Dim] = None, declare_dtype: Optional[bool] = None):
         """A data input (its values are drawn when the case runs, at either shape)."""
         import mxnet as mx
 
+        if dtype is None:
+            dtype = "int32" if kind in ("len", "ids") else self.float_dtype
         name = self.name(prefix)
         self.specs.append(InputSpec(name, tuple(shape), dtype, kind, lo, hi))
         if declare_dtype is None:
             declare_dtype = dtype != "float32"
         return mx.sym.var(name, dtype=dtype) if declare_dtype else mx.sym.var(name)
 
-    def param(self, prefix: str, shape: Sequence[Dim], kind: str = "normal", value=None, dtype: str = "float32"):
+    def param(self, prefix: str, shape: Sequence[Dim], kind: str = "normal", value=None, dtype: Optional[str] = None):
         """A parameter with a value (the graph's arg or aux params; a shape over dimensions pins them)."""
         import mxnet as mx
 
+        dtype = dtype or self.float_dtype
         name = self.name(prefix)
         shp = self.shape(shape, pin=True)
         if value is None:

@@ -216,15 +216,25 @@ class Summary:
 
 
 def signature(check: str, detail: str) -> str:
-    """A failure class: the check and its message with numbers, names and shapes blurred."""
-    first = detail.splitlines()[0]
-    tb = detail.splitlines()[1] if check.endswith("_error") and "\n" in detail else ""
+    """A failure class: the check and its message with numbers, node names and shapes blurred."""
+    lines = detail.splitlines()
+    first = lines[0] if lines else ""
+    if check in ("training.frozen_param", "training.new_param"):
+        names = re.findall(r"[A-Za-z_][\w]*", first.split(":", 1)[-1])
+        return "%s | %s" % (check, ", ".join(sorted({re.sub(r"\d+", "#", n) for n in names})))
+    where = (" @ " + lines[1].split(" <- ")[0]) if check.endswith("_error") and len(lines) > 1 else ""
     first = re.sub(r"\[\d\d:\d\d:\d\d\] ", "", first)
-    first = re.sub(r"'[^']*'", "'…'", first)
+    first = re.sub(r"(MXNetError: )+", "MXNetError: ", first)
+    first = re.sub(r"\.\./src/\S+:\d+: (Check failed: retval: )?", "", first)
+    first = re.sub(r"^at shapes \{.*?\}: ", "", first)
+    first = re.sub(r"(Error in operator|used by) [\w.]+", r"\1 …", first)
+    first = re.sub(r"'(?!fused_)[^']*'", "'…'", first)
     first = re.sub(r"\([^()]*\)", "(…)", first)
+    first = re.sub(r"\[[^\[\]]*\]", "[…]", first)
     first = re.sub(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", "#", first)
-    first = re.sub(r"\(\+# more\)", "", first)
-    return "%s | %s%s" % (check, first[:150], (" @ " + tb.split(" <- ")[0]) if tb else "")
+    first = re.sub(r"\(\+# more\)|, e\.g\..*|: expected .*", "", first)
+    first = re.sub(r"max \|Δ\| # at \(…\).*", "values differ", first)
+    return "%s | %s%s" % (check, first.strip()[:160], where)
 
 
 def fuzz(n: int, seed: int = 0, families: Optional[Sequence[str]] = None, jobs: int = 2,
@@ -305,8 +315,9 @@ def _account(sm: Summary, task: Dict, r: Dict, out_dir: Optional[str]) -> None:
         sm.findings[check] += 1
         sm.by_family[check][fam] += 1
     for check, detail in findings:
+        fired = r.get("fired_training" if check.startswith("training") else "fired") or {}
         sm.classes[signature(check, detail)].append(
-            {"seed": seed, "family": fam, "check": check, "detail": detail,
+            {"seed": seed, "family": fam, "check": check, "detail": detail, "rules": tuple(sorted(fired)),
              "file": r.get("files", {}).get(check) or _group_file(r.get("files", {}), check)})
 
 
@@ -391,9 +402,11 @@ def format_summary(sm: Summary, rules: Sequence[str] = ()) -> str:
         L.append("failure classes (%d):" % len(sm.classes))
         for sig, items in sorted(sm.classes.items(), key=lambda kv: (-len(kv[1]), kv[0])):
             fams_c = Counter(it["family"] for it in items)
+            rules_c = Counter(it.get("rules", ()) for it in items)
             best = next((it for it in items if it.get("min_file")), items[0])
             where = best.get("min_file") or best.get("file") or "seed %d" % best["seed"]
             size = " (%d ops, from %d)" % (best["min_ops"], best["from_ops"]) if best.get("min_file") else ""
             L.append("  %4d  %s" % (len(items), sig))
-            L.append("        families %s; %s%s" % (dict(fams_c), where, size))
+            L.append("        families %s; rules fired %s; %s%s" % (
+                dict(fams_c), "+".join(rules_c.most_common(1)[0][0]) or "none", where, size))
     return "\n".join(L)

@@ -50,7 +50,7 @@ class Geo:
 def _causal_positions(b, q, k, s, geo: Geo, label: str):
     """(allowed (Sq, Sk) 0/1 float, exact?) built from arange_like of q/k or of the scores."""
     d = b.d
-    src = d.choice(["qk", "scores"], [3, 2], label=label + " pos source")
+    src = d.choice(["qk", "scores"], [1, 1], label=label + " pos source")
     rank = geo.rank
     neg_axis = d.maybe(0.6, label=label + " negative axes")
     qa = -2 if neg_axis else rank - 2
@@ -125,11 +125,11 @@ def apply_mask(b, s, q, k, geo: Geo, label: str = "mask"):
     """Returns (masked scores, lengths or None)."""
     d = b.d
     kind = d.choice(["none", "additive", "param_bias", "where", "where_1d", "length", "causal_add", "causal_where",
-                     "data_gate_causal"], [5, 5, 1, 3, 1, 3, 3, 2, 1], label=label)
+                     "data_gate_causal"], [5, 5, 1, 3, 1, 3, 4, 2, 1], label=label)
     if kind == "none":
         return s, None
     if kind == "additive":
-        vk = d.choice(["addmask", "normal", "neginf"], [5, 2, 1], label=label + " values")
+        vk = d.choice(["addmask", "normal", "neginf", "rowmask"], [5, 2, 1, 2], label=label + " values")
         m = b.input("mask", _mask_shape(b, geo, label), kind=vk)
         if d.maybe(0.15, label=label + " broadcast_like"):
             shape = _mask_shape(b, geo, label + " bl")
@@ -142,13 +142,14 @@ def apply_mask(b, s, q, k, geo: Geo, label: str = "mask"):
         return S.broadcast_add(s, b.param("attn_bias", shape, kind="normal")), None
     if kind == "where":
         fill = _fill(b, s, label)
+        ck = d.choice(["mask01", "rowmask01"], [3, 1], label=label + " cond values")
         if d.maybe(0.5, label=label + " full cond"):
-            cond = b.input("cond", geo.scores(), kind="mask01")
+            cond = b.input("cond", geo.scores(), kind=ck)
         else:
             shape = _mask_shape(b, geo, label)
             if len(shape) != geo.rank:
                 shape = geo.scores()[:1] + (1,) * (geo.rank - 2) + (geo.sk,)
-            cond = S.broadcast_like(b.input("cond", shape, kind="mask01"), s)
+            cond = S.broadcast_like(b.input("cond", shape, kind=ck), s)
         return S.where(cond, s, fill), None
     if kind == "where_1d":          # MXNet: a 1-D condition selects whole rows of axis 0
         cond = b.input("cond", geo.scores()[:1], kind="mask01")
@@ -290,6 +291,12 @@ def core3(b):
     v = b.input("v", ("N", skn, dv))
     if d.maybe(0.15, label="pre ops"):
         q = S.tanh(q)
+    if d.maybe(0.06, label="float64"):           # not float32: the fused op must stay away
+        q, k, v = (S.Cast(t, dtype="float64") for t in (q, k, v))
+        b.float_dtype = "float64"
+        y = core(b, q, k, v, geo)
+        b.float_dtype = "float32"
+        return [S.Cast(y, dtype="float32")]
     return [core(b, q, k, v, geo, k_transposed=kt)]
 
 
@@ -396,8 +403,12 @@ def heads(b, packed: bool = False):
             parts = [parts[1], parts[0], parts[2]]
         qp, kp, vp = parts
     else:
-        direct = d.maybe(0.2, label="no projections")
-        if direct:
+        direct = d.choice(["fc", "inputs", "shared"], [6, 2, 1], label="projections")
+        if direct == "shared":            # q, k and v the same value (not a packed projection)
+            qp = kp = vp = fc(x, e, "qkv") if d.maybe(0.5, label="shared fc") else x
+            if qp is x and fin != e:
+                qp = kp = vp = fc(x, e, "qkv")
+        elif direct == "inputs":
             qp = b.input("qp", ("B", "Sq", e))
             kp = b.input("kp", ("B", skn, e))
             vp = b.input("vp", ("B", skn, e))
@@ -488,7 +499,7 @@ def _probabilities(b, s, q, k, geo):
 
 
 def build(b):
-    form = b.d.choice(["core3", "heads", "core4", "packed", "interleaved", "encdec"], [5, 5, 2, 3, 2, 2], label="form")
+    form = b.d.choice(["core3", "heads", "core4", "packed", "interleaved", "encdec"], [5, 5, 2, 3, 2, 3], label="form")
     if form == "core3":
         return core3(b)
     if form == "core4":

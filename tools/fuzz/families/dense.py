@@ -56,7 +56,9 @@ def layer(b, x, in_tmpl, label: str = "fc"):
     d = b.d
     rank = len(in_tmpl)
     flatten = d.choice([False, True], label=label + " flatten") if rank > 2 else d.choice([True, False], label=label + " flatten")
-    n = d.choice([8, 4, 1, 3, 5, 7, 16], label=label + " hidden")
+    n = d.choice([8, 4, 1, 3, 5, 7, 16, "rows"], label=label + " hidden")
+    if n == "rows":          # as many outputs as rows: a (N, 1) addend then lines up (and broadcasts to N×N)
+        n = b.fixed(in_tmpl[0]) if isinstance(in_tmpl[0], str) else in_tmpl[0]
     fan = b.shape(in_tmpl[1:]) if flatten else b.shape(in_tmpl[-1:])
     fan_in = 1
     for f in fan:
@@ -100,6 +102,13 @@ def build(b):
         tmpl = ("B", "S", 2, f)
     else:
         tmpl = ("B", 3, f)
+    if d.maybe(0.05, label="float64"):       # not float32: fused_dense must stay away
+        x = b.input("x", tmpl, dtype="float64")
+        n = d.choice([8, 3], label="f64 hidden")
+        w = b.param("w", (n, f), kind="weight", dtype="float64")
+        y = S.FullyConnected(x, w, b.param("b", (n,), dtype="float64"), num_hidden=n, flatten=False,
+                             name=b.name("fc"))
+        return [S.relu(y)]
     x = b.input("x", tmpl)
     if d.maybe(0.2, label="pre op"):
         x = d.choice([S.tanh, S.relu, lambda t: t * 0.5], label="pre op kind")(x)

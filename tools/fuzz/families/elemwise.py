@@ -93,9 +93,9 @@ def _leaf(b, full, label: str) -> Val:
         x = b.input("ids", tmpl, kind="ids", dtype="int32", hi=d.choice([2, 5], label=label + " id range"))
         use = d.choice(["cast", "compare", "where_cond"], label=label + " int use")
         if use == "cast":
-            return Val(S.Cast(x, dtype="float32"), mask)
+            return Val(S.Cast(x, dtype=b.float_dtype), mask)
         if use == "compare":
-            return Val(S.Cast(I._greater_scalar(x, scalar=1.0), dtype="float32"), mask)
+            return Val(S.Cast(I._greater_scalar(x, scalar=1.0), dtype=b.float_dtype), mask)
         return Val(x, mask, "int32")
     if kind == "mask":
         return Val(b.input("m", tmpl, kind="mask01"), mask)
@@ -104,7 +104,7 @@ def _leaf(b, full, label: str) -> Val:
 
 
 def _pick(b, pool: List[Val], label: str, float_only: bool = True) -> Val:
-    cands = [v for v in pool if v.dtype == "float32"] if float_only else pool
+    cands = [v for v in pool if v.dtype != "int32"] if float_only else pool
     # recent values more often: chains as well as trees
     i = b.d.choice(list(range(len(cands)))[::-1], [3 if j == 0 else 1 for j in range(len(cands))], label=label)
     return cands[i]
@@ -194,12 +194,12 @@ def _step(b, pool: List[Val], full, label: str) -> Val:
             b.flag("random_train")
         return Val(S.Dropout(a.sym, p=p), a.mask)
     if kind == "cast":
-        to = d.choice(["float16", "float64", "int32"], label=label + " to")
+        to = d.choice(["float16", "float64" if b.float_dtype == "float32" else "float32", "int32"], label=label + " to")
         y = S.Cast(a.sym, dtype=to)
         y = d.choice([S.tanh, S.relu, lambda t: t * 2], label=label + " op in dtype")(y) if to != "int32" else y
         if to == "float16":
             b.flag("half")
-        return Val(S.Cast(y, dtype="float32"), a.mask)
+        return Val(S.Cast(y, dtype=b.float_dtype), a.mask)
     if kind == "identity":
         op = d.choice(["identity", "_copy", "BlockGrad"], label=label + " which")
         return Val({"identity": S.identity, "_copy": I._copy, "BlockGrad": S.BlockGrad}[op](a.sym), a.mask)
@@ -214,6 +214,8 @@ def _step(b, pool: List[Val], full, label: str) -> Val:
 
 def build(b):
     d = b.d
+    if d.maybe(0.04, label="float64"):        # not float32: fused_elemwise must stay away
+        b.float_dtype = "float64"
     rank = d.choice([3, 2, 4, 1], [4, 3, 2, 1], label="rank")
     b.dim("B", [2, 1, 3, 5])
     if rank == 1:
