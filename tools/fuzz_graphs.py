@@ -38,8 +38,6 @@ def main(argv=None) -> int:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     a = p.parse_args(argv)
 
-    threads = a.threads or max(1, len(os.sched_getaffinity(0)) // max(1, a.jobs))
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     os.environ.setdefault("MXNET_CPU_PARALLEL_SIZE", "2000000000")
     from tools.fuzz.runner import format_summary, fuzz
     from patterns import default_rules
@@ -56,7 +54,7 @@ def main(argv=None) -> int:
 
     families = [f for f in a.families.split(",") if f] or None
     sm = fuzz(a.graphs, a.seed, families, a.jobs, a.timeout, a.out or None, a.time_limit or None,
-              a.shrink if a.out else 0, a.shrink_seconds, progress)
+              a.shrink if a.out else 0, a.shrink_seconds, progress, a.threads)
     if not a.quiet:
         print(file=sys.stderr)
     rules = []

@@ -219,11 +219,17 @@ def symbol_code(sym) -> str:
     """Python code building ``sym`` with mx.sym calls (names and attributes as in its JSON)."""
     data = json.loads(sym.tojson())
     outputs = sym.get_internals().list_outputs()
-    multi = {}
-    for o in outputs:
-        m = re.match(r"(.*)_output(\d+)$", o)
-        if m:
-            multi[m.group(1)] = max(multi.get(m.group(1), 0), int(m.group(2)) + 1)
+    # visible outputs per node: the internals list them node by node, in the JSON's order
+    multi, k = set(), 0
+    for n in data["nodes"]:
+        if n["op"] == "null":
+            k += 1
+            continue
+        count = 0
+        while k < len(outputs) and outputs[k].startswith(n["name"] + "_"):
+            k, count = k + 1, count + 1
+        if count > 1:
+            multi.add(n["name"])
     lines, used, var = [], set(), {}
 
     def ref(e) -> str:
@@ -238,6 +244,9 @@ def symbol_code(sym) -> str:
             kw = ""
             if "__dtype__" in attrs:
                 kw = ", dtype=%r" % _DTYPE_CODES.get(attrs["__dtype__"], attrs["__dtype__"])
+            rest = {k: v for k, v in attrs.items() if k != "__dtype__"}
+            if rest:
+                kw += ", attr=%r" % rest
             lines.append("%s = S.var(%r%s)" % (var[i], n["name"], kw))
             continue
         args = [ref(e) for e in n["inputs"]]

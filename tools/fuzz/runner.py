@@ -34,9 +34,10 @@ def case_seed(run_seed: int, i: int) -> int:
 
 
 # ---------------------------------------------------------------------------- the worker
-def _worker(conn, out_dir: Optional[str]) -> None:
+def _worker(conn, out_dir: Optional[str], threads: int) -> None:
     sys.path.insert(0, ROOT)
-    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    # before mxnet is imported: more OpenMP threads than cores per worker makes MXNet crawl
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ.setdefault("MXNET_CPU_PARALLEL_SIZE", "2000000000")
     os.environ.setdefault("MXNET_SUBGRAPH_VERBOSE", "0")
     import warnings
@@ -99,13 +100,13 @@ def _worker(conn, out_dir: Optional[str]) -> None:
 
 
 class _Slot:
-    def __init__(self, ctx, out_dir):
-        self.ctx, self.out_dir = ctx, out_dir
+    def __init__(self, ctx, out_dir, threads):
+        self.ctx, self.out_dir, self.threads = ctx, out_dir, threads
         self.start()
 
     def start(self):
         parent, child = self.ctx.Pipe()
-        self.proc = self.ctx.Process(target=_worker, args=(child, self.out_dir), daemon=True)
+        self.proc = self.ctx.Process(target=_worker, args=(child, self.out_dir, self.threads), daemon=True)
         self.proc.start()
         child.close()
         self.conn = parent
@@ -134,11 +135,18 @@ class _Slot:
             self.kill()
 
 
+def default_threads(jobs: int) -> int:
+    """OpenMP threads per worker: the cores shared out, at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, jobs))
+
+
 def run_tasks(tasks: Sequence[Dict], jobs: int, timeout: float, out_dir: Optional[str] = None,
-              time_limit: Optional[float] = None, progress=None) -> List[Tuple[Dict, Dict]]:
+              time_limit: Optional[float] = None, progress=None, threads: int = 0) -> List[Tuple[Dict, Dict]]:
     """Run ``tasks`` on ``jobs`` workers: [(task, result)], in task order (tasks not started: left out)."""
     ctx = mp.get_context("spawn")
-    slots = [_Slot(ctx, out_dir) for _ in range(max(1, min(jobs, len(tasks))))]
+    threads = threads or default_threads(jobs)
+    slots = [_Slot(ctx, out_dir, threads) for _ in range(max(1, min(jobs, len(tasks))))]
     pending = list(enumerate(tasks))[::-1]
     results: Dict[int, Tuple[Dict, Dict]] = {}
     t_start = time.time()
@@ -239,7 +247,7 @@ def signature(check: str, detail: str) -> str:
 
 def fuzz(n: int, seed: int = 0, families: Optional[Sequence[str]] = None, jobs: int = 2,
          timeout: float = 120.0, out_dir: Optional[str] = None, time_limit: Optional[float] = None,
-         shrink_per_class: int = 1, shrink_seconds: float = 90.0, progress=None) -> Summary:
+         shrink_per_class: int = 1, shrink_seconds: float = 90.0, progress=None, threads: int = 0) -> Summary:
     """Generate and check ``n`` graphs; write reproducers to ``out_dir`` (shrunk: the first
     ``shrink_per_class`` of each failure class)."""
     from .families import FAMILIES
@@ -256,12 +264,12 @@ def fuzz(n: int, seed: int = 0, families: Optional[Sequence[str]] = None, jobs: 
         s = case_seed(seed, i)
         tasks.append({"kind": "case", "seed": s, "family": family_for(s, families)})
     t0 = time.time()
-    results = run_tasks(tasks, jobs, timeout, out_dir, time_limit, progress)
+    results = run_tasks(tasks, jobs, timeout, out_dir, time_limit, progress, threads)
     summary = Summary()
     for task, r in results:
         _account(summary, task, r, out_dir)
     if out_dir and shrink_per_class > 0:
-        _shrink_classes(summary, jobs, out_dir, shrink_per_class, shrink_seconds, time_limit, t0)
+        _shrink_classes(summary, jobs, out_dir, shrink_per_class, shrink_seconds, time_limit, t0, threads)
     summary.seconds = time.time() - t0
     return summary
 
@@ -346,7 +354,7 @@ def _write_crash_repro(seed: int, family: str, check: str, detail: str, out_dir:
 
 
 def _shrink_classes(sm: Summary, jobs: int, out_dir: str, per_class: int, seconds: float,
-                    time_limit: Optional[float], t0: float) -> None:
+                    time_limit: Optional[float], t0: float, threads: int = 0) -> None:
     tasks = []
     for sig, items in sm.classes.items():
         for it in items[:per_class]:
@@ -357,7 +365,7 @@ def _shrink_classes(sm: Summary, jobs: int, out_dir: str, per_class: int, second
                           "path": os.path.join(out_dir, "min-%s-%s-%d.py" % (it["check"].replace(".", "-"),
                                                                              it["family"], it["seed"]))})
     left = None if not time_limit else max(30.0, time_limit - (time.time() - t0))
-    for task, r in run_tasks(tasks, jobs, seconds + 120, out_dir, left):
+    for task, r in run_tasks(tasks, jobs, seconds + 120, out_dir, left, threads=threads):
         if r.get("shrunk"):
             for it in sm.classes[task["_sig"]]:
                 if it["seed"] == task["seed"] and it["check"] == task["check"]:
