@@ -61,7 +61,7 @@ def respell(text: str, d: Draw) -> str:
         for k, v in list(node.get("attrs", {}).items()):
             if v in _BOOL_SPELLINGS and d.maybe(0.5, label="bool spelling"):
                 node["attrs"][k] = d.choice(_BOOL_SPELLINGS[v], label="bool")
-    return json.dumps(data, indent=2)
+    return json.dumps(data)
 
 
 def _auto_value(name: str, shape, rng: np.random.RandomState) -> np.ndarray:

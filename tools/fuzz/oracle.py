@@ -407,8 +407,9 @@ class Oracle:
                 again = self._fuse("inference", res.symbol, res.arg_params, res.aux_params)
                 if canonical(again.symbol) != canonical(res.symbol):
                     fired = {k: len(r.fused) for k, r in again.report.rules.items() if r.fused}
-                    self._find("idempotence.changed", "fuse(fuse(g)) != fuse(g): the second fuse fired %s; ops %s -> %s"
-                               % (fired or "nothing", op_counts(res.symbol), op_counts(again.symbol)))
+                    door = " (graph given as JSON in other spellings)" if c.json_text is not None else ""
+                    self._find("idempotence.changed", "fuse(fuse(g)) != fuse(g)%s: the second fuse fired %s; ops %s -> %s"
+                               % (door, fired or "nothing", op_counts(res.symbol), op_counts(again.symbol)))
             except Exception as e:
                 self._find("idempotence.error", _first_line(e))
         if self._wanted("training") and "no_train" not in c.flags:

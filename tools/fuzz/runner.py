@@ -230,6 +230,10 @@ def signature(check: str, detail: str) -> str:
     if check in ("training.frozen_param", "training.new_param"):
         names = re.findall(r"[A-Za-z_][\w]*", first.split(":", 1)[-1])
         return "%s | %s" % (check, ", ".join(sorted({re.sub(r"\d+", "#", n) for n in names})))
+    if check == "idempotence.changed":
+        fired = first.split("fired", 1)[-1].split(";")[0]
+        door = " (JSON in other spellings)" if "other spellings" in first else ""
+        return "%s | second fuse fired %s%s" % (check, "+".join(re.findall(r"'(\w+)'", fired)) or "nothing", door)
     where = (" @ " + lines[1].split(" <- ")[0]) if check.endswith("_error") and len(lines) > 1 else ""
     first = re.sub(r"\[\d\d:\d\d:\d\d\] ", "", first)
     first = re.sub(r"(MXNetError: )+", "MXNetError: ", first)

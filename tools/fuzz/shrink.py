@@ -113,7 +113,7 @@ def _with_graph(case: Case, data: dict) -> Optional[Case]:
         return None
     new.symbol = sym
     if case.json_text is not None:
-        new.json_text = json.dumps(data, indent=2)
+        new.json_text = json.dumps(data)
     with contextlib.redirect_stdout(io.StringIO()):
         try:
             new.symbol.infer_shape(**new.shapes(), **{k: v.shape for k, v in new.arg.items()})
