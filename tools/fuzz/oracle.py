@@ -64,6 +64,32 @@ class Finding:
         return self.check.split(".")[0]
 
 
+def signature(check: str, detail: str) -> str:
+    """A failure class: the check and its message with numbers, node names and shapes blurred."""
+    lines = detail.splitlines()
+    first = lines[0] if lines else ""
+    if check in ("training.frozen_param", "training.new_param"):
+        names = re.findall(r"[A-Za-z_][\w]*", first.split(":", 1)[-1])
+        return "%s | %s" % (check, ", ".join(sorted({re.sub(r"\d+", "#", n) for n in names})))
+    if check == "idempotence.changed":
+        fired = first.split("fired", 1)[-1].split(";")[0]
+        door = " (JSON in other spellings)" if "other spellings" in first else ""
+        return "%s | second fuse fired %s%s" % (check, "+".join(re.findall(r"'(\w+)'", fired)) or "nothing", door)
+    where = (" @ " + lines[1].split(" <- ")[0]) if check.endswith("_error") and len(lines) > 1 else ""
+    first = re.sub(r"\[\d\d:\d\d:\d\d\] ", "", first)
+    first = re.sub(r"(MXNetError: )+", "MXNetError: ", first)
+    first = re.sub(r"\.\./src/\S+:\d+: (Check failed: retval: )?", "", first)
+    first = re.sub(r"^at shapes \{.*?\}: ", "", first)
+    first = re.sub(r"(Error in operator|used by) [\w.]+", r"\1 …", first)
+    first = re.sub(r"'(?!fused_)[^']*'", "'…'", first)
+    first = re.sub(r"\([^()]*\)", "(…)", first)
+    first = re.sub(r"\[[^\[\]]*\]", "[…]", first)
+    first = re.sub(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", "#", first)
+    first = re.sub(r"\(\+# more\)|, e\.g\..*|: expected .*", "", first)
+    first = re.sub(r"max \|Δ\| # at \(…\).*", "values differ", first)
+    return "%s | %s%s" % (check, first.strip()[:160], where)
+
+
 @dataclass
 class Outcome:
     """What the oracle concluded about one case."""
@@ -280,8 +306,15 @@ class Oracle:
 
         c = self.case
         src = symbol if symbol is not None else (c.json_text if c.json_text is not None else c.symbol)
-        return fusion.fuse(src, _nds(c.arg) if arg is None else arg, _nds(c.aux) if aux is None else aux,
-                           mode=mode, **self.fuse_kwargs())
+        given = (_nds(c.arg) if arg is None else arg, _nds(c.aux) if aux is None else aux)
+        res = fusion.fuse(src, given[0], given[1], mode=mode, **self.fuse_kwargs())
+        if arg is None:          # the caller's arrays stay as they were
+            for store, ref in ((given[0], c.arg), (given[1], c.aux)):
+                changed = [k for k, v in store.items() if not np.array_equal(v.asnumpy(), ref[k], equal_nan=True)]
+                if changed:
+                    self._find("%s.mutated_params" % mode,
+                               "fuse() changed the caller's arrays: %s" % ", ".join(sorted(changed)))
+        return res
 
     def _compare(self, check: str, ref: List[np.ndarray], got: List[np.ndarray], rtol: float,
                  rerun: Optional[Callable[[int], List[np.ndarray]]], names: Sequence[str]) -> None:

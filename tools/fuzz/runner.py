@@ -18,6 +18,8 @@ import time
 import traceback
 from collections import Counter, defaultdict
 from multiprocessing.connection import wait
+
+from .oracle import signature
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -82,10 +84,11 @@ def _worker(conn, out_dir: Optional[str], threads: int) -> None:
                 d["files"] = files
                 conn.send(("done", d))
             else:          # shrink
-                from tools.fuzz.oracle import Finding
+                from tools.fuzz.oracle import signature
 
                 out = Oracle(case, only=[task["check"].split(".")[0]]).run()
                 found = [f for f in out.findings if f.check == task["check"]]
+                found.sort(key=lambda f: signature(f.check, f.detail) != task.get("_sig"))
                 if not found:
                     conn.send(("done", {"shrunk": None, "reason": "did not fail again (flaky?)"}))
                     continue
@@ -221,32 +224,6 @@ class Summary:
     classes: Dict[str, List[Dict]] = dataclasses.field(default_factory=lambda: defaultdict(list))
     invalid_reasons: Counter = dataclasses.field(default_factory=Counter)
     harness_errors: List[str] = dataclasses.field(default_factory=list)
-
-
-def signature(check: str, detail: str) -> str:
-    """A failure class: the check and its message with numbers, node names and shapes blurred."""
-    lines = detail.splitlines()
-    first = lines[0] if lines else ""
-    if check in ("training.frozen_param", "training.new_param"):
-        names = re.findall(r"[A-Za-z_][\w]*", first.split(":", 1)[-1])
-        return "%s | %s" % (check, ", ".join(sorted({re.sub(r"\d+", "#", n) for n in names})))
-    if check == "idempotence.changed":
-        fired = first.split("fired", 1)[-1].split(";")[0]
-        door = " (JSON in other spellings)" if "other spellings" in first else ""
-        return "%s | second fuse fired %s%s" % (check, "+".join(re.findall(r"'(\w+)'", fired)) or "nothing", door)
-    where = (" @ " + lines[1].split(" <- ")[0]) if check.endswith("_error") and len(lines) > 1 else ""
-    first = re.sub(r"\[\d\d:\d\d:\d\d\] ", "", first)
-    first = re.sub(r"(MXNetError: )+", "MXNetError: ", first)
-    first = re.sub(r"\.\./src/\S+:\d+: (Check failed: retval: )?", "", first)
-    first = re.sub(r"^at shapes \{.*?\}: ", "", first)
-    first = re.sub(r"(Error in operator|used by) [\w.]+", r"\1 …", first)
-    first = re.sub(r"'(?!fused_)[^']*'", "'…'", first)
-    first = re.sub(r"\([^()]*\)", "(…)", first)
-    first = re.sub(r"\[[^\[\]]*\]", "[…]", first)
-    first = re.sub(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", "#", first)
-    first = re.sub(r"\(\+# more\)|, e\.g\..*|: expected .*", "", first)
-    first = re.sub(r"max \|Δ\| # at \(…\).*", "values differ", first)
-    return "%s | %s%s" % (check, first.strip()[:160], where)
 
 
 def fuzz(n: int, seed: int = 0, families: Optional[Sequence[str]] = None, jobs: int = 2,

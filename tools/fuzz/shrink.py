@@ -18,10 +18,10 @@ import numpy as np
 
 from .case import Case, Invalid
 from .generator import generate
-from .oracle import Finding, Oracle
+from .oracle import Finding, Oracle, signature
 
 
-def _fails(seed: int, family: str, choices: List[int], check: str) -> Optional[Tuple[Case, Finding]]:
+def _fails(seed: int, family: str, choices: List[int], check: str, sig: str) -> Optional[Tuple[Case, Finding]]:
     try:
         case = generate(seed, family, replay=choices)
     except Invalid:
@@ -32,7 +32,7 @@ def _fails(seed: int, family: str, choices: List[int], check: str) -> Optional[T
     if not out.valid:
         return None
     for f in out.findings:
-        if f.check == check:
+        if f.check == check and signature(f.check, f.detail) == sig:
             return case, f
     return None
 
@@ -42,6 +42,7 @@ def shrink(case: Case, finding: Finding, max_attempts: int = 200, max_seconds: f
     """(smallest failing case, its finding, attempts made)."""
     t0 = time.perf_counter()
     best, best_f = case, finding
+    sig = signature(finding.check, finding.detail)
     choices = list(case.choices)
     attempts = 0
 
@@ -60,7 +61,7 @@ def shrink(case: Case, finding: Finding, max_attempts: int = 200, max_seconds: f
                 if any(choices[i:i + k]):
                     cand = choices[:i] + [0] * len(choices[i:i + k]) + choices[i + k:]
                     attempts += 1
-                    r = _fails(case.seed, case.family, cand, finding.check)
+                    r = _fails(case.seed, case.family, cand, finding.check, sig)
                     if r is not None and smaller(r[0]):
                         best, best_f = r
                         choices = list(best.choices)
@@ -75,7 +76,7 @@ def shrink(case: Case, finding: Finding, max_attempts: int = 200, max_seconds: f
                 for v in (1, choices[i] // 2, choices[i] - 1):
                     cand = choices[:i] + [v] + choices[i + 1:]
                     attempts += 1
-                    r = _fails(case.seed, case.family, cand, finding.check)
+                    r = _fails(case.seed, case.family, cand, finding.check, sig)
                     if r is not None and smaller(r[0]):
                         best, best_f = r
                         choices = list(best.choices)
@@ -171,6 +172,7 @@ def graph_shrink(case: Case, finding: Finding, attempts_left: int, deadline: flo
     import io
 
     best, best_f, attempts = case, finding, 0
+    sig = signature(finding.check, finding.detail)
 
     def still(cand: Optional[Case]):
         nonlocal attempts
@@ -180,7 +182,7 @@ def graph_shrink(case: Case, finding: Finding, attempts_left: int, deadline: flo
         out = Oracle(cand, only=[finding.group]).run()
         if not out.valid:
             return None
-        return next((f for f in out.findings if f.check == finding.check), None)
+        return next((f for f in out.findings if f.check == finding.check and signature(f.check, f.detail) == sig), None)
 
     improved = True
     while improved and attempts < attempts_left and time.perf_counter() < deadline:

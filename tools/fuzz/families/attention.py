@@ -189,8 +189,7 @@ def core(b, q, k, v, geo: Geo, label: str = "core", k_transposed=None):
     d = b.d
     rank = geo.rank
     if d.maybe(0.25, label=label + " q scale"):
-        q = scale(b, q, d.choice([0.5, 0.125, 0.35355339, 2.0], label=label + " q c"), allow_param=False,
-                  label=label + " q scale")
+        q = scale(b, q, d.choice([0.5, 0.125, 0.35355339, 2.0], label=label + " q c"), label=label + " q scale")
     form = d.choice(["bd", "bd_kt", "gemm", "gemm_kt", "bd_ta"], [6, 2, 3, 1, 1], label=label + " qk form")
     if form in ("bd_kt", "gemm_kt"):
         kt = k_transposed if k_transposed is not None else S.swapaxes(k, dim1=rank - 2, dim2=rank - 1)
@@ -283,6 +282,8 @@ def core3(b):
         return [S.linalg.gemm2(S.softmax(s, axis=-1), vv, axis=0)]
     q = b.input("q", ("N", "Sq", dh))
     kt = None
+    if same and dv == dh and d.maybe(0.08, label="q = k = v"):      # one tensor in every role
+        return [core(b, q, q, q, geo)]
     if d.maybe(0.15, label="k input transposed"):
         kt = b.input("kt", ("N", dh, skn))
         k = S.swapaxes(kt, dim1=1, dim2=2)
