@@ -12,6 +12,8 @@ from .errors import FusionError
 from .graph import Graph
 from .report import FusionReport
 from .rewrite import Context, run_rules
+from .selfcheck import SelfCheck
+from .workarounds import guard_layer_outputs, strip_guards
 
 MODES = ("inference", "training")
 
@@ -99,7 +101,7 @@ def resolve_rules(rules: Optional[Iterable[Any]]) -> list:
 def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
          aux_params: Optional[Mapping[str, Any]] = None, *, rules: Optional[Iterable[Any]] = None,
          mode: str = "inference", input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
-         input_dtypes: Optional[Mapping[str, Any]] = None) -> FusionResult:
+         input_dtypes: Optional[Mapping[str, Any]] = None, self_check: bool = True) -> FusionResult:
     """Fuse ``symbol`` with ``rules`` (default: the whole rule library) and return a FusionResult.
 
     ``arg_params``/``aux_params`` map names to NDArrays (or NumPy arrays); they
@@ -110,6 +112,13 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     tensor shapes (e.g. head layouts of attention) check them exactly;
     ``input_dtypes`` (name -> dtype, default float32 unless the graph says otherwise)
     keeps float32-only fused ops away from other inputs.
+
+    ``self_check`` (on by default): before a rewrite is accepted, the subgraph it replaces
+    and its replacement are run side by side by MXNet on random inputs, at the input
+    shapes given and at other shapes the graph accepts (another batch size, another
+    sequence length), outputs and — in training — gradients compared; a rewrite that
+    does not match is refused with the mismatch as its reason (``report.self_check``
+    counts what was checked).  It needs ``input_shapes``: without them nothing is checked.
     """
     if mode not in MODES:
         raise ValueError("mode must be one of %s, not %r" % (", ".join(MODES), mode))
@@ -118,21 +127,30 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes)
+        return _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes) -> FusionResult:
+def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check) -> FusionResult:
     start = time.perf_counter()
     graph = _as_graph(symbol)
     rule_list = resolve_rules(rules)
     report = FusionReport(mode=mode)
     graph.compact()
     report.nodes_before, report.ops_before = len(graph.nodes), len(graph.op_nodes())
+    strip_guards(graph)
     ctx = Context(graph, arg_params or {}, aux_params or {}, mode, input_shapes, input_dtypes)
-    run_rules(graph, rule_list, ctx, report)
+    checker = SelfCheck(ctx, enabled=self_check)
+    run_rules(graph, rule_list, ctx, report, checker)
+    report.self_check = checker.stats if self_check else None
+    guarded = guard_layer_outputs(graph)
+    if guarded:
+        report.notes.append("%d layer output(s) read more than once pass through an identity Reshape before an "
+                            "activation (MXNet 1.9.1's oneDNN backend otherwise hands the other readers the "
+                            "activation's result): %s" % (len(guarded), ", ".join(guarded[:5])
+                                                          + (" …" if len(guarded) > 5 else "")))
     report.nodes_after, report.ops_after = len(graph.nodes), len(graph.op_nodes())
     arg_out, aux_out = _collect_params(graph, ctx)
     report.params_removed = (len(ctx.arg_params) + len(ctx.aux_params)) - sum(

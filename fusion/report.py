@@ -40,6 +40,7 @@ class FusionReport:
     seconds: float = 0.0
     notes: List[str] = field(default_factory=list)
     extra: Dict[str, Any] = field(default_factory=dict)   # verification, benchmark figures
+    self_check: Any = None      # fusion.selfcheck.CheckStats, or None when the self-check was off
     _rejected_keys: Dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def reject(self, rule: Any, anchor: str, key: str, reason: str) -> None:
@@ -88,6 +89,7 @@ class FusionReport:
             "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
             "params_removed": self.params_removed, "fused": self.fused_count,
             "rules": [r.to_dict() for r in self.rules.values()],
+            "self_check": self.self_check.to_dict() if self.self_check is not None else None,
             "notes": self.notes, **self.extra,
         }
 
@@ -122,6 +124,17 @@ class FusionReport:
             for r in self.rules.values():
                 for anchor, reason in r.near_misses.items():
                     lines.append("  near-miss %s at '%s': %s" % (r.name, anchor, reason))
+        c = self.self_check
+        if c is not None:
+            line = "  self-check: %d rewrite(s) checked at %d input shape(s)" % (c.checked, max(1, len(c.probes)))
+            if c.checked:
+                line += ", worst relative error %.2g (%s)" % (c.worst_rel, c.worst_at)
+            if c.refused:
+                line += "; %d refused (reasons above)" % c.refused
+            if c.unchecked:
+                line += "; %d not checked (%s)" % (c.unchecked, "; ".join(
+                    "%s: %d" % kv for kv in sorted(c.unchecked_reasons.items())))
+            lines.append(line)
         v = self.extra.get("verify")
         if v:
             lines.append("  verify: max abs error %.3g, max rel error %.3g (tolerance %.3g): %s"

@@ -20,7 +20,7 @@ repeat until one changes nothing, so ``fuse(fuse(g)) == fuse(g)``.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import networkx as nx
 import numpy as np
@@ -31,6 +31,7 @@ from .graph import Entry, Graph, Node
 from .matcher import Match, Trace, _State, match_pattern
 from .pattern import required_ops
 from .report import FusionReport
+from .selfcheck import Candidate, SelfCheck
 
 MAX_PASSES = 32
 
@@ -46,8 +47,8 @@ class Context:
         self.input_dtypes = {k: str(v) for k, v in (input_dtypes or {}).items()}
         self.memo: Dict[Any, Any] = {}      # rules' derived facts about values (they never change)
         self.input_shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
-        self._shapes: Optional[Dict[Entry, tuple]] = None
-        self._shapes_version = -1
+        self._probes: Optional[List[Dict[str, tuple]]] = None
+        self._fact_cache: Dict[int, list] = {}
         self.arg_params = dict(arg_params)
         self.aux_params = dict(aux_params)
         self._numpy: Dict[str, np.ndarray] = {}
@@ -77,6 +78,24 @@ class Context:
         arr.setflags(write=False)   # rules compute new arrays; the caller's stay untouched
         self._numpy[name] = arr
         return arr
+
+    def array(self, entry: Entry) -> Any:
+        """The parameter producing ``entry`` as an NDArray (as given, or made once from a new parameter),
+        for binding without a copy; None if it is not a known parameter."""
+        node = entry.node
+        if not node.is_variable:
+            return None
+        raw = self.arg_params.get(node.name, self.aux_params.get(node.name))
+        if raw is not None and hasattr(raw, "asnumpy"):
+            return raw
+        v = self.value(entry)
+        if v is None:
+            return None
+        import mxnet as mx
+        key = ("ndarray", node.name)
+        if key not in self.memo:
+            self.memo[key] = mx.nd.array(v, dtype=v.dtype)
+        return self.memo[key]
 
     def evaluate(self, entry: Entry, seed: int = 0) -> Optional[np.ndarray]:
         """The value of ``entry`` computed by MXNet, with random data inputs of the given shapes.
@@ -117,54 +136,81 @@ class Context:
                 return tuple(store[name].shape)
         return None
 
-    def shape(self, entry: Entry) -> Optional[tuple]:
-        """The shape of ``entry`` when MXNet can infer it from the input shapes and params (else None)."""
-        # Rewrites keep every surviving value's shape, so shapes are kept across graph versions
-        # and inferred again only for a value not seen yet (one inference per graph version at most).
-        if self._shapes is None:
-            self._shapes = {}
-        shape = self._shapes.get(entry)
-        if shape is None and self._shapes_version != self.graph.version:
-            self._shapes.update(self._infer_shapes())
-            self._shapes_version = self.graph.version
-            shape = self._shapes.get(entry)
-        return shape
+    def _param_dtype(self, name: str) -> Optional[str]:
+        for store in (self.new_args, self.new_aux, self.arg_params, self.aux_params):
+            if name in store:
+                return np.dtype(store[name].dtype).name
+        return None
 
-    def _infer_shapes(self) -> Dict[Entry, tuple]:
-        import json
+    @property
+    def probes(self) -> List[Dict[str, tuple]]:
+        """Input shapes the facts are inferred at: the user's, then alternates (see fusion/facts.py)."""
+        if self._probes is None:
+            from .facts import make_probes
+            params = {nd.name: self._param_shape(nd.name) for nd in self.graph.variables()
+                      if self._param_shape(nd.name) is not None}
+            self._probes = make_probes(self.graph, params, self.input_shapes) if self.input_shapes else [{}]
+        return self._probes
 
-        import mxnet as mx
+    def _facts(self, probe: int):
+        """(shapes, dtypes) of the current graph at probe ``probe``, kept across graph versions:
+        rewrites keep every surviving value's shape, so values not seen yet are inferred again
+        at most once per graph version."""
+        cache = self._fact_cache.setdefault(probe, [{}, {}, -1])
+        return cache
 
-        g = self.graph
-        data = g.to_json()
-        known: Dict[str, tuple] = {}
-        unknown = False
-        for i, (jn, nd) in enumerate(zip(data["nodes"], g.nodes)):
-            jn["name"] = "__n%d" % i
-            if nd.is_variable:
-                shape = self._param_shape(nd.name) or self.input_shapes.get(nd.name)
-                if shape:
-                    known[jn["name"]] = tuple(shape)
-                else:
-                    unknown = True
-        if unknown and any(nd.op.startswith("fused_") for nd in g.nodes):
-            # MXNet 1.9.1's wrapper around a library op's shape function overruns a buffer when an
-            # input shape is unknown (it can crash the process): infer only with every shape known.
-            return {}
-        try:
-            internals = mx.sym.load_json(json.dumps(data)).get_internals()
-            _, out_shapes, _ = internals.infer_shape_partial(**known)
-        except Exception:       # an op without shape inference, or shapes that do not fit: no shapes
-            return {}
-        shapes: Dict[Entry, tuple] = {}
-        seen: Dict[int, int] = {}
-        for name, shape in zip(internals.list_outputs(), out_shapes):
-            idx = int(name[3:].split("_", 1)[0])
-            k = seen.get(idx, 0)
-            seen[idx] = k + 1
-            if shape and 0 not in shape:
-                shapes[Entry(g.nodes[idx], k)] = tuple(shape)
+    def _lookup(self, entry: Entry, probe: int, kind: int):
+        cache = self._facts(probe)
+        value = cache[kind].get(entry)
+        if value is None and cache[2] != self.graph.version:
+            from .facts import infer
+            shapes = self._variable_shapes(probe)
+            dtypes = self._variable_dtypes() if probe == 0 else None
+            s, t = infer(self.graph, shapes, dtypes)
+            cache[0].update(s)
+            cache[1].update(t)
+            cache[2] = self.graph.version
+            value = cache[kind].get(entry)
+        return value
+
+    def _variable_shapes(self, probe: int) -> Dict[str, tuple]:
+        shapes = dict(self.probes[probe]) if probe < len(self.probes) else {}
+        for nd in self.graph.variables():
+            s = self._param_shape(nd.name)
+            if s is not None:
+                shapes[nd.name] = s
         return shapes
+
+    def _variable_dtypes(self) -> Dict[str, str]:
+        dtypes = {}
+        for nd in self.graph.variables():
+            t = self._param_dtype(nd.name) or self.input_dtypes.get(nd.name)
+            if t is None and "__dtype__" not in nd.attrs:
+                t = "float32"       # what bind gives an input of no declared dtype
+            if t is not None:
+                dtypes[nd.name] = t
+        return dtypes
+
+    def shape(self, entry: Entry) -> Optional[tuple]:
+        """The shape of ``entry`` at the user's input shapes (None when MXNet cannot infer it)."""
+        return self._lookup(entry, 0, 0)
+
+    def shapes(self, entry: Entry) -> Tuple[tuple, ...]:
+        """The shape of ``entry`` at every probe where it is known, the user's input shapes first
+        (empty when unknown there).  A decision that depends on sizes must hold for all of them."""
+        first = self.shape(entry)
+        if first is None:
+            return ()
+        out = [first]
+        for p in range(1, len(self.probes)):
+            s = self._lookup(entry, p, 0)
+            if s is not None:
+                out.append(s)
+        return tuple(out)
+
+    def dtype(self, entry: Entry) -> Optional[str]:
+        """The dtype of ``entry`` ('float32', 'int32', ...) from MXNet's type inference, or None."""
+        return self._lookup(entry, 0, 1)
 
     def unique_name(self, base: str) -> str:
         name = base
@@ -185,6 +231,7 @@ class Builder:
         self._resolve = resolve
         self.created: List[Node] = []
         self.params_added = 0
+        self._params: List[tuple] = []
 
     @property
     def mode(self) -> str:
@@ -213,11 +260,25 @@ class Builder:
         return outs if num_outputs > 1 else outs[0]
 
     def param(self, name: str, value: np.ndarray, aux: bool = False) -> Entry:
-        """Add a new parameter variable (a fresh name, never one the caller already has)."""
+        """Add a new parameter variable (a fresh name, never one the caller already has).
+
+        Refused in training: a new parameter would be trained on its own (or stand for
+        parameters that would then stop training)."""
+        if self.ctx.mode == "training":
+            raise FusionError("it would add parameter '%s'; in training every parameter must stay the one "
+                              "the optimizer updates" % name)
         unique = self.ctx.unique_name(name)
         (self.ctx.new_aux if aux else self.ctx.new_args)[unique] = np.ascontiguousarray(value)
         self.params_added += 1
+        self._params.append((unique, aux))
         return Entry(self._place(Node("null", unique)))
+
+    def discard(self) -> None:
+        """Forget this replacement (refused): the parameters it added go too."""
+        for name, aux in self._params:
+            (self.ctx.new_aux if aux else self.ctx.new_args).pop(name, None)
+        self._params.clear()
+        self.created.clear()
 
 
 def _escape_reason(m: Match, users: Dict[Node, List], heads: Set[int], exported: Set[int],
@@ -240,13 +301,6 @@ def _escape_reason(m: Match, users: Dict[Node, List], heads: Set[int], exported:
     return None
 
 
-def _head_reason(m: Match, graph: Graph) -> Optional[str]:
-    for e in graph.heads:
-        if e.node is m.anchor and e.index != 0:
-            return "output %d of %s '%s' is a graph output the rewrite does not produce" % (e.index, m.anchor.op, m.anchor.name)
-    return None
-
-
 def _internal(rule, e: Exception) -> str:
     return "internal error in rule %s (%s: %s); the subgraph is left as it was" % (
         rule.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -258,10 +312,11 @@ def _key(rule, m: Match) -> str:
 
 
 class _Pass:
-    def __init__(self, graph: Graph, ctx: Context, report: FusionReport):
+    def __init__(self, graph: Graph, ctx: Context, report: FusionReport, checker: Optional[SelfCheck] = None):
         self.graph = graph
         self.ctx = ctx
         self.report = report
+        self.checker = checker
         self.first_pass = True   # near-misses are reported on the user's graph, not on our rewrites
 
     def run_rule(self, rule) -> int:
@@ -301,7 +356,7 @@ class _Pass:
             exported = {id(m.node(n)) for n in rule.exports if m.has(n)}
             if not users_cache:
                 users_cache.append(graph.consumers())
-            reason = _escape_reason(m, users_cache[0], heads, exported, rule) or _head_reason(m, graph)
+            reason = _escape_reason(m, users_cache[0], heads, exported, rule)
             if reason is None:
                 owner = next((taken[id(n)] for n in m.nodes if id(n) in taken), None)
                 if owner is not None:
@@ -332,36 +387,54 @@ class _Pass:
             rr.near_misses[anchor.name] = trace.reason
 
     def _apply(self, rule, rr, matches: List[Match]) -> int:
+        """Build every match's replacement, check them, commit the ones that pass."""
         if not matches:
             return 0
-        replaced: Dict[Entry, Entry] = {}
-
-        def resolve(e: Entry) -> Entry:
-            while e in replaced:
-                e = replaced[e]
-            return e
-
-        created: List[Node] = []
-        applied = 0
+        candidates: List[Candidate] = []
+        builders: List[Builder] = []
         for m in sorted(matches, key=lambda m: m.anchor.pos):
-            b = Builder(self.ctx, m.anchor, resolve)
+            # Replacements read the values of the graph as it is; the commit below redirects
+            # them to what other replacements of this batch put in their place.
+            b = Builder(self.ctx, m.anchor, lambda e: e)
             try:
                 out = rule.rewrite(m, b)
+                mapping = out if isinstance(out, dict) else {m.anchor_entry: out}
+                reason = _outputs_reason(m, mapping, self.graph) or _training_reason(m, b, mapping, self.ctx)
             except FusionError as e:
-                rr.rejected[m.anchor.name] = "rewrite failed: %s" % e
-                continue
+                reason = "rewrite failed: %s" % e
             except Exception as e:   # a rule's bug: keep the original subgraph, say so
-                rr.rejected[m.anchor.name] = _internal(rule, e)
+                reason = _internal(rule, e)
+            if reason is not None:
+                rr.rejected[m.anchor.name] = reason
+                b.discard()
                 continue
-            mapping = out if isinstance(out, dict) else {m.anchor_entry: out}
-            for old, new in mapping.items():
-                replaced[old] = resolve(new)
+            candidates.append(_candidate(rule, m, b, mapping, self.graph))
+            builders.append(b)
+        verdicts = self.checker.run(rule, candidates) if self.checker is not None else [None] * len(candidates)
+        replaced: Dict[Entry, Entry] = {}
+        created: List[Node] = []
+        applied = 0
+        for c, b, reason in zip(candidates, builders, verdicts):
+            m = c.match
+            if reason is not None:
+                self.report.reject(rule, m.anchor.name, _key(rule, m), reason)
+                b.discard()
+                continue
+            replaced.update(c.replaces)
             created.extend(b.created)
             applied += 1
             rr.fused.append({"anchor": m.anchor.name, "nodes": [n.name for n in m.nodes],
                              "new": [n.name for n in b.created if not n.is_variable]})
             rr.nodes_removed += len(m.nodes) - sum(1 for n in b.created if not n.is_variable)
             rr.params_added += b.params_added
+        if not applied:
+            return 0
+
+        def resolve(e: Entry) -> Entry:
+            while e in replaced:
+                e = replaced[e]
+            return e
+
         graph = self.graph
         graph.nodes.extend(created)
         for nd in graph.nodes:
@@ -370,6 +443,60 @@ class _Pass:
         graph.mark_changed()
         graph.compact()
         return applied
+
+
+def _candidate(rule, m: Match, b: "Builder", mapping: Dict[Entry, Entry], graph: Graph) -> Candidate:
+    """The rewrite as the self-check sees it: the values compared are those something outside the
+    match reads.  A value read only by users the rule vouches for (``Rule.outside_use_ok``, e.g.
+    positions taken off a head split) is compared through those users."""
+    inside = {id(n) for n in m.nodes}
+    heads = set(graph.heads)
+    users = graph.consumers()
+    compared: Dict[Entry, Entry] = {}
+    old_extra: List[Node] = []
+    new_extra: List[Node] = []
+    for old, new in mapping.items():
+        outside = [(u, slot) for u, slot in users.get(old.node, ()) if u.inputs[slot] == old and id(u) not in inside]
+        if old in heads or any(not rule.outside_use_ok(m, old, u) for u, _ in outside):
+            compared[old] = new
+            continue
+        for u, _ in outside:
+            twin = Node(u.op, u.name, u.attrs, [new if e == old else e for e in u.inputs], num_outputs=u.num_outputs)
+            old_extra.append(u)
+            new_extra.append(twin)
+            for k in range(u.num_outputs):
+                compared[Entry(u, k)] = Entry(twin, k)
+    return Candidate(m, b.created, compared, replaces=mapping, old_extra=old_extra, new_extra=new_extra)
+
+
+def _outputs_reason(m: Match, mapping: Dict[Entry, Entry], graph: Graph) -> Optional[str]:
+    """Every output of a matched node that something outside the match reads must be replaced."""
+    inside = {id(n) for n in m.nodes}
+    users = graph.consumers()
+    for nd in m.nodes:
+        for user, slot in users.get(nd, ()):
+            e = user.inputs[slot]
+            if id(user) not in inside and e not in mapping:
+                return ("output %d of %s '%s' is read by %s '%s', and the rewrite does not produce it"
+                        % (e.index, nd.op, nd.name, user.op, user.name))
+    for e in graph.heads:
+        if id(e.node) in inside and e not in mapping:
+            return "output %d of %s '%s' is a graph output the rewrite does not produce" % (e.index, e.node.op, e.node.name)
+    return None
+
+
+def _training_reason(m: Match, b: "Builder", mapping: Dict[Entry, Entry], ctx: "Context") -> Optional[str]:
+    """In training, a rewrite keeps reading every variable the matched nodes read (no parameter is
+    folded, copied or baked into an attribute: each keeps receiving its gradient)."""
+    if ctx.mode != "training":
+        return None
+    read = {id(e.node) for n in b.created for e in n.inputs} | {id(e.node) for e in mapping.values()}
+    for nd in m.nodes:
+        for e in nd.inputs:
+            if e.node.is_variable and id(e.node) not in read:
+                return ("parameter '%s' would no longer be read: in training it must keep receiving its "
+                        "gradient" % e.node.name)
+    return None
 
 
 def _cycle_reason(m: Match, exported: Set[int], graph: Graph, nxg: nx.DiGraph) -> Optional[str]:
@@ -402,8 +529,12 @@ def _compiled(rule) -> Any:
     return p[1]
 
 
-def run_rules(graph: Graph, rules: Sequence[Any], ctx: Context, report: FusionReport) -> None:
-    """Apply ``rules`` to ``graph`` (in place) until a whole pass changes nothing."""
+def run_rules(graph: Graph, rules: Sequence[Any], ctx: Context, report: FusionReport,
+              checker: Optional[SelfCheck] = None) -> None:
+    """Apply ``rules`` to ``graph`` (in place) until a whole pass changes nothing.
+
+    ``checker`` runs each batch of rewrites side by side with what they replace before
+    they are committed (see fusion/selfcheck.py)."""
     ordered = sorted(rules, key=lambda r: (-r.benefit, r.name))
     names = [r.name for r in ordered]
     dup = {n for n in names if names.count(n) > 1}
@@ -411,7 +542,7 @@ def run_rules(graph: Graph, rules: Sequence[Any], ctx: Context, report: FusionRe
         raise ValueError("rule names must be unique: %s" % ", ".join(sorted(dup)))
     for r in ordered:
         report.rule(r)
-    p = _Pass(graph, ctx, report)
+    p = _Pass(graph, ctx, report, checker)
     for k in range(MAX_PASSES):
         report.passes = k + 1
         changed = sum(p.run_rule(r) for r in ordered)

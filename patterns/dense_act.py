@@ -4,11 +4,13 @@ Matched::
 
     z = FullyConnected(x, W[, b], flatten=f)
     z = z | z + c                                 broadcast_add/elemwise_add of a bias parameter (N,) / (1,…,N)
+                                                  that keeps z's shape (decided at every probe shape)
     y = z | act(z)                                Activation(relu|sigmoid|tanh|softrelu), relu, sigmoid, tanh,
                                                   LeakyReLU(leaky|gelu), GELU written out (erf or tanh form)
 
 Rewrite: ``y = fused_dense(x, W, b', act=…, flatten=f)`` with ``b' = b + c``
-(a new parameter when both exist) — one GEMM through oneDNN's sgemm on a weight
+(a new parameter at inference; in training ``b + reshape(c)`` computed in the graph,
+so that both keep their gradients) — one GEMM through oneDNN's sgemm on a weight
 prepared once, with bias and activation applied while the output tile is in cache.
 The arithmetic is the same; only the summation order inside the GEMM differs, as
 between any two BLAS libraries (fp32 error ~1e-6 relative).
@@ -102,17 +104,41 @@ class DenseAct(Rule):
                 k, a = float(m.node("k").attrs["scalar"]), float(m.node("a").attrs["scalar"])
                 if abs(k - 0.7978845608028654) > 1e-7 or abs(a - 0.044715) > 1e-9:
                     return "tanh-GELU constants %g, %g differ from the kernel's (it uses √(2/π), 0.044715)" % (k, a)
-        fc = m.node("fc")
         if m.has("bias_add"):
+            return self._bias_reason(m)
+        return None
+
+    @staticmethod
+    def _bias_reason(m: Match) -> Optional[str]:
+        """Why the added value is not one bias per output feature (None when it is).
+
+        ``broadcast_add`` aligns trailing axes (NumPy-style, ranks padded with 1s on the left):
+        ``c`` is a per-feature bias iff it holds ``num_hidden`` values along its last axis, 1s
+        elsewhere, and the sum has the FullyConnected's own shape — at every probe shape.
+        """
+        fc, add = m.node("fc"), m.node("bias_add")
+        hidden = int(fc.param("num_hidden"))
+        name = m.node("bias2").name
+        c_shape = m.ctx.shape(m["bias2"])
+        if c_shape is None:
             c = m.value("bias2")
-            hidden = int(fc.param("num_hidden"))
             if c is None:
-                return "bias '%s' has no value (pass params)" % m.node("bias2").name
-            if c.size != hidden or max(c.shape or (1,)) != hidden:
-                return "bias '%s' of shape %s is not one value per output feature (%d)" % (
-                    m.node("bias2").name, c.shape, hidden)
-            if m.has("b") and m.value("b") is None:
-                return "bias '%s' has no value (pass params)" % m.node("b").name
+                return "bias '%s' has neither a value nor a known shape (pass params)" % name
+            c_shape = c.shape
+        c_shape = tuple(c_shape)
+        if not c_shape or c_shape[-1] != hidden or any(d != 1 for d in c_shape[:-1]):
+            return "'%s' of shape %s is not one value per output feature (%d) along the last axis" % (
+                name, c_shape, hidden)
+        if add.op == "elemwise_add" and len(c_shape) > 1:
+            return "elemwise_add of '%s' %s needs the FullyConnected's exact shape" % (name, c_shape)
+        if len(c_shape) == 1 or (len(c_shape) == 2 and fc.param("flatten")):
+            return None        # the sum keeps the layer's shape whatever the batch
+        outs, sums = m.ctx.shapes(Entry(fc)), m.ctx.shapes(Entry(add))
+        if not outs or len(outs) != len(sums):
+            return "the shapes around the add of '%s' %s are unknown (pass input shapes)" % (name, c_shape)
+        for o, s in zip(outs, sums):
+            if tuple(o) != tuple(s):
+                return "adding '%s' %s broadcasts the layer's output %s to %s" % (name, c_shape, o, s)
         return None
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
@@ -123,14 +149,29 @@ class DenseAct(Rule):
             attrs["slope"] = slope
         inputs = [m["x"], m["w"]]
         if m.has("bias_add"):
-            extra = m.value("bias2").reshape(-1)
-            bias = extra + m.value("b").reshape(-1) if m.has("b") else extra
-            inputs.append(b.param(fc.name + "_fused_bias", bias.astype(m.value("bias2").dtype)))
+            inputs.append(self._bias(m, b))
         elif m.has("b"):
             inputs.append(m["b"])
         else:
             attrs["no_bias"] = True
         return b.op("fused_dense", inputs, attrs=attrs, name=m.anchor.name)
+
+
+    @staticmethod
+    def _bias(m: Match, b: Builder) -> Entry:
+        """The layer's bias with the added one merged in: a new parameter at inference; in
+        training the sum is computed in the graph, so both parameters keep their gradients."""
+        fc = m.node("fc")
+        c, prior = m.value("bias2"), m.value("b") if m.has("b") else None
+        if m.ctx.mode != "training" and c is not None and (prior is not None or not m.has("b")):
+            bias = c.reshape(-1) + prior.reshape(-1) if prior is not None else c.reshape(-1)
+            return b.param(fc.name + "_fused_bias", bias.astype(c.dtype))
+        extra = m["bias2"]
+        if len(m.ctx.shape(extra) or (c.shape if c is not None else ())) != 1:
+            extra = b.op("Reshape", [extra], attrs={"shape": (-1,)}, name=fc.name + "_bias_flat")
+        if not m.has("b"):
+            return extra
+        return b.op("elemwise_add", [m["b"], extra], name=fc.name + "_bias_sum")
 
 
 RULES: List[Rule] = [DenseAct()]

@@ -11,9 +11,13 @@ Matched subgraph (any of the spellings on each line)::
     y  = n [· γ] [+ β]                           mul / add with parameters, either operand order
 
 Rewrite: ``y = LayerNorm(x, γ, β, axis=a, eps=ε)`` — the same arithmetic in one op
-(mean, biased variance, ``1/√(σ²+ε)``).  γ and β must be parameters holding one
-value per element of axis ``a`` (any shape of that size; they are reshaped to
-``(C,)`` under a new name when needed); an absent γ/β becomes ones/zeros.
+(mean, biased variance, ``1/√(σ²+ε)``).  ``broadcast_mul``/``broadcast_add`` align
+trailing axes, so γ and β act along axis ``a`` only when their shape, padded on the
+left with 1s to x's rank, is 1 everywhere but at ``a`` where it is ``C = x.shape[a]``
+(a 1-D γ over the last axis always is; anything else is decided from x's shape at
+every probe shape, and refused when x's shape is unknown).  A γ/β of another shape
+than ``(C,)`` is passed through ``Reshape`` (so it keeps its gradient in training);
+an absent one becomes ``_ones``/``_zeros`` of ``(C,)``.  No parameter is added.
 """
 from __future__ import annotations
 
@@ -88,35 +92,70 @@ class DecomposedLayerNorm(Rule):
         eps = _scalar_value(m, "eps", "eps_value")
         if eps is None or not eps > 0:
             return "ε must be a positive constant (found %r)" % eps
-        sizes = []
-        for name in ("gamma", "beta"):
-            if m.has(name):
-                v = m.value(name)
-                if v is None:
-                    return "needs the value of '%s' to check it holds one value per channel" % m.node(name).name
-                if v.size != max(v.shape or (1,)):
-                    return "'%s' has shape %s, not one value per channel" % (m.node(name).name, v.shape)
-                sizes.append(v.size)
-        if not sizes:
-            return "no γ or β: the channel count is unknown, so LayerNorm's γ/β cannot be made"
-        if len(set(sizes)) > 1:
-            return "γ and β have different sizes %s" % sizes
-        return None
+        plan = _affine_plan(m)
+        return plan if isinstance(plan, str) else None
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
         axis = _axis(m.node("mean"))
         eps = _scalar_value(m, "eps", "eps_value")
-        c = (m.value("gamma") if m.has("gamma") else m.value("beta")).size
+        c, shapes = _affine_plan(m)
         params = []
-        for name, fill in (("gamma", 1.0), ("beta", 0.0)):
-            if m.has(name) and m.value(name).shape == (c,):
+        for name, fill in (("gamma", "_ones"), ("beta", "_zeros")):
+            if not m.has(name):
+                params.append(b.op(fill, [], attrs={"shape": (c,)}, name=m.anchor.name + "_" + name))
+            elif shapes[name] == (c,):
                 params.append(m[name])
-            elif m.has(name):
-                params.append(b.param(m.node(name).name + "_flat", m.value(name).reshape(c)))
-            else:
-                dtype = (m.value("gamma") if m.has("gamma") else m.value("beta")).dtype
-                params.append(b.param(m.anchor.name + "_" + name, np.full(c, fill, dtype=dtype)))
+            else:   # the same values as (C,): a view computed in the graph, so a trained γ/β keeps its gradient
+                params.append(b.op("Reshape", [m[name]], attrs={"shape": (c,)}, name=m.node(name).name + "_flat"))
         return b.op("LayerNorm", [m["x"]] + params, attrs={"axis": axis, "eps": eps}, name=m.anchor.name)
+
+
+def _affine_plan(m: Match):
+    """(C, {"gamma"/"beta": shape}) when γ and β scale and shift along the normalized axis alone, else
+    the reason they do not.
+
+    ``broadcast_mul``/``broadcast_add`` align trailing axes (NumPy-style): a γ of shape ``g``
+    acts per element of axis ``a`` of an ``r``-dimensional x iff ``g``, padded on the left
+    with 1s to rank ``r``, is 1 everywhere but at ``a``, where it is ``C = x.shape[a]``, and
+    the result keeps x's shape.  With ``a`` the last axis and a 1-D γ this holds for every
+    shape of x; otherwise it is decided from x's shape at every probe.
+    """
+    axis = _axis(m.node("mean"))
+    shapes = {}
+    for name in ("gamma", "beta"):
+        if m.has(name):
+            shape = m.ctx.shape(m[name])
+            if shape is None:
+                v = m.value(name)
+                if v is None:
+                    return "needs the value or shape of '%s' to check it holds one value per channel" % m.node(name).name
+                shape = v.shape
+            shapes[name] = tuple(shape)
+    xs = m.ctx.shapes(m["x"])
+    if not xs:
+        if axis != -1 or any(len(s) != 1 for s in shapes.values()):
+            return "the shape of '%s' is unknown (pass input shapes): cannot tell γ/β's axis" % m["x"].node.name
+        if not shapes:
+            return "no γ or β and the shape of '%s' is unknown: the channel count is unknown" % m["x"].node.name
+        sizes = {s[0] for s in shapes.values()}
+        return (sizes.pop(), shapes) if len(sizes) == 1 else "γ and β have different sizes %s" % sorted(sizes)
+    channels = set()
+    for x_shape in xs:
+        r = len(x_shape)
+        if not -r <= axis < r:
+            return "axis %d is out of range for '%s' of rank %d" % (axis, m["x"].node.name, r)
+        a = axis % r
+        channels.add(x_shape[a])
+        for name, g in shapes.items():
+            if len(g) > r:
+                return "'%s' of shape %s has more axes than '%s' %s" % (m.node(name).name, g, m["x"].node.name, x_shape)
+            padded = (1,) * (r - len(g)) + g
+            if any(d != 1 for i, d in enumerate(padded) if i != a) or padded[a] != x_shape[a]:
+                return ("'%s' of shape %s does not act along axis %d of %s (MXNet broadcasts it along the "
+                        "trailing axes)" % (m.node(name).name, g, axis, x_shape))
+    if len(channels) != 1:
+        return "the normalized axis changes size with the input (%s): γ/β cannot be fixed" % sorted(channels)
+    return channels.pop(), shapes
 
 
 RULES: List[Rule] = [DecomposedLayerNorm()]

@@ -46,19 +46,22 @@ class SkipLayerNorm(Rule):
         return op.LayerNorm(op.add(Var("a"), Var("b"), name="add"), Var("gamma"), Var("beta"), name="ln")
 
     def _operands(self, m: Match):
-        """(a, b) in the order the op takes them, or a reason."""
+        """(a, b) in the order the op takes them, or a reason — decided at every probe shape, so
+        that an add whose operands have equal shapes at batch 1 but not at batch 2 (a position
+        embedding of shape (1, S, C)) gets the broadcast operand second at every batch size."""
         add = m.node("add")
         a, b = m["a"], m["b"]
         if add.op == "elemwise_add" or a == b:
             return a, b
-        sa, sb = m.ctx.shape(a), m.ctx.shape(b)
-        if sa is None or sb is None:
+        sa, sb = m.ctx.shapes(a), m.ctx.shapes(b)
+        if not sa or len(sa) != len(sb):
             return "the shapes of the broadcast add are unknown (pass input shapes)"
-        if tuple(sa) == tuple(sb) or _broadcasts_over_leading(sa, sb):
+        if all(_broadcasts_over_leading(x, y) for x, y in zip(sa, sb)):
             return a, b
-        if _broadcasts_over_leading(sb, sa):
+        if all(_broadcasts_over_leading(y, x) for x, y in zip(sa, sb)):
             return b, a
-        return "add of shapes %s and %s broadcasts in a way fused_add_layer_norm cannot" % (sa, sb)
+        return "add of shapes %s and %s broadcasts in a way fused_add_layer_norm cannot" % (
+            " / ".join(map(str, sa)), " / ".join(map(str, sb)))
 
     def check(self, m: Match) -> Optional[str]:
         reason = float32_reason([m["a"], m["b"], m["gamma"], m["beta"]], m.ctx)

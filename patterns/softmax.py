@@ -6,9 +6,11 @@ Matched::
     y = e / sum(e, axis=a, keepdims=True)         broadcast_div | elemwise_div
 
 Rewrite: ``y = softmax(x, axis=a)``.  With the max subtracted this is the same
-arithmetic; without it, the written form overflows to inf/NaN for inputs above
-~88 while ``softmax`` (which subtracts the max internally) stays finite — the
-only inputs on which the two differ.
+arithmetic (NaN and ±inf included: ``softmax`` subtracts the max itself).  Without
+it the written form is another function on inputs a model does meet: it overflows
+to inf/NaN for inputs above ~88 and gives 0/0 = NaN where every input of a row is
+below ~−87 (a fully masked row), where ``softmax`` stays finite — so that form is
+refused.
 """
 from __future__ import annotations
 
@@ -40,7 +42,10 @@ class DecomposedSoftmax(Rule):
         return softmax_pattern()
 
     def check(self, m: Match) -> Optional[str]:
-        names = ("sum", "max") if m.has("max") else ("sum",)
+        if not m.has("max"):
+            return ("exp(x)/sum(exp(x)) without the max subtracted overflows (x > 88) and gives 0/0 where "
+                    "a whole row is below −87, where softmax stays finite: not the same function")
+        names = ("sum", "max")
         axes = [_axis(m.node(n)) for n in names]
         if None in axes:
             return "the reductions must be over one axis"

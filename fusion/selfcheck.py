@@ -1,0 +1,592 @@
+"""The per-rewrite numerical self-check: a rewrite is accepted only if it computes what it replaces.
+
+Before a batch of rewrites is committed, each matched subgraph ("old") and its
+replacement ("new") are run side by side by MXNet on the same inputs, at every
+probe shape of the pass (the user's input shapes and the alternates of
+``fusion/facts.py``), and compared output by output:
+
+* shapes equal, NaN and ±inf at the same positions, and the finite values within
+  ``TOLERANCE`` of the old output's scale (``max|new − old| / max|old|``, the same
+  measure as ``fusion.verify``);
+* in ``mode="training"`` also the gradients of every input (with the same random
+  output gradients on both sides), and no input whose gradient the old side
+  computes may be dropped by the new one.
+
+The inputs of a subgraph are the values it reads from the rest of the graph:
+
+* parameters: their values;
+* values computed from shapes and parameters alone (a causal mask built with
+  ``arange_like``, a sliced position embedding): computed by MXNet from the graph;
+* everything else: random, drawn in the domain the subgraph reads it in — 0/1 for a
+  ``where`` condition, integers in ``[0, n]`` for softmax lengths, valid indices for
+  ``Embedding``/``take``, small integers for integer dtypes, N(0, 1) otherwise.
+
+A rewrite that fails the check is refused with the mismatch as its reason.  One
+whose inputs' shapes are unknown (no input shapes were given) is not checked, and
+the report says how many were; the check is defence in depth, not a substitute for
+rules that decide exactly.
+
+All candidates of one rule application are checked in one MXNet graph per probe
+(with MXNet's oneDNN subgraph backend off, like ``fusion.verify``); when that graph
+fails to bind or run, it is bisected to the candidates that fail.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .graph import Entry, Node
+
+TOLERANCE = 1e-4            # outputs: max|new − old| / max|old|
+GRAD_TOLERANCE = 1e-3       # gradients: backward passes re-associate more sums
+
+# Inputs read only for their shape: (op, input slot).
+SHAPE_ONLY = frozenset({("_contrib_arange_like", 0), ("ones_like", 0), ("zeros_like", 0), ("shape_array", 0),
+                        ("size_array", 0), ("broadcast_like", 1), ("reshape_like", 1), ("slice_like", 1)})
+# Ops that pass a value through unchanged in kind (a mask stays a mask, a length a length).
+_PASS_THROUGH = frozenset({"Reshape", "reshape", "expand_dims", "squeeze", "Cast", "cast", "amp_cast", "_copy",
+                           "identity", "repeat", "tile", "broadcast_to", "broadcast_like", "broadcast_axis",
+                           "transpose", "SwapAxis", "slice_axis", "slice", "reshape_like", "Flatten", "flatten"})
+
+
+@dataclass
+class Candidate:
+    """A rewrite built but not committed.
+
+    ``mapping`` pairs the values compared (old entry -> new entry); ``replaces`` is what the
+    commit redirects.  ``old_extra``/``new_extra``: nodes outside the match run on both sides
+    to compare a value through its readers (see ``Rule.outside_use_ok``).
+    """
+
+    match: Any
+    created: List[Node]
+    mapping: Dict[Entry, Entry]
+    replaces: Dict[Entry, Entry] = field(default_factory=dict)
+    old_extra: List[Node] = field(default_factory=list)
+    new_extra: List[Node] = field(default_factory=list)
+
+
+@dataclass
+class CheckStats:
+    checked: int = 0
+    refused: int = 0
+    unchecked: int = 0
+    unchecked_reasons: Dict[str, int] = field(default_factory=dict)
+    worst_rel: float = 0.0
+    worst_at: str = ""
+    probes: List[Dict[str, tuple]] = field(default_factory=list)
+
+    def note_unchecked(self, reason: str) -> None:
+        self.unchecked += 1
+        self.unchecked_reasons[reason] = self.unchecked_reasons.get(reason, 0) + 1
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"checked": self.checked, "refused": self.refused, "unchecked": self.unchecked,
+                "unchecked_reasons": dict(self.unchecked_reasons), "worst_rel": self.worst_rel,
+                "worst_at": self.worst_at, "probes": [{k: list(v) for k, v in p.items()} for p in self.probes]}
+
+
+# ---------------------------------------------------------------- what an input means to its readers
+
+def _softmax_length_bound(node: Node, shape_of) -> Optional[int]:
+    s = shape_of(node.inputs[0])
+    return None if s is None else s[node.param("axis", -1)]
+
+
+def _attention_keys(node: Node, shape_of) -> Optional[int]:
+    layout = node.param("layout", "plain")
+    src = {"plain": (1, -2), "bshd": (1, 1), "packed_qkv": (0, 1), "interleaved": (0, 0),
+           "interleaved_encdec": (1, 0)}.get(layout)
+    if src is None:
+        return None
+    s = shape_of(node.inputs[src[0]])
+    return None if s is None else s[src[1]]
+
+
+def _domain(node: Node, slot: int, shape_of) -> Optional[Tuple]:
+    """How ``node`` reads its input ``slot``: ("bool",), ("int", lo, hi) or None (any real value)."""
+    op = node.op
+    if op == "where" and slot == 0:
+        return ("bool",)
+    if op in ("softmax", "log_softmax", "masked_softmax") and slot == 1 and node.param("use_length", False):
+        n = _softmax_length_bound(node, shape_of)
+        return None if n is None else ("int", 0, n)
+    if op in ("SequenceMask", "SequenceLast", "SequenceReverse") and slot == 1:
+        s = shape_of(node.inputs[0])
+        return None if s is None else ("int", 1, s[node.param("axis", 0)])
+    if op == "Embedding" and slot == 0:
+        return ("int", 0, int(node.param("input_dim")) - 1)
+    if op == "one_hot" and slot == 0:
+        return ("int", 0, int(node.param("depth")) - 1)
+    if op in ("take", "pick", "batch_take") and slot == 1:
+        s = shape_of(node.inputs[0])
+        axis = node.param("axis", 0 if op == "take" else -1)
+        return None if s is None or axis is None else ("int", 0, s[axis] - 1)
+    if op == "fused_attention" and slot >= 1:
+        kind = node.param("mask_kind", "none")
+        data = {"plain": 3, "bshd": 3, "packed_qkv": 1, "interleaved": 1,
+                "interleaved_encdec": 2}.get(node.param("layout", "plain"), 3)
+        if slot == data and kind == "boolean":
+            return ("bool",)
+        if slot == data and kind == "valid_length":
+            n = _attention_keys(node, shape_of)
+            return None if n is None else ("int", 0, n)
+    if op == "fused_elemwise" and "where(x%d," % slot in node.attrs.raw("expr", "").replace(" ", ""):
+        return ("bool",)
+    return None
+
+
+def _input_domain(entry_users: List[Tuple[Node, int]], users_of, shape_of, depth: int = 0) -> Optional[Tuple]:
+    for node, slot in entry_users:
+        d = _domain(node, slot, shape_of)
+        if d is not None:
+            return d
+        if node.op in _PASS_THROUGH and (node.op, slot) not in SHAPE_ONLY and slot == 0 and depth < 6:
+            d = _input_domain(users_of(node), users_of, shape_of, depth + 1)
+            if d is not None:
+                return d
+    return None
+
+
+def _draw(rng: np.random.Generator, shape: tuple, dtype: str, domain: Optional[Tuple]) -> np.ndarray:
+    if domain is not None and domain[0] == "bool":
+        return rng.integers(0, 2, shape).astype(dtype)
+    if domain is not None and domain[0] == "int":
+        lo, hi = domain[1], max(domain[1], domain[2])
+        return rng.integers(lo, hi + 1, shape).astype(dtype)
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        return rng.integers(0, 4, shape).astype(dtype)
+    if np.dtype(dtype) == np.float32:
+        return rng.standard_normal(shape, dtype=np.float32)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+# ---------------------------------------------------------------- which values depend on data
+
+class DataDependence:
+    """Whether a value depends on the values (not only the shapes) of the model's data inputs."""
+
+    def __init__(self, ctx: Any):
+        self.ctx = ctx
+        self._memo: Dict[Node, bool] = {}
+
+    def __call__(self, node: Node) -> bool:
+        memo = self._memo
+        stack = [(node, False)]
+        while stack:
+            nd, expanded = stack.pop()
+            if nd in memo:
+                continue
+            if nd.op == "null":
+                memo[nd] = self.ctx.value(Entry(nd)) is None
+                continue
+            if nd.op.startswith(("_random", "_sample")) or nd.op == "Dropout":
+                memo[nd] = True
+                continue
+            parents = [e.node for slot, e in enumerate(nd.inputs) if (nd.op, slot) not in SHAPE_ONLY]
+            if expanded:
+                memo[nd] = any(memo.get(p, True) for p in parents)
+                continue
+            stack.append((nd, True))
+            stack.extend((p, False) for p in parents if p not in memo)
+        return memo[node]
+
+
+# ---------------------------------------------------------------- building the side-by-side graph
+
+class _Side:
+    """One side (old or new) of one candidate: its nodes, outputs and external inputs."""
+
+    def __init__(self, nodes: Sequence[Node], outputs: Sequence[Entry]):
+        self.nodes = [n for n in nodes if not n.is_variable]     # variables (new parameters) are inputs
+        inside = {id(n) for n in self.nodes}
+        ext: List[Entry] = []
+        seen = set()
+        for nd in self.nodes:
+            for e in nd.inputs:
+                if id(e.node) not in inside and e not in seen:
+                    seen.add(e)
+                    ext.append(e)
+        for e in outputs:
+            if id(e.node) not in inside and e not in seen:
+                seen.add(e)
+                ext.append(e)
+        self.outputs = list(outputs)
+        self.external = ext
+        self.inside = inside
+
+    def users(self, node: Node) -> List[Tuple[Node, int]]:
+        return [(nd, slot) for nd in self.nodes for slot, e in enumerate(nd.inputs) if e.node is node]
+
+    def users_of_entry(self, entry: Entry) -> List[Tuple[Node, int]]:
+        return [(nd, slot) for nd in self.nodes for slot, e in enumerate(nd.inputs) if e == entry]
+
+
+class _Prepared:
+    def __init__(self, index: int, old: _Side, new: _Side, values: Dict[Entry, np.ndarray]):
+        self.index = index
+        self.old, self.new = old, new
+        self.values = values
+
+
+def _emit(side: _Side, tag: str, jnodes: List[dict], row_counts: List[int]) -> Tuple[List[list], Dict[str, Entry]]:
+    """Append ``side`` to the JSON node list; returns its head refs and {variable name: entry}."""
+    index: Dict[int, int] = {}
+    variables: Dict[Entry, int] = {}
+    names: Dict[str, Entry] = {}
+
+    def ref(e: Entry) -> list:
+        if id(e.node) in index:
+            return [index[id(e.node)], e.index, 0]
+        if e not in variables:
+            name = "%s_x%d" % (tag, len(variables))
+            variables[e] = len(jnodes)
+            names[name] = e
+            jnodes.append({"op": "null", "name": name, "inputs": []})
+            row_counts.append(1)
+        return [variables[e], 0, 0]
+
+    for k, nd in enumerate(side.nodes):
+        inputs = [ref(e) for e in nd.inputs]
+        jn = {"op": nd.op, "name": "%s_n%d" % (tag, k), "inputs": inputs}
+        if len(nd.attrs):
+            jn["attrs"] = nd.attrs.to_json()
+        if "subgraphs" in nd.extra:
+            jn["subgraphs"] = nd.extra["subgraphs"]
+        index[id(nd)] = len(jnodes)
+        jnodes.append(jn)
+        row_counts.append(nd.num_outputs)
+    heads = [ref(e) for e in side.outputs]
+    return heads, names
+
+
+def _build(items: Sequence[_Prepared]):
+    jnodes: List[dict] = []
+    rows: List[int] = []
+    heads: List[list] = []
+    layout = []          # per item: (n outputs, {name: entry} old, {name: entry} new)
+    for it in items:
+        h_old, v_old = _emit(it.old, "c%do" % it.index, jnodes, rows)
+        h_new, v_new = _emit(it.new, "c%dn" % it.index, jnodes, rows)
+        heads.extend(h_old + h_new)
+        layout.append((len(h_old), v_old, v_new))
+    row_ptr = [0]
+    for r in rows:
+        row_ptr.append(row_ptr[-1] + r)
+    data = {"nodes": jnodes, "arg_nodes": [i for i, n in enumerate(jnodes) if n["op"] == "null"],
+            "node_row_ptr": row_ptr, "heads": heads, "attrs": {"mxnet_version": ["int", 10901]}}
+    return json.dumps(data), layout
+
+
+# ---------------------------------------------------------------- comparing
+
+def compare(old: np.ndarray, new: np.ndarray) -> Tuple[float, Optional[str]]:
+    """(relative error, reason or None) of ``new`` against ``old``."""
+    if old.shape != new.shape:
+        return float("inf"), "shape %s instead of %s" % (new.shape, old.shape)
+    if old.size == 0:
+        return 0.0, None
+    if old.dtype != new.dtype:
+        return float("inf"), "dtype %s instead of %s" % (new.dtype, old.dtype)
+    if not np.issubdtype(old.dtype, np.floating):
+        diff = int(np.count_nonzero(old != new))
+        return (0.0, None) if diff == 0 else (float("inf"), "%d value(s) differ" % diff)
+    a, b = old, new
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.abs(a - b)
+        worst = d.max()
+        if np.isfinite(worst):       # no NaN/inf on either side (the common case): one pass
+            scale = float(np.abs(a).max())
+            return (float(worst) / scale if scale > 0 else float(worst)), None
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    if not np.array_equal(nan_a, nan_b):
+        return float("inf"), "NaN at %d position(s) where the original has NaN at %d" % (nan_b.sum(), nan_a.sum())
+    inf_a, inf_b = np.isinf(a), np.isinf(b)
+    if not np.array_equal(inf_a, inf_b) or not np.array_equal(a[inf_a], b[inf_b]):
+        return float("inf"), "±inf at %d position(s) where the original has ±inf at %d" % (inf_b.sum(), inf_a.sum())
+    fin = ~(nan_a | inf_a)
+    if not fin.any():
+        return 0.0, None
+    diff = float(np.abs(a[fin].astype(np.float64) - b[fin].astype(np.float64)).max())
+    scale = float(np.abs(a[fin]).max())
+    return (diff / scale if scale > 0 else diff), None
+
+
+# ---------------------------------------------------------------- the check
+
+class SelfCheck:
+    """Checks candidates of the rewrite pass (see module docs); one per ``fuse()`` call."""
+
+    def __init__(self, ctx: Any, enabled: bool = True, seed: int = 0):
+        self.ctx = ctx
+        self.enabled = enabled
+        self.stats = CheckStats()
+        self.seed = seed
+        self.depends = DataDependence(ctx)
+
+    # -- entry point -------------------------------------------------------------------
+    def run(self, rule: Any, candidates: Sequence[Candidate]) -> List[Optional[str]]:
+        """A refusal reason (or None) per candidate."""
+        reasons: List[Optional[str]] = [None] * len(candidates)
+        if not candidates:
+            return reasons
+        if not self.enabled:
+            return reasons
+        ctx = self.ctx
+        if not ctx.input_shapes:
+            for _ in candidates:
+                self.stats.note_unchecked("no input shapes given")
+            return reasons
+        probes = ctx.probes
+        self.stats.probes = probes
+        checked = [False] * len(candidates)
+        for p in range(len(probes)):
+            items = []
+            for i, c in enumerate(candidates):
+                if reasons[i] is not None:
+                    continue
+                prepared = self._prepare(i, c, p)
+                if isinstance(prepared, str):
+                    if p == 0:
+                        self.stats.note_unchecked(prepared)
+                    continue
+                items.append(prepared)
+            if not items:
+                continue
+            for i, reason, rel in self._run_group(items, p):
+                if reason is None:
+                    checked[i] = True
+                    if rel > self.stats.worst_rel:
+                        self.stats.worst_rel = rel
+                        self.stats.worst_at = "%s at '%s'" % (rule.name, candidates[i].match.anchor.name)
+                elif reason is not _UNCHECKED:
+                    reasons[i] = "self-check%s: %s" % ("" if p == 0 else " at input shapes %s" % _fmt(probes[p]),
+                                                      reason)
+        for i, ok in enumerate(checked):
+            if reasons[i] is not None:
+                self.stats.refused += 1
+            elif ok:
+                self.stats.checked += 1
+        return reasons
+
+    # -- inputs ------------------------------------------------------------------------
+    def _shape_at(self, p: int):
+        return lambda e: self.ctx._lookup(e, p, 0)
+
+    def _prepare(self, i: int, c: Candidate, p: int):
+        ctx = self.ctx
+        keys = list(c.mapping)
+        old = _Side(sorted(c.match.nodes, key=lambda n: n.pos) + c.old_extra, keys)
+        new = _Side(c.created + c.new_extra, [c.mapping[k] for k in keys])
+        created = {id(n) for n in c.created + c.new_extra}
+        shape_at = self._shape_at(p)
+
+        def shape_of(e: Entry):
+            return None if id(e.node) in created else shape_at(e)
+
+        values: Dict[Entry, np.ndarray] = {}
+        upstream: List[Entry] = []
+        rng = np.random.default_rng(self.seed + 7919 * i + p)
+        for e in _unique(old.external + new.external):
+            if e.node.is_variable:
+                v = ctx.array(e)
+                if v is not None:
+                    values[e] = v
+                    continue
+                shape = ctx.probes[p].get(e.node.name)
+            else:
+                shape = shape_at(e)
+            if shape is None:
+                return "the shape of '%s' is unknown" % e.node.name
+            if not e.node.is_variable and not self.depends(e.node):
+                upstream.append(e)
+                continue
+            dtype = ctx.dtype(e) or "float32"
+            users = old.users_of_entry(e) + new.users_of_entry(e)
+            domain = _input_domain(users, lambda n: old.users(n) + new.users(n), shape_of)
+            values[e] = _draw(rng, tuple(shape), dtype, domain)
+        if upstream:
+            got = self._evaluate(upstream, p)
+            if got is None:
+                return "values computed from shapes could not be evaluated"
+            values.update(got)
+        return _Prepared(i, old, new, values)
+
+    def _evaluate(self, entries: List[Entry], p: int) -> Optional[Dict[Entry, np.ndarray]]:
+        """Values that depend on shapes and parameters only, computed by MXNet from the graph."""
+        import mxnet as mx
+
+        from .bench import subgraph_backend
+
+        ctx = self.ctx
+        key = ("selfcheck-upstream", p)
+        cache = ctx.memo.setdefault(key, {})
+        missing = [e for e in entries if e not in cache]
+        if missing:
+            data = ctx.graph.to_json()
+            data["heads"] = [[int(e.node.pos), e.index, 0] for e in missing]
+            try:
+                sym = mx.sym.load_json(json.dumps(data))
+                args = {}
+                by_name = {nd.name: nd for nd in ctx.graph.variables()}
+                for name in sym.list_arguments():
+                    v = ctx.value(Entry(by_name[name]))
+                    if v is None:
+                        shape = ctx.probes[p].get(name)
+                        if shape is None:
+                            return None
+                        v = np.zeros(shape, dtype=ctx.input_dtypes.get(name, "float32"))
+                    args[name] = mx.nd.array(v, dtype=v.dtype)
+                aux = {name: mx.nd.array(ctx.value(Entry(by_name[name]))) for name in sym.list_auxiliary_states()}
+                with subgraph_backend(False):
+                    exe = sym.bind(mx.cpu(), args, aux_states=aux, grad_req="null")
+                outs = [o.asnumpy() for o in exe.forward(is_train=False)]
+            except Exception:       # MXNet cannot compute them here: the candidates stay unchecked
+                return None
+            for e, v in zip(missing, outs):
+                cache[e] = v
+        return {e: cache[e] for e in entries}
+
+    # -- running -----------------------------------------------------------------------
+    def _run_group(self, items: List[_Prepared], p: int):
+        """[(candidate index, reason | None | _UNCHECKED, rel)] for ``items`` at probe ``p``."""
+        try:
+            return self._run(items)
+        except Exception as e:      # some candidate's graph fails: find which
+            if len(items) > 1:
+                half = len(items) // 2
+                return self._run_group(items[:half], p) + self._run_group(items[half:], p)
+            it = items[0]
+            try:
+                self._run_one_side(it, "old")
+            except Exception:       # the matched subgraph alone does not run here: nothing to compare with
+                if p == 0:
+                    self.stats.note_unchecked("the matched subgraph does not run alone")
+                return [(it.index, _UNCHECKED, 0.0)]
+            return [(it.index, "the replacement fails to run: %s" % _first_line(str(e)), 0.0)]
+
+    def _run_one_side(self, it: _Prepared, which: str) -> None:
+        import mxnet as mx
+
+        from .bench import subgraph_backend
+
+        side = it.old if which == "old" else it.new
+        jnodes: List[dict] = []
+        rows: List[int] = []
+        heads, names = _emit(side, "s", jnodes, rows)
+        row_ptr = [0]
+        for r in rows:
+            row_ptr.append(row_ptr[-1] + r)
+        sym = mx.sym.load_json(json.dumps({"nodes": jnodes, "arg_nodes": [], "node_row_ptr": row_ptr,
+                                           "heads": heads, "attrs": {"mxnet_version": ["int", 10901]}}))
+        args, aux = _arrays(sym, {n: it.values[e] for n, e in names.items()})
+        with subgraph_backend(False):
+            exe = sym.bind(mx.cpu(), args, aux_states=aux, grad_req="null")
+        for o in exe.forward(is_train=self.ctx.mode == "training"):
+            o.wait_to_read()
+
+    def _run(self, items: List[_Prepared]):
+        import mxnet as mx
+
+        from .bench import subgraph_backend
+
+        training = self.ctx.mode == "training"
+        text, layout = _build(items)
+        sym = mx.sym.load_json(text)
+        feed: Dict[str, np.ndarray] = {}
+        for it, (_, v_old, v_new) in zip(items, layout):
+            for names in (v_old, v_new):
+                for n, e in names.items():
+                    feed[n] = it.values[e]
+        args, aux = _arrays(sym, feed)
+        grad_req, args_grad = "null", None
+        if training:
+            grad_req = {n: ("write" if np.issubdtype(np.dtype(feed[n].dtype), np.floating) else "null") for n in args}
+            args_grad = {n: mx.nd.zeros(a.shape, dtype=a.dtype) for n, a in args.items() if grad_req[n] == "write"}
+        with subgraph_backend(False):
+            exe = sym.bind(mx.cpu(), args, args_grad=args_grad, aux_states=aux, grad_req=grad_req)
+        outs = exe.forward(is_train=training)
+        results = []
+        head = 0
+        rng = np.random.default_rng(self.seed + 104729)
+        out_grads: List[Any] = []
+        for it, (n_out, v_old, v_new) in zip(items, layout):
+            reason, worst = None, 0.0
+            for k in range(n_out):
+                a, b = outs[head + k].asnumpy(), outs[head + n_out + k].asnumpy()
+                rel, why = compare(a, b)
+                if why is None and rel > TOLERANCE:
+                    why = "output differs by %.3g (relative to its scale; tolerance %g)" % (rel, TOLERANCE)
+                if why is not None and reason is None:
+                    reason = ("output %d: %s" % (k, why)) if n_out > 1 else why
+                worst = max(worst, rel if np.isfinite(rel) else worst)
+            if training:
+                for k in range(n_out):
+                    g = rng.standard_normal(outs[head + k].shape).astype(outs[head + k].dtype)
+                    out_grads.append(g)
+                out_grads.extend(out_grads[-n_out:])
+            results.append([it.index, reason, worst])
+            head += 2 * n_out
+        if training:
+            exe.backward([mx.nd.array(g, dtype=g.dtype) for g in out_grads])
+            grads = args_grad
+            for r, it, (_, v_old, v_new) in zip(results, items, layout):
+                if r[1] is not None:
+                    continue
+                new_by_entry = {e: n for n, e in v_new.items()}
+                for n, e in v_old.items():
+                    g_old = grads.get(n)
+                    if g_old is None:
+                        continue
+                    g_old = g_old.asnumpy()
+                    m = new_by_entry.get(e)
+                    if m is None or grads.get(m) is None:
+                        if np.any(g_old != 0):
+                            r[1] = "the gradient of '%s' is lost (it would stop training)" % e.node.name
+                            break
+                        continue
+                    rel, why = compare(g_old, grads[m].asnumpy())
+                    if why is None and rel > GRAD_TOLERANCE:
+                        why = "differs by %.3g (relative; tolerance %g)" % (rel, GRAD_TOLERANCE)
+                    if why is not None:
+                        r[1] = "gradient of '%s': %s" % (e.node.name, why)
+                        break
+                    r[2] = max(r[2], rel)
+        return [tuple(r) for r in results]
+
+
+_UNCHECKED = "unchecked"
+
+
+def _arrays(sym: Any, feed: Dict[str, Any]):
+    """NDArrays to bind: parameters as they are (bound read-only), NumPy values copied in."""
+    import mxnet as mx
+
+    def nd(v):
+        return v if isinstance(v, mx.nd.NDArray) else mx.nd.array(v, dtype=v.dtype)
+
+    return ({n: nd(feed[n]) for n in sym.list_arguments()}, {n: nd(feed[n]) for n in sym.list_auxiliary_states()})
+
+
+def _unique(entries: Sequence[Entry]) -> List[Entry]:
+    seen, out = set(), []
+    for e in entries:
+        if e not in seen:
+            seen.add(e)
+            out.append(e)
+    return out
+
+
+def _fmt(probe: Dict[str, tuple]) -> str:
+    return ", ".join("%s=%s" % (k, ",".join(map(str, v))) for k, v in probe.items())
+
+
+def _first_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    for ln in lines:
+        if "Check failed" in ln or "Error" in ln:
+            return ln[:300]
+    return (lines[-1] if lines else text)[:300]

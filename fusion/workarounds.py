@@ -1,0 +1,83 @@
+"""Keep fused graphs clear of a miscomputation in MXNet 1.9.1's oneDNN subgraph backend.
+
+At bind, MXNet's default ("MKLDNN") subgraph backend fuses a FullyConnected or a
+Convolution with the elementwise op that reads it.  When the layer's output is also
+read elsewhere (a graph output, a second activation), MXNet 1.9.1 hands those other
+readers the fused op's result — the activation's output — instead of the layer's
+(measured: ``Group([relu(fc), fc])`` returns ``relu(fc)`` twice; ``Group([relu(fc),
+tanh(fc)])`` returns ``tanh(relu(fc))`` as its second output).
+
+A rewrite can create that shape where the original graph did not have it (GELU
+written out after a FullyConnected becomes ``LeakyReLU(gelu)``; a folded BatchNorm
+puts the activation right after the convolution).  So after fusion, a layer output
+that is read more than once, by at least one op the backend fuses into the layer,
+reaches that op through ``Reshape(x, shape=(-2,))`` — the identity for every rank
+(code −2 copies all remaining dimensions), which the backend does not fuse into the
+layer, so every reader gets the value the graph says.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+from .graph import Entry, Graph, Node
+
+# (layer op) -> ops MXNet 1.9.1's oneDNN backend fuses after it (measured with the pip wheel).
+FUSED_AFTER: Dict[str, frozenset] = {
+    "FullyConnected": frozenset({"Activation", "LeakyReLU", "square", "sqrt", "exp", "abs"}),
+    "Convolution": frozenset({"Activation", "LeakyReLU", "elemwise_add", "BatchNorm"}),
+}
+
+
+def _is_guard(nd: Node) -> bool:
+    return nd.op == "Reshape" and nd.attrs.get("shape") == (-2,) and not nd.param("reverse", False)
+
+
+def strip_guards(graph: Graph) -> None:
+    """Remove identity ``Reshape(shape=(-2,))`` nodes (in place), so that rules see the graph as
+    written; ``guard_layer_outputs`` puts back those still needed."""
+    heads = set(graph.heads)
+    if not any(_is_guard(nd) for nd in graph.nodes):
+        return
+    target = {}
+    for nd in graph.nodes:
+        if _is_guard(nd) and Entry(nd) not in heads:      # a graph output keeps its name
+            src = nd.inputs[0]
+            target[Entry(nd)] = target.get(src, src)
+    for nd in graph.nodes:
+        nd.inputs = [target.get(e, e) for e in nd.inputs]
+    graph.heads = [target.get(e, e) for e in graph.heads]
+    graph.mark_changed()
+    graph.compact()
+
+
+def guard_layer_outputs(graph: Graph) -> List[str]:
+    """Insert the guards described above (in place); returns the names of the layers guarded."""
+    users = graph.consumers()
+    heads = {}
+    for e in graph.heads:
+        heads[e] = heads.get(e, 0) + 1
+    guarded: List[str] = []
+    added: List[Node] = []
+    for nd in list(graph.nodes):
+        fused_ops = FUSED_AFTER.get(nd.op)
+        if fused_ops is None:
+            continue
+        readers = [(u, slot) for u, slot in users.get(nd, ()) if u.inputs[slot].index == 0]
+        uses = len(readers) + heads.get(Entry(nd), 0)
+        fusable = [(u, slot) for u, slot in readers if u.op in fused_ops]
+        if uses < 2 or not fusable:
+            continue
+        names = {n.name for n in graph.nodes}
+        for u, slot in fusable:
+            guard = Node("Reshape", graph.unique_name(u.name + "_guard", names), None, [Entry(nd)])
+            guard.attrs["shape"] = (-2,)
+            guard.pos = u.pos - 0.5 + len(added) * 1e-6
+            names.add(guard.name)
+            added.append(guard)
+            u.inputs[slot] = Entry(guard)
+        guarded.append(nd.name)
+    if added:
+        graph.nodes.extend(added)
+        graph.mark_changed()
+        graph.compact()
+    return guarded
