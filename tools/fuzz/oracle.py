@@ -71,6 +71,9 @@ def signature(check: str, detail: str) -> str:
     if check in ("training.frozen_param", "training.new_param"):
         names = re.findall(r"[A-Za-z_][\w]*", first.split(":", 1)[-1])
         return "%s | %s" % (check, ", ".join(sorted({re.sub(r"\d+", "#", n) for n in names})))
+    if check.endswith(("worker_crash", "timeout", "worker_crash_after_earlier")):
+        stage = re.search(r"stage '([^']*)'", first)
+        return "%s | in stage %s" % (check, stage.group(1) if stage else "?")
     if check == "idempotence.changed":
         fired = first.split("fired", 1)[-1].split(";")[0]
         door = " (JSON in other spellings)" if "other spellings" in first else ""

@@ -116,9 +116,11 @@ class _Slot:
         self.task: Optional[Dict] = None
         self.stage = ""
         self.t0 = 0.0
+        self.history: List[int] = []        # seeds this worker ran (a crash may come from an earlier case)
 
     def give(self, task: Dict) -> None:
         self.task, self.stage, self.t0 = task, "queued", time.time()
+        self.history.append(task["seed"])
         self.conn.send(task)
 
     def kill(self) -> None:
@@ -186,6 +188,17 @@ def run_tasks(tasks: Sequence[Dict], jobs: int, timeout: float, out_dir: Optiona
                 if result is None:
                     continue
                 task = s.task
+                if "crash" in result and not task.get("_retry"):
+                    # run it again alone in a fresh worker: a heap corrupted by an earlier case can
+                    # bring a worker down later, in another case
+                    earlier = s.history[-6:-1]
+                    s.kill()
+                    s.start()
+                    pending.append((task["_index"], dict(task, _retry=True, _first_crash=result["crash"],
+                                                          _earlier=earlier)))
+                    continue
+                if task.get("_retry") and "crash" not in result:
+                    result = dict(result, crash_alone_passes=task["_first_crash"], earlier=task["_earlier"])
                 results[task["_index"]] = (task, result)
                 if progress:
                     progress(task, result)
@@ -267,6 +280,13 @@ def _account(sm: Summary, task: Dict, r: Dict, out_dir: Optional[str]) -> None:
         sm.harness_errors.append("seed %d (%s): %s" % (seed, fam, r["harness_error"]))
         return
     findings: List[Tuple[str, str]] = []
+    if "crash_alone_passes" in r:
+        # the worker died in this case after earlier ones, but the case alone runs: memory corrupted before
+        check = "%s.worker_crash_after_earlier" % STAGE_CHECK.get(r["crash_alone_passes"], "inference")
+        findings_extra = [(check, "worker died in stage '%s' after seeds %s (this case alone passes its checks): "
+                                  "memory corrupted by an earlier graph" % (r["crash_alone_passes"], r["earlier"]))]
+    else:
+        findings_extra = []
     if "crash" in r or "timeout" in r:
         stage = r.get("crash", r.get("timeout"))
         what = "worker_crash" if "crash" in r else "timeout"
@@ -274,7 +294,7 @@ def _account(sm: Summary, task: Dict, r: Dict, out_dir: Optional[str]) -> None:
             sm.counters["mxnet_crash_on_original"] += 1
             return
         check = "%s.%s" % (STAGE_CHECK.get(stage, "inference"), what)
-        detail = ("worker died (exit code %s) in stage '%s'" % (r.get("exitcode"), stage) if what == "crash"
+        detail = ("worker died (exit code %s) in stage '%s'" % (r.get("exitcode"), stage) if what == "worker_crash"
                   else "no result after %.0f s, in stage '%s'" % (r["seconds"], stage))
         findings.append((check, detail))
         sm.valid += 1
@@ -287,7 +307,7 @@ def _account(sm: Summary, task: Dict, r: Dict, out_dir: Optional[str]) -> None:
             return
         sm.valid += 1
         sm.ops_total += r.get("ops", 0)
-        findings = [(f["check"], f["detail"]) for f in r["findings"]]
+        findings = [(f["check"], f["detail"]) for f in r["findings"]] + findings_extra
         for k, v in r["fired"].items():
             sm.fired[k] += v
         for k, v in r["rejected"].items():
