@@ -104,6 +104,7 @@ class Outcome:
     rejected: Dict[str, int] = field(default_factory=dict)     # rule -> candidates rejected (inference)
     fired_training: Dict[str, int] = field(default_factory=dict)
     counters: Dict[str, int] = field(default_factory=dict)     # skips, ill-conditioned, MXNet's own failures
+    suppressed: List[Tuple[str, str]] = field(default_factory=list)   # (check, mismatch) judged not a finding
     seconds: float = 0.0
 
     def count(self, key: str) -> None:
@@ -346,6 +347,7 @@ class Oracle:
                         still.append((i, m2))
                 if not still:
                     self.out.count("ill_conditioned")
+                    self.out.suppressed.append((check, bad[0][1]))
                     return
                 bad = still
             except Exception:        # the perturbed original did not run: judge as it is
