@@ -28,7 +28,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .graph import Entry, Graph
+from .graph import Entry, Graph, Node
 
 Shape = Tuple[int, ...]
 ShapeDict = Dict[str, Shape]
@@ -37,22 +37,36 @@ MAX_PROBES = 3          # the user's shapes and two alternates
 MAX_SIZES_TRIED = 4     # distinct non-batch sizes tried for the second alternate
 
 
-def _renamed_json(graph: Graph) -> dict:
-    """The graph's JSON with node ``i`` named ``__n<i>`` (MXNet reports values by name)."""
-    data = graph.to_json()
-    for i, jn in enumerate(data["nodes"]):
-        jn["name"] = "__n%d" % i
-    return data
+class _View:
+    """The graph as MXNet sees it for inference, made once per graph version: the symbol of all
+    internal values (node ``i`` named ``__n<i>``), and the entry each value is."""
+
+    def __init__(self, graph: Graph):
+        import mxnet as mx
+
+        data = graph.to_json()
+        for i, jn in enumerate(data["nodes"]):
+            jn["name"] = "__n%d" % i
+        self.internals = mx.sym.load_json(json.dumps(data)).get_internals()
+        self.entries: List[Entry] = []
+        seen: Dict[int, int] = {}
+        nodes = graph.nodes
+        for name in self.internals.list_outputs():
+            idx = int(name[3:].split("_", 1)[0])
+            k = seen.get(idx, 0)
+            seen[idx] = k + 1
+            self.entries.append(Entry(nodes[idx], k))
+        self.variables = [(i, nd.name) for i, nd in enumerate(nodes) if nd.is_variable]
+        self.has_library_ops = any(nd.op.startswith("fused_") for nd in nodes)
 
 
-def _entries_by_output(graph: Graph, names: Sequence[str]) -> List[Entry]:
-    out, seen = [], {}
-    for name in names:
-        idx = int(name[3:].split("_", 1)[0])
-        k = seen.get(idx, 0)
-        seen[idx] = k + 1
-        out.append(Entry(graph.nodes[idx], k))
-    return out
+def _view(graph: Graph) -> _View:
+    graph.compact()
+    cached = getattr(graph, "_facts_view", None)
+    if cached is None or cached[0] != graph.version:
+        cached = (graph.version, _View(graph))
+        graph._facts_view = cached
+    return cached[1]
 
 
 def infer(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[str, str]] = None,
@@ -63,30 +77,28 @@ def infer(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[st
     are inferred only when every variable's shape is given: MXNet 1.9.1's wrapper around a
     library op's shape function overruns a buffer when an input shape is unknown.
     """
-    import mxnet as mx
-
-    graph.compact()
-    data = _renamed_json(graph)
+    try:
+        view = _view(graph)
+    except Exception:       # MXNet cannot load the graph (an unknown op): no facts
+        return {}, {}
     known: Dict[str, Shape] = {}
     known_t: Dict[str, str] = {}
     missing = False
-    for i, nd in enumerate(graph.nodes):
-        if nd.is_variable:
-            s = shapes.get(nd.name)
-            if s is not None:
-                known["__n%d" % i] = tuple(s)
-            else:
-                missing = True
-            if dtypes and nd.name in dtypes:
-                known_t["__n%d" % i] = dtypes[nd.name]
-    if missing and (complete or any(nd.op.startswith("fused_") for nd in graph.nodes)):
+    for i, name in view.variables:
+        s = shapes.get(name)
+        if s is not None:
+            known["__n%d" % i] = tuple(s)
+        else:
+            missing = True
+        if dtypes and name in dtypes:
+            known_t["__n%d" % i] = dtypes[name]
+    if missing and (complete or view.has_library_ops):
         return {}, {}
     try:
-        internals = mx.sym.load_json(json.dumps(data)).get_internals()
-        _, out_shapes, _ = internals.infer_shape_partial(**known)
+        _, out_shapes, _ = view.internals.infer_shape_partial(**known)
     except Exception:       # an op without shape inference, or shapes that do not fit: no facts
         return {}, {}
-    entries = _entries_by_output(graph, internals.list_outputs())
+    entries = view.entries
     result: Dict[Entry, Shape] = {}
     for e, s in zip(entries, out_shapes):
         if s and 0 not in s:        # MXNet reports an unknown shape as () (and unknown dims as 0)
@@ -98,13 +110,78 @@ def infer(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[st
     types: Dict[Entry, str] = {}
     if dtypes is not None:
         try:
-            _, out_types, _ = internals.infer_type_partial(**known_t)
+            _, out_types, _ = view.internals.infer_type_partial(**known_t)
             for e, t in zip(entries, out_types):
                 if t is not None:
                     types[e] = np.dtype(t).name
         except Exception:   # a dtype MXNet cannot infer: leave dtypes unknown
             types = {}
     return result, types
+
+
+def infer_nodes(nodes: Sequence[Node], known: Mapping[Entry, Shape], dtypes: Optional[Mapping[Entry, str]] = None,
+                param_shapes: Optional[Mapping[str, Shape]] = None, param_dtypes: Optional[Mapping[str, str]] = None
+                ) -> Optional[Tuple[Dict[Entry, Shape], Dict[Entry, str]]]:
+    """Shapes (and dtypes) of ``nodes`` (topologically ordered) from those of the values they read
+    (``known``, by entry; a variable among ``nodes`` by name in ``param_shapes``).  None when an
+    input's shape is unknown or MXNet cannot infer them: the caller infers the whole graph."""
+    import mxnet as mx
+
+    jnodes: List[dict] = []
+    index: Dict[int, int] = {}
+    variables: Dict[Entry, int] = {}
+    shapes: Dict[str, Shape] = {}
+    types: Dict[str, str] = {}
+    for nd in nodes:
+        if nd.is_variable:
+            s = (param_shapes or {}).get(nd.name)
+            if s is None:
+                return None
+            index[id(nd)] = len(jnodes)
+            name = "__v%d" % len(jnodes)
+            shapes[name] = tuple(s)
+            if param_dtypes and nd.name in param_dtypes:
+                types[name] = param_dtypes[nd.name]
+            jnodes.append({"op": "null", "name": name, "inputs": []})
+            continue
+        refs = []
+        for e in nd.inputs:
+            if id(e.node) in index:
+                refs.append([index[id(e.node)], e.index, 0])
+                continue
+            if e not in variables:
+                s = known.get(e)
+                if s is None:
+                    return None
+                name = "__v%d" % len(jnodes)
+                variables[e] = len(jnodes)
+                shapes[name] = tuple(s)
+                if dtypes and e in dtypes:
+                    types[name] = dtypes[e]
+                jnodes.append({"op": "null", "name": name, "inputs": []})
+            refs.append([variables[e], 0, 0])
+        index[id(nd)] = len(jnodes)
+        jn = {"op": nd.op, "name": "__n%d" % len(jnodes), "inputs": refs}
+        if len(nd.attrs):
+            jn["attrs"] = nd.attrs.to_json()
+        jnodes.append(jn)
+    outs = [nd for nd in nodes if not nd.is_variable]
+    heads = [[index[id(nd)], k, 0] for nd in outs for k in range(nd.num_outputs)]
+    if not heads:
+        return {}, {}
+    try:
+        sym = mx.sym.load_json(json.dumps({"nodes": jnodes, "arg_nodes": [], "heads": heads,
+                                           "attrs": {"mxnet_version": ["int", 10901]}}))
+        _, out_shapes, _ = sym.infer_shape(**shapes)
+        out_types = sym.infer_type(**types)[1] if dtypes is not None else None
+    except Exception:       # MXNet cannot infer them this way: infer the whole graph
+        return None
+    if out_shapes is None:
+        return None
+    entries = [Entry(nd, k) for nd in outs for k in range(nd.num_outputs)]
+    result = {e: tuple(s) for e, s in zip(entries, out_shapes) if s and 0 not in s}
+    rtypes = {e: np.dtype(t).name for e, t in zip(entries, out_types or ()) if t is not None}
+    return result, rtypes
 
 
 def _changed(shape: Shape, axes: Sequence[int], new: Dict[int, int]) -> Shape:
@@ -115,18 +192,28 @@ def _alternate(v: int) -> int:
     return v + 1 if v < 4 else v // 2 + 1
 
 
-def make_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: Mapping[str, Shape]) -> List[ShapeDict]:
-    """The user's input shapes, then up to two alternates the original graph accepts (see module docs)."""
+def make_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: Mapping[str, Shape]
+                ) -> List[Tuple[ShapeDict, Optional[Dict[Entry, Shape]]]]:
+    """The user's input shapes, then up to two alternates the original graph accepts (see module
+    docs), each with the graph's shapes there when they were inferred to accept it."""
     data_names = [nd.name for nd in graph.variables() if nd.name not in param_shapes and nd.name in input_shapes]
     if not data_names:
-        return [dict(input_shapes)]
+        return [(dict(input_shapes), None)]
     base = {n: tuple(input_shapes[n]) for n in data_names}
+    inferred: Dict[tuple, Dict[Entry, Shape]] = {}
+
+    def key(probe: ShapeDict) -> tuple:
+        return tuple(sorted(probe.items()))
 
     def accepted(probe: ShapeDict) -> bool:
         if probe == base:
             return False
-        shapes, _ = infer(graph, {**param_shapes, **probe}, complete=True)
-        return bool(shapes)
+        if key(probe) not in inferred:
+            inferred[key(probe)], _ = infer(graph, {**param_shapes, **probe}, complete=True)
+        return bool(inferred[key(probe)])
+
+    def resized(shapes: ShapeDict, new: Dict[int, int]) -> ShapeDict:
+        return {n: (s[:1] + _changed(s[1:], range(len(s) - 1), new)) for n, s in shapes.items()}
 
     probes = [dict(input_shapes)]
     first = next((base[n] for n in data_names if base[n]), None)
@@ -138,18 +225,19 @@ def make_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: M
             probes.append(with_batch)
         else:
             with_batch = dict(base)
-    # other sizes, each tried alone on top of the batch change, then all that work together
     values = sorted({d for s in base.values() for d in s[1:] if d > 1}, reverse=True)[:MAX_SIZES_TRIED]
-    good: Dict[int, int] = {}
-    for v in values:
-        new = {v: _alternate(v)}
-        probe = {n: (s[:1] + _changed(s[1:], range(len(s) - 1), new)) for n, s in with_batch.items()}
-        if accepted(probe):
-            good.update(new)
-    if good:
-        probe = {n: (s[:1] + _changed(s[1:], range(len(s) - 1), good)) for n, s in with_batch.items()}
-        if not accepted(probe):
-            v = max(good)
-            probe = {n: (s[:1] + _changed(s[1:], range(len(s) - 1), {v: good[v]})) for n, s in with_batch.items()}
-        probes.append(probe)
-    return [{**input_shapes, **p} for p in probes[:MAX_PROBES]]
+    # Sizes no parameter has (a sequence length, an image side) are likely free: tried together
+    # first; otherwise each size alone, then all that worked together.
+    param_dims = {d for s in param_shapes.values() for d in s}
+    free = {v: _alternate(v) for v in values if v not in param_dims}
+    if free and accepted(resized(with_batch, free)):
+        probes.append(resized(with_batch, free))
+    else:
+        good = {v: _alternate(v) for v in values if accepted(resized(with_batch, {v: _alternate(v)}))}
+        if good:
+            probe = resized(with_batch, good)
+            if not accepted(probe):
+                v = max(good)
+                probe = resized(with_batch, {v: good[v]})
+            probes.append(probe)
+    return [({**input_shapes, **p}, inferred.get(key(p))) for p in probes[:MAX_PROBES]]

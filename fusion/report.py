@@ -129,6 +129,8 @@ class FusionReport:
             line = "  self-check: %d rewrite(s) checked at %d input shape(s)" % (c.checked, max(1, len(c.probes)))
             if c.checked:
                 line += ", worst relative error %.2g (%s)" % (c.worst_rel, c.worst_at)
+            if c.sampled:
+                line += "; %d more identical in structure and shapes to checked ones" % c.sampled
             if c.refused:
                 line += "; %d refused (reasons above)" % c.refused
             if c.unchecked:

@@ -55,6 +55,8 @@ class Context:
         self.new_args: Dict[str, np.ndarray] = {}
         self.new_aux: Dict[str, np.ndarray] = {}
         self.names: Set[str] = {nd.name for nd in graph.nodes} | set(self.arg_params) | set(self.aux_params)
+        if self.input_shapes:
+            self._make_probes()
 
     @property
     def has_params(self) -> bool:
@@ -146,32 +148,67 @@ class Context:
     def probes(self) -> List[Dict[str, tuple]]:
         """Input shapes the facts are inferred at: the user's, then alternates (see fusion/facts.py)."""
         if self._probes is None:
-            from .facts import make_probes
-            params = {nd.name: self._param_shape(nd.name) for nd in self.graph.variables()
-                      if self._param_shape(nd.name) is not None}
-            self._probes = make_probes(self.graph, params, self.input_shapes) if self.input_shapes else [{}]
+            self._probes = [dict(self.input_shapes)]
         return self._probes
+
+    def _make_probes(self) -> None:
+        """Probes are derived from the graph as the user gave it (a rewrite must not narrow the
+        shapes it accepts), with its shapes there kept as the first facts."""
+        from .facts import make_probes
+        params = {nd.name: self._param_shape(nd.name) for nd in self.graph.variables()
+                  if self._param_shape(nd.name) is not None}
+        self.graph.compact()
+        found = make_probes(self.graph, params, self.input_shapes)
+        self._probes = [p for p, _ in found]
+        for k, (_, shapes) in enumerate(found):
+            if shapes:
+                self._fact_cache[k] = [dict(shapes), {}, self.graph.version, set(self.graph.nodes)]
 
     def _facts(self, probe: int):
         """(shapes, dtypes) of the current graph at probe ``probe``, kept across graph versions:
         rewrites keep every surviving value's shape, so values not seen yet are inferred again
         at most once per graph version."""
-        cache = self._fact_cache.setdefault(probe, [{}, {}, -1])
+        cache = self._fact_cache.setdefault(probe, [{}, {}, -1, set()])
         return cache
 
     def _lookup(self, entry: Entry, probe: int, kind: int):
         cache = self._facts(probe)
         value = cache[kind].get(entry)
         if value is None and cache[2] != self.graph.version:
-            from .facts import infer
-            shapes = self._variable_shapes(probe)
-            dtypes = self._variable_dtypes() if probe == 0 else None
-            s, t = infer(self.graph, shapes, dtypes)
-            cache[0].update(s)
-            cache[1].update(t)
+            self.graph.compact()
+            if cache[2] < 0 or not self._infer_new(probe, cache):
+                from .facts import infer
+                shapes = self._variable_shapes(probe)
+                dtypes = self._variable_dtypes() if probe == 0 else None
+                s, t = infer(self.graph, shapes, dtypes)
+                cache[0].update(s)
+                cache[1].update(t)
+                cache[3] = set(self.graph.nodes)
             cache[2] = self.graph.version
             value = cache[kind].get(entry)
         return value
+
+    def _infer_new(self, probe: int, cache: list) -> bool:
+        """Infer only the nodes added since the last inference, from the values they read (a rewrite
+        keeps every surviving value's shape); False when that is not possible."""
+        from .facts import infer_nodes
+        seen = cache[3]
+        new = [nd for nd in self.graph.nodes if nd not in seen]
+        if not new:
+            return True
+        params = {nd.name: self._param_shape(nd.name) for nd in new
+                  if nd.is_variable and self._param_shape(nd.name) is not None}
+        params.update({nd.name: self.probes[probe][nd.name] for nd in new
+                       if nd.is_variable and nd.name in self.probes[probe]})
+        got = infer_nodes(new, cache[0], cache[1] if probe == 0 else None, params,
+                          {nd.name: self._param_dtype(nd.name) for nd in new
+                           if nd.is_variable and self._param_dtype(nd.name)} if probe == 0 else None)
+        if got is None:
+            return False
+        cache[0].update(got[0])
+        cache[1].update(got[1])
+        seen.update(new)
+        return True
 
     def _variable_shapes(self, probe: int) -> Dict[str, tuple]:
         shapes = dict(self.probes[probe]) if probe < len(self.probes) else {}
