@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=120, help="seconds per graph before its worker is killed")
     p.add_argument("--shrink", type=int, default=1, help="failures shrunk per failure class (0: none; needs --out)")
     p.add_argument("--shrink-seconds", type=float, default=90, help="time budget of one shrink")
-    p.add_argument("--threads", type=int, default=0, help="OMP threads per worker (default: cores / jobs, at least 1)")
+    p.add_argument("--threads", type=int, default=0, help="OpenMP threads per worker (default 1: on shared cores 2 are 10x slower)")
     p.add_argument("--json", default="", help="also write the summary as JSON here")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     a = p.parse_args(argv)

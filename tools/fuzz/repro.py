@@ -106,6 +106,12 @@ def fused_ops(sym):
     return [n["op"] for n in json.loads(sym.tojson())["nodes"] if n["op"] != "null"]
 
 
+def training_dropouts(sym):
+    import json
+    return sum(1 for n in json.loads(sym.tojson())["nodes"]
+               if n["op"] == "Dropout" and float(n.get("attrs", {}).get("p", 0.5)) > 0)
+
+
 def sampling_ops(sym):
     """Ops that sample at inference (Dropout with mode='always' and p > 0, random ops): the fused graph keeps them."""
     import json
@@ -185,10 +191,14 @@ if frozen or new:
     print("FAIL parameters no longer trained:", frozen, " new arguments:", new); bad = True
 arg_f = {**arg, **{k: v.asnumpy() for k, v in res.arg_params.items() if k not in arg}}
 aux_f = {**aux, **{k: v.asnumpy() for k, v in res.aux_params.items() if k not in aux}}
+if training_dropouts(res.symbol) < training_dropouts(sym):
+    print("FAIL Dropout(p>0) removed in training"); bad = True
 try:
     out, grad = train(res.symbol, arg_f, aux_f, inputs)
 except Exception as e:
     print("FAIL fused graph does not train:", str(e).splitlines()[0][:500]); sys.exit(1)
+if training_dropouts(sym) or sampling_ops(sym):     # random in training: shapes only
+    sys.exit(1 if bad or [o.shape for o in out] != [o.shape for o in ref_out] else 0)
 bad |= report("training output", ref_out, out, sym.list_outputs())
 common = [n for n in sorted(ref_grad) if n in grad]
 bad |= report("gradient", [ref_grad[n] for n in common], [grad[n] for n in common], common, RTOL_GRAD)

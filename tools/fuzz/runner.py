@@ -45,6 +45,7 @@ def _worker(conn, out_dir: Optional[str], threads: int) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
+    sys.stdout = open(os.devnull, "w")       # MXNet prints the arguments of every failed shape inference
     import fusion  # noqa: F401  (loads the fused-op library)
     from tools.fuzz import repro
     from tools.fuzz.case import Invalid
@@ -141,9 +142,13 @@ class _Slot:
 
 
 def default_threads(jobs: int) -> int:
-    """OpenMP threads per worker: the cores shared out, at least 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, jobs))
+    """OpenMP threads per worker: 1.
+
+    The graphs are tiny, and on shared cores MXNet's OpenMP teams wait for each other:
+    2 threads per process measured 10-14x slower than 1 on this project's 2-core machines.
+    (``--threads 2`` covers the fused ops' multi-threaded paths, slowly.)
+    """
+    return 1
 
 
 def run_tasks(tasks: Sequence[Dict], jobs: int, timeout: float, out_dir: Optional[str] = None,
