@@ -50,7 +50,7 @@ class Geo:
 def _causal_positions(b, q, k, s, geo: Geo, label: str):
     """(allowed (Sq, Sk) 0/1 float, exact?) built from arange_like of q/k or of the scores."""
     d = b.d
-    src = d.choice(["qk", "scores"], [1, 1], label=label + " pos source")
+    src = d.choice(["qk", "scores"], [2, 3], label=label + " pos source")
     rank = geo.rank
     neg_axis = d.maybe(0.6, label=label + " negative axes")
     qa = -2 if neg_axis else rank - 2
@@ -500,7 +500,7 @@ def _probabilities(b, s, q, k, geo):
 
 
 def build(b):
-    form = b.d.choice(["core3", "heads", "core4", "packed", "interleaved", "encdec"], [5, 5, 2, 3, 2, 3], label="form")
+    form = b.d.choice(["core3", "heads", "core4", "packed", "interleaved", "encdec"], [5, 6, 2, 4, 3, 3], label="form")
     if form == "core3":
         return core3(b)
     if form == "core4":

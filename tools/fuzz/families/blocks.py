@@ -71,7 +71,7 @@ def cnn(b):
     y = S.FullyConnected(y, num_hidden=n, name=b.name("fc"))
     if d.maybe(0.3, label="head act"):
         y = S.relu(y)
-    if d.maybe(0.5, label="softmax written"):
+    if d.maybe(0.7, label="softmax written"):
         y = norm.written_softmax(b, y, ("B", n))
     return [y]
 

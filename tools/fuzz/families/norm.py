@@ -190,7 +190,7 @@ def build(b):
     d = b.d
     if d.maybe(0.04, label="float64"):        # not float32: the fused ops must stay away
         b.float_dtype = "float64"
-    form = d.choice(["builtin", "skip", "written_ln", "skip_written", "written_softmax", "prenorm"], [2, 4, 5, 2, 3, 2],
+    form = d.choice(["builtin", "skip", "written_ln", "skip_written", "written_softmax", "prenorm"], [2, 4, 5, 2, 5, 2],
                     label="form")
     if form == "skip":
         return skip(b)
