@@ -13,7 +13,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_HERE)
 
 # fused_dense's act codes (fused_dense.h), in order
-ACTS = ["none", "relu", "sigmoid", "tanh", "softrelu", "leaky", "gelu_erf", "gelu_tanh"]
+ACTS = ["none", "relu", "sigmoid", "tanh", "softrelu", "leaky", "gelu_erf", "gelu_tanh", "act_relu"]
 # mxf_attention_args.mask_kind
 MASK_KINDS = {"none": 0, "additive": 1, "boolean": 2, "valid_length": 3}
 

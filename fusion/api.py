@@ -180,7 +180,9 @@ def unfuse(symbol: Any, input_shapes: Optional[Mapping[str, Sequence[int]]] = No
     """Rewrite every ``fused_*`` op of ``symbol`` back into stock MXNet ops; returns an ``mx.sym.Symbol``.
 
     ``input_shapes`` (and the params, for their shapes) are needed only where the
-    stock form depends on a tensor's rank (attention masks given per head).
+    stock form depends on a tensor's rank (attention masks given per head); with them,
+    every stock form is also run against the fused op it replaces (the self-check of
+    ``fuse``), and a fused op whose stock form does not match stays refused.
 
     Parameter transforms stay applied (folded convolutions remain folded) and parameter
     names are unchanged, so the fused model's params go with the result: it loads
@@ -193,8 +195,8 @@ def unfuse(symbol: Any, input_shapes: Optional[Mapping[str, Sequence[int]]] = No
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        run_rules(graph, RULES, Context(graph, arg_params or {}, aux_params or {}, "inference", input_shapes),
-                  report)
+        ctx = Context(graph, arg_params or {}, aux_params or {}, "inference", input_shapes)
+        run_rules(graph, RULES, ctx, report, SelfCheck(ctx))
     finally:
         if gc_was_enabled:
             gc.enable()

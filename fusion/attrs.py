@@ -60,6 +60,8 @@ def format_value(value: Any) -> str:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
         if math.isinf(value):
             return "inf" if value > 0 else "-inf"
         if value == int(value) and abs(value) < 1e16:

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rtol", type=float, default=1e-4, help="tolerance of --verify: max|Δ|/max|orig| (default 1e-4)")
     p.add_argument("--benchmark", action="store_true", help="time the original and the fused model (medians)")
     p.add_argument("--repeats", type=int, default=20, help="timed rounds of --benchmark (default 20)")
+    p.add_argument("--no-self-check", dest="self_check", action="store_false",
+                   help="skip the per-rewrite self-check (each rewrite run against what it replaces on random "
+                        "inputs at the --shape sizes and at other sizes the model accepts; on by default)")
     p.add_argument("--explain", action="store_true", help="also list near-misses: partial matches and why they failed")
     p.add_argument("--report", metavar="FILE.json", help="write the report as JSON")
     p.add_argument("--unfuse", action="store_true",
@@ -107,7 +110,8 @@ def _run(args: argparse.Namespace) -> int:
             raise FusionError("--unfuse takes no --rules or --benchmark")
         result = _unfused_result(symbol, arg, aux, shapes)
     else:
-        result = fuse(symbol, arg, aux, rules=rules, mode=args.mode, input_shapes=shapes)
+        result = fuse(symbol, arg, aux, rules=rules, mode=args.mode, input_shapes=shapes,
+                      self_check=args.self_check)
     report = result.report
     status = 0
     if args.verify:

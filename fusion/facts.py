@@ -69,6 +69,21 @@ def _view(graph: Graph) -> _View:
     return cached[1]
 
 
+_SIZE_KEEPING = frozenset({"Reshape", "reshape", "_npx_reshape", "_np_reshape", "Flatten", "flatten"})
+
+
+def _sizes_kept(shapes: Mapping[Entry, Shape]) -> bool:
+    """Whether every reshape keeps its input's size: MXNet 1.9.1 infers a fully given target shape
+    without comparing sizes (``Reshape(shape=(1, 4))`` of a (2, 4) input infers, then fails to run)."""
+    for e, out in shapes.items():
+        nd = e.node
+        if nd.op in _SIZE_KEEPING and nd.inputs:
+            src = shapes.get(nd.inputs[0])
+            if src is not None and int(np.prod(src)) != int(np.prod(out)):
+                return False
+    return True
+
+
 def infer(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[str, str]] = None,
           complete: bool = False) -> Tuple[Dict[Entry, Shape], Dict[Entry, str]]:
     """(shape, dtype) of every value MXNet can infer, given variables' shapes (and dtypes) by name.
@@ -105,7 +120,7 @@ def infer(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[st
             result[e] = tuple(s)
     if complete and (len(result) < len(entries) or any(
             e.node.is_variable and e.node.name in shapes and result[e] != tuple(shapes[e.node.name])
-            for e in result)):
+            for e in result) or not _sizes_kept(result)):
         return {}, {}       # partial inference does not report shapes that contradict the given ones
     types: Dict[Entry, str] = {}
     if dtypes is not None:
@@ -128,6 +143,7 @@ def infer_nodes(nodes: Sequence[Node], known: Mapping[Entry, Shape], dtypes: Opt
     import mxnet as mx
 
     jnodes: List[dict] = []
+    rows: List[int] = []
     index: Dict[int, int] = {}
     variables: Dict[Entry, int] = {}
     shapes: Dict[str, Shape] = {}
@@ -143,6 +159,7 @@ def infer_nodes(nodes: Sequence[Node], known: Mapping[Entry, Shape], dtypes: Opt
             if param_dtypes and nd.name in param_dtypes:
                 types[name] = param_dtypes[nd.name]
             jnodes.append({"op": "null", "name": name, "inputs": []})
+            rows.append(1)
             continue
         refs = []
         for e in nd.inputs:
@@ -159,22 +176,32 @@ def infer_nodes(nodes: Sequence[Node], known: Mapping[Entry, Shape], dtypes: Opt
                 if dtypes and e in dtypes:
                     types[name] = dtypes[e]
                 jnodes.append({"op": "null", "name": name, "inputs": []})
+                rows.append(1)
             refs.append([variables[e], 0, 0])
         index[id(nd)] = len(jnodes)
         jn = {"op": nd.op, "name": "__n%d" % len(jnodes), "inputs": refs}
         if len(nd.attrs):
             jn["attrs"] = nd.attrs.to_json()
         jnodes.append(jn)
+        rows.append(nd.num_outputs)
     outs = [nd for nd in nodes if not nd.is_variable]
     heads = [[index[id(nd)], k, 0] for nd in outs for k in range(nd.num_outputs)]
     if not heads:
         return {}, {}
     try:
-        sym = mx.sym.load_json(json.dumps({"nodes": jnodes, "arg_nodes": [], "heads": heads,
-                                           "attrs": {"mxnet_version": ["int", 10901]}}))
-        _, out_shapes, _ = sym.infer_shape(**shapes)
-        out_types = sym.infer_type(**types)[1] if dtypes is not None else None
-    except Exception:       # MXNet cannot infer them this way: infer the whole graph
+        row_ptr = [0]
+        for r in rows:
+            row_ptr.append(row_ptr[-1] + r)
+        sym = mx.sym.load_json(json.dumps({"nodes": jnodes, "arg_nodes": [], "node_row_ptr": row_ptr,
+                                           "heads": heads, "attrs": {"mxnet_version": ["int", 10901]}}))
+        names = set(sym.list_arguments()) | set(sym.list_auxiliary_states())
+        _, out_shapes, _ = sym.infer_shape_partial(**{k: v for k, v in shapes.items() if k in names})
+        out_types = (sym.infer_type_partial(**{k: v for k, v in types.items() if k in names})[1]
+                     if dtypes is not None else None)
+    except Exception as e:       # MXNet cannot infer them this way: infer the whole graph
+        import os
+        if os.environ.get("MXFUSION_DEBUG_FACTS"):
+            print("local inference failed:", str(e)[:2000])
         return None
     if out_shapes is None:
         return None

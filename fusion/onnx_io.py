@@ -1065,7 +1065,7 @@ def _export_fused_dense(node, **kwargs):
         nodes.append(helper.make_node("Add", [y, inputs[2]], [name + "_biased"]))
         y = name + "_biased"
     final = name + "_act" if heads_out else name
-    simple = {"relu": "Relu", "sigmoid": "Sigmoid", "tanh": "Tanh", "softrelu": "Softplus"}
+    simple = {"relu": "Relu", "act_relu": "Relu", "sigmoid": "Sigmoid", "tanh": "Tanh", "softrelu": "Softplus"}
     if act in simple:
         nodes.append(helper.make_node(simple[act], [y], [final]))
     elif act == "leaky":
@@ -1127,10 +1127,11 @@ def _export_fused_attention(node, **kwargs):
     return nodes
 
 
-_EXPR_TOKEN = re.compile(r"\s*(?:(?P<num>[-+]?(?:inf|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?))"
+_EXPR_TOKEN = re.compile(r"\s*(?:(?P<num>[-+]?(?:inf|nan|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?))"
                          r"|(?P<name>[A-Za-z_][A-Za-z_0-9]*)|(?P<punct>[(),]))")
 _EXPR_UNARY = {"neg": "Neg", "abs": "Abs", "exp": "Exp", "log": "Log", "sqrt": "Sqrt", "tanh": "Tanh",
-               "sigmoid": "Sigmoid", "relu": "Relu", "erf": "Erf"}
+               "sigmoid": "Sigmoid", "relu": "Relu", "act_relu": "Relu", "erf": "Erf", "softrelu": "Softplus",
+               "softsign": "Softsign"}
 _EXPR_BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "pow": "Pow", "max": "Max", "min": "Min"}
 _EXPR_COMPARE = {"lt": "Less", "le": "LessOrEqual", "gt": "Greater", "ge": "GreaterOrEqual", "eq": "Equal"}
 
@@ -1190,6 +1191,20 @@ def _export_fused_elemwise(node, **kwargs):
             return emit("Where", [cond, args[1], args[2]]), i
         if tok == "clip":
             return emit("Min", [emit("Max", args[:2]), args[2]]), i
+        if tok == "gelu":       # 0.5·x·(1 + erf(x/√2))
+            half = _const_tensor(kwargs, "%s_half%d" % (name, i), np.array(0.5, np.float32))
+            one = _const_tensor(kwargs, "%s_one%d" % (name, i), np.array(1.0, np.float32))
+            r2 = _const_tensor(kwargs, "%s_rsqrt2_%d" % (name, i), np.array(0.7071067811865476, np.float32))
+            e = emit("Add", [emit("Erf", [emit("Mul", [args[0], r2])]), one])
+            return emit("Mul", [emit("Mul", [args[0], half]), e]), i
+        if tok == "leaky":      # x > 0 ? x : x·s
+            pos = emit("Greater", [args[0], _const_tensor(kwargs, "%s_zero%d" % (name, i), np.array(0.0, np.float32))])
+            return emit("Where", [pos, args[0], emit("Mul", [args[0], args[1]])]), i
+        if tok == "hard_sigmoid":   # clip(α·x + β, 0, 1)
+            r = emit("Add", [emit("Mul", [args[0], args[1]]), args[2]])
+            zero = _const_tensor(kwargs, "%s_lo%d" % (name, i), np.array(0.0, np.float32))
+            one = _const_tensor(kwargs, "%s_hi%d" % (name, i), np.array(1.0, np.float32))
+            return emit("Min", [emit("Max", [r, zero]), one]), i
         raise GraphError("fused_elemwise '%s': no ONNX export for function %r" % (name, tok))
 
     try:

@@ -327,7 +327,7 @@ def _escape_reason(m: Match, users: Dict[Node, List], heads: Set[int], exported:
             continue
         for user, slot in users.get(nd, ()):
             e = user.inputs[slot]
-            if id(user) in inside or (is_anchor and e.index == 0):
+            if id(user) in inside or is_anchor:     # the anchor's outputs: see _outputs_reason
                 continue
             if rule is not None and rule.outside_use_ok(m, e, user):
                 continue

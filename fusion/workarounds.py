@@ -2,10 +2,14 @@
 
 At bind, MXNet's default ("MKLDNN") subgraph backend fuses a FullyConnected or a
 Convolution with the elementwise op that reads it.  When the layer's output is also
-read elsewhere (a graph output, a second activation), MXNet 1.9.1 hands those other
-readers the fused op's result — the activation's output — instead of the layer's
-(measured: ``Group([relu(fc), fc])`` returns ``relu(fc)`` twice; ``Group([relu(fc),
-tanh(fc)])`` returns ``tanh(relu(fc))`` as its second output).
+read elsewhere, MXNet 1.9.1 can hand a reader the wrong value (measured with the pip
+wheel, subgraph backend on vs off):
+
+* FullyConnected read by an op the backend fuses into it and by anything else (a graph
+  output, a second activation, another layer — depending on the order of the readers):
+  ``Group([relu(fc), fc])`` returns ``relu(fc)`` twice, ``Group([relu(fc), tanh(fc)])``
+  returns ``tanh(relu(fc))``, ``Group([fc2(fc), relu(fc)])`` a wrong ``relu(fc)``;
+* Convolution read by such an op and also a graph output (either order).
 
 A rewrite can create that shape where the original graph did not have it (GELU
 written out after a FullyConnected becomes ``LeakyReLU(gelu)``; a folded BatchNorm
@@ -63,9 +67,10 @@ def guard_layer_outputs(graph: Graph) -> List[str]:
         if fused_ops is None:
             continue
         readers = [(u, slot) for u, slot in users.get(nd, ()) if u.inputs[slot].index == 0]
+        is_head = heads.get(Entry(nd), 0) > 0
         uses = len(readers) + heads.get(Entry(nd), 0)
         fusable = [(u, slot) for u, slot in readers if u.op in fused_ops]
-        if uses < 2 or not fusable:
+        if not fusable or uses < 2 or (nd.op == "Convolution" and not is_head):
             continue
         names = {n.name for n in graph.nodes}
         for u, slot in fusable:

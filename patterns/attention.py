@@ -2,13 +2,14 @@ r"""Attention blocks → one ``fused_attention`` (blockwise, online softmax; the
 
 Three rules, applied in this order in every pass:
 
-``attention`` — the scores / softmax / value product on (N, S, D) tensors::
+``attention`` — the scores / softmax / value product on (..., S, D) tensors::
 
-    q' = q | q·c | q/c                                _mul_scalar | _div_scalar on q
+    q' = q | q·c | q/c                                _mul_scalar | _div_scalar, or broadcast_mul/div
+                                                      by a 1-element parameter, on q
     s  = batch_dot(q', k, transpose_b=True)           | linalg_gemm2(q', k, transpose_b=True, alpha=a)
-       | batch_dot(q', kᵀ)                            (k given transposed: a SwapAxis is emitted)
-    s  = s | s·c | s/c                                scalar ops or broadcast_mul/div by a 1-element Const
-    s  = s | s + mask                                 additive mask (any broadcastable tensor)
+       | batch_dot(q', kᵀ)                            (k given transposed: a SwapAxis of its last two axes)
+    s  = s | s·c | s/c                                the same scale forms on the scores
+    s  = s | s + mask                                 additive mask (any tensor broadcast to s)
        | where(m, s, c·ones_like(s) | zeros_like(s)+c)   boolean mask, fill value c
                                                       (m may be broadcast_like(m', s): the kernel broadcasts m')
     p  = softmax(s, axis=-1) | softmax(s, len, axis=-1, use_length=True)
@@ -17,6 +18,27 @@ Three rules, applied in this order in every pass:
 
     → o = fused_attention(q, k, v[, mask], layout="plain", scale=c_q·c_s·a, mask_kind=…)
 
+Any rank MXNet's products take (batch_dot: ≥ 3, linalg_gemm2: ≥ 2): the leading axes are
+batch axes, the mask is broadcast like ``broadcast_add`` broadcasts it (aligned from the last
+axis), lengths have the scores' shape without the key axis.  What is decided from shapes is
+decided at every probe shape (``Context.shapes``) and refused when unknown:
+
+* the softmax runs over the scores' last axis (``axis=-1``, or ``rank−1``);
+* linalg_gemm2's matrix rows are on axis −2 (``axis=-2``, or ``rank−2``);
+* a mask never broadcasts the scores to a larger shape; a 1-D ``where`` condition selects
+  whole rows along axis 0, as MXNet's ``where`` does (it is given the op as (N, 1, …, 1));
+* a mask that is exactly causal at every probe (built from positions only, 0 / nonzero on
+  the band ``j ≤ i + Sk − Sq``, one constant c elsewhere) becomes ``causal=True`` with
+  ``causal_mode="add"`` (additive: c added to the scores after the band) or ``"fill"``
+  (``where``: the scores after the band replaced by c), ``mask_value=c``: the same numbers,
+  fully masked rows included, while the kernel skips the keys after the band when their
+  probabilities are provably 0.
+
+Parameters are never baked in training mode: a 1-element scale parameter is kept as an
+input, applied to q (``broadcast_mul``/``broadcast_div``, so its gradient is computed); at
+inference its value is folded into ``scale`` when known.  A learned additive mask stays
+the mask input (the op returns its gradient); a causal mask must not read parameters there.
+
 ``attention_heads`` — the head split/merge around a plain ``fused_attention``::
 
     q = L_q(Xq), k = L_k(Xk), v = L_v(Xv), y = L_o(fused_attention(q, k, v, …))
@@ -24,12 +46,14 @@ Three rules, applied in this order in every pass:
 where each ``L`` is a chain of layout ops (Reshape with MXNet's codes 0/-1/-2/-3/-4,
 transpose, SwapAxis, expand_dims, squeeze, slice_axis, split).  What a chain does is
 checked by running it — with MXNet's own ops — on an index tensor: ``L_q`` must map
-(B, S, H·D) to the heads (B·H, S, D) with head ``h`` of batch ``b`` at ``n = b·H + h``,
-``L_o`` must be the inverse merge.  Then the chains disappear::
+(B, S, H·D) to the heads (B·H, S, D) or (B, H, S, D) with head ``h`` of batch ``b`` at
+``n = b·H + h``, ``L_o`` must be the inverse merge.  Then the chains disappear::
 
     → y = fused_attention(Xq, Xk, Xv[, mask], layout="bshd", heads=H, …)
     → y = fused_attention(X, [mask], layout="packed_qkv", heads=H, …)   when Xq = Xk = Xv = X (B, S, 3·H·D)
                                                                         sliced into q | k | v
+    (a mask of rank < 4 next to a (B, H, S, D) split is given the op as rank 4, so that it
+    keeps broadcasting over (B, H, Sq, Sk) from the last axis)
 
 ``attention_interleaved`` — GluonNLP's fused projections::
 
@@ -39,13 +63,15 @@ checked by running it — with MXNet's own ops — on an index tensor: ``L_q`` m
     → o = fused_attention(qkv[, mask], layout="interleaved", heads=H, scale=c/√D)
     (and the encoder-decoder pair ``_contrib_interleaved_matmul_encdec_qk/valatt`` → layout="interleaved_encdec")
 
-The math is unchanged: softmax(c·q·kᵀ + mask)·v, with the mask and fully-masked rows
-handled like the unfused graph (see cuda_kernels/fused_attention/README.md).
-``Dropout`` is dropped at inference; in training the rule is refused when a Dropout
-with p > 0 is present (the fused op has no dropout).
+The math is unchanged: softmax(c·q·kᵀ + mask)·v, with the mask, fully masked rows and
+non-finite values handled like the unfused graph, forward and backward (see
+cuda_kernels/fused_attention/README.md).  ``Dropout`` is dropped at inference; it is refused
+when it samples there (``mode="always"``), and in training when p > 0 (the fused op has no
+dropout).
 """
 from __future__ import annotations
 
+import json
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -62,6 +88,7 @@ from ._dtypes import float32_reason
 LAYOUT_OPS = ("Reshape", "transpose", "SwapAxis", "expand_dims", "squeeze", "slice_axis",
               "split", "SliceChannel", "_split_v2", "_npx_reshape", "_np_transpose")
 FUSED = "fused_attention"
+LENGTH_DTYPES = ("int32", "int64", "uint8", "float32", "float64")   # what the kernel reads as lengths
 
 
 # ---------------------------------------------------------------- the scores → softmax → value pattern
@@ -95,25 +122,128 @@ def core_pattern() -> Pattern:
             | op.gemm2(p, Var("v"), name="pv", transpose_a=OneOf(False, None), transpose_b=OneOf(False, None)))
 
 
-def _scale_factor(m: Match, name: str) -> Tuple[Optional[float], Optional[str]]:
-    """(factor, reason): the constant a scale step multiplies by (1.0 when absent)."""
+# ---------------------------------------------------------------- facts
+
+def _shapes(m: Match, entry: Entry) -> Tuple[tuple, ...]:
+    """The shape of ``entry`` at every probe where it is known (the user's first)."""
+    return tuple(m.ctx.shapes(entry))
+
+
+def _rank(m: Match, entry: Entry) -> Optional[int]:
+    shapes = _shapes(m, entry)
+    return len(shapes[0]) if shapes else None
+
+
+def _scores(m: Match) -> Entry:
+    """The scores the mask / softmax step reads (after the scale)."""
+    return Entry(m.node("s_scale") if m.has("s_scale") else m.node("qk"))
+
+
+def _mask_source(m: Match) -> Entry:
+    """The mask as the kernel is given it: broadcast_like(m, s) reads m itself."""
+    return m["mask"]
+
+
+class Scale:
+    """One scale step: a constant folded into ``scale``, or a parameter kept as an input."""
+
+    def __init__(self, factor: float = 1.0, param: Optional[Entry] = None, divide: bool = False):
+        self.factor, self.param, self.divide = factor, param, divide
+
+
+def _scale_step(m: Match, name: str) -> Tuple[Optional[Scale], Optional[str]]:
+    """(step, reason): what a scale step multiplies the scores by (``Scale()`` when absent)."""
     if not m.has(name):
-        return 1.0, None
+        return Scale(), None
     node = m.node(name)
+    divide = "div" in node.op.lower()
     if "scalar" in node.attrs and node.op.startswith("_"):
         c = float(node.attrs["scalar"])
-    else:
-        v = m.value(name + "_c")
-        if v is None:
-            return None, "scale '%s' is not a constant with a known value" % m.node(name + "_c").name
-        if v.size != 1:
-            return None, "scale '%s' has %d values, not one" % (m.node(name + "_c").name, v.size)
-        c = float(v.ravel()[0])
-    if "div" in node.op.lower():
-        if c == 0:
-            return None, "division of the scores by 0"
-        c = 1.0 / c
-    return c, None
+        if divide:
+            if c == 0:
+                return None, "division of the scores by 0"
+            c = 1.0 / c
+        return Scale(c), None
+    const = m[name + "_c"]
+    value = m.value(name + "_c")
+    shapes = _shapes(m, const)
+    size = value.size if value is not None else (int(np.prod(shapes[0])) if shapes else None)
+    if size is None:
+        return None, "scale '%s' has an unknown size (pass its value or input shapes)" % const.node.name
+    if size != 1:
+        return None, "scale '%s' has %d values, not one" % (const.node.name, size)
+    if value is not None and m.ctx.mode != "training":
+        c = float(value.ravel()[0])
+        if divide:
+            if c == 0:
+                return None, "division of the scores by 0"
+            c = 1.0 / c
+        return Scale(c), None
+    # a trained (or unknown) parameter stays an input: its gradient is computed through q
+    ndim = value.ndim if value is not None else len(shapes[0])
+    q_rank = _rank(m, m["q"]) if m.has("q") else None
+    if ndim > 2 and (q_rank is None or ndim > q_rank):
+        return None, ("scale parameter '%s' of rank %d may broadcast the scores to a higher rank "
+                      "(pass input shapes)" % (const.node.name, ndim))
+    return Scale(param=const, divide=divide), None
+
+
+def _axis_reason(m: Match) -> Optional[str]:
+    """Why the softmax or a linalg_gemm2 is not over the axes the kernel uses (None: it is)."""
+    sm = m.node("softmax")
+    axis = sm.param("axis", -1)
+    rank = _rank(m, sm.inputs[0])
+    if axis != -1:
+        if rank is None:
+            return ("softmax over axis %r with the scores' rank unknown (pass input shapes): "
+                    "only the last axis is the key axis" % (axis,))
+        if axis not in (rank - 1,):
+            return "softmax over axis %r of rank-%d scores, not the key axis (the last)" % (axis, rank)
+    for name in ("qk", "pv"):
+        node = m.node(name)
+        if not node.op.endswith("linalg_gemm2"):
+            continue
+        gaxis = node.param("axis", -2)
+        if gaxis == -2:
+            continue
+        grank = _rank(m, node.inputs[0])
+        if grank is None:
+            return ("linalg_gemm2 '%s' with axis=%r and an unknown rank (pass input shapes)"
+                    % (node.name, gaxis))
+        if gaxis not in (grank - 2,):
+            return ("linalg_gemm2 '%s' takes its matrix rows along axis %r of rank-%d operands, not "
+                    "the second-to-last (a sequence-first layout)" % (node.name, gaxis, grank))
+    return None
+
+
+def _mask_reason(m: Match) -> Optional[str]:
+    """Why the mask cannot be handed to the kernel as it is broadcast in the graph (None: it can)."""
+    if not m.has("mask_op"):
+        return None
+    mask, scores, out = _mask_source(m), _scores(m), Entry(m.node("mask_op"))
+    ms, ss, os_ = _shapes(m, mask), _shapes(m, scores), _shapes(m, out)
+    if not ms or not ss or not os_:
+        return ("the shapes of mask '%s' and of the scores are unknown (pass input shapes): how the "
+                "mask broadcasts decides what the fused op reads" % mask.node.name)
+    is_where = m.node("mask_op").op == "where"
+    for mshape, sshape, oshape in zip(ms, ss, os_):
+        if oshape != sshape:
+            return "mask '%s' %s broadcasts the scores %s to %s" % (mask.node.name, mshape, sshape, oshape)
+        if len(mshape) > len(sshape):
+            return "mask '%s' %s has a higher rank than the scores %s" % (mask.node.name, mshape, sshape)
+        if is_where and not m.has("mask_like") and len(mshape) == 1 and len(sshape) > 1:
+            if mshape[0] != sshape[0]:
+                return "where() condition '%s' %s does not select rows of the scores %s" % (
+                    mask.node.name, mshape, sshape)
+            continue
+        for d, t in zip(reversed(mshape), reversed(sshape)):
+            if d not in (1, t):
+                return "mask '%s' %s does not broadcast to the scores %s" % (mask.node.name, mshape, sshape)
+    if not is_where:
+        dtype = m.ctx.dtype(mask)
+        if dtype not in ("float32", None):
+            return "additive mask '%s' is %s, not float32" % (mask.node.name, dtype)
+    return None
 
 
 def _common_checks(m: Match) -> Optional[str]:
@@ -121,27 +251,34 @@ def _common_checks(m: Match) -> Optional[str]:
     if reason:
         return reason
     sm = m.node("softmax")
-    axis = sm.param("axis")
-    if axis not in (-1, 2):
-        return "softmax over axis %r, not the key axis (-1)" % axis
+    reason = _axis_reason(m)
+    if reason:
+        return reason
     if sm.param("temperature", None) not in (None, 1, 1.0):
         return "softmax temperature %r is not supported" % sm.param("temperature", None)
     if m.has("length") != bool(sm.param("use_length")):
         return "softmax length input and use_length disagree"
-    if m.has("dropout") and m.ctx.mode == "training":
-        p = float(m.node("dropout").param("p"))
-        if p > 0:
+    if m.has("length"):
+        dtype = m.ctx.dtype(m["length"])
+        if dtype is not None and dtype not in LENGTH_DTYPES:
+            return "softmax lengths '%s' are %s; the kernel reads %s" % (
+                m["length"].node.name, dtype, "/".join(LENGTH_DTYPES))
+    if m.has("mask_op") and m.has("length"):
+        return "both a mask and softmax lengths: not supported together"
+    if m.has("dropout"):
+        dropout = m.node("dropout")
+        p = float(dropout.param("p", 0.5))
+        if dropout.param("mode", "training") == "always" and p > 0:
+            return ("Dropout(p=%g, mode='always') on the attention probabilities samples at inference "
+                    "too; fused_attention has no dropout" % p)
+        if m.ctx.mode == "training" and p > 0:
             return "Dropout(p=%g) on the attention probabilities runs in training; fused_attention has no dropout" % p
     if m.has("mask_like"):
         bl = m.node("mask_like")
         if bl.param("lhs_axes", None) != bl.param("rhs_axes", None):
             return "broadcast_like of the mask maps axes %s to %s, not position by position" % (
                 bl.param("lhs_axes", None), bl.param("rhs_axes", None))
-    if m.has("mask_op") and m.node("mask_op").op == "where":
-        fill = m.node("fill")
-        if float(fill.attrs["scalar"]) >= -1e4 and fill.op in ("_mul_scalar", "_plus_scalar"):
-            return "where() fill value %g is not a large negative number" % float(fill.attrs["scalar"])
-    return None
+    return _mask_reason(m)
 
 
 # inputs read only for their shape: (op, input slot)
@@ -150,7 +287,9 @@ _SHAPE_ONLY = {("_contrib_arange_like", 0), ("ones_like", 0), ("zeros_like", 0),
 
 
 def _reads_data(entry: Entry, ctx) -> bool:
-    """Whether the value of ``entry`` depends on the values (not only the shapes) of data inputs."""
+    """Whether the value of ``entry`` depends on the values (not only the shapes) of data inputs.
+
+    In training mode parameters count as data: they change while training."""
     seen, stack = set(), [entry.node]
     while stack:
         node = stack.pop()
@@ -158,7 +297,7 @@ def _reads_data(entry: Entry, ctx) -> bool:
             continue
         seen.add(id(node))
         if node.op == "null":
-            if ctx.value(Entry(node)) is None:
+            if ctx.mode == "training" or ctx.value(Entry(node)) is None:
                 return True
             continue
         if node.op.startswith("_random") or node.op.startswith("_sample") or node.op == "Dropout":
@@ -167,52 +306,122 @@ def _reads_data(entry: Entry, ctx) -> bool:
     return False
 
 
-def _is_causal(m: Match) -> bool:
-    """Whether the mask is exactly the causal one (key j visible to query i iff j ≤ i + Sk − Sq).
+def _evaluate_at(ctx, entry: Entry, shapes: Dict[str, tuple], seed: int) -> Optional[np.ndarray]:
+    """The value of ``entry`` computed by MXNet with random data inputs of the given shapes (None
+    when it cannot be computed).  ``Context.evaluate`` at one of the probe shapes."""
+    import mxnet as mx
+
+    data = ctx.graph.to_json()
+    data["heads"] = [[int(entry.node.pos), entry.index, 0]]
+    try:
+        sym = mx.sym.load_json(json.dumps(data))
+        rng = np.random.default_rng(seed)
+        args = {}
+        variables = {n.name: n for n in ctx.graph.variables()}
+        for name in sym.list_arguments():
+            v = ctx.value(Entry(variables[name]))
+            if v is None:
+                if name not in shapes:
+                    return None
+                v = rng.standard_normal(shapes[name]).astype(np.float32)
+            args[name] = mx.nd.array(v, dtype=v.dtype)
+        from fusion.bench import subgraph_backend
+        with subgraph_backend(False):
+            exe = sym.bind(mx.cpu(), args, grad_req="null")
+        return exe.forward(is_train=False)[0].asnumpy()
+    except Exception:       # not computable here: no fact
+        return None
+
+
+def _causal_value(a: np.ndarray, sq: int, sk: int, where: bool) -> Tuple[bool, Optional[float]]:
+    """(causal, c): whether mask ``a`` is causal on (Sq, Sk) scores — 0 (additive) / nonzero (where)
+    on the band j ≤ i + Sk − Sq of every slice, one constant c after it (additive; None when
+    nothing is after the band here, or for ``where``, whose fill gives c)."""
+    if a.ndim < 2:
+        return False, None
+    try:
+        slices = np.broadcast_to(a, a.shape[:-2] + (sq, sk)).reshape(-1, sq, sk)
+    except ValueError:
+        return False, None
+    visible = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+    if where:
+        return bool(np.all((slices != 0) == visible)), None
+    if not np.all(slices[:, visible] == 0):
+        return False, None
+    if visible.all():
+        return True, None
+    masked = np.unique(slices[:, ~visible])
+    if masked.size != 1 or np.isnan(masked[0]):
+        return False, None
+    return True, float(masked[0])
+
+
+def causal_form(m: Match) -> Optional[Tuple[str, float]]:
+    """("add" | "fill", c) when the mask is exactly causal at every probe shape, else None.
 
     The mask must not read data values (only shapes, through ``arange_like`` and the like:
-    checked on the graph), and is computed for the known input shapes.  The kernel then skips the masked key tiles
-    instead of reading a mask; an additive mask must be 0 where visible and ≤ −1e4 elsewhere
-    (exp underflows to exactly 0 there, as the kernel's exclusion does).
+    checked on the graph; in training not parameters either), and is computed with MXNet at
+    each probe (the user's input shapes and the alternates of ``Context.probes``, which must
+    include at least two (Sq, Sk)): a mask causal at one sequence length only (a fixed offset,
+    a sliding window wider than the probes' lengths excepted) stays a mask, which is exact.
     """
     ctx = m.ctx
     if not m.has("mask_op") or m.has("length"):
-        return False
-    key = ("causal", m["mask"], m.node("mask_op").op)
+        return None
+    where = m.node("mask_op").op == "where"
+    key = ("causal", m["mask"], m.node("mask_op").name, ctx.mode)
     if key in ctx.memo:
         return ctx.memo[key]
-    ctx.memo[key] = False
-    qs, ks = ctx.shape(m["q"]), ctx.shape(m["k"])
-    if not qs or not ks or _reads_data(m["mask"], ctx):
-        return False
-    sq = qs[-2]
-    sk = ks[-2] if m.node("qk").param("transpose_b", False) else ks[-1]
-    a, b = ctx.evaluate(m["mask"], seed=1), ctx.evaluate(m["mask"], seed=2)
-    if a is None or b is None or a.shape != b.shape or not np.array_equal(a, b) or a.ndim < 2:
-        return False
-    try:
-        full = np.broadcast_to(a, a.shape[:-2] + (sq, sk))
-    except ValueError:
-        return False
-    visible = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
-    if m.node("mask_op").op == "where":
-        ok = np.all((full != 0) == visible)
+    ctx.memo[key] = None
+    probes = list(getattr(ctx, "probes", None) or [ctx.input_shapes])
+    scores = _shapes(m, _scores(m))
+    if len(scores) != len(probes) or _reads_data(m["mask"], ctx):
+        return None
+    if len({tuple(sh[-2:]) for sh in scores}) < 2:
+        return None                 # one (Sq, Sk) only: a fixed offset or window could not be told apart
+    values = set()
+    for shapes, sshape in zip(probes, scores):
+        runs = [_evaluate_at(ctx, m["mask"], shapes, seed) for seed in (1, 2)]
+        if any(r is None for r in runs) or runs[0].shape != runs[1].shape or not np.array_equal(runs[0], runs[1]):
+            return None
+        causal, c = _causal_value(runs[0], sshape[-2], sshape[-1], where)
+        if not causal:
+            return None
+        if c is not None:
+            values.add(c)
+    if where:
+        form = ("fill", float(m.node("fill").attrs["scalar"]))
+    elif len(values) == 1:
+        form = ("add", values.pop())
     else:
-        ok = np.all(full[..., visible] == 0) and np.all(full[..., ~visible] <= -1e4)
-    ctx.memo[key] = bool(ok)
-    return ctx.memo[key]
+        return None                 # masked values differ between shapes, or none was seen
+    ctx.memo[key] = form
+    return form
 
 
-def _mask_attrs(m: Match) -> Tuple[List[Entry], Dict[str, object]]:
+def _mask_inputs(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object]]:
+    """The mask input(s) and mask attributes of the fused op."""
     if m.has("length"):
         return [m["length"]], {"mask_kind": "valid_length"}
     if not m.has("mask_op"):
         return [], {"mask_kind": "none"}
-    if _is_causal(m):
-        return [], {"mask_kind": "none", "causal": True}
+    form = causal_form(m)
+    if form is not None:
+        return [], {"mask_kind": "none", "causal": True, "causal_mode": form[0], "mask_value": form[1]}
+    mask = _mask_source(m)
+    mshape = _shapes(m, mask)[0]
+    sshape = _shapes(m, _scores(m))[0]
     if m.node("mask_op").op == "where":
-        return [m["mask"]], {"mask_kind": "boolean", "mask_value": float(m.node("fill").attrs["scalar"])}
-    return [m["mask"]], {"mask_kind": "additive"}
+        if len(mshape) == 1 and len(sshape) > 1 and not m.has("mask_like"):
+            # where() with a 1-D condition selects whole rows along axis 0: (N,) → (N, 1, …, 1)
+            for _ in range(len(sshape) - 1):
+                mask = b.op("expand_dims", [mask], attrs={"axis": -1})
+        if m.ctx.dtype(m["mask"]) not in ("float32", None):
+            # the kernel reads a float32 condition: nonzero stays nonzero
+            mask = b.op("Cast", [b.op("_not_equal_scalar", [mask], attrs={"scalar": 0.0})],
+                        attrs={"dtype": "float32"})
+        return [mask], {"mask_kind": "boolean", "mask_value": float(m.node("fill").attrs["scalar"])}
+    return [mask], {"mask_kind": "additive"}
 
 
 class Attention(Rule):
@@ -226,32 +435,30 @@ class Attention(Rule):
         return core_pattern()
 
     def check(self, m: Match) -> Optional[str]:
-        qk, pv = m.node("qk"), m.node("pv")
-        if qk.op.endswith("linalg_gemm2") and pv.op.endswith("linalg_gemm2"):
-            pass
-        scale = 1.0
+        pv = m.node("pv")
         for name in ("q_scale", "s_scale"):
-            c, reason = _scale_factor(m, name)
+            _, reason = _scale_step(m, name)
             if reason:
                 return reason
-            scale *= c
         if pv.op.endswith("linalg_gemm2") and float(pv.param("alpha", 1.0)) != 1.0:
             return "value product linalg_gemm2 with alpha=%g" % float(pv.param("alpha", 1.0))
-        if m.has("mask_op") and m.has("length"):
-            return "both a mask and softmax lengths: not supported together"
         return _common_checks(m)
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
         qk = m.node("qk")
         scale = float(qk.param("alpha", 1.0)) if qk.op.endswith("linalg_gemm2") else 1.0
+        q = m["q"]
         for name in ("q_scale", "s_scale"):
-            scale *= _scale_factor(m, name)[0]
+            step = _scale_step(m, name)[0]
+            scale *= step.factor
+            if step.param is not None:   # (q·t)·kᵀ = (q·kᵀ)·t, and t keeps its gradient
+                q = b.op("broadcast_div" if step.divide else "broadcast_mul", [q, step.param])
         k = m["k"]
-        if not qk.param("transpose_b", False):      # k was given as kᵀ (N, D, Sk)
-            k = b.op("SwapAxis", [k], attrs={"dim1": 1, "dim2": 2}, name=m.anchor.name + "_kt")
-        extra, attrs = _mask_attrs(m)
+        if not qk.param("transpose_b", False):      # k was given as kᵀ (..., D, Sk)
+            k = b.op("SwapAxis", [k], attrs={"dim1": -1, "dim2": -2}, name=m.anchor.name + "_kt")
+        extra, attrs = _mask_inputs(m, b)
         attrs.update(layout="plain", scale=scale)
-        return b.op(FUSED, [m["q"], k, m["v"]] + extra, attrs=attrs, name=m.anchor.name)
+        return b.op(FUSED, [q, k, m["v"]] + extra, attrs=attrs, name=m.anchor.name)
 
 
 # ---------------------------------------------------------------- interleaved (GluonNLP) projections
@@ -305,17 +512,19 @@ class InterleavedAttention(Rule):
         _, reason = self._head_dim(m)
         if reason:
             return reason
-        c, reason = _scale_factor(m, "s_scale")
+        step, reason = _scale_step(m, "s_scale")
         if reason:
             return reason
-        if m.has("mask_op") and m.has("length"):
-            return "both a mask and softmax lengths: not supported together"
+        if step.param is not None:
+            return ("scale parameter '%s' would be folded into the op (q, k and v are packed "
+                    "together here): %s" % (step.param.node.name, "it is trained in mode='training'"
+                                            if m.ctx.mode == "training" else "its value is unknown"))
         return _common_checks(m)
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
         d, _ = self._head_dim(m)
-        scale = _scale_factor(m, "s_scale")[0] / math.sqrt(d)
-        extra, attrs = _mask_attrs(m)
+        scale = _scale_step(m, "s_scale")[0].factor / math.sqrt(d)
+        extra, attrs = _mask_inputs(m, b)
         heads = int(m.node("qk").param("heads"))
         if self.kind == "selfatt":
             inputs, layout = [m["qkv"]], "interleaved"
@@ -387,12 +596,17 @@ class AttentionHeads(Rule):
         return self._positions_only(m, entry, user) is not None
 
     def rewrite(self, m: Match, b: Builder):
-        layout, heads, inputs = self._plan(m)
+        layout, heads, inputs, rank = self._plan(m)
         attn = m.node("attn")
         attrs = attn.attrs.copy()
         attrs["layout"] = layout
         attrs["heads"] = heads
         mask = [m["mask"]] if m.has("mask") else []
+        if mask and rank == 4 and attn.param("mask_kind", "none") in ("additive", "boolean"):
+            # the head-aware layouts align a mask of rank < 4 with (B·H, Sq, Sk); the scores were
+            # (B, H, Sq, Sk): leading axes of size 1 keep the mask broadcasting as it did
+            for _ in range(4 - len(_shapes(m, m["mask"])[0])):
+                mask = [b.op("expand_dims", mask, attrs={"axis": 0})]
         out = b.op(FUSED, inputs + mask, attrs=attrs, name=m.anchor.name)
         mapping = {m.anchor_entry: out}
         for n, x in (("q", "xq"), ("k", "xk")):
@@ -401,7 +615,8 @@ class AttentionHeads(Rule):
         return mapping
 
     def _plan(self, m: Match):
-        """(layout, heads, inputs) when the chains are a head split/merge, else the reason they are not."""
+        """(layout, heads, inputs, rank of the split) when the chains are a head split/merge, else
+        the reason they are not."""
         if not m["o_chain"] or not m["q_chain"]:
             return "no head split/merge around the attention"
         widths = {n: _last_dim(m, m[x]) for n, x in (("q", "xq"), ("k", "xk"), ("v", "xv"))}
@@ -456,11 +671,12 @@ class AttentionHeads(Rule):
         merged = o_in.reshape(b_, heads, sq, dv).transpose(0, 2, 1, 3).reshape(b_, sq, heads * dv)
         if y is None or y.shape != merged.shape or not np.array_equal(y, merged):
             return "the output chain is not the merge of %d heads back to (B, S, H·D)" % heads
-        if m.has("mask") and rank == 4:
-            pass   # a (B,H,Sq,Sk)-broadcastable mask keeps its meaning with the head-aware layouts
+        if (m.has("mask") and rank == 4 and m.node("attn").param("mask_kind", "none") in ("additive", "boolean")
+                and not _shapes(m, m["mask"])):
+            return "the rank of mask '%s' is unknown (pass input shapes)" % m["mask"].node.name
         if packed:
-            return "packed_qkv", heads, [m["xq"]]
-        return "bshd", heads, [m["xq"], m["xk"], m["xv"]]
+            return "packed_qkv", heads, [m["xq"]], rank
+        return "bshd", heads, [m["xq"], m["xk"], m["xv"]], rank
 
 
 # ---------------------------------------------------------------- shape-only uses of the scores

@@ -63,8 +63,9 @@ class DenseAct(Rule):
         """(act attribute, slope) of the matched activation."""
         if m.has("act"):
             a = m.node("act")
-            if a.op == "Activation":
-                return a.attrs["act_type"], None
+            if a.op == "Activation":       # Activation(relu) runs through oneDNN (NaN → 0), the relu op does not
+                kind = a.attrs["act_type"]
+                return ("act_relu" if kind == "relu" else kind), None
             if a.op == "LeakyReLU":
                 kind = a.param("act_type")
                 return ("gelu_erf", None) if kind == "gelu" else ("leaky", float(a.param("slope")))

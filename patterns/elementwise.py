@@ -11,35 +11,66 @@ ops and 8 distinct inputs::
     Activation(relu|sigmoid|tanh)  LeakyReLU(leaky|gelu)  hard_sigmoid
     broadcast comparisons (greater, lesser_equal, …)
     BatchNorm (inference, with params): y = x·s + t, s = γ/√(σ²+ε), t = β − μ·s
-    Dropout (inference: identity)     fused_elemwise (its program is inlined)
-
-An op reading a value that is not float32 — an input declared with another dtype, a
-``Cast`` to one, ``shape_array`` and the like — stays out: the fused op computes in float32.
+    Dropout (inference, mode='training': identity)     fused_elemwise (its program is inlined)
 
 Rewrite: ``y = fused_elemwise(x0, …, xk, expr=…)`` whose program is the region's
-expression over its inputs (constants written with all their digits), evaluated in
-one pass with NumPy broadcasting — e.g. hard-swish ``x·clip(x+3, 0, 6)/6`` becomes
-``div(mul(x0, clip(add(x0, 3.0), 0.0, 6.0)), 6.0)``.  The output shape is the
-broadcast of the inputs, as for the chain of broadcast ops it replaces.
+expression over its inputs, evaluated in one pass — e.g. hard-swish
+``x·clip(x+3, 0, 6)/6`` becomes ``div(mul(x0, clip(add(x0, 3.0), 0.0, 6.0)), 6.0)``.
+
+Each op becomes the program function that computes exactly what MXNet's op computes
+(``cuda_kernels/fused_elemwise/README.md``), NaN, ±inf, ±0 and subnormals included:
+``relu`` keeps NaN, ``Activation(relu)`` becomes ``act_relu`` (NaN → 0 where MXNet runs it
+through oneDNN, at ranks 1–5), ``maximum``/``minimum`` keep MXNet's operand order (a NaN
+left operand wins, a tie gives the right one), ``clip``/``hard_sigmoid``/``leaky``/``gelu``
+are single functions with MXNet's forward and backward.  Scalars are written as the
+float32 values MXNet computes with (``_mul_scalar(x, 0.1)`` multiplies by float32(0.1)).
+
+Shapes.  The program broadcasts as NumPy does, which is what MXNet's ``broadcast_*`` ops
+do (ranks aligned on the right); ``elemwise_*`` ops take equal shapes.  MXNet's
+``where(cond, x, y)`` with a 1-D ``cond`` of length ``x.shape[0]`` selects whole rows,
+which NumPy broadcasting would align with the last axis instead: the rewrite feeds the
+kernel ``Reshape(cond, shape=(-1, 1, …, 1))`` (x's rank, any batch size), and keeps the
+condition's producer out of the region; a ``where`` whose ranks are unknown is refused.
+BatchNorm's scale and shift are given the shape ``(C, 1, …, 1)`` (the dims after the
+channel axis), so the fused op also runs at other batch and spatial sizes.
+
+Refused (the report says why): ops reading a value that is not float32 (the fused op
+computes in float32), convolution/dense tails (left to oneDNN), ``Dropout`` that samples
+at inference (``mode='always'``), a ``where`` of unknown rank.
 """
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from fusion.errors import FusionError
 from fusion.graph import Entry, Node
 from fusion.matcher import Match
 from fusion.pattern import Pattern, Region
 from fusion.rewrite import Builder
 from fusion.rule import Rule
 
-from ._dtypes import not_float32 as _not_float32
+from ._dtypes import not_float32 as _heuristic_not_float32
+
+
+def _not_float32(entry: Entry, ctx) -> bool:
+    """Whether ``entry`` holds something else than float32 (or might: then it stays out).
+
+    MXNet's own type inference (``ctx.dtype``) decides; where it cannot tell (no input
+    shapes: MXNet infers types only with every shape known when library ops are in the
+    graph), the conservative heuristic of ``patterns/_dtypes.py``.
+    """
+    dtype = ctx.dtype(entry)
+    if dtype is not None:
+        return dtype != "float32"
+    return _heuristic_not_float32(entry, ctx)
 
 
 def _c(v) -> str:
-    return repr(float(v))
+    """A scalar as the float32 MXNet computes with, written so it parses back exactly."""
+    return repr(float(np.float32(float(v))))
 
 
 def _binary(fn: str) -> Callable:
@@ -56,9 +87,7 @@ def _scalar(fn: str, reverse: bool = False) -> Callable:
     return lambda n, a: "%s(%s, %s)" % (fn, a[0], _c(n.attrs["scalar"]))
 
 
-def _gelu(x: str) -> str:
-    return "mul(mul(%s, 0.5), add(erf(mul(%s, 0.7071067811865476)), 1.0))" % (x, x)
-
+ACTIVATIONS = {"relu": "act_relu", "sigmoid": "sigmoid", "tanh": "tanh"}
 
 EXPR: Dict[str, Callable] = {}
 for _names, _fn in (
@@ -95,18 +124,18 @@ for _names, _fn in (
 ):
     for _name in _names:
         EXPR[_name] = _fn
-EXPR["reciprocal"] = lambda n, a: "div(1.0, %s)" % a[0]
+EXPR["reciprocal"] = lambda n, a: "div(1.0, %s)" % a[0]          # MXNet: 1.0f / x
 EXPR["clip"] = lambda n, a: "clip(%s, %s, %s)" % (a[0], _c(n.attrs["a_min"]), _c(n.attrs["a_max"]))
 EXPR["where"] = lambda n, a: "where(%s, %s, %s)" % (a[0], a[1], a[2])
-EXPR["Activation"] = lambda n, a: "%s(%s)" % (n.attrs["act_type"], a[0])
-EXPR["hard_sigmoid"] = lambda n, a: "clip(add(mul(%s, %s), %s), 0.0, 1.0)" % (
+EXPR["Activation"] = lambda n, a: "%s(%s)" % (ACTIVATIONS[n.attrs["act_type"]], a[0])
+EXPR["hard_sigmoid"] = lambda n, a: "hard_sigmoid(%s, %s, %s)" % (
     a[0], _c(n.param("alpha", 0.2)), _c(n.param("beta", 0.5)))
-EXPR["LeakyReLU"] = lambda n, a: (_gelu(a[0]) if n.param("act_type") == "gelu" else
-                                  "where(gt(%s, 0.0), %s, mul(%s, %s))" % (a[0], a[0], a[0], _c(n.param("slope"))))
+EXPR["LeakyReLU"] = lambda n, a: ("gelu(%s)" % a[0] if n.param("act_type") == "gelu" else
+                                  "leaky(%s, %s)" % (a[0], _c(n.param("slope"))))
 EXPR["Dropout"] = lambda n, a: a[0]
 EXPR["_copy"] = lambda n, a: a[0]
 EXPR["identity"] = lambda n, a: a[0]
-EXPR["fused_elemwise"] = lambda n, a: re.sub(r"\bx(\d+)\b", lambda t: a[int(t.group(1))], n.attrs["expr"])
+EXPR["fused_elemwise"] = lambda n, a: re.sub(r"\bx(\d+)\b", lambda t: a[int(t.group(1))], n.attrs.raw("expr"))
 
 
 def _batchnorm_scale_shift(node: Node, ctx) -> Optional[tuple]:
@@ -127,6 +156,29 @@ def _batchnorm_scale_shift(node: Node, ctx) -> Optional[tuple]:
     scale = gamma / np.sqrt(var + node.param("eps"))
     axis = node.param("axis") % len(shape)
     return scale, beta - mean * scale, axis, len(shape)
+
+
+def _where_rows(node: Node, ctx) -> Optional[bool]:
+    """For a ``where``: True when its 1-D condition selects rows of higher-rank branches,
+    False when condition and branches have one rank, None when the shapes are unknown."""
+    cond, x = ctx.shape(node.inputs[0]), ctx.shape(node.inputs[1])
+    if cond is None or x is None:
+        return None
+    if len(cond) == len(x):
+        return False
+    return True if len(cond) == 1 else None
+
+
+def _feeds_row_condition(node: Node, ctx) -> bool:
+    """Whether ``node``'s value is the 1-D row-selecting condition of a ``where``: it must
+    reach the kernel from outside, reshaped to (N, 1, …, 1)."""
+    return any(u.op == "where" and slot == 0 and _where_rows(u, ctx)
+               for u, slot in ctx.graph.consumers().get(node, ()))
+
+
+def _dropout_identity(node: Node, ctx) -> bool:
+    """Dropout is the identity at inference unless it samples there (mode='always')."""
+    return ctx.mode == "inference" and node.param("mode") != "always"
 
 
 _CONV = ("Convolution", "Deconvolution", "FullyConnected")
@@ -155,6 +207,12 @@ def why_not(node: Node, ctx) -> Optional[str]:
     if bad is not None:
         return ("%s '%s' reads '%s', which is not float32: fused_elemwise computes in float32"
                 % (node.op, node.name, bad.node.name))
+    if node.op == "Dropout" and not _dropout_identity(node, ctx):
+        return ("Dropout '%s' samples a mask %s: it is not the identity"
+                % (node.name, "at inference (mode='always')" if ctx.mode == "inference" else "in training"))
+    if node.op == "where" and len(node.inputs) == 3 and _where_rows(node, ctx) is None:
+        return ("where '%s': the ranks of its condition and branches are unknown (pass input shapes); "
+                "MXNet's 1-D condition selects rows, which broadcasting would not" % node.name)
     return None
 
 
@@ -163,17 +221,24 @@ def member(node: Node, ctx) -> bool:
         return False
     if any(_not_float32(e, ctx) for e in node.inputs):
         return False
+    if _feeds_row_condition(node, ctx):
+        return False
     if node.op == "Activation":
-        return node.attrs.get("act_type") in ("relu", "sigmoid", "tanh")
+        return node.attrs.get("act_type") in ACTIVATIONS
     if node.op == "LeakyReLU":
         return node.param("act_type") in ("leaky", "gelu") and len(node.inputs) == 1
     if node.op == "Dropout":
-        return ctx.mode == "inference"
+        return _dropout_identity(node, ctx)
     if node.op == "BatchNorm":
         return _batchnorm_scale_shift(node, ctx) is not None
+    if node.op == "where":
+        return len(node.inputs) == 3 and _where_rows(node, ctx) is not None
     if node.op == "fused_elemwise":
-        return True
-    return node.op in EXPR and (node.op != "where" or len(node.inputs) == 3)
+        # inlined: its output has the broadcast shape of all its inputs, the program's only
+        # when the program reads every one of them
+        read = {int(k) for k in re.findall(r"\bx(\d+)\b", node.attrs.raw("expr") or "")}
+        return read == set(range(len(node.inputs)))
+    return node.op in EXPR
 
 
 class Elementwise(Rule):
@@ -181,9 +246,11 @@ class Elementwise(Rule):
     family = "elementwise"
     benefit = 10
     description = "maximal regions of elementwise/broadcast/scalar ops → one fused_elemwise pass"
+    MAX_INPUTS = 8     # the CUDA kernel's limit
 
     def pattern(self) -> Pattern:
-        return Region(member, "region", ops=set(EXPR) | {"BatchNorm"}, why_not=why_not)
+        return Region(member, "region", ops=set(EXPR) | {"BatchNorm"}, why_not=why_not,
+                      max_inputs=self.MAX_INPUTS)
 
     def check(self, m: Match) -> Optional[str]:
         region = m["region"]
@@ -195,27 +262,40 @@ class Elementwise(Rule):
         region = m["region"]
         inside = {id(n): n for n in region}
         inputs: List[Entry] = []
-        slots: Dict[Entry, str] = {}
+        slots: Dict[Tuple[Entry, bool], str] = {}
+
+        def slot(e: Entry, rows_of: Optional[Entry] = None) -> str:
+            """The input slot of external value ``e``; ``rows_of``: e is a 1-D condition
+            selecting rows of that value, given to the kernel as (N, 1, …, 1)."""
+            key = (e, rows_of is not None)
+            if key not in slots:
+                if rows_of is not None:
+                    rank = len(m.ctx.shape(rows_of))
+                    e = b.op("Reshape", [e], attrs={"shape": (-1,) + (1,) * (rank - 1)},
+                             name=m.ctx.unique_name(e.node.name + "_rows"))
+                slots[key] = "x%d" % len(inputs)
+                inputs.append(e)
+            return slots[key]
 
         def arg(e: Entry) -> str:
-            if id(e.node) in inside:
-                return exprs[id(e.node)]
-            if e not in slots:
-                slots[e] = "x%d" % len(inputs)
-                inputs.append(e)
-            return slots[e]
+            return exprs[id(e.node)] if id(e.node) in inside else slot(e)
 
         exprs: Dict[int, str] = {}
         for n in region:                              # topological order
             if n.op == "BatchNorm":
                 scale, shift, axis, rank = _batchnorm_scale_shift(n, m.ctx)
-                bshape = [1] * rank
-                bshape[axis] = -1
+                bshape = [-1] + [1] * (rank - axis - 1)     # (C, 1, …, 1): broadcasts at any batch size
                 s = b.param(n.name + "_scale", scale.reshape(bshape).astype(np.float32))
                 t = b.param(n.name + "_shift", shift.reshape(bshape).astype(np.float32))
                 exprs[id(n)] = "add(mul(%s, %s), %s)" % (arg(n.inputs[0]), arg(s), arg(t))
+            elif n.op == "where" and _where_rows(n, m.ctx):
+                exprs[id(n)] = "where(%s, %s, %s)" % (slot(n.inputs[0], rows_of=n.inputs[1]),
+                                                      arg(n.inputs[1]), arg(n.inputs[2]))
             else:
                 exprs[id(n)] = EXPR[n.op](n, [arg(e) for e in n.inputs])
+        if len(inputs) > self.MAX_INPUTS:
+            raise FusionError("the region reads %d inputs (a row condition counts twice), more than %d"
+                              % (len(inputs), self.MAX_INPUTS))
         return b.op("fused_elemwise", inputs, attrs={"expr": exprs[id(region[-1])], "num_args": len(inputs)},
                     name=m.anchor.name)
 

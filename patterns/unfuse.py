@@ -34,7 +34,11 @@ from .unfuse_attention import UnfuseAttention
 def _activation(b: Builder, x: Entry, act: str, slope: float, name: str) -> Entry:
     if act in ("none", "", None):
         return x
-    if act in ("relu", "sigmoid", "tanh", "softrelu"):
+    if act == "act_relu":
+        return b.op("Activation", [x], attrs={"act_type": "relu"}, name=name)
+    if act == "relu":
+        return b.op("relu", [x], name=name)
+    if act in ("sigmoid", "tanh", "softrelu"):
         return b.op("Activation", [x], attrs={"act_type": act}, name=name)
     if act == "leaky":
         return b.op("LeakyReLU", [x], attrs={"act_type": "leaky", "slope": slope}, name=name)

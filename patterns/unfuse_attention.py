@@ -1,5 +1,25 @@
-"""``fused_attention`` → batch_dot / softmax / batch_dot with the head split and merge (see ``patterns/unfuse.py``)."""
+"""``fused_attention`` → stock MXNet ops (see ``patterns/unfuse.py``), for every attribute combination.
+
+    head split (Reshape/transpose/slice_axis, by layout)
+    s = linalg_gemm2 | batch_dot(q, k, transpose_b=True) · scale
+    causal band (key j visible to query i iff j ≤ i + Sk − Sq), built from positions so that it
+    holds at every sequence length:  vis = (Sk−1−j) ≥ (Sq−1−i), from reverse(arange_like(q|k, axis=-2))
+        causal_mode add      s = s + where(vis, 0, mask_value)
+        causal_mode fill     s = where(vis, s, mask_value)
+        causal_mode exclude  lengths = number of visible keys per row (softmax(use_length=True)
+                             drops the others, and gives 0 to a row with none)
+    mask additive            s = broadcast_add(s, mask)
+    mask boolean             s = where(mask ≠ 0, s, mask_value)     (mask broadcast like the kernel's)
+    valid_length             softmax(s, lengths, use_length=True)  (lengths shaped like s without its last axis)
+    o = softmax(s) · v, then the head merge
+
+A mask is aligned with the scores from the last axis, as the kernel aligns it: for the
+head-aware layouts a rank-4 mask goes with (B, H, Sq, Sk) scores (a (B, H, S, D) split),
+lower ranks with (B·H, Sq, Sk).
+"""
 from __future__ import annotations
+
+from typing import Optional
 
 from fusion.errors import FusionError
 from fusion.graph import Entry
@@ -32,26 +52,91 @@ class UnfuseAttention(_Unfuse):
         t = b.op("transpose", [t], attrs={"axes": (1, 2, 0, 3)})                       # (B, H, S, D)
         return b.op("Reshape", [t], attrs={"shape": (-3, 0, 0)})
 
+    @staticmethod
+    def _band(b: Builder, q: Entry, k: Entry) -> Entry:
+        """(Sq, Sk) 1/0: key j visible to query i iff Sk−1−j ≥ Sq−1−i (bottom-right aligned)."""
+        rq = b.op("reverse", [b.op("_contrib_arange_like", [q], attrs={"axis": -2})], attrs={"axis": 0})
+        rk = b.op("reverse", [b.op("_contrib_arange_like", [k], attrs={"axis": -2})], attrs={"axis": 0})
+        return b.op("broadcast_greater_equal", [b.op("Reshape", [rk], attrs={"shape": (1, -1)}),
+                                                b.op("Reshape", [rq], attrs={"shape": (-1, 1)})])
+
+    @staticmethod
+    def _rows_like(b: Builder, s: Entry) -> Entry:
+        """Zeros shaped like the scores without their last axis (what softmax lengths are shaped as)."""
+        return b.op("sum", [b.op("zeros_like", [s])], attrs={"axis": -1})
+
+    @staticmethod
+    def _rows_shape(layout: str, x_shape: Optional[tuple], heads: int, rank: int) -> Optional[tuple]:
+        """The scores' shape without the key axis, from the first input's shape."""
+        if x_shape is None:
+            return None
+        if layout == "plain":
+            return tuple(x_shape[:-1])
+        s, bsz = (x_shape[0], x_shape[1]) if layout.startswith("interleaved") else (x_shape[1], x_shape[0])
+        return (bsz * heads, s) if rank == 3 else (bsz, heads, s)
+
+    def _lengths(self, m: Match, b: Builder, lengths: Entry, s: Entry, rows: Optional[tuple]) -> Entry:
+        """The op's valid lengths as softmax(use_length=True) takes them: int32, shaped like s[:-1]."""
+        ls = m.ctx.shape(lengths)
+        if ls is None or rows is None or tuple(ls) == rows:   # what the rules emit: softmax's own lengths
+            return b.op("Cast", [lengths], attrs={"dtype": "int32"})
+        # one length per head (N,) or per batch element (B,), for every row or per row
+        n = 1
+        for d in rows[:-1]:
+            n *= d
+        t = lengths
+        if ls[0] != n:                                       # per batch element: repeated for its heads
+            t = b.op("repeat", [t], attrs={"repeats": n // ls[0], "axis": 0})
+        zeros = b.op("Cast", [self._rows_like(b, s)], attrs={"dtype": "int32"})
+        if len(rows) == 1:
+            t = b.op("Reshape", [t], attrs={"shape": (-1,)})
+        else:
+            if len(ls) == 1:
+                t = b.op("Reshape", [t], attrs={"shape": (-1, 1)})
+            if len(rows) > 2:                                # (N, ·) → (batch..., ·)
+                t = b.op("reshape_like", [t, zeros], attrs={"lhs_begin": 0, "lhs_end": 1,
+                                                            "rhs_begin": 0, "rhs_end": len(rows) - 1})
+        return b.op("broadcast_add", [zeros, b.op("Cast", [t], attrs={"dtype": "int32"})])
+
+    def _split_rank(self, m: Match, f, mask: Optional[Entry], mask_kind: str) -> int:
+        """Rank of the head split of bshd / packed_qkv: 4 for a mask given per (B, H, ...)."""
+        if mask is None:
+            return 3
+        shape = m.ctx.shape(mask)
+        if shape is None:
+            raise FusionError("the rank of mask '%s' of %s is unknown: pass input shapes to unfuse"
+                              % (mask.node.name, f.name))
+        if mask_kind == "valid_length":
+            return 4 if len(shape) == 3 else 3
+        return 4 if len(shape) == 4 else 3
+
     def rewrite(self, m: Match, b: Builder) -> Entry:
         f = m.node("f")
         ins = self.inputs(m)
         layout = f.param("layout", "plain")
         heads = int(f.param("heads", 1))
         mask_kind = f.param("mask_kind", "none")
-        if f.param("causal", False):
-            raise FusionError("causal fused_attention has no stock form here")
+        causal = bool(f.param("causal", False))
+        causal_mode = f.param("causal_mode", "exclude")
+        mask_value = float(f.param("mask_value", -1e18))
         data = {"plain": 3, "bshd": 3, "packed_qkv": 1, "interleaved": 1, "interleaved_encdec": 2}[layout]
         mask = ins[data] if mask_kind != "none" else None
+        q_shape = m.ctx.shape(ins[0])
         rank = 3
-        if layout in ("bshd", "packed_qkv") and mask_kind in ("additive", "boolean"):
-            # the kernel reads a rank-4 mask per (B, H, Sq, Sk) and a lower-rank one per (B·H, Sq, Sk)
+        if layout in ("bshd", "packed_qkv"):
+            rank = self._split_rank(m, f, mask, mask_kind)
+        # MXNet's interleaved ops give (B·H, Sq, Sk) scores: a mask given per (B, H, Sq, Sk) is
+        # applied to them viewed as (B, H, Sq, Sk)
+        per_head4 = False
+        if layout.startswith("interleaved") and mask is not None:
             shape = m.ctx.shape(mask)
-            if shape is None:
+            if shape is None and mask_kind != "valid_length":
                 raise FusionError("the rank of mask '%s' of %s is unknown: pass input shapes to unfuse"
                                   % (mask.node.name, f.name))
-            rank = 4 if len(shape) == 4 else 3
+            per_head4 = shape is not None and len(shape) == (3 if mask_kind == "valid_length" else 4)
         if layout == "plain":
             q, k, v = ins[:3]
+            rank = len(q_shape) if q_shape is not None else 3
         elif layout == "bshd":
             q, k, v = (self._split(b, x, heads, rank) for x in ins[:3])
         elif layout == "packed_qkv":
@@ -62,19 +147,47 @@ class UnfuseAttention(_Unfuse):
         else:
             q = self._interleaved(b, ins[0], heads, 1, 0)
             k, v = (self._interleaved(b, ins[1], heads, 2, i) for i in range(2))
-        s = b.op("batch_dot", [q, k], attrs={"transpose_b": True})
+        # linalg_gemm2 takes every rank >= 2, as the plain layout does; batch_dot needs >= 3
+        product = "linalg_gemm2" if layout == "plain" else "batch_dot"
+        s = b.op(product, [q, k], attrs={"transpose_b": True})
         s = b.op("_mul_scalar", [s], attrs={"scalar": float(f.attrs["scale"])})
-        softmax_in, extra = [s], {"axis": -1}
+        if per_head4 and mask_kind != "valid_length":
+            s = b.op("Reshape", [s], attrs={"shape": (-4, -1, heads, 0, 0)})
+        lengths = None
+        if causal:
+            vis = self._band(b, q, k)
+            if causal_mode == "add":
+                add = b.op("where", [vis, b.op("zeros_like", [vis]),
+                                     b.op("_mul_scalar", [b.op("ones_like", [vis])], attrs={"scalar": mask_value})])
+                s = b.op("broadcast_add", [s, add])
+            elif causal_mode == "fill":
+                cond = b.op("broadcast_add", [b.op("zeros_like", [s]), vis])
+                fill = b.op("_mul_scalar", [b.op("ones_like", [s])], attrs={"scalar": mask_value})
+                s = b.op("where", [cond, s, fill])
+            else:
+                band = b.op("sum", [vis], attrs={"axis": -1})
+                lengths = b.op("Cast", [b.op("broadcast_add", [self._rows_like(b, s), band])],
+                               attrs={"dtype": "int32"})
         if mask_kind == "additive":
-            softmax_in = [b.op("broadcast_add", [s, mask])]
+            s = b.op("broadcast_add", [s, mask])
         elif mask_kind == "boolean":
-            fill = b.op("_mul_scalar", [b.op("ones_like", [s])], attrs={"scalar": float(f.param("mask_value", -1e18))})
-            softmax_in = [b.op("where", [b.op("broadcast_like", [mask, s]), s, fill])]
+            # the condition broadcast to the scores' shape from the last axis, as the kernel reads it
+            cond = b.op("broadcast_add", [b.op("zeros_like", [s]), mask])
+            fill = b.op("_mul_scalar", [b.op("ones_like", [s])], attrs={"scalar": mask_value})
+            s = b.op("where", [cond, s, fill])
         elif mask_kind == "valid_length":
-            softmax_in, extra = [s, mask], {"axis": -1, "use_length": True}
-        p = b.op("softmax", softmax_in, attrs=extra)
-        o = b.op("batch_dot", [p, v], name=f.name if layout == "plain" else None)
-        if layout in ("plain",):
+            if per_head4:   # (B, H, Sq) → (B·H, Sq)
+                mask = b.op("Reshape", [mask], attrs={"shape": (-3, 0)})
+            given = self._lengths(m, b, mask, s, self._rows_shape(layout, q_shape, heads, rank))
+            lengths = given if lengths is None else b.op("broadcast_minimum", [given, lengths])
+        if lengths is not None:
+            p = b.op("softmax", [s, lengths], attrs={"axis": -1, "use_length": True})
+        else:
+            p = b.op("softmax", [s], attrs={"axis": -1})
+        if per_head4 and mask_kind != "valid_length":
+            p = b.op("Reshape", [p], attrs={"shape": (-3, 0, 0)})
+        o = b.op(product, [p, v], name=f.name if layout == "plain" else None)
+        if layout == "plain":
             return o
         if layout in ("bshd", "packed_qkv"):
             return self._merge(b, o, heads, f.name, rank)

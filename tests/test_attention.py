@@ -21,6 +21,71 @@ def qkv_vars():
 SHAPES = {"q": (N, SQ, D), "k": (N, SK, D), "v": (N, SK, D)}
 
 
+def assert_same(got, want, rtol, what=""):
+    """NaN / inf where the original has them; finite values within ``rtol`` of the output's scale."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=what)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want), err_msg=what)
+    fin = np.isfinite(want)
+    if fin.any():
+        scale = max(float(np.abs(want[fin]).max()), 1e-6)
+        err = float(np.abs(got[fin] - want[fin]).max()) / scale
+        assert err <= rtol, "%s: error %.3g of the scale %.3g" % (what, err, scale)
+
+
+def _run(sym, values, train, head_seed):
+    """Outputs (and, when ``train``, gradients of every float32 argument) of ``sym`` bound with the
+    subgraph backend off."""
+    from fusion.bench import subgraph_backend
+
+    args = {n: mx.nd.array(values[n], dtype=values[n].dtype) for n in sym.list_arguments()}
+    grads = {n: mx.nd.zeros(a.shape) for n, a in args.items() if a.dtype == np.float32} if train else None
+    with subgraph_backend(False):
+        exe = sym.bind(mx.cpu(), args, args_grad=grads, grad_req="write" if train else "null")
+    outs = [o.asnumpy() for o in exe.forward(is_train=train)]
+    if not train:
+        return outs, {}
+    rng = np.random.default_rng(head_seed)
+    exe.backward([mx.nd.array(rng.standard_normal(o.shape)) for o in outs])
+    return outs, {n: g.asnumpy() for n, g in grads.items()}
+
+
+def equivalent(sym, shapes, params=None, mode="inference", rules=RULES, others=(), make=None, fused=1,
+               rtol=1e-5, grad_rtol=1e-4, seed=0):
+    """Fuse ``sym`` at the input ``shapes``; then, at those shapes and at each shape dict of ``others``
+    (the fused symbol bound at other batch sizes / sequence lengths), compare it with the unfused
+    graph: outputs within ``rtol`` of their scale, NaN where the original has NaN, and in training
+    mode the gradient of every float32 argument (inputs and parameters) within ``grad_rtol`` of its
+    scale.  ``make(name, shape, rng)`` gives special inputs (masks, lengths; None: normal values).
+    ``fused``: how many fused_attention ops the result must hold.  Returns the FusionResult."""
+    params = {n: np.asarray(v, np.float32) for n, v in (params or {}).items()}
+    rng = np.random.default_rng(seed)
+
+    def inputs(shp):
+        vals = {}
+        for n, sh in shp.items():
+            v = make(n, sh, rng) if make else None
+            vals[n] = rng.standard_normal(sh).astype(np.float32) if v is None else v
+        return vals
+
+    first = inputs(shapes)
+    res = fusion.fuse(sym, {n: mx.nd.array(v) for n, v in params.items()}, {}, input_shapes=shapes,
+                      input_dtypes={n: str(v.dtype) for n, v in first.items()}, rules=rules, mode=mode)
+    assert ops(res).get("fused_attention", 0) == fused, (ops(res), res.report.to_text(explain=True))
+    train = mode == "training"
+    for k, shp in enumerate([shapes] + list(others)):
+        vals = dict(params, **(first if k == 0 else inputs(shp)))
+        new = {n: v.asnumpy() for n, v in res.arg_params.items() if n not in params}
+        want, wgrad = _run(sym, vals, train, k)
+        got, ggrad = _run(res.symbol, dict(vals, **new), train, k)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, rtol, "output %d at %s" % (i, shp))
+        for n, w in wgrad.items():
+            assert_same(ggrad[n], w, grad_rtol, "gradient of %s at %s" % (n, shp))
+    return res
+
+
 def check_fused(y, shapes, rules=RULES, arg=None, aux=None, rtol=1e-5, expect=None, **kw):
     if arg is None:
         arg, aux = random_params(y, shapes)
@@ -81,7 +146,7 @@ def test_fully_masked_rows_match_unfused():
     mask[1, :, 3:] = -1e9
     s = S.broadcast_add(S.batch_dot(q, k, transpose_b=True) * 0.3, S.var("mask"))
     y = S.batch_dot(S.softmax(s, axis=-1), v)
-    res = fusion.fuse(y, rules=RULES)
+    res = fusion.fuse(y, rules=RULES, input_shapes=dict(SHAPES, mask=mask.shape))
     rng = np.random.default_rng(1)
     inputs = {n: rng.standard_normal(shp).astype(np.float32) for n, shp in SHAPES.items()}
     inputs["mask"] = mask
@@ -99,7 +164,7 @@ def test_boolean_mask_with_where():
     m = (rng.uniform(size=(N, SQ, SK)) > 0.3).astype(np.float32)
     m[2, 0, :] = 0                 # fully masked row: uniform average of v, as unfused
     inputs["m"] = m
-    res = fusion.fuse(y, rules=RULES)
+    res = fusion.fuse(y, rules=RULES, input_shapes={n: a.shape for n, a in inputs.items()})
     assert ops(res) == {"fused_attention": 1}
     assert fusion.verify(y, res, ({}, {}), inputs=inputs).max_rel <= 1e-5
 

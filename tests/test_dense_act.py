@@ -112,3 +112,55 @@ def test_float16_dense_left_to_mxnet():
     res = fusion.fuse(y, rules=["dense_act"], input_shapes=X3)
     assert res.report.fused_count == 0
     assert "not float32" in list(res.report.rules["dense_act"].rejected.values())[0]
+
+
+# ---------------------------------------------------------------- the added bias: MXNet's broadcasting decides
+
+@pytest.mark.parametrize("c_shape,fused", [((16,), True), ((1, 16), True), ((1, 1, 16), False),
+                                           ((40, 1), False), ((40, 16), False)])
+def test_added_bias_is_per_feature_only_when_it_broadcasts_like_one(c_shape, fused):
+    """broadcast_add(FC(x) (40, 16), c): c (40, 1) adds one value per row, (40, 16) one per element,
+    (1, 1, 16) makes the sum (1, 40, 16); only a c that is 1 but along the feature axis, with the sum
+    keeping the layer's shape, is a bias (else the layer alone is fused and the add stays)."""
+    x, c = S.var("x"), S.var("c")
+    y = S.broadcast_add(S.FullyConnected(x, num_hidden=16, no_bias=True, name="fc"), c)
+    arg, aux = random_params(y, {"x": (40, 12), "c": c_shape}, inputs={"x"})
+    res = fuse_and_check(y, {"x": (40, 12)}, arg, aux, rules=["dense_act"], rtol=2e-5)
+    assert ("broadcast_add" not in ops(res)) == fused, res.report.to_text(explain=True)
+    if not fused:
+        reasons = " ".join(res.report.rules["dense_act"].rejected.values()) + " ".join(
+            res.report.rules["dense_act"].near_misses.values())
+        assert "not one value per output feature" in reasons or "broadcasts the layer's output" in reasons, reasons
+
+
+def test_added_bias_batch_dependent_refused_at_probe_shapes():
+    """c (1, 1, 16) added to FC(x, flatten=False) of x (1, 5, 12): the sum keeps the layer's shape at
+    every batch size — but c (1, 5, 16) only at sequence length 5: not a per-feature bias."""
+    x, c = S.var("x"), S.var("c")
+    y = S.broadcast_add(S.FullyConnected(x, num_hidden=16, flatten=False, name="fc"), c)
+    arg, aux = random_params(y, {"x": (1, 8, 12), "c": (1, 8, 16)}, inputs={"x"})
+    res = fusion.fuse(y, arg, aux, input_shapes={"x": (1, 8, 12)}, rules=["dense_act"])
+    assert "fused_dense" in ops(res) and "broadcast_add" in ops(res)    # the add stays outside
+    assert "not one value per output feature" in " ".join(res.report.rules["dense_act"].near_misses.values())
+
+
+def test_training_bias_sum_keeps_both_parameters_trained():
+    """In training the merged bias is b + c computed in the graph: no new parameter, both keep gradients."""
+    x, w, b, c = (S.var(n) for n in ("x", "w", "b", "c"))
+    y = S.relu(S.broadcast_add(S.FullyConnected(x, w, b, num_hidden=8, flatten=False), c))
+    arg = {"w": mx.nd.array(np.random.default_rng(0).standard_normal((8, 4))),
+           "b": mx.nd.array(np.ones(8)), "c": mx.nd.array(np.arange(8.0).reshape(1, 8))}
+    res = fusion.fuse(y, arg, {}, input_shapes={"x": (2, 8, 4)}, mode="training")
+    assert ops(res).get("fused_dense") == 1, res.report.to_text()
+    assert set(res.arg_params) == {"w", "b", "c"} and res.report.self_check.checked == 1
+    xs = mx.nd.array(np.random.default_rng(1).standard_normal((2, 8, 4)))
+    grads = []
+    for sym, params in ((y, arg), (res.symbol, res.arg_params)):
+        args = {"x": xs, **{k: v.copy() for k, v in params.items()}}
+        g = {k: mx.nd.zeros(v.shape) for k, v in args.items()}
+        exe = sym.bind(mx.cpu(), args, args_grad=g)
+        exe.forward(is_train=True)
+        exe.backward(mx.nd.ones((2, 8, 8)))
+        grads.append({k: v.asnumpy() for k, v in g.items()})
+    for k in ("x", "w", "b", "c"):
+        np.testing.assert_allclose(grads[1][k], grads[0][k], rtol=1e-5, atol=1e-5)

@@ -40,7 +40,7 @@ def test_forms_fuse_into_one_pass(form):
     shapes = dict(X, **{k: v for k, v in EXTRA.items() if k in y.list_arguments()})
     rng = np.random.default_rng(0)
     inputs = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
-    res = fusion.fuse(y, rules=["elementwise"])
+    res = fusion.fuse(y, rules=["elementwise"], input_shapes=shapes)   # where needs its ranks
     counts = only_fused(res)
     assert counts == {"fused_elemwise": 1}
     v = fusion.verify(y, res, ({}, {}), inputs=inputs)
@@ -122,3 +122,168 @@ def test_integer_inputs_stay_out():
     ref = y.bind(mx.cpu(), {"ids": mx.nd.array(ids_val, dtype="int32")}).forward()[0].asnumpy()
     out = res.symbol.bind(mx.cpu(), {"ids": mx.nd.array(ids_val, dtype="int32")}).forward()[0].asnumpy()
     np.testing.assert_array_equal(out, ref)
+
+
+# --- exact semantics: NaN, where's rows, sampling dropout, other shapes ------------------
+# (every op against MXNet on special values: test_elementwise_semantics.py; random graphs
+# fused and un-fused at two batch sizes: test_elementwise_roundtrip.py)
+
+def _run(sym, inputs, arg=None):
+    from fusion.verify import run
+    return run(sym, arg or {}, {}, inputs)
+
+
+def _same(a, b):
+    """Bitwise equal, NaN as NaN."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return a.shape == b.shape and bool(np.all((np.isnan(a) & np.isnan(b)) | (a.view(np.uint32) == b.view(np.uint32))))
+
+
+@pytest.mark.parametrize("name,f", [
+    ("relu", S.relu),
+    ("clip", lambda a: S.clip(a, -1, 1)),
+    ("maximum_scalar", lambda a: S._internal._maximum_scalar(a, scalar=0.0)),
+    ("minimum", lambda a: S.broadcast_minimum(a, S.zeros_like(S.var("x")))),
+    ("hard_sigmoid", S.hard_sigmoid),
+])
+def test_nan_propagates_as_in_mxnet(name, f):
+    # MXNet keeps NaN through relu, clip, maximum/minimum and hard_sigmoid; the fused op
+    # did not (a > 0 ? a : 0 and min(max(...)) turn NaN into a number)
+    x = S.var("x")
+    y = f(x * 1.0)
+    xv = np.array([np.nan, -1, 2, np.inf, -np.inf, -0.0], np.float32)
+    res = fusion.fuse(y, rules=["elementwise"], input_shapes={"x": xv.shape})
+    assert "fused_elemwise" in ops(res)
+    assert _same(_run(res.symbol, {"x": xv})[0], _run(y, {"x": xv})[0])
+
+
+def test_activation_relu_takes_mxnets_onednn_semantics():
+    # Activation(relu) runs through oneDNN at ranks 1-5 (NaN -> 0) and through MXNet's relu
+    # at rank 6 (NaN kept): the fused op decides per rank, at run time
+    x = S.var("x")
+    y = S.Activation(x * 1.0, act_type="relu")
+    res = fusion.fuse(y, rules=["elementwise"], input_shapes={"x": (6,)})
+    assert "act_relu(" in res.graph.op_nodes()[-1].attrs["expr"]
+    xv = np.array([np.nan, -1, 2, np.inf, -np.inf, -0.0], np.float32)
+    for shape in ((6,), (6, 1), (1, 6, 1, 1, 1), (6, 1, 1, 1, 1, 1)):
+        v = xv.reshape(shape)
+        assert _same(_run(res.symbol, {"x": v})[0], _run(y, {"x": v})[0]), shape
+
+
+@pytest.mark.parametrize("shape", [(3, 3), (3, 4), (5, 2, 3)])
+def test_where_with_1d_condition_selects_rows(shape):
+    # MXNet's where(c, x, y) with c of shape (N,) picks whole rows; NumPy broadcasting would
+    # align c with the last axis.  The condition reaches the kernel as (N, 1, ..., 1).
+    c, a, b = S.var("c"), S.var("a"), S.var("b")
+    y = S.sigmoid(S.where(c, S.tanh(a), b))
+    shapes = {"c": shape[:1], "a": shape, "b": shape}
+    res = fusion.fuse(y, rules=["elementwise"], input_shapes=shapes)
+    assert ops(res) == {"Reshape": 1, "fused_elemwise": 1}, ops(res)
+    plain = fusion.unfuse(res.symbol, shapes)
+    for n in (shape[0], 7):      # at the batch size fused at and at another
+        rng = np.random.default_rng(n)
+        inputs = {"c": np.array([1, 0, np.nan, -0.0, 2, 0, 1][:n] + [1] * max(0, n - 7), np.float32),
+                  "a": rng.standard_normal((n,) + shape[1:]).astype(np.float32),
+                  "b": rng.standard_normal((n,) + shape[1:]).astype(np.float32)}
+        want = _run(y, inputs)[0]
+        np.testing.assert_allclose(_run(res.symbol, inputs)[0], want, rtol=1e-6, atol=0)
+        np.testing.assert_array_equal(_run(plain, inputs)[0], want)
+
+
+def test_where_row_condition_computed_in_the_graph_stays_outside():
+    # the condition's producer (a comparison of a 1-D value) would be evaluated at the
+    # output's shape inside the region: it stays out and feeds the Reshape
+    c, a = S.var("c"), S.var("a")
+    y = S.where(S._internal._greater_scalar(c * 2.0, scalar=0.0), S.exp(a), a * 3.0)
+    shapes = {"c": (4,), "a": (4, 6)}
+    res = fusion.fuse(y, rules=["elementwise"], input_shapes=shapes)
+    assert ops(res).get("fused_elemwise", 0) >= 1 and ops(res).get("Reshape") == 1, ops(res)
+    rng = np.random.default_rng(0)
+    inputs = {"c": np.array([1, -1, 0, 2], np.float32), "a": rng.standard_normal((4, 6)).astype(np.float32)}
+    np.testing.assert_allclose(_run(res.symbol, inputs)[0], _run(y, inputs)[0], rtol=1e-6)
+
+
+def test_where_of_unknown_rank_is_refused():
+    c, a = S.var("c"), S.var("a")
+    y = S.sigmoid(S.where(c, S.tanh(a), a))
+    res = fusion.fuse(y, rules=["elementwise"])
+    assert "where" in ops(res)
+    reasons = res.report.rules["elementwise"].near_misses
+    assert any("ranks of its condition and branches are unknown" in r for r in reasons.values()), reasons
+
+
+def test_sampling_dropout_is_not_absorbed():
+    # Dropout(mode='always') samples at inference (Monte-Carlo dropout): not the identity
+    x = S.var("x")
+    y = S.sigmoid(S.Dropout(S.tanh(x), p=0.5, mode="always"))
+    res = fusion.fuse(y, rules=["elementwise"], input_shapes={"x": (4, 8)})
+    assert ops(res).get("Dropout") == 1 and "always" in res.symbol.tojson()
+    reasons = res.report.rules["elementwise"].near_misses
+    assert any("samples a mask at inference (mode='always')" in r for r in reasons.values()), reasons
+
+
+def test_inference_dropout_with_axes_is_the_identity():
+    x = S.var("x")
+    y = S.sigmoid(S.Dropout(S.tanh(x), p=0.5, axes=(1,)))
+    res = fuse_and_check(y, {"x": (4, 8)}, {}, {}, rules=["elementwise"], rtol=1e-6)
+    assert ops(res) == {"fused_elemwise": 1}
+
+
+def test_dropout_in_training_mode_is_not_absorbed():
+    x = S.var("x")
+    y = S.sigmoid(S.Dropout(S.tanh(x), p=0.5))
+    res = fusion.fuse(y, rules=["elementwise"], mode="training", input_shapes={"x": (4, 8)})
+    assert ops(res).get("Dropout") == 1
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_forms_run_at_another_batch_size(form):
+    x = S.var("x")
+    y = FORMS[form](x)
+    shapes = dict(X, **{k: v for k, v in EXTRA.items() if k in y.list_arguments()})
+    res = fusion.fuse(y, rules=["elementwise"], input_shapes=shapes)
+    other = {k: ((7,) + v[1:] if k == "x" else v) for k, v in shapes.items()}
+    rng = np.random.default_rng(1)
+    inputs = {k: rng.standard_normal(v).astype(np.float32) for k, v in other.items()}
+    want = _run(y, inputs)[0]
+    got = _run(res.symbol, inputs)[0]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_batchnorm_runs_at_other_batch_and_spatial_sizes():
+    # scale and shift are (C, 1, 1): they broadcast at any N, H, W
+    x = S.var("x")
+    y = S.Activation(S.BatchNorm(x, fix_gamma=False, name="bn") * 1.0, act_type="relu")
+    arg, aux = random_params(y, {"x": (2, 3, 4, 5)}, inputs={"x"})
+    res = fusion.fuse(y, arg, aux, rules=["elementwise"], input_shapes={"x": (2, 3, 4, 5)})
+    assert ops(res) == {"fused_elemwise": 1}
+    assert res.arg_params["bn_scale"].shape == (3, 1, 1)
+    for shape in ((2, 3, 4, 5), (6, 3, 2, 9)):
+        inputs = {"x": np.random.default_rng(0).standard_normal(shape).astype(np.float32)}
+        v = fusion.verify(y, res, (arg, aux), inputs=inputs)
+        assert v.max_rel <= 1e-5, (shape, v)
+
+
+def test_broadcast_ops_broadcast_as_mxnet_at_other_shapes():
+    # MXNet's broadcast_* ops take different ranks, aligned on the right, as NumPy does
+    a, b = S.var("a"), S.var("b")
+    y = S.tanh(S.broadcast_mul(S.broadcast_add(a, b), b))
+    res = fusion.fuse(y, rules=["elementwise"], input_shapes={"a": (2, 3, 4), "b": (4,)})
+    for sa, sb in (((2, 3, 4), (4,)), ((5, 3, 4), (3, 1)), ((4,), (6, 1, 4))):
+        rng = np.random.default_rng(2)
+        inputs = {"a": rng.standard_normal(sa).astype(np.float32), "b": rng.standard_normal(sb).astype(np.float32)}
+        want = _run(y, inputs)[0]
+        got = _run(res.symbol, inputs)[0]
+        assert got.shape == want.shape, (sa, sb)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_op_with_an_unread_input_is_not_inlined():
+    # its output broadcasts against the unread input: the program alone would be smaller
+    a, b = S.var("a"), S.var("b")
+    f = S.fused_elemwise(a, b, expr="mul(x0, 2.0)", num_args=2)
+    y = S.tanh(S.exp(f))
+    res = fusion.fuse(y, rules=["elementwise"], input_shapes={"a": (2, 3), "b": (4, 1, 3)})
+    inputs = {"a": np.ones((2, 3), np.float32), "b": np.ones((4, 1, 3), np.float32)}
+    assert _run(res.symbol, inputs)[0].shape == _run(y, inputs)[0].shape == (4, 2, 3)

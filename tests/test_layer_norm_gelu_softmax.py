@@ -163,3 +163,23 @@ def test_gelu_tanh_form_and_wrong_constant():
     res = fusion.fuse(bad, rules=["gelu_tanh"])
     assert res.report.fused_count == 0
     assert "not GELU's" in list(res.report.rules["gelu_tanh"].rejected.values())[0]
+
+
+@pytest.mark.parametrize("axis,gamma_shape,x_shape", [(1, (4,), (2, 4, 4)), (-1, (16, 1), (1, 16)),
+                                                      (1, (4, 1), (2, 4, 3)), (0, (3, 1, 1), (3, 5, 2))])
+def test_layer_norm_gamma_follows_mxnet_broadcasting(axis, gamma_shape, x_shape):
+    """broadcast_mul aligns trailing axes: γ (4,) scales the LAST axis even when the normalized axis is 1
+    ((2,4,4): not LayerNorm(axis=1)'s γ), and γ (16, 1) turns a (1, 16) input into (16, 16)."""
+    x, g = S.var("x"), S.var("gamma")
+    d = S.broadcast_sub(x, S.mean(x, axis=axis, keepdims=True))
+    v = S.mean(S.square(d), axis=axis, keepdims=True)
+    y = S.broadcast_mul(S.broadcast_div(d, S.sqrt(v + 1e-5)), g)
+    arg = {"gamma": mx.nd.array(np.random.default_rng(0).uniform(0.5, 1.5, gamma_shape))}
+    res = fuse_and_check(y, {"x": x_shape}, arg, {}, rtol=1e-5)
+    ln = [n for n in res.graph.op_nodes() if n.op == "LayerNorm"]
+    padded = (1,) * (len(x_shape) - len(gamma_shape)) + gamma_shape
+    acts_on_axis = all(d_ == 1 for i, d_ in enumerate(padded) if i != axis % len(x_shape))
+    if acts_on_axis and padded[axis % len(x_shape)] == x_shape[axis]:
+        assert ln and "broadcast_mul" not in ops(res), res.report.to_text()
+    else:   # normalized without γ, γ kept as the broadcast_mul it is (or nothing fused)
+        assert "broadcast_mul" in ops(res) or not ln, res.report.to_text()

@@ -91,3 +91,20 @@ def test_folded_conv_stays_folded_and_plain_graph_unchanged():
     arg, aux = random_params(y, {"data": (1, 3, 6, 6)})
     res = fusion.fuse(y, arg, aux)
     assert fusion.unfuse(res.symbol).tojson() == res.symbol.tojson()
+
+
+def test_add_layer_norm_whose_sum_is_a_graph_output():
+    a, b = S.var("a"), S.var("b")
+    s = a + b
+    y = S.Group([S.LayerNorm(s, S.var("g"), S.var("be")), s])
+    plain = roundtrip(y, {"a": (2, 3, 8), "b": (2, 3, 8), "g": (8,), "be": (8,)}, inputs={"a", "b"})
+    assert "LayerNorm" in plain.tojson()
+
+
+def test_add_layer_norm_sum_feeding_another_fused_op():
+    a, b = S.var("a"), S.var("b")
+    s = a + b
+    h = S.LayerNorm(s, S.var("g1"), S.var("b1"))
+    y = S.LayerNorm(S.FullyConnected(h, num_hidden=8, flatten=False, name="fc") + s, S.var("g2"), S.var("b2"))
+    roundtrip(y, {"a": (2, 9, 8), "b": (2, 9, 8), "g1": (8,), "b1": (8,), "g2": (8,), "b2": (8,)},
+              inputs={"a", "b"})

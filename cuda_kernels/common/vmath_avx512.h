@@ -9,10 +9,11 @@
 // scales with vscalefps (which also yields inf/0 at the range ends) and every reciprocal
 // is vrcp14ps refined by one Newton step (relative error ~2^-28, below float rounding).
 // Same accuracy contract as the scalar forms:
-//   exp     ~2 ulp; inf -> inf, -inf -> 0, NaN -> NaN
-//   sigmoid 1 / (1 + exp(-x)), relative error < 2.5e-7
-//   tanh    the rational fit of act.h, < 4e-7 relative
-//   erf     as fast_erf: < 7e-7 relative (series below |x| = 0.5)
+//   exp     ~1 ulp, subnormal results included; inf -> inf, -inf -> 0, NaN -> NaN
+//   sigmoid 1 / (1 + exp(-x)) as MXNet computes it: 0 once exp(-x) overflows (x < -88.72),
+//           subnormal just above, relative error < 2.5e-7
+//   tanh    as fast_tanh (act.h): ~2 ulp
+//   erf     as fast_erf (act.h): ~2 ulp
 #pragma once
 #include <cstdint>
 
@@ -56,45 +57,64 @@ MXF_AVX512 inline __m512 recip16(__m512 d) {
   return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
 }
 
+// The largest float whose exp is finite (ln FLT_MAX rounds up to the next float, whose
+// exp overflows).
+constexpr float kExpMaxArg = 88.72283172607421875f;
+
 // 1 / (1 + exp(u)), i.e. sigmoid(-u): callers that scale their input anyway pass -x
-// for free.  exp(u) is kept finite (u <= 88) so that the Newton step never sees inf * 0.
+// for free.  As MXNet's 1 / (1 + expf(u)): 0 where exp(u) overflows (u > kExpMaxArg), and
+// a subnormal just below, divided exactly (the reciprocal estimate flushes those to 0).
+// exp(u) is kept finite so that the Newton step never sees inf * 0.  NaN stays NaN.
 MXF_AVX512 inline __m512 sigmoid_neg16(__m512 u) {
-  u = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), u));
-  return recip16(_mm512_add_ps(_mm512_set1_ps(1.0f), exp16_clamped(u)));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 uc = _mm512_min_ps(_mm512_set1_ps(kExpMaxArg), _mm512_max_ps(_mm512_set1_ps(-104.0f), u));
+  const __m512 d = _mm512_add_ps(one, exp16_clamped(uc));
+  __m512 r = recip16(d);
+  const __mmask16 sub = _mm512_cmp_ps_mask(d, _mm512_set1_ps(8.5070592e37f), _CMP_GT_OQ);  // 1/d < 2^-126
+  if (sub) r = _mm512_mask_div_ps(r, sub, one, d);
+  return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(u, _mm512_set1_ps(kExpMaxArg), _CMP_GT_OQ),
+                            _mm512_setzero_ps());
 }
 
 MXF_AVX512 inline __m512 sigmoid16(__m512 x) {
   return sigmoid_neg16(_mm512_sub_ps(_mm512_setzero_ps(), x));
 }
 
+// tanh as fast_tanh (act.h): x + x s P(s) below |x| = 0.625, 1 - 2 / (exp(2|x|) + 1) above
 MXF_AVX512 inline __m512 tanh16(__m512 x) {
-  x = _mm512_min_ps(_mm512_set1_ps(kTanhClip), _mm512_max_ps(_mm512_set1_ps(-kTanhClip), x));
+  const __m512 sign = _mm512_and_ps(x, _mm512_set1_ps(-0.0f));
+  const __m512 ax = _mm512_andnot_ps(_mm512_set1_ps(-0.0f), x);
   const __m512 s = _mm512_mul_ps(x, x);
-  __m512 p = _mm512_set1_ps(kTanhP[5]);
-  for (int k = 4; k >= 0; --k) p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(kTanhP[k]));
-  __m512 q = _mm512_set1_ps(kTanhQ[3]);
-  for (int k = 2; k >= 0; --k) q = _mm512_fmadd_ps(q, s, _mm512_set1_ps(kTanhQ[k]));
-  const __m512 t = _mm512_mul_ps(_mm512_mul_ps(x, p), recip16(q));
-  return _mm512_min_ps(_mm512_set1_ps(1.0f), _mm512_max_ps(_mm512_set1_ps(-1.0f), t));
+  __m512 p = _mm512_set1_ps(kTanhP[4]);
+  for (int k = 3; k >= 0; --k) p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(kTanhP[k]));
+  const __m512 small = _mm512_or_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, s), x, x), sign);  // keeps -0
+  const __m512 a = _mm512_min_ps(_mm512_set1_ps(kTanhClip), ax);  // NaN passes (second operand)
+  const __m512 e = exp16_clamped(_mm512_add_ps(a, a));              // finite: 2|x| <= 20
+  const __m512 big = _mm512_fnmadd_ps(_mm512_set1_ps(2.0f), recip16(_mm512_add_ps(e, _mm512_set1_ps(1.0f))),
+                                      _mm512_set1_ps(1.0f));
+  const __mmask16 lo = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(kTanhSplit), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(lo, _mm512_or_ps(big, sign), small);
 }
 
+// erf as fast_erf (act.h): x P(x^2) below |x| = 0.921875, 1 - exp(R(|x|)) above
 MXF_AVX512 inline __m512 erf16(__m512 x) {
   const __m512 sign = _mm512_and_ps(x, _mm512_set1_ps(-0.0f));
-  // |x| capped at 10 (erf = 1 in float well before): keeps 1 + p|x| finite; NaN passes
-  const __m512 ax = _mm512_min_ps(_mm512_set1_ps(10.0f), _mm512_andnot_ps(_mm512_set1_ps(-0.0f), x));
-  const __m512 t = recip16(_mm512_fmadd_ps(ax, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.0f)));
-  __m512 y = _mm512_set1_ps(1.061405429f);
-  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(-1.453152027f));
-  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(1.421413741f));
-  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(-0.284496736f));
-  y = _mm512_fmadd_ps(y, t, _mm512_set1_ps(0.254829592f));
-  const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), ax), ax));
-  const __m512 r = _mm512_or_ps(_mm512_fnmadd_ps(_mm512_mul_ps(y, t), e, _mm512_set1_ps(1.0f)), sign);
-  const __m512 s = _mm512_mul_ps(x, x);  // small |x|: the series, as fast_erf
-  __m512 p = _mm512_set1_ps(kErfTaylor[6]);
-  for (int k = 5; k >= 0; --k) p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(kErfTaylor[k]));
-  const __mmask16 small = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(kErfSmall), _CMP_LT_OQ);
-  return _mm512_mask_blend_ps(small, r, _mm512_mul_ps(x, p));
+  const __m512 ax = _mm512_andnot_ps(_mm512_set1_ps(-0.0f), x);
+  const __m512 s = _mm512_mul_ps(x, x);
+  __m512 p = _mm512_set1_ps(kErfSmallP[5]);
+  for (int k = 4; k >= 0; --k) p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(kErfSmallP[k]));
+  const __m512 a = _mm512_min_ps(_mm512_set1_ps(kErfCap), ax);  // NaN passes (second operand)
+  __m512 r = _mm512_set1_ps(kErfLargeR[8]);
+  for (int k = 7; k >= 0; --k) r = _mm512_fmadd_ps(r, a, _mm512_set1_ps(kErfLargeR[k]));
+  const __m512 big = _mm512_sub_ps(_mm512_set1_ps(1.0f), exp16_clamped(r));  // r in [-17, -0.9]
+  const __mmask16 lo = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(kErfSplit), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(lo, _mm512_or_ps(big, sign), _mm512_mul_ps(x, p));
+}
+
+// MXNet's gelu, 0.5 x (1 + erf(x / sqrt 2)) (erf's argument as a product by 1/sqrt 2)
+MXF_AVX512 inline __m512 gelu_erf16(__m512 v) {
+  const __m512 e = erf16(_mm512_mul_ps(v, _mm512_set1_ps(0.70710678118654752f)));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
 // The first min(max(n, 0), 16) lanes.
@@ -122,8 +142,8 @@ namespace mxf {
 // True when the CPU has AVX-512 F/DQ and MXFUSION_DISABLE_AVX512 is not set (then the
 // portable loops run everywhere; the tests compare both).
 bool cpu_has_avx512();
-// x = act(x) in place for sigmoid, tanh, gelu_erf, gelu_tanh; false (x untouched) for
-// the other activations.  Call only when cpu_has_avx512().
+// x = act(x) in place for sigmoid, tanh, gelu_erf (both forms), gelu_tanh; false (x
+// untouched) for the other activations.  Call only when cpu_has_avx512().
 bool act_forward_avx512(Act a, float* x, int64_t n);
 // Softmax pieces for the attention kernel (call only when cpu_has_avx512()):
 // the maximum of s[0, n) (-inf when n == 0; NaN is ignored as by a > b ? a : b) ...

@@ -2,6 +2,11 @@
 // Each OpenMP task owns one (batch*head, query block); the score tile never exceeds
 // BQ x BK.  Forward tile products: AVX-512 register-blocked loops where the CPU has
 // them (qk_tile / pv_tile), single-threaded dnnl_sgemm calls otherwise and in backward.
+//
+// Results follow the unfused MXNet graph, fully masked rows and non-finite values
+// included: keys a row does not see (valid length, causal band) are skipped, and where
+// the unfused graph would still multiply them by a probability of 0, a non-finite value
+// in v gives NaN as that product does (see RowPlan and finish_rows).
 #include <omp.h>
 
 #include <algorithm>
@@ -26,17 +31,6 @@ int64_t env_tile(const char* name, int64_t dflt) {
 const int64_t BQ = env_tile("MXFUSION_ATTN_BQ", 64);
 const int64_t BK = env_tile("MXFUSION_ATTN_BK", 256);
 const float NEG_INF = -std::numeric_limits<float>::infinity();
-
-// Number of keys row `i` of head `n` may see: valid length and causal limit combined.
-inline int64_t row_limit(const Params& p, const Geom& g, const MaskView& m, int64_t n, int64_t i) {
-  int64_t kend = g.Sk;
-  if (m.kind == MaskKind::valid_length)
-    kend = std::max<int64_t>(0, std::min<int64_t>(g.Sk, m.lengths[n * g.Sq + i]));
-  if (!p.causal) return kend;
-  int64_t lim = i + (g.Sk - g.Sq) + 1;  // bottom-right aligned causal band
-  return std::max<int64_t>(0, std::min(kend, lim));
-}
-
 
 #ifdef MXF_HAVE_AVX512_PATH
 // AVX-512 tile products for the forward pass.  dnnl_sgemm on these small tiles (inner
@@ -132,6 +126,7 @@ MXF_AVX512 void pv_tile(const float* P, int64_t ps, const float* v, int64_t vs, 
 }
 #endif
 
+
 // k of every (batch, head) transposed in panels of 32 keys: panel p of head n holds
 // k[32p .. 32p+31][0 .. D) as (D, 32), contiguous, zero past Sk.  Contiguous panels keep
 // qk_block's loads sequential (rows of a plain (D, Sk) transpose lie Sk floats apart,
@@ -144,19 +139,171 @@ struct KT {
   const float* at(int64_t n, int64_t j0) const { return data.data() + n * D * Skp + j0 * D; }
 };
 
-// S[r, c] = scale * q_i . k_j, then mask; excluded columns (c >= lim[r]) untouched.
-void score_tile(const Params& p, const Geom& g, const MaskView& m, int64_t b, int64_t h,
-                int64_t i0, int64_t bq, int64_t j0, int64_t nb, float* S,
+// Facts about the inputs computed once per call and read by every query block.
+struct Prep {
+  KT kt;
+  // causal add: per head, the largest |k_j| over keys j >= index (Sk + 1 entries per
+  // head; +inf once a non-finite key is among them)
+  std::vector<float> knsuf;
+  // rows that skip keys (valid length, causal): per head and value column, the last key
+  // whose value is not finite (-1: none)
+  std::vector<int64_t> vbad;
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// |a|, or +inf when a holds a non-finite value (or its squares overflow)
+inline float norm(const float* a, int64_t n) {
+  const float s = dot(a, a, n);
+  return std::isfinite(s) ? std::sqrt(s) : INFINITY;
+}
+
+// Whether a row holds a non-finite value: 0 * x is NaN exactly for x = ±inf or NaN.
+inline bool any_non_finite(const float* a, int64_t n) {
+  float z = 0.f;
+#pragma omp simd reduction(+ : z)
+  for (int64_t c = 0; c < n; ++c) z += a[c] * 0.f;
+  return z != 0.f || std::isnan(z);
+}
+
+bool has_nan(const float* s, int64_t n) {
+  for (int64_t c = 0; c < n; ++c)
+    if (std::isnan(s[c])) return true;
+  return false;
+}
+
+bool skips_keys(const Params& p, const MaskView& m) {
+  return p.causal || m.kind == MaskKind::valid_length;
+}
+
+Prep prepare(const Params& p, const Geom& g, const MaskView& m, bool forward) {
+  Prep pr;
+  const int64_t N = g.B * g.H;
+  if (forward && cpu_has_avx512() && BK % 32 == 0 && g.Sk > 0 && g.D > 0) {
+    KT& kt = pr.kt;
+    kt.Skp = (g.Sk + 31) / 32 * 32;
+    kt.D = g.D;
+    kt.data.assign(static_cast<size_t>(N) * g.D * kt.Skp, 0.f);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t b = n / g.H, h = n % g.H;
+      for (int64_t j = 0; j < g.Sk; ++j) {
+        const float* krow = g.k.row(b, h, j);
+        float* dst = kt.data.data() + n * g.D * kt.Skp + (j / 32) * 32 * g.D + j % 32;
+        for (int64_t d = 0; d < g.D; ++d) dst[d * 32] = krow[d];
+      }
+    }
+  }
+  if (p.causal && p.causal_mode == CausalMode::add) {
+    pr.knsuf.assign(static_cast<size_t>(N) * (g.Sk + 1), 0.f);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      float* suf = pr.knsuf.data() + n * (g.Sk + 1);
+      for (int64_t j = g.Sk; j-- > 0;)
+        suf[j] = std::max(suf[j + 1], norm(g.k.row(n / g.H, n % g.H, j), g.D));
+    }
+  }
+  if (forward && skips_keys(p, m)) {
+    pr.vbad.assign(static_cast<size_t>(N) * g.Dv, -1);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      int64_t* bad = pr.vbad.data() + n * g.Dv;
+      for (int64_t j = 0; j < g.Sk; ++j) {
+        const float* vr = g.v.row(n / g.H, n % g.H, j);
+        if (!any_non_finite(vr, g.Dv)) continue;
+        for (int64_t c = 0; c < g.Dv; ++c)
+          if (!std::isfinite(vr[c])) bad[c] = j;
+      }
+    }
+  }
+  return pr;
+}
+
+// Whether the keys after row i's causal band (keys >= e, e >= 1) can be skipped under
+// causal_mode add / fill: their probabilities are then below e^-110, 0 in float32, and
+// their scores are not NaN or +inf.  Proved from bounds: the row max is at least the
+// score L of key e-1 (visible), and a skipped score is at most |scale|·|q_i|·max|k_j|
+// + c (add) or c (fill).  Otherwise the row computes those keys like the unfused graph.
+bool band_skips(const Params& p, const Geom& g, const Prep& pr, int64_t n, int64_t i, int64_t e) {
+  if (e >= g.Sk) return true;  // nothing after the band
+  if (e <= 0) return false;    // no visible key: the scores after the band decide the row
+  const double c = p.mask_value;
+  if (std::isnan(c)) return false;
+  const bool add = p.causal_mode == CausalMode::add;
+  const int64_t b = n / g.H, h = n % g.H;
+  const float* qi = g.q.row(b, h, i);
+  double U = 0;  // add: bound on |score| after the band
+  if (add) {
+    U = std::fabs(static_cast<double>(p.scale)) * norm(qi, g.D) * pr.knsuf[n * (g.Sk + 1) + e];
+    if (!std::isfinite(U)) return false;
+  }
+  if (c == -INFINITY) return true;  // every skipped score is -inf
+  if (c == INFINITY) return false;
+  const float* ke = g.k.row(b, h, e - 1);
+  const double L = static_cast<double>(p.scale) * dot(qi, ke, g.D);
+  if (!std::isfinite(L)) return false;
+  // slack for the float32 rounding of the scores (relative to |scale|·|q|·|k|) and of score + c
+  const double lower = L - 1e-3 * std::fabs(L) - (1e-4 + 1.2e-7 * g.D) *
+                       std::fabs(static_cast<double>(p.scale)) * norm(qi, g.D) * norm(ke, g.D);
+  const double upper = c + 1e-6 * std::fabs(c) + (add ? U * (1 + 1e-3) : 0.0);
+  return upper - lower < -110.0;
+}
+
+struct Scratch {
+  std::vector<float> S, O, m, l;
+  // keys [0, lim) are computed; keys [band, lim) get the causal add / fill (band = lim
+  // unless a row of causal_mode add / fill cannot skip the keys after its band)
+  std::vector<int64_t> lim, band;
+  std::vector<char> touched;
+  Scratch(int64_t Dv) : S(BQ * BK), O(BQ * std::max<int64_t>(Dv, 1)), m(BQ), l(BQ),
+                        lim(BQ), band(BQ), touched(BQ) {}
+};
+
+// Plans the rows of a query block (keys they compute) and resets their running
+// statistics; returns how many keys any row computes.
+int64_t init_rows(const Params& p, const Geom& g, const MaskView& mk, const Prep& pr, int64_t n,
+                  int64_t i0, int64_t bq, Scratch& w) {
+  int64_t kmax = 0;
+  for (int64_t r = 0; r < bq; ++r) {
+    const int64_t i = i0 + r;
+    int64_t kend = g.Sk;
+    if (mk.kind == MaskKind::valid_length)
+      kend = std::max<int64_t>(0, std::min<int64_t>(g.Sk, mk.lengths[n * g.Sq + i]));
+    int64_t lim = kend, band = kend;
+    if (p.causal) {  // bottom-right aligned band: keys j <= i + Sk - Sq
+      band = std::max<int64_t>(0, std::min<int64_t>(kend, i + (g.Sk - g.Sq) + 1));
+      lim = p.causal_mode == CausalMode::exclude || band_skips(p, g, pr, n, i, band) ? band : kend;
+    }
+    w.lim[r] = lim;
+    w.band[r] = band;
+    w.m[r] = NEG_INF;
+    w.l[r] = 0.f;
+    w.touched[r] = lim > 0;
+    kmax = std::max(kmax, lim);
+  }
+  return kmax;
+}
+
+// S[r, c] = scale * q_i . k_j, then the mask and the causal add / fill; columns past a
+// row's limit are left as they are.
+void score_tile(const Params& p, const Geom& g, const MaskView& m, int64_t n, int64_t i0,
+                int64_t bq, int64_t j0, int64_t nb, float* S, const Scratch& w,
                 const KT* kt = nullptr) {
+  const int64_t b = n / g.H, h = n % g.H;
 #ifdef MXF_HAVE_AVX512_PATH
   if (kt && !kt->data.empty())
-    qk_tile(g.q.row(b, h, i0), g.q.rs, kt->at(b * g.H + h, j0), g.D, bq, nb, p.scale, S, BK);
+    qk_tile(g.q.row(b, h, i0), g.q.rs, kt->at(n, j0), g.D, bq, nb, p.scale, S, BK);
   else
 #endif
     sgemm('N', 'T', bq, nb, g.D, p.scale, g.q.row(b, h, i0), g.q.rs, g.k.row(b, h, j0), g.k.rs,
           0.f, S, BK);
   if (m.kind == MaskKind::additive || m.kind == MaskKind::boolean) {
-    const float* mb = m.base(b, h);
+    const float* mb = m.base(n);
     for (int64_t r = 0; r < bq; ++r) {
       const float* mr = mb + (i0 + r) * m.sq + j0 * m.sk;
       float* s = S + r * BK;
@@ -171,39 +318,28 @@ void score_tile(const Params& p, const Geom& g, const MaskView& m, int64_t b, in
       }
     }
   }
-}
-
-struct Scratch {
-  std::vector<float> S, O, m, l;
-  std::vector<int64_t> lim;
-  std::vector<char> touched;
-  Scratch(int64_t Dv) : S(BQ * BK), O(BQ * std::max<int64_t>(Dv, 1)), m(BQ), l(BQ),
-                        lim(BQ), touched(BQ) {}
-};
-
-// Resets the running statistics of a query block; returns how many keys any row sees.
-static int64_t init_rows(const Params& p, const Geom& g, const MaskView& mk, int64_t n, int64_t i0,
-                         int64_t bq, Scratch& w) {
-  int64_t kmax = 0;
-  for (int64_t r = 0; r < bq; ++r) {
-    w.lim[r] = row_limit(p, g, mk, n, i0 + r);
-    w.m[r] = NEG_INF;
-    w.l[r] = 0.f;
-    w.touched[r] = w.lim[r] > 0;
-    kmax = std::max(kmax, w.lim[r]);
+  if (p.causal && p.causal_mode != CausalMode::exclude) {
+    const float cv = p.mask_value;
+    for (int64_t r = 0; r < bq; ++r) {
+      const int64_t c0 = std::max<int64_t>(0, w.band[r] - j0);
+      const int64_t c1 = std::min<int64_t>(nb, w.lim[r] - j0);
+      float* s = S + r * BK;
+      if (p.causal_mode == CausalMode::add)
+        for (int64_t c = c0; c < c1; ++c) s[c] += cv;
+      else
+        for (int64_t c = c0; c < c1; ++c) s[c] = cv;
+    }
   }
-  return kmax;
 }
 
-// Online-softmax statistics (row max m, row sum l) over all keys, for one query block.
-// Also used by backward.  touched[r] says whether row r saw at least one key.
-void row_stats(const Params& p, const Geom& g, const MaskView& mk, int64_t n, int64_t i0,
-               int64_t bq, Scratch& w) {
-  const int64_t b = n / g.H, h = n % g.H;
-  const int64_t kmax = init_rows(p, g, mk, n, i0, bq, w);
+// Online-softmax statistics (row max m, row sum l) over a row's keys, for one query
+// block.  Used by backward.
+void row_stats(const Params& p, const Geom& g, const MaskView& mk, const Prep& pr, int64_t n,
+               int64_t i0, int64_t bq, Scratch& w) {
+  const int64_t kmax = init_rows(p, g, mk, pr, n, i0, bq, w);
   for (int64_t j0 = 0; j0 < kmax; j0 += BK) {
     const int64_t nb = std::min(BK, kmax - j0);
-    score_tile(p, g, mk, b, h, i0, bq, j0, nb, w.S.data());
+    score_tile(p, g, mk, n, i0, bq, j0, nb, w.S.data(), w);
     for (int64_t r = 0; r < bq; ++r) {
       const int64_t cl = std::min(nb, w.lim[r] - j0);
       if (cl <= 0) continue;
@@ -212,7 +348,10 @@ void row_stats(const Params& p, const Geom& g, const MaskView& mk, int64_t n, in
 #pragma omp simd reduction(max : mx)
       for (int64_t c = 0; c < cl; ++c) mx = s[c] > mx ? s[c] : mx;
       const float mn = std::max(w.m[r], mx);
-      if (mn == NEG_INF) continue;  // everything so far is -inf
+      if (mn == NEG_INF) {  // everything so far is -inf (or NaN: the row's output is NaN)
+        if (has_nan(s, cl)) w.l[r] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t c = 0; c < cl; ++c) sum += fast_exp(s[c] - mn);
@@ -222,21 +361,50 @@ void row_stats(const Params& p, const Geom& g, const MaskView& mk, int64_t n, in
   }
 }
 
-void forward_block(const Params& p, const Geom& g, const MaskView& mk, int64_t n, int64_t i0,
-                   int64_t bq, Scratch& w, const KT& kt) {
+// Writes the block's output rows: untouched rows (valid length 0, empty band) give 0 as
+// MXNet's softmax with lengths does; rows whose scores are all -inf, or hold a NaN or
+// +inf, give NaN as softmax does.  A row that skips keys [lim, Sk) gives NaN in every
+// column where v is not finite among them (0 * inf and 0 * NaN are NaN in the unfused
+// product).
+void finish_rows(const Params& p, const Geom& g, const Prep& pr, int64_t n, int64_t i0,
+                 int64_t bq, const Scratch& w) {
+  const int64_t b = n / g.H, h = n % g.H, Dv = g.Dv;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t r = 0; r < bq; ++r) {
+    float* out = g.o.mrow(b, h, i0 + r);
+    const float* o = &w.O[r * Dv];
+    if (w.l[r] > 0.f) {
+      const float inv = 1.f / w.l[r];
+      for (int64_t c = 0; c < Dv; ++c) out[c] = o[c] * inv;
+    } else {
+      const float fill = w.touched[r] ? nan : 0.f;
+      for (int64_t c = 0; c < Dv; ++c) out[c] = fill;
+    }
+    if (!pr.vbad.empty() && w.lim[r] < g.Sk) {
+      const int64_t* bad = pr.vbad.data() + n * Dv;
+      for (int64_t c = 0; c < Dv; ++c)
+        if (bad[c] >= w.lim[r]) out[c] = nan;
+    }
+  }
+}
+
+void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Prep& pr, int64_t n,
+                   int64_t i0, int64_t bq, Scratch& w) {
   const int64_t b = n / g.H, h = n % g.H, Dv = g.Dv;
   const bool avx512 = cpu_has_avx512();  // the softmax loops in AVX-512 (vmath_avx512.h)
-  const int64_t kmax = init_rows(p, g, mk, n, i0, bq, w);
+  const int64_t kmax = init_rows(p, g, mk, pr, n, i0, bq, w);
   std::fill(w.O.begin(), w.O.begin() + bq * Dv, 0.f);
   for (int64_t j0 = 0; j0 < kmax; j0 += BK) {
     const int64_t nb = std::min(BK, kmax - j0);
     float* S = w.S.data();
-    score_tile(p, g, mk, b, h, i0, bq, j0, nb, S, &kt);
+    score_tile(p, g, mk, n, i0, bq, j0, nb, S, w, &pr.kt);
     for (int64_t r = 0; r < bq; ++r) {
       float* s = S + r * BK;
       const int64_t cl = std::max<int64_t>(0, std::min(nb, w.lim[r] - j0));
       // The reductions are written for `omp simd` so that the loops vectorize (a plain float
       // sum may not be reordered, which keeps GCC from vectorizing the exp loop at all).
+      // A NaN score never becomes the max; it reaches the sum through exp and makes the
+      // row NaN, as in MXNet's softmax.
       float mx = NEG_INF;
       if (avx512) {
         mx = row_max_avx512(s, cl);
@@ -245,7 +413,8 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, int64_t n
         for (int64_t c = 0; c < cl; ++c) mx = s[c] > mx ? s[c] : mx;
       }
       const float mn = std::max(w.m[r], mx);
-      if (mn == NEG_INF) {  // no finite score yet: contributes nothing
+      if (mn == NEG_INF) {  // no finite score yet: contributes nothing, unless one is NaN
+        if (has_nan(s, cl)) w.l[r] = std::numeric_limits<float>::quiet_NaN();
         std::fill(s, s + nb, 0.f);
         continue;
       }
@@ -268,26 +437,14 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, int64_t n
       }
     }
 #ifdef MXF_HAVE_AVX512_PATH
-    if (!kt.data.empty()) {
+    if (!pr.kt.data.empty()) {
       pv_tile(S, BK, g.v.row(b, h, j0), g.v.rs, bq, nb, Dv, w.O.data(), Dv);
       continue;
     }
 #endif
     sgemm('N', 'N', bq, Dv, nb, 1.f, S, BK, g.v.row(b, h, j0), g.v.rs, 1.f, w.O.data(), Dv);
   }
-  for (int64_t r = 0; r < bq; ++r) {
-    float* out = g.o.mrow(b, h, i0 + r);
-    const float* o = &w.O[r * Dv];
-    if (w.l[r] > 0.f) {
-      const float inv = 1.f / w.l[r];
-      for (int64_t c = 0; c < Dv; ++c) out[c] = o[c] * inv;
-    } else {
-      // untouched rows (valid_length 0, empty causal band) give 0 like MXNet's
-      // softmax with length; rows whose scores are all -inf give NaN like softmax.
-      const float fill = w.touched[r] ? std::numeric_limits<float>::quiet_NaN() : 0.f;
-      for (int64_t c = 0; c < Dv; ++c) out[c] = fill;
-    }
-  }
+  finish_rows(p, g, pr, n, i0, bq, w);
 }
 
 }  // namespace
@@ -295,21 +452,7 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, int64_t n
 void forward(const Params& p, const Geom& g, const MaskView& m) {
   const int64_t nqb = (g.Sq + BQ - 1) / BQ, N = g.B * g.H, tasks = N * nqb;
   if (tasks == 0) return;
-  KT kt;  // k transposed once per call, read by every query block
-  if (cpu_has_avx512() && BK % 32 == 0 && g.Sk > 0 && g.D > 0) {
-    kt.Skp = (g.Sk + 31) / 32 * 32;
-    kt.D = g.D;
-    kt.data.assign(static_cast<size_t>(N) * g.D * kt.Skp, 0.f);
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-      const int64_t b = n / g.H, h = n % g.H;
-      for (int64_t j = 0; j < g.Sk; ++j) {
-        const float* krow = g.k.row(b, h, j);
-        float* dst = kt.data.data() + n * g.D * kt.Skp + (j / 32) * 32 * g.D + j % 32;
-        for (int64_t d = 0; d < g.D; ++d) dst[d * 32] = krow[d];
-      }
-    }
-  }
+  const Prep pr = prepare(p, g, m, true);
   std::string err;
 #pragma omp parallel
   {
@@ -318,7 +461,7 @@ void forward(const Params& p, const Geom& g, const MaskView& m) {
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t n = t / nqb, i0 = (t % nqb) * BQ;
       try {
-        forward_block(p, g, m, n, i0, std::min(BQ, g.Sq - i0), w, kt);
+        forward_block(p, g, m, pr, n, i0, std::min(BQ, g.Sq - i0), w);
       } catch (const std::exception& e) {
 #pragma omp critical
         err = e.what();
@@ -328,21 +471,66 @@ void forward(const Params& p, const Geom& g, const MaskView& m) {
   if (!err.empty()) throw OpError(err);
 }
 
+// Gradients through the softmax: P = exp(S - m) / l recomputed per tile (m, l from
+// row_stats; dividing by l rather than subtracting log(l) keeps P exact when m is huge,
+// as in a row whose scores are all -1e9), dP = dO V^T, dS = P * (dP - rowsum(dO * O)).
+// dS is the gradient of the masked scores: an additive mask receives it summed over the
+// axes it broadcasts along; where a boolean mask or the causal fill replaced a score, the
+// score itself gets none (where() passes the gradient to the fill).
 void backward(const Params& p, const Geom& g, const MaskView& mk, const View& dout,
-              const View& dq, const View& dk, const View& dv) {
+              const View& dq, const View& dk, const View& dv, float* dmask) {
   const int64_t N = g.B * g.H, D = g.D, Dv = g.Dv;
+  if (N == 0 || g.Sq == 0) return;
+  const Prep pr = prepare(p, g, mk, false);
+  // Heads whose mask slices coincide (a broadcast mask) accumulate into a per-thread copy
+  // of the slice, added to dmask when the thread moves to another slice; others write
+  // their own slice directly.
+  bool shared = false;
+  if (dmask) {
+    std::vector<int64_t> offs = mk.noff;
+    std::sort(offs.begin(), offs.end());
+    shared = std::adjacent_find(offs.begin(), offs.end()) != offs.end();
+  }
+  const int64_t mrows = mk.sq ? g.Sq : 1, mcols = mk.sk ? g.Sk : 1;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
   std::string err;
 #pragma omp parallel
   {
     Scratch w(Dv);
-    std::vector<float> dP(BQ * BK), Di(BQ);
-#pragma omp for schedule(dynamic, 1)
+    std::vector<float> dP(BQ * BK), Di(BQ), inv(BQ), slice;
+    int64_t slice_off = -1;
+    if (dmask && shared) slice.assign(mrows * mcols, 0.f);
+    auto flush = [&]() {
+      if (slice_off < 0) return;
+#pragma omp critical(fused_attention_dmask)
+      for (int64_t ii = 0; ii < mrows; ++ii)
+        for (int64_t jj = 0; jj < mcols; ++jj)
+          dmask[slice_off + ii * mk.sq + jj * mk.sk] += slice[ii * mcols + jj];
+      std::fill(slice.begin(), slice.end(), 0.f);
+      slice_off = -1;
+    };
+#pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       try {
         const int64_t b = n / g.H, h = n % g.H;
+        float* acc = nullptr;  // this head's dmask slice (or the thread's copy of it)
+        int64_t asq = 0, ask = 0;
+        if (dmask && shared) {
+          if (mk.noff[n] != slice_off) {
+            flush();
+            slice_off = mk.noff[n];
+          }
+          acc = slice.data();
+          asq = mk.sq ? mcols : 0;
+          ask = mk.sk ? 1 : 0;
+        } else if (dmask) {
+          acc = dmask + mk.noff[n];
+          asq = mk.sq;
+          ask = mk.sk;
+        }
         for (int64_t i0 = 0; i0 < g.Sq; i0 += BQ) {
           const int64_t bq = std::min(BQ, g.Sq - i0);
-          row_stats(p, g, mk, n, i0, bq, w);
+          row_stats(p, g, mk, pr, n, i0, bq, w);
           int64_t kmax = 0;
           for (int64_t r = 0; r < bq; ++r) {
             kmax = std::max(kmax, w.lim[r]);
@@ -351,19 +539,20 @@ void backward(const Params& p, const Geom& g, const MaskView& mk, const View& do
             float s = 0.f;
             for (int64_t c = 0; c < Dv; ++c) s += o[c] * d[c];
             Di[r] = s;
-            // lse; rows with no finite score contribute nothing
-            w.m[r] = (w.l[r] > 0.f) ? w.m[r] + std::log(w.l[r]) : INFINITY;
+            // a row whose forward output is NaN (scores all -inf, or NaN) has NaN
+            // probabilities, as softmax's
+            inv[r] = w.l[r] > 0.f ? 1.f / w.l[r] : nan;
           }
           for (int64_t j0 = 0; j0 < kmax; j0 += BK) {
             const int64_t nb = std::min(BK, kmax - j0);
             float* S = w.S.data();
-            score_tile(p, g, mk, b, h, i0, bq, j0, nb, S);
+            score_tile(p, g, mk, n, i0, bq, j0, nb, S, w);
             for (int64_t r = 0; r < bq; ++r) {
               float* s = S + r * BK;
               const int64_t cl = std::max<int64_t>(0, std::min(nb, w.lim[r] - j0));
-              const float lse = w.m[r];
+              const float m = w.m[r], il = inv[r];
 #pragma omp simd
-              for (int64_t c = 0; c < cl; ++c) s[c] = fast_exp(s[c] - lse);
+              for (int64_t c = 0; c < cl; ++c) s[c] = fast_exp(s[c] - m) * il;
               for (int64_t c = cl; c < nb; ++c) s[c] = 0.f;
             }
             // dV += P^T dO
@@ -372,14 +561,22 @@ void backward(const Params& p, const Geom& g, const MaskView& mk, const View& do
             // dP = dO V^T
             sgemm('N', 'T', bq, nb, Dv, 1.f, dout.row(b, h, i0), dout.rs, g.v.row(b, h, j0),
                   g.v.rs, 0.f, dP.data(), BK);
+            const bool fill = p.causal && p.causal_mode == CausalMode::fill;
             for (int64_t r = 0; r < bq; ++r) {
               float* s = S + r * BK;
               const float* d = &dP[r * BK];
-              for (int64_t c = 0; c < nb; ++c) s[c] = s[c] * (d[c] - Di[r]);
-              if (mk.kind == MaskKind::boolean) {  // where(): no gradient through masked slots
-                const float* mr = mk.base(b, h) + (i0 + r) * mk.sq + j0 * mk.sk;
-                for (int64_t c = 0; c < nb; ++c) s[c] = mr[c * mk.sk] != 0.f ? s[c] : 0.f;
+              const int64_t cl = std::max<int64_t>(0, std::min(nb, w.lim[r] - j0));
+              for (int64_t c = 0; c < cl; ++c) s[c] = s[c] * (d[c] - Di[r]);
+              if (acc) {
+                float* ar = acc + (i0 + r) * asq + j0 * ask;
+                for (int64_t c = 0; c < cl; ++c) ar[c * ask] += s[c];
               }
+              if (mk.kind == MaskKind::boolean) {  // where(): no gradient through masked slots
+                const float* mr = mk.base(n) + (i0 + r) * mk.sq + j0 * mk.sk;
+                for (int64_t c = 0; c < cl; ++c) s[c] = mr[c * mk.sk] != 0.f ? s[c] : 0.f;
+              }
+              if (fill)  // scores after the band were replaced by the fill value
+                for (int64_t c = std::max<int64_t>(0, w.band[r] - j0); c < cl; ++c) s[c] = 0.f;
             }
             sgemm('N', 'N', bq, D, nb, p.scale, S, BK, g.k.row(b, h, j0), g.k.rs, 1.f,
                   dq.mrow(b, h, i0), dq.rs);
@@ -392,6 +589,7 @@ void backward(const Params& p, const Geom& g, const MaskView& mk, const View& do
         err = e.what();
       }
     }
+    if (!slice.empty()) flush();
   }
   if (!err.empty()) throw OpError(err);
 }

@@ -11,14 +11,19 @@ namespace attn {
 
 enum class Layout { plain, bshd, packed_qkv, interleaved, interleaved_encdec };
 enum class MaskKind { none, additive, boolean, valid_length };
+// What a causal op does with the keys after a query's band (j > i + Sk - Sq):
+// exclude them (as softmax with lengths does), add mask_value to their scores, or
+// replace their scores by mask_value (the additive and where() masks of a graph).
+enum class CausalMode { exclude, add, fill };
 
 struct Params {
   Layout layout;
   MaskKind mask;
   float scale;
   bool causal;
+  CausalMode causal_mode;
   int64_t heads;
-  float mask_value;  // score used where a boolean mask is 0
+  float mask_value;  // score where a boolean mask is 0; the causal add / fill value
 };
 
 Params parse(const Attrs& attrs);
@@ -32,9 +37,14 @@ struct View {
   float* mrow(int64_t b, int64_t h, int64_t r) const { return p + b * bs + h * hs + r * rs; }
 };
 
+// N = B*H heads of (Sq, D) queries, (Sk, D) keys, (Sk, Dv) values.  `batch` holds the
+// scores' leading dims as the unfused graph has them, so that a mask broadcasts like
+// MXNet's broadcast_add: plain: q's leading dims (any number, flattened row-major as
+// n = b*H + h with H the last of them); other layouts: {B*H}, or {B, H} for a rank-4 mask.
 struct Geom {
   int64_t B, H, Sq, Sk, D, Dv;
   View q, k, v, o;
+  std::vector<int64_t> batch;  // plain only (empty: the layout's {B*H} / {B, H})
 };
 
 // Shapes of the data inputs -> geometry (pointers left null).  Throws OpError.
@@ -43,22 +53,27 @@ std::vector<int64_t> out_shape(const Params& p, const Geom& g,
                                const std::vector<std::vector<int64_t>>& in_shapes);
 // Points the views at the data of the given data-input tensors and output.
 void bind_views(const Params& p, Geom* g, const std::vector<float*>& data, float* out);
+// The scores' leading dims a mask of rank `mask_rank` is aligned with (see Geom::batch).
+std::vector<int64_t> scores_batch(const Params& p, const Geom& g, size_t mask_rank);
 
-// Mask access broadcast to (B*H, Sq, Sk) (rank <= 3) or (B, H, Sq, Sk) (rank 4).
+// Mask access: element (n, i, j) of the scores at p + noff[n] + i*sq + j*sk (strides 0
+// where the mask broadcasts).
 struct MaskView {
   MaskKind kind = MaskKind::none;
   const float* p = nullptr;
-  int64_t sb = 0, sh = 0, sq = 0, sk = 0;  // strides for b, h, row, col
-  std::vector<int64_t> lengths;             // valid_length per (b*H + h, query row)
-  const float* base(int64_t b, int64_t h) const { return p + b * sb + h * sh; }
+  int64_t sq = 0, sk = 0;
+  std::vector<int64_t> noff;     // offset of head n's (Sq, Sk) slice
+  std::vector<int64_t> lengths;  // valid_length per (b*H + h, query row)
+  const float* base(int64_t n) const { return p + noff[n]; }
 };
 void check_mask_shape(const Params& p, const Geom& g, const std::vector<int64_t>& ms);
 MaskView mask_view(const Params& p, const Geom& g, const MXTensor* mask);
 
 void forward(const Params& p, const Geom& g, const MaskView& m);
-// dq/dk/dv views share q/k/v strides; they must be zeroed by the caller.
+// dq/dk/dv views share q/k/v strides; they (and dmask) must be zeroed by the caller.
+// dmask: gradient of an additive mask, contiguous in the mask's shape (null: not wanted).
 void backward(const Params& p, const Geom& g, const MaskView& m, const View& dout,
-              const View& dq, const View& dk, const View& dv);
+              const View& dq, const View& dk, const View& dv, float* dmask);
 
 }  // namespace attn
 }  // namespace mxf

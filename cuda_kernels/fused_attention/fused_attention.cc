@@ -24,7 +24,18 @@ Params parse(const Attrs& a) {
   if (!has_attr(a, "scale")) throw OpError("attribute 'scale' is required");
   p.scale = attr_float(a, "scale", 1.f);
   p.causal = attr_bool(a, "causal", false);
+  const std::string cm = attr_choice(a, "causal_mode", "exclude", {"exclude", "add", "fill"});
+  p.causal_mode = cm == "exclude" ? CausalMode::exclude
+                : cm == "add" ? CausalMode::add : CausalMode::fill;
   p.mask_value = attr_float(a, "mask_value", -1e18f);
+  if (p.causal_mode != CausalMode::exclude) {
+    if (!p.causal) throw OpError("causal_mode '" + cm + "' is only used with causal=True");
+    if (p.mask != MaskKind::none)
+      throw OpError("causal_mode '" + cm + "' takes no mask input (mask_kind must be none)");
+    if (!has_attr(a, "mask_value"))
+      throw OpError("causal_mode '" + cm + "' needs mask_value (the value " +
+                    (cm == "add" ? "added to" : "used for") + " the scores after the band)");
+  }
   p.heads = attr_int(a, "heads", p.layout == Layout::plain ? 1 : 0);
   if (p.layout == Layout::plain) {
     if (p.heads != 1) throw OpError("attribute 'heads' is only used with head-aware layouts");
@@ -63,19 +74,23 @@ Geom geometry(const Params& p, const std::vector<std::vector<int64_t>>& s) {
   const int64_t H = p.heads;
   switch (p.layout) {
     case Layout::plain: {
-      // (N, S, D), or (B, H, S, D) as a 4-D batch_dot/linalg_gemm2 attention computes it
+      // (..., S, D) with any number of leading (batch) dims, as batch_dot / linalg_gemm2
+      // take them; the last leading dim is H, the others flatten into B
       const size_t r = s[0].size();
-      if (r != 3 && r != 4) need_rank(s[0], 3, "q");
+      if (r < 2) throw OpError("q must have rank >= 2, got shape " + shape_str(s[0]));
       need_rank(s[1], r, "k");
       need_rank(s[2], r, "v");
-      const size_t o = r - 3;  // offset of the (N|H, S, D) part
-      g.B = s[0][0]; g.H = r == 4 ? s[0][1] : 1;
-      g.Sq = s[0][o + 1]; g.D = s[0][o + 2]; g.Sk = s[1][o + 1]; g.Dv = s[2][o + 2];
-      bool fits = s[1][o + 2] == g.D && s[2][o + 1] == g.Sk;
-      for (size_t i = 0; i <= o; ++i) fits = fits && s[1][i] == s[0][i] && s[2][i] == s[0][i];
+      g.batch.assign(s[0].begin(), s[0].end() - 2);
+      g.H = r >= 3 ? s[0][r - 3] : 1;
+      g.B = 1;
+      for (size_t i = 0; i + 3 < r; ++i) g.B *= s[0][i];
+      g.Sq = s[0][r - 2]; g.D = s[0][r - 1]; g.Sk = s[1][r - 2]; g.Dv = s[2][r - 1];
+      bool fits = s[1][r - 1] == g.D && s[2][r - 2] == g.Sk;
+      for (size_t i = 0; i + 2 < r; ++i) fits = fits && s[1][i] == s[0][i] && s[2][i] == s[0][i];
       if (!fits)
-        throw OpError("shapes do not fit q (N,Sq,D) or (B,H,Sq,D), k (..,Sk,D), v (..,Sk,Dv): q" +
-                      shape_str(s[0]) + " k" + shape_str(s[1]) + " v" + shape_str(s[2]));
+        throw OpError("shapes do not fit q (..,Sq,D), k (..,Sk,D), v (..,Sk,Dv) with the same "
+                      "leading dims: q" + shape_str(s[0]) + " k" + shape_str(s[1]) + " v" +
+                      shape_str(s[2]));
       g.q = {nullptr, g.H * g.Sq * g.D, g.Sq * g.D, g.D};
       g.k = {nullptr, g.H * g.Sk * g.D, g.Sk * g.D, g.D};
       g.v = {nullptr, g.H * g.Sk * g.Dv, g.Sk * g.Dv, g.Dv};
@@ -142,9 +157,12 @@ Geom geometry(const Params& p, const std::vector<std::vector<int64_t>>& s) {
 std::vector<int64_t> out_shape(const Params& p, const Geom& g,
                                const std::vector<std::vector<int64_t>>& s) {
   switch (p.layout) {
-    case Layout::plain:
-      if (s[0].size() == 4) return {g.B, g.H, g.Sq, g.Dv};
-      return {g.B, g.Sq, g.Dv};
+    case Layout::plain: {
+      std::vector<int64_t> o = g.batch;
+      o.push_back(g.Sq);
+      o.push_back(g.Dv);
+      return o;
+    }
     case Layout::bshd:
     case Layout::packed_qkv: return {g.B, g.Sq, g.H * g.Dv};
     default: return {g.Sq, g.B, g.H * g.Dv};
@@ -170,28 +188,73 @@ void bind_views(const Params& p, Geom* g, const std::vector<float*>& d, float* o
   }
 }
 
+std::vector<int64_t> scores_batch(const Params& p, const Geom& g, size_t mask_rank) {
+  if (p.layout == Layout::plain) return g.batch;
+  if (mask_rank == 4) return {g.B, g.H};
+  return {g.B * g.H};
+}
+
+namespace {
+// valid_length: row n*Sq + i of the lengths reads element src(n, i) of the input, or the
+// shape is not one of the accepted ones (-1).
+struct LengthIndex {
+  enum { scores, heads, batch } per = scores;  // (.., Sq) over the scores' leading dims
+  bool per_row = true;
+};
+bool length_shape(const Params& p, const Geom& g, const std::vector<int64_t>& ms,
+                  LengthIndex* li) {
+  const int64_t N = g.B * g.H;
+  // the scores' shape without its last axis, as softmax(use_length=True) takes it
+  for (size_t rank : {size_t(0), size_t(4)}) {
+    if (rank == 4 && p.layout == Layout::plain) break;
+    std::vector<int64_t> want = scores_batch(p, g, rank);
+    want.push_back(g.Sq);
+    if (ms == want) {
+      li->per = LengthIndex::scores;
+      li->per_row = true;
+      return true;
+    }
+  }
+  // one length per head or per batch element, for every row or per row
+  if (ms.size() == 1 || (ms.size() == 2 && ms[1] == g.Sq)) {
+    li->per_row = ms.size() == 2;
+    if (ms[0] == N) { li->per = LengthIndex::heads; return true; }
+    if (ms[0] == g.B) { li->per = LengthIndex::batch; return true; }
+  }
+  return false;
+}
+}  // namespace
+
 void check_mask_shape(const Params& p, const Geom& g, const std::vector<int64_t>& ms) {
   const int64_t N = g.B * g.H;
   if (p.mask == MaskKind::valid_length) {
-    const bool ok = (ms.size() == 1 || (ms.size() == 2 && ms[1] == g.Sq)) &&
-                    (ms[0] == N || ms[0] == g.B);
-    if (!ok)
-      throw OpError("valid_length must have shape (N,) or (N,Sq) with N = batch*heads = " +
-                    std::to_string(N) + " or N = batch = " + std::to_string(g.B) + ", Sq = " +
-                    std::to_string(g.Sq) + "; got " + shape_str(ms));
+    LengthIndex li;
+    if (!length_shape(p, g, ms, &li)) {
+      std::vector<int64_t> want = scores_batch(p, g, 0);
+      want.push_back(g.Sq);
+      throw OpError("valid_length must have the scores' shape without its last axis " +
+                    shape_str(want) + ", or (N,) / (N,Sq) with N = batch*heads = " +
+                    std::to_string(N) + " or N = batch = " + std::to_string(g.B) +
+                    "; got " + shape_str(ms));
+    }
     return;
   }
-  std::vector<int64_t> tgt = ms.size() == 4 ? std::vector<int64_t>{g.B, g.H, g.Sq, g.Sk}
-                                            : std::vector<int64_t>{N, g.Sq, g.Sk};
-  bool ok = ms.size() >= 1 && ms.size() <= 4;
+  std::vector<int64_t> tgt = scores_batch(p, g, ms.size());
+  tgt.push_back(g.Sq);
+  tgt.push_back(g.Sk);
+  bool ok = ms.size() >= 1 && ms.size() <= tgt.size();
   for (size_t i = 0; ok && i < ms.size(); ++i) {
     const int64_t d = ms[ms.size() - 1 - i], t = tgt[tgt.size() - 1 - i];
     ok = d == 1 || d == t;
   }
-  if (!ok)
-    throw OpError("mask of shape " + shape_str(ms) + " does not broadcast to " +
-                  shape_str(std::vector<int64_t>{N, g.Sq, g.Sk}) + " (batch*heads,Sq,Sk) or " +
-                  shape_str(std::vector<int64_t>{g.B, g.H, g.Sq, g.Sk}) + " (B,H,Sq,Sk)");
+  if (!ok) {
+    std::string msg = "mask of shape " + shape_str(ms) + " does not broadcast to the scores " +
+                      shape_str(tgt);
+    if (p.layout != Layout::plain)
+      msg += " (batch*heads,Sq,Sk), nor as rank 4 to " +
+             shape_str(std::vector<int64_t>{g.B, g.H, g.Sq, g.Sk}) + " (B,H,Sq,Sk)";
+    throw OpError(msg);
+  }
 }
 
 MaskView mask_view(const Params& p, const Geom& g, const MXTensor* mask) {
@@ -200,13 +263,15 @@ MaskView mask_view(const Params& p, const Geom& g, const MXTensor* mask) {
   if (p.mask == MaskKind::none) return m;
   check_mask_shape(p, g, mask->shape);
   const auto& ms = mask->shape;
+  const int64_t N = g.B * g.H;
   if (p.mask == MaskKind::valid_length) {
-    const int64_t N = g.B * g.H, per_row = ms.size() == 2 ? 1 : 0;
+    LengthIndex li;
+    length_shape(p, g, ms, &li);
     m.lengths.resize(N * g.Sq);
     for (int64_t i = 0; i < N * g.Sq; ++i) {
       const int64_t n = i / g.Sq, row = i % g.Sq;
-      const int64_t nn = ms[0] == N ? n : n / g.H;
-      const int64_t src = per_row ? nn * g.Sq + row : nn;
+      const int64_t nn = li.per == LengthIndex::batch ? n / g.H : n;
+      const int64_t src = li.per_row ? nn * g.Sq + row : nn;
       switch (mask->dtype) {
         case mxnet::ext::kFloat32: m.lengths[i] = (int64_t)static_cast<const float*>(mask->data_ptr)[src]; break;
         case mxnet::ext::kFloat64: m.lengths[i] = (int64_t)static_cast<const double*>(mask->data_ptr)[src]; break;
@@ -220,7 +285,8 @@ MaskView mask_view(const Params& p, const Geom& g, const MXTensor* mask) {
   }
   require_f32(*mask, "mask");
   m.p = static_cast<const float*>(mask->data_ptr);
-  // contiguous strides of the mask, zeroed where it broadcasts
+  // contiguous strides of the mask, zeroed where it broadcasts; aligned from the right
+  // with the scores (batch..., Sq, Sk) as MXNet's broadcasting aligns them
   const size_t r = ms.size();
   std::vector<int64_t> st(r);
   int64_t acc = 1;
@@ -230,13 +296,17 @@ MaskView mask_view(const Params& p, const Geom& g, const MXTensor* mask) {
   };
   m.sk = dim_stride(0);
   m.sq = dim_stride(1);
-  if (r == 4) {
-    m.sh = dim_stride(2);
-    m.sb = dim_stride(3);
-  } else {  // leading dim indexes batch*heads: n = b*H + h
-    const int64_t sn = dim_stride(2);
-    m.sb = sn * g.H;
-    m.sh = sn;
+  const std::vector<int64_t> sb = scores_batch(p, g, r);
+  m.noff.assign(N, 0);
+  for (int64_t n = 0; n < N; ++n) {
+    int64_t rest = n, off = 0;
+    for (size_t d = 0; d < sb.size(); ++d) {  // innermost scores dim first
+      const size_t from_end = 2 + d;
+      const int64_t size = sb[sb.size() - 1 - d];
+      off += (rest % size) * dim_stride(from_end);
+      rest /= size;
+    }
+    m.noff[n] = off;
   }
   return m;
 }
@@ -324,7 +394,7 @@ MXReturnValue forward_cpu(const Attrs& a, std::vector<MXTensor>* in, std::vector
   });
 }
 
-// Backward inputs: [d_out, <forward inputs>, out]; outputs: grads of forward inputs.
+// Backward inputs: [d_out, <forward inputs>, out]; outputs: grads of the forward inputs.
 MXReturnValue backward_cpu(const Attrs& a, std::vector<MXTensor>* in,
                            std::vector<MXTensor>* out, const OpResource&) {
   return guarded("fused_attention backward", [&] {
@@ -346,7 +416,11 @@ MXReturnValue backward_cpu(const Attrs& a, std::vector<MXTensor>* in,
     for (int i = 0; i < nd; ++i) gd.push_back((*out)[i].data<float>());
     Geom gg = g;
     bind_views(p, &gg, gd, nullptr);
-    backward(p, g, m, dout, gg.q, gg.k, gg.v);
+    // an additive mask gets dScores summed over the axes it was broadcast along (what
+    // MXNet's broadcast_add gives it); boolean masks and lengths get zeros, as where()
+    // and softmax(use_length=True) give their condition and length inputs
+    float* dmask = p.mask == MaskKind::additive ? (*out)[nd].data<float>() : nullptr;
+    backward(p, g, m, dout, gg.q, gg.k, gg.v, dmask);
   });
 }
 

@@ -177,12 +177,13 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
            const std::vector<int64_t>& xs) {
     const int64_t M = d.M, N = d.N, K = d.K;
     if (M == 0 || N == 0) return;
+    const Act act = this->act(xs);
     if (!p_.heads_out) {
       // oneDNN's matmul adds the bias; the activation then runs over rows
       auto activate = [&] {
-        if (p_.act == Act::none) return;
+        if (act == Act::none) return;
 #pragma omp parallel for schedule(dynamic, 4)
-        for (int64_t i = 0; i < M; ++i) act_forward(p_.act, p_.slope, Y + i * N, N);
+        for (int64_t i = 0; i < M; ++i) act_forward(act, p_.slope, Y + i * N, N);
       };
       // reused weight: prepacked; a state that lives for one call (mx.nd, CachedOp
       // without static_alloc) or a first call: W read in place
@@ -199,7 +200,7 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
         float* row = Y + i * N;
         if (bias)
           for (int64_t j = 0; j < N; ++j) row[j] += bias[j];
-        act_forward(p_.act, p_.slope, row, N);
+        act_forward(act, p_.slope, row, N);
       }
       return;
     }
@@ -221,7 +222,7 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
           float* row = C + i * D;
           if (bias)
             for (int64_t j = 0; j < D; ++j) row[j] += bias[h * D + j];
-          act_forward(p_.act, p_.slope, row, D);
+          act_forward(act, p_.slope, row, D);
         }
       }
     if (!err.empty()) throw OpError(err);
@@ -259,7 +260,8 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
         dY = dz.data();
       }
       const float* Z = nullptr;
-      if (act_needs_preactivation(p_.act)) {
+      const Act act = this->act(xT.shape);
+      if (act_needs_preactivation(act, p_.slope)) {
         zbuf.resize(M * N);
         sgemm('N', 'T', M, N, K, 1.f, X, K, W, K, 0.f, zbuf.data(), N);
         if (bias) {
@@ -272,7 +274,7 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
       std::vector<float> dzz(M * N);
 #pragma omp parallel for
       for (int64_t i = 0; i < M; ++i)
-        act_backward(p_.act, p_.slope, Z ? Z + i * N : nullptr, Yv + i * N, dY + i * N,
+        act_backward(act, p_.slope, Z ? Z + i * N : nullptr, Yv + i * N, dY + i * N,
                      dzz.data() + i * N, N);
       sgemm('N', 'N', M, K, N, 1.f, dzz.data(), N, W, K, 0.f, (*out)[0].data<float>(), K);
       sgemm('T', 'N', N, K, M, 1.f, dzz.data(), N, X, K, 0.f, (*out)[1].data<float>(), K);
@@ -286,6 +288,12 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
   }
 
  private:
+  // The activation MXNet computes after FullyConnected: its output has rank 2
+  // (flatten=True) or the rank of x, which decides oneDNN's forms (see resolve_act).
+  Act act(const std::vector<int64_t>& xs) const {
+    return resolve_act(p_.act, p_.flatten ? 2 : static_cast<int>(xs.size()), dnnl_enabled());
+  }
+
   Attrs attrs_;
   DenseParams p_;
   std::mutex mu_;

@@ -6,6 +6,26 @@
 
 namespace {
 
+// The epilogue, as MXNet computes FullyConnected's activation on the GPU (its own
+// kernels: relu and Activation(relu) keep NaN).  Codes as fused_dense.h.
+constexpr int kActRelu = 1, kActSigmoid = 2, kActTanh = 3, kActSoftrelu = 4, kActLeaky = 5,
+              kActGeluErf = 6, kActGeluTanh = 7, kActActRelu = 8;
+
+__device__ __forceinline__ float epilogue(int act, float x, float slope) {
+  switch (act) {
+    case kActRelu:
+    case kActActRelu: return !(x <= 0.f) ? x : 0.f;
+    case kActSigmoid: return 1.f / (1.f + expf(-x));
+    case kActTanh: return tanhf(x);
+    case kActSoftrelu: return x > 20.f ? x : log1pf(expf(x));
+    case kActLeaky: return x > 0.f ? x : __fmul_rn(x, slope);
+    case kActGeluErf: return 0.5f * x * (1.f + erff(x / 1.41421356237309504880f));
+    case kActGeluTanh:  // the written-out ops: 0.5 x (1 + tanh((x + x^3 0.044715) sqrt(2/pi)))
+      return 0.5f * x * (1.f + tanhf((x + x * x * x * 0.044715f) * 0.79788456080286536f));
+    default: return x;
+  }
+}
+
 constexpr int BM = 64, BN = 64, BK = 16, TM = 4, TN = 4;  // 16x16 threads
 
 __global__ void dense_kernel(const float* __restrict__ x, const float* __restrict__ w,
@@ -49,7 +69,7 @@ __global__ void dense_kernel(const float* __restrict__ x, const float* __restric
     for (int j = 0; j < TN; ++j) {
       const int64_t gn = n0 + tx * TN + j;
       if (gn >= N) continue;
-      const float v = mxf_cuda::apply_act(act, acc[i][j] + (bias ? bias[gn] : 0.f), slope);
+      const float v = epilogue(act, acc[i][j] + (bias ? bias[gn] : 0.f), slope);
       if (heads > 0) {
         const int64_t bb = gm / S, s = gm % S, hh = gn / D, d = gn % D;
         y[((bb * heads + hh) * S + s) * D + d] = v;
@@ -65,7 +85,7 @@ __global__ void dense_kernel(const float* __restrict__ x, const float* __restric
 extern "C" int mxf_dense_forward(const float* x, const float* w, const float* bias, float* y,
                                  int64_t M, int64_t N, int64_t K, int act, float slope,
                                  int64_t heads, int64_t S, void* stream) {
-  if (M < 0 || N < 0 || K < 0 || act < 0 || act > 7) return -1;
+  if (M < 0 || N < 0 || K < 0 || act < 0 || act > kActActRelu) return -1;
   if (heads > 0 && (N % heads != 0 || S <= 0 || M % S != 0)) return -1;
   if (M == 0 || N == 0) return 0;
   dim3 grid(static_cast<unsigned>((N + BN - 1) / BN), static_cast<unsigned>((M + BM - 1) / BM));

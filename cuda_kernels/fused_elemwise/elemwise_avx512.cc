@@ -14,12 +14,16 @@ namespace expr {
 using namespace mxf::vmath;
 namespace {
 
-// o = f(a * s + t) over n floats; PRE: 0 none, 1 a * s, 2 a * s + t
+// o = f((a * s) + t) over n floats; PRE: 0 none, 1 a * s, 2 (a * s) + t.  The product and
+// the sum round separately, as MXNet's two scalar ops do (the explicit-rounding forms keep
+// the compiler from contracting them into one fused multiply-add).
 template <int PRE, class F>
 MXF_AVX512 inline void map16s(const float* a, float s, float t, float* o, int64_t n, F f) {
   const __m512 vs = _mm512_set1_ps(s), vt = _mm512_set1_ps(t);
   map16(a, o, n, [&](__m512 v) MXF_AVX512 {
-    return f(PRE == 0 ? v : PRE == 1 ? _mm512_mul_ps(v, vs) : _mm512_fmadd_ps(v, vs, vt));
+    if (PRE == 0) return f(v);
+    const __m512 p = _mm512_mul_round_ps(v, vs, _MM_FROUND_CUR_DIRECTION);
+    return f(PRE == 1 ? p : _mm512_add_round_ps(p, vt, _MM_FROUND_CUR_DIRECTION));
   });
 }
 
@@ -41,10 +45,21 @@ MXF_AVX512 bool eval_unary_avx512(int op, const float* a, float s, float t, floa
       return true;
     case TANH: map16s(a, s, t, o, n, [](__m512 v) MXF_AVX512 { return tanh16(v); }); return true;
     case ERF: map16s(a, s, t, o, n, [](__m512 v) MXF_AVX512 { return erf16(v); }); return true;
-    case RELU:  // a > 0 ? a : 0, NaN included, as the portable loop
+    case RELU:  // MXNet's relu: v <= 0 ? +0 : v, so NaN stays NaN
       map16s(a, s, t, o, n, [](__m512 v) MXF_AVX512 {
-        return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ),
-                                    _mm512_setzero_ps(), v);
+        return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LE_OQ),
+                                  _mm512_setzero_ps());
+      });
+      return true;
+    case RELU_DNNL:  // oneDNN's relu: v > 0 ? v : +0, so NaN gives 0
+      map16s(a, s, t, o, n, [](__m512 v) MXF_AVX512 {
+        return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ), v);
+      });
+      return true;
+    case GELU: map16s(a, s, t, o, n, [](__m512 v) MXF_AVX512 { return gelu_erf16(v); }); return true;
+    case GELU_DNNL:  // oneDNN gives +0 where the result is zero
+      map16s(a, s, t, o, n, [](__m512 v) MXF_AVX512 {
+        return _mm512_add_ps(gelu_erf16(v), _mm512_setzero_ps());
       });
       return true;
     default: return false;

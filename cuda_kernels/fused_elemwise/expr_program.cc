@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <string>
 
 namespace mxf {
 namespace expr {
@@ -20,10 +21,15 @@ const OpInfo kOps[] = {
     {"rsqrt", RSQRT, 1}, {"tanh", TANH, 1}, {"sigmoid", SIGMOID, 1}, {"relu", RELU, 1},
     {"erf", ERF, 1}, {"square", SQUARE, 1}, {"softrelu", SOFTRELU, 1},
     {"softsign", SOFTSIGN, 1}, {"log_sigmoid", LOG_SIGMOID, 1}, {"mish", MISH, 1},
-    {"log1p", LOG1P, 1}, {"expm1", EXPM1, 1}, {"add", ADD, 2}, {"sub", SUB, 2}, {"mul", MUL, 2},
+    {"log1p", LOG1P, 1}, {"expm1", EXPM1, 1}, {"act_relu", ACT_RELU, 1}, {"gelu", GELU, 1},
+    {"add", ADD, 2}, {"sub", SUB, 2}, {"mul", MUL, 2},
     {"div", DIV, 2}, {"pow", POW, 2}, {"max", MAX, 2}, {"min", MIN, 2}, {"lt", LT, 2},
     {"le", LE, 2}, {"gt", GT, 2}, {"ge", GE, 2}, {"eq", EQ, 2}, {"ne", NE, 2},
-    {"where", WHERE, 3}};
+    {"leaky", LEAKY, 2}, {"where", WHERE, 3}, {"clip", CLIP, 3},
+    {"hard_sigmoid", HARD_SIGMOID, 3}};
+// forms resolve() gives at bind time; never parsed, named for messages
+const OpInfo kResolved[] = {{"relu(oneDNN)", RELU_DNNL, 1}, {"gelu(oneDNN)", GELU_DNNL, 1},
+                            {"leaky(oneDNN)", LEAKY_DNNL, 2}};
 
 class Parser {
  public:
@@ -98,14 +104,13 @@ class Parser {
       const OpInfo* info = nullptr;
       for (const auto& o : kOps)
         if (name == o.name) info = &o;
-      const bool is_clip = name == "clip";
-      if (!info && !is_clip) {
+      if (!info) {
         pos_ = st;
-        fail("unknown function '" + name + "' (known: neg abs exp log sqrt rsqrt tanh sigmoid "
-             "relu erf square softrelu softsign log_sigmoid mish log1p expm1 add sub mul div pow "
-             "max min lt le gt ge eq ne where clip)");
+        std::string known;
+        for (const auto& o : kOps) known += std::string(known.empty() ? "" : " ") + o.name;
+        fail("unknown function '" + name + "' (known: " + known + ")");
       }
-      const int want = is_clip ? 3 : info->arity;
+      const int want = info->arity;
       skip();
       if (pos_ >= s_.size() || s_[pos_] != '(') fail("expected '(' after '" + name + "'");
       ++pos_;
@@ -120,10 +125,6 @@ class Parser {
       if (static_cast<int>(args.size()) != want)
         fail("'" + name + "' takes " + std::to_string(want) + " argument(s), got " +
              std::to_string(args.size()));
-      if (is_clip) {
-        const int m = emit({MAX, args[0], args[1], -1, -1, 0.f});
-        return emit({MIN, m, args[2], -1, -1, 0.f});
-      }
       return emit({info->op, args[0], want > 1 ? args[1] : -1, want > 2 ? args[2] : -1, -1, 0.f});
     }
     fail(std::string("unexpected character '") + ch + "'");
@@ -141,19 +142,54 @@ class Parser {
 int arity(int op) {
   if (op == LOAD || op == CONST) return 0;
   if (op == AFFINE) return 1;
-  if (op <= EXPM1) return 1;
-  if (op <= NE) return 2;
+  if (op <= kLastUnary) return 1;
+  if (op <= kLastBinary) return 2;
   return 3;
 }
 
 const char* op_name(int op) {
   for (const auto& o : kOps)
     if (o.op == op) return o.name;
+  for (const auto& o : kResolved)
+    if (o.op == op) return o.name;
   return op == LOAD ? "load" : op == CONST ? "const" : op == AFFINE ? "affine" : "?";
+}
+
+int resolve(int op, int rank, bool dnnl) {
+  const bool via_dnnl = dnnl && rank >= 1 && rank <= 5;  // MXNet's SupportMKLDNN{Act,LeakyRelu}
+  if (!via_dnnl) return op == ACT_RELU ? RELU : op;
+  if (op == ACT_RELU) return RELU_DNNL;
+  if (op == GELU) return GELU_DNNL;
+  if (op == LEAKY) return LEAKY_DNNL;
+  return op;
+}
+
+bool mxnet_dnnl_enabled() {
+  // dmlc::GetEnv("MXNET_MKLDNN_ENABLED", true): a bool field, "0"/"false" turn it off
+  const char* e = std::getenv("MXNET_MKLDNN_ENABLED");
+  if (!e || !*e) return true;
+  std::string v(e);
+  for (auto& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return !(v == "0" || v == "false");
 }
 
 namespace {
 bool normal_or_zero(float v) { return v == 0.f || std::fpclassify(v) == FP_NORMAL; }
+
+// Whether the affine steps g (inner) then h (outer), each (y * s) + t with the product
+// and the sum rounded separately, compose into one such step with bitwise the same
+// results for every input (inf, NaN and the sign of zero included); sets (s, t).
+// Rounding commutes with negation, so a pure negation composes with anything on its
+// side of the sum; a product followed by an addend is itself one step.  Two products, or
+// two addends, would round once instead of twice (and x * 10 * 0.1 overflows where
+// x * 1 does not), so they stay separate.
+bool compose(const Instr& g, const Instr& h, float* s, float* t) {
+  const bool g_prod = g.neutral_t(), h_prod = h.neutral_t();  // no addend
+  if (g_prod && h.s == 1.f) { *s = g.s; *t = h.t; return true; }         // (y*s1) + t2
+  if (g_prod && g.s == -1.f) { *s = -h.s; *t = h.t; return true; }       // (-y)*s2 + t2
+  if (g_prod && h_prod && h.s == -1.f) { *s = -g.s; *t = -0.f; return true; }  // -(y*s1)
+  return false;
+}
 
 void plan_forward(Program& p) {
   std::vector<Instr>& f = p.fwd;
@@ -167,11 +203,14 @@ void plan_forward(Program& p) {
   auto is_const = [&](int k) { return k >= 0 && f[k].op == CONST; };
   for (int i = 0; i < n; ++i) {
     Instr& in = f[i];
-    // 1. scalar arithmetic -> AFFINE(a; s, t)
+    // 1. scalar arithmetic -> AFFINE(a; s, t), one op each: x*c, x+c, x-c = x+(-c),
+    //    c-x = (-x)+c, -x, x/c = x*(1/c) for c a power of two (both are the correctly
+    //    rounded x/c, subnormal results included)
     float s = 1.f, t = -0.f;  // -0: the neutral addend, see Instr::t
     int x = -1, c = -1;
     if (in.op == NEG) { x = in.a; s = -1.f; }
-    if (arity(in.op) == 2 && (is_const(in.a) != is_const(in.b))) {
+    if ((in.op == ADD || in.op == SUB || in.op == MUL || in.op == DIV) &&
+        (is_const(in.a) != is_const(in.b))) {
       const bool ca = is_const(in.a);
       x = ca ? in.b : in.a;
       c = ca ? in.a : in.b;
@@ -186,25 +225,27 @@ void plan_forward(Program& p) {
       } else {
         x = -1;
       }
-      if (!std::isfinite(s) || !std::isfinite(t)) x = -1;  // keep inf/nan constants exact
+      if (!std::isfinite(s) || !std::isfinite(t)) x = -1;  // keep inf/nan constants as ops
     }
     if (x >= 0) {
-      in = Instr{AFFINE, x, -1, -1, -1, 0.f, s, t};  // x * s + t, exactly the op it replaces
+      in = Instr{AFFINE, x, -1, -1, -1, 0.f, s, t};  // (x * s) + t, exactly the op it replaces
       if (c >= 0) --uses[c];
     }
-    // 2. fold a single-use AFFINE operand into this op's pre-affine
+    // 2. fold a single-use AFFINE operand into this op's pre-affine, when that is exact
     if ((arity(in.op) == 1) && in.a >= 0 && f[in.a].op == AFFINE && uses[in.a] == 1) {
-      const Instr& g = f[in.a];  // in reads (y * g.s + g.t) * in.s + in.t, y = g's operand
-      const bool neutral = g.neutral_t() && in.neutral_t();  // products only: stays a product
-      const float s2 = g.s * in.s, t2 = neutral ? -0.f : g.t * in.s + in.t;
-      if (std::isfinite(s2) && std::isfinite(t2) && normal_or_zero(s2) && normal_or_zero(t2) &&
-          (s2 != 0.f || g.s == 0.f || in.s == 0.f)) {
-        const int y = g.a;
-        --uses[in.a];
-        in.a = y;
-        in.s = s2;
-        in.t = t2;
+      const Instr& g = f[in.a];
+      float s2, t2;
+      if (!in.pre_affine()) {        // a plain unary op reads g's result: take g whole
+        s2 = g.s;
+        t2 = g.t;
+      } else if (!compose(g, in, &s2, &t2)) {
+        continue;
       }
+      const int y = g.a;
+      --uses[in.a];
+      in.a = y;
+      in.s = s2;
+      in.t = t2;
     }
   }
   // instructions nothing reads any more are dead; the slot planner gives them no buffer

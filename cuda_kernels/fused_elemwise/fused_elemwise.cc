@@ -163,10 +163,14 @@ struct Bound {
   int64_t total;
   std::vector<BView> views;
   std::vector<const float*> data;
+  // The program's `code` and forward plan with resolve() applied: each value's rank (its
+  // inputs' largest, as MXNet's ops give it) decides the ops MXNet runs through oneDNN.
+  std::vector<Instr> code, fwd;
   bool avx512 = cpu_has_avx512();
 };
 
 Bound bind_inputs(const Attrs& a, std::vector<MXTensor>& in, size_t first) {
+  static const bool dnnl = mxnet_dnnl_enabled();
   Bound b;
   b.prog = &program_for(a);
   std::vector<std::vector<int64_t>> s;
@@ -178,6 +182,17 @@ Bound bind_inputs(const Attrs& a, std::vector<MXTensor>& in, size_t first) {
   b.oshape = broadcast_shape(s);
   b.total = numel(b.oshape);
   for (auto& x : s) b.views.emplace_back(b.oshape, x);
+  b.code = b.prog->code;
+  b.fwd = b.prog->fwd;
+  std::vector<int> rank(b.code.size(), 0);
+  for (size_t i = 0; i < b.code.size(); ++i) {
+    const Instr& c = b.code[i];
+    if (c.op == LOAD) rank[i] = static_cast<int>(s[c.input].size());
+    for (int k : {c.a, c.b, c.c})
+      if (k >= 0) rank[i] = std::max(rank[i], rank[k]);
+    b.code[i].op = resolve(c.op, rank[i], dnnl);
+    b.fwd[i].op = resolve(b.fwd[i].op, rank[i], dnnl);
+  }
   return b;
 }
 
@@ -189,7 +204,7 @@ Bound bind_inputs(const Attrs& a, std::vector<MXTensor>& in, size_t first) {
 void eval_block(const Bound& b, int64_t start, int64_t n, float* scratch,
                 std::vector<const float*>& vals, float* result = nullptr,
                 const int* slot = nullptr) {
-  const auto& code = slot ? b.prog->fwd : b.prog->code;
+  const auto& code = slot ? b.fwd : b.code;
   for (size_t i = 0; i < code.size(); ++i) {
     const Instr& in = code[i];
     const int64_t si = slot ? slot[i] : static_cast<int64_t>(i);
@@ -207,13 +222,10 @@ void eval_block(const Bound& b, int64_t start, int64_t n, float* scratch,
       case CONST:
         vals[i] = scratch + si * kSlot;  // filled once per thread (see fill_consts)
         continue;
-      case WHERE: {
-        const float *c = vals[in.a], *x = vals[in.b], *y = vals[in.c];
-        for (int64_t k = 0; k < n; ++k) o[k] = c[k] != 0.f ? x[k] : y[k];
-        break;
-      }
       default:
-        if (arity(in.op) == 1) {
+        if (arity(in.op) == 3) {
+          eval_ternary(in.op, vals[in.a], vals[in.b], vals[in.c], o, n);
+        } else if (arity(in.op) == 1) {
           if (b.avx512 && eval_unary_avx512(in.op, vals[in.a], in.s, in.t, o, n)) break;
           const float* x = vals[in.a];
           if (in.pre_affine() || in.op == AFFINE) {
@@ -305,80 +317,115 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
   });
 }
 
-// Adds the adjoint of instruction `in` (value y, adjoint g) into its operands' adjoints.
+// MXNet's hard_sigmoid backward: g * alpha where alpha x + beta (rounded as the forward
+// rounds it) lies strictly inside (0, 1), else 0; also the gradients of alpha and beta.
+MXF_NO_CONTRACT void hard_sigmoid_backprop(const float* x, const float* al, const float* be,
+                                           const float* g, float* gx, float* gal, float* gbe,
+                                           int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float o = al[i] * x[i] + be[i];
+    const bool inside = o > 0.f && o < 1.f;
+    if (gx) gx[i] += inside ? g[i] * al[i] : 0.f;
+    if (gal) gal[i] += inside ? g[i] * x[i] : 0.f;
+    if (gbe) gbe[i] += inside ? g[i] : 0.f;
+  }
+}
+
+// Adds the adjoint of instruction `in` (value y, adjoint g) into its operands' adjoints,
+// as MXNet's backward of the op computes it: g * grad(x or y) in MXNet's own arrangement
+// (e.g. log: g * (1 / x), div: g * (-a / (b * b))), so that inf * 0 gives NaN where it does
+// there.  `b_const`: operand b is a constant (a scalar op in MXNet: x / c backpropagates
+// g / c, x / y backpropagates g * (1 / y)).
 void backprop(const Instr& in, const std::vector<const float*>& v, const float* y, const float* g,
-              std::vector<float*>& adj, const std::vector<char>& wants, int64_t n) {
-  auto A = [&](int k) { return wants[k] ? adj[k] : nullptr; };
-  float* ga = in.a >= 0 ? A(in.a) : nullptr;
-  float* gb = in.b >= 0 ? A(in.b) : nullptr;
+              std::vector<float*>& adj, const std::vector<char>& wants, bool b_const, int64_t n) {
+  auto A = [&](int k) { return k >= 0 && wants[k] ? adj[k] : nullptr; };
+  float* ga = A(in.a);
+  float* gb = A(in.b);
+  float* gc = A(in.c);
   const float* a = in.a >= 0 ? v[in.a] : nullptr;
   const float* b = in.b >= 0 ? v[in.b] : nullptr;
+  const float* c = in.c >= 0 ? v[in.c] : nullptr;
+#define MXF_GA(EXPR) if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += (EXPR)
+#define MXF_GB(EXPR) if (gb) for (int64_t i = 0; i < n; ++i) gb[i] += (EXPR)
+#define MXF_GC(EXPR) if (gc) for (int64_t i = 0; i < n; ++i) gc[i] += (EXPR)
   switch (in.op) {
-    case NEG: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] -= g[i]; break;
-    case ABS: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += a[i] > 0.f ? g[i] : (a[i] < 0.f ? -g[i] : 0.f); break;
-    case EXP: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * y[i]; break;
-    case LOG: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] / a[i]; break;
-    case SQRT: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += 0.5f * g[i] / y[i]; break;
-    case RSQRT: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] -= 0.5f * g[i] * y[i] * y[i] * y[i]; break;
-    case TANH: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * (1.f - y[i] * y[i]); break;
-    case SIGMOID: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * y[i] * (1.f - y[i]); break;
-    case RELU: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += a[i] > 0.f ? g[i] : 0.f; break;
-    case ERF: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * 1.1283791670955126f * fast_exp(-a[i] * a[i]); break;
-    case SQUARE: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += 2.f * g[i] * a[i]; break;
-    case SOFTRELU: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * fast_sigmoid(a[i]); break;
-    case SOFTSIGN:
+    case NEG: MXF_GA(-g[i]); break;
+    case ABS: MXF_GA(g[i] * (a[i] < 0.f ? -1.f : (a[i] > 0.f ? 1.f : 0.f))); break;
+    case EXP: MXF_GA(g[i] * y[i]); break;
+    case LOG: MXF_GA(g[i] * (1.f / a[i])); break;
+    case SQRT: MXF_GA(g[i] * (0.5f / y[i])); break;
+    case RSQRT: MXF_GA(g[i] * (-0.5f / (std::sqrt(a[i]) * a[i]))); break;
+    case TANH: MXF_GA(g[i] * (1.f - y[i] * y[i])); break;
+    case SIGMOID: MXF_GA(g[i] * (y[i] * (1.f - y[i]))); break;
+    case RELU: MXF_GA(g[i] * (y[i] != y[i] ? y[i] : (y[i] > 0.f ? 1.f : 0.f))); break;
+    case RELU_DNNL: MXF_GA(g[i] * (y[i] > 0.f ? 1.f : 0.f)); break;
+    case ERF: MXF_GA(g[i] * erf_grad(a[i])); break;
+    case SQUARE: MXF_GA(g[i] * (2.f * a[i])); break;
+    case SOFTRELU: MXF_GA(g[i] * -std::expm1(-y[i])); break;
+    case SOFTSIGN: {
       if (ga) for (int64_t i = 0; i < n; ++i) {
         const float d = 1.f + std::fabs(a[i]);
-        ga[i] += g[i] / (d * d);
+        ga[i] += g[i] * (1.f / (d * d));
       }
       break;
-    case LOG_SIGMOID: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * fast_sigmoid(-a[i]); break;
+    }
+    case LOG_SIGMOID: MXF_GA(g[i] * fast_sigmoid(-a[i])); break;
     case MISH:
       if (ga) for (int64_t i = 0; i < n; ++i) {
         const float t = fast_tanh(softrelu(a[i]));
         ga[i] += g[i] * (t + a[i] * (1.f - t * t) * fast_sigmoid(a[i]));
       }
       break;
-    case LOG1P: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] / (1.f + a[i]); break;
-    case EXPM1: if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * (y[i] + 1.f); break;
-    case ADD:
-      if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i];
-      if (gb) for (int64_t i = 0; i < n; ++i) gb[i] += g[i];
-      break;
-    case SUB:
-      if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i];
-      if (gb) for (int64_t i = 0; i < n; ++i) gb[i] -= g[i];
-      break;
-    case MUL:
-      if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * b[i];
-      if (gb) for (int64_t i = 0; i < n; ++i) gb[i] += g[i] * a[i];
-      break;
+    case LOG1P: MXF_GA(g[i] * (1.f / (1.f + a[i]))); break;
+    case EXPM1: MXF_GA(g[i] * exp_full(a[i])); break;
+    case GELU:
+    case GELU_DNNL: MXF_GA(g[i] * gelu_erf_grad(a[i])); break;
+    case ADD: MXF_GA(g[i]); MXF_GB(g[i]); break;
+    case SUB: MXF_GA(g[i]); MXF_GB(-g[i]); break;
+    case MUL: MXF_GA(g[i] * b[i]); MXF_GB(g[i] * a[i]); break;
     case DIV:
-      if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] / b[i];
-      if (gb) for (int64_t i = 0; i < n; ++i) gb[i] -= g[i] * y[i] / b[i];
+      if (b_const) {
+        MXF_GA(g[i] / b[i]);
+      } else {
+        MXF_GA(g[i] * (1.f / b[i]));
+      }
+      MXF_GB(g[i] * (-a[i] / (b[i] * b[i])));
       break;
     case POW:
-      if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += g[i] * b[i] * std::pow(a[i], b[i] - 1.f);
-      if (gb) for (int64_t i = 0; i < n; ++i) gb[i] += g[i] * y[i] * std::log(a[i]);
+      MXF_GA(g[i] * (std::pow(a[i], b[i] - 1.f) * b[i]));
+      MXF_GB(g[i] * (y[i] * std::log(a[i])));
       break;
-    case MAX:  // MXNet: lhs gets the gradient where a >= b
-      if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += a[i] >= b[i] ? g[i] : 0.f;
-      if (gb) for (int64_t i = 0; i < n; ++i) gb[i] += a[i] >= b[i] ? 0.f : g[i];
+    case MAX:  // MXNet: the left operand on ties (a >= b), neither where a NaN decides
+      MXF_GA(g[i] * (a[i] >= b[i] ? 1.f : 0.f));
+      MXF_GB(g[i] * (a[i] < b[i] ? 1.f : 0.f));
       break;
     case MIN:
-      if (ga) for (int64_t i = 0; i < n; ++i) ga[i] += a[i] <= b[i] ? g[i] : 0.f;
-      if (gb) for (int64_t i = 0; i < n; ++i) gb[i] += a[i] <= b[i] ? 0.f : g[i];
+      MXF_GA(g[i] * (a[i] <= b[i] ? 1.f : 0.f));
+      MXF_GB(g[i] * (a[i] > b[i] ? 1.f : 0.f));
       break;
-    case WHERE: {
-      const float* c = v[in.a];
-      float* gx = A(in.b);
-      float* gy = A(in.c);
-      if (gx) for (int64_t i = 0; i < n; ++i) gx[i] += c[i] != 0.f ? g[i] : 0.f;
-      if (gy) for (int64_t i = 0; i < n; ++i) gy[i] += c[i] != 0.f ? 0.f : g[i];
+    case LEAKY:  // MXNet: g * (y > 0 ? 1 : slope), from the output
+      MXF_GA(g[i] * (y[i] > 0.f ? 1.f : b[i]));
+      MXF_GB(y[i] > 0.f ? 0.f : g[i] * a[i]);
       break;
-    }
+    case LEAKY_DNNL:  // oneDNN: x <= 0 ? g * slope : g (NaN takes g), from the input
+      MXF_GA(a[i] <= 0.f ? g[i] * b[i] : g[i]);
+      MXF_GB(a[i] <= 0.f ? g[i] * a[i] : 0.f);
+      break;
+    case WHERE:  // MXNet writes 0 (not g * 0) to the branch not taken
+      MXF_GB(a[i] != 0.f ? g[i] : 0.f);
+      MXF_GC(a[i] != 0.f ? 0.f : g[i]);
+      break;
+    case CLIP:  // MXNet: 0 where x > hi or x < lo, else g (NaN passes)
+      MXF_GA((a[i] > c[i] || a[i] < b[i]) ? 0.f : g[i]);
+      MXF_GB(!(a[i] > c[i]) && a[i] < b[i] ? g[i] : 0.f);
+      MXF_GC(a[i] > c[i] ? g[i] : 0.f);
+      break;
+    case HARD_SIGMOID: hard_sigmoid_backprop(a, b, c, g, ga, gb, gc, n); break;
     default: break;  // comparisons, loads, constants: nothing flows further
   }
+#undef MXF_GA
+#undef MXF_GB
+#undef MXF_GC
 }
 
 // inputs: [dy, x0..x{n-1}, y]; outputs: [dx0..dx{n-1}]
@@ -387,18 +434,30 @@ MXReturnValue backward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MX
   return guarded("fused_elemwise backward", [&] {
     Bound b = bind_inputs(a, *in, 1);
     const Program& p = *b.prog;
+    const std::vector<Instr>& code = b.code;
     const float* dY = (*in)[0].data<float>();
-    const size_t ni = p.code.size();
+    const size_t ni = code.size();
     const int nin = p.num_inputs;
     // which instructions carry a gradient back to some input
     std::vector<char> wants(ni, 0);
     for (size_t i = 0; i < ni; ++i) {
-      const Instr& c = p.code[i];
+      const Instr& c = code[i];
       if (c.op == LOAD) wants[i] = 1;
-      else if (c.op != CONST && !(c.op >= LT && c.op <= NE)) {
+      else if (c.op != CONST && !is_comparison(c.op)) {
         for (int k : {c.a, c.b, c.c})
           if (k >= 0 && wants[k]) wants[i] = 1;
       }
+    }
+    // values whose adjoint receives something (a comparison passes nothing back, nor does
+    // where to its condition): an input no gradient reaches gets +0, as MXNet's zeros
+    std::vector<char> flows(ni, 0);
+    flows[ni - 1] = wants[ni - 1];
+    for (size_t i = ni; i-- > 0;) {
+      const Instr& c = code[i];
+      if (!flows[i] || c.op == LOAD || c.op == CONST || is_comparison(c.op)) continue;
+      const int ops[3] = {c.a, c.b, c.c};
+      for (int j = 0; j < 3; ++j)
+        if (ops[j] >= 0 && wants[ops[j]] && !(c.op == WHERE && j == 0)) flows[ops[j]] = 1;
     }
     const int nt = omp_get_max_threads();
     std::vector<std::vector<float>> acc(nin);  // per-thread accumulators for broadcast inputs
@@ -420,16 +479,21 @@ MXReturnValue backward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MX
       for (int64_t blk = 0; blk < nblk; ++blk) {
         const int64_t s = blk * kBlock, n = std::min(kBlock, b.total - s);
         eval_block(b, s, n, scratch.data(), vals);
+        // adjoints start at -0, the neutral addend: a value with one reader gets exactly
+        // MXNet's gradient, the sign of a zero included
         for (size_t i = 0; i < ni; ++i)
-          if (wants[i]) std::fill(adj[i], adj[i] + n, 0.f);
+          if (wants[i]) std::fill(adj[i], adj[i] + n, -0.f);
         if (wants[ni - 1]) std::memcpy(adj[ni - 1], dY + s, n * sizeof(float));
         for (size_t i = ni; i-- > 0;)
-          if (wants[i] && p.code[i].op != LOAD) backprop(p.code[i], vals, vals[i], adj[i], adj, wants, n);
+          if (wants[i] && code[i].op != LOAD)
+            backprop(code[i], vals, vals[i], adj[i], adj, wants,
+                     code[i].b >= 0 && code[code[i].b].op == CONST, n);
         for (int k = 0; k < nin; ++k) {
           const int li = p.load_of[k];
           if (li < 0) continue;
           if (b.views[k].full) {
-            std::memcpy((*out)[k].data<float>() + s, adj[li], n * sizeof(float));
+            if (flows[li]) std::memcpy((*out)[k].data<float>() + s, adj[li], n * sizeof(float));
+            else std::fill((*out)[k].data<float>() + s, (*out)[k].data<float>() + s + n, 0.f);
           } else {
             b.views[k].scatter_add(adj[li], s, n, acc[k].data() + static_cast<size_t>(t) * (*out)[k].size());
           }

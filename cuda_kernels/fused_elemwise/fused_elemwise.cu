@@ -1,6 +1,8 @@
 // CUDA fused elementwise: the expression is parsed on the host (the same parser as the
 // CPU op) and interpreted by one kernel; each thread evaluates the whole program for
 // its elements (grid-stride loop), so every input is read once and the output written once.
+// Each function computes what MXNet's op computes on the GPU (README.md), NaN and inf
+// included, with CUDA's libdevice math (expf, tanhf, erff: <= 2 ulp).
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -25,6 +27,11 @@ struct EwParams {
   int ninstr, nin, ndim;
 };
 
+// MXNet's own (mshadow) semantics: the GPU has no oneDNN, so resolve() is run with
+// dnnl = false on the host and ACT_RELU / GELU / LEAKY keep their plain forms; the
+// oneDNN forms are implemented all the same.
+__device__ float gelu(float a) { return 0.5f * a * (1.f + erff(a / 1.41421356237309504880f)); }
+
 __device__ float unary(int op, float a) {
   using namespace mxf::expr;
   switch (op) {
@@ -33,10 +40,12 @@ __device__ float unary(int op, float a) {
     case EXP: return expf(a);
     case LOG: return logf(a);
     case SQRT: return sqrtf(a);
-    case RSQRT: return rsqrtf(a);
+    case RSQRT: return 1.f / sqrtf(a);
     case TANH: return tanhf(a);
     case SIGMOID: return 1.f / (1.f + expf(-a));
-    case RELU: return a > 0.f ? a : 0.f;
+    case RELU:
+    case ACT_RELU: return !(a <= 0.f) ? a : 0.f;  // MXNet's relu: NaN stays NaN
+    case RELU_DNNL: return a > 0.f ? a : 0.f;
     case ERF: return erff(a);
     case SQUARE: return a * a;
     case SOFTRELU: return a > 20.f ? a : log1pf(expf(a));
@@ -45,6 +54,8 @@ __device__ float unary(int op, float a) {
     case MISH: return a * tanhf(a > 20.f ? a : log1pf(expf(a)));
     case LOG1P: return log1pf(a);
     case EXPM1: return expm1f(a);
+    case GELU: return gelu(a);
+    case GELU_DNNL: return gelu(a) + 0.f;
   }
   return a;
 }
@@ -52,21 +63,37 @@ __device__ float unary(int op, float a) {
 __device__ float binary(int op, float a, float b) {
   using namespace mxf::expr;
   switch (op) {
-    case ADD: return a + b;
-    case SUB: return a - b;
-    case MUL: return a * b;
+    case ADD: return __fadd_rn(a, b);
+    case SUB: return __fsub_rn(a, b);
+    case MUL: return __fmul_rn(a, b);  // _rn: never contracted with a neighbouring add
     case DIV: return a / b;
     case POW: return powf(a, b);
-    case MAX: return a >= b ? a : b;
-    case MIN: return a <= b ? a : b;
+    case MAX: return (a != a || a > b) ? a : b;  // MXNet: a NaN left operand wins, ties give b
+    case MIN: return (a != a || a < b) ? a : b;
     case LT: return a < b ? 1.f : 0.f;
     case LE: return a <= b ? 1.f : 0.f;
     case GT: return a > b ? 1.f : 0.f;
     case GE: return a >= b ? 1.f : 0.f;
     case EQ: return a == b ? 1.f : 0.f;
     case NE: return a != b ? 1.f : 0.f;
+    case LEAKY: return a > 0.f ? a : __fmul_rn(a, b);
+    case LEAKY_DNNL: return a > 0.f ? a : (b == 0.f ? 0.f : __fmul_rn(a, b));
   }
   return a;
+}
+
+__device__ float ternary(int op, float x, float b, float c) {
+  using namespace mxf::expr;
+  switch (op) {
+    case WHERE: return x != 0.f ? b : c;
+    case CLIP: return x > c ? c : (x < b ? b : x);  // MXNet's clip: NaN stays NaN
+    case HARD_SIGMOID: {  // r = alpha x + beta, rounded twice as MXNet's
+      float r = __fadd_rn(__fmul_rn(b, x), c);
+      r = 1.f < r ? 1.f : r;
+      return 0.f > r ? 0.f : r;
+    }
+  }
+  return x;
 }
 
 __global__ void elemwise_kernel(const EwParams p) {
@@ -85,8 +112,8 @@ __global__ void elemwise_kernel(const EwParams p) {
         v[i] = p.in[c.input][off];
       } else if (c.op == CONST) {
         v[i] = c.imm;
-      } else if (c.op == WHERE) {
-        v[i] = v[c.a] != 0.f ? v[c.b] : v[c.c];
+      } else if (c.c >= 0) {
+        v[i] = ternary(c.op, v[c.a], v[c.b], v[c.c]);
       } else if (c.b < 0) {
         v[i] = unary(c.op, v[c.a]);
       } else {
@@ -144,7 +171,17 @@ extern "C" int mxf_elemwise_forward(const char* expr, int num_args, const float*
     }
     p.in[k] = inputs[k];
   }
-  for (size_t i = 0; i < prog.code.size(); ++i) p.code[i] = prog.code[i];
+  // each value's rank (its operands' largest, as MXNet's ops give it) resolves the ops
+  // MXNet would run through oneDNN on a CPU; the GPU has none
+  std::vector<int> rank(prog.code.size(), 0);
+  for (size_t i = 0; i < prog.code.size(); ++i) {
+    p.code[i] = prog.code[i];
+    const Instr& c = prog.code[i];
+    if (c.op == mxf::expr::LOAD) rank[i] = ndims[c.input];
+    for (int k : {c.a, c.b, c.c})
+      if (k >= 0) rank[i] = std::max(rank[i], rank[k]);
+    p.code[i].op = mxf::expr::resolve(c.op, rank[i], /*dnnl=*/false);
+  }
   p.ninstr = static_cast<int>(prog.code.size());
   p.nin = prog.num_inputs;
   p.out = out;

@@ -231,7 +231,7 @@ def test_invalid_attributes(attrs, msg):
 
 def test_bad_shapes_are_reported():
     q, k = mx.nd.array(rnd(2, 4, 8)), mx.nd.array(rnd(2, 5, 6))
-    with pytest.raises(MXNetError, match="q \\(N,Sq,D\\)"):
+    with pytest.raises(MXNetError, match="q \\(\.\.,Sq,D\\)"):
         mx.nd.fused_attention(q, k, k, scale=0.1).wait_to_read()
     with pytest.raises(MXNetError, match="does not broadcast"):
         mx.nd.fused_attention(q, q, q, mx.nd.ones((3, 4, 4)), scale=0.1,
@@ -296,3 +296,285 @@ def test_portable_path_without_avx512():
         "                               rtol=1e-5, atol=1e-5)\n"
         "print('ok')\n")
     assert "ok" in run_python(code, MXFUSION_DISABLE_AVX512="1")
+
+
+# ---- every rank of the plain layout, masks aligned from the last axis -----------------------
+def _mx_unfused(q, k, v, scale, mask=None, kind="none", causal=None, mask_value=-1e18):
+    """The unfused MXNet graph at any rank: batch_dot / softmax / batch_dot, the mask added with
+    broadcast_add (aligned from the last axis), causal=(mode, c) as an explicit band."""
+    s = mx.nd.batch_dot(q, k, transpose_b=True) * scale
+    if causal is not None:
+        mode, c = causal
+        Sq, Sk = s.shape[-2:]
+        band = mx.nd.array(np.arange(Sk)[None, :] <= np.arange(Sq)[:, None] + (Sk - Sq))
+        if mode == "add":
+            s = mx.nd.broadcast_add(s, mx.nd.where(band, mx.nd.zeros_like(band), mx.nd.ones_like(band) * c))
+        else:
+            s = mx.nd.where(mx.nd.broadcast_add(mx.nd.zeros_like(s), band), s, mx.nd.ones_like(s) * c)
+    if kind == "additive":
+        s = mx.nd.broadcast_add(s, mask)
+    elif kind == "boolean":
+        s = mx.nd.where(mx.nd.broadcast_add(mx.nd.zeros_like(s), mask), s, mx.nd.ones_like(s) * mask_value)
+    if kind == "valid_length":
+        p = mx.nd.softmax(s, mask.astype("int32"), axis=-1, use_length=True)
+    else:
+        p = mx.nd.softmax(s, axis=-1)
+    return mx.nd.batch_dot(p, v)
+
+
+def _same(got, want, rtol=1e-5):
+    """Equal NaN / inf positions, finite values within rtol of the output's scale."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    fin = np.isfinite(want)
+    if fin.any():
+        scale = max(np.abs(want[fin]).max(), 1e-6)
+        assert np.abs(got[fin] - want[fin]).max() <= rtol * scale, np.abs(got[fin] - want[fin]).max() / scale
+
+
+@pytest.mark.parametrize("shape", [(5, 8), (2, 3, 5, 8), (2, 2, 3, 5, 8)])
+def test_plain_any_rank(shape):
+    q = rnd(*shape)
+    kshape = shape[:-2] + (7, shape[-1])
+    k, v = rnd(*kshape, seed=1), rnd(*kshape, seed=2)
+    got = fused(q, k, v, scale=0.3)
+    n = int(np.prod(shape[:-2]))
+    want = ref_attention(q.reshape(n, 5, 8), k.reshape(n, 7, 8), v.reshape(n, 7, 8), 0.3)
+    assert got.shape == shape
+    np.testing.assert_allclose(got.reshape(n, 5, 8), want, **FWD)
+
+
+@pytest.mark.parametrize("mshape", [(3, 5, 7), (2, 1, 5, 7), (1, 3, 1, 7), (7,), (5, 1), (2, 3, 5, 7)])
+def test_rank4_masks_broadcast_like_broadcast_add(mshape):
+    """On (B, H, Sq, Sk) scores a rank-3 mask is (H, Sq, Sk), as MXNet's broadcasting reads it."""
+    B, H, Sq, Sk, D = 2, 3, 5, 7, 8
+    q, k, v = rnd(B, H, Sq, D), rnd(B, H, Sk, D, seed=1), rnd(B, H, Sk, D, seed=2)
+    m = np.random.RandomState(3).randn(*mshape).astype(np.float32) * 3
+    dy = rnd(B, H, Sq, D, seed=4)
+    args = [q, k, v, m]
+    want = grads(lambda a, b, c, d: _mx_unfused(a, b, c, 0.4, d, "additive"), args, dy)
+    got = grads(lambda a, b, c, d: mx.nd.fused_attention(a, b, c, d, scale=0.4, mask_kind="additive"), args, dy)
+    _same(fused(q, k, v, m, scale=0.4, mask_kind="additive"),
+          _mx_unfused(*(mx.nd.array(x) for x in args[:3]), 0.4, mx.nd.array(m), "additive").asnumpy())
+    for g, w in zip(got, want):              # dq, dk, dv and d(mask), reduced to the mask's shape
+        np.testing.assert_allclose(g, w, **BWD)
+
+
+def test_rank4_valid_length_per_head_and_row():
+    B, H, Sq, Sk, D = 2, 3, 5, 7, 8
+    q, k, v = rnd(B, H, Sq, D), rnd(B, H, Sk, D, seed=1), rnd(B, H, Sk, D, seed=2)
+    L = np.random.RandomState(0).randint(0, Sk + 1, (B, H, Sq)).astype(np.int32)
+    want = _mx_unfused(*(mx.nd.array(x) for x in (q, k, v)), 0.3, mx.nd.array(L, dtype="int32"), "valid_length")
+    _same(fused(q, k, v, L, scale=0.3, mask_kind="valid_length"), want.asnumpy())
+
+
+# ---- causal modes: the unfused graph's additive and where() masks, exactly ------------------
+@pytest.mark.parametrize("mode", ["add", "fill"])
+@pytest.mark.parametrize("c", [-1e9, -1e4, -np.inf, 2.0])
+@pytest.mark.parametrize("Sq,Sk,amp", [(40, 300, 1.0), (300, 40, 1.0), (70, 70, 1.0), (33, 33, 400.0)])
+def test_causal_modes_match_the_unfused_masks(mode, c, Sq, Sk, amp):
+    """Rows with no key in their band (Sq > Sk) and scores spread wider than |c| (amp) included:
+    the keys after the band are skipped only where that changes nothing."""
+    N, D = 2, 16
+    q, k, v = rnd(N, Sq, D) * amp, rnd(N, Sk, D, seed=1) * amp, rnd(N, Sk, D, seed=2)
+    got = fused(q, k, v, scale=0.25, causal=True, causal_mode=mode, mask_value=c)
+    # a row that sees no key under an additive -1e4 is softmax(s - 1e4): float32 rounds s - 1e4
+    # to 1e-3, so float32 graphs agree to ~1e-3 of p there, not to 1e-5
+    tol = 5e-4 if (mode, c) == ("add", -1e4) and Sq > Sk else 1e-5
+    np.testing.assert_allclose(got, ref_attention(q, k, v, 0.25, causal=True, causal_mode=mode, mask_value=c),
+                               rtol=tol, atol=2 * tol)
+    want = _mx_unfused(*(mx.nd.array(x) for x in (q, k, v)), 0.25, causal=(mode, c)).asnumpy()
+    _same(got, want, rtol=tol)
+
+
+@pytest.mark.parametrize("mode,c", [("add", -1e9), ("fill", -1e18), ("add", -1e4), ("fill", -np.inf)])
+@pytest.mark.parametrize("Sq,Sk", [(20, 20), (30, 12), (9, 70)])
+def test_causal_modes_backward(mode, c, Sq, Sk):
+    N, D = 2, 8
+    q, k, v = rnd(N, Sq, D) * 3, rnd(N, Sk, D, seed=1) * 3, rnd(N, Sk, D, seed=2)
+    dy = rnd(N, Sq, D, seed=3)
+    want = grads(lambda a, b, d: _mx_unfused(a, b, d, 0.5, causal=(mode, c)), [q, k, v], dy)
+    got = grads(lambda a, b, d: mx.nd.fused_attention(a, b, d, scale=0.5, causal=True, causal_mode=mode,
+                                                       mask_value=c), [q, k, v], dy)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, **BWD)
+
+
+def test_causal_mode_attributes_are_checked():
+    q = mx.nd.array(rnd(2, 4, 8))
+    with pytest.raises(MXNetError, match="only used with causal=True"):
+        mx.nd.fused_attention(q, q, q, scale=0.1, causal_mode="add", mask_value=-1e9).wait_to_read()
+    with pytest.raises(MXNetError, match="needs mask_value"):
+        mx.nd.fused_attention(q, q, q, scale=0.1, causal=True, causal_mode="fill").wait_to_read()
+    with pytest.raises(MXNetError, match="takes no mask input"):
+        mx.nd.fused_attention(q, q, q, mx.nd.ones((4, 4)), scale=0.1, causal=True, causal_mode="add",
+                              mask_value=-1e9, mask_kind="additive").wait_to_read()
+
+
+# ---- non-finite values: as the unfused graph --------------------------------------------------
+_NAN_CASES = {
+    "q NaN": lambda q, k, v, m: q.__setitem__((0, 1, 2), np.nan),
+    "k NaN (visible)": lambda q, k, v, m: k.__setitem__((0, 1, 0), np.nan),
+    "k NaN (late key)": lambda q, k, v, m: k.__setitem__((0, 5, 0), np.nan),
+    "v NaN (late key)": lambda q, k, v, m: v.__setitem__((0, 5, 1), np.nan),
+    "v inf (late key)": lambda q, k, v, m: v.__setitem__((0, 5, 1), np.inf),
+    "q inf": lambda q, k, v, m: q.__setitem__((1, 2, 0), np.inf),
+    "mask NaN": lambda q, k, v, m: m.__setitem__((0, 2, 3), np.nan),
+    "mask row -inf": lambda q, k, v, m: m.__setitem__((0, 2), -np.inf),
+    "mask +inf": lambda q, k, v, m: m.__setitem__((1, 3, 1), np.inf),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_NAN_CASES))
+@pytest.mark.parametrize("kind", ["none", "additive", "boolean", "valid_length", "causal_add", "causal_fill",
+                                  "causal_exclude"])
+def test_non_finite_values_follow_mxnet(kind, case):
+    N, S, D = 2, 6, 4
+    q, k, v = rnd(N, S, D), rnd(N, S, D, seed=1), rnd(N, S, D, seed=2)
+    m = np.zeros((N, S, S), np.float32) if kind == "additive" else np.ones((N, S, S), np.float32)
+    if "mask" in case and kind not in ("additive", "boolean"):
+        pytest.skip("no mask input")
+    _NAN_CASES[case](q, k, v, m)
+    L = np.array([[6, 3, 0, 2, 5, 1], [4, 6, 6, 0, 1, 2]], np.int32)
+    nd = [mx.nd.array(x) for x in (q, k, v)]
+    if kind.startswith("causal"):
+        mode = kind.split("_")[1]
+        if mode == "exclude":   # the unfused form of the excluded band: softmax lengths
+            band = np.minimum(np.arange(S) + 1, S).astype(np.int32)[None].repeat(N, 0)
+            want = _mx_unfused(*nd, 0.5, mx.nd.array(band, dtype="int32"), "valid_length")
+            got = fused(q, k, v, scale=0.5, causal=True)
+        else:
+            want = _mx_unfused(*nd, 0.5, causal=(mode, -1e9))
+            got = fused(q, k, v, scale=0.5, causal=True, causal_mode=mode, mask_value=-1e9)
+    elif kind == "valid_length":
+        want = _mx_unfused(*nd, 0.5, mx.nd.array(L, dtype="int32"), kind)
+        got = fused(q, k, v, L, scale=0.5, mask_kind=kind)
+    elif kind == "none":
+        want, got = _mx_unfused(*nd, 0.5), fused(q, k, v, scale=0.5)
+    else:
+        want = _mx_unfused(*nd, 0.5, mx.nd.array(m), kind)
+        got = fused(q, k, v, m, scale=0.5, mask_kind=kind)
+    _same(got, want.asnumpy())
+
+
+# ---- backward: fully masked rows, mask gradients -----------------------------------------------
+@pytest.mark.parametrize("kind", ["additive_1e9", "additive_1e4_shifted", "boolean", "valid_length",
+                                  "causal_exclude"])
+def test_fully_masked_rows_backward(kind):
+    """Gradients of rows that see no key, as MXNet's unfused graph gives them (a row of -1e9 is
+    the uniform average, so its P is 1/Sk, not 1; a length-0 row has none)."""
+    N, Sq, Sk, D = 2, 9, 6, 4
+    q, k, v = rnd(N, Sq, D), rnd(N, Sk, D, seed=1), rnd(N, Sk, D, seed=2)
+    dy = rnd(N, Sq, D, seed=3)
+    if kind.startswith("additive"):
+        m = np.zeros((N, Sq, Sk), np.float32)
+        m[0, 1, :] = -1e9 if kind == "additive_1e9" else -1e4
+        m[1, :, 2:] = -1e9
+        m[1, 4, :] = -1e9
+        mm = mx.nd.array(m)
+        want = grads(lambda a, b, c: _mx_unfused(a, b, c, 0.5, mm, "additive"), [q, k, v], dy)
+        got = grads(lambda a, b, c: mx.nd.fused_attention(a, b, c, mm, scale=0.5, mask_kind="additive"),
+                    [q, k, v], dy)
+    elif kind == "boolean":
+        m = (np.random.RandomState(0).rand(N, Sq, Sk) > 0.4).astype(np.float32)
+        m[0, 3, :] = 0
+        mm = mx.nd.array(m)
+        want = grads(lambda a, b, c: _mx_unfused(a, b, c, 0.5, mm, "boolean", mask_value=-1e9), [q, k, v], dy)
+        got = grads(lambda a, b, c: mx.nd.fused_attention(a, b, c, mm, scale=0.5, mask_kind="boolean",
+                                                           mask_value=-1e9), [q, k, v], dy)
+    else:
+        if kind == "valid_length":
+            L = np.random.RandomState(1).randint(0, Sk + 1, (N, Sq)).astype(np.int32)
+            L[0, :3] = 0
+            attrs = dict(mask_kind="valid_length")
+            extra = [mx.nd.array(L, dtype="int32")]
+        else:                                         # Sq > Sk: the first rows see no key
+            L = np.clip(np.arange(Sq) + 1 + Sk - Sq, 0, Sk).astype(np.int32)[None].repeat(N, 0)
+            attrs, extra = dict(causal=True), []
+        mL = mx.nd.array(L, dtype="int32")
+        want = grads(lambda a, b, c: _mx_unfused(a, b, c, 0.5, mL, "valid_length"), [q, k, v], dy)
+        got = grads(lambda a, b, c: mx.nd.fused_attention(a, b, c, *extra, scale=0.5, **attrs), [q, k, v], dy)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, **BWD)
+
+
+@pytest.mark.parametrize("mshape", [(2, 9, 13), (1, 9, 13), (1, 1, 13), (9, 13), (13,), (2, 1, 1), (2, 9, 1)])
+def test_additive_mask_gradient_is_reduced_to_its_shape(mshape):
+    N, Sq, Sk, D = 2, 9, 13, 8
+    q, k, v = rnd(N, Sq, D), rnd(N, Sk, D, seed=1), rnd(N, Sk, D, seed=2)
+    m = np.random.RandomState(5).randn(*mshape).astype(np.float32)
+    dy = rnd(N, Sq, D, seed=3)
+    want = grads(lambda a, b, c, d: _mx_unfused(a, b, c, 0.3, d, "additive"), [q, k, v, m], dy)
+    got = grads(lambda a, b, c, d: mx.nd.fused_attention(a, b, c, d, scale=0.3, mask_kind="additive"),
+                [q, k, v, m], dy)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, **BWD)
+
+
+@pytest.mark.parametrize("mshape", [(6, 1, 20), (2, 3, 20, 20), (2, 1, 1, 20), (1, 3, 20, 20), (20, 20)])
+def test_mask_gradient_head_layouts(mshape):
+    """bshd / packed_qkv: a rank-4 mask per (B, H, Sq, Sk), lower ranks per (B·H, Sq, Sk)."""
+    B, S, H, D = 2, 20, 3, 8
+    x, dy = rnd(B, S, 3 * H * D), rnd(B, S, H * D, seed=5)
+    m = np.random.RandomState(2).randn(*mshape).astype(np.float32)
+    rank = 4 if len(mshape) == 4 else 3
+
+    def unfused(x, m):
+        q, k, v = (mx.nd.slice_axis(x, axis=-1, begin=i * H * D, end=(i + 1) * H * D) for i in range(3))
+        sp = lambda t: t.reshape((B, S, H, D)).transpose((0, 2, 1, 3))
+        q, k, v = ((sp(t) if rank == 4 else sp(t).reshape((B * H, S, D))) for t in (q, k, v))
+        o = _mx_unfused(q, k, v, 0.3, m, "additive")
+        return o.reshape((B, H, S, D)).transpose((0, 2, 1, 3)).reshape((B, S, H * D))
+
+    want = grads(unfused, [x, m], dy)
+    got = grads(lambda x, m: mx.nd.fused_attention(x, m, scale=0.3, layout="packed_qkv", heads=H,
+                                                   mask_kind="additive"), [x, m], dy)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, **BWD)
+
+
+def test_condition_and_length_inputs_get_zero_gradient():
+    """As where() gives its condition and softmax(use_length=True) its lengths."""
+    N, S, D = 2, 7, 8
+    q, k, v = rnd(N, S, D), rnd(N, S, D, seed=1), rnd(N, S, D, seed=2)
+    cond = (np.random.RandomState(0).rand(N, S, S) > 0.3).astype(np.float32)
+    L = np.array([3, 7], np.float32)
+    for m, kind in ((cond, "boolean"), (L, "valid_length")):
+        g = grads(lambda a, b, c, d: mx.nd.fused_attention(a, b, c, d, scale=0.3, mask_kind=kind),
+                  [q, k, v, m], rnd(N, S, D, seed=3))
+        assert not g[3].any()
+
+
+@pytest.mark.parametrize("avx512", ["0", "1"])
+def test_edge_semantics_across_small_tiles(avx512):
+    """Tiles of 8 rows × 32 keys (MXFUSION_ATTN_BQ/BK), both tile-product paths: a NaN score in a
+    tile that is otherwise -inf still makes the row NaN when later tiles are finite; causal add
+    rows that must compute the keys after their band; the non-finite v rule across tiles."""
+    code = (
+        "import numpy as np, mxnet as mx, fusion\n"
+        "from references import ref_attention\n"
+        "rs = np.random.RandomState(0)\n"
+        "q, k, v = (rs.uniform(-1, 1, (2, 20, 8)).astype(np.float32) for _ in range(3))\n"
+        "k = rs.uniform(-1, 1, (2, 70, 8)).astype(np.float32); v = rs.uniform(-1, 1, (2, 70, 8)).astype(np.float32)\n"
+        "m = np.zeros((2, 20, 70), np.float32); m[0, 3, :32] = -np.inf; m[0, 3, 5] = np.nan\n"
+        "nd = lambda *a: [mx.nd.array(x) for x in a]\n"
+        "got = mx.nd.fused_attention(*nd(q, k, v, m), scale=0.5, mask_kind='additive').asnumpy()\n"
+        "assert np.isnan(got[0, 3]).all() and np.isfinite(np.delete(got[0], 3, 0)).all()\n"
+        "for c, amp in ((-1e4, 300.0), (-1e9, 1.0)):\n"
+        "    got = mx.nd.fused_attention(*nd(q * amp, k * amp, v), scale=0.5, causal=True, causal_mode='add',\n"
+        "                                mask_value=c).asnumpy()\n"
+        "    want = ref_attention(q * amp, k * amp, v, 0.5, causal=True, causal_mode='add', mask_value=c)\n"
+        "    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)\n"
+        "v2 = v.copy(); v2[1, 69, 2] = np.inf\n"
+        "L = np.array([70, 40], np.int32)\n"
+        "got = mx.nd.fused_attention(*nd(q, k, v2), mx.nd.array(L, dtype='int32'), scale=0.5,\n"
+        "                            mask_kind='valid_length').asnumpy()\n"
+        "assert np.isnan(got[1, :, 2]).all() and np.isfinite(np.delete(got[1], 2, 1)).all()\n"
+        "assert np.isfinite(got[0]).all()\n"
+        "print('ok')\n")
+    env = dict(MXFUSION_ATTN_BQ="8", MXFUSION_ATTN_BK="32")
+    if avx512 == "0":
+        env["MXFUSION_DISABLE_AVX512"] = "1"
+    assert "ok" in run_python(code, **env)

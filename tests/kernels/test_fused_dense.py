@@ -14,11 +14,15 @@ from references import np_act
 
 FWD = dict(rtol=1e-5, atol=1e-5)
 BWD = dict(rtol=1e-4, atol=1e-4)
-ACTS = ["none", "relu", "sigmoid", "tanh", "softrelu", "leaky", "gelu_erf", "gelu_tanh"]
+ACTS = ["none", "relu", "act_relu", "sigmoid", "tanh", "softrelu", "leaky", "gelu_erf", "gelu_tanh"]
 
 
 def mx_act(z, act, slope=0.25):
-    if act in ("relu", "sigmoid", "tanh", "softrelu"):
+    if act == "relu":       # MXNet's relu operator; act_relu is Activation(act_type='relu')
+        return mx.nd.relu(z)
+    if act == "act_relu":
+        return mx.nd.Activation(z, act_type="relu")
+    if act in ("sigmoid", "tanh", "softrelu"):
         return mx.nd.Activation(z, act_type=act)
     if act == "leaky":
         return mx.nd.LeakyReLU(z, act_type="leaky", slope=slope)

@@ -1,0 +1,369 @@
+"""The attention rules compute what the unfused graph computes, at every shape it accepts.
+
+Each test fuses at one set of input shapes and compares the fused symbol with the original
+(bound with the subgraph backend off) there and at other batch sizes / sequence lengths,
+forward and, in training mode, the gradients of every input and parameter.  Tolerances:
+outputs 1e-5 and gradients 1e-4 of their scale (fp32), NaN where the original has NaN.
+Refusals assert the reason the report gives.
+"""
+import mxnet as mx
+import numpy as np
+import pytest
+
+import fusion
+
+from conftest import ops
+from test_attention import equivalent
+
+S = mx.sym
+I = mx.sym._internal
+
+
+def rejections(res, rule="attention"):
+    return list(res.report.rules[rule].rejected.values())
+
+
+def qkv(shape_q, shape_k=None, dv=None):
+    shape_k = shape_k or shape_q
+    shape_v = shape_k[:-1] + (dv or shape_k[-1],)
+    return {"q": shape_q, "k": shape_k, "v": shape_v}
+
+
+def attention(scores_fn=lambda s: s, softmax=lambda s: S.softmax(s, axis=-1), product=S.batch_dot, kt=False):
+    q, k, v = S.var("q"), S.var("k"), S.var("v")
+    s = product(q, k, transpose_b=True) if not kt else product(q, S.var("kt"))
+    return product(softmax(scores_fn(s)), v)
+
+
+# ---------------------------------------------------------------- linalg_gemm2's axis
+
+def test_gemm2_sequence_first_axis_is_refused():
+    """linalg_gemm2(axis=0) multiplies (S, D) matrices batched over axis 1: not the kernel's layout."""
+    q, k, v = S.var("q"), S.var("k"), S.var("v")
+    y = S.linalg_gemm2(S.softmax(S.linalg_gemm2(q, k, transpose_b=True, axis=0), axis=-1), v, axis=0)
+    res = fusion.fuse(y, rules=["attention"], input_shapes=qkv((5, 3, 8)))
+    assert ops(res).get("fused_attention") is None
+    assert "along axis 0 of rank-3 operands" in rejections(res)[0]
+    res = fusion.fuse(y, rules=["attention"])          # rank unknown: refused too
+    assert "unknown rank" in rejections(res)[0]
+
+
+def test_gemm2_axis_naming_the_rows_fuses():
+    q, k, v = S.var("q"), S.var("k"), S.var("v")
+    y = S.linalg_gemm2(S.softmax(S.linalg_gemm2(q, k, transpose_b=True, axis=1, alpha=0.3), axis=2), v, axis=1)
+    equivalent(y, qkv((4, 5, 8), (4, 7, 8)), others=[qkv((3, 9, 8), (3, 2, 8))])
+
+
+# ---------------------------------------------------------------- ranks other than 3
+
+def test_softmax_axis_must_be_the_last_of_the_scores_rank():
+    """axis=2 is the key axis of rank-3 scores but the query axis of rank-4 ones."""
+    shapes = qkv((2, 3, 5, 4))
+    y = attention(softmax=lambda s: S.softmax(s, axis=2))
+    res = fusion.fuse(y, rules=["attention"], input_shapes=shapes)
+    assert ops(res).get("fused_attention") is None
+    assert "axis 2 of rank-4 scores, not the key axis" in rejections(res)[0]
+    res = fusion.fuse(y, rules=["attention"])
+    assert "rank unknown" in rejections(res)[0]
+    equivalent(attention(softmax=lambda s: S.softmax(s, axis=3)), shapes, others=[qkv((3, 2, 6, 4))],
+               mode="training")
+
+
+@pytest.mark.parametrize("product", [S.batch_dot, S.linalg_gemm2])
+def test_rank4_with_lengths_k_transposed_and_scale(product):
+    B, H, Sq, Sk, D = 2, 3, 5, 7, 4
+    L = S.var("len", dtype="int32")
+    y = attention(lambda s: s * 0.5, lambda s: S.softmax(s, L, axis=-1, use_length=True), product, kt=True)
+
+    def shapes(b, h, sq, sk):
+        return {"q": (b, h, sq, D), "kt": (b, h, D, sk), "v": (b, h, sk, D), "len": (b, h, sq)}
+
+    make = (lambda n, sh, rng: rng.integers(0, 8, sh).astype(np.int32) if n == "len" else None)   # <= Sk
+    res = equivalent(y, shapes(B, H, Sq, Sk), make=make, others=[shapes(3, 2, 4, 9)], mode="training")
+    assert ops(res) == {"SwapAxis": 1, "fused_attention": 1}
+
+
+@pytest.mark.parametrize("mshape", [(3, 5, 7), (2, 1, 5, 7), (1, 3, 1, 7), (7,), (5, 7), (2, 3, 5, 7)])
+def test_rank4_masks_keep_their_broadcasting(mshape):
+    """A rank-3 mask of (B, H, Sq, Sk) scores is per head (H, Sq, Sk); learned, it gets its gradient."""
+    y = attention(lambda s: S.broadcast_add(s * 0.5, S.var("bias")))
+    bias = np.random.default_rng(0).standard_normal(mshape).astype(np.float32)
+    other = qkv((3, 3, 5, 4), (3, 3, 7, 4)) if mshape[0] != 2 or len(mshape) < 4 else qkv((2, 3, 5, 4), (2, 3, 7, 4))
+    equivalent(y, qkv((2, 3, 5, 4), (2, 3, 7, 4)), params={"bias": bias}, mode="training", others=[other])
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 3, 5, 4), (5, 4)])
+def test_rank5_batch_dot_and_rank2_gemm2(shape):
+    product = S.batch_dot if len(shape) > 2 else S.linalg_gemm2
+    y = attention(lambda s: S.broadcast_add(s, S.var("m")), product=product)
+    make = lambda n, sh, rng: np.where(rng.random(sh) > 0.3, 0, -1e9).astype(np.float32) if n == "m" else None
+    kshape = shape[:-2] + (6, 4)
+    shapes = dict(qkv(shape, kshape), m=shape[-2:-1] + (6,))
+    other = dict(qkv(shape[:-2] + (3, 4), shape[:-2] + (8, 4)), m=(3, 8))
+    equivalent(y, shapes, make=make, mode="training", others=[other])
+
+
+def test_mask_of_unknown_shape_is_refused():
+    y = attention(lambda s: S.broadcast_add(s, S.var("m")))
+    res = fusion.fuse(y, rules=["attention"])
+    assert "shapes of mask 'm' and of the scores are unknown" in rejections(res)[0]
+
+
+def test_mask_that_grows_the_scores_is_refused():
+    q, k, v, m = (S.var(n) for n in "qkvm")
+    y = S.batch_dot(S.softmax(S.broadcast_add(S.batch_dot(q, k, transpose_b=True), m), axis=-1), v)
+    shapes = {"q": (2, 5, 4), "k": (2, 7, 4), "v": (1, 2, 7, 4), "m": (1, 1, 1, 7)}
+    res = fusion.fuse(y, rules=["attention"], input_shapes=shapes)
+    assert "broadcasts the scores (2, 5, 7) to (1, 2, 5, 7)" in rejections(res)[0]
+
+
+# ---------------------------------------------------------------- causal masks
+
+def _band_mask(q, k, offset=None, scores=None):
+    """1 where key j is visible to query i: j <= i + (Sk - Sq), from positions; with ``offset``, a
+    hard-coded j <= i + offset instead (causal only where Sk - Sq equals it)."""
+    qpos = S.reshape(S.contrib.arange_like(q if scores is None else scores, axis=-2), shape=(-1, 1))
+    kpos = S.reshape(S.contrib.arange_like(k if scores is None else scores, axis=-2 if scores is None else -1),
+                     shape=(1, -1))
+    if offset is not None:
+        return S.broadcast_lesser_equal(kpos, I._plus_scalar(qpos, scalar=float(offset)))
+    # reversed positions align the band bottom-right at every (Sq, Sk)
+    rq = S.reshape(S.reverse(S.contrib.arange_like(q, axis=-2), axis=0), shape=(-1, 1))
+    rk = S.reshape(S.reverse(S.contrib.arange_like(k, axis=-2), axis=0), shape=(1, -1))
+    return S.broadcast_greater_equal(rk, rq)
+
+
+def _causal_attention(style, c, offset=None):
+    q, k, v = S.var("q"), S.var("k"), S.var("v")
+    s = S.batch_dot(q, k, transpose_b=True) * 0.5
+    band = _band_mask(q, k, offset)
+    if style == "add":
+        s = S.broadcast_add(s, I._mul_scalar(I._rminus_scalar(band, scalar=1.0), scalar=c))
+    else:
+        s = S.where(S.broadcast_like(S.expand_dims(band, axis=0), s, lhs_axes=(0,), rhs_axes=(0,)), s,
+                    S.ones_like(s) * c)
+    return S.batch_dot(S.softmax(s, axis=-1), v)
+
+
+@pytest.mark.parametrize("style,c", [("add", -1e9), ("add", -1e4), ("fill", -1e18), ("fill", -1e4)])
+@pytest.mark.parametrize("sq,sk", [(6, 6), (6, 4), (4, 9)])
+def test_causal_masks_fuse_exactly_at_every_length(style, c, sq, sk):
+    """Bottom-right causal masks become causal=True with the mask's own form (add / fill), rows
+    that see no key (Sq > Sk) included, forward and backward, at other lengths too."""
+    y = _causal_attention(style, c)
+    res = equivalent(y, qkv((2, sq, 8), (2, sk, 8)), mode="training",
+                     others=[qkv((3, sq + 3, 8), (3, sk, 8)), qkv((1, 2, 8), (1, sk + 5, 8))])
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert node.param("causal", False) is True and node.attrs["causal_mode"] == style
+    assert float(node.attrs["mask_value"]) == c and node.attrs["mask_kind"] == "none"
+
+
+def test_fixed_offset_mask_is_kept_as_a_mask():
+    """j <= i - 2 is the causal band only while Sk - Sq = -2: the probe shapes tell, and the mask
+    stays an input the kernel reads (rows that see no key match the unfused graph)."""
+    y = _causal_attention("add", -1e9, offset=-2)
+    res = equivalent(y, qkv((2, 6, 4), (2, 4, 4)), rules=["attention", "elementwise"],
+                     others=[qkv((2, 7, 4), (2, 4, 4)), qkv((3, 5, 4), (3, 5, 4))])
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert not node.param("causal", False) and node.attrs["mask_kind"] == "additive"
+
+
+def test_sliding_window_is_kept_as_a_mask():
+    """A window i - 2 <= j <= i looks causal at length 3; the probe at length 4 shows it is not."""
+    q, k, v = S.var("q"), S.var("k"), S.var("v")
+    s = S.batch_dot(q, k, transpose_b=True)
+    qpos = S.reshape(S.contrib.arange_like(q, axis=-2), shape=(-1, 1))
+    kpos = S.reshape(S.contrib.arange_like(k, axis=-2), shape=(1, -1))
+    keep = S.broadcast_mul(S.broadcast_lesser_equal(kpos, qpos),
+                           S.broadcast_greater_equal(kpos, I._plus_scalar(qpos, scalar=-2.0)))
+    y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - keep) * -1e9)), v)
+    res = equivalent(y, qkv((2, 3, 8)), rules=["attention", "elementwise"], others=[qkv((2, 7, 8))])
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert not node.param("causal", False) and node.attrs["mask_kind"] == "additive"
+
+
+def test_causal_needs_more_than_one_length():
+    """A graph that takes one input shape only (a fixed Reshape) gives one (Sq, Sk): the mask stays."""
+    x = S.var("x")
+    q, k, v = (S.reshape(S.slice_axis(x, axis=1, begin=i * 20, end=(i + 1) * 20), shape=(2, 5, 4))
+               for i in range(3))
+    s = S.batch_dot(q, k, transpose_b=True)
+    band = _band_mask(q, k)
+    y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - band) * -1e9)), v)
+    res = equivalent(y, {"x": (2, 60)}, rules=["attention"])
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert not node.param("causal", False) and node.attrs["mask_kind"] == "additive"
+
+
+def test_causal_positions_from_the_scores_in_training():
+    q, k, v = S.var("q"), S.var("k"), S.var("v")
+    s = S.batch_dot(q, k, transpose_b=True)
+    qpos = S.reshape(S.contrib.arange_like(s, axis=-2), shape=(-1, 1))
+    kpos = S.reshape(S.contrib.arange_like(s, axis=-1), shape=(1, -1))
+    y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - S.broadcast_greater_equal(qpos, kpos)) * -1e9)), v)
+    res = equivalent(y, qkv((2, 5, 4)), rules=["scores_shape", "attention"], mode="training",
+                     others=[qkv((3, 9, 4))])
+    assert ops(res) == {"fused_attention": 1}
+
+
+def test_learned_causal_looking_bias_stays_a_trained_input():
+    """In training a parameter is data: a bias that happens to be causal now stays an input."""
+    bias = np.triu(np.full((5, 5), -1e9, np.float32), 1)[None]
+    y = attention(lambda s: S.broadcast_add(s, S.var("bias")))
+    res = equivalent(y, qkv((2, 5, 4)), params={"bias": bias}, mode="training")
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert node.attrs["mask_kind"] == "additive" and "bias" in res.symbol.list_arguments()
+
+
+# ---------------------------------------------------------------- training: masks and rows that see nothing
+
+def _mask_input(kind):
+    def make(n, sh, rng):
+        if n == "m":
+            if kind == "where":
+                m = (rng.random(sh) > 0.4).astype(np.float32)
+                m[0, 1, :] = 0
+                return m
+            m = np.where(rng.random(sh) > 0.4, 0, -1e9 if kind == "add" else -np.inf).astype(np.float32)
+            m[0, 1, :] = -1e9                       # a row that sees no key
+            return m
+        if n == "len":
+            L = rng.integers(0, sh[-1] + 1, sh).astype(np.int32) if len(sh) > 1 else None
+            L[0, :2] = 0
+            return L
+        return None
+    return make
+
+
+@pytest.mark.parametrize("kind", ["add", "add_inf", "where", "length"])
+def test_gradients_of_rows_that_see_no_key(kind):
+    if kind == "length":
+        L = S.var("len", dtype="int32")
+        y = attention(lambda s: s * 0.5, lambda s: S.softmax(s, L, axis=-1, use_length=True))
+        shapes, other = dict(qkv((2, 5, 4), (2, 6, 4)), len=(2, 5)), dict(qkv((3, 4, 4), (3, 8, 4)), len=(3, 4))
+    elif kind == "where":
+        y = attention(lambda s: S.where(S.var("m"), s, S.ones_like(s) * -1e9))
+        shapes, other = dict(qkv((2, 5, 4), (2, 6, 4)), m=(2, 5, 6)), dict(qkv((3, 4, 4), (3, 8, 4)), m=(3, 4, 8))
+    else:
+        y = attention(lambda s: S.broadcast_add(s, S.var("m")))
+        shapes, other = dict(qkv((2, 5, 4), (2, 6, 4)), m=(2, 5, 6)), dict(qkv((3, 4, 4), (3, 8, 4)), m=(3, 4, 8))
+    equivalent(y, shapes, make=_mask_input(kind.split("_")[-1] if kind == "add_inf" else kind),
+               mode="training", others=[other])
+
+
+@pytest.mark.parametrize("bshape", [(1, 5, 5), (2, 5, 5), (1, 1, 5), (5,)])
+def test_learned_additive_bias_gets_its_gradient(bshape):
+    """A relative-position bias parameter: d(bias) = dScores summed over the broadcast axes."""
+    bias = np.random.default_rng(1).standard_normal(bshape).astype(np.float32)
+    y = attention(lambda s: S.broadcast_add(s, S.var("bias")))
+    equivalent(y, qkv((2, 5, 4)), params={"bias": bias}, mode="training",
+               others=[qkv((2, 5, 4), (2, 5, 4))] if bshape[0] == 2 else [qkv((4, 5, 7))])
+
+
+def test_where_condition_gets_no_gradient_like_mxnet():
+    y = attention(lambda s: S.where(S.var("m"), s, S.zeros_like(s) + -1e4))
+    make = lambda n, sh, rng: (rng.random(sh) > 0.5).astype(np.float32) if n == "m" else None
+    equivalent(y, dict(qkv((2, 5, 4)), m=(2, 5, 5)), make=make, mode="training")   # m's gradient: 0 both
+
+
+# ---------------------------------------------------------------- where() with a 1-D condition
+
+def test_where_with_a_1d_condition_selects_rows():
+    """MXNet's where(cond (N,), x, y) takes whole rows of x along axis 0."""
+    y = attention(lambda s: S.where(S.var("c"), s, S.ones_like(s) * -1e9))
+    make = lambda n, sh, rng: np.array([1, 0, 1][:sh[0]] + [0] * (sh[0] - 3), np.float32) if n == "c" else None
+    res = equivalent(y, dict(qkv((3, 5, 4)), c=(3,)), make=make, others=[dict(qkv((4, 2, 4), (4, 6, 4)), c=(4,))],
+                     mode="training")
+    assert ops(res) == {"expand_dims": 2, "fused_attention": 1}
+
+
+def test_where_with_an_integer_condition():
+    y = attention(lambda s: S.where(S.var("c", dtype="int32"), s, S.ones_like(s) * -1e9))
+    make = lambda n, sh, rng: rng.integers(0, 3, sh).astype(np.int32) if n == "c" else None
+    equivalent(y, dict(qkv((2, 5, 4)), c=(2, 5, 5)), make=make)
+
+
+def test_any_where_fill_value_is_exact():
+    y = attention(lambda s: S.where(S.var("c"), s, S.ones_like(s) * 0.25))
+    make = lambda n, sh, rng: (rng.random(sh) > 0.5).astype(np.float32) if n == "c" else None
+    equivalent(y, dict(qkv((2, 5, 4)), c=(2, 5, 5)), make=make, mode="training")
+
+
+# ---------------------------------------------------------------- Dropout and parameters
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_monte_carlo_dropout_is_refused(mode):
+    y = attention(softmax=lambda s: S.Dropout(S.softmax(s, axis=-1), p=0.5, mode="always"))
+    res = fusion.fuse(y, rules=["attention"], input_shapes=qkv((2, 4, 8)), mode=mode)
+    assert ops(res).get("fused_attention") is None and ops(res).get("Dropout") == 1
+    assert "mode='always'" in rejections(res)[0] and "samples at inference" in rejections(res)[0]
+
+
+@pytest.mark.parametrize("form", ["mul_scores", "div_scores", "mul_q"])
+def test_training_keeps_a_scale_parameter_trainable(form):
+    t = S.var("temp")
+    if form == "mul_q":
+        q, k, v = S.var("q"), S.var("k"), S.var("v")
+        y = S.batch_dot(S.softmax(S.batch_dot(S.broadcast_mul(q, t), k, transpose_b=True), axis=-1), v)
+    else:
+        op = S.broadcast_mul if form == "mul_scores" else S.broadcast_div
+        y = attention(lambda s: op(s, t))
+    res = equivalent(y, qkv((2, 5, 4)), params={"temp": np.array([0.7], np.float32)}, mode="training",
+                     others=[qkv((3, 6, 4))])
+    assert "temp" in res.symbol.list_arguments()
+    # at inference its value is folded into the op's scale
+    res = fusion.fuse(y, {"temp": mx.nd.array([0.7])}, {}, rules=["attention"], input_shapes=qkv((2, 5, 4)))
+    assert ops(res) == {"fused_attention": 1} and "temp" not in res.symbol.list_arguments()
+
+
+def test_interleaved_scale_parameter_refused_in_training():
+    x = S.var("x")
+    s = S.contrib.interleaved_matmul_selfatt_qk(x, heads=2)
+    y = S.contrib.interleaved_matmul_selfatt_valatt(x, S.softmax(S.broadcast_mul(s, S.var("t")), axis=-1), heads=2)
+    res = fusion.fuse(y, {"t": mx.nd.array([0.5])}, {}, rules=["attention"], input_shapes={"x": (5, 2, 24)},
+                      mode="training")
+    assert "it is trained in mode='training'" in rejections(res, "attention_interleaved")[0]
+
+
+# ---------------------------------------------------------------- packed projections in training
+
+H, D = 3, 4
+
+
+def _packed(swap=False, mask=None, heads4=False):
+    x = S.var("x")
+    sl = [S.slice_axis(x, axis=-1, begin=i * H * D, end=(i + 1) * H * D) for i in range(3)]
+    if swap:
+        sl = [sl[1], sl[0], sl[2]]
+
+    def split(t):
+        t = S.transpose(S.reshape(t, shape=(0, 0, H, -1)), axes=(0, 2, 1, 3))
+        return t if heads4 else S.reshape(t, shape=(-3, 0, 0))
+
+    q, k, v = map(split, sl)
+    s = S.batch_dot(q, k, transpose_b=True) * 0.5
+    if mask == "bias":
+        s = S.broadcast_add(s, S.var("bias"))
+    elif mask == "where":
+        s = S.where(S.broadcast_like(S.var("m"), s), s, S.ones_like(s) * -1e9)
+    o = S.batch_dot(S.softmax(s, axis=-1), v)
+    if not heads4:
+        o = S.reshape(o, shape=(-4, -1, H, 0, 0))
+    return S.reshape(S.transpose(o, axes=(0, 2, 1, 3)), shape=(0, 0, -3))
+
+
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("mask,heads4,bshape", [(None, False, None), ("bias", False, (1, 6, 6)),
+                                                 ("bias", True, (3, 6, 6)), ("bias", True, (1, 3, 1, 6)),
+                                                 ("where", True, (2, 1, 1, 6))])
+def test_packed_projection_gradients(swap, mask, heads4, bshape):
+    params, make, shapes = {}, None, {"x": (2, 6, 3 * H * D)}
+    if mask == "bias":
+        params["bias"] = np.random.default_rng(2).standard_normal(bshape).astype(np.float32)
+    if mask == "where":
+        shapes["m"] = bshape
+        make = lambda n, sh, rng: (rng.random(sh) > 0.3).astype(np.float32) if n == "m" else None
+    res = equivalent(_packed(swap, mask, heads4), shapes, params=params, make=make, mode="training",
+                     rules=["attention", "attention_heads"])
+    layout = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0].attrs["layout"]
+    assert layout == ("bshd" if swap else "packed_qkv")

@@ -1,0 +1,210 @@
+"""The engine's guarantees, tested with rules that are wrong on purpose: the per-rewrite self-check,
+the probe shapes, the training-mode parameter checks, escapes and outputs the rewrite must produce."""
+import mxnet as mx
+import numpy as np
+import pytest
+
+import fusion
+from fusion.pattern import Const, Var, op
+from fusion.rule import Rule
+from fusion.verify import run
+
+from conftest import random_params
+
+S = mx.sym
+
+
+class ReluToSigmoid(Rule):
+    """Wrong: relu(x) → sigmoid(x)."""
+    name = "relu_to_sigmoid"
+    benefit = 1
+
+    def pattern(self):
+        return op.relu(Var("x"), name="r")
+
+    def rewrite(self, m, b):
+        return b.op("sigmoid", [m["x"]], name=m.anchor.name)
+
+
+class BatchOneReshape(Rule):
+    """Right at batch 1 only: relu(x) → relu(Reshape(x, shape=<x's shape now>))."""
+    name = "batch_one_reshape"
+    benefit = 1
+
+    def pattern(self):
+        return op.relu(Var("x"), name="r")
+
+    def check(self, m):
+        return None if m.ctx.shape(m["x"]) else "shape unknown"
+
+    def rewrite(self, m, b):
+        t = b.op("Reshape", [m["x"]], attrs={"shape": m.ctx.shape(m["x"])})
+        return b.op("relu", [t], name=m.anchor.name)
+
+
+class FoldScale(Rule):
+    """x * w (w a 1-element parameter) → x * c with c baked in: right at inference, freezes w in training."""
+    name = "fold_scale"
+    benefit = 1
+
+    def pattern(self):
+        return op.broadcast_mul(Var("x"), Const("w"), name="m")
+
+    def rewrite(self, m, b):
+        return b.op("_mul_scalar", [m["x"]], attrs={"scalar": float(m.value("w").ravel()[0])}, name=m.anchor.name)
+
+
+class CopyScale(Rule):
+    """x * w → x * copy-of-w (a new parameter): right at inference, not in training."""
+    name = "copy_scale"
+    benefit = 1
+
+    def pattern(self):
+        return op.broadcast_mul(Var("x"), Const("w"), name="m")
+
+    def rewrite(self, m, b):
+        return b.op("broadcast_mul", [m["x"], b.param("w_copy", m.value("w"))], name=m.anchor.name)
+
+
+class BlockedGradient(Rule):
+    """x * w → BlockGrad(x) * w: the same forward, no gradient for x."""
+    name = "blocked_gradient"
+    benefit = 1
+
+    def pattern(self):
+        return op.broadcast_mul(Var("x"), Var("w"), name="m")
+
+    def check(self, m):
+        return "done" if m["x"].node.op == "BlockGrad" or m["w"].node.op == "BlockGrad" else None
+
+    def rewrite(self, m, b):
+        return b.op("broadcast_mul", [b.op("BlockGrad", [m["x"]]), m["w"]], name=m.anchor.name)
+
+
+class SwallowHead(Rule):
+    """exp(tanh(x)) → one op: refused by the engine when tanh(x) is also a graph output."""
+    name = "swallow_head"
+    benefit = 1
+
+    def pattern(self):
+        return op.exp(op.tanh(Var("x"), name="t"), name="e")
+
+    def rewrite(self, m, b):
+        return b.op("fused_elemwise", [m["x"]], attrs={"expr": "exp(tanh(x0))", "num_args": 1}, name=m.anchor.name)
+
+
+class FirstOutputOnly(Rule):
+    """split(x)[0] consumers: rewrites the split but produces only its first output."""
+    name = "first_output_only"
+    benefit = 1
+
+    def pattern(self):
+        return op("SliceChannel", "split")(Var("x"), name="s")
+
+    def rewrite(self, m, b):
+        return b.op("slice_axis", [m["x"]], attrs={"axis": 1, "begin": 0, "end": 2}, name=m.anchor.name)
+
+
+def reasons(res, rule):
+    return " | ".join(res.report.rules[rule.name].rejected.values())
+
+
+def test_wrong_rewrite_refused_by_self_check():
+    x = S.var("x")
+    y = S.relu(x) * 2
+    res = fusion.fuse(y, rules=[ReluToSigmoid()], input_shapes={"x": (2, 3)})
+    assert res.report.fused_count == 0
+    assert "self-check: output differs by" in reasons(res, ReluToSigmoid)
+    assert res.report.self_check.refused == 1
+    # without input shapes nothing can be checked: the report says so
+    res = fusion.fuse(y, rules=[ReluToSigmoid()])
+    assert res.report.fused_count == 1 and res.report.self_check.unchecked == 1
+    assert "no input shapes given" in res.report.to_text()
+    # and self_check=False turns it off
+    res = fusion.fuse(y, rules=[ReluToSigmoid()], input_shapes={"x": (2, 3)}, self_check=False)
+    assert res.report.fused_count == 1 and res.report.self_check is None
+
+
+def test_rewrite_that_bakes_the_batch_size_refused_at_another_shape():
+    x = S.var("x")
+    res = fusion.fuse(S.relu(x), rules=[BatchOneReshape()], input_shapes={"x": (1, 5)})
+    assert res.report.fused_count == 0
+    r = reasons(res, BatchOneReshape)
+    assert "self-check at input shapes x=2,5" in r and "reshapes a tensor to a shape of another size" in r, r
+    assert len(res.report.self_check.probes) == 3
+
+
+def test_training_keeps_every_parameter_read_and_trained():
+    x, w = S.var("x"), S.var("w")
+    y = S.broadcast_mul(x, w)
+    arg = {"w": mx.nd.array([0.5])}
+    inf = fusion.fuse(y, arg, {}, rules=[FoldScale()], input_shapes={"x": (2, 3)})
+    assert inf.report.fused_count == 1
+    train = fusion.fuse(y, arg, {}, rules=[FoldScale()], input_shapes={"x": (2, 3)}, mode="training")
+    assert train.report.fused_count == 0
+    assert "parameter 'w' would no longer be read" in reasons(train, FoldScale)
+    train = fusion.fuse(y, arg, {}, rules=[CopyScale()], input_shapes={"x": (2, 3)}, mode="training")
+    assert train.report.fused_count == 0 and "it would add parameter 'w_copy'" in reasons(train, CopyScale)
+    assert set(train.arg_params) == {"w"}
+
+
+def test_training_gradients_compared():
+    x, w = S.var("x"), S.var("w")
+    y = S.broadcast_mul(x, w)
+    inf = fusion.fuse(y, rules=[BlockedGradient()], input_shapes={"x": (2, 3), "w": (1, 3)})
+    assert inf.report.fused_count == 1                      # the same forward
+    train = fusion.fuse(y, rules=[BlockedGradient()], input_shapes={"x": (2, 3), "w": (1, 3)}, mode="training")
+    assert train.report.fused_count == 0
+    assert "self-check: gradient of 'x'" in reasons(train, BlockedGradient)
+
+
+def test_interior_graph_output_refused_by_the_engine():
+    x = S.var("x")
+    t = S.tanh(x)
+    for heads in ([S.exp(t), t], [t, S.exp(t)], [S.exp(t), S.sigmoid(t)]):
+        res = fusion.fuse(S.Group(heads), rules=[SwallowHead()], input_shapes={"x": (2, 3)})
+        assert res.report.fused_count == 0, heads
+        r = reasons(res, SwallowHead)
+        assert "graph output" in r or "outside the match" in r, r
+    res = fusion.fuse(S.exp(S.tanh(x)), rules=[SwallowHead()], input_shapes={"x": (2, 3)})
+    assert res.report.fused_count == 1
+
+
+def test_every_output_read_outside_must_be_produced():
+    x = S.var("x")
+    parts = S.split(x, num_outputs=2, axis=1)
+    res = fusion.fuse(S.Group([parts[0] * 2, parts[1] * 3]), rules=[FirstOutputOnly()], input_shapes={"x": (2, 4)})
+    assert res.report.fused_count == 0
+    assert "output 1 of SliceChannel" in reasons(res, FirstOutputOnly), reasons(res, FirstOutputOnly)
+
+
+def test_layer_output_read_twice_guarded_against_mxnet_oneDNN_backend():
+    """Group([gelu(fc), fc]): GELU written out becomes LeakyReLU(gelu) right after the FullyConnected;
+    MXNet 1.9.1's oneDNN backend would then hand the second output the activation's result."""
+    x, w, b = S.var("x"), S.var("w"), S.var("b")
+    fc = S.FullyConnected(x, w, b, num_hidden=8, flatten=False)
+    gelu = (fc * 0.5) * (S.erf(fc * 0.7071067811865476) + 1)
+    y = S.Group([gelu, fc])
+    arg, aux = random_params(y, {"x": (1, 3, 4)})
+    res = fusion.fuse(y, arg, aux, input_shapes={"x": (1, 3, 4)})
+    assert "LeakyReLU" in res.graph.count_ops() and "Reshape" in res.graph.count_ops()
+    assert any("identity Reshape" in n for n in res.report.notes)
+    inputs = {"x": np.random.default_rng(0).standard_normal((1, 3, 4)).astype(np.float32)}
+    ref = run(y, arg, aux, inputs)                          # subgraph backend off: the arithmetic
+    out = run(res.symbol, res.arg_params, res.aux_params, inputs, subgraph=True)   # as users bind it
+    for r, o in zip(ref, out):
+        np.testing.assert_allclose(o, r, rtol=1e-5, atol=1e-6)
+    # fusing again changes nothing
+    again = fusion.fuse(res.symbol, res.arg_params, res.aux_params, input_shapes={"x": (1, 3, 4)})
+    assert again.symbol.tojson() == res.symbol.tojson()
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_report_counts_checked_rewrites(mode):
+    x = S.var("x")
+    y = S.sigmoid(S.exp(x) * 2 + 1)
+    res = fusion.fuse(y, input_shapes={"x": (3, 5)}, mode=mode)
+    c = res.report.self_check
+    assert res.report.fused_count == 1 and c.checked == 1 and c.refused == 0 and c.worst_rel < 1e-5
+    assert "self-check: 1 rewrite(s) checked at 3 input shape(s)" in res.report.to_text()
+    assert res.report.to_dict()["self_check"]["checked"] == 1

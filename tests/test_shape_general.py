@@ -1,0 +1,196 @@
+"""A fused model binds and runs like the original at every input shape the original accepts,
+not only at the shapes it was fused at (probe shapes in fusion/facts.py, checked per rewrite)."""
+import collections
+import math
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import gluon
+
+import fusion
+from fusion import cli
+from fusion.facts import make_probes
+from fusion.graph import Graph
+from fusion.verify import run
+
+from conftest import random_params
+
+S = mx.sym
+RTOL = 1e-5
+
+
+def rel(a, b):
+    return float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-12))
+
+
+def compare_at(sym, arg, aux, fused, feeds):
+    for feed in feeds:
+        ref = run(sym, arg, aux, feed)
+        out = run(fused.symbol if hasattr(fused, "symbol") else fused[0],
+                  fused.arg_params if hasattr(fused, "arg_params") else fused[1],
+                  fused.aux_params if hasattr(fused, "aux_params") else fused[2], feed)
+        for r, o in zip(ref, out):
+            assert r.shape == o.shape
+            assert rel(r, o) <= RTOL, {k: v.shape for k, v in feed.items()}
+
+
+# ---------------------------------------------------------------- a BERT-style encoder in mx.sym
+
+UNITS, HEADS, FFN, VOCAB, MAXLEN = 16, 2, 32, 50, 40
+
+
+def encoder(layers=2):
+    """Word + position embeddings (positions sliced to the sequence length), post-LN layers."""
+    tokens, valid = S.var("tokens"), S.var("valid_length")
+    word = S.Embedding(tokens, S.var("word_weight"), input_dim=VOCAB, output_dim=UNITS)       # (B, S, C)
+    pos = S.slice_like(S.var("pos_weight"), S.swapaxes(word, dim1=0, dim2=1), axes=(0,))    # (S, C)
+    # the broadcast operand first: at batch 1 both are (1, S, C), at batch 2 only the second is (B, S, C)
+    x = S.LayerNorm(S.broadcast_add(S.expand_dims(pos, axis=0), word), S.var("emb_g"), S.var("emb_b"))
+    mask = S.broadcast_lesser(S.contrib.arange_like(tokens, axis=1).reshape((1, 1, -1)),
+                              valid.reshape((-1, 1, 1)))                                      # (B, 1, S)
+    mask = S.repeat((1 - mask) * -1e4, repeats=HEADS, axis=0)
+    for i in range(layers):
+        p = "l%d_" % i
+
+        def split(t):
+            return S.reshape(S.transpose(S.reshape(t, shape=(0, 0, HEADS, -1)), axes=(0, 2, 1, 3)), shape=(-3, 0, 0))
+        q, k, v = (split(S.FullyConnected(x, num_hidden=UNITS, flatten=False, name=p + n)) for n in "qkv")
+        s = S.broadcast_add(S.batch_dot(q, k, transpose_b=True) / math.sqrt(UNITS // HEADS), mask)
+        o = S.batch_dot(S.softmax(s, axis=-1), v)
+        o = S.reshape(S.transpose(S.reshape(o, shape=(-4, -1, HEADS, 0, 0)), axes=(0, 2, 1, 3)), shape=(0, 0, -3))
+        h = S.LayerNorm(S.FullyConnected(o, num_hidden=UNITS, flatten=False, name=p + "o") + x,
+                        S.var(p + "ln1_g"), S.var(p + "ln1_b"))
+        f = S.FullyConnected(S.LeakyReLU(S.FullyConnected(h, num_hidden=FFN, flatten=False, name=p + "f1"),
+                                         act_type="gelu"), num_hidden=UNITS, flatten=False, name=p + "f2")
+        x = S.LayerNorm(f + h, S.var(p + "ln2_g"), S.var(p + "ln2_b"))
+    return x
+
+
+def encoder_params(sym):
+    arg, aux = random_params(sym, {"tokens": (1, 12), "valid_length": (1,), "pos_weight": (MAXLEN, UNITS)},
+                             inputs={"tokens", "valid_length"})
+    return arg, aux
+
+
+def feed(batch, seq, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"tokens": rng.integers(0, VOCAB, (batch, seq)).astype(np.float32),
+            "valid_length": rng.integers(1, seq + 1, (batch,)).astype(np.float32)}
+
+
+def test_encoder_fused_at_batch_1_runs_at_other_batches_and_lengths():
+    sym = encoder()
+    arg, aux = encoder_params(sym)
+    res = fusion.fuse(sym, arg, aux, input_shapes={"tokens": (1, 12), "valid_length": (1,)})
+    counts = res.graph.count_ops()
+    assert counts.get("fused_attention") == 2 and counts.get("fused_dense", 0) >= 6, counts
+    # the embedding add: its operands are equal at batch 1 only; the broadcast one goes second
+    emb = [n for n in res.graph.op_nodes() if n.op == "fused_add_layer_norm" and n.inputs[0].node.op == "Embedding"]
+    assert len(emb) == 1, res.report.to_text()
+    assert res.report.self_check.checked >= res.report.fused_count - res.report.self_check.sampled
+    compare_at(sym, arg, aux, res, [feed(1, 12), feed(2, 7, 1), feed(4, 12, 2), feed(3, 1, 3)])
+
+
+def test_probes_follow_what_the_graph_accepts():
+    sym = encoder(1)
+    arg, aux = encoder_params(sym)
+    g = Graph.from_symbol(sym)
+    shapes = {k: v.shape for k, v in {**arg, **aux}.items()}
+    probes = [p for p, _ in make_probes(g, shapes, {"tokens": (1, 12), "valid_length": (1,)})]
+    assert probes == [{"tokens": (1, 12), "valid_length": (1,)}, {"tokens": (2, 12), "valid_length": (2,)},
+                      {"tokens": (2, 7), "valid_length": (2,)}]
+    # a graph with the batch size written into a Reshape accepts no other batch size
+    x = S.var("x")
+    fixed = S.reshape(S.FullyConnected(x, num_hidden=4, name="fc"), shape=(1, 4))
+    arg2, _ = random_params(fixed, {"x": (1, 3)})
+    probes = [p for p, _ in make_probes(Graph.from_symbol(fixed), {k: v.shape for k, v in arg2.items()}, {"x": (1, 3)})]
+    assert probes == [{"x": (1, 3)}]
+
+
+def test_mxfuse_output_binds_at_other_shapes(tmp_path, capsys):
+    sym = encoder()
+    arg, aux = encoder_params(sym)
+    sym.save(str(tmp_path / "enc-symbol.json"))
+    mx.nd.save(str(tmp_path / "enc-0000.params"), {**{"arg:" + k: v for k, v in arg.items()},
+                                                    **{"aux:" + k: v for k, v in aux.items()}})
+    code = cli.main([str(tmp_path / "enc-symbol.json"), "--params", str(tmp_path / "enc-0000.params"),
+                     "-o", str(tmp_path / "out" / "enc"), "--shape", "tokens=1,12", "--shape", "valid_length=1"])
+    assert code == 0, capsys.readouterr()
+    fused = mx.model.load_checkpoint(str(tmp_path / "out" / "enc"), 0)
+    compare_at(sym, arg, aux, fused, [feed(2, 6, 4), feed(5, 12, 5)])
+
+
+# ---------------------------------------------------------------- GluonNLP's own BERT
+
+def test_gluonnlp_bert_fused_at_batch_1_runs_at_batch_2_sequence_6(tmp_path, capsys):
+    nlp = pytest.importorskip("gluonnlp")
+    from gluonnlp.model import bert
+
+    mx.random.seed(0)
+    enc = bert.BERTEncoder(num_layers=2, units=32, hidden_size=64, max_length=64, num_heads=4, dropout=0.1)
+    model = bert.BERTModel(enc, vocab_size=100, token_type_vocab_size=2, units=32, embed_size=32,
+                           use_pooler=True, use_decoder=False, use_classifier=False)
+    model.initialize(mx.init.Normal(0.2))
+    model.hybridize()
+    model(mx.nd.zeros((1, 12)), mx.nd.zeros((1, 12)), mx.nd.array([12]))
+    model.export(str(tmp_path / "bert"))
+    code = cli.main([str(tmp_path / "bert-symbol.json"), "--params", str(tmp_path / "bert-0000.params"),
+                     "-o", str(tmp_path / "out" / "bert"), "--shape", "data0=1,12", "--shape", "data1=1,12",
+                     "--shape", "data2=1"])
+    assert code == 0, capsys.readouterr()
+    sym, arg, aux = mx.model.load_checkpoint(str(tmp_path / "bert"), 0)
+    fused = mx.model.load_checkpoint(str(tmp_path / "out" / "bert"), 0)
+    assert "fused_attention" in fused[0].tojson()
+    rng = np.random.default_rng(0)
+    feeds = [{"data0": rng.integers(0, 100, (b, s)).astype(np.float32), "data1": rng.integers(0, 2, (b, s)).astype(np.float32),
+              "data2": rng.integers(1, s + 1, (b,)).astype(np.float32)} for b, s in ((1, 12), (2, 6), (3, 17))]
+    compare_at(sym, arg, aux, fused, feeds)
+    assert nlp is not None
+
+
+# ---------------------------------------------------------------- Gluon: first call at batch 1
+
+class _Block(gluon.HybridBlock):
+    def __init__(self, units=16, heads=2, **kw):
+        super().__init__(**kw)
+        self.units, self.heads = units, heads
+        with self.name_scope():
+            self.pos = self.params.get("pos", shape=(32, units))
+            self.qkv = gluon.nn.Dense(3 * units, flatten=False, in_units=units)
+            self.out = gluon.nn.Dense(units, flatten=False, in_units=units)
+            self.ffn1 = gluon.nn.Dense(2 * units, flatten=False, in_units=units, activation="relu")
+            self.ffn2 = gluon.nn.Dense(units, flatten=False, in_units=2 * units)
+            self.ln0 = gluon.nn.LayerNorm(in_channels=units)
+            self.ln1 = gluon.nn.LayerNorm(in_channels=units)
+            self.ln2 = gluon.nn.LayerNorm(in_channels=units)
+
+    def hybrid_forward(self, F, x, pos):
+        p = F.slice_like(pos, F.swapaxes(x, dim1=0, dim2=1), axes=(0,))
+        x = self.ln0(F.broadcast_add(x, F.expand_dims(p, axis=0)))
+
+        def split(t):
+            return F.reshape(F.transpose(F.reshape(t, shape=(0, 0, self.heads, -1)), axes=(0, 2, 1, 3)),
+                             shape=(-3, 0, 0))
+        q, k, v = (split(t) for t in F.split(self.qkv(x), num_outputs=3, axis=-1))
+        o = F.batch_dot(F.softmax(F.batch_dot(q, k, transpose_b=True) * 0.25, axis=-1), v)
+        o = F.reshape(F.transpose(F.reshape(o, shape=(-4, -1, self.heads, 0, 0)), axes=(0, 2, 1, 3)), shape=(0, 0, -3))
+        h = self.ln1(self.out(o) + x)
+        return self.ln2(self.ffn2(self.ffn1(h)) + h)
+
+
+def test_gluon_first_call_batch_1_then_batch_4_other_length():
+    def make():
+        mx.random.seed(7)
+        net = _Block()
+        net.initialize(mx.init.Normal(0.3))
+        return net
+    ref, net = make(), make()
+    ref.hybridize()
+    net.hybridize(backend="fusion")
+    rng = np.random.default_rng(0)
+    for shape in ((1, 10, 16), (4, 7, 16), (2, 10, 16), (3, 1, 16)):
+        x = mx.nd.array(rng.standard_normal(shape))
+        assert rel(ref(x).asnumpy(), net(x).asnumpy()) <= RTOL, shape
+    ops = Graph.from_symbol(net._cached_graph[1]).count_ops()
+    assert ops.get("fused_attention") == 1 and ops.get("fused_dense", 0) >= 3, ops
