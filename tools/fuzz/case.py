@@ -14,6 +14,7 @@ Value kinds of data inputs (drawn at either shape from the case's value seed):
 normal     standard normal float (default)
 pos        uniform in [0.5, 2]
 unit       uniform in [-1, 1]
+large      8 × standard normal (attention scores in the hundreds: softmax must stay stable)
 len        integers in [lo, hi] (hi: a dimension) — softmax lengths, 0 included
 ids        integers in [0, hi) — token ids
 mask01     0/1 (mostly 1)
@@ -68,6 +69,8 @@ def make_value(spec: InputSpec, dims: Dict[str, int], rng: np.random.RandomState
         v = rng.standard_normal(shape)
     elif k == "pos":
         v = rng.uniform(0.5, 2.0, shape)
+    elif k == "large":
+        v = 8.0 * rng.standard_normal(shape)
     elif k == "unit":
         v = rng.uniform(-1.0, 1.0, shape)
     elif k == "len":
@@ -154,6 +157,8 @@ class Builder:
         self.notes: List[str] = []
         self._used: Set[str] = set()
         self.float_dtype = "float32"          # of new float inputs and parameters
+        # now and then sizes past the fused kernels' tiles and vector widths (tails, several blocks)
+        self.big = d.maybe(0.05, label="large sizes")
 
     # ------------------------------------------------------------------ names and dimensions
     def name(self, prefix: str) -> str:
@@ -164,15 +169,26 @@ class Builder:
         self._used.add(n)
         return n
 
-    def dim(self, name: str, options: Sequence[int], weights=None, vary: bool = True) -> int:
-        """A named dimension; unless ``vary`` is False (or it gets pinned) it takes another value at the second shape."""
+    def dim(self, name: str, options: Sequence[int], weights=None, vary: bool = True, big: Sequence[int] = ()) -> int:
+        """A named dimension; unless ``vary`` is False (or it gets pinned) it takes another value at the second shape.
+
+        ``big``: the sizes used instead in a large case (kernel tiles and vector tails).
+        """
+        if self.big and big:
+            options, weights = big, None
         v = self.d.choice(options, weights, label="dim " + name)
         self.dims[name] = v
-        alts = [a for a in self.SECOND if a != v]
+        alts = [a for a in self.SECOND if a != v] if v <= 13 else [v + 1, v - 1, 2 * v + 1, 3]
         self.alt[name] = self.d.choice(alts, label="second " + name)
         if not vary:
             self.pinned.add(name)
         return v
+
+    def size(self, options: Sequence[int], big: Sequence[int], label: str, weights=None) -> int:
+        """A literal size: from ``big`` in a large case."""
+        if self.big:
+            return self.d.choice(big, label=label)
+        return self.d.choice(options, weights, label=label)
 
     def fixed(self, name: str) -> int:
         """The value of a dimension the graph is about to hard-code: it no longer varies."""

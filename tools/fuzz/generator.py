@@ -91,7 +91,10 @@ def _taps(b: Builder, outs: List) -> List:
         return outs
     outs = list(outs)
     for t in range(d.int(1, 2, label="taps")):
-        v = internals[d.choice(cands, label="tap %d" % t)]
+        if d.maybe(0.1, label="tap a variable %d" % t):       # an input or a parameter as an output
+            v = internals[d.choice([i for i, n in enumerate(names) if n in inputs], label="tap var %d" % t)]
+        else:
+            v = internals[d.choice(cands, label="tap %d" % t)]
         use = d.choice(["head", "square", "sum", "twice", "relu"], [6, 1, 1, 1, 1], label="tap use %d" % t)
         if use == "square":
             v = mx.sym.square(v)

@@ -23,10 +23,12 @@ subgraph            the fused graph bound with MXNet's default backend (oneDNN s
 ==================  ===========================================================================
 
 Tolerance: per output, ``max|fused − ref| ≤ RTOL·max|ref| + ATOL`` over the positions finite
-in both (RTOL 1e-4, ATOL 1e-6; gradients RTOL_GRAD 1e-3).  When that fails, the original is
+in both (RTOL 1e-4, ATOL 1e-6; gradients 1e-3 and 1e-4: a gradient that is 0 in exact arithmetic,
+e.g. of a bias every key shares before a softmax, comes out as rounding noise).  When that fails, the original is
 run again on its inputs and parameters perturbed by ~1e-6 relative: positions where the
 original itself moves that much (ill-conditioned: exp of large values, division by near-zero,
-comparisons of computed values) are allowed ``8×`` the original's own movement; a mismatch
+comparisons of computed values) are allowed ``8×`` the original's own movement; so is the
+original's own rounding error, measured against the original run in float64.  A mismatch
 explained that way is counted as ``ill_conditioned``, not reported.
 
 Graphs with random ops (Dropout with mode='always', uniform_like) are compared in shapes and
@@ -49,7 +51,7 @@ import numpy as np
 from .case import Case
 
 RTOL, ATOL = 1e-4, 1e-6
-RTOL_GRAD = 1e-3
+RTOL_GRAD, ATOL_GRAD = 1e-3, 1e-4      # gradients mathematically 0 come out as rounding noise ~1e-6..1e-5
 CHECKS = ("inference", "second", "unfuse", "idempotence", "training", "subgraph")
 RANDOM_OPS = re.compile(r"^(_random_|random_|_sample_|sample_|_contrib_.*uniform|.*uniform_like|.*normal_like|_shuffle)")
 
@@ -180,10 +182,17 @@ def train_step(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray], seed: i
 def perturbed(values: Dict[str, np.ndarray], seed: Optional[int], rel: float = 2.0 ** -20) -> Dict[str, np.ndarray]:
     """Float values moved by ~``rel`` relative (integers, 0/1 masks and non-finite values unchanged).
 
-    ``seed`` None: the values as they are (a plain rerun).
+    ``seed`` None: the values as they are (a plain rerun); ``"f64"``: float32 values as float64
+    (the original run in double precision: a reference for its own rounding error).
     """
     if seed is None:
         return dict(values)
+    if seed == "f64":
+        out = {}
+        for k, v in values.items():
+            v = v.asnumpy() if hasattr(v, "asnumpy") else np.asarray(v)
+            out[k] = v.astype(np.float64) if v.dtype == np.float32 else v
+        return out
     rng = np.random.RandomState(seed)
     out = {}
     for k, v in values.items():
@@ -197,7 +206,8 @@ def perturbed(values: Dict[str, np.ndarray], seed: Optional[int], rel: float = 2
 
 
 # ---------------------------------------------------------------------------- comparing
-def mismatch(ref: np.ndarray, got: np.ndarray, rtol: float, dev: Optional[np.ndarray] = None) -> Optional[str]:
+def mismatch(ref: np.ndarray, got: np.ndarray, rtol: float, dev: Optional[np.ndarray] = None,
+             atol: float = ATOL) -> Optional[str]:
     """Why ``got`` is not ``ref`` within tolerance (None when it is); ``dev``: the original's own movement."""
     if ref.shape != got.shape:
         return "shape %s, expected %s" % (got.shape, ref.shape)
@@ -220,7 +230,7 @@ def mismatch(ref: np.ndarray, got: np.ndarray, rtol: float, dev: Optional[np.nda
         return None
     scale = float(np.abs(a[fin]).max())
     err = np.where(fin, np.abs(a - b), 0.0)
-    allowed = rtol * scale + ATOL
+    allowed = rtol * scale + atol
     if dev is not None:
         allowed = allowed + 8.0 * np.where(np.isnan(dev), np.inf, dev)
     over = err > allowed
@@ -233,16 +243,21 @@ def mismatch(ref: np.ndarray, got: np.ndarray, rtol: float, dev: Optional[np.nda
 
 
 def _movement(ref: np.ndarray, others: Sequence[np.ndarray]) -> np.ndarray:
-    """Elementwise movement of the original under perturbation (NaN where finiteness changes)."""
+    """How far the original itself is from its runs on perturbed inputs and in float64 (NaN where
+    finiteness changes): elementwise, plus a quarter of the largest movement anywhere (rounding
+    noise amplified by an ill-conditioned step lands on different elements in different runs)."""
     a = ref.astype(np.float64)
     dev = np.zeros(a.shape)
     for o in others:
         o = o.astype(np.float64)
+        if o.shape != a.shape:
+            continue
         flip = np.isfinite(a) != np.isfinite(o)
         d = np.where(np.isfinite(a) & np.isfinite(o), np.abs(a - o), 0.0)
         dev = np.maximum(dev, d)
         dev = np.where(flip, np.nan, dev)
-    return dev
+    finite = dev[np.isfinite(dev)]
+    return dev + (0.25 * float(finite.max()) if finite.size else 0.0)
 
 
 def canonical(sym_or_json) -> str:
@@ -321,28 +336,32 @@ class Oracle:
         return res
 
     def _compare(self, check: str, ref: List[np.ndarray], got: List[np.ndarray], rtol: float,
-                 rerun: Optional[Callable[[int], List[np.ndarray]]], names: Sequence[str]) -> None:
+                 rerun: Optional[Callable[[int], List[np.ndarray]]], names: Sequence[str], atol: float = ATOL) -> None:
         """Compare output lists; on a mismatch ask ``rerun(seed)`` (the original, perturbed) whether it is conditioning."""
         if len(ref) != len(got):
             self._find(check + ".outputs", "%d outputs, expected %d" % (len(got), len(ref)))
             return
-        bad = [(i, mismatch(a, b, rtol)) for i, (a, b) in enumerate(zip(ref, got))]
+        bad = [(i, mismatch(a, b, rtol, atol=atol)) for i, (a, b) in enumerate(zip(ref, got))]
         bad = [(i, m) for i, m in bad if m]
         if not bad:
             return
         if rerun is not None and not any(m.startswith(("shape", "dtype")) for _, m in bad):
             try:
                 again = rerun(None)
-                if len(again) != len(ref) or any(mismatch(a, b, rtol) for a, b in zip(ref, again)):
+                if len(again) != len(ref) or any(mismatch(a, b, rtol, atol=atol) for a, b in zip(ref, again)):
                     # the original itself gives another result on the same values: it reads memory it
                     # never wrote (e.g. parameters of the wrong size MXNet does not refuse); no verdict
                     self.out.count("original_nondeterministic")
                     return
                 others = [rerun(s) for s in (101, 202)]
+                try:
+                    exact = rerun("f64")
+                except Exception:        # some op has no float64 kernel
+                    exact = None
                 still = []
                 for i, m in bad:
-                    dev = _movement(ref[i], [o[i] for o in others])
-                    m2 = mismatch(ref[i], got[i], rtol, dev)
+                    dev = _movement(ref[i], [o[i] for o in others] + ([exact[i]] if exact is not None else []))
+                    m2 = mismatch(ref[i], got[i], rtol, dev, atol)
                     if m2:
                         still.append((i, m2))
                 if not still:
@@ -552,7 +571,7 @@ class Oracle:
         self._compare("training", ref_out, out, RTOL, lambda s: rerun_full(s)[0], names)
         common = [n for n in sorted(ref_grad) if n in grad]
         self._compare("training.grad", [ref_grad[n] for n in common], [grad[n] for n in common], RTOL_GRAD,
-                      lambda s: [rerun_full(s)[1][n] for n in common], common)
+                      lambda s: [rerun_full(s)[1][n] for n in common], common, ATOL_GRAD)
 
     def _subgraph(self, sym0, res, ref, x1, names, ref_rerun) -> None:
         c = self.case

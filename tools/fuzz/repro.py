@@ -33,7 +33,7 @@ import fusion                                                       # noqa: E402
 from fusion.bench import subgraph_backend                           # noqa: E402
 
 S, I = mx.sym, mx.sym._internal
-RTOL, ATOL, RTOL_GRAD = 1e-4, 1e-6, 1e-3
+RTOL, ATOL, RTOL_GRAD, ATOL_GRAD = 1e-4, 1e-6, 1e-3, 1e-4
 
 
 def b64(text, dtype, shape):
@@ -68,8 +68,8 @@ def train(sym, arg, aux, x):
     return [o.asnumpy() for o in outs], {n: g.asnumpy() for n, g in grads.items()}
 
 
-def differs(ref, got, rtol=RTOL):
-    """Why got is not ref: shape, dtype, NaN/inf positions, or max|d| > rtol*max|ref| + ATOL (None when equal)."""
+def differs(ref, got, rtol=RTOL, atol=ATOL):
+    """Why got is not ref: shape, dtype, NaN/inf positions, or max|d| > rtol*max|ref| + atol (None when equal)."""
     if ref.shape != got.shape or ref.dtype != got.dtype:
         return "shape/dtype %s %s, expected %s %s" % (got.shape, got.dtype, ref.shape, ref.dtype)
     a, b = ref.astype(np.float64), got.astype(np.float64)
@@ -81,20 +81,20 @@ def differs(ref, got, rtol=RTOL):
     if not fin.any():
         return None
     err = np.where(fin, np.abs(a - b), 0)
-    tol = rtol * np.abs(a[fin]).max() + ATOL
+    tol = rtol * np.abs(a[fin]).max() + atol
     if err.max() > tol:
         i = np.unravel_index(np.argmax(err), a.shape)
         return "max|d| %.3g > %.2g at %s: expected %r, got %r" % (err.max(), tol, i, a[i], b[i])
     return None
 
 
-def report(what, ref, got, names, rtol=RTOL):
+def report(what, ref, got, names, rtol=RTOL, atol=ATOL):
     bad = False
     if len(ref) != len(got):
         print("FAIL %s: %d outputs, expected %d" % (what, len(got), len(ref)))
         return True
     for n, a, b in zip(names, ref, got):
-        m = differs(a, b, rtol)
+        m = differs(a, b, rtol, atol)
         if m:
             print("FAIL %s '%s': %s" % (what, n, m))
             bad = True
@@ -201,7 +201,7 @@ if training_dropouts(sym) or sampling_ops(sym):     # random in training: shapes
     sys.exit(1 if bad or [o.shape for o in out] != [o.shape for o in ref_out] else 0)
 bad |= report("training output", ref_out, out, sym.list_outputs())
 common = [n for n in sorted(ref_grad) if n in grad]
-bad |= report("gradient", [ref_grad[n] for n in common], [grad[n] for n in common], common, RTOL_GRAD)
+bad |= report("gradient", [ref_grad[n] for n in common], [grad[n] for n in common], common, RTOL_GRAD, ATOL_GRAD)
 sys.exit(1 if bad else 0)
 ''',
     "subgraph": r'''

@@ -261,34 +261,35 @@ def core(b, q, k, v, geo: Geo, label: str = "core", k_transposed=None):
 # ---------------------------------------------------------------------------- forms
 def core3(b):
     d = b.d
-    b.dim("N", [2, 1, 3, 4, 6])
-    sq = b.dim("Sq", [4, 1, 3, 5, 7, 8])
+    b.dim("N", [2, 1, 3, 4, 6], big=[2, 3])
+    sq = b.dim("Sq", [4, 1, 3, 5, 7, 8], big=[33, 65, 130, 257, 9])
     same = d.maybe(0.5, label="self attention")
     if same:
         b.dims["Sk"] = sq
         b.alt["Sk"] = b.alt["Sq"]
         skn = "Sq"
     else:
-        b.dim("Sk", [4, 1, 3, 5, 7, 8])
+        b.dim("Sk", [4, 1, 3, 5, 7, 8], big=[33, 65, 130, 257, 300])
         skn = "Sk"
-    dh = d.choice([4, 1, 2, 3, 5, 8], label="head dim")
-    dv = dh if d.maybe(0.7, label="dv = d") else d.choice([3, 1, 6], label="dv")
+    dh = b.size([4, 1, 2, 3, 5, 8], [64, 65, 33, 96, 17], label="head dim")
+    dv = dh if d.maybe(0.7, label="dv = d") else b.size([3, 1, 6], [70, 64, 7], label="dv")
     geo = Geo(("N",), "Sq", skn, dh, dv)
+    qk_kind = "large" if d.maybe(0.1, label="large scores") else "normal"
     if d.maybe(0.05, label="gemm2 axis=0 form"):       # (S, N, D) operands, matrices along axes 0 and 1
         q = b.input("q", ("Sq", "N", dh))
         k = b.input("k", ("Sq", "N", dh))
         vv = b.input("v", ("Sq", "N", dh))
         s = S.linalg.gemm2(q, k, transpose_b=True, axis=0)
         return [S.linalg.gemm2(S.softmax(s, axis=-1), vv, axis=0)]
-    q = b.input("q", ("N", "Sq", dh))
+    q = b.input("q", ("N", "Sq", dh), kind=qk_kind)
     kt = None
     if same and dv == dh and d.maybe(0.08, label="q = k = v"):      # one tensor in every role
         return [core(b, q, q, q, geo)]
     if d.maybe(0.15, label="k input transposed"):
-        kt = b.input("kt", ("N", dh, skn))
+        kt = b.input("kt", ("N", dh, skn), kind=qk_kind)
         k = S.swapaxes(kt, dim1=1, dim2=2)
     else:
-        k = b.input("k", ("N", skn, dh))
+        k = b.input("k", ("N", skn, dh), kind=qk_kind)
     v = b.input("v", ("N", skn, dv))
     if d.maybe(0.15, label="pre ops"):
         q = S.tanh(q)
@@ -305,13 +306,13 @@ def core4(b):
     d = b.d
     b.dim("B", [2, 1, 3])
     h = d.choice([2, 1, 3], label="heads")
-    sq = b.dim("Sq", [4, 1, 3, 5, 7])
+    sq = b.dim("Sq", [4, 1, 3, 5, 7], big=[33, 65, 129])
     if d.maybe(0.6, label="self attention"):
         b.dims["Sk"], b.alt["Sk"], skn = sq, b.alt["Sq"], "Sq"
     else:
-        b.dim("Sk", [4, 1, 3, 5, 7])
+        b.dim("Sk", [4, 1, 3, 5, 7], big=[33, 64, 257])
         skn = "Sk"
-    dh = d.choice([4, 2, 3, 5], label="head dim")
+    dh = b.size([4, 2, 3, 5], [64, 65, 33], label="head dim")
     geo = Geo(("B", h), "Sq", skn, dh, dh)
     q = b.input("q", ("B", h, "Sq", dh))
     k = b.input("k", ("B", h, skn, dh))
@@ -367,15 +368,15 @@ def heads(b, packed: bool = False):
     d = b.d
     b.dim("B", [2, 1, 3])
     h = d.choice([2, 1, 3, 4], label="heads")
-    dh = d.choice([4, 2, 3, 1, 5], label="head dim")
+    dh = b.size([4, 2, 3, 1, 5], [64, 33, 65], label="head dim")
     b.dims["_D"] = dh
     b.pinned.add("_D")
     b.alt["_D"] = dh
     e = h * dh
-    sq = b.dim("Sq", [5, 1, 3, 4, 7, 8])
+    sq = b.dim("Sq", [5, 1, 3, 4, 7, 8], big=[33, 65, 130])
     cross = (not packed) and d.maybe(0.3, label="cross attention")
     if cross:
-        b.dim("Sk", [7, 1, 3, 4, 5])
+        b.dim("Sk", [7, 1, 3, 4, 5], big=[33, 257, 64])
         skn = "Sk"
     else:
         b.dims["Sk"], b.alt["Sk"], skn = sq, b.alt["Sq"], "Sq"
@@ -439,10 +440,10 @@ def heads(b, packed: bool = False):
 def interleaved(b):
     d = b.d
     b.dim("B", [2, 1, 3])
-    sl = b.dim("Sq", [5, 1, 3, 4, 7])
+    sl = b.dim("Sq", [5, 1, 3, 4, 7], big=[33, 65, 130])
     b.dims["Sk"], b.alt["Sk"] = sl, b.alt["Sq"]
     h = d.choice([2, 1, 3], label="heads")
-    dh = d.choice([4, 2, 3, 1], label="head dim")
+    dh = b.size([4, 2, 3, 1], [64, 33], label="head dim")
     e = h * dh
     x = b.input("x", ("Sq", "B", d.choice([6, e, 4], label="width")))
     qkv = S.FullyConnected(x, num_hidden=3 * e, flatten=False, name=b.name("qkv")) if d.maybe(0.8, label="projection") \

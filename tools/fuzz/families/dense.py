@@ -56,7 +56,7 @@ def layer(b, x, in_tmpl, label: str = "fc"):
     d = b.d
     rank = len(in_tmpl)
     flatten = d.choice([False, True], label=label + " flatten") if rank > 2 else d.choice([True, False], label=label + " flatten")
-    n = d.choice([8, 4, 1, 3, 5, 7, 16, "rows"], label=label + " hidden")
+    n = b.size([8, 4, 1, 3, 5, 7, 16, "rows"], [17, 65, 130, 64, 33], label=label + " hidden")
     if n == "rows":          # as many outputs as rows: a (N, 1) addend then lines up (and broadcasts to N×N)
         n = b.fixed(in_tmpl[0]) if isinstance(in_tmpl[0], str) else in_tmpl[0]
     fan = b.shape(in_tmpl[1:]) if flatten else b.shape(in_tmpl[-1:])
@@ -90,8 +90,8 @@ def layer(b, x, in_tmpl, label: str = "fc"):
 def build(b):
     d = b.d
     shape_kind = d.choice(["2d", "3d", "4d", "3d_flat"], [3, 4, 1, 1], label="input rank")
-    b.dim("B", [2, 8, 1, 3, 9, 16])
-    f = d.choice([4, 5, 8, 3, 1], label="features")
+    b.dim("B", [2, 8, 1, 3, 9, 16], big=[33, 129, 8, 2])
+    f = b.size([4, 5, 8, 3, 1], [65, 100, 257, 768], label="features")
     if shape_kind == "2d":
         tmpl = ("B", f)
     elif shape_kind == "3d":

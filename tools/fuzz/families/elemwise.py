@@ -221,10 +221,10 @@ def build(b):
     if rank == 1:
         full = ("B",)
     elif rank == 2:
-        full = ("B", d.choice([4, 3, 1, 7, 8], label="C"))
+        full = ("B", b.size([4, 3, 1, 7, 8], [17, 1000, 4097, 33], label="C"))
     elif rank == 3:
-        b.dim("S", [3, 1, 2, 5])
-        full = ("B", "S", d.choice([4, 3, 1, 7, 8], label="C"))
+        b.dim("S", [3, 1, 2, 5], big=[9, 65])
+        full = ("B", "S", b.size([4, 3, 1, 7, 8], [17, 33, 100], label="C"))
     else:
         full = ("B", d.choice([3, 2], label="C"), d.choice([3, 4], label="H"), d.choice([3, 5], label="W"))
     b.full_sym = None

@@ -25,7 +25,7 @@ def _x(b, rank_weights=(1, 6, 1)):
     d = b.d
     rank = d.choice([2, 3, 4], rank_weights, label="rank")
     b.dim("B", [2, 1, 3, 4])
-    c = d.choice([8, 4, 5, 1, 2, 3, 16], label="channels")
+    c = b.size([8, 4, 5, 1, 2, 3, 16], [768, 65, 1000, 33], label="channels")
     if rank == 2:
         tmpl = ("B", c)
     elif rank == 3:
