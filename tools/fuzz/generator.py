@@ -86,7 +86,8 @@ def _taps(b: Builder, outs: List) -> List:
     internals = main.get_internals()
     names = internals.list_outputs()
     inputs = set(main.list_arguments()) | set(main.list_auxiliary_states())
-    cands = [i for i, n in enumerate(names) if n not in inputs]
+    # (LeakyReLU(rrelu)'s mask is not written at inference: never an output)
+    cands = [i for i, n in enumerate(names) if n not in inputs and not n.endswith("_mask")]
     if not cands:
         return outs
     outs = list(outs)

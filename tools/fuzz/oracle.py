@@ -145,7 +145,9 @@ def forward(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray], subgraph: 
     vals = {**arg, **inputs}
     missing = [n for n in names if n not in vals]
     if missing:
-        raise _Fail("no value for argument(s) %s" % ", ".join(missing))
+        was_aux = [n for n in missing if n in aux]
+        raise _Fail("the graph's argument(s) %s have no value in its arg_params%s" % (
+            ", ".join(missing), " (given as auxiliary states: %s)" % ", ".join(was_aux) if was_aux else ""))
     args = {n: _nd(vals[n]) for n in names}
     auxs = {n: _nd(aux[n]) for n in sym.list_auxiliary_states()}
     with subgraph_backend(subgraph):
