@@ -134,6 +134,18 @@ class Case:
     def has_second(self) -> bool:
         return self.dims2 != self.dims
 
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["symbol"] = self.symbol.tojson()
+        return state
+
+    def __setstate__(self, state):
+        import mxnet as mx
+
+        state = dict(state)
+        state["symbol"] = mx.sym.load_json(state["symbol"])
+        self.__dict__.update(state)
+
     def op_count(self) -> int:
         return sum(1 for n in json.loads(self.symbol.tojson())["nodes"] if n["op"] != "null")
 

@@ -87,13 +87,26 @@ def _worker(conn, out_dir: Optional[str], threads: int) -> None:
             else:          # shrink
                 from tools.fuzz.oracle import signature
 
-                out = Oracle(case, only=[task["check"].split(".")[0]]).run()
-                found = [f for f in out.findings if f.check == task["check"]]
-                found.sort(key=lambda f: signature(f.check, f.detail) != task.get("_sig"))
+                if task["check"].endswith("worker_crash"):       # every try in a subprocess
+                    from tools.fuzz.oracle import Finding
+                    from tools.fuzz.shrink import same_crash
+
+                    first = Finding(task["check"], task["detail"])
+                    pred = same_crash(first)
+                    if pred(case) is None:
+                        conn.send(("done", {"shrunk": None, "reason": "did not crash again"}))
+                        continue
+                    found = [first]
+                else:
+                    pred = None
+                    out = Oracle(case, only=[task["check"].split(".")[0]]).run()
+                    found = [f for f in out.findings if f.check == task["check"]]
+                    found.sort(key=lambda f: signature(f.check, f.detail) != task.get("_sig"))
                 if not found:
                     conn.send(("done", {"shrunk": None, "reason": "did not fail again (flaky?)"}))
                     continue
-                small, f, attempts = shrink(case, found[0], max_attempts=task["attempts"], max_seconds=task["seconds"])
+                small, f, attempts = shrink(case, found[0], max_attempts=task["attempts"], max_seconds=task["seconds"],
+                                            pred=pred)
                 path = task["path"]
                 repro.write(small, f, path, shrunk_from=case.op_count())
                 conn.send(("done", {"shrunk": path, "ops": small.op_count(), "from": case.op_count(),
@@ -364,10 +377,13 @@ def _shrink_classes(sm: Summary, jobs: int, out_dir: str, per_class: int, second
     tasks = []
     for sig, items in sm.classes.items():
         for it in items[:per_class]:
-            if it["check"].endswith((".worker_crash", ".timeout")):
-                continue            # shrinking a crash needs a process per attempt: left as generated
+            if it["check"].endswith((".timeout", "worker_crash_after_earlier")):
+                continue
+            crash = it["check"].endswith(".worker_crash")       # a subprocess per try: slower
+            budget = seconds * 3 if crash else seconds
             tasks.append({"kind": "shrink", "seed": it["seed"], "family": it["family"], "check": it["check"],
-                          "attempts": 250, "seconds": seconds, "timeout": seconds + 120, "_sig": sig,
+                          "detail": it["detail"], "attempts": 120 if crash else 250, "seconds": budget,
+                          "timeout": budget + 180, "_sig": sig,
                           "path": os.path.join(out_dir, "min-%s-%s-%d.py" % (it["check"].replace(".", "-"),
                                                                              it["family"], it["seed"]))})
     left = None if not time_limit else max(30.0, time_limit - (time.time() - t0))

@@ -11,6 +11,7 @@ its budget (attempts, seconds) is spent.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import Callable, List, Optional, Tuple
 
@@ -21,28 +22,87 @@ from .generator import generate
 from .oracle import Finding, Oracle, signature
 
 
-def _fails(seed: int, family: str, choices: List[int], check: str, sig: str) -> Optional[Tuple[Case, Finding]]:
+Predicate = Callable[[Case], Optional[Finding]]
+
+
+def same_failure(finding: Finding) -> Predicate:
+    """Whether a case fails the check of ``finding`` in the same class (run here, by the oracle)."""
+    sig = signature(finding.check, finding.detail)
+
+    def fails(case: Case) -> Optional[Finding]:
+        out = Oracle(case, only=[finding.group]).run()
+        if not out.valid:
+            return None
+        return next((f for f in out.findings if f.check == finding.check and signature(f.check, f.detail) == sig),
+                    None)
+    return fails
+
+
+_CRASH_PROBE = r"""
+import os, pickle, sys
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ.setdefault("MXNET_CPU_PARALLEL_SIZE", "2000000000")
+sys.path.insert(0, sys.argv[1])
+import fusion
+from tools.fuzz.oracle import Oracle
+case = pickle.load(open(sys.argv[2], "rb"))
+out = Oracle(case, only=[sys.argv[3]], stage=lambda s: print("STAGE", s, flush=True)).run()
+print("VALID", out.valid, flush=True)
+"""
+
+
+def same_crash(finding: Finding, timeout: float = 120.0) -> Predicate:
+    """Whether a case still kills the process in the same stage (each try in a fresh subprocess)."""
+    import pickle
+    import re
+    import subprocess
+    import sys
+    import tempfile
+
+    from .runner import ROOT, STAGE_CHECK
+
+    stage = re.search(r"stage '([^']*)'", finding.detail)
+    want = stage.group(1) if stage else None
+    group = STAGE_CHECK.get(want, finding.group)
+
+    def fails(case: Case) -> Optional[Finding]:
+        with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as f:
+            pickle.dump(case, f)
+            path = f.name
+        try:
+            r = subprocess.run([sys.executable, "-c", _CRASH_PROBE, ROOT, path, group], capture_output=True,
+                               text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            os.unlink(path)
+        stages = re.findall(r"^STAGE (\S+)", r.stdout, re.M)
+        died = r.returncode < 0 or r.returncode in (134, 136, 139)
+        if died and stages and stages[-1] == want:
+            return Finding(finding.check, "worker died (exit code %d) in stage '%s'" % (r.returncode, want))
+        return None
+    return fails
+
+
+def _fails(seed: int, family: str, choices: List[int], pred: Predicate) -> Optional[Tuple[Case, Finding]]:
     try:
         case = generate(seed, family, replay=choices)
     except Invalid:
         return None
     except Exception:         # a clamped replay the generator cannot build: not a candidate
         return None
-    out = Oracle(case, only=[check.split(".")[0]]).run()
-    if not out.valid:
-        return None
-    for f in out.findings:
-        if f.check == check and signature(f.check, f.detail) == sig:
-            return case, f
-    return None
+    f = pred(case)
+    return (case, f) if f is not None else None
 
 
 def shrink(case: Case, finding: Finding, max_attempts: int = 200, max_seconds: float = 90.0,
-           progress: Callable[[str], None] = lambda s: None) -> Tuple[Case, Finding, int]:
-    """(smallest failing case, its finding, attempts made)."""
+           progress: Callable[[str], None] = lambda s: None, pred: Optional[Predicate] = None
+           ) -> Tuple[Case, Finding, int]:
+    """(smallest failing case, its finding, attempts made).  ``pred``: what failing means
+    (default: the same check fails in the same class)."""
     t0 = time.perf_counter()
     best, best_f = case, finding
-    sig = signature(finding.check, finding.detail)
+    pred = pred or same_failure(finding)
     choices = list(case.choices)
     attempts = 0
 
@@ -61,7 +121,7 @@ def shrink(case: Case, finding: Finding, max_attempts: int = 200, max_seconds: f
                 if any(choices[i:i + k]):
                     cand = choices[:i] + [0] * len(choices[i:i + k]) + choices[i + k:]
                     attempts += 1
-                    r = _fails(case.seed, case.family, cand, finding.check, sig)
+                    r = _fails(case.seed, case.family, cand, pred)
                     if r is not None and smaller(r[0]):
                         best, best_f = r
                         choices = list(best.choices)
@@ -76,7 +136,7 @@ def shrink(case: Case, finding: Finding, max_attempts: int = 200, max_seconds: f
                 for v in (1, choices[i] // 2, choices[i] - 1):
                     cand = choices[:i] + [v] + choices[i + 1:]
                     attempts += 1
-                    r = _fails(case.seed, case.family, cand, finding.check, sig)
+                    r = _fails(case.seed, case.family, cand, pred)
                     if r is not None and smaller(r[0]):
                         best, best_f = r
                         choices = list(best.choices)
@@ -85,7 +145,7 @@ def shrink(case: Case, finding: Finding, max_attempts: int = 200, max_seconds: f
                     if not budget():
                         break
     if budget():
-        best, best_f, more = graph_shrink(best, best_f, max_attempts - attempts, t0 + max_seconds)
+        best, best_f, more = graph_shrink(best, best_f, max_attempts - attempts, t0 + max_seconds, pred)
         attempts += more
     return best, best_f, attempts
 
@@ -165,24 +225,22 @@ def _cut_spec(case: Case, data: dict, i: int):
     return InputSpec("cut_" + node["name"], tuple(tmpl))
 
 
-def graph_shrink(case: Case, finding: Finding, attempts_left: int, deadline: float) -> Tuple[Case, Finding, int]:
+def graph_shrink(case: Case, finding: Finding, attempts_left: int, deadline: float,
+                 pred: Optional[Predicate] = None) -> Tuple[Case, Finding, int]:
     """Drop outputs, bypass ops (an input of the same shape takes their place) and cut the graph at
     interior values (a data input takes their place) while the same check still fails."""
     import contextlib
     import io
 
     best, best_f, attempts = case, finding, 0
-    sig = signature(finding.check, finding.detail)
+    pred = pred or same_failure(finding)
 
     def still(cand: Optional[Case]):
         nonlocal attempts
         if cand is None:
             return None
         attempts += 1
-        out = Oracle(cand, only=[finding.group]).run()
-        if not out.valid:
-            return None
-        return next((f for f in out.findings if f.check == finding.check and signature(f.check, f.detail) == sig), None)
+        return pred(cand)
 
     improved = True
     while improved and attempts < attempts_left and time.perf_counter() < deadline:
