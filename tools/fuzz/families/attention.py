@@ -299,6 +299,8 @@ def core3(b):
         y = core(b, q, k, v, geo)
         b.float_dtype = "float32"
         return [S.Cast(y, dtype="float32")]
+    if d.maybe(0.08, label="two attentions on the same q, k, v"):
+        return [core(b, q, k, v, geo, "core a"), core(b, q, k, v, geo, "core b")]
     return [core(b, q, k, v, geo, k_transposed=kt)]
 
 

@@ -199,6 +199,14 @@ def build(b):
             y, _ = dense_bn(b, b.input("x", ("B", f)), (B, f))
         return [y]
     x = b.input("data", ("B", c) + (w,) * nd)
+    if d.maybe(0.05, label="two convolutions sharing a weight"):
+        weight = b.param("shared_weight", (4, c) + (3,) * nd, kind="weight")
+        outs = []
+        for i in range(2):
+            y = S.Convolution(x, weight, kernel=(3,) * nd, pad=(1,) * nd, num_filter=4, no_bias=True,
+                              name=b.name("conv"))
+            outs.append(batchnorm(b, y, (B, 4) + (w,) * nd, 1, label="sbn%d" % i)[0])
+        return outs
     y, shape = block(b, x, shape, "b0")
     if d.maybe(0.35, label="second block"):
         y, shape = block(b, y, shape, "b1")

@@ -103,6 +103,8 @@ def skip(b, written: bool = False):
         s = S.broadcast_add(a, b.input("r", tuple(tmpl[:-1]) + (1,)))
     y = written_ln(b, s, tmpl, c) if written else builtin_ln(b, s, tmpl, c)
     outs = [y]
+    if d.maybe(0.06, label="second LayerNorm of the sum"):
+        outs.append(builtin_ln(b, s, tmpl, c, "ln_b"))
     if d.maybe(0.3, label="sum also used"):
         use = d.choice(["head", "consumer"], label="sum use")
         extra = s if use == "head" else S.relu(s)
