@@ -82,6 +82,7 @@ def signature(check: str, detail: str) -> str:
         return "%s | second fuse fired %s%s" % (check, "+".join(re.findall(r"'(\w+)'", fired)) or "nothing", door)
     where = (" @ " + lines[1].split(" <- ")[0]) if check.endswith("_error") and len(lines) > 1 else ""
     first = re.sub(r"\[\d\d:\d\d:\d\d\] ", "", first)
+    first = re.sub(r"argument\(s\) .* have no value", "argument(s) … have no value", first)
     first = re.sub(r"(MXNetError: )+", "MXNetError: ", first)
     first = re.sub(r"\.\./src/\S+:\d+: (Check failed: retval: )?", "", first)
     first = re.sub(r"^at shapes \{.*?\}: ", "", first)
