@@ -10,7 +10,7 @@ import base64
 import json
 import os
 import re
-from typing import Dict, List
+from typing import Dict
 
 import numpy as np
 

@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 from multiprocessing.connection import wait
 
 from .oracle import signature
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CRASH_IS_MXNETS = ("original", "original.second", "training.original", "subgraph.original")

@@ -16,8 +16,6 @@ Grammar::
 """
 from __future__ import annotations
 
-import mxnet as mx
-
 from .pieces import S, activation, add
 
 CONV_ACTS = ["Activation", "op", "leaky", "gelu", "elu", "selu", "prelu", "clip"]
