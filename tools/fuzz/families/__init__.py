@@ -1,0 +1,16 @@
+"""The grammar, one module per rule family (see each module's docstring for its productions).
+
+``FAMILIES`` maps a family name to (build function, weight in a mixed run).  A build
+function takes a :class:`~tools.fuzz.case.Builder` and returns the graph's outputs.
+"""
+from . import attention, blocks, conv, dense, elemwise, norm, params
+
+FAMILIES = {
+    "conv": (conv.build, 3),
+    "dense": (dense.build, 3),
+    "attention": (attention.build, 5),
+    "norm": (norm.build, 3),
+    "elemwise": (elemwise.build, 4),
+    "params": (params.build, 2),
+    "blocks": (blocks.build, 2),
+}
