@@ -152,26 +152,30 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
                             "activation's result): %s" % (len(guarded), ", ".join(guarded[:5])
                                                           + (" …" if len(guarded) > 5 else "")))
     report.nodes_after, report.ops_after = len(graph.nodes), len(graph.op_nodes())
-    arg_out, aux_out = _collect_params(graph, ctx)
+    sym = graph.to_symbol()
+    arg_out, aux_out = _collect_params(graph, ctx, set(sym.list_auxiliary_states()))
     report.params_removed = (len(ctx.arg_params) + len(ctx.aux_params)) - sum(
         1 for n in list(arg_out) + list(aux_out) if n in ctx.arg_params or n in ctx.aux_params)
-    sym = graph.to_symbol()
     report.seconds = time.perf_counter() - start
     return FusionResult(sym, arg_out, aux_out, report, graph)
 
 
-def _collect_params(graph: Graph, ctx: Context):
-    """Parameters the fused graph still uses: the caller's arrays as given, plus the new ones."""
+def _collect_params(graph: Graph, ctx: Context, aux_names: set):
+    """Parameters the fused graph still uses: the caller's arrays as given, plus the new ones —
+    in ``aux`` when the fused graph reads them as auxiliary states, in ``arg`` otherwise (a moving
+    mean that was also a graph output is an argument once its BatchNorm is folded away)."""
     import mxnet as mx
 
     used = {nd.name for nd in graph.variables()}
-    arg_out = {k: v for k, v in ctx.arg_params.items() if k in used}
-    aux_out = {k: v for k, v in ctx.aux_params.items() if k in used}
-    for store, out in ((ctx.new_args, arg_out), (ctx.new_aux, aux_out)):
+    arg_out: Dict[str, Any] = {}
+    aux_out: Dict[str, Any] = {}
+    for store, ours in ((ctx.arg_params, False), (ctx.aux_params, False), (ctx.new_args, True), (ctx.new_aux, True)):
         for k, v in store.items():
-            if k in used:
-                # zero-copy: the array is ours (computed by a rule), contiguous and not used elsewhere
-                out[k] = mx.nd.from_numpy(np.ascontiguousarray(v), zero_copy=True)
+            if k not in used:
+                continue
+            if ours:    # zero-copy: the array is ours (computed by a rule), contiguous and not used elsewhere
+                v = mx.nd.from_numpy(np.ascontiguousarray(v), zero_copy=True)
+            (aux_out if k in aux_names else arg_out)[k] = v
     return arg_out, aux_out
 
 

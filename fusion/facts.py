@@ -252,7 +252,8 @@ def make_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: M
             probes.append(with_batch)
         else:
             with_batch = dict(base)
-    values = sorted({d for s in base.values() for d in s[1:] if d > 1}, reverse=True)[:MAX_SIZES_TRIED]
+    # sizes of 1 too: a length-1 sequence or a single channel may be anything at run time
+    values = sorted({d for s in base.values() for d in s[1:] if d >= 1}, reverse=True)[:MAX_SIZES_TRIED]
     # Sizes no parameter has (a sequence length, an image side) are likely free: tried together
     # first; otherwise each size alone, then all that worked together.
     param_dims = {d for s in param_shapes.values() for d in s}

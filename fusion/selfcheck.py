@@ -345,7 +345,7 @@ class SelfCheck:
         if not self.enabled:
             return reasons
         ctx = self.ctx
-        if not ctx.input_shapes:
+        if not ctx.input_shapes and any(ctx.value(Entry(nd)) is None for nd in ctx.graph.variables()):
             for _ in candidates:
                 self.stats.note_unchecked("no input shapes given")
             return reasons

@@ -11,11 +11,15 @@ _INT_PRODUCERS = {"shape_array", "size_array", "argmax", "argmin", "argsort", "t
 
 
 def not_float32(entry: Entry, ctx) -> bool:
-    """Whether ``entry`` is known (or very likely) to hold something else than float32.
+    """Whether ``entry`` holds something else than float32: MXNet's type inference decides
+    (``ctx.dtype``); where it cannot tell, whether it is known or very likely to.
 
     The fused ops compute in float32; a value of integer ids (e.g. a padding mask built
     from token ids) or of half precision must stay with MXNet's own ops.
     """
+    dtype = ctx.dtype(entry) if hasattr(ctx, "dtype") else None
+    if dtype is not None:
+        return dtype != "float32"
     node = entry.node
     if node.op == "null":
         dtype = node.attrs.get("__dtype__")

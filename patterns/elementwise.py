@@ -60,11 +60,8 @@ def _not_float32(entry: Entry, ctx) -> bool:
 
     MXNet's own type inference (``ctx.dtype``) decides; where it cannot tell (no input
     shapes: MXNet infers types only with every shape known when library ops are in the
-    graph), the conservative heuristic of ``patterns/_dtypes.py``.
+    graph), the conservative heuristic (both in ``patterns/_dtypes.py``).
     """
-    dtype = ctx.dtype(entry)
-    if dtype is not None:
-        return dtype != "float32"
     return _heuristic_not_float32(entry, ctx)
 
 

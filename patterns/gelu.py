@@ -32,6 +32,8 @@ from fusion.pattern import Pattern, Var, op, scalar
 from fusion.rewrite import Builder
 from fusion.rule import Rule
 
+from ._dtypes import float32_reason
+
 SQRT2 = math.sqrt(2.0)
 TANH_K = math.sqrt(2.0 / math.pi)
 TANH_A = 0.044715
@@ -128,7 +130,7 @@ class GeluTanh(Rule):
         return gelu_tanh_pattern()
 
     def check(self, m: Match) -> Optional[str]:
-        return gelu_tanh_reason(m)
+        return float32_reason([m["x"]], m.ctx) or gelu_tanh_reason(m)
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
         return b.op("fused_elemwise", [m["x"]], attrs={"expr": gelu_tanh_expr(m), "num_args": 1},

@@ -17,7 +17,8 @@ left with 1s to x's rank, is 1 everywhere but at ``a`` where it is ``C = x.shape
 (a 1-D γ over the last axis always is; anything else is decided from x's shape at
 every probe shape, and refused when x's shape is unknown).  A γ/β of another shape
 than ``(C,)`` is passed through ``Reshape`` (so it keeps its gradient in training);
-an absent one becomes ``_ones``/``_zeros`` of ``(C,)``.  No parameter is added.
+an absent one becomes ``ones_like``/``zeros_like`` of ``arange_like(x, axis=a)`` (C values
+whatever C is at run time).  No parameter is added.
 """
 from __future__ import annotations
 
@@ -99,9 +100,14 @@ class DecomposedLayerNorm(Rule):
         eps = _scalar_value(m, "eps", "eps_value")
         c, shapes = _affine_plan(m)
         params = []
-        for name, fill in (("gamma", "_ones"), ("beta", "_zeros")):
+        positions = None
+        for name, fill in (("gamma", "ones_like"), ("beta", "zeros_like")):
             if not m.has(name):
-                params.append(b.op(fill, [], attrs={"shape": (c,)}, name=m.anchor.name + "_" + name))
+                # ones/zeros with one value per element of the normalized axis, whatever its size
+                if positions is None:
+                    positions = b.op("_contrib_arange_like", [m["x"]], attrs={"axis": axis},
+                                     name=m.anchor.name + "_positions")
+                params.append(b.op(fill, [positions], name=m.anchor.name + "_" + name))
             elif shapes[name] == (c,):
                 params.append(m[name])
             else:   # the same values as (C,): a view computed in the graph, so a trained γ/β keeps its gradient
@@ -135,7 +141,7 @@ def _affine_plan(m: Match):
         if axis != -1 or any(len(s) != 1 for s in shapes.values()):
             return "the shape of '%s' is unknown (pass input shapes): cannot tell γ/β's axis" % m["x"].node.name
         if not shapes:
-            return "no γ or β and the shape of '%s' is unknown: the channel count is unknown" % m["x"].node.name
+            return None, {}         # ones/zeros follow x at run time
         sizes = {s[0] for s in shapes.values()}
         return (sizes.pop(), shapes) if len(sizes) == 1 else "γ and β have different sizes %s" % sorted(sizes)
     channels = set()
@@ -152,9 +158,9 @@ def _affine_plan(m: Match):
             if any(d != 1 for i, d in enumerate(padded) if i != a) or padded[a] != x_shape[a]:
                 return ("'%s' of shape %s does not act along axis %d of %s (MXNet broadcasts it along the "
                         "trailing axes)" % (m.node(name).name, g, axis, x_shape))
-    if len(channels) != 1:
+    if len(channels) != 1 and shapes:
         return "the normalized axis changes size with the input (%s): γ/β cannot be fixed" % sorted(channels)
-    return channels.pop(), shapes
+    return (channels.pop() if len(channels) == 1 else None), shapes
 
 
 RULES: List[Rule] = [DecomposedLayerNorm()]

@@ -5,8 +5,12 @@ Matched::
     e = exp(x − max(x, axis=a, keepdims=True))   or   exp(x)
     y = e / sum(e, axis=a, keepdims=True)         broadcast_div | elemwise_div
 
-Rewrite: ``y = softmax(x, axis=a)``.  With the max subtracted this is the same
-arithmetic (NaN and ±inf included: ``softmax`` subtracts the max itself).  Without
+Rewrite: ``y = softmax(x, axis=a) + (m − m)``, ``m = max(x, axis=a, keepdims=True)``.
+On finite rows ``m − m`` is 0 and this is the same arithmetic.  The written form gives a
+whole row of NaN where the row holds a NaN or +inf (``x − max`` is NaN there) or is all
+−inf; MXNet's ``softmax`` does not (``[NaN, 0, 1] → [NaN, 0, 0]``), while ``m − m`` is NaN
+exactly on those rows (``max`` propagates NaN), so the sum is the written form's value
+everywhere.  Without
 it the written form is another function on inputs a model does meet: it overflows
 to inf/NaN for inputs above ~88 and gives 0/0 = NaN where every input of a row is
 below ~−87 (a fully masked row), where ``softmax`` stays finite — so that form is
@@ -57,7 +61,11 @@ class DecomposedSoftmax(Rule):
         return None
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
-        return b.op("softmax", [m["x"]], attrs={"axis": _axis(m.node("sum"))}, name=m.anchor.name)
+        axis = _axis(m.node("sum"))
+        y = b.op("softmax", [m["x"]], attrs={"axis": axis})
+        top = b.op("max", [m["x"]], attrs={"axis": axis, "keepdims": True})
+        row_nan = b.op("elemwise_sub", [top, top])           # NaN on rows the written form makes NaN
+        return b.op("broadcast_add", [y, row_nan], name=m.anchor.name)
 
 
 RULES: List[Rule] = [DecomposedSoftmax()]
