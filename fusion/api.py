@@ -136,6 +136,7 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
 def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check) -> FusionResult:
     start = time.perf_counter()
     graph = _as_graph(symbol)
+    graph.canonicalize_ops()
     rule_list = resolve_rules(rules)
     report = FusionReport(mode=mode)
     graph.compact()

@@ -287,6 +287,14 @@ class Graph:
         """Nodes were added or rewired: the next compact() has work to do."""
         self._compacted = False
 
+    def canonicalize_ops(self) -> None:
+        """Spell every op as MXNet registers it (``_Plus`` → ``elemwise_add``, ``swapaxes`` →
+        ``SwapAxis``), as ``Symbol.tojson()`` would: rules match one spelling of each op, and a
+        graph read from JSON written by another tool fuses as it would after a round trip."""
+        for nd in self.nodes:
+            if not nd.is_variable:
+                nd.op = opdefs.canonical_name(nd.op, nd.attrs.to_json(), len(nd.inputs))
+
     def copy(self) -> "Graph":
         """A deep copy (new Node objects), so that rewriting never touches the caller's graph."""
         return Graph.from_json(self.to_json())

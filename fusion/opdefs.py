@@ -88,3 +88,27 @@ def is_registered(op: str) -> bool:
     # A library may have been loaded since the snapshot (mx.library.load): look again once.
     _registry_snapshot.cache_clear()
     return op in _registry_snapshot()
+
+
+_CANONICAL: Dict[str, str] = {}
+
+
+def canonical_name(op: str, attrs: Dict[str, str], num_inputs: int) -> str:
+    """The name MXNet registers ``op`` under (``_Plus`` → ``elemwise_add``, ``reshape`` → ``Reshape``,
+    ``sum_axis`` → ``sum``): what ``Symbol.tojson()`` writes.  ``op`` itself when MXNet cannot tell."""
+    name = _CANONICAL.get(op)
+    if name is not None:
+        return name
+    import json
+
+    import mxnet as mx
+    nodes = [{"op": "null", "name": "x%d" % i, "inputs": []} for i in range(num_inputs)]
+    nodes.append({"op": op, "name": "n", "attrs": dict(attrs), "inputs": [[i, 0, 0] for i in range(num_inputs)]})
+    try:
+        sym = mx.sym.load_json(json.dumps({"nodes": nodes, "arg_nodes": list(range(num_inputs)),
+                                            "heads": [[num_inputs, 0, 0]]}))
+        name = json.loads(sym.tojson())["nodes"][-1]["op"]
+    except Exception:       # attributes MXNet refuses here: keep the spelling, try again on another node
+        return op
+    _CANONICAL[op] = name
+    return name

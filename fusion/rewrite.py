@@ -530,6 +530,14 @@ def _training_reason(m: Match, b: "Builder", mapping: Dict[Entry, Entry], ctx: "
     folded, copied or baked into an attribute: each keeps receiving its gradient)."""
     if ctx.mode != "training":
         return None
+    if any(n.op.startswith("fused_") for n in b.created):
+        key = ("after_prelu", ctx.graph.version)
+        if key not in ctx.memo:
+            from .workarounds import after_prelu
+            ctx.memo[key] = after_prelu(ctx.graph)
+        if any(id(n) in ctx.memo[key] for n in m.nodes):
+            return ("it follows a LeakyReLU(prelu): MXNet 1.9.1 computes prelu's γ gradient wrong when a "
+                    "library op runs after it in training")
     read = {id(e.node) for n in b.created for e in n.inputs} | {id(e.node) for e in mapping.values()}
     for nd in m.nodes:
         for e in nd.inputs:

@@ -86,3 +86,25 @@ def guard_layer_outputs(graph: Graph) -> List[str]:
         graph.mark_changed()
         graph.compact()
     return guarded
+
+
+# ---------------------------------------------------------------- training: prelu's γ gradient
+
+def after_prelu(graph: Graph) -> set:
+    """Ids of the nodes downstream of a ``LeakyReLU(act_type='prelu')``.
+
+    MXNet 1.9.1 computes prelu's γ gradient wrong (measured: scaled by γ itself) when a custom
+    or library op runs downstream of it and a pooling after that, its input (a BatchNorm's,
+    a convolution's output) apparently overwritten before its backward reads it — the same
+    graph with stock ops is right.  In training, no library op is put there.
+    """
+    users = graph.consumers()
+    seen: set = set()
+    stack = [nd for nd in graph.nodes if nd.op == "LeakyReLU" and nd.param("act_type", "leaky") == "prelu"]
+    while stack:
+        nd = stack.pop()
+        for u, _ in users.get(nd, ()):
+            if id(u) not in seen:
+                seen.add(id(u))
+                stack.append(u)
+    return seen

@@ -184,3 +184,24 @@ def test_layer_norm_gamma_follows_mxnet_broadcasting(axis, gamma_shape, x_shape)
         assert ln and "broadcast_mul" not in ops(res), res.report.to_text()
     else:   # normalized without γ, γ kept as the broadcast_mul it is (or nothing fused)
         assert "broadcast_mul" in ops(res) or not ln, res.report.to_text()
+
+
+def test_gelu_tanh_on_float64_refused():
+    x = S.var("x", dtype="float64")
+    y = (x * 0.5) * (1 + S.tanh((x + 0.044715 * x ** 3) * math.sqrt(2 / math.pi)))
+    res = fusion.fuse(y, rules=["gelu_tanh"], input_shapes={"x": (2, 3)}, input_dtypes={"x": "float64"})
+    assert res.report.fused_count == 0
+    assert "is not float32" in list(res.report.rules["gelu_tanh"].rejected.values())[0]
+
+
+def test_layer_norm_without_affine_over_an_axis_that_changes_size():
+    """LayerNorm over axis 1 of (1, 1, 8) with no γ/β: the ones/zeros follow the axis at run time."""
+    x = S.var("x")
+    d = S.broadcast_sub(x, S.mean(x, axis=1, keepdims=True))
+    y = S.broadcast_div(d, S.sqrt(S.broadcast_add(S.mean(S.square(d), axis=1, keepdims=True), S.var("eps"))))
+    arg = {"eps": mx.nd.array([1e-5])}
+    res = fusion.fuse(y, arg, {}, input_shapes={"x": (1, 1, 8)})
+    assert "LayerNorm" in ops(res)
+    for shape in ((1, 1, 8), (2, 2, 8), (3, 5, 4)):
+        v = fusion.verify(y, res, (arg, {}), {"x": shape})
+        assert v.max_rel <= 1e-5, (shape, v)

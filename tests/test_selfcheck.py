@@ -208,3 +208,47 @@ def test_report_counts_checked_rewrites(mode):
     assert res.report.fused_count == 1 and c.checked == 1 and c.refused == 0 and c.worst_rel < 1e-5
     assert "self-check: 1 rewrite(s) checked at 3 input shape(s)" in res.report.to_text()
     assert res.report.to_dict()["self_check"]["checked"] == 1
+
+
+def test_training_keeps_library_ops_away_from_after_prelu():
+    """MXNet 1.9.1 computes prelu's γ gradient wrong (scaled by γ) when a library or custom op runs
+    after it and a pooling after that; the stock graph is right, so nothing is fused there."""
+    x, g, r = S.var("x"), S.var("g"), S.var("r")
+    h = S.LeakyReLU(S.BatchNorm(x, name="bn"), g, act_type="prelu")
+    y = S.Pooling(S.Activation(S.broadcast_add(h, r), act_type="relu"), global_pool=True, kernel=(1, 1),
+                  pool_type="avg")
+    shapes = {"x": (2, 3, 6, 6), "r": (2, 3, 6, 6)}
+    arg, aux = random_params(y, dict(shapes, g=(3,)), inputs=set(shapes))
+    train = fusion.fuse(y, arg, aux, input_shapes=shapes, mode="training")
+    assert "fused_elemwise" not in train.graph.count_ops()
+    assert "prelu's γ gradient" in reasons(train, type("R", (), {"name": "elementwise"}))
+    inf = fusion.fuse(y, arg, aux, input_shapes=shapes)             # inference: no gradient, fused
+    assert "fused_elemwise" in inf.graph.count_ops()
+
+
+def test_op_spellings_are_canonical_before_rules_run():
+    """JSON from other tools spells ops by their aliases; they fuse at once (and fusing again changes nothing)."""
+    import json
+    x = S.var("x")
+    y = S.sigmoid(S.exp(x) * 2 + 1)
+    data = json.loads(y.tojson())
+    spell = {"elemwise_mul": "_Mul", "_plus_scalar": "_PlusScalar", "_mul_scalar": "_MulScalar"}
+    for n in data["nodes"]:
+        n["op"] = spell.get(n["op"], n["op"])
+    res = fusion.fuse(json.dumps(data), input_shapes={"x": (2, 3)})
+    assert res.graph.count_ops() == {"fused_elemwise": 1}
+    again = fusion.fuse(res.symbol, input_shapes={"x": (2, 3)})
+    assert again.symbol.tojson() == res.symbol.tojson()
+
+
+def test_moving_statistic_that_is_a_graph_output_stays_with_its_values():
+    x = S.var("x")
+    bn = S.BatchNorm(S.Convolution(x, num_filter=4, kernel=(1, 1), name="conv"), name="bn")
+    y = S.Group([bn, bn.get_internals()["bn_moving_mean"]])
+    arg, aux = random_params(y, {"x": (1, 3, 4, 4)})
+    res = fusion.fuse(y, arg, aux, input_shapes={"x": (1, 3, 4, 4)})
+    assert "BatchNorm" not in res.graph.count_ops()
+    assert "bn_moving_mean" in res.arg_params and "bn_moving_mean" in res.symbol.list_arguments()
+    inputs = {"x": np.random.default_rng(0).standard_normal((1, 3, 4, 4)).astype(np.float32)}
+    for a, b in zip(run(y, arg, aux, inputs), run(res.symbol, res.arg_params, res.aux_params, inputs)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
