@@ -25,8 +25,11 @@ decided at every probe shape (``Context.shapes``) and refused when unknown:
 
 * the softmax runs over the scores' last axis (``axis=-1``, or ``rank−1``);
 * linalg_gemm2's matrix rows are on axis −2 (``axis=-2``, or ``rank−2``);
-* a mask never broadcasts the scores to a larger shape; a 1-D ``where`` condition selects
-  whole rows along axis 0, as MXNet's ``where`` does (it is given the op as (N, 1, …, 1));
+* a mask never broadcasts the scores to a larger shape; MXNet's ``where`` does not broadcast:
+  its condition has the scores' shape, or their leading dims followed by ones (read as a
+  broadcast over the other axes; a 1-D one selects whole rows along axis 0), and is given the
+  op as (N, …, 1, …, 1) — any other shape MXNet 1.9.1 reads misaligned (or cannot read), and
+  is refused;
 * a mask that is exactly causal at every probe (built from positions only, 0 / nonzero on
   the band ``j ≤ i + Sk − Sq``, one constant c elsewhere) becomes ``causal=True`` with
   ``causal_mode="add"`` (additive: c added to the scores after the band) or ``"fill"``
@@ -230,10 +233,10 @@ def _mask_reason(m: Match) -> Optional[str]:
             return "mask '%s' %s broadcasts the scores %s to %s" % (mask.node.name, mshape, sshape, oshape)
         if len(mshape) > len(sshape):
             return "mask '%s' %s has a higher rank than the scores %s" % (mask.node.name, mshape, sshape)
-        if is_where and not m.has("mask_like") and len(mshape) == 1 and len(sshape) > 1:
-            if mshape[0] != sshape[0]:
-                return "where() condition '%s' %s does not select rows of the scores %s" % (
-                    mask.node.name, mshape, sshape)
+        if is_where and not m.has("mask_like") and tuple(mshape) != tuple(sshape):
+            reason = _where_condition_reason(mask.node.name, tuple(mshape), tuple(sshape))
+            if reason:
+                return reason
             continue
         for d, t in zip(reversed(mshape), reversed(sshape)):
             if d not in (1, t):
@@ -243,6 +246,33 @@ def _mask_reason(m: Match) -> Optional[str]:
         if dtype not in ("float32", None):
             return "additive mask '%s' is %s, not float32" % (mask.node.name, dtype)
     return None
+
+
+def _where_condition_reason(name: str, cshape: tuple, sshape: tuple) -> Optional[str]:
+    """Why MXNet's ``where`` does not read condition ``cshape`` as a broadcast over scores ``sshape``.
+
+    MXNet 1.9.1's ``where`` does not broadcast: a 1-D condition selects rows along axis 0 (its
+    size checked), any other shape passes its shape inference unchecked and is read as
+    ``cond[i // (size(s) / size(cond))]`` — a broadcast over the trailing axes exactly when the
+    condition's shape is the scores' leading dims followed by ones (the kernel is given it so).
+    A larger condition, or one whose size does not divide the scores', it cannot read: it
+    divides by zero (the process dies of SIGFPE) or reads past the condition."""
+    if len(cshape) == 1 and len(sshape) > 1:
+        if cshape[0] != sshape[0]:
+            return "where() condition '%s' %s does not select rows of the scores %s" % (name, cshape, sshape)
+        return None
+    lead = cshape
+    while lead and lead[-1] == 1:
+        lead = lead[:-1]
+    if len(lead) <= len(sshape) and lead == sshape[:len(lead)]:
+        return None
+    csize, ssize = int(np.prod(cshape)), int(np.prod(sshape))
+    if csize > ssize or ssize % csize:
+        how = "which MXNet's where cannot read (%d elements for %d)" % (csize, ssize)
+    else:
+        how = "read by MXNet's where as cond[i // %d], not broadcast" % (ssize // csize)
+    return ("where() condition '%s' %s of the scores %s: %s (a condition of another shape than the "
+            "scores must be their leading dims followed by ones)" % (name, cshape, sshape, how))
 
 
 def _common_checks(m: Match) -> Optional[str]:
@@ -409,9 +439,10 @@ def _mask_inputs(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object]]:
     mshape = _shapes(m, mask)[0]
     sshape = _shapes(m, _scores(m))[0]
     if m.node("mask_op").op == "where":
-        if len(mshape) == 1 and len(sshape) > 1 and not m.has("mask_like"):
-            # where() with a 1-D condition selects whole rows along axis 0: (N,) → (N, 1, …, 1)
-            for _ in range(len(sshape) - 1):
+        if len(mshape) < len(sshape) and not m.has("mask_like"):
+            # where() reads a condition of the scores' leading dims (a 1-D one selects whole rows
+            # along axis 0) as a broadcast over the other axes: (N, …) → (N, …, 1, …, 1)
+            for _ in range(len(sshape) - len(mshape)):
                 mask = b.op("expand_dims", [mask], attrs={"axis": -1})
         if m.ctx.dtype(m["mask"]) not in ("float32", None):
             # the kernel reads a float32 condition: nonzero stays nonzero

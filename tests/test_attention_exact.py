@@ -382,3 +382,33 @@ def test_packed_projection_gradients(swap, mask, heads4, bshape):
                      rules=["attention", "attention_heads"])
     layout = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0].attrs["layout"]
     assert layout == ("bshd" if swap else "packed_qkv")
+
+
+# ---------------------------------------------------------------- where() conditions of other shapes
+
+@pytest.mark.parametrize("cshape", ["rows", "rows1"])
+def test_where_condition_of_leading_dims_reads_as_a_broadcast(cshape):
+    """MXNet's where reads a condition of the scores' leading dims, (N, Sq) or (N, Sq, 1), as
+    cond[i // Sk]: a broadcast over the keys, which the kernel is given as (N, Sq, 1)."""
+    y = attention(lambda s: S.where(S.var("c"), s, S.ones_like(s) * -1e9))
+    make = lambda n, sh, rng: (rng.random(sh) > 0.3).astype(np.float32) if n == "c" else None
+
+    def shapes(b, sq, sk):
+        return dict(qkv((b, sq, 4), (b, sk, 4)), c=(b, sq) if cshape == "rows" else (b, sq, 1))
+
+    res = equivalent(y, shapes(2, 5, 7), make=make, mode="training", others=[shapes(3, 4, 9)])
+    assert ops(res).get("fused_attention") == 1
+
+
+@pytest.mark.parametrize("cshape,why", [((1, 5, 7), "read by MXNet's where as cond[i // 2], not broadcast"),
+                                        ((5, 7), "read by MXNet's where as cond[i // 2], not broadcast"),
+                                        ((2, 1, 7), "read by MXNet's where as cond[i // 5], not broadcast"),
+                                        ((3, 5, 7), "which MXNet's where cannot read (105 elements for 70)"),
+                                        ((2, 3), "which MXNet's where cannot read (6 elements for 70)")])
+def test_where_condition_read_misaligned_is_refused(cshape, why):
+    """Any other condition shape passes MXNet 1.9.1's shape inference unchecked and is read as
+    cond[i // (size ratio)] (or not at all): not the broadcast the kernel would apply."""
+    y = attention(lambda s: S.where(S.var("c"), s, S.ones_like(s) * -1e9))
+    res = fusion.fuse(y, rules=["attention"], input_shapes=dict(qkv((2, 5, 4), (2, 7, 4)), c=cshape))
+    assert ops(res).get("fused_attention") is None
+    assert why in rejections(res)[0] and "'c' %s of the scores (2, 5, 7)" % (cshape,) in rejections(res)[0]

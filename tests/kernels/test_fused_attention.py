@@ -236,6 +236,14 @@ def test_bad_shapes_are_reported():
     with pytest.raises(MXNetError, match="does not broadcast"):
         mx.nd.fused_attention(q, q, q, mx.nd.ones((3, 4, 4)), scale=0.1,
                               mask_kind="additive").wait_to_read()
+    # a condition larger than the scores (what MXNet's where cannot read) never reaches the kernel
+    with pytest.raises(MXNetError, match="does not broadcast"):
+        mx.nd.fused_attention(q, q, q, mx.nd.ones((3, 4, 4)), scale=0.1,
+                              mask_kind="boolean").wait_to_read()
+    x = mx.nd.array(rnd(4, 2, 3 * 2 * 3))
+    with pytest.raises(MXNetError, match="valid_length must have"):
+        mx.nd.fused_attention(x, mx.nd.ones((3,)), scale=0.1, layout="interleaved", heads=2,
+                              mask_kind="valid_length").wait_to_read()
 
 
 @pytest.mark.parametrize("Sq,Sk", [(40, 300), (300, 40), (1, 1)])
