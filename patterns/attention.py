@@ -68,7 +68,9 @@ checked by running it — with MXNet's own ops — on an index tensor: ``L_q`` m
 
 The math is unchanged: softmax(c·q·kᵀ + mask)·v, with the mask, fully masked rows and
 non-finite values handled like the unfused graph, forward and backward (see
-cuda_kernels/fused_attention/README.md).  ``Dropout`` is dropped at inference; it is refused
+cuda_kernels/fused_attention/README.md).  A softmax given a ``temperature`` (1) runs MXNet's
+own kernel, not oneDNN's, which differ in where a NaN row's probabilities are NaN (what dV
+reads): the op is told ``nan_probs="row"``.  ``Dropout`` is dropped at inference; it is refused
 when it samples there (``mode="always"``), and in training when p > 0 (the fused op has no
 dropout).
 """
@@ -428,6 +430,15 @@ def causal_form(m: Match) -> Optional[Tuple[str, float]]:
 
 def _mask_inputs(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object]]:
     """The mask input(s) and mask attributes of the fused op."""
+    inputs, attrs = _mask_inputs_of(m, b)
+    if m.node("softmax").param("temperature", None) is not None and not m.has("length"):
+        # MXNet runs a softmax given a temperature (1 here) with its own kernel, not oneDNN's: a
+        # row whose softmax is NaN has every probability NaN (what dV reads), as with lengths
+        attrs["nan_probs"] = "row"
+    return inputs, attrs
+
+
+def _mask_inputs_of(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object]]:
     if m.has("length"):
         return [m["length"]], {"mask_kind": "valid_length"}
     if not m.has("mask_op"):

@@ -12,7 +12,8 @@
     mask boolean             s = where(mask ≠ 0, s, mask_value)     (mask broadcast like the kernel's)
     valid_length             softmax(s, lengths, use_length=True)  (lengths shaped like s without its last axis,
                              read per head or per batch element as the kernel reads them at each shape)
-    o = softmax(s) · v, then the head merge
+    o = softmax(s) · v, then the head merge  (softmax(temperature=1) for nan_probs="row": MXNet's own
+                             kernel, which puts NaN at every probability of a row whose softmax is NaN)
 
 A mask is aligned with the scores from the last axis, as the kernel aligns it: for the
 head-aware layouts a rank-4 mask goes with (B, H, Sq, Sk) scores (a (B, H, S, D) split),
@@ -191,6 +192,10 @@ class UnfuseAttention(_Unfuse):
             lengths = given if lengths is None else b.op("broadcast_minimum", [given, lengths])
         if lengths is not None:
             p = b.op("softmax", [s, lengths], attrs={"axis": -1, "use_length": True})
+        elif f.param("nan_probs", "auto") == "row":
+            # a temperature (1) runs MXNet's own softmax kernel, not oneDNN's: a row whose softmax
+            # is NaN has every probability NaN, as the op's nan_probs="row" gives it
+            p = b.op("softmax", [s], attrs={"axis": -1, "temperature": 1.0})
         else:
             p = b.op("softmax", [s], attrs={"axis": -1})
         if per_head4 and mask_kind != "valid_length":

@@ -384,6 +384,87 @@ def test_packed_projection_gradients(swap, mask, heads4, bshape):
     assert layout == ("bshd" if swap else "packed_qkv")
 
 
+# ---------------------------------------------------------------- non-finite values in training
+
+def _with_non_finite(names, lengths=None):
+    """make(): normal values with a NaN and ±inf in each of ``names``; lengths with rows of 0."""
+    def make(n, sh, rng):
+        if n == lengths:
+            L = rng.integers(0, sh[-1] + 1, sh).astype(np.int32)
+            L.reshape(-1)[::3] = 0
+            return L
+        if n in names:
+            v = rng.standard_normal(sh).astype(np.float32)
+            flat = v.reshape(-1)
+            flat[rng.integers(flat.size)] = np.nan
+            flat[rng.integers(flat.size)] = np.inf
+            flat[rng.integers(flat.size)] = -np.inf
+            return v
+        return None
+    return make
+
+
+def test_interleaved_lengths_zero_gradients_with_non_finite_values():
+    """GluonNLP's interleaved self-attention with softmax lengths, rows of length 0 among them,
+    and NaN / ±inf in the projections: gradients NaN exactly where MXNet's are (a key after a
+    row's length still multiplies 0 by its k, q, dO; the softmax sums only the keys it sees)."""
+    x, L = S.var("x"), S.var("len", dtype="int32")
+    s = S.contrib.interleaved_matmul_selfatt_qk(x, heads=2)
+    y = S.contrib.interleaved_matmul_selfatt_valatt(x, S.softmax(s, L, axis=-1, use_length=True), heads=2)
+    for seed in range(3):
+        res = equivalent(y, {"x": (5, 2, 24), "len": (4, 5)}, rules=["attention"], mode="training",
+                         make=_with_non_finite({"x"}, "len"), others=[{"x": (7, 3, 24), "len": (6, 7)}], seed=seed)
+    assert ops(res) == {"fused_attention": 1}
+
+
+@pytest.mark.parametrize("temperature", [None, 1.0])
+def test_nan_rows_gradients_follow_the_softmax_mxnet_runs(temperature):
+    """A NaN in k makes the rows that see it NaN; dV reads their probabilities where MXNet's softmax
+    puts them — oneDNN's (its default) or its own kernel (what a temperature selects: the op is
+    told nan_probs="row")."""
+    t = {} if temperature is None else {"temperature": temperature}
+    y = attention(lambda s: s * 0.5, lambda s: S.softmax(s, axis=-1, **t))
+
+    def make(n, sh, rng):
+        if n != "k":
+            return None
+        v = rng.standard_normal(sh).astype(np.float32)
+        v[0, -1, 1] = np.nan                    # the last key: oneDNN carries it to another lane
+        v[-1, sh[1] // 2, 0] = np.nan
+        return v
+
+    res = equivalent(y, qkv((2, 9, 4), (2, 33, 4)), mode="training", make=make,
+                     others=[qkv((3, 5, 4), (3, 17, 4))])
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert node.attrs.raw("nan_probs", "auto") == ("auto" if temperature is None else "row")
+
+
+def test_causal_band_skipped_by_a_nan_row():
+    """Causal fill: a row whose band holds a +inf score is NaN while the rows after it (a -inf
+    there) are not; under MXNet's own softmax (a temperature) every probability of it is NaN,
+    the keys after its band too (which the kernel skips), so their dV is NaN."""
+    q, k, v = S.var("q"), S.var("k"), S.var("v")
+    s = S.batch_dot(q, k, transpose_b=True) * 0.5
+    band = S.broadcast_greater_equal(S.reshape(S.contrib.arange_like(q, axis=-2), shape=(-1, 1)),
+                                     S.reshape(S.contrib.arange_like(k, axis=-2), shape=(1, -1)))
+    s = S.where(S.broadcast_like(S.expand_dims(band, axis=0), s, lhs_axes=(0,), rhs_axes=(0,)), s,
+                S.ones_like(s) * -1e18)
+    y = S.batch_dot(S.softmax(s, axis=-1, temperature=1.0), v)
+
+    def make(n, sh, rng):
+        val = np.abs(rng.standard_normal(sh)).astype(np.float32) + 0.1
+        if n == "q":
+            val[:, 3, 0] *= -1                  # row 3: q·k of key 2 is +inf, the later rows' -inf
+        if n == "k":
+            val[:, 2, 0] = -np.inf
+        return val
+
+    res = equivalent(y, qkv((2, 9, 1)), mode="training", make=make, others=[qkv((3, 6, 1))])
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert node.param("causal", False) and node.attrs["causal_mode"] == "fill"
+    assert node.attrs.raw("nan_probs", "auto") == "row"
+
+
 # ---------------------------------------------------------------- where() conditions of other shapes
 
 @pytest.mark.parametrize("cshape", ["rows", "rows1"])
