@@ -89,7 +89,9 @@ from fusion.rule import Rule
 
 from ._dtypes import float32_reason
 
-LAYOUT_OPS = ("Reshape", "transpose", "SwapAxis", "expand_dims", "squeeze", "slice_axis",
+# with MXNet's other spellings of the same ops (reshape, swapaxes): a graph's JSON carries
+# whichever its frontend wrote, and fused graphs are written back with the registered names
+LAYOUT_OPS = ("Reshape", "reshape", "transpose", "SwapAxis", "swapaxes", "expand_dims", "squeeze", "slice_axis",
               "split", "SliceChannel", "_split_v2", "_npx_reshape", "_np_transpose")
 FUSED = "fused_attention"
 LENGTH_DTYPES = ("int32", "int64", "uint8", "float32", "float64")   # what the kernel reads as lengths
@@ -581,8 +583,17 @@ def heads_pattern() -> Pattern:
     return Chain(LAYOUT_OPS, fa, "o_chain")
 
 
+_SAME_SIZE = frozenset({"Reshape", "reshape", "_npx_reshape", "transpose", "_np_transpose", "SwapAxis",
+                        "swapaxes", "expand_dims", "squeeze"})
+
+
 def run_chain(chain: Sequence[Entry], x: np.ndarray) -> Optional[np.ndarray]:
-    """Apply a chain of layout ops (outermost first) to ``x`` with MXNet's own ops; None if MXNet refuses."""
+    """Apply a chain of layout ops (outermost first) to ``x`` with MXNet's own ops; None if MXNet refuses.
+
+    MXNet runs them asynchronously: an op that fails while running (a Reshape that MXNet 1.9.1
+    infers to a shape of another size, even 0, then cannot copy into) raises at the next wait on
+    its output — here, not at a later, unrelated call of the caller's (a zero-size result is
+    read without waiting)."""
     import mxnet as mx
 
     y = mx.nd.array(x, dtype="float64")
@@ -590,7 +601,11 @@ def run_chain(chain: Sequence[Entry], x: np.ndarray) -> Optional[np.ndarray]:
         for e in reversed(chain):
             fn = getattr(mx.nd, e.node.op, None) or getattr(mx.nd._internal, e.node.op)
             out = fn(y, **e.node.attrs.to_json())
-            y = out[e.index] if isinstance(out, (list, tuple)) else out
+            out = out[e.index] if isinstance(out, (list, tuple)) else out
+            out.wait_to_read()
+            if e.node.op in _SAME_SIZE and out.size != y.size:
+                return None
+            y = out
         return y.asnumpy()
     except Exception:          # MXNet rejects the shapes: this chain is not a head layout for them
         return None

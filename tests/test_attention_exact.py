@@ -493,3 +493,55 @@ def test_where_condition_read_misaligned_is_refused(cshape, why):
     res = fusion.fuse(y, rules=["attention"], input_shapes=dict(qkv((2, 5, 4), (2, 7, 4)), c=cshape))
     assert ops(res).get("fused_attention") is None
     assert why in rejections(res)[0] and "'c' %s of the scores (2, 5, 7)" % (cshape,) in rejections(res)[0]
+
+
+# ---------------------------------------------------------------- head chains tried on index tensors
+
+def test_head_chain_that_mxnet_cannot_run_leaves_no_error_behind():
+    """attention_heads runs each layout chain with MXNet's ops at substitute sizes; a Reshape MXNet
+    infers to an empty shape there ((-1, 3, 0, 0) reversed of 40 elements: v's split, also a graph
+    output, leaves a chain of one head) fails while running.  That failure is the chain's (not a
+    head merge), not an error raised by a later, unrelated call."""
+    x = S.var("x")
+    proj = {n: S.reshape(S.FullyConnected(x, S.var(n + "_w"), S.var(n + "_b"), num_hidden=12, flatten=False),
+                         shape=(0, 0, -4, 3, -1)) for n in "qkv"}           # (B, S, 3, 4)
+    q, k, v = (S.reshape(S.swapaxes(proj[n], dim1=1, dim2=2), shape=(-1, 0, 0), reverse=True) for n in "qkv")
+    o = S.batch_dot(S.softmax(S.linalg_gemm2(q, k, transpose_b=True) / 0.5, axis=2), v)
+    y = S.reshape(S.swapaxes(S.reshape(o, shape=(-1, 3, 0, 0), reverse=True), dim1=1, dim2=2), shape=(0, 0, -1))
+    y = S.Group([proj["v"], y])
+    rng = np.random.default_rng(0)
+    params = {n + s: rng.standard_normal((12, 6) if s == "_w" else (12,)).astype(np.float32)
+              for n in "qkv" for s in ("_w", "_b")}
+    res = fusion.fuse(y, {n: mx.nd.array(v) for n, v in params.items()}, {}, input_shapes={"x": (1, 5, 6)},
+                      rules=["attention", "attention_heads"])
+    mx.nd.waitall()                             # nothing left failing behind fuse()
+    assert ops(res).get("fused_attention") == 1
+    equivalent(y, {"x": (1, 5, 6)}, params=params, rules=["attention", "attention_heads"],
+               others=[{"x": (9, 6, 6)}])
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_head_chains_in_other_spellings(swap):
+    """The head split / merge written with MXNet's other names of the same ops (reshape, swapaxes),
+    as a graph's JSON may carry them, fuses like the registered names — and fusing the result
+    again changes nothing (it is written back with the registered names)."""
+    x = S.var("x")
+
+    def split(t):
+        t = S.reshape(t, shape=(0, 0, H, -1))
+        t = S.swapaxes(t, dim1=1, dim2=2) if swap else S.transpose(t, axes=(0, 2, 1, 3))
+        return S.reshape(t, shape=(-3, 0, 0))
+
+    q, k, v = (split(S.slice_axis(x, axis=-1, begin=i * H * D, end=(i + 1) * H * D)) for i in range(3))
+    o = S.batch_dot(S.softmax(S.batch_dot(q, k, transpose_b=True) * 0.5, axis=-1), v)
+    o = S.reshape(o, shape=(-4, -1, H, 0, 0))
+    o = S.swapaxes(o, dim1=1, dim2=2) if swap else S.transpose(o, axes=(0, 2, 1, 3))
+    y = S.reshape(o, shape=(0, 0, -3))
+    text = y.tojson().replace('"op": "Reshape"', '"op": "reshape"').replace('"op": "SwapAxis"', '"op": "swapaxes"')
+    assert '"reshape"' in text and (not swap or '"swapaxes"' in text)
+    shapes = {"x": (2, 6, 3 * H * D)}
+    res = fusion.fuse(text, input_shapes=shapes)
+    assert ops(res) == {"fused_attention": 1}, ops(res)
+    again = fusion.fuse(res.symbol, res.arg_params, res.aux_params, input_shapes=shapes)
+    assert again.symbol.tojson() == res.symbol.tojson()
+    equivalent(y, shapes, rules=["attention", "attention_heads"], others=[{"x": (3, 4, 3 * H * D)}])
