@@ -25,8 +25,11 @@ decided at every probe shape (``Context.shapes``) and refused when unknown:
 
 * the softmax runs over the scores' last axis (``axis=-1``, or ``rank−1``);
 * linalg_gemm2's matrix rows are on axis −2 (``axis=-2``, or ``rank−2``);
-* a mask never broadcasts the scores to a larger shape; a 1-D ``where`` condition selects
-  whole rows along axis 0, as MXNet's ``where`` does (it is given the op as (N, 1, …, 1));
+* a mask never broadcasts the scores to a larger shape; MXNet's ``where`` does not broadcast:
+  its condition has the scores' shape, or their leading dims followed by ones (read as a
+  broadcast over the other axes; a 1-D one selects whole rows along axis 0), and is given the
+  op as (N, …, 1, …, 1) — any other shape MXNet 1.9.1 reads misaligned (or cannot read), and
+  is refused;
 * a mask that is exactly causal at every probe (built from positions only, 0 / nonzero on
   the band ``j ≤ i + Sk − Sq``, one constant c elsewhere) becomes ``causal=True`` with
   ``causal_mode="add"`` (additive: c added to the scores after the band) or ``"fill"``
@@ -65,7 +68,9 @@ checked by running it — with MXNet's own ops — on an index tensor: ``L_q`` m
 
 The math is unchanged: softmax(c·q·kᵀ + mask)·v, with the mask, fully masked rows and
 non-finite values handled like the unfused graph, forward and backward (see
-cuda_kernels/fused_attention/README.md).  ``Dropout`` is dropped at inference; it is refused
+cuda_kernels/fused_attention/README.md).  A softmax given a ``temperature`` (1) runs MXNet's
+own kernel, not oneDNN's, which differ in where a NaN row's probabilities are NaN (what dV
+reads): the op is told ``nan_probs="row"``.  ``Dropout`` is dropped at inference; it is refused
 when it samples there (``mode="always"``), and in training when p > 0 (the fused op has no
 dropout).
 """
@@ -84,7 +89,9 @@ from fusion.rule import Rule
 
 from ._dtypes import float32_reason
 
-LAYOUT_OPS = ("Reshape", "transpose", "SwapAxis", "expand_dims", "squeeze", "slice_axis",
+# with MXNet's other spellings of the same ops (reshape, swapaxes): a graph's JSON carries
+# whichever its frontend wrote, and fused graphs are written back with the registered names
+LAYOUT_OPS = ("Reshape", "reshape", "transpose", "SwapAxis", "swapaxes", "expand_dims", "squeeze", "slice_axis",
               "split", "SliceChannel", "_split_v2", "_npx_reshape", "_np_transpose")
 FUSED = "fused_attention"
 LENGTH_DTYPES = ("int32", "int64", "uint8", "float32", "float64")   # what the kernel reads as lengths
@@ -230,10 +237,10 @@ def _mask_reason(m: Match) -> Optional[str]:
             return "mask '%s' %s broadcasts the scores %s to %s" % (mask.node.name, mshape, sshape, oshape)
         if len(mshape) > len(sshape):
             return "mask '%s' %s has a higher rank than the scores %s" % (mask.node.name, mshape, sshape)
-        if is_where and not m.has("mask_like") and len(mshape) == 1 and len(sshape) > 1:
-            if mshape[0] != sshape[0]:
-                return "where() condition '%s' %s does not select rows of the scores %s" % (
-                    mask.node.name, mshape, sshape)
+        if is_where and not m.has("mask_like") and tuple(mshape) != tuple(sshape):
+            reason = _where_condition_reason(mask.node.name, tuple(mshape), tuple(sshape))
+            if reason:
+                return reason
             continue
         for d, t in zip(reversed(mshape), reversed(sshape)):
             if d not in (1, t):
@@ -243,6 +250,33 @@ def _mask_reason(m: Match) -> Optional[str]:
         if dtype not in ("float32", None):
             return "additive mask '%s' is %s, not float32" % (mask.node.name, dtype)
     return None
+
+
+def _where_condition_reason(name: str, cshape: tuple, sshape: tuple) -> Optional[str]:
+    """Why MXNet's ``where`` does not read condition ``cshape`` as a broadcast over scores ``sshape``.
+
+    MXNet 1.9.1's ``where`` does not broadcast: a 1-D condition selects rows along axis 0 (its
+    size checked), any other shape passes its shape inference unchecked and is read as
+    ``cond[i // (size(s) / size(cond))]`` — a broadcast over the trailing axes exactly when the
+    condition's shape is the scores' leading dims followed by ones (the kernel is given it so).
+    A larger condition, or one whose size does not divide the scores', it cannot read: it
+    divides by zero (the process dies of SIGFPE) or reads past the condition."""
+    if len(cshape) == 1 and len(sshape) > 1:
+        if cshape[0] != sshape[0]:
+            return "where() condition '%s' %s does not select rows of the scores %s" % (name, cshape, sshape)
+        return None
+    lead = cshape
+    while lead and lead[-1] == 1:
+        lead = lead[:-1]
+    if len(lead) <= len(sshape) and lead == sshape[:len(lead)]:
+        return None
+    csize, ssize = int(np.prod(cshape)), int(np.prod(sshape))
+    if csize > ssize or ssize % csize:
+        how = "which MXNet's where cannot read (%d elements for %d)" % (csize, ssize)
+    else:
+        how = "read by MXNet's where as cond[i // %d], not broadcast" % (ssize // csize)
+    return ("where() condition '%s' %s of the scores %s: %s (a condition of another shape than the "
+            "scores must be their leading dims followed by ones)" % (name, cshape, sshape, how))
 
 
 def _common_checks(m: Match) -> Optional[str]:
@@ -398,6 +432,15 @@ def causal_form(m: Match) -> Optional[Tuple[str, float]]:
 
 def _mask_inputs(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object]]:
     """The mask input(s) and mask attributes of the fused op."""
+    inputs, attrs = _mask_inputs_of(m, b)
+    if m.node("softmax").param("temperature", None) is not None and not m.has("length"):
+        # MXNet runs a softmax given a temperature (1 here) with its own kernel, not oneDNN's: a
+        # row whose softmax is NaN has every probability NaN (what dV reads), as with lengths
+        attrs["nan_probs"] = "row"
+    return inputs, attrs
+
+
+def _mask_inputs_of(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object]]:
     if m.has("length"):
         return [m["length"]], {"mask_kind": "valid_length"}
     if not m.has("mask_op"):
@@ -409,9 +452,10 @@ def _mask_inputs(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object]]:
     mshape = _shapes(m, mask)[0]
     sshape = _shapes(m, _scores(m))[0]
     if m.node("mask_op").op == "where":
-        if len(mshape) == 1 and len(sshape) > 1 and not m.has("mask_like"):
-            # where() with a 1-D condition selects whole rows along axis 0: (N,) → (N, 1, …, 1)
-            for _ in range(len(sshape) - 1):
+        if len(mshape) < len(sshape) and not m.has("mask_like"):
+            # where() reads a condition of the scores' leading dims (a 1-D one selects whole rows
+            # along axis 0) as a broadcast over the other axes: (N, …) → (N, …, 1, …, 1)
+            for _ in range(len(sshape) - len(mshape)):
                 mask = b.op("expand_dims", [mask], attrs={"axis": -1})
         if m.ctx.dtype(m["mask"]) not in ("float32", None):
             # the kernel reads a float32 condition: nonzero stays nonzero
@@ -539,8 +583,17 @@ def heads_pattern() -> Pattern:
     return Chain(LAYOUT_OPS, fa, "o_chain")
 
 
+_SAME_SIZE = frozenset({"Reshape", "reshape", "_npx_reshape", "transpose", "_np_transpose", "SwapAxis",
+                        "swapaxes", "expand_dims", "squeeze"})
+
+
 def run_chain(chain: Sequence[Entry], x: np.ndarray) -> Optional[np.ndarray]:
-    """Apply a chain of layout ops (outermost first) to ``x`` with MXNet's own ops; None if MXNet refuses."""
+    """Apply a chain of layout ops (outermost first) to ``x`` with MXNet's own ops; None if MXNet refuses.
+
+    MXNet runs them asynchronously: an op that fails while running (a Reshape that MXNet 1.9.1
+    infers to a shape of another size, even 0, then cannot copy into) raises at the next wait on
+    its output — here, not at a later, unrelated call of the caller's (a zero-size result is
+    read without waiting)."""
     import mxnet as mx
 
     y = mx.nd.array(x, dtype="float64")
@@ -548,7 +601,11 @@ def run_chain(chain: Sequence[Entry], x: np.ndarray) -> Optional[np.ndarray]:
         for e in reversed(chain):
             fn = getattr(mx.nd, e.node.op, None) or getattr(mx.nd._internal, e.node.op)
             out = fn(y, **e.node.attrs.to_json())
-            y = out[e.index] if isinstance(out, (list, tuple)) else out
+            out = out[e.index] if isinstance(out, (list, tuple)) else out
+            out.wait_to_read()
+            if e.node.op in _SAME_SIZE and out.size != y.size:
+                return None
+            y = out
         return y.asnumpy()
     except Exception:          # MXNet rejects the shapes: this chain is not a head layout for them
         return None

@@ -10,8 +10,10 @@
                              drops the others, and gives 0 to a row with none)
     mask additive            s = broadcast_add(s, mask)
     mask boolean             s = where(mask ≠ 0, s, mask_value)     (mask broadcast like the kernel's)
-    valid_length             softmax(s, lengths, use_length=True)  (lengths shaped like s without its last axis)
-    o = softmax(s) · v, then the head merge
+    valid_length             softmax(s, lengths, use_length=True)  (lengths shaped like s without its last axis,
+                             read per head or per batch element as the kernel reads them at each shape)
+    o = softmax(s) · v, then the head merge  (softmax(temperature=1) for nan_probs="row": MXNet's own
+                             kernel, which puts NaN at every probability of a row whose softmax is NaN)
 
 A mask is aligned with the scores from the last axis, as the kernel aligns it: for the
 head-aware layouts a rank-4 mask goes with (B, H, Sq, Sk) scores (a (B, H, S, D) split),
@@ -65,38 +67,42 @@ class UnfuseAttention(_Unfuse):
         """Zeros shaped like the scores without their last axis (what softmax lengths are shaped as)."""
         return b.op("sum", [b.op("zeros_like", [s])], attrs={"axis": -1})
 
-    @staticmethod
-    def _rows_shape(layout: str, x_shape: Optional[tuple], heads: int, rank: int) -> Optional[tuple]:
-        """The scores' shape without the key axis, from the first input's shape."""
-        if x_shape is None:
-            return None
-        if layout == "plain":
-            return tuple(x_shape[:-1])
-        s, bsz = (x_shape[0], x_shape[1]) if layout.startswith("interleaved") else (x_shape[1], x_shape[0])
-        return (bsz * heads, s) if rank == 3 else (bsz, heads, s)
+    def _lengths(self, m: Match, b: Builder, lengths: Entry, s: Entry, rows_rank: Optional[int],
+                 ls: Optional[tuple]) -> Entry:
+        """The op's valid lengths as softmax(use_length=True) takes them: int32, shaped like the scores
+        ``s`` without their last axis (rank ``rows_rank``), read as the kernel reads them at every shape.
 
-    def _lengths(self, m: Match, b: Builder, lengths: Entry, s: Entry, rows: Optional[tuple]) -> Entry:
-        """The op's valid lengths as softmax(use_length=True) takes them: int32, shaped like s[:-1]."""
-        ls = m.ctx.shape(lengths)
-        if ls is None or rows is None or tuple(ls) == rows:   # what the rules emit: softmax's own lengths
-            return b.op("Cast", [lengths], attrs={"dtype": "int32"})
-        # one length per head (N,) or per batch element (B,), for every row or per row
-        n = 1
-        for d in rows[:-1]:
-            n *= d
-        t = lengths
-        if ls[0] != n:                                       # per batch element: repeated for its heads
-            t = b.op("repeat", [t], attrs={"repeats": n // ls[0], "axis": 0})
-        zeros = b.op("Cast", [self._rows_like(b, s)], attrs={"dtype": "int32"})
-        if len(rows) == 1:
-            t = b.op("Reshape", [t], attrs={"shape": (-1,)})
-        else:
-            if len(ls) == 1:
-                t = b.op("Reshape", [t], attrs={"shape": (-1, 1)})
-            if len(rows) > 2:                                # (N, ·) → (batch..., ·)
-                t = b.op("reshape_like", [t, zeros], attrs={"lhs_begin": 0, "lhs_end": 1,
-                                                            "rhs_begin": 0, "rhs_end": len(rows) - 1})
-        return b.op("broadcast_add", [zeros, b.op("Cast", [t], attrs={"dtype": "int32"})])
+        The kernel takes the scores' own form, or (N,) / (N, Sq) with N = B·H (one per head) or N = B
+        (shared by the B's heads), telling them apart by the sizes of each call: a graph fused at
+        B = 1, H = 2 with (2, Sq) lengths per head reads them per batch element at B = 2.  Row n of
+        the (B·H, Sq) rows takes row ⌊n·N / (B·H)⌋ of the lengths — n itself per head, n // H per
+        batch element — computed from the shapes in the graph (arange_like, take), so one stock
+        graph reads them as the kernel does at every shape."""
+        t = b.op("Cast", [lengths], attrs={"dtype": "int32"})
+        if ls is None or rows_rank is None:
+            return t                     # what the rules emit (softmax's own lengths); shapes unknown
+        if len(ls) == rows_rank and rows_rank != 2:
+            # the scores' own form (rank 1: (Sq,) scores of rank 2; rank >= 3: (batch..., Sq)); a
+            # rank-1 (1,) (one length for all) broadcasts like it
+            return b.op("broadcast_add", [b.op("Cast", [self._rows_like(b, s)], attrs={"dtype": "int32"}), t]) \
+                if rows_rank == 1 else t
+        if rows_rank == 1:               # (1, Sq): the one head's lengths per row
+            return b.op("Reshape", [t], attrs={"shape": (-1,)})
+        rows = self._rows_like(b, s)                                     # zeros (batch..., Sq)
+        flat = rows if rows_rank == 2 else b.op("Reshape", [rows], attrs={"shape": (-1, 0), "reverse": True})  # (B·H, Sq)
+        f64 = lambda e: b.op("Cast", [e], attrs={"dtype": "float64"})     # noqa: E731
+        n = f64(b.op("_contrib_arange_like", [flat], attrs={"axis": 0}))  # 0 .. B·H-1
+        total = b.op("sum", [b.op("ones_like", [n])])                     # B·H, as a (1,) tensor
+        first = t if len(ls) == 1 else b.op("slice_axis", [t], attrs={"axis": 1, "begin": 0, "end": 1})
+        count = b.op("sum", [f64(b.op("ones_like", [first]))])            # N
+        index = b.op("floor", [b.op("broadcast_div", [b.op("broadcast_mul", [n, count]), total])])
+        g = b.op("take", [t, index], attrs={"axis": 0})                   # (B·H,) or (B·H, Sq)
+        if len(ls) == 1:
+            g = b.op("Reshape", [g], attrs={"shape": (-1, 1)})
+        g = b.op("broadcast_add", [b.op("Cast", [flat], attrs={"dtype": "int32"}), g])
+        if rows_rank > 2:                                                 # (B·H, Sq) → (batch..., Sq)
+            g = b.op("reshape_like", [g, rows])
+        return g
 
     def _split_rank(self, m: Match, f, mask: Optional[Entry], mask_kind: str) -> int:
         """Rank of the head split of bshd / packed_qkv: 4 for a mask given per (B, H, ...)."""
@@ -176,12 +182,20 @@ class UnfuseAttention(_Unfuse):
             fill = b.op("_mul_scalar", [b.op("ones_like", [s])], attrs={"scalar": mask_value})
             s = b.op("where", [cond, s, fill])
         elif mask_kind == "valid_length":
+            ls = m.ctx.shape(mask)
             if per_head4:   # (B, H, Sq) → (B·H, Sq)
                 mask = b.op("Reshape", [mask], attrs={"shape": (-3, 0)})
-            given = self._lengths(m, b, mask, s, self._rows_shape(layout, q_shape, heads, rank))
+                ls = (ls[0] * ls[1], ls[2])
+            rows_rank = (len(q_shape) - 1 if q_shape is not None else None) if layout == "plain" else \
+                (2 if per_head4 else rank - 1)
+            given = self._lengths(m, b, mask, s, rows_rank, ls)
             lengths = given if lengths is None else b.op("broadcast_minimum", [given, lengths])
         if lengths is not None:
             p = b.op("softmax", [s, lengths], attrs={"axis": -1, "use_length": True})
+        elif f.param("nan_probs", "auto") == "row":
+            # a temperature (1) runs MXNet's own softmax kernel, not oneDNN's: a row whose softmax
+            # is NaN has every probability NaN, as the op's nan_probs="row" gives it
+            p = b.op("softmax", [s], attrs={"axis": -1, "temperature": 1.0})
         else:
             p = b.op("softmax", [s], attrs={"axis": -1})
         if per_head4 and mask_kind != "valid_length":

@@ -382,3 +382,166 @@ def test_packed_projection_gradients(swap, mask, heads4, bshape):
                      rules=["attention", "attention_heads"])
     layout = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0].attrs["layout"]
     assert layout == ("bshd" if swap else "packed_qkv")
+
+
+# ---------------------------------------------------------------- non-finite values in training
+
+def _with_non_finite(names, lengths=None):
+    """make(): normal values with a NaN and ±inf in each of ``names``; lengths with rows of 0."""
+    def make(n, sh, rng):
+        if n == lengths:
+            L = rng.integers(0, sh[-1] + 1, sh).astype(np.int32)
+            L.reshape(-1)[::3] = 0
+            return L
+        if n in names:
+            v = rng.standard_normal(sh).astype(np.float32)
+            flat = v.reshape(-1)
+            flat[rng.integers(flat.size)] = np.nan
+            flat[rng.integers(flat.size)] = np.inf
+            flat[rng.integers(flat.size)] = -np.inf
+            return v
+        return None
+    return make
+
+
+def test_interleaved_lengths_zero_gradients_with_non_finite_values():
+    """GluonNLP's interleaved self-attention with softmax lengths, rows of length 0 among them,
+    and NaN / ±inf in the projections: gradients NaN exactly where MXNet's are (a key after a
+    row's length still multiplies 0 by its k, q, dO; the softmax sums only the keys it sees)."""
+    x, L = S.var("x"), S.var("len", dtype="int32")
+    s = S.contrib.interleaved_matmul_selfatt_qk(x, heads=2)
+    y = S.contrib.interleaved_matmul_selfatt_valatt(x, S.softmax(s, L, axis=-1, use_length=True), heads=2)
+    for seed in range(3):
+        res = equivalent(y, {"x": (5, 2, 24), "len": (4, 5)}, rules=["attention"], mode="training",
+                         make=_with_non_finite({"x"}, "len"), others=[{"x": (7, 3, 24), "len": (6, 7)}], seed=seed)
+    assert ops(res) == {"fused_attention": 1}
+
+
+@pytest.mark.parametrize("temperature", [None, 1.0])
+def test_nan_rows_gradients_follow_the_softmax_mxnet_runs(temperature):
+    """A NaN in k makes the rows that see it NaN; dV reads their probabilities where MXNet's softmax
+    puts them — oneDNN's (its default) or its own kernel (what a temperature selects: the op is
+    told nan_probs="row")."""
+    t = {} if temperature is None else {"temperature": temperature}
+    y = attention(lambda s: s * 0.5, lambda s: S.softmax(s, axis=-1, **t))
+
+    def make(n, sh, rng):
+        if n != "k":
+            return None
+        v = rng.standard_normal(sh).astype(np.float32)
+        v[0, -1, 1] = np.nan                    # the last key: oneDNN carries it to another lane
+        v[-1, sh[1] // 2, 0] = np.nan
+        return v
+
+    res = equivalent(y, qkv((2, 9, 4), (2, 33, 4)), mode="training", make=make,
+                     others=[qkv((3, 5, 4), (3, 17, 4))])
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert node.attrs.raw("nan_probs", "auto") == ("auto" if temperature is None else "row")
+
+
+def test_causal_band_skipped_by_a_nan_row():
+    """Causal fill: a row whose band holds a +inf score is NaN while the rows after it (a -inf
+    there) are not; under MXNet's own softmax (a temperature) every probability of it is NaN,
+    the keys after its band too (which the kernel skips), so their dV is NaN."""
+    q, k, v = S.var("q"), S.var("k"), S.var("v")
+    s = S.batch_dot(q, k, transpose_b=True) * 0.5
+    band = S.broadcast_greater_equal(S.reshape(S.contrib.arange_like(q, axis=-2), shape=(-1, 1)),
+                                     S.reshape(S.contrib.arange_like(k, axis=-2), shape=(1, -1)))
+    s = S.where(S.broadcast_like(S.expand_dims(band, axis=0), s, lhs_axes=(0,), rhs_axes=(0,)), s,
+                S.ones_like(s) * -1e18)
+    y = S.batch_dot(S.softmax(s, axis=-1, temperature=1.0), v)
+
+    def make(n, sh, rng):
+        val = np.abs(rng.standard_normal(sh)).astype(np.float32) + 0.1
+        if n == "q":
+            val[:, 3, 0] *= -1                  # row 3: q·k of key 2 is +inf, the later rows' -inf
+        if n == "k":
+            val[:, 2, 0] = -np.inf
+        return val
+
+    res = equivalent(y, qkv((2, 9, 1)), mode="training", make=make, others=[qkv((3, 6, 1))])
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert node.param("causal", False) and node.attrs["causal_mode"] == "fill"
+    assert node.attrs.raw("nan_probs", "auto") == "row"
+
+
+# ---------------------------------------------------------------- where() conditions of other shapes
+
+@pytest.mark.parametrize("cshape", ["rows", "rows1"])
+def test_where_condition_of_leading_dims_reads_as_a_broadcast(cshape):
+    """MXNet's where reads a condition of the scores' leading dims, (N, Sq) or (N, Sq, 1), as
+    cond[i // Sk]: a broadcast over the keys, which the kernel is given as (N, Sq, 1)."""
+    y = attention(lambda s: S.where(S.var("c"), s, S.ones_like(s) * -1e9))
+    make = lambda n, sh, rng: (rng.random(sh) > 0.3).astype(np.float32) if n == "c" else None
+
+    def shapes(b, sq, sk):
+        return dict(qkv((b, sq, 4), (b, sk, 4)), c=(b, sq) if cshape == "rows" else (b, sq, 1))
+
+    res = equivalent(y, shapes(2, 5, 7), make=make, mode="training", others=[shapes(3, 4, 9)])
+    assert ops(res).get("fused_attention") == 1
+
+
+@pytest.mark.parametrize("cshape,why", [((1, 5, 7), "read by MXNet's where as cond[i // 2], not broadcast"),
+                                        ((5, 7), "read by MXNet's where as cond[i // 2], not broadcast"),
+                                        ((2, 1, 7), "read by MXNet's where as cond[i // 5], not broadcast"),
+                                        ((3, 5, 7), "which MXNet's where cannot read (105 elements for 70)"),
+                                        ((2, 3), "which MXNet's where cannot read (6 elements for 70)")])
+def test_where_condition_read_misaligned_is_refused(cshape, why):
+    """Any other condition shape passes MXNet 1.9.1's shape inference unchecked and is read as
+    cond[i // (size ratio)] (or not at all): not the broadcast the kernel would apply."""
+    y = attention(lambda s: S.where(S.var("c"), s, S.ones_like(s) * -1e9))
+    res = fusion.fuse(y, rules=["attention"], input_shapes=dict(qkv((2, 5, 4), (2, 7, 4)), c=cshape))
+    assert ops(res).get("fused_attention") is None
+    assert why in rejections(res)[0] and "'c' %s of the scores (2, 5, 7)" % (cshape,) in rejections(res)[0]
+
+
+# ---------------------------------------------------------------- head chains tried on index tensors
+
+def test_head_chain_that_mxnet_cannot_run_leaves_no_error_behind():
+    """attention_heads runs each layout chain with MXNet's ops at substitute sizes; a Reshape MXNet
+    infers to an empty shape there ((-1, 3, 0, 0) reversed of 40 elements: v's split, also a graph
+    output, leaves a chain of one head) fails while running.  That failure is the chain's (not a
+    head merge), not an error raised by a later, unrelated call."""
+    x = S.var("x")
+    proj = {n: S.reshape(S.FullyConnected(x, S.var(n + "_w"), S.var(n + "_b"), num_hidden=12, flatten=False),
+                         shape=(0, 0, -4, 3, -1)) for n in "qkv"}           # (B, S, 3, 4)
+    q, k, v = (S.reshape(S.swapaxes(proj[n], dim1=1, dim2=2), shape=(-1, 0, 0), reverse=True) for n in "qkv")
+    o = S.batch_dot(S.softmax(S.linalg_gemm2(q, k, transpose_b=True) / 0.5, axis=2), v)
+    y = S.reshape(S.swapaxes(S.reshape(o, shape=(-1, 3, 0, 0), reverse=True), dim1=1, dim2=2), shape=(0, 0, -1))
+    y = S.Group([proj["v"], y])
+    rng = np.random.default_rng(0)
+    params = {n + s: rng.standard_normal((12, 6) if s == "_w" else (12,)).astype(np.float32)
+              for n in "qkv" for s in ("_w", "_b")}
+    res = fusion.fuse(y, {n: mx.nd.array(v) for n, v in params.items()}, {}, input_shapes={"x": (1, 5, 6)},
+                      rules=["attention", "attention_heads"])
+    mx.nd.waitall()                             # nothing left failing behind fuse()
+    assert ops(res).get("fused_attention") == 1
+    equivalent(y, {"x": (1, 5, 6)}, params=params, rules=["attention", "attention_heads"],
+               others=[{"x": (9, 6, 6)}])
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_head_chains_in_other_spellings(swap):
+    """The head split / merge written with MXNet's other names of the same ops (reshape, swapaxes),
+    as a graph's JSON may carry them, fuses like the registered names — and fusing the result
+    again changes nothing (it is written back with the registered names)."""
+    x = S.var("x")
+
+    def split(t):
+        t = S.reshape(t, shape=(0, 0, H, -1))
+        t = S.swapaxes(t, dim1=1, dim2=2) if swap else S.transpose(t, axes=(0, 2, 1, 3))
+        return S.reshape(t, shape=(-3, 0, 0))
+
+    q, k, v = (split(S.slice_axis(x, axis=-1, begin=i * H * D, end=(i + 1) * H * D)) for i in range(3))
+    o = S.batch_dot(S.softmax(S.batch_dot(q, k, transpose_b=True) * 0.5, axis=-1), v)
+    o = S.reshape(o, shape=(-4, -1, H, 0, 0))
+    o = S.swapaxes(o, dim1=1, dim2=2) if swap else S.transpose(o, axes=(0, 2, 1, 3))
+    y = S.reshape(o, shape=(0, 0, -3))
+    text = y.tojson().replace('"op": "Reshape"', '"op": "reshape"').replace('"op": "SwapAxis"', '"op": "swapaxes"')
+    assert '"reshape"' in text and (not swap or '"swapaxes"' in text)
+    shapes = {"x": (2, 6, 3 * H * D)}
+    res = fusion.fuse(text, input_shapes=shapes)
+    assert ops(res) == {"fused_attention": 1}, ops(res)
+    again = fusion.fuse(res.symbol, res.arg_params, res.aux_params, input_shapes=shapes)
+    assert again.symbol.tojson() == res.symbol.tojson()
+    equivalent(y, shapes, rules=["attention", "attention_heads"], others=[{"x": (3, 4, 3 * H * D)}])

@@ -180,3 +180,43 @@ def test_plain_rank4_lower_rank_masks(kind, form):
     shapes = dict(data_shapes("plain", 2, 6, 5, 4), mask=mask_shape(kind, "plain", 2, 6, 5, 4, form))
     others = dict(data_shapes("plain", 3, 4, 9, 4), mask=mask_shape(kind, "plain", 3, 4, 9, 4, form))
     check_roundtrip(build("plain", kind, False, None, 4), shapes, [others], kind, [5, 9])
+
+
+@pytest.mark.parametrize("layout", ["plain", "bshd", "packed_qkv", "interleaved", "interleaved_encdec"])
+@pytest.mark.parametrize("form", ["n", "nsq"])
+def test_lengths_read_per_head_or_per_batch_as_the_kernel_reads_them(layout, form):
+    """(N,) / (N, Sq) lengths are one per head when N = B·H and one per batch element when N = B,
+    told apart by the sizes of each call: unfused at B = 1, H = 2 with N = 2 (per head), the
+    stock graph reads the same (2, ·) lengths per batch element at B = 2, and per head again at
+    B = 4 with N = 8."""
+    (_, sq, sk), (_, sq2, sk2) = sizes(layout)
+    rank = 4 if layout == "plain" else 3
+
+    def shapes(b, n, q, k):
+        d = data_shapes(layout, b, q, k, rank)
+        d["mask"] = (n,) if form == "n" else (n, q)
+        return d
+
+    sym = build(layout, "valid_length", False, None, rank)
+    check_roundtrip(sym, shapes(1, H, sq, sk), [shapes(2, 2, sq2, sk2), shapes(4, 4 * H, sq, sk)],
+                    "valid_length", [sk, sk2, sk])
+
+
+@pytest.mark.parametrize("probs", ["auto", "row"])
+def test_nan_rows_unfuse_to_the_softmax_the_op_mirrors(probs):
+    """nan_probs="row" unfuses to softmax(temperature=1): MXNet's own kernel, whose NaN rows have
+    every probability NaN; "auto" to the plain softmax (oneDNN's): dV of NaN rows as the op's."""
+    q, k, v = S.var("q"), S.var("k"), S.var("v")
+    sym = S.fused_attention(q, k, v, scale=0.5, nan_probs=probs)
+    shapes = {"q": (2, 6, 4), "k": (2, 33, 4), "v": (2, 33, 4)}
+    plain = fusion.unfuse(sym, input_shapes=shapes, arg_params={}, aux_params={})
+    assert ("temperature" in plain.tojson()) == (probs == "row")
+    rng = np.random.default_rng(1)
+    vals = {n: rng.standard_normal(sh).astype(np.float32) for n, sh in shapes.items()}
+    vals["k"][0, 32, 1] = np.nan
+    vals["k"][1, 7, 0] = np.inf
+    want, wgrad = _run(sym, vals, True, 0)
+    got, ggrad = _run(plain, vals, True, 0)
+    assert_same(got[0], want[0], 1e-5, "output")
+    for n, w in wgrad.items():
+        assert_same(ggrad[n], w, 1e-4, "gradient of %s" % n)

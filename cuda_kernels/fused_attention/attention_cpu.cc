@@ -10,6 +10,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -471,17 +472,244 @@ void forward(const Params& p, const Geom& g, const MaskView& m) {
   if (!err.empty()) throw OpError(err);
 }
 
+namespace {
+
+// The vector width of MXNet's oneDNN softmax kernel (its jit code for the CPU's ISA, capped
+// by DNNL_MAX_CPU_ISA / MKLDNN_MAX_CPU_ISA as oneDNN caps it): 16 floats with AVX-512, 8
+// with AVX2; 0 where its lane behaviour is not modelled.
+int onednn_lanes() {
+  static const int lanes = [] {
+    std::string cap;
+    for (const char* name : {"DNNL_MAX_CPU_ISA", "MKLDNN_MAX_CPU_ISA"})
+      if (const char* e = std::getenv(name))
+        if (*e) { cap = e; break; }
+    for (auto& ch : cap) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+    __builtin_cpu_init();
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    const bool avx2 = __builtin_cpu_supports("avx2");
+    const bool cap512 = cap.empty() || cap == "ALL" || cap.rfind("AVX512_CORE", 0) == 0;
+    const bool cap2 = cap512 || cap.rfind("AVX2", 0) == 0;
+    return avx512 && cap512 ? 16 : avx2 && cap2 ? 8 : 0;
+  }();
+  return lanes;
+}
+
+// oneDNN's softmax on a row holding a NaN score (MXNet 1.9.1's bundled oneDNN; measured
+// against its softmax on rows with NaN / ±inf scores at every length to 70, AVX-512 and
+// AVX2): the row max is kept per vector lane, lane l taking scores l, l+W, ... through
+// vmaxps from -FLT_MAX, which returns its second operand (the incoming score) when either
+// is NaN, so a NaN stays in a lane only when it is the lane's last score (AVX2 runs the tail
+// as a full vector padded with -FLT_MAX, AVX-512 masks it); the horizontal reduction (max
+// with the lane W/2, W/4, ..., 1 apart, the same operand rule) carries it to lane l ^ (W-1).
+// Then e_j = exp(s_j - max of j's lane), with exp(NaN) = +inf, and P_j = e_j / sum(e): NaN
+// where e_j is +inf and 0 elsewhere when the sum is +inf, NaN everywhere when it is 0.
+struct LaneMax {
+  int W = 0;
+  float v[16];
+  bool inf_sum = false;  // some e_j is +inf
+  void reset(int w) {
+    W = w;
+    inf_sum = false;
+    std::fill(v, v + 16, -std::numeric_limits<float>::max());
+  }
+  void feed(int64_t j, float x) {
+    float& m = v[j % W];
+    m = std::isnan(m) || std::isnan(x) ? x : std::max(m, x);
+  }
+  void finish(int64_t n) {
+    if (W == 8)
+      for (int64_t j = n; j % W != 0; ++j) feed(j, -std::numeric_limits<float>::max());
+    for (int k = W / 2; k >= 1; k /= 2) {
+      float t[16];
+      for (int l = 0; l < W; ++l) {
+        const float a = v[l], b = v[l ^ k];
+        t[l] = std::isnan(a) || std::isnan(b) ? b : std::max(a, b);
+      }
+      std::copy(t, t + W, v);
+    }
+  }
+  // whether e_j = exp(s_j - lane max) is +inf (NaN difference, or exp overflows)
+  bool inf_at(int64_t j, float s) const {
+    const float d = s - v[j % W];
+    return std::isnan(d) || d > 88.72283935546875f;  // ln(FLT_MAX)
+  }
+};
+
+// Probabilities of a score tile in place: P = exp(S - m) / l for the keys a row computes
+// (c < its limit), 0 after them.  A row whose softmax is NaN (l not > 0 while it sees keys:
+// a NaN or +inf score, or every score -inf) has NaN probabilities where the unfused graph's
+// softmax puts them: at every key it sees (MXNet's own kernel, `lanes` null), or as oneDNN's
+// softmax does (see LaneMax).
+void probs_tile(const Scratch& w, const float* inv, const LaneMax* lanes, int64_t bq, int64_t j0,
+                int64_t nb, float* S) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t r = 0; r < bq; ++r) {
+    float* s = S + r * BK;
+    const int64_t cl = std::max<int64_t>(0, std::min(nb, w.lim[r] - j0));
+    const float m = w.m[r], il = inv[r];
+    if (lanes && lanes[r].W && !(w.l[r] > 0.f)) {
+      const LaneMax& lm = lanes[r];
+      for (int64_t c = 0; c < cl; ++c) s[c] = !lm.inf_sum || lm.inf_at(j0 + c, s[c]) ? nan : 0.f;
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < cl; ++c) s[c] = fast_exp(s[c] - m) * il;
+    }
+    for (int64_t c = cl; c < nb; ++c) s[c] = 0.f;
+  }
+}
+
+// The rows of a block whose softmax is NaN: their LaneMax (`lanes`, under oneDNN's softmax),
+// over every key — the keys after a causal band too, with their add / fill, where the kernel
+// skipped them (a NaN row's band may be skipped: its NaN or +inf score lies inside) — and
+// dV_j = NaN for each key j after the band whose probability is NaN (every one under MXNet's
+// own softmax, where P = exp(s - max) / NaN; under oneDNN's, where e_j is +inf).  W = 0 (an
+// ISA whose lanes are not modelled): every probability of the row NaN.
+void nan_rows(const Params& p, const Geom& g, const MaskView& mk, int64_t n, int64_t i0,
+              int64_t bq, Scratch& w, LaneMax* lanes, const View& dv) {
+  const int W = lanes ? onednn_lanes() : 0;
+  const bool after_band = p.causal && p.causal_mode != CausalMode::exclude;
+  const float cv = p.mask_value, nan = std::numeric_limits<float>::quiet_NaN();
+  int64_t jend = 0;
+  bool skipped = false;
+  for (int64_t r = 0; r < bq; ++r) {
+    if (lanes) lanes[r].reset(W);
+    if (w.l[r] > 0.f || w.lim[r] == 0) continue;
+    jend = std::max(jend, after_band ? g.Sk : w.lim[r]);
+    skipped = skipped || w.lim[r] < g.Sk;
+  }
+  const bool model = W != 0;
+  if (!model && !(after_band && skipped)) return;
+  const int64_t b = n / g.H, h = n % g.H;
+  // passes: 0 the lane maxima, 1 whether the sum is +inf, 2 the keys after a band
+  for (int pass = model ? 0 : 2; pass < 3; ++pass) {
+    for (int64_t j0 = 0; j0 < jend; j0 += BK) {
+      const int64_t nb = std::min(BK, jend - j0);
+      float* S = w.S.data();
+      score_tile(p, g, mk, n, i0, bq, j0, nb, S, w);
+      for (int64_t r = 0; r < bq; ++r) {
+        if (w.l[r] > 0.f || w.lim[r] == 0) continue;
+        float* s = S + r * BK;
+        const int64_t ce = after_band ? nb : std::max<int64_t>(0, std::min(nb, w.lim[r] - j0));
+        for (int64_t c = std::max<int64_t>(0, w.lim[r] - j0); c < ce; ++c)  // skipped keys' form
+          s[c] = p.causal_mode == CausalMode::add ? s[c] + cv : cv;
+        LaneMax* lm = lanes ? &lanes[r] : nullptr;
+        for (int64_t c = 0; c < ce; ++c) {
+          const int64_t j = j0 + c;
+          if (pass == 0)
+            lm->feed(j, s[c]);
+          else if (pass == 1)
+            lm->inf_sum = lm->inf_sum || lm->inf_at(j, s[c]);
+          else if (j >= w.lim[r] && (!model || !lm->inf_sum || lm->inf_at(j, s[c])))
+            std::fill(dv.mrow(b, h, j), dv.mrow(b, h, j) + g.Dv, nan);
+        }
+      }
+    }
+    if (pass == 0)
+      for (int64_t r = 0; r < bq; ++r)
+        if (!(w.l[r] > 0.f) && w.lim[r] > 0) lanes[r].finish(after_band ? g.Sk : w.lim[r]);
+    if (pass == 1 && !(after_band && skipped)) break;
+  }
+}
+
+// D_i = sum_j P_ij dP_ij, as the unfused softmax's backward sums it, for the rows of a block
+// where rowsum(dO * O) is not finite (`redo`): over the keys the row sees when the softmax
+// reads lengths (the others are not in its sum), over every key otherwise (a key after the
+// causal band has P = 0, and 0 * dP is NaN where dP is not finite).  rowsum(dO * O) differs
+// from it there: O holds NaN where v is not finite among skipped keys (0 * inf), and dO * O
+// may give inf where the products give NaN.
+void redo_row_sums(const Params& p, const Geom& g, const MaskView& mk, const View& dout, int64_t n,
+                   int64_t i0, int64_t bq, const std::vector<char>& redo, const LaneMax* lanes,
+                   const float* inv, Scratch& w, float* dP, float* Di) {
+  const int64_t b = n / g.H, h = n % g.H, Dv = g.Dv;
+  const bool lengths = softmax_with_lengths(p);
+  int64_t jend = 0;
+  for (int64_t r = 0; r < bq; ++r)
+    if (redo[r]) {
+      Di[r] = 0.f;
+      jend = std::max(jend, lengths ? w.lim[r] : g.Sk);
+    }
+  for (int64_t j0 = 0; j0 < jend; j0 += BK) {
+    const int64_t nb = std::min(BK, jend - j0);
+    float* S = w.S.data();
+    score_tile(p, g, mk, n, i0, bq, j0, nb, S, w);
+    probs_tile(w, inv, lanes, bq, j0, nb, S);
+    sgemm('N', 'T', bq, nb, Dv, 1.f, dout.row(b, h, i0), dout.rs, g.v.row(b, h, j0), g.v.rs, 0.f,
+          dP, BK);
+    for (int64_t r = 0; r < bq; ++r) {
+      if (!redo[r]) continue;
+      const int64_t ce = lengths ? std::max<int64_t>(0, std::min(nb, w.lim[r] - j0)) : nb;
+      float acc = 0.f;
+      for (int64_t c = 0; c < ce; ++c) acc += S[r * BK + c] * dP[r * BK + c];
+      Di[r] += acc;
+    }
+  }
+}
+
+// The unfused products run over every key of every row: a key a row skips (after its length
+// or causal band; P = 0 and dS = 0 there) still turns a non-finite value of the other operand
+// into NaN, 0 * inf and 0 * NaN being NaN: dQ_i[d] where k_j[d] is not finite, dK_j[d] where
+// q_i[d] is, dV_j[c] where dO_i[c] is, for each key j the row i skips.  Under causal_mode add
+// the skipped scores' gradient is P * (dP - D_i) = 0 * (dP - D_i): NaN for the whole skipped
+// part of a row whose D_i is not finite (`dsnan`), so dQ_i and those keys' dK_j are NaN.  The
+// tile loops cover the keys up to a block's last limit; this covers them all.
+void skipped_keys(const Geom& g, int64_t n, const std::vector<int64_t>& lim,
+                  const std::vector<char>& dsnan, const View& dout, const View& dq, const View& dk,
+                  const View& dv) {
+  const int64_t b = n / g.H, h = n % g.H, D = g.D, Dv = g.Dv, Sk = g.Sk;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<int64_t> kbad(D, -1), qmin(D, Sk), omin(Dv, Sk);
+  int64_t dsmin = Sk, first = Sk;
+  for (int64_t j = 0; j < Sk; ++j) {
+    const float* kr = g.k.row(b, h, j);
+    if (!any_non_finite(kr, D)) continue;
+    for (int64_t d = 0; d < D; ++d)
+      if (!std::isfinite(kr[d])) kbad[d] = j;
+  }
+  for (int64_t i = 0; i < g.Sq; ++i) {
+    const int64_t l = lim[i];
+    if (l >= Sk) continue;
+    float* dqr = dq.mrow(b, h, i);
+    for (int64_t d = 0; d < D; ++d)
+      if (dsnan[i] || kbad[d] >= l) dqr[d] = nan;
+    const float* qr = g.q.row(b, h, i);
+    if (any_non_finite(qr, D))
+      for (int64_t d = 0; d < D; ++d)
+        if (!std::isfinite(qr[d])) qmin[d] = std::min(qmin[d], l), first = std::min(first, l);
+    const float* orow = dout.row(b, h, i);
+    if (any_non_finite(orow, Dv))
+      for (int64_t c = 0; c < Dv; ++c)
+        if (!std::isfinite(orow[c])) omin[c] = std::min(omin[c], l), first = std::min(first, l);
+    if (dsnan[i]) dsmin = std::min(dsmin, l), first = std::min(first, l);
+  }
+  for (int64_t j = first; j < Sk; ++j) {
+    float* dkr = dk.mrow(b, h, j);
+    for (int64_t d = 0; d < D; ++d)
+      if (j >= dsmin || j >= qmin[d]) dkr[d] = nan;
+    float* dvr = dv.mrow(b, h, j);
+    for (int64_t c = 0; c < Dv; ++c)
+      if (j >= omin[c]) dvr[c] = nan;
+  }
+}
+
+}  // namespace
+
 // Gradients through the softmax: P = exp(S - m) / l recomputed per tile (m, l from
 // row_stats; dividing by l rather than subtracting log(l) keeps P exact when m is huge,
-// as in a row whose scores are all -1e9), dP = dO V^T, dS = P * (dP - rowsum(dO * O)).
+// as in a row whose scores are all -1e9), dP = dO V^T, dS = P * (dP - D_i) with
+// D_i = rowsum(dO * O) (see redo_row_sums where that is not finite).
 // dS is the gradient of the masked scores: an additive mask receives it summed over the
 // axes it broadcasts along; where a boolean mask or the causal fill replaced a score, the
-// score itself gets none (where() passes the gradient to the fill).
+// score itself gets none (where() passes the gradient to the fill).  Non-finite values
+// reach the gradients as through the unfused products (see probs_tile, skipped_keys).
 void backward(const Params& p, const Geom& g, const MaskView& mk, const View& dout,
               const View& dq, const View& dk, const View& dv, float* dmask) {
   const int64_t N = g.B * g.H, D = g.D, Dv = g.Dv;
   if (N == 0 || g.Sq == 0) return;
   const Prep pr = prepare(p, g, mk, false);
+  const bool at_scores = softmax_nan_at_scores(p, g);
+  const bool lengths = softmax_with_lengths(p);
+  const bool add_band = p.causal && p.causal_mode == CausalMode::add;
   // Heads whose mask slices coincide (a broadcast mask) accumulate into a per-thread copy
   // of the slice, added to dmask when the thread moves to another slice; others write
   // their own slice directly.
@@ -498,6 +726,9 @@ void backward(const Params& p, const Geom& g, const MaskView& mk, const View& do
   {
     Scratch w(Dv);
     std::vector<float> dP(BQ * BK), Di(BQ), inv(BQ), slice;
+    std::vector<char> redo(BQ), dsnan(g.Sq);
+    std::vector<LaneMax> lanes(at_scores ? BQ : 0);
+    std::vector<int64_t> lim(g.Sq);  // per row of the head: the keys it computes
     int64_t slice_off = -1;
     if (dmask && shared) slice.assign(mrows * mcols, 0.f);
     auto flush = [&]() {
@@ -528,33 +759,39 @@ void backward(const Params& p, const Geom& g, const MaskView& mk, const View& do
           asq = mk.sq;
           ask = mk.sk;
         }
+        bool skips = false;
         for (int64_t i0 = 0; i0 < g.Sq; i0 += BQ) {
           const int64_t bq = std::min(BQ, g.Sq - i0);
           row_stats(p, g, mk, pr, n, i0, bq, w);
           int64_t kmax = 0;
+          bool any_redo = false, any_nan = false;
           for (int64_t r = 0; r < bq; ++r) {
             kmax = std::max(kmax, w.lim[r]);
+            lim[i0 + r] = w.lim[r];
+            skips = skips || w.lim[r] < g.Sk;
             const float* o = g.o.row(b, h, i0 + r);
             const float* d = dout.row(b, h, i0 + r);
             float s = 0.f;
             for (int64_t c = 0; c < Dv; ++c) s += o[c] * d[c];
             Di[r] = s;
+            redo[r] = !std::isfinite(s) && w.lim[r] > 0;
+            any_redo = any_redo || redo[r];
             // a row whose forward output is NaN (scores all -inf, or NaN) has NaN
-            // probabilities, as softmax's
+            // probabilities (where: see probs_tile)
             inv[r] = w.l[r] > 0.f ? 1.f / w.l[r] : nan;
+            any_nan = any_nan || (!(w.l[r] > 0.f) && w.lim[r] > 0);
           }
+          const LaneMax* lm = at_scores && any_nan ? lanes.data() : nullptr;
+          if (any_nan && !lengths) nan_rows(p, g, mk, n, i0, bq, w, at_scores ? lanes.data() : nullptr, dv);
+          if (any_redo)
+            redo_row_sums(p, g, mk, dout, n, i0, bq, redo, lm, inv.data(), w, dP.data(), Di.data());
+          for (int64_t r = 0; r < bq; ++r)
+            dsnan[i0 + r] = add_band && w.lim[r] < g.Sk && !std::isfinite(Di[r]);
           for (int64_t j0 = 0; j0 < kmax; j0 += BK) {
             const int64_t nb = std::min(BK, kmax - j0);
             float* S = w.S.data();
             score_tile(p, g, mk, n, i0, bq, j0, nb, S, w);
-            for (int64_t r = 0; r < bq; ++r) {
-              float* s = S + r * BK;
-              const int64_t cl = std::max<int64_t>(0, std::min(nb, w.lim[r] - j0));
-              const float m = w.m[r], il = inv[r];
-#pragma omp simd
-              for (int64_t c = 0; c < cl; ++c) s[c] = fast_exp(s[c] - m) * il;
-              for (int64_t c = cl; c < nb; ++c) s[c] = 0.f;
-            }
+            probs_tile(w, inv.data(), lm, bq, j0, nb, S);
             // dV += P^T dO
             sgemm('T', 'N', nb, Dv, bq, 1.f, S, BK, dout.row(b, h, i0), dout.rs, 1.f,
                   dv.mrow(b, h, j0), dv.rs);
@@ -584,6 +821,7 @@ void backward(const Params& p, const Geom& g, const MaskView& mk, const View& do
                   dk.mrow(b, h, j0), dk.rs);
           }
         }
+        if (skips) skipped_keys(g, n, lim, dsnan, dout, dq, dk, dv);
       } catch (const std::exception& e) {
 #pragma omp critical
         err = e.what();

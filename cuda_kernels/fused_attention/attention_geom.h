@@ -24,6 +24,9 @@ struct Params {
   CausalMode causal_mode;
   int64_t heads;
   float mask_value;  // score where a boolean mask is 0; the causal add / fill value
+  // nan_probs="row": a row whose softmax is NaN has every probability NaN (MXNet's own softmax
+  // kernel, which a `temperature` selects), whatever softmax_nan_at_scores() would say
+  bool nan_probs_row;
 };
 
 Params parse(const Attrs& attrs);
@@ -67,6 +70,15 @@ struct MaskView {
   const float* base(int64_t n) const { return p + noff[n]; }
 };
 void check_mask_shape(const Params& p, const Geom& g, const std::vector<int64_t>& ms);
+// Whether the softmax reads lengths (valid_length, or the causal exclude band): MXNet's softmax
+// with lengths, whose keys after a row's length get probability 0 and no gradient.
+bool softmax_with_lengths(const Params& p);
+// Which probabilities of a row whose softmax is NaN (a NaN or +inf score, or every score -inf)
+// are NaN, as the unfused graph's softmax gives them: true — only where the score minus the
+// row's max is NaN, the others 0 (oneDNN's softmax, MXNet's default for float32 scores of rank
+// <= 4 without lengths or temperature); false — every key the row sees (MXNet's own kernel: with
+// lengths, a temperature (nan_probs="row"), scores of rank > 4, or MXNET_MKLDNN_ENABLED=0).
+bool softmax_nan_at_scores(const Params& p, const Geom& g);
 MaskView mask_view(const Params& p, const Geom& g, const MXTensor* mask);
 
 void forward(const Params& p, const Geom& g, const MaskView& m);

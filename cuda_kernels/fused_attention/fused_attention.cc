@@ -2,6 +2,7 @@
 // See README.md in this folder for the exact inputs, attributes and layouts.
 #include <cstring>
 
+#include "act.h"
 #include "attention_geom.h"
 
 namespace mxf {
@@ -36,6 +37,7 @@ Params parse(const Attrs& a) {
       throw OpError("causal_mode '" + cm + "' needs mask_value (the value " +
                     (cm == "add" ? "added to" : "used for") + " the scores after the band)");
   }
+  p.nan_probs_row = attr_choice(a, "nan_probs", "auto", {"auto", "row"}) == "row";
   p.heads = attr_int(a, "heads", p.layout == Layout::plain ? 1 : 0);
   if (p.layout == Layout::plain) {
     if (p.heads != 1) throw OpError("attribute 'heads' is only used with head-aware layouts");
@@ -224,6 +226,18 @@ bool length_shape(const Params& p, const Geom& g, const std::vector<int64_t>& ms
   return false;
 }
 }  // namespace
+
+bool softmax_with_lengths(const Params& p) {
+  return p.mask == MaskKind::valid_length || (p.causal && p.causal_mode == CausalMode::exclude);
+}
+
+bool softmax_nan_at_scores(const Params& p, const Geom& g) {
+  // MXNet's SupportMKLDNNSoftmax: float32, the last axis, rank 1 to 4, no temperature; lengths
+  // always go through MXNet's own kernel.  The head-aware layouts' scores have rank 3 or 4.
+  if (p.nan_probs_row || softmax_with_lengths(p)) return false;
+  if (p.layout == Layout::plain && g.batch.size() + 2 > 4) return false;
+  return dnnl_enabled();
+}
 
 void check_mask_shape(const Params& p, const Geom& g, const std::vector<int64_t>& ms) {
   const int64_t N = g.B * g.H;

@@ -222,6 +222,7 @@ def test_symbol_json_roundtrip():
     (dict(layout="plain"), "scale"),
     (dict(scale=0.1, causal="maybe"), "causal"),
     (dict(scale=0.1, layout="bshd"), "heads"),
+    (dict(scale=0.1, nan_probs="all"), "nan_probs"),
 ])
 def test_invalid_attributes(attrs, msg):
     q = mx.nd.array(rnd(2, 4, 8))
@@ -236,6 +237,14 @@ def test_bad_shapes_are_reported():
     with pytest.raises(MXNetError, match="does not broadcast"):
         mx.nd.fused_attention(q, q, q, mx.nd.ones((3, 4, 4)), scale=0.1,
                               mask_kind="additive").wait_to_read()
+    # a condition larger than the scores (what MXNet's where cannot read) never reaches the kernel
+    with pytest.raises(MXNetError, match="does not broadcast"):
+        mx.nd.fused_attention(q, q, q, mx.nd.ones((3, 4, 4)), scale=0.1,
+                              mask_kind="boolean").wait_to_read()
+    x = mx.nd.array(rnd(4, 2, 3 * 2 * 3))
+    with pytest.raises(MXNetError, match="valid_length must have"):
+        mx.nd.fused_attention(x, mx.nd.ones((3,)), scale=0.1, layout="interleaved", heads=2,
+                              mask_kind="valid_length").wait_to_read()
 
 
 @pytest.mark.parametrize("Sq,Sk", [(40, 300), (300, 40), (1, 1)])
@@ -578,3 +587,191 @@ def test_edge_semantics_across_small_tiles(avx512):
     if avx512 == "0":
         env["MXFUSION_DISABLE_AVX512"] = "1"
     assert "ok" in run_python(code, **env)
+
+
+# ---- backward: non-finite values as the unfused graph ------------------------------------------
+_NAN_GRAD_CASES = dict(_NAN_CASES, **{
+    "k -inf (late key)": lambda q, k, v, m, dy: k.__setitem__((1, 5, 2), -np.inf),
+    "v NaN (visible)": lambda q, k, v, m, dy: v.__setitem__((1, 0, 3), np.nan),
+    "dy NaN": lambda q, k, v, m, dy: dy.__setitem__((1, 3, 2), np.nan),
+    "dy inf": lambda q, k, v, m, dy: dy.__setitem__((0, 0, 1), np.inf),
+})
+
+
+def _grads_same(got, want, rtol=1e-4):
+    for g, w in zip(got, want):
+        _same(g, w, rtol)
+
+
+@pytest.mark.parametrize("case", sorted(_NAN_GRAD_CASES))
+@pytest.mark.parametrize("kind", ["none", "additive", "boolean", "valid_length", "causal_add", "causal_fill",
+                                  "causal_exclude"])
+def test_non_finite_values_backward_follow_mxnet(kind, case):
+    """Gradients with a NaN / ±inf in q, k, v, the mask or dO, as MXNet's unfused graph gives them:
+    rows whose softmax is NaN (oneDNN's probabilities, MXNet's own with lengths), keys after a
+    row's length (0 among them, a row with no key) or causal band still multiplied by the
+    products (0·inf), the softmax's row sum over the keys the row sees."""
+    N, Sq, Sk, D = 2, 6, 7, 4
+    q, k, v = rnd(N, Sq, D), rnd(N, Sk, D, seed=1), rnd(N, Sk, D, seed=2)
+    dy = rnd(N, Sq, D, seed=3)
+    m = np.zeros((N, Sq, Sk), np.float32) if kind == "additive" else np.ones((N, Sq, Sk), np.float32)
+    if "mask" in case and kind not in ("additive", "boolean"):
+        pytest.skip("no mask input")
+    f = _NAN_GRAD_CASES[case]
+    f(q, k, v, m, dy) if f.__code__.co_argcount == 5 else f(q, k, v, m)
+    if kind == "boolean":
+        m[0, 4, :] = 0
+        m[1, :, 3] = 0
+    L = np.array([[6, 3, 0, 2, 7, 1], [4, 7, 7, 0, 1, 2]], np.int32)
+    mm = mx.nd.array(m)
+    if kind.startswith("causal"):
+        mode = kind.split("_")[1]
+        if mode == "exclude":   # the unfused form of the excluded band: softmax lengths
+            band = np.clip(np.arange(Sq) + 1 + Sk - Sq, 0, Sk).astype(np.int32)[None].repeat(N, 0)
+            mb = mx.nd.array(band, dtype="int32")
+            un = lambda a, b, c: _mx_unfused(a, b, c, 0.5, mb, "valid_length")
+            fu = lambda a, b, c: mx.nd.fused_attention(a, b, c, scale=0.5, causal=True)
+        else:
+            un = lambda a, b, c: _mx_unfused(a, b, c, 0.5, causal=(mode, -1e9))
+            fu = lambda a, b, c: mx.nd.fused_attention(a, b, c, scale=0.5, causal=True, causal_mode=mode,
+                                                        mask_value=-1e9)
+    elif kind == "valid_length":
+        mL = mx.nd.array(L, dtype="int32")
+        un = lambda a, b, c: _mx_unfused(a, b, c, 0.5, mL, kind)
+        fu = lambda a, b, c: mx.nd.fused_attention(a, b, c, mL, scale=0.5, mask_kind=kind)
+    elif kind == "none":
+        un = lambda a, b, c: _mx_unfused(a, b, c, 0.5)
+        fu = lambda a, b, c: mx.nd.fused_attention(a, b, c, scale=0.5)
+    else:
+        un = lambda a, b, c: _mx_unfused(a, b, c, 0.5, mm, kind, mask_value=-1e9)
+        fu = lambda a, b, c: mx.nd.fused_attention(a, b, c, mm, scale=0.5, mask_kind=kind, mask_value=-1e9)
+    _grads_same(grads(fu, [q, k, v], dy), grads(un, [q, k, v], dy))
+
+
+@pytest.mark.parametrize("Sk", [7, 15, 16, 17, 33, 70])
+@pytest.mark.parametrize("where", ["first", "last", "two", "all_neg_inf"])
+def test_nan_rows_probabilities_as_onednn_softmax(Sk, where):
+    """A key of k holding a NaN makes every row that sees it NaN; dV of those rows reads the
+    probabilities MXNet's oneDNN softmax gives (NaN at the key, and at the vector lane its max
+    reduction carries the NaN to), and MXNet's own kernel (a temperature: nan_probs="row") gives
+    the whole row NaN.  With causal fill, the rows after the key keep finite gradients."""
+    N, Sq, D = 2, 40, 4
+    q, k, v = rnd(N, Sq, D), rnd(N, Sk, D, seed=1), rnd(N, Sk, D, seed=2)
+    dy = rnd(N, Sq, D, seed=3)
+    if where == "first":
+        k[0, 0, 1] = np.nan
+    elif where == "last":
+        k[0, Sk - 1, 1] = np.nan
+    elif where == "two":
+        k[0, Sk // 2, 0] = np.nan
+        k[1, Sk - 1, 3] = np.nan
+    m = None
+    if where == "all_neg_inf":                        # rows of -inf only, one with a NaN
+        m = np.zeros((N, Sq, Sk), np.float32)
+        m[0, 3, :] = -np.inf
+        m[1, 5, :] = -np.inf
+        m[1, 5, Sk // 3] = np.nan
+    mm = None if m is None else mx.nd.array(m)
+    kind = "none" if m is None else "additive"
+    extra = {} if m is None else {"mask_kind": "additive"}
+    for temperature in (None, 1.0):
+        def unfused(a, b, c):
+            s = mx.nd.batch_dot(a, b, transpose_b=True) * 0.5
+            s = s if mm is None else mx.nd.broadcast_add(s, mm)
+            t = {} if temperature is None else {"temperature": temperature}
+            return mx.nd.batch_dot(mx.nd.softmax(s, axis=-1, **t), c)
+
+        probs = {} if temperature is None else {"nan_probs": "row"}
+        want = grads(unfused, [q, k, v], dy)
+        got = grads(lambda a, b, c: mx.nd.fused_attention(a, b, c, *([] if mm is None else [mm]), scale=0.5,
+                                                           **extra, **probs), [q, k, v], dy)
+        _grads_same(got, want)
+    # causal fill: the NaN key is after the band of the early rows (their scores are replaced)
+    want = grads(lambda a, b, c: _mx_unfused(a, b, c, 0.5, causal=("fill", -1e4)), [q, k, v], dy)
+    got = grads(lambda a, b, c: mx.nd.fused_attention(a, b, c, scale=0.5, causal=True, causal_mode="fill",
+                                                       mask_value=-1e4), [q, k, v], dy)
+    _grads_same(got, want)
+
+
+@pytest.mark.parametrize("env", [{"DNNL_MAX_CPU_ISA": "AVX2"}, {"MXNET_MKLDNN_ENABLED": "0"}])
+def test_nan_rows_follow_the_softmax_mxnet_runs(env):
+    """oneDNN capped to AVX2 (8-float lanes, the tail run as a padded vector), and MXNet's own
+    softmax when its oneDNN kernels are off: the op reads the same switches."""
+    code = (
+        "import numpy as np, mxnet as mx, fusion\n"
+        "from kernel_fixtures import grads\n"
+        "rs = np.random.RandomState(0)\n"
+        "for Sk in (7, 9, 13, 17, 33):\n"
+        "    q, k, v, dy = (rs.uniform(-1, 1, s).astype(np.float32) for s in\n"
+        "                   [(2, 20, 4), (2, Sk, 4), (2, Sk, 4), (2, 20, 4)])\n"
+        "    k[0, Sk - 1, 1] = np.nan; k[1, Sk // 2, 2] = np.nan; k[1, 1, 0] = np.inf\n"
+        "    un = lambda a, b, c: mx.nd.batch_dot(mx.nd.softmax(mx.nd.batch_dot(a, b, transpose_b=True) * 0.5,\n"
+        "                                                       axis=-1), c)\n"
+        "    fu = lambda a, b, c: mx.nd.fused_attention(a, b, c, scale=0.5)\n"
+        "    for g, w in zip(grads(fu, [q, k, v], dy), grads(un, [q, k, v], dy)):\n"
+        "        assert np.array_equal(np.isnan(g), np.isnan(w)), Sk\n"
+        "        f = np.isfinite(w)\n"
+        "        assert not f.any() or np.abs(g[f] - w[f]).max() <= 1e-4 * max(np.abs(w[f]).max(), 1e-6)\n"
+        "print('ok')\n")
+    assert "ok" in run_python(code, **env)
+
+
+def _interleaved_unfused(x, L, H, temperature=None):
+    s = mx.nd.contrib.interleaved_matmul_selfatt_qk(x, heads=H)
+    p = mx.nd.softmax(s, L, axis=-1, use_length=True) if L is not None else mx.nd.softmax(s, axis=-1)
+    return mx.nd.contrib.interleaved_matmul_selfatt_valatt(x, p, heads=H)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "interleaved_encdec", "packed_qkv", "bshd", "plain4"])
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_lengths_zero_backward_every_layout(layout, nonfinite):
+    """Rows of length 0 (and others) in every layout, with a NaN / ±inf in the projections or
+    not: gradients as MXNet's softmax(use_length=True) graph gives them."""
+    S, B, H, D = 6, 2, 2, 3
+    rs = np.random.RandomState(7)
+    L = rs.randint(0, S + 1, (B * H, S)).astype(np.int32)
+    L[0, :2] = 0
+    L[3, 4] = 0
+    mL = mx.nd.array(L, dtype="int32")
+    split = lambda t: t.reshape((B, S, H, D)).transpose((0, 2, 1, 3)).reshape((B * H, S, D))
+    merge = lambda o: o.reshape((B, H, S, D)).transpose((0, 2, 1, 3)).reshape((B, S, H * D))
+    if layout == "interleaved":
+        xs = [rnd(S, B, H * 3 * D)]
+        un = lambda x: _interleaved_unfused(x, mL, H)
+        fu = lambda x: mx.nd.fused_attention(x, mL, scale=1 / np.sqrt(D), layout=layout, heads=H,
+                                             mask_kind="valid_length")
+    elif layout == "interleaved_encdec":
+        xs = [rnd(S, B, H * D), rnd(S, B, H * 2 * D, seed=1)]
+
+        def un(q, kv):
+            s = mx.nd.contrib.interleaved_matmul_encdec_qk(q, kv, heads=H)
+            return mx.nd.contrib.interleaved_matmul_encdec_valatt(
+                kv, mx.nd.softmax(s, mL, axis=-1, use_length=True), heads=H)
+
+        fu = lambda q, kv: mx.nd.fused_attention(q, kv, mL, scale=1 / np.sqrt(D), layout=layout, heads=H,
+                                                 mask_kind="valid_length")
+    elif layout == "packed_qkv":
+        xs = [rnd(B, S, 3 * H * D)]
+
+        def un(x):
+            q, k, v = (split(mx.nd.slice_axis(x, axis=-1, begin=i * H * D, end=(i + 1) * H * D)) for i in range(3))
+            return merge(_mx_unfused(q, k, v, 0.4, mL, "valid_length"))
+
+        fu = lambda x: mx.nd.fused_attention(x, mL, scale=0.4, layout=layout, heads=H, mask_kind="valid_length")
+    elif layout == "bshd":
+        xs = [rnd(B, S, H * D, seed=i) for i in range(3)]
+        un = lambda q, k, v: merge(_mx_unfused(split(q), split(k), split(v), 0.4, mL, "valid_length"))
+        fu = lambda q, k, v: mx.nd.fused_attention(q, k, v, mL, scale=0.4, layout=layout, heads=H,
+                                                   mask_kind="valid_length")
+    else:                                             # plain (B, H, S, D) with (B, H, S) lengths
+        xs = [rnd(B, H, S, D, seed=i) for i in range(3)]
+        m4 = mx.nd.array(L.reshape(B, H, S), dtype="int32")
+        un = lambda q, k, v: _mx_unfused(q, k, v, 0.4, m4, "valid_length")
+        fu = lambda q, k, v: mx.nd.fused_attention(q, k, v, m4, scale=0.4, mask_kind="valid_length")
+    if nonfinite:
+        xs[0].reshape(-1)[5] = np.nan
+        xs[-1].reshape(-1)[-2] = np.inf
+        xs[-1].reshape(-1)[xs[-1].size // 2] = -np.inf
+    out_shape = fu(*[mx.nd.array(x) for x in xs]).shape
+    dy = rnd(*out_shape, seed=9)
+    _grads_same(grads(fu, xs, dy), grads(un, xs, dy))
