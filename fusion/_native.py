@@ -30,6 +30,9 @@ REBUILD = "python -m fusion.build"
 CXXFLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp",
             "-march=" + os.environ.get("MXFUSION_MARCH", "x86-64-v3"), "-mtune=generic",
             "-fno-math-errno", "-fno-trapping-math", "-DNDEBUG", "-Wall", "-Wno-unused-function"]
+# lib_api.cc's error entry points are renamed out of the way: the library exports its own
+# (cuda_kernels/common/errors.cc), which hand each message to MXNet once.
+LIB_API_FLAGS = ["-D_msgSize=mxf_lib_api_msgSize", "-D_msgGet=mxf_lib_api_msgGet"]
 NVCCFLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-cudart", "static",
              "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
 
@@ -66,7 +69,7 @@ def source_hash(cuda=False):
     """Hash of every kernel source, header and compile flag for one library."""
     srcs, deps = _sources(cuda)
     h = hashlib.sha256()
-    h.update(" ".join(NVCCFLAGS if cuda else CXXFLAGS).encode())
+    h.update(" ".join(NVCCFLAGS if cuda else CXXFLAGS + LIB_API_FLAGS).encode())
     for f in srcs + deps:
         h.update(os.path.relpath(f, KERNEL_DIR).encode())
         with open(f, "rb") as fh:
@@ -146,7 +149,8 @@ def _compile(cuda, lib, verbose, jobs):
         for s in srcs:
             o = os.path.join(objdir, os.path.basename(os.path.dirname(s)) + "_" +
                              os.path.basename(s) + ".o")
-            cmds.append(["g++"] + CXXFLAGS + inc + ["-c", s, "-o", o])
+            cmds.append(["g++"] + CXXFLAGS + (LIB_API_FLAGS if s.endswith("lib_api.cc") else [])
+                        + inc + ["-c", s, "-o", o])
             objs.append(o)
         link = ["g++", "-shared", "-fopenmp", "-o", tmp] + objs + ["-ldl"]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as ex:

@@ -180,6 +180,6 @@ extern "C" const char* mxfusion_sgemm_status() {
 
 mxnet::ext::MXReturnValue initialize(int version) {
   if (version >= 10900) return mxnet::ext::MX_SUCCESS;
-  MX_ERROR_MSG << "mxnet-fusion ops need MXNet >= 1.9.0, found version " << version;
+  mxf::report_error("mxnet-fusion ops need MXNet >= 1.9.0, found version " + std::to_string(version));
   return mxnet::ext::MX_FAIL;
 }

@@ -1,5 +1,5 @@
 // Shared helpers for the mxnet-fusion CPU operator library.
-//  - attribute parsing that reports errors through MX_ERROR_MSG
+//  - attribute parsing that reports errors through report_error (errors.cc)
 //  - dnnl_sgemm, loaded at run time (oneDNN ships no headers in its wheel)
 //  - small vectorizable math helpers
 #pragma once
@@ -25,7 +25,11 @@ struct OpError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Runs `body` and turns any exception into MX_ERROR_MSG + MX_FAIL, so the
+// Hands one message to MXNet with the failure being returned (errors.cc: each message
+// reaches MXNet once, unlike lib_api's MX_ERROR_MSG, which repeats every earlier one).
+void report_error(const std::string& msg);
+
+// Runs `body` and turns any exception into report_error + MX_FAIL, so the
 // user sees an MXNetError naming the op and the problem.
 template <class F>
 MXReturnValue guarded(const char* op, F&& body) {
@@ -33,7 +37,7 @@ MXReturnValue guarded(const char* op, F&& body) {
     body();
     return mxnet::ext::MX_SUCCESS;
   } catch (const std::exception& e) {
-    MX_ERROR_MSG << op << ": " << e.what();
+    report_error(std::string(op) + ": " + e.what());
     return mxnet::ext::MX_FAIL;
   }
 }

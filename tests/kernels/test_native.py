@@ -32,3 +32,20 @@ def test_missing_and_stale_library_errors(fused_ops, tmp_path, monkeypatch):
 def test_cpu_library_does_not_need_cuda(fused_ops):
     with open(fused_ops.library_path(), "rb") as fh:
         assert b"libcudart" not in fh.read()
+
+
+def test_each_failure_reports_its_own_message_once(fused_ops):
+    """An op's error reaches MXNet once: the 50th failed shape inference raises the same
+    message as the first (lib_api.cc's own store repeats every earlier message, so errors
+    grow and a process that tries many shapes grows without bound)."""
+    import mxnet as mx
+
+    sym = mx.sym.fused_attention(mx.sym.var("x"), mx.sym.var("mask"), scale=0.5, layout="interleaved",
+                                 heads=2, mask_kind="additive")
+    messages = []
+    for _ in range(50):
+        with pytest.raises(mx.base.MXNetError) as info:
+            sym.infer_shape(x=(6, 2, 24), mask=(4, 6, 7))
+        messages.append(str(info.value))
+    assert messages[0].count("fused_attention:") == 1, messages[0]
+    assert len(set(messages)) == 1, (messages[0], messages[-1])
