@@ -72,15 +72,32 @@ def _view(graph: Graph) -> _View:
 _SIZE_KEEPING = frozenset({"Reshape", "reshape", "_npx_reshape", "_np_reshape", "Flatten", "flatten"})
 
 
+def misread(op: str, ins: Sequence[Optional[Shape]], out: Optional[Shape]) -> bool:
+    """Whether MXNet 1.9.1 infers these shapes for ``op`` but does not run it as they say:
+    a reshape to a shape of another size (it infers a fully given target without comparing sizes,
+    then copies past the buffer), or a ``where`` whose condition has the rank of its operands but
+    neither their shape nor their leading dims followed by ones (its shape function accepts any
+    such condition; the kernel reads cond[i // (|x| / |cond|)]: elsewhere, or divides by zero)."""
+    if op in _SIZE_KEEPING:
+        return bool(ins and ins[0] is not None and out is not None and int(np.prod(ins[0])) != int(np.prod(out)))
+    if op == "where" and len(ins) >= 2 and ins[0] is not None and ins[1] is not None:
+        c, x = tuple(ins[0]), tuple(ins[1])
+        if c == x or len(c) != len(x):
+            return False
+        lead = len(c)
+        while lead and c[lead - 1] == 1:
+            lead -= 1
+        return c[:lead] != x[:lead]
+    return False
+
+
 def _sizes_kept(shapes: Mapping[Entry, Shape]) -> bool:
-    """Whether every reshape keeps its input's size: MXNet 1.9.1 infers a fully given target shape
-    without comparing sizes (``Reshape(shape=(1, 4))`` of a (2, 4) input infers, then fails to run)."""
+    """Whether MXNet runs every op as the shapes say (see ``misread``)."""
     for e, out in shapes.items():
         nd = e.node
-        if nd.op in _SIZE_KEEPING and nd.inputs:
-            src = shapes.get(nd.inputs[0])
-            if src is not None and int(np.prod(src)) != int(np.prod(out)):
-                return False
+        if (nd.op in _SIZE_KEEPING or nd.op == "where") and nd.inputs and \
+                misread(nd.op, [shapes.get(i) for i in nd.inputs], out):
+            return False
     return True
 
 

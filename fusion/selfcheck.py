@@ -526,7 +526,7 @@ class SelfCheck:
                 if any(n.startswith("c%do_" % it.index) for n in mine):
                     out.append((it.index, _UNCHECKED, 0.0))
                 elif mine:
-                    out.append((it.index, "the replacement reshapes a tensor to a shape of another size", 0.0))
+                    out.append((it.index, "the replacement reads a tensor MXNet would misread at these shapes (a reshape to another size, a where condition of another shape)", 0.0))
             if out:
                 return out + (self._run([it for it in items if it.index not in {o[0] for o in out}])
                               if len(out) < len(items) else [])
@@ -592,12 +592,13 @@ _UNCHECKED = "unchecked"
 
 
 def _misfit_reshapes(sym: Any, feed: Dict[str, Any]) -> List[str]:
-    """Names of Reshape nodes whose inferred output has another size than their input (MXNet 1.9.1
-    infers a fully given target shape without comparing sizes, then copies past the buffer)."""
-    from .facts import _SIZE_KEEPING
+    """Names of nodes MXNet 1.9.1 would not run as their inferred shapes say (``facts.misread``:
+    a reshape to another size copies past its buffer, a ``where`` condition of another shape is
+    read elsewhere or divides by zero)."""
+    from .facts import _SIZE_KEEPING, misread
 
     conf = json.loads(sym.tojson())
-    if not any(n["op"] in _SIZE_KEEPING for n in conf["nodes"]):
+    if not any(n["op"] in _SIZE_KEEPING or n["op"] == "where" for n in conf["nodes"]):
         return []
     internals = sym.get_internals()
     try:
@@ -606,15 +607,23 @@ def _misfit_reshapes(sym: Any, feed: Dict[str, Any]) -> List[str]:
         return []
     by_name = dict(zip(internals.list_outputs(), shapes))
     nodes = conf["nodes"]
+
+    def shape_of(entry):
+        src = nodes[entry[0]]
+        if src["op"] == "null":
+            name = src["name"]
+        elif entry[1] > 0:
+            name = "%s_output%d" % (src["name"], entry[1])
+        else:
+            name = "%s_output" % src["name"]
+        got = by_name.get(name)
+        return tuple(got) if got else None
+
     bad = []
     for n in nodes:
-        if n["op"] in _SIZE_KEEPING and n["inputs"]:
-            src = nodes[n["inputs"][0][0]]
-            src_name = src["name"] if src["op"] == "null" else "%s_output" % src["name"]
-            if src["op"] != "null" and n["inputs"][0][1] > 0:
-                src_name = "%s_output%d" % (src["name"], n["inputs"][0][1])
-            a, b = by_name.get(src_name), by_name.get("%s_output" % n["name"])
-            if a and b and int(np.prod(a)) != int(np.prod(b)):
+        if (n["op"] in _SIZE_KEEPING or n["op"] == "where") and n["inputs"]:
+            out = by_name.get("%s_output" % n["name"])
+            if misread(n["op"], [shape_of(i) for i in n["inputs"]], tuple(out) if out else None):
                 bad.append(n["name"])
     return bad
 

@@ -211,14 +211,46 @@ def test_causal_needs_more_than_one_length():
 
 
 def test_causal_positions_from_the_scores_in_training():
+    """Positions of the scores' own axes (arange_like(s, axis=-2/-1)), i >= j: the top-left band,
+    causal only while Sq = Sk; q and k are separate inputs, so the mask stays (exact at (3, 9))."""
     q, k, v = S.var("q"), S.var("k"), S.var("v")
     s = S.batch_dot(q, k, transpose_b=True)
     qpos = S.reshape(S.contrib.arange_like(s, axis=-2), shape=(-1, 1))
     kpos = S.reshape(S.contrib.arange_like(s, axis=-1), shape=(1, -1))
     y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - S.broadcast_greater_equal(qpos, kpos)) * -1e9)), v)
     res = equivalent(y, qkv((2, 5, 4)), rules=["scores_shape", "attention"], mode="training",
-                     others=[qkv((3, 9, 4))])
-    assert ops(res) == {"fused_attention": 1}
+                     others=[qkv((3, 9, 4)), qkv((3, 4, 4), (3, 9, 4))])
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert not node.param("causal", False) and node.attrs["mask_kind"] == "additive"
+
+
+@pytest.mark.parametrize("sq,sk", [(5, 5), (4, 7)])
+def test_top_left_band_stays_a_mask_where_lengths_can_differ(sq, sk):
+    """j <= i (the band aligned to the top-left corner) is the causal band only while Sq = Sk.
+    Queries and keys from different inputs may have other lengths: the mask stays a mask, exact
+    at (3, 8) too, even when the user's shapes have equal lengths."""
+    q, k, v = S.var("q"), S.var("k"), S.var("v")
+    s = S.batch_dot(q, k, transpose_b=True)
+    keep = _band_mask(q, k, offset=0)
+    y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - keep) * -1e9)), v)
+    res = equivalent(y, qkv((2, sq, 4), (2, sk, 4)), rules=["attention"], mode="training",
+                     others=[qkv((2, 3, 4), (2, 8, 4)), qkv((1, 6, 4), (1, 6, 4))])
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert not node.param("causal", False) and node.attrs["mask_kind"] == "additive"
+
+
+def test_top_left_band_is_causal_when_queries_and_keys_share_their_length():
+    """Self-attention on one input: Sq = Sk at every shape, where j <= i is the causal band."""
+    x = S.var("x")
+    q, k, v = (S.FullyConnected(x, num_hidden=4, flatten=False, no_bias=True, name=n) for n in "qkv")
+    s = S.batch_dot(q, k, transpose_b=True)
+    keep = _band_mask(q, k, offset=0)
+    y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - keep) * -1e9)), v)
+    rng = np.random.default_rng(3)
+    params = {n + "_weight": rng.standard_normal((4, 4)) for n in "qkv"}
+    res = equivalent(y, {"x": (2, 5, 4)}, params=params, rules=["attention"], others=[{"x": (3, 9, 4)}])
+    node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert node.param("causal", False) is True
 
 
 def test_learned_causal_looking_bias_stays_a_trained_input():
@@ -445,8 +477,7 @@ def test_causal_band_skipped_by_a_nan_row():
     the keys after its band too (which the kernel skips), so their dV is NaN."""
     q, k, v = S.var("q"), S.var("k"), S.var("v")
     s = S.batch_dot(q, k, transpose_b=True) * 0.5
-    band = S.broadcast_greater_equal(S.reshape(S.contrib.arange_like(q, axis=-2), shape=(-1, 1)),
-                                     S.reshape(S.contrib.arange_like(k, axis=-2), shape=(1, -1)))
+    band = _band_mask(q, k)
     s = S.where(S.broadcast_like(S.expand_dims(band, axis=0), s, lhs_axes=(0,), rhs_axes=(0,)), s,
                 S.ones_like(s) * -1e18)
     y = S.batch_dot(S.softmax(s, axis=-1, temperature=1.0), v)

@@ -153,18 +153,19 @@ def test_plain_other_ranks(rank):
 
 
 def test_fused_causal_model_unfuses_and_runs_at_other_lengths():
-    """fuse → unfuse of a causal self-attention (positions taken off the scores)."""
+    """fuse → unfuse of a causal attention (positions taken off the scores, counted from their
+    ends: the band aligned bottom-right, causal at every (Sq, Sk))."""
     q, k, v = S.var("q"), S.var("k"), S.var("v")
     s = S.batch_dot(q, k, transpose_b=True)
-    qpos = S.reshape(S.contrib.arange_like(s, axis=-2), shape=(-1, 1))
-    kpos = S.reshape(S.contrib.arange_like(s, axis=-1), shape=(1, -1))
-    y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - S.broadcast_greater_equal(qpos, kpos)) * -1e9)), v)
+    qpos = S.reshape(S.reverse(S.contrib.arange_like(s, axis=-2), axis=0), shape=(-1, 1))
+    kpos = S.reshape(S.reverse(S.contrib.arange_like(s, axis=-1), axis=0), shape=(1, -1))
+    y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - S.broadcast_lesser_equal(qpos, kpos)) * -1e9)), v)
     shapes = {n: (2, 5, 4) for n in "qkv"}
     res = fusion.fuse(y, input_shapes=shapes)
     assert Graph.from_symbol(res.symbol).count_ops() == {"fused_attention": 1}
     plain = fusion.unfuse(res.symbol, input_shapes=shapes)
     rng = np.random.default_rng(3)
-    for shp in (shapes, {n: (3, 8, 4) for n in "qkv"}):
+    for shp in (shapes, {n: (3, 8, 4) for n in "qkv"}, {"q": (2, 3, 4), "k": (2, 7, 4), "v": (2, 7, 4)}):
         vals = {n: rng.standard_normal(sh).astype(np.float32) for n, sh in shp.items()}
         want, wgrad = _run(y, vals, True, 0)
         got, ggrad = _run(plain, vals, True, 0)
