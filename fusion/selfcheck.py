@@ -522,11 +522,15 @@ class SelfCheck:
         if bad:     # MXNet would run them past their buffers: report without running anything
             out = []
             for it in items:
-                mine = [n for n in bad if n.startswith("c%d" % it.index + "n_") or n.startswith("c%d" % it.index + "o_")]
-                if any(n.startswith("c%do_" % it.index) for n in mine):
+                mine = [(n, op) for n, op in bad
+                        if n.startswith("c%d" % it.index + "n_") or n.startswith("c%d" % it.index + "o_")]
+                if any(n.startswith("c%do_" % it.index) for n, _ in mine):
                     out.append((it.index, _UNCHECKED, 0.0))
+                elif any(op != "where" for _, op in mine):
+                    out.append((it.index, "the replacement reshapes a tensor to a shape of another size", 0.0))
                 elif mine:
-                    out.append((it.index, "the replacement reads a tensor MXNet would misread at these shapes (a reshape to another size, a where condition of another shape)", 0.0))
+                    out.append((it.index, "the replacement's where reads a condition of another shape than "
+                                          "its operands (MXNet reads it elsewhere)", 0.0))
             if out:
                 return out + (self._run([it for it in items if it.index not in {o[0] for o in out}])
                               if len(out) < len(items) else [])
@@ -591,8 +595,8 @@ class SelfCheck:
 _UNCHECKED = "unchecked"
 
 
-def _misfit_reshapes(sym: Any, feed: Dict[str, Any]) -> List[str]:
-    """Names of nodes MXNet 1.9.1 would not run as their inferred shapes say (``facts.misread``:
+def _misfit_reshapes(sym: Any, feed: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """(name, op) of the nodes MXNet 1.9.1 would not run as their inferred shapes say (``facts.misread``:
     a reshape to another size copies past its buffer, a ``where`` condition of another shape is
     read elsewhere or divides by zero)."""
     from .facts import _SIZE_KEEPING, misread
@@ -624,7 +628,7 @@ def _misfit_reshapes(sym: Any, feed: Dict[str, Any]) -> List[str]:
         if (n["op"] in _SIZE_KEEPING or n["op"] == "where") and n["inputs"]:
             out = by_name.get("%s_output" % n["name"])
             if misread(n["op"], [shape_of(i) for i in n["inputs"]], tuple(out) if out else None):
-                bad.append(n["name"])
+                bad.append((n["name"], n["op"]))
     return bad
 
 

@@ -672,7 +672,6 @@ def test_nan_rows_probabilities_as_onednn_softmax(Sk, where):
         m[1, 5, :] = -np.inf
         m[1, 5, Sk // 3] = np.nan
     mm = None if m is None else mx.nd.array(m)
-    kind = "none" if m is None else "additive"
     extra = {} if m is None else {"mask_kind": "additive"}
     for temperature in (None, 1.0):
         def unfused(a, b, c):
