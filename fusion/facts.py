@@ -8,13 +8,18 @@ the whole graph, so every op's broadcasting and attribute semantics are MXNet's.
 **Probes.**  A decision that holds at the input shapes the user gave may not hold at
 another batch size or sequence length — yet the fused model must run like the
 original at every shape the original accepts.  So the facts are also inferred at up
-to two *probe* shapes, derived from the user's:
+to three *probe* shapes, derived from the user's:
 
 * the batch axis changed (axis 0 of every data input that shares the first input's
-  batch size: ``B → B + 1``);
+  batch size: ``B → B + 1``; where the graph does not take that, also the inputs whose
+  first axis is a multiple of it, ``kB → k(B + 1)``: lengths per batch element and head);
 * then, in addition, each other size of the data inputs changed where the original
-  graph still accepts it (``S → S // 2 + 1``, or ``S + 1`` for small sizes) — a
-  sequence length, an image side.
+  graph still accepts it (``S → S + S // 4``, or ``S + 1`` for small sizes; never
+  smaller, see ``_alternate``) — a sequence length, an image side;
+* then sizes that are equal only by coincidence set apart: a place (input, axis) that
+  shares its size with another is grown alone where the graph still accepts it (a query
+  length equal to the key length, an image's height equal to its width, a dim of 1 of one
+  addend equal to the other's).
 
 A probe is kept only when MXNet infers every shape of the original graph at it.
 ``Context.shapes(entry)`` gives the entry's shape at every probe (the user's first);
@@ -33,7 +38,8 @@ from .graph import Entry, Graph, Node
 Shape = Tuple[int, ...]
 ShapeDict = Dict[str, Shape]
 
-MAX_PROBES = 3          # the user's shapes and two alternates
+MAX_PROBES = 4          # the user's shapes and three alternates
+MAX_PLACES_TRIED = 8    # places (input, axis) tried alone for the third alternate
 MAX_SIZES_TRIED = 4     # distinct non-batch sizes tried for the second alternate
 
 
@@ -233,12 +239,15 @@ def _changed(shape: Shape, axes: Sequence[int], new: Dict[int, int]) -> Shape:
 
 
 def _alternate(v: int) -> int:
-    return v + 1 if v < 4 else v // 2 + 1
+    """A size other than ``v``, never smaller: MXNet 1.9.1's Reshape infers a -1 of a size that
+    does not divide as 0 (27 elements into (3, 3, 4, -1)) and a later -1 then divides by zero
+    -- a crash, not an error.  Grown inputs keep every -1 at least as large as it was."""
+    return v + max(1, v // 4)
 
 
 def make_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: Mapping[str, Shape]
                 ) -> List[Tuple[ShapeDict, Optional[Dict[Entry, Shape]]]]:
-    """The user's input shapes, then up to two alternates the original graph accepts (see module
+    """The user's input shapes, then up to three alternates the original graph accepts (see module
     docs), each with the graph's shapes there when they were inferred to accept it."""
     data_names = [nd.name for nd in graph.variables() if nd.name not in param_shapes and nd.name in input_shapes]
     if not data_names:
@@ -265,7 +274,12 @@ def make_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: M
     if first:
         b = first[0]
         with_batch = {n: ((b + 1,) + s[1:] if s and s[0] == b else s) for n, s in base.items()}
+        # inputs whose first axis is a multiple of the batch (batch × heads rows of lengths)
+        scaled = {n: ((s[0] // b * (b + 1),) + s[1:] if s and s[0] % b == 0 else s) for n, s in base.items()}
         if accepted(with_batch):
+            probes.append(with_batch)
+        elif scaled != with_batch and accepted(scaled):
+            with_batch = scaled
             probes.append(with_batch)
         else:
             with_batch = dict(base)
@@ -285,4 +299,35 @@ def make_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: M
                 v = max(good)
                 probe = resized(with_batch, {v: good[v]})
             probes.append(probe)
+    apart = _sizes_apart(data_names, with_batch, param_dims, accepted)
+    if apart is not None:
+        probes.append(apart)
     return [({**input_shapes, **p}, inferred.get(key(p))) for p in probes[:MAX_PROBES]]
+
+
+def _sizes_apart(data_names: Sequence[str], start: ShapeDict, param_dims: set, accepted) -> Optional[ShapeDict]:
+    """The batch alternate with sizes that are equal only by coincidence set apart: each place
+    (input, axis) whose size another place shares is grown alone, to a size of its own, and kept
+    where the graph still accepts it.  Equal sizes change together in the other alternates, so a
+    query length equal to the key length, or an addend's dim of 1 equal to the other operand's,
+    look tied there; here a rule sees them differ.  None when no place could be set apart."""
+    probe = dict(start)
+    moved = 0
+    tried = 0
+    for n in data_names:
+        for a, d in enumerate(start[n]):
+            if tried >= MAX_PLACES_TRIED:
+                break
+            if a > 0 and d in param_dims:
+                continue        # a size a parameter has (a channel count) is fixed
+            if not any((m, b) != (n, a) and e == probe[n][a]
+                       for m in data_names for b, e in enumerate(probe[m])):
+                continue        # no other place has this size: nothing to set apart
+            tried += 1
+            size = 2 * probe[n][a] + 3 + 2 * tried
+            cand = dict(probe)
+            cand[n] = probe[n][:a] + (size,) + probe[n][a + 1:]
+            if accepted(cand):
+                probe = cand
+                moved += 1
+    return probe if moved else None

@@ -534,13 +534,13 @@ def _training_reason(m: Match, b: "Builder", mapping: Dict[Entry, Entry], ctx: "
     if ctx.mode != "training":
         return None
     if any(n.op.startswith("fused_") for n in b.created):
-        key = ("after_prelu", ctx.graph.version)
+        key = ("has_prelu", ctx.graph.version)
         if key not in ctx.memo:
-            from .workarounds import after_prelu
-            ctx.memo[key] = after_prelu(ctx.graph)
-        if any(id(n) in ctx.memo[key] for n in m.nodes):
-            return ("it follows a LeakyReLU(prelu): MXNet 1.9.1 computes prelu's γ gradient wrong when a "
-                    "library op runs after it in training")
+            from .workarounds import has_prelu
+            ctx.memo[key] = has_prelu(ctx.graph)
+        if ctx.memo[key]:
+            return ("the graph has a LeakyReLU(prelu): MXNet 1.9.1 computes prelu's γ gradient wrong when "
+                    "a library op runs before or after it in training")
     read = {id(e.node) for n in b.created for e in n.inputs} | {id(e.node) for e in mapping.values()}
     for nd in m.nodes:
         for e in nd.inputs:

@@ -293,6 +293,16 @@ class Elementwise(Rule):
         if len(inputs) > self.MAX_INPUTS:
             raise FusionError("the region reads %d inputs (a row condition counts twice), more than %d"
                               % (len(inputs), self.MAX_INPUTS))
+        if m.ctx.mode == "training":
+            # the program computes a subexpression written twice once, and sums its readers'
+            # gradients before they flow on -- as MXNet does for one node read twice, but not for
+            # two nodes computing the same (g / 0 + 0 / 0 = NaN there, (g + 0) / 0 = inf here)
+            seen: Dict[str, Node] = {}
+            for n in region:
+                other = seen.setdefault(exprs[id(n)], n)
+                if other is not n:
+                    raise FusionError("'%s' and '%s' compute the same value: in training the fused "
+                                      "program would sum their gradients before MXNet does" % (other.name, n.name))
         return b.op("fused_elemwise", inputs, attrs={"expr": exprs[id(region[-1])], "num_args": len(inputs)},
                     name=m.anchor.name)
 

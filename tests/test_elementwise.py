@@ -287,3 +287,17 @@ def test_fused_op_with_an_unread_input_is_not_inlined():
     res = fusion.fuse(y, rules=["elementwise"], input_shapes={"a": (2, 3), "b": (4, 1, 3)})
     inputs = {"a": np.ones((2, 3), np.float32), "b": np.ones((4, 1, 3), np.float32)}
     assert _run(res.symbol, inputs)[0].shape == _run(y, inputs)[0].shape == (4, 2, 3)
+
+
+def test_training_two_nodes_computing_the_same_value_are_not_merged():
+    """Two nodes computing x / (x < 6): MXNet backpropagates each (g / 0 + 0 / 0 = NaN where x >= 6);
+    the fused program would compute them once and sum first (inf). In training the region is
+    refused with that reason; at inference (no gradient) it fuses."""
+    x = mx.sym.var("x")
+    d1 = mx.sym.broadcast_div(x, x < 6)
+    d2 = mx.sym.broadcast_div(x, x < 6)
+    y = mx.sym.broadcast_maximum(d1, d2)
+    train = fusion.fuse(y, input_shapes={"x": (2, 3)}, mode="training")
+    assert "fused_elemwise" not in train.graph.count_ops()
+    assert "compute the same value" in train.report.to_text(explain=True)
+    assert "fused_elemwise" in fusion.fuse(y, input_shapes={"x": (2, 3)}).graph.count_ops()

@@ -226,6 +226,19 @@ def test_training_keeps_library_ops_away_from_after_prelu():
     assert "fused_elemwise" in inf.graph.count_ops()
 
 
+def test_training_keeps_library_ops_away_from_before_prelu():
+    """A library op reading two inputs before a prelu (even through stock ops) scales prelu's γ
+    gradient by γ in MXNet 1.9.1 (measured: fused_elemwise(x, r) -> prelu gives γ·dγ); in
+    training such a graph gets no library op, and its gradients stay MXNet's own."""
+    x, g, r = S.var("x"), S.var("g"), S.var("r")
+    y = S.LeakyReLU(S.elemwise_add(S.LeakyReLU(x, act_type="gelu"), r), g, act_type="prelu")
+    shapes = {"x": (1, 1, 3, 3), "r": (1, 1, 3, 3), "g": (1,)}
+    train = fusion.fuse(y, input_shapes=shapes, mode="training")
+    assert not any(op.startswith("fused_") for op in train.graph.count_ops()), train.graph.count_ops()
+    assert "prelu's γ gradient" in reasons(train, type("R", (), {"name": "elementwise"}))
+    assert "fused_elemwise" in fusion.fuse(y, input_shapes=shapes).graph.count_ops()   # inference
+
+
 def test_op_spellings_are_canonical_before_rules_run():
     """JSON from other tools spells ops by their aliases; they fuse at once (and fusing again changes nothing)."""
     import json

@@ -98,7 +98,7 @@ def test_probes_follow_what_the_graph_accepts():
     shapes = {k: v.shape for k, v in {**arg, **aux}.items()}
     probes = [p for p, _ in make_probes(g, shapes, {"tokens": (1, 12), "valid_length": (1,)})]
     assert probes == [{"tokens": (1, 12), "valid_length": (1,)}, {"tokens": (2, 12), "valid_length": (2,)},
-                      {"tokens": (2, 7), "valid_length": (2,)}]
+                      {"tokens": (2, 15), "valid_length": (2,)}]
     # a graph with the batch size written into a Reshape accepts no other batch size
     x = S.var("x")
     fixed = S.reshape(S.FullyConnected(x, num_hidden=4, name="fc"), shape=(1, 4))
@@ -228,3 +228,67 @@ def test_where_condition_misread_at_a_probe_is_not_a_probe(tmp_path):
     for probe in out["probes"]:
         assert probe["c"][0] == probe["x"][0] * probe["x"][1], probe
     assert out["err"] <= 1e-6
+
+
+def test_sizes_equal_by_coincidence_are_set_apart():
+    """a (2, 1, 8) + r (2, 1, 8): equal at the user's shapes, but MXNet also takes a (3, 9, 8) with
+    r (3, 1, 8), where r broadcasts over a middle axis that fused_add_layer_norm cannot take.
+    A probe grows a's 1 alone, so the rule sees it and refuses; the graph runs as given."""
+    a, r = S.var("a"), S.var("r")
+    y = S.LayerNorm(S.broadcast_add(a, r), S.var("g"), S.var("b"))
+    shapes = {"a": (2, 1, 8), "r": (2, 1, 8)}
+    params = {"g": (8,), "b": (8,)}
+    probes = [p for p, _ in make_probes(Graph.from_symbol(y), params, shapes)]
+    assert any(p["a"][1] != p["r"][1] for p in probes), probes
+    arg = {"g": mx.nd.array(np.linspace(0.5, 1.5, 8), dtype="float32"), "b": mx.nd.zeros((8,))}
+    res = fusion.fuse(y, arg, {}, input_shapes=shapes)
+    assert "fused_add_layer_norm" not in res.graph.count_ops()
+    assert "broadcasts in a way fused_add_layer_norm cannot" in res.report.to_text(explain=True)
+    rng = np.random.default_rng(0)
+    compare_at(y, arg, {}, res, [{"a": rng.standard_normal((3, 9, 8)).astype(np.float32),
+                                  "r": rng.standard_normal((3, 1, 8)).astype(np.float32)}])
+
+
+def test_lengths_per_batch_and_head_follow_the_batch_probe():
+    """Lengths of shape (B·H, Sq) beside q of shape (B, Sq, H·D): the batch probe grows both
+    (B → B + 1, B·H → (B + 1)·H), so a decision that holds at batch 1 only is seen."""
+    def heads(v):
+        return S.reshape(S.transpose(S.reshape(v, shape=(0, 0, 2, -1)), axes=(0, 2, 1, 3)), shape=(-3, 0, 0))
+    q, k, v = S.var("q"), S.var("k"), S.var("v")
+    s = S.softmax(S.batch_dot(heads(q), heads(k), transpose_b=True), S.var("len", dtype="int32"),
+                  use_length=True)
+    o = S.batch_dot(s, heads(v))
+    # merges (B·H) as (H, B): the inverse of the split at batch 1 only
+    y = S.reshape(S.transpose(S.reshape(o, shape=(-4, 2, -1, 0, 0)), axes=(1, 2, 0, 3)), shape=(0, 0, -3))
+    shapes = {"q": (1, 5, 8), "k": (1, 5, 8), "v": (1, 5, 8), "len": (2, 5)}
+    probes = [p for p, _ in make_probes(Graph.from_symbol(y), {}, shapes)]
+    assert {"q": (2, 5, 8), "k": (2, 5, 8), "v": (2, 5, 8), "len": (4, 5)}.items() <= probes[1].items(), probes
+    res = fusion.fuse(y, input_shapes=shapes, input_dtypes={"len": "int32"})
+    rng = np.random.default_rng(1)
+    feed = {n: rng.standard_normal(sh).astype(np.float32) for n, sh in
+            {"q": (3, 4, 8), "k": (3, 4, 8), "v": (3, 4, 8)}.items()}
+    feed["len"] = rng.integers(1, 5, (6, 4)).astype(np.int32)
+    compare_at(y, {}, {}, res, [feed])
+
+
+def test_probe_sizes_never_shrink(tmp_path):
+    """MXNet 1.9.1's Reshape infers a -1 of a size that does not divide as 0 and a later -1 then
+    divides by zero (a crash in shape inference): probes only grow sizes, which keeps every -1 at
+    least as large as at the user's shapes (a fresh process: a crash would end the test run)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "import mxnet as mx, fusion\n"
+            "from fusion.facts import make_probes\n"
+            "from fusion.graph import Graph\n"
+            "S = mx.sym\n"
+            "h = S.reshape(S.transpose(S.reshape(S.var('v'), shape=(0, 0, 4, -1)), axes=(0, 2, 1, 3)), shape=(-3, 0, 0))\n"
+            "y = S.reshape(S.SwapAxis(S.reshape(h, reverse=True, shape=(-1, 4, 0, 0)), dim1=1, dim2=2), shape=(0, 0, -1))\n"
+            "probes = [p for p, _ in make_probes(Graph.from_symbol(y), {}, {'v': (2, 5, 4)})]\n"
+            "assert len(probes) > 1 and all(a >= b for p in probes for a, b in zip(p['v'], (2, 5, 4))), probes\n"
+            "fusion.fuse(y, input_shapes={'v': (2, 5, 4)})\n"
+            "print('ok')\n" % root)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]

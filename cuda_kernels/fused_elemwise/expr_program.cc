@@ -1,7 +1,9 @@
 // Recursive-descent parser for the fused_elemwise expression language -> SSA bytecode.
 #include "expr_program.h"
 
+#include <array>
 #include <cctype>
+#include <cstdint>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -61,9 +63,20 @@ class Parser {
   void skip() {
     while (pos_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[pos_]))) ++pos_;
   }
+  // A subexpression written again (the same op of the same operands, a constant of the same
+  // bits) is the same value: one instruction, whose adjoint sums every reader's before it
+  // flows on -- as MXNet sums the gradients of a node read twice before that node's backward
+  // (max(d, d) with d = x / 0: (g + 0) / 0 = inf there, not g / 0 + 0 / 0 = NaN).
   int emit(Instr in) {
+    uint32_t bits = 0;
+    std::memcpy(&bits, &in.imm, sizeof bits);
+    const std::array<int64_t, 5> key{in.op, in.a, in.b, in.c, in.op == CONST ? int64_t(bits) : int64_t(in.input)};
+    auto it = emitted_.find(key);
+    if (it != emitted_.end()) return it->second;
     prog_.code.push_back(in);
-    return static_cast<int>(prog_.code.size()) - 1;
+    const int r = static_cast<int>(prog_.code.size()) - 1;
+    emitted_[key] = r;
+    return r;
   }
   // Emits operands before their user, so the result is always the last instruction.
   // Each input gets one LOAD, at its first use; later uses refer back to it.
@@ -135,6 +148,7 @@ class Parser {
   size_t pos_ = 0;
   int max_input_ = -1;
   std::map<int, int> loads_;
+  std::map<std::array<int64_t, 5>, int> emitted_;
   Program prog_;
 };
 }  // namespace

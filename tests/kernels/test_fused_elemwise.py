@@ -314,3 +314,24 @@ def test_many_live_values():
     got = mx.nd.fused_elemwise(*[mx.nd.array(x) for x in xs], expr=expr).asnumpy()
     want = evaluate(expr, [x.astype(np.float64) for x in xs], NP)
     np.testing.assert_allclose(got, want, **FWD)
+
+
+def test_a_subexpression_written_twice_is_one_value():
+    """max(d, d) with d = x / (x < 6): MXNet sums d's two gradients (g, 0) before d's backward,
+    (g + 0) / 0 = inf; per copy it would be g / 0 + 0 / 0 = NaN."""
+    x = mx.nd.array([[1.0, 7.0, -2.0, 8.0]])
+    d = "div(x0, lt(x0, 6.0))"
+    sym = mx.sym.fused_elemwise(mx.sym.var("x"), expr="max(%s, %s)" % (d, d), num_args=1)
+    gx = mx.nd.zeros(x.shape)
+    exe = sym.bind(mx.cpu(), {"x": x}, args_grad={"x": gx})
+    exe.forward(is_train=True)
+    exe.backward([mx.nd.ones(x.shape)])
+    v = mx.sym.var("x")
+    dd = mx.sym.broadcast_div(v, v < 6)
+    ref = mx.sym.broadcast_maximum(dd, dd)
+    gr = mx.nd.zeros(x.shape)
+    e2 = ref.bind(mx.cpu(), {"x": x}, args_grad={"x": gr})
+    e2.forward(is_train=True)
+    e2.backward([mx.nd.ones(x.shape)])
+    assert np.array_equal(gx.asnumpy(), gr.asnumpy()), (gx.asnumpy(), gr.asnumpy())
+    assert np.isinf(gx.asnumpy()[0, 1])
