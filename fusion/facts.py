@@ -81,19 +81,21 @@ _SIZE_KEEPING = frozenset({"Reshape", "reshape", "_npx_reshape", "_np_reshape", 
 def misread(op: str, ins: Sequence[Optional[Shape]], out: Optional[Shape]) -> bool:
     """Whether MXNet 1.9.1 infers these shapes for ``op`` but does not run it as they say:
     a reshape to a shape of another size (it infers a fully given target without comparing sizes,
-    then copies past the buffer), or a ``where`` whose condition has the rank of its operands but
-    neither their shape nor their leading dims followed by ones (its shape function accepts any
-    such condition; the kernel reads cond[i // (|x| / |cond|)]: elsewhere, or divides by zero)."""
+    then copies past the buffer), or a ``where`` whose branches differ in shape, or whose condition
+    is neither their shape nor their leading dims (followed by ones): its shape function accepts
+    such shapes, and the kernel reads cond[i // (|x| / |cond|)] -- elsewhere, or divides by zero."""
     if op in _SIZE_KEEPING:
         return bool(ins and ins[0] is not None and out is not None and int(np.prod(ins[0])) != int(np.prod(out)))
     if op == "where" and len(ins) >= 2 and ins[0] is not None and ins[1] is not None:
         c, x = tuple(ins[0]), tuple(ins[1])
-        if c == x or len(c) != len(x):
+        if len(ins) > 2 and ins[2] is not None and tuple(ins[2]) != x:
+            return True         # it infers the output from one branch and reads both as that shape
+        if c == x:
             return False
         lead = len(c)
         while lead and c[lead - 1] == 1:
             lead -= 1
-        return c[:lead] != x[:lead]
+        return len(c) > len(x) or c[:lead] != x[:lead]
     return False
 
 

@@ -599,6 +599,11 @@ class InterleavedAttention(Rule):
                           "pass input shapes)" % src.node.name)
         if width % (parts * heads):
             return None, "width %d is not divisible by %d×heads" % (width, parts)
+        widths = {sh[-1] for sh in m.ctx.shapes(src) if sh}
+        if len(widths) > 1:
+            return None, ("the head size changes with the width of '%s' (%s at the probe shapes): MXNet's "
+                          "op scales by 1/√(head size) at run time, the fused op by a constant"
+                          % (src.node.name, " / ".join(str(w) for w in sorted(widths))))
         return width // (parts * heads), None
 
     def check(self, m: Match) -> Optional[str]:

@@ -364,11 +364,11 @@ def test_training_keeps_a_scale_parameter_trainable(form):
 
 
 def test_interleaved_scale_parameter_refused_in_training():
-    x = S.var("x")
+    x, params = _projected(24)
     s = S.contrib.interleaved_matmul_selfatt_qk(x, heads=2)
     y = S.contrib.interleaved_matmul_selfatt_valatt(x, S.softmax(S.broadcast_mul(s, S.var("t")), axis=-1), heads=2)
-    res = fusion.fuse(y, {"t": mx.nd.array([0.5])}, {}, rules=["attention"], input_shapes={"x": (5, 2, 24)},
-                      mode="training")
+    res = fusion.fuse(y, {"t": mx.nd.array([0.5]), **{k: mx.nd.array(v) for k, v in params.items()}}, {},
+                      rules=["attention"], input_shapes={"x": (5, 2, 24)}, mode="training")
     assert "it is trained in mode='training'" in rejections(res, "attention_interleaved")[0]
 
 
@@ -377,8 +377,15 @@ def test_interleaved_scale_parameter_refused_in_training():
 H, D = 3, 4
 
 
+def _projected(width):
+    """The packed projections as models have them: a bias of ``width`` (zeros here) fixes the width,
+    so the slices of q, k and v cover all of it at every shape the graph takes (a free input
+    could be wider, its extra columns read by no slice, and a packed layout would read them)."""
+    return S.broadcast_add(S.var("x"), S.var("proj_bias")), {"proj_bias": np.zeros(width, np.float32)}
+
+
 def _packed(swap=False, mask=None, heads4=False):
-    x = S.var("x")
+    x, _ = _projected(3 * H * D)
     sl = [S.slice_axis(x, axis=-1, begin=i * H * D, end=(i + 1) * H * D) for i in range(3)]
     if swap:
         sl = [sl[1], sl[0], sl[2]]
@@ -404,7 +411,7 @@ def _packed(swap=False, mask=None, heads4=False):
                                                  ("bias", True, (3, 6, 6)), ("bias", True, (1, 3, 1, 6)),
                                                  ("where", True, (2, 1, 1, 6))])
 def test_packed_projection_gradients(swap, mask, heads4, bshape):
-    params, make, shapes = {}, None, {"x": (2, 6, 3 * H * D)}
+    params, make, shapes = dict(_projected(3 * H * D)[1]), None, {"x": (2, 6, 3 * H * D)}
     if mask == "bias":
         params["bias"] = np.random.default_rng(2).standard_normal(bshape).astype(np.float32)
     if mask == "where":
@@ -440,13 +447,13 @@ def test_interleaved_lengths_zero_gradients_with_non_finite_values():
     """GluonNLP's interleaved self-attention with softmax lengths, rows of length 0 among them,
     and NaN / ±inf in the projections: gradients NaN exactly where MXNet's are (a key after a
     row's length still multiplies 0 by its k, q, dO; the softmax sums only the keys it sees)."""
-    x, L = S.var("x"), S.var("len", dtype="int32")
+    (x, params), L = _projected(24), S.var("len", dtype="int32")
     s = S.contrib.interleaved_matmul_selfatt_qk(x, heads=2)
     y = S.contrib.interleaved_matmul_selfatt_valatt(x, S.softmax(s, L, axis=-1, use_length=True), heads=2)
     for seed in range(3):
-        res = equivalent(y, {"x": (5, 2, 24), "len": (4, 5)}, rules=["attention"], mode="training",
+        res = equivalent(y, {"x": (5, 2, 24), "len": (4, 5)}, params=params, rules=["attention"], mode="training",
                          make=_with_non_finite({"x"}, "len"), others=[{"x": (7, 3, 24), "len": (6, 7)}], seed=seed)
-    assert ops(res) == {"fused_attention": 1}
+    assert ops(res) == {"fused_attention": 1, "broadcast_add": 1}
 
 
 @pytest.mark.parametrize("temperature", [None, 1.0])
@@ -556,7 +563,7 @@ def test_head_chains_in_other_spellings(swap):
     """The head split / merge written with MXNet's other names of the same ops (reshape, swapaxes),
     as a graph's JSON may carry them, fuses like the registered names — and fusing the result
     again changes nothing (it is written back with the registered names)."""
-    x = S.var("x")
+    x, params = _projected(3 * H * D)
 
     def split(t):
         t = S.reshape(t, shape=(0, 0, H, -1))
@@ -571,8 +578,8 @@ def test_head_chains_in_other_spellings(swap):
     text = y.tojson().replace('"op": "Reshape"', '"op": "reshape"').replace('"op": "SwapAxis"', '"op": "swapaxes"')
     assert '"reshape"' in text and (not swap or '"swapaxes"' in text)
     shapes = {"x": (2, 6, 3 * H * D)}
-    res = fusion.fuse(text, input_shapes=shapes)
-    assert ops(res) == {"fused_attention": 1}, ops(res)
+    res = fusion.fuse(text, {k: mx.nd.array(v) for k, v in params.items()}, {}, input_shapes=shapes)
+    assert ops(res) == {"fused_attention": 1, "broadcast_add": 1}, ops(res)
     again = fusion.fuse(res.symbol, res.arg_params, res.aux_params, input_shapes=shapes)
     assert again.symbol.tojson() == res.symbol.tojson()
-    equivalent(y, shapes, rules=["attention", "attention_heads"], others=[{"x": (3, 4, 3 * H * D)}])
+    equivalent(y, shapes, params=params, rules=["attention", "attention_heads"], others=[{"x": (3, 4, 3 * H * D)}])
