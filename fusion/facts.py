@@ -10,9 +10,10 @@ another batch size or sequence length — yet the fused model must run like the
 original at every shape the original accepts.  So the facts are also inferred at up
 to three *probe* shapes, derived from the user's:
 
-* the batch axis changed (axis 0 of every data input that shares the first input's
-  batch size: ``B → B + 1``; where the graph does not take that, also the inputs whose
-  first axis is a multiple of it, ``kB → k(B + 1)``: lengths per batch element and head);
+* the batch axis changed (axis 0 of every data input that shares the batch size, the
+  smallest first axis tried first: ``B → B + 1``; where the graph does not take that, also
+  the inputs whose first axis is a multiple of it, ``kB → k(B + 1)``: lengths per batch
+  element and head);
 * then, in addition, each other size of the data inputs changed where the original
   graph still accepts it (``S → S + S // 4``, or ``S + 1`` for small sizes; never
   smaller, see ``_alternate``) — a sequence length, an image side;
@@ -271,20 +272,18 @@ def make_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: M
         return {n: (s[:1] + _changed(s[1:], range(len(s) - 1), new)) for n, s in shapes.items()}
 
     probes = [dict(input_shapes)]
-    first = next((base[n] for n in data_names if base[n]), None)
     with_batch = dict(base)
-    if first:
-        b = first[0]
-        with_batch = {n: ((b + 1,) + s[1:] if s and s[0] == b else s) for n, s in base.items()}
-        # inputs whose first axis is a multiple of the batch (batch × heads rows of lengths)
+    # the batch: the first axis of the inputs sharing it (B -> B + 1); where the graph does not
+    # take that, also inputs whose first axis is a multiple of it (B·H rows of lengths per
+    # batch element and head: kB -> k(B + 1)); the smallest first axis is tried first
+    for b in sorted({s[0] for s in base.values() if s}):
+        same = {n: ((b + 1,) + s[1:] if s and s[0] == b else s) for n, s in base.items()}
         scaled = {n: ((s[0] // b * (b + 1),) + s[1:] if s and s[0] % b == 0 else s) for n, s in base.items()}
-        if accepted(with_batch):
-            probes.append(with_batch)
-        elif scaled != with_batch and accepted(scaled):
-            with_batch = scaled
-            probes.append(with_batch)
-        else:
-            with_batch = dict(base)
+        found = next((c for c in (same, scaled) if accepted(c)), None)
+        if found is not None:
+            with_batch = found
+            probes.append(found)
+            break
     # sizes of 1 too: a length-1 sequence or a single channel may be anything at run time
     values = sorted({d for s in base.values() for d in s[1:] if d >= 1}, reverse=True)[:MAX_SIZES_TRIED]
     # Sizes no parameter has (a sequence length, an image side) are likely free: tried together

@@ -33,6 +33,7 @@ from fusion.rewrite import Builder
 from fusion.rule import Rule
 
 from ._dtypes import float32_reason
+from .gelu import TRAINING_REASON as GELU_TRAINING_REASON
 from .gelu import gelu_erf_pattern, gelu_erf_reason, gelu_tanh_pattern, gelu_tanh_reason
 
 ACTIVATIONS = {"relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh", "softrelu": "softrelu"}
@@ -98,6 +99,8 @@ class DenseAct(Rule):
             # (fused with its activation by oneDNN) is as fast: fuse it only when the rows are known
             return "FullyConnected(flatten=True) of unknown batch size is left to MXNet (pass input shapes)"
         if m.has("inner"):
+            if m.ctx.mode == "training":
+                return GELU_TRAINING_REASON
             reason = gelu_erf_reason(m) if m.node("inner").op == "erf" else gelu_tanh_reason(m)
             if reason:
                 return reason

@@ -80,6 +80,11 @@ def _half_reason(m: Match) -> Optional[str]:
     return None
 
 
+TRAINING_REASON = ("in training the written form is kept: its gradient is the product rule's, NaN where an "
+                   "infinite gradient meets a zero factor, which GELU's own derivative is not (the "
+                   "elementwise rule fuses it as written)")
+
+
 def gelu_erf_reason(m: Match) -> Optional[str]:
     """Why a matched erf form is not exactly GELU (None when it is)."""
     u = m.node("u")
@@ -114,6 +119,8 @@ class GeluErf(Rule):
         return gelu_erf_pattern()
 
     def check(self, m: Match) -> Optional[str]:
+        if m.ctx.mode == "training":
+            return TRAINING_REASON
         return gelu_erf_reason(m)
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
@@ -130,6 +137,8 @@ class GeluTanh(Rule):
         return gelu_tanh_pattern()
 
     def check(self, m: Match) -> Optional[str]:
+        if m.ctx.mode == "training":
+            return TRAINING_REASON
         return float32_reason([m["x"]], m.ctx) or gelu_tanh_reason(m)
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
