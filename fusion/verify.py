@@ -213,20 +213,13 @@ def input_domains(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mappin
 
 
 def input_dtypes(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any]) -> Dict[str, str]:
-    """The dtype MXNet's type inference gives each data input from the parameters' (float32 if unknown)."""
+    """The dtype MXNet's type inference gives each data input with the parameters' dtypes
+    (float32, or the float dtype the parameters need; see ``modelio.fitting_input_dtypes``)."""
+    from .modelio import fitting_input_dtypes
+
     given = {k: np.dtype(v.dtype).name for k, v in list(arg_params.items()) + list(aux_params.items())}
-    names = symbol.list_arguments()
-    try:
-        types, _, _ = symbol.infer_type_partial(**given)
-    except Exception:       # types that do not fit: bind will say so
-        types = None
-    out = {}
-    for i, name in enumerate(names):
-        if name in arg_params:
-            continue
-        t = types[i] if types is not None else None
-        out[name] = np.dtype(t).name if t is not None else "float32"
-    return out
+    types = fitting_input_dtypes(symbol, given) or {}
+    return {n: types.get(n, "float32") for n in symbol.list_arguments() if n not in arg_params}
 
 
 def random_inputs(symbol: Any, arg_params: Mapping[str, Any], input_shapes: Mapping[str, Sequence[int]],
@@ -330,6 +323,18 @@ def bind(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, An
     return symbol.bind(ctx, args, aux_states=aux, grad_req="null")
 
 
+def _run_or_say(symbol, arg, aux, feed, what: str) -> List[np.ndarray]:
+    """``run``, with MXNet's refusal as a one-line error (e.g. a float16 model on a CPU without fp16 GEMM)."""
+    import mxnet as mx
+
+    from .graph import _first_line
+
+    try:
+        return run(symbol, arg, aux, feed)
+    except mx.base.MXNetError as e:
+        raise FusionError("%s does not run on the verification inputs: %s" % (what, _first_line(str(e)))) from None
+
+
 def _label(index: int, name: str) -> str:
     return "output %d ('%s')" % (index, name)
 
@@ -419,8 +424,8 @@ def verify(original: Any, fused: Any, params: Any = None, input_shapes: Optional
     names = sym0.list_outputs()
     results, refs = [], []
     for feed in draws:
-        ref = run(sym0, arg0, aux0, feed)
-        out = run(sym1, arg1, aux1, {k: v for k, v in feed.items() if k in fused_args})
+        ref = _run_or_say(sym0, arg0, aux0, feed, "the original model")
+        out = _run_or_say(sym1, arg1, aux1, {k: v for k, v in feed.items() if k in fused_args}, "the fused model")
         results.append(compare(ref, out, names))
         refs.append(ref)
     result = _merge(results)

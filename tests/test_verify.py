@@ -111,7 +111,7 @@ def test_constant_output_is_weak_not_ok():
     y = mx.sym.zeros_like(x) + 1
     v = verify((y, {}, {}), (y, {}, {}), input_shapes={"data": (3, 4)})
     assert v.ok() and v.weak and v.status() == "WEAK"
-    assert "verification is weak: output 0 ('_plusscalar0_output') is constant" in str(v)
+    assert "verification is weak: output 0 ('%s') is constant" % y.list_outputs()[0] in str(v)
     # varying outputs are not weak
     v = verify((x * 2, {}, {}), (x * 2, {}, {}), input_shapes={"data": (3, 4)})
     assert v.status() == "OK" and not v.problems()
