@@ -62,6 +62,51 @@ def test_verify_model_with_nan_outputs():
     assert not v.ok() and v.max_rel > 0.5, v
 
 
+class ReluToSqrt(Rule):
+    """A wrong rule: relu(x) -> sqrt(x), NaN where x < 0."""
+
+    name = "relu_to_sqrt"
+    benefit = 1000
+
+    def pattern(self):
+        return op.Activation(Var("x"), name="act")
+
+    def check(self, m):
+        return None if m.node("act").attrs["act_type"] == "relu" else "not relu"
+
+    def rewrite(self, m, b):
+        return b.op("sqrt", [m["x"]])
+
+
+NAN_RULES = [ReluToSqrt()]
+
+
+def test_cli_nan_where_the_original_is_finite(tmp_path, capsys):
+    x = mx.sym.var("data")
+    y = mx.sym.Activation(mx.sym.Convolution(x, num_filter=2, kernel=(1, 1), name="c"), act_type="relu") + 1
+    y.save(str(tmp_path / "m-symbol.json"))
+    arg, aux = random_params(y, {"data": (1, 3, 4, 4)})
+    mx.nd.save(str(tmp_path / "m-0000.params"), {"arg:" + k: v for k, v in arg.items()})
+    code, out, err = run_cli(capsys, tmp_path / "m-symbol.json", "--params", tmp_path / "m-0000.params",
+                             "-o", tmp_path / "o", "--shape", "data=1,3,4,4", "--verify", "--no-self-check",
+                             "--rules", "test_verify:NAN_RULES")
+    assert code == 1 and "MISMATCH" in out
+    assert "NaN/inf where the original is finite; nothing written" in err and len(err.strip().splitlines()) == 1
+    assert not os.path.exists(str(tmp_path / "o") + "-symbol.json")
+
+
+def test_cli_reports_nan_of_the_original(tmp_path, capsys):
+    x = mx.sym.var("data")
+    y = mx.sym.log(mx.sym.Convolution(x, num_filter=2, kernel=(1, 1), name="c"))
+    y.save(str(tmp_path / "m-symbol.json"))
+    arg, aux = random_params(y, {"data": (1, 3, 4, 4)})
+    mx.nd.save(str(tmp_path / "m-0000.params"), {"arg:" + k: v for k, v in arg.items()})
+    code, out, err = run_cli(capsys, tmp_path / "m-symbol.json", "--params", tmp_path / "m-0000.params",
+                             "-o", tmp_path / "o", "--shape", "data=1,3,4,4", "--verify")
+    assert code == 0, err
+    assert "the original computes NaN/inf at" in out
+
+
 # ---------------------------------------------------------------- inputs drawn to fit their use
 
 def test_inputs_fit_their_use():
