@@ -160,7 +160,8 @@ def _domain_of(entry_users, users_of, shape_of, depth: int = 0) -> Optional[Tupl
 
 
 def _is_mask(entry_users, users_of, shape_of, size: int, depth: int = 0) -> bool:
-    """Read only by masking ops, at least once multiplied into a larger tensor."""
+    """Read only by masking ops, at least once multiplied into a larger tensor or made an additive
+    mask (``(1 − m)·(−10000)``, BERT's way)."""
     from .selfcheck import _PASS_THROUGH
 
     masks = False
@@ -177,9 +178,24 @@ def _is_mask(entry_users, users_of, shape_of, size: int, depth: int = 0) -> bool
             if other is None or int(np.prod(other)) <= size:
                 return False
             masks = True
-        elif node.op == "_rminus_scalar" and float(node.param("scalar", 0)) != 1.0:
-            return False
+        elif node.op == "_rminus_scalar":
+            if float(node.param("scalar", 0)) != 1.0:
+                return False
+            if _additive_mask(users_of(node), users_of):
+                masks = True
     return masks
+
+
+def _additive_mask(entry_users, users_of) -> bool:
+    """``x·c`` with ``|c| ≥ 1000`` (a large negative or positive bias where ``x`` is 1), added to something."""
+    if not entry_users:
+        return False
+    for node, _ in entry_users:
+        if node.op != "_mul_scalar" or abs(float(node.param("scalar", 0))) < 1e3:
+            return False
+        if not all(u.op in ("elemwise_add", "broadcast_add", "_plus", "_Plus") for u, _ in users_of(node)):
+            return False
+    return True
 
 
 def input_domains(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any],

@@ -118,11 +118,12 @@ def test_inputs_fit_their_use():
     s = mx.sym.softmax(mx.sym.sum(e, axis=-1), length=vl, use_length=True, axis=-1)      # (2, 8)
     s = mx.sym.where(cond, s, mx.sym.zeros_like(s))
     y = mx.sym.broadcast_mul(s, mask) + x
-    shapes = {"tok": (16,), "seg": (2, 10), "vl": (2,), "cond": (2, 8), "mask": (2, 1), "x": (2, 8)}
+    y = mx.sym.broadcast_add(y, (1 - mx.sym.var("amask")) * -10000.0)            # an additive mask, BERT's way
+    shapes = {"tok": (16,), "seg": (2, 10), "vl": (2,), "cond": (2, 8), "mask": (2, 1), "x": (2, 8), "amask": (1, 8)}
     arg, aux = random_params(y, shapes)
     dom = input_domains(y, arg, aux, shapes)
     assert dom == {"tok": ("int", 0, 49), "seg": ("int", 0, 1), "vl": ("int", 1, 8), "cond": ("bool",),
-                   "mask": ("bool",), "x": ("real",)}
+                   "mask": ("bool",), "x": ("real",), "amask": ("bool",)}
     for seed in range(3):
         feed = random_inputs(y, arg, shapes, seed)
         assert feed["tok"].min() >= 0 and feed["tok"].max() <= 49 and np.all(feed["tok"] == np.round(feed["tok"]))
