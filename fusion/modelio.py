@@ -169,7 +169,8 @@ def check_param_values(graph: Graph, symbol: Any, arg: Mapping[str, Any], aux: M
     for name, value in list(arg.items()) + list(aux.items()):
         dtype = np.dtype(value.dtype)
         if dtype.name not in PARAM_DTYPES:
-            raise ParamsError("parameter '%s' has dtype %s; MXNet arrays are %s" % (name, dtype.name, ", ".join(PARAM_DTYPES)))
+            raise ParamsError("parameter '%s' has dtype %s; MXNet arrays are %s"
+                              % (name, dtype.name, ", ".join(PARAM_DTYPES)))
         dtypes[name] = dtype.name
         if dtype.kind == "f" and not np.isfinite(_numpy(value)).all():
             raise ParamsError("parameter '%s' contains NaN or inf" % name)

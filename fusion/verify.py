@@ -395,7 +395,8 @@ def _constant(draws: Sequence[np.ndarray]) -> bool:
         return False
     for d in draws:
         flat = d.ravel()
-        if not np.array_equal(flat, np.broadcast_to(first, flat.shape), equal_nan=np.issubdtype(flat.dtype, np.floating)):
+        same = np.array_equal(flat, np.broadcast_to(first, flat.shape), equal_nan=np.issubdtype(flat.dtype, np.floating))
+        if not same:
             return False
     return True
 

@@ -73,7 +73,8 @@ def test_wrong_params_still_blamed_without_shape(tmp_path, capsys):
     arg, aux = random_params(sym, {"data": (2, 6)})
     sp, pp = save(tmp_path, "lm", sym, dict(arg, emb_weight=mx.nd.ones((21, 8))), aux)
     code, _, err = run_cli(capsys, sp, "--params", pp, "-o", tmp_path / "out")
-    assert code == 2 and "'emb_weight' has shape (21, 8) but Embedding 'emb' (input_dim=20, output_dim=8) needs (20, 8)" in err
+    assert code == 2
+    assert "'emb_weight' has shape (21, 8) but Embedding 'emb' (input_dim=20, output_dim=8) needs (20, 8)" in err
     assert len(err.strip().splitlines()) == 1 and not os.path.exists(str(tmp_path / "out") + "-symbol.json")
 
 
@@ -116,7 +117,8 @@ def test_a_float64_model_fuses_and_verifies(mobilenet, tmp_path, capsys):
     v = fusion.verify((sym, arg, aux), res, input_shapes={"data": (1, 3, 32, 32)})
     assert v.ok(rtol=1e-12), v
     sp, pp = save(tmp_path, "m", sym, arg, aux)
-    code, out, err = run_cli(capsys, sp, "--params", pp, "-o", tmp_path / "out", "--verify", "--shape", "data=1,3,32,32")
+    code, out, err = run_cli(capsys, sp, "--params", pp, "-o", tmp_path / "out", "--verify",
+                             "--shape", "data=1,3,32,32")
     assert code == 0 and ": OK" in out, err
 
 

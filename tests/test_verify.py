@@ -5,7 +5,6 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-import fusion
 from fusion import Rule, cli
 from fusion.pattern import Var, op
 from fusion.verify import compare, input_domains, random_inputs, verify
@@ -132,13 +131,16 @@ def test_inputs_fit_their_use():
         assert np.unique(feed["x"]).size == feed["x"].size
 
 
-def test_a_feature_multiplied_is_not_a_mask():
-    x, w = mx.sym.var("x"), mx.sym.var("g")
+def test_what_counts_as_a_multiplied_mask():
+    """A multiplier of the same size is a feature; one that broadcasts into a larger tensor and is
+    read only by masking ops is drawn 0/1 (so is a per-row gate: still exercised, rows zeroed)."""
+    x = mx.sym.var("x")
     y = mx.sym.FullyConnected(mx.sym.broadcast_mul(x, mx.sym.var("scale")), num_hidden=3, name="fc")
-    shapes = {"x": (2, 4), "scale": (2, 4)}
+    y = y + mx.sym.broadcast_mul(mx.sym.var("gate"), mx.sym.var("feat"))      # (2, 1) gate of (2, 3) features
+    shapes = {"x": (2, 4), "scale": (2, 4), "gate": (2, 1), "feat": (2, 3)}
     arg, aux = random_params(y, shapes)
-    assert input_domains(y, arg, aux, shapes) == {"x": ("real",), "scale": ("real",)}
-    del w
+    assert input_domains(y, arg, aux, shapes) == {"x": ("real",), "scale": ("real",), "gate": ("bool",),
+                                                  "feat": ("real",)}
 
 
 def test_bert_inputs():
