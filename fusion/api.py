@@ -81,6 +81,8 @@ def resolve_rules(rules: Optional[Iterable[Any]]) -> list:
 
     if rules is None:
         return default_rules()
+    if isinstance(rules, str):      # one name, not its characters
+        rules = [rules]
     out, known = [], rules_by_name()
     known["default"] = default_rules()
     for r in rules:
@@ -105,9 +107,14 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     """Fuse ``symbol`` with ``rules`` (default: the whole rule library) and return a FusionResult.
 
     ``arg_params``/``aux_params`` map names to NDArrays (or NumPy arrays); they
-    enable parameter transforms such as BatchNorm folding.  Neither the symbol
-    nor the arrays passed in are modified: folded parameters get new names and
-    new arrays.  ``mode="training"`` applies only rewrites valid in training.
+    enable parameter transforms such as BatchNorm folding.  They are checked like
+    ``mxfuse`` checks a params file (dtypes the graph accepts, no NaN/inf, no negative
+    moving variance): a :class:`~fusion.errors.ParamsError` names the array otherwise.
+    Neither the symbol nor the arrays passed in are modified, and the result shares no
+    memory with them: its params are NDArrays (also for NumPy input), copies of the
+    caller's arrays on their own device context, and new arrays (folded parameters, under
+    new names) on the context of the parameters they were computed from.  ``rules`` is a
+    list of rules or names, or one name.  ``mode="training"`` applies only rewrites valid in training.
     ``input_shapes`` (name -> shape of the data inputs) lets rules that need
     tensor shapes (e.g. head layouts of attention) check them exactly;
     ``input_dtypes`` (name -> dtype, default float32 unless the graph says otherwise)
@@ -122,22 +129,33 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     """
     if mode not in MODES:
         raise ValueError("mode must be one of %s, not %r" % (", ".join(MODES), mode))
+    return _fuse_gc_off(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check)
+
+
+def _fuse_gc_off(*args, **kwargs) -> FusionResult:
     # The IR allocates many small acyclic objects; Python's cyclic collector would rescan
     # them all again and again on large graphs (a third of the time at 100k nodes).
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check)
+        return _fuse(*args, **kwargs)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check) -> FusionResult:
+def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
+          copy_params: bool = True) -> FusionResult:
+    """``fuse`` itself; ``copy_params=False`` returns the caller's arrays themselves (the backend,
+    which hands only the new ones on)."""
+    from .modelio import check_param_values
+
     start = time.perf_counter()
     graph = _as_graph(symbol)
     graph.canonicalize_ops()
     rule_list = resolve_rules(rules)
+    if arg_params or aux_params:
+        check_param_values(graph, graph.to_symbol(), arg_params or {}, aux_params or {}, input_dtypes)
     report = FusionReport(mode=mode)
     graph.compact()
     report.nodes_before, report.ops_before = len(graph.nodes), len(graph.op_nodes())
@@ -154,17 +172,18 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
                                                           + (" …" if len(guarded) > 5 else "")))
     report.nodes_after, report.ops_after = len(graph.nodes), len(graph.op_nodes())
     sym = graph.to_symbol()
-    arg_out, aux_out = _collect_params(graph, ctx, set(sym.list_auxiliary_states()))
+    arg_out, aux_out = _collect_params(graph, ctx, set(sym.list_auxiliary_states()), copy_params)
     report.params_removed = (len(ctx.arg_params) + len(ctx.aux_params)) - sum(
         1 for n in list(arg_out) + list(aux_out) if n in ctx.arg_params or n in ctx.aux_params)
     report.seconds = time.perf_counter() - start
     return FusionResult(sym, arg_out, aux_out, report, graph)
 
 
-def _collect_params(graph: Graph, ctx: Context, aux_names: set):
-    """Parameters the fused graph still uses: the caller's arrays as given, plus the new ones —
-    in ``aux`` when the fused graph reads them as auxiliary states, in ``arg`` otherwise (a moving
-    mean that was also a graph output is an argument once its BatchNorm is folded away)."""
+def _collect_params(graph: Graph, ctx: Context, aux_names: set, copy_params: bool = True):
+    """Parameters the fused graph still uses, as NDArrays: copies of the caller's (on their context),
+    plus the new ones (on the context of their sources) — in ``aux`` when the fused graph reads them
+    as auxiliary states, in ``arg`` otherwise (a moving mean that was also a graph output is an
+    argument once its BatchNorm is folded away)."""
     import mxnet as mx
 
     used = {nd.name for nd in graph.variables()}
@@ -174,10 +193,27 @@ def _collect_params(graph: Graph, ctx: Context, aux_names: set):
         for k, v in store.items():
             if k not in used:
                 continue
-            if ours:    # zero-copy: the array is ours (computed by a rule), contiguous and not used elsewhere
-                v = mx.nd.from_numpy(np.ascontiguousarray(v), zero_copy=True)
+            if ours:
+                v = _new_ndarray(v, ctx.new_contexts.get(k))
+            elif not isinstance(v, mx.nd.NDArray):
+                v = mx.nd.array(v, dtype=np.asarray(v).dtype)
+            elif copy_params:       # the caller may update its arrays in place later
+                v = v.copy()
             (aux_out if k in aux_names else arg_out)[k] = v
     return arg_out, aux_out
+
+
+def _new_ndarray(value: np.ndarray, where: Any):
+    """An NDArray of a new parameter on ``where`` (default cpu(0)); without a copy where MXNet can
+    take the NumPy buffer (it is ours: computed by a rule, contiguous, used nowhere else)."""
+    import mxnet as mx
+
+    value = np.ascontiguousarray(value)
+    if where is None or where == mx.cpu(0):
+        if value.dtype.name in ("float32", "float64", "float16", "uint8", "int32", "int64"):
+            return mx.nd.from_numpy(value, zero_copy=True)
+        return mx.nd.array(value, dtype=value.dtype)
+    return mx.nd.array(value, ctx=where, dtype=value.dtype)
 
 
 def unfuse(symbol: Any, input_shapes: Optional[Mapping[str, Sequence[int]]] = None,

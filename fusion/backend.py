@@ -9,9 +9,11 @@ After ``import fusion``::
 MXNet 1.9.1 looks backends up in a C++ registry, so this module wraps
 ``Symbol.optimize_for``: the backend name ``"fusion"`` runs :func:`fusion.fuse`,
 every other name goes to MXNet unchanged.  Like MXNet's own partitioners,
-new parameters (folded weights, under new names) are added to ``args`` and
-parameters the fused graph no longer uses are removed from ``args``/``aux``;
-a Gluon block then takes the new ones from there.
+new parameters (folded weights, under new names) are added to ``args``/``aux``
+and nothing is removed: the caller's dicts still bind the original symbol, and
+a Gluon block takes the new parameters from there (it owns the others).
+Parameters a Gluon block's values cannot be fused with (NaN, dtypes the graph
+refuses) leave its graph unfused, with a warning.
 
 Backend options (keyword arguments of ``hybridize``/``optimize_for`` in
 MXNet 1.9, e.g. ``hybridize(backend="fusion", mode="inference")``; a
@@ -46,9 +48,10 @@ def _mode_now() -> str:
 def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Optional[Dict[str, Any]] = None,
                     mode: Optional[str] = None, rules: Any = None, shape_dict: Optional[Dict[str, Any]] = None,
                     **unused: Any):
-    """Fuse ``symbol``; update ``args``/``aux`` in place like MXNet's partitioners; return the new symbol."""
-    from .api import fuse
-    from .errors import FusionError
+    """Fuse ``symbol``; add the new parameters to ``args``/``aux`` like MXNet's partitioners (the
+    caller's entries stay); return the new symbol."""
+    from .api import _fuse_gc_off
+    from .errors import FusionError, ParamsError
 
     nested = unused.pop("backend_opts", None) or {}   # MXNet 2.0 spelling: hybridize(backend_opts={...})
     mode, rules = nested.pop("mode", mode), nested.pop("rules", rules)
@@ -69,8 +72,15 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
     shapes.update({k: tuple(v.shape) for k, v in (args or {}).items() if k in data_names})
     dtypes = {k: v.dtype.__name__ if hasattr(v.dtype, "__name__") else str(v.dtype)
               for k, v in (args or {}).items() if k in data_names}
+    if mode not in ("inference", "training"):
+        raise ValueError("mode must be inference or training, not %r" % (mode,))
     try:
-        result = fuse(symbol, params, aux or {}, rules=rules, mode=mode, input_shapes=shapes, input_dtypes=dtypes)
+        result = _fuse_gc_off(symbol, params, aux or {}, rules, mode, shapes, dtypes, True, copy_params=False)
+    except ParamsError as e:
+        if block is None:
+            raise
+        warnings.warn("mxnet-fusion did not fuse this block: %s; it runs unfused" % e, RuntimeWarning)
+        return symbol
     except FusionError:
         raise
     except Exception as e:      # never cost a Gluon user their model: run it as it was
@@ -82,9 +92,6 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
             if any(k not in (args or {}) for k in new):
                 raise RuntimeError("backend '%s' created new parameters; pass an args dict to optimize_for" % BACKEND)
             continue
-        used = set(new) | data_names
-        for k in [k for k in store if k not in used and k in _param_names(symbol)]:
-            del store[k]
         for k, v in new.items():
             if k not in store:
                 store[k] = v
@@ -92,10 +99,6 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
         block.fusion_report = result.report
         block._fusion_mode = mode
     return result.symbol
-
-
-def _param_names(symbol: Any) -> set:
-    return set(symbol.list_arguments()) | set(symbol.list_auxiliary_states())
 
 
 def install() -> None:

@@ -446,8 +446,10 @@ def _summary(report: Any) -> List[str]:
     if v:
         ok = bool(v.get("ok"))
         out.append('<p class="verify %s">Verification: max abs error %s, max rel error %s (tolerance %s): <b>%s</b></p>'
-                   % ("ok" if ok else "bad", _num(v.get("max_abs"), "%.3g"), _num(v.get("max_rel"), "%.3g"),
-                      _num(v.get("rtol"), "%.3g"), "OK" if ok else "MISMATCH"))
+                   % ("ok" if ok and not v.get("problems") else "bad", _num(v.get("max_abs"), "%.3g"),
+                      _num(v.get("max_rel"), "%.3g"), _num(v.get("rtol"), "%.3g"),
+                      _esc(v.get("status") or ("OK" if ok else "MISMATCH"))))
+        out.extend('<p class="verify bad">%s</p>' % _esc(p) for p in v.get("problems") or ())
     b = report.extra.get("benchmark")
     if b:
         cells = "".join("<tr><td>%s</td><td class=n>%s</td></tr>" % (_esc(k), _num(ms, "%.3f"))

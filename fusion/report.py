@@ -140,7 +140,8 @@ class FusionReport:
         v = self.extra.get("verify")
         if v:
             lines.append("  verify: max abs error %.3g, max rel error %.3g (tolerance %.3g): %s"
-                         % (v["max_abs"], v["max_rel"], v["rtol"], "OK" if v["ok"] else "MISMATCH"))
+                         % (v["max_abs"], v["max_rel"], v["rtol"], v.get("status") or ("OK" if v["ok"] else "MISMATCH")))
+            lines.extend("  verify: " + p for p in v.get("problems", ()))
         b = self.extra.get("benchmark")
         if b:
             ms = b["median_ms"]

@@ -29,6 +29,7 @@ from .attrs import Attrs
 from .errors import FusionError
 from .graph import Entry, Graph, Node
 from .matcher import Match, Trace, _State, match_pattern
+from .modelio import PARAM_DTYPES
 from .pattern import required_ops
 from .report import FusionReport
 from .selfcheck import Candidate, SelfCheck
@@ -54,6 +55,8 @@ class Context:
         self._numpy: Dict[str, np.ndarray] = {}
         self.new_args: Dict[str, np.ndarray] = {}
         self.new_aux: Dict[str, np.ndarray] = {}
+        # where each new parameter goes: the device context of the parameters it was computed from
+        self.new_contexts: Dict[str, Any] = {}
         self.names: Set[str] = {nd.name for nd in graph.nodes} | set(self.arg_params) | set(self.aux_params)
         if self.input_shapes:
             self._make_probes()
@@ -143,6 +146,14 @@ class Context:
             if name in store:
                 return tuple(store[name].shape)
         return None
+
+    def param_context(self, name: str) -> Any:
+        """The device context of parameter ``name`` (the caller's NDArray's, or where a new parameter
+        goes); None for a NumPy array or an unknown name."""
+        if name in self.new_contexts:
+            return self.new_contexts[name]
+        raw = self.arg_params.get(name, self.aux_params.get(name))
+        return getattr(raw, "context", None)
 
     def _param_dtype(self, name: str) -> Optional[str]:
         for store in (self.new_args, self.new_aux, self.arg_params, self.aux_params):
@@ -268,10 +279,11 @@ class Context:
 class Builder:
     """Creates the replacement of one match; its nodes go just before the anchor."""
 
-    def __init__(self, ctx: Context, anchor: Node, resolve):
+    def __init__(self, ctx: Context, anchor: Node, resolve, match: Optional[Match] = None):
         self.ctx = ctx
         self.anchor = anchor
         self._resolve = resolve
+        self._match = match
         self.created: List[Node] = []
         self.params_added = 0
         self._params: List[tuple] = []
@@ -310,16 +322,39 @@ class Builder:
         if self.ctx.mode == "training":
             raise FusionError("it would add parameter '%s'; in training every parameter must stay the one "
                               "the optimizer updates" % name)
+        value = np.ascontiguousarray(value)
+        if value.dtype.name not in PARAM_DTYPES:
+            raise FusionError("it would add parameter '%s' of dtype %s, which MXNet has no arrays of"
+                              % (name, value.dtype.name))
         unique = self.ctx.unique_name(name)
-        (self.ctx.new_aux if aux else self.ctx.new_args)[unique] = np.ascontiguousarray(value)
+        (self.ctx.new_aux if aux else self.ctx.new_args)[unique] = value
+        where = self._source_context()
+        if where is not None:
+            self.ctx.new_contexts[unique] = where
         self.params_added += 1
         self._params.append((unique, aux))
         return Entry(self._place(Node("null", unique)))
+
+    def _source_context(self) -> Any:
+        """The device context of the parameters the match reads (the first one's, in graph order,
+        should they differ); None when they are NumPy arrays or there are none."""
+        m = self._match
+        if m is None:
+            return None
+        sources = [v.node if isinstance(v, Entry) else v for v in m.bindings.values()
+                   if isinstance(v, (Entry, Node))]
+        sources += [e.node for nd in m.nodes for e in nd.inputs]
+        for nd in sorted({id(n): n for n in sources if n.is_variable}.values(), key=lambda n: n.pos):
+            where = self.ctx.param_context(nd.name)
+            if where is not None:
+                return where
+        return None
 
     def discard(self) -> None:
         """Forget this replacement (refused): the parameters it added go too."""
         for name, aux in self._params:
             (self.ctx.new_aux if aux else self.ctx.new_args).pop(name, None)
+            self.ctx.new_contexts.pop(name, None)
         self._params.clear()
         self.created.clear()
 
@@ -438,7 +473,7 @@ class _Pass:
         for m in sorted(matches, key=lambda m: m.anchor.pos):
             # Replacements read the values of the graph as it is; the commit below redirects
             # them to what other replacements of this batch put in their place.
-            b = Builder(self.ctx, m.anchor, lambda e: e)
+            b = Builder(self.ctx, m.anchor, lambda e: e, m)
             try:
                 out = rule.rewrite(m, b)
                 mapping = out if isinstance(out, dict) else {m.anchor_entry: out}
