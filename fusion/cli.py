@@ -18,6 +18,7 @@ import sys
 from typing import List, Optional
 
 from .api import FusionResult, fuse, unfuse
+from .argtypes import positive_float, positive_int
 from .errors import FusionError
 from .graph import Graph
 from .modelio import (output_paths, parse_shape, read_graph, read_params, validate_params,
@@ -40,9 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rules", help="comma-separated rule or family names (default: all)")
     p.add_argument("--mode", choices=("inference", "training"), default="inference")
     p.add_argument("--verify", action="store_true", help="compare outputs on random inputs; refuse to write on mismatch")
-    p.add_argument("--rtol", type=float, default=1e-4, help="tolerance of --verify: max|Δ|/max|orig| (default 1e-4)")
+    p.add_argument("--rtol", type=positive_float, default=1e-4, help="tolerance of --verify: max|Δ|/max|orig| (default 1e-4)")
     p.add_argument("--benchmark", action="store_true", help="time the original and the fused model (medians)")
-    p.add_argument("--repeats", type=int, default=20, help="timed rounds of --benchmark (default 20)")
+    p.add_argument("--repeats", type=positive_int, default=20, help="timed rounds of --benchmark (default 20)")
     p.add_argument("--no-self-check", dest="self_check", action="store_false",
                    help="skip the per-rewrite self-check (each rewrite run against what it replaces on random "
                         "inputs at the --shape sizes and at other sizes the model accepts; on by default)")
@@ -72,10 +73,46 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("mxfuse: interrupted; nothing written", file=sys.stderr)
         return 130
+    finally:
+        _flush_stdout()
+
+
+def _say(text: str) -> None:
+    """Print to stdout; a reader that went away (``mxfuse ... | head``) does not stop the run."""
+    try:
+        print(text)
+    except BrokenPipeError:
+        _stdout_to_devnull()
+
+
+def _flush_stdout() -> None:
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_to_devnull()
+    except (OSError, ValueError):
+        pass
+
+
+def _stdout_to_devnull() -> None:
+    # What Python's docs advise: later writes (and the flush at exit) go nowhere instead of
+    # raising again, and no "Exception ignored ... BrokenPipeError" is printed at exit.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _run(args: argparse.Namespace) -> int:
-    shapes = dict(parse_shape(s) for s in args.shape)
+    shapes: dict = {}
+    for text in args.shape:
+        name, shape = parse_shape(text)
+        if name in shapes:
+            raise FusionError("--shape gives '%s' twice (%s and %s)" % (name, ",".join(map(str, shapes[name])),
+                                                                     ",".join(map(str, shape))))
+        shapes[name] = shape
     if (args.verify or args.benchmark) and not shapes:
         raise FusionError("--verify and --benchmark need the input shapes: add --shape NAME=D1,D2,...")
     if args.model.lower().endswith(".onnx"):
@@ -123,7 +160,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.benchmark and status == 0:
         report.extra["benchmark"] = _benchmark(symbol, arg, aux, result, shapes, args.repeats)
     if not args.quiet:
-        print(report.to_text(explain=args.explain))
+        _say(report.to_text(explain=args.explain))
     if status:
         print("mxfuse: error: fused outputs differ from the original (max rel error %.3g > %.3g); nothing written"
               % (report.extra["verify"]["max_rel"], args.rtol), file=sys.stderr)
@@ -138,7 +175,7 @@ def _run(args: argparse.Namespace) -> int:
         write_html(args.html, graph, result, title=os.path.basename(args.model),
                    inputs=list(shapes) or None, protect=protect)
     if not args.quiet:
-        print("wrote %s and %s" % paths)
+        _say("wrote %s and %s" % paths)
     return 0
 
 
@@ -172,7 +209,7 @@ def _export_onnx(result, shapes, path, protect, quiet: bool) -> None:
         v = export_onnx(symbol, result.arg_params, result.aux_params, shapes, path)
         result.report.notes.append("ONNX export: %s; exported the un-fused form" % e)
     if not quiet:
-        print("wrote %s (ONNX Runtime vs MXNet: %s)" % (path, v))
+        _say("wrote %s (ONNX Runtime vs MXNet: %s)" % (path, v))
 
 
 def _benchmark(symbol, arg, aux, result, shapes, repeats: int) -> dict:

@@ -9,6 +9,7 @@ never over the files the model was read from.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
@@ -151,20 +152,37 @@ def validate_params(graph: Graph, symbol: Any, arg: Mapping[str, Any], aux: Mapp
                 raise ParamsError("BatchNorm '%s' has a negative moving variance in '%s'" % (nd.name, var))
 
 
+_DIM = re.compile(r"\s*[0-9]+\s*$")
+
+
+def max_tensor_size() -> int:
+    """The most elements MXNet takes in one dimension and in one tensor: 2^31 - 1 unless it was
+    built with USE_INT64_TENSOR_SIZE (then 2^63 - 1)."""
+    from mxnet.ndarray.ndarray import _int64_enabled
+    return 2 ** 63 - 1 if _int64_enabled() else 2 ** 31 - 1
+
+
 def parse_shape(text: str) -> Tuple[str, Tuple[int, ...]]:
-    """``"data=1,3,224,224"`` -> ("data", (1, 3, 224, 224))."""
+    """``"data=1,3,224,224"`` -> ("data", (1, 3, 224, 224)): positive dimensions whose product MXNet takes."""
     name, sep, dims = text.partition("=")
-    try:
-        shape = tuple(int(d) for d in dims.split(",") if d.strip())
-    except ValueError:
-        shape = ()
+    parts = [d for d in dims.split(",") if d.strip()]
+    shape = tuple(int(d) for d in parts) if all(_DIM.match(d) for d in parts) else ()
     if not sep or not name.strip() or not shape or any(d <= 0 for d in shape):
         raise FusionError("cannot parse --shape '%s': expected NAME=D1,D2,... with positive integers" % text)
+    limit = max_tensor_size()
+    size = 1
+    for d in shape:
+        size *= d
+    if size > limit:
+        raise FusionError("--shape '%s' has %d elements; MXNet %s takes at most %d (2^%d - 1) per tensor"
+                          % (text, size, _mx_version(), limit, limit.bit_length()))
     return name.strip(), shape
 
 
 def output_paths(out: str, model_path: str) -> Tuple[str, str]:
     """``OUT_PREFIX-symbol.json`` and ``OUT_PREFIX-0000.params``; ``OUT`` ending in / (or a folder) keeps the model's name."""
+    if not out.strip():
+        raise FusionError("-o '%s' names no output: give a prefix (out/model) or a folder (out/)" % out)
     if out.endswith(os.sep) or os.path.isdir(out):
         base = os.path.basename(model_path)
         for suffix in ("-symbol.json", ".json", ".onnx"):
