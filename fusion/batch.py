@@ -355,9 +355,13 @@ def _orphan_temps(outdir: str) -> List[str]:
 
 # ---------------------------------------------------------------- command line
 
+class _UsageError(Exception):
+    pass
+
+
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:   # one line, like every other error of mxfuse
-        self.exit(2, "mxfuse: error: %s (see mxfuse --help)\n" % message)
+    def error(self, message: str) -> None:   # one line, like every other error of mxfuse (main_batch prints it)
+        raise _UsageError("mxfuse: error: %s (see mxfuse --help)\n" % message)
 
 
 class _QuietParser(argparse.ArgumentParser):
@@ -403,7 +407,11 @@ def main_batch(argv: Optional[List[str]] = None, stdout: Optional[IO[str]] = Non
     """``mxfuse MODEL_OR_DIR... -o OUTDIR [-j N]``: 0 when every model was fused, 1 when any failed, 2 bad usage."""
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
-    args = build_parser().parse_intermixed_args(argv)
+    try:
+        args = build_parser().parse_intermixed_args(argv)
+    except _UsageError as e:
+        stderr.write(str(e))
+        return 2
     if args.params or args.report or args.html or args.to_onnx:
         stderr.write("mxfuse: error: --params, --report, --html and --to-onnx name one model's files; with several "
                      "models the params are found beside each model, and --reports writes OUTDIR/NAME-report.json\n")
