@@ -38,6 +38,10 @@ def read_graph(path: str) -> Graph:
     if unknown:
         raise GraphError("%s: unknown op(s) %s (not registered in MXNet %s; load the library that defines them)"
                          % (path, ", ".join(unknown), _mx_version()))
+    try:
+        graph.check_loadable()
+    except GraphError as e:
+        raise GraphError("%s: %s" % (path, e)) from None
     return graph
 
 

@@ -114,3 +114,124 @@ def test_a_reader_that_goes_away_is_no_error(tmp_model, tmp_path):
     assert p.wait(timeout=300) == 0, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert (tmp_path / "o-symbol.json").exists() and (tmp_path / "o-0000.params").exists()
+
+
+# ---------------------------------------------------------------- the symbol file (bugs 3, 9, 12)
+
+def _cnn_json():
+    import json
+
+    from conftest import small_cnn
+    return json.loads(small_cnn().tojson())
+
+
+def _write_json(path, d):
+    import json
+    path.write_text(json.dumps(d))
+    return path
+
+
+def _last_op(d):
+    return len(d["nodes"]) - 1
+
+
+_CRASHERS = {   # each crashed MXNet (SIGSEGV/SIGABRT) or wrote a model that crashes on bind
+    "head": (lambda d: d.__setitem__("heads", [[_last_op(d), 5, 0]]),
+             "head 0 uses output 5 of node 17 ('pool', Pooling), which has 1 output"),
+    "input": (lambda d: d["nodes"][_last_op(d)]["inputs"][0].__setitem__(1, 3),
+              "node 17 ('pool') input 0 uses output 3 of node 16 ('bn1', BatchNorm), which has 3 outputs"),
+    "input-no-row-ptr": (lambda d: (d.pop("node_row_ptr"), d["nodes"][_last_op(d)]["inputs"][0].__setitem__(1, 3)),
+                         "uses output 3 of node 16 ('bn1', BatchNorm), which has 3 outputs"),
+    "row-ptr-lies": (lambda d: (d.__setitem__("node_row_ptr", list(range(0, 3 * len(d["nodes"]) + 1, 3))),
+                                d.__setitem__("heads", [[_last_op(d), 2, 0]])),
+                     "head 0 uses output 2 of node 17 ('pool', Pooling), which has 1 output"),
+    "variable-output": (lambda d: d["nodes"][3]["inputs"][0].__setitem__(1, 1),
+                        "node 3 ('conv0') input 0 uses output 1 of node 0 ('data', a variable), which has 1 output"),
+}
+
+
+def test_entries_naming_missing_outputs_are_refused_before_mxnet_sees_them(tmp_path):
+    """Run in a subprocess: before the fix these crashed the process (exit 134/139)."""
+    import json
+    for name, (mutate, _) in _CRASHERS.items():
+        d = _cnn_json()
+        mutate(d)
+        _write_json(tmp_path / ("%s-symbol.json" % name), d)
+    script = (
+        "import contextlib, io, json, sys\n"
+        "from fusion import cli\n"
+        "out = {}\n"
+        "for name in %r:\n"
+        "    for extra in ([], ['--verify', '--shape', 'data=1,3,8,8']):\n"
+        "        err = io.StringIO()\n"
+        "        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):\n"
+        "            code = cli.main([%r + '/' + name + '-symbol.json', '-o', %r + '/out-' + name] + extra)\n"
+        "        out[name + str(len(extra))] = (code, err.getvalue())\n"
+        "print(json.dumps(out))\n" % (list(_CRASHERS), str(tmp_path), str(tmp_path)))
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    results = json.loads(p.stdout.strip().splitlines()[-1])
+    for name, (_, message) in _CRASHERS.items():
+        for key in (name + "0", name + "3"):
+            code, err = results[key]
+            one_line_error(code, err, message)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("out-")]
+
+
+def test_api_refuses_json_naming_missing_outputs():
+    import fusion
+    from fusion.errors import GraphError
+    d = _cnn_json()
+    d["heads"] = [[_last_op(d), 1, 0]]
+    with pytest.raises(GraphError, match="head 0 uses output 1 of node 17"):
+        fusion.fuse(d)
+
+
+def test_deeply_nested_json_is_one_line(tmp_path, capsys):
+    p = tmp_path / "deep-symbol.json"
+    p.write_text("[" * 200000 + "]" * 200000)
+    code, _, err = mxfuse(capsys, p, "-o", tmp_path / "o")
+    one_line_error(code, err, "nests JSON arrays or objects too deep")
+    p.write_text('{"nodes": [], "heads": [], "x": ' + "[" * 5000 + "]" * 5000 + "}")
+    code, _, err = mxfuse(capsys, p, "-o", tmp_path / "o")
+    one_line_error(code, err, "too deep")
+
+
+@pytest.mark.parametrize("where,mutate,message", [
+    ("input", lambda d: d["nodes"][3]["inputs"][0].__setitem__(0, True),
+     "node 3 ('conv0') input 0 is malformed: expected [node_id, output_index(, version)] of whole numbers, "
+     "got [true, 0, 0]"),
+    ("input index", lambda d: d["nodes"][3]["inputs"][0].__setitem__(1, False), "got [0, false, 0]"),
+    ("version", lambda d: d["nodes"][3]["inputs"][0].__setitem__(2, True), "got [0, 0, true]"),
+    ("negative version", lambda d: d["nodes"][3]["inputs"][0].__setitem__(2, -1), "got [0, 0, -1]"),
+    ("float", lambda d: d["nodes"][3]["inputs"][0].__setitem__(0, 0.0), "got [0.0, 0, 0]"),
+    ("head", lambda d: d["heads"][0].__setitem__(0, True), "head 0 is malformed"),
+    ("arg_nodes", lambda d: d["arg_nodes"].__setitem__(0, True), "'arg_nodes' must be a list of node numbers"),
+    ("node_row_ptr", lambda d: d["node_row_ptr"].__setitem__(1, True), "'node_row_ptr' must be a list"),
+    ("attrs", lambda d: d.__setitem__("attrs", ["int", 10901]), "the graph's 'attrs' must be an object"),
+    ("attr value", lambda d: d["nodes"][3]["attrs"].__setitem__("kernel", [3, 3]),
+     "node 3 ('conv0') attribute 'kernel' is list, not a string"),
+])
+def test_structural_fields_are_type_checked(tmp_path, capsys, where, mutate, message):
+    d = _cnn_json()
+    mutate(d)
+    p = _write_json(tmp_path / "bad-symbol.json", d)
+    code, _, err = mxfuse(capsys, p, "-o", tmp_path / "o")
+    one_line_error(code, err, message)
+    assert not (tmp_path / "o-symbol.json").exists()
+
+
+def test_too_deep_fused_elemwise_expression_in_a_file_is_refused(tmp_path, capsys):
+    import json
+    expr = "x0"
+    for _ in range(5000):
+        expr = "act_relu(%s)" % expr
+    d = {"nodes": [{"op": "null", "name": "x", "inputs": []},
+                   {"op": "fused_elemwise", "name": "f", "attrs": {"expr": expr, "num_args": "1"},
+                    "inputs": [[0, 0, 0]]}],
+         "arg_nodes": [0], "node_row_ptr": [0, 1, 2], "heads": [[1, 0, 0]]}
+    p = tmp_path / "f-symbol.json"
+    p.write_text(json.dumps(d))
+    code, _, err = mxfuse(capsys, p, "-o", tmp_path / "o")
+    one_line_error(code, err, "fused_elemwise 'f' has an expression nested 5000 deep, more than the 4096")
