@@ -2,25 +2,21 @@
 
 Reading validates everything a rewrite relies on and raises a one-line
 :class:`GraphError`/:class:`ParamsError` naming the problem.  Writing is
-atomic: each file goes to a temporary file in the target folder and is
-renamed into place only when every file of the model has been written, and
-never over the files the model was read from.
+atomic (:mod:`fusion.publish`): each file goes to a temporary file in the
+target folder and is renamed into place only when every file of the model
+has been written, and never over the files the model was read from.
 """
 from __future__ import annotations
 
 import os
 import re
-import tempfile
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
 from .errors import FusionError, GraphError, ParamsError
 from .graph import Graph, _first_line
-
-
-
-TEMP_PREFIX = ".mxfuse-"   # atomic writes go through such files beside their target
+from .publish import TEMP_PREFIX, publish  # noqa: F401  (TEMP_PREFIX: batch.py reads it here)
 
 
 def read_graph(path: str) -> Graph:
@@ -197,64 +193,33 @@ def output_paths(out: str, model_path: str) -> Tuple[str, str]:
     return out + "-symbol.json", out + "-0000.params"
 
 
-def _umask_mode() -> int:
-    """The mode a plain open() would give a new file (mkstemp's temporaries are 0600)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 def write_model(prefix_paths: Tuple[str, str], symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any],
                 protect: Iterable[str] = ()) -> None:
-    """Write symbol and params atomically; refuse to write over any path in ``protect``."""
+    """Write symbol and params atomically (both or neither); refuse to write over any path in ``protect``."""
+    publish(model_files(prefix_paths, symbol, arg, aux), inputs=protect)
+
+
+def model_files(prefix_paths: Tuple[str, str], symbol: Any, arg: Mapping[str, Any],
+                aux: Mapping[str, Any]) -> List[Tuple[str, str, Callable[[str], None]]]:
+    """The (what, path, writer) triples of a model's two files, for :func:`fusion.publish.publish`."""
     import mxnet as mx
 
     sym_path, params_path = prefix_paths
-    protected = {os.path.realpath(p) for p in protect if p}
-    for p in (sym_path, params_path):
-        if os.path.realpath(p) in protected:
-            raise FusionError("refusing to write '%s' over an input file; choose another -o" % p)
-    folder = os.path.dirname(os.path.abspath(sym_path))
-    os.makedirs(folder, exist_ok=True)
     payload = {"arg:" + k: v for k, v in arg.items()}
     payload.update({"aux:" + k: v for k, v in aux.items()})
-    temps = []
-    try:
-        fd, tmp_sym = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".json", dir=folder)
-        temps.append(tmp_sym)
-        with os.fdopen(fd, "w") as f:
-            f.write(symbol.tojson())
-        fd, tmp_params = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".params", dir=folder)
-        os.close(fd)
-        temps.append(tmp_params)
-        mx.nd.save(tmp_params, payload)
-        for t in temps:
-            os.chmod(t, _umask_mode())
-        os.replace(tmp_params, params_path)
-        os.replace(tmp_sym, sym_path)
-        temps.clear()
-    finally:
-        for t in temps:
-            try:
-                os.unlink(t)
-            except OSError:
-                pass
+    return [("the model's symbol file", sym_path, lambda tmp: _write_text(tmp, symbol.tojson())),
+            ("the model's params file", params_path, lambda tmp: mx.nd.save(tmp, payload))]
+
+
+def text_file(what: str, path: str, text: Union[str, Callable[[], str]]) -> Tuple[str, str, Callable[[str], None]]:
+    """A (what, path, writer) triple of a text file (``text`` may be computed when it is written)."""
+    return what, path, lambda tmp: _write_text(tmp, text() if callable(text) else text)
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def write_text_atomic(path: str, text: str, protect: Iterable[str] = ()) -> None:
-    if os.path.realpath(path) in {os.path.realpath(p) for p in protect if p}:
-        raise FusionError("refusing to write '%s' over an input file" % path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    publish([text_file("file", path, text)], inputs=protect)

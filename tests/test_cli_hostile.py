@@ -235,3 +235,254 @@ def test_too_deep_fused_elemwise_expression_in_a_file_is_refused(tmp_path, capsy
     p.write_text(json.dumps(d))
     code, _, err = mxfuse(capsys, p, "-o", tmp_path / "o")
     one_line_error(code, err, "fused_elemwise 'f' has an expression nested 5000 deep, more than the 4096")
+
+
+# ---------------------------------------------------------------- writing (bugs 4, 5, 6, "Also")
+
+def _old_pair(tmp_path, name="o"):
+    """An earlier model at OUT: a failed run must leave it as it was."""
+    sym, params = tmp_path / (name + "-symbol.json"), tmp_path / (name + "-0000.params")
+    sym.write_text("old symbol")
+    params.write_bytes(b"old params")
+    return sym, params
+
+
+def _unchanged(tmp_path, before, sym, params):
+    assert listing(tmp_path) == before
+    assert sym.read_text() == "old symbol" and params.read_bytes() == b"old params"
+
+
+@pytest.mark.parametrize("case", ["report-is-input", "report-is-params", "report-is-own-symbol", "report-is-own-params",
+                                  "html-is-report", "onnx-is-own-symbol", "symbol-is-folder", "params-is-folder",
+                                  "report-is-folder", "report-under-file", "html-under-file",
+                                  "onnx-under-dangling-link"])
+def test_every_output_is_checked_before_anything_is_written(tmp_model, tmp_path, capsys, case):
+    sp, pp = tmp_model()
+    sym, params = _old_pair(tmp_path)
+    (tmp_path / "file").write_text("x")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    out = str(tmp_path / "o")
+    extra, message = {
+        "report-is-input": (["--report", sp], "refusing to write '%s' over an input file; choose another --report" % sp),
+        "report-is-params": (["--report", pp], "over an input file"),
+        "report-is-own-symbol": (["--report", sym], "--report '%s' is also the model's symbol file" % sym),
+        "report-is-own-params": (["--report", params], "is also the model's params file"),
+        "html-is-report": (["--report", tmp_path / "r", "--html", tmp_path / "r"], "--html '%s' is also --report"
+                           % (tmp_path / "r")),
+        "onnx-is-own-symbol": (["--to-onnx", sym, "--shape", "data=1,3,8,8"], "--to-onnx '%s' is also" % sym),
+        "symbol-is-folder": ([], "cannot write the model's symbol file '%s': it is a folder" % sym),
+        "params-is-folder": ([], "cannot write the model's params file '%s': it is a folder" % params),
+        "report-is-folder": (["--report", tmp_path], "cannot write --report '%s': it is a folder" % tmp_path),
+        "report-under-file": (["--report", tmp_path / "file" / "r.json"], "'%s' is a file, not a folder"
+                              % (tmp_path / "file")),
+        "html-under-file": (["--html", tmp_path / "file" / "sub" / "r.html"], "'%s' is a file, not a folder"
+                            % (tmp_path / "file")),
+        "onnx-under-dangling-link": (["--to-onnx", tmp_path / "dangling" / "m.onnx", "--shape", "data=1,3,8,8"],
+                                     "'%s' is a symbolic link to nothing" % (tmp_path / "dangling")),
+    }[case]
+    if case.endswith("-is-folder") and not case.startswith("report"):
+        target = sym if case.startswith("symbol") else params
+        target.unlink()
+        target.mkdir()
+    before = listing(tmp_path)
+    code, _, err = mxfuse(capsys, sp, "--params", pp, "-o", out, *extra)
+    one_line_error(code, err, message)
+    assert listing(tmp_path) == before
+    for f in (sym, params):
+        if f.is_file():
+            assert f.read_bytes() in (b"old symbol", b"old params")
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "dangling-link", "dangling-link-deeper"])
+def test_unwritable_output_prefix_is_one_line(tmp_model, tmp_path, capsys, where):
+    sp, pp = tmp_model()
+    (tmp_path / "file").write_text("x")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    out = {"under-a-file": tmp_path / "file" / "o", "dangling-link": tmp_path / "dangling" / "o",
+           "dangling-link-deeper": tmp_path / "dangling" / "a" / "b" / "o"}[where]
+    before = listing(tmp_path)
+    code, _, err = mxfuse(capsys, sp, "--params", pp, "-o", out)
+    one_line_error(code, err, "cannot write the model's symbol file")
+    assert listing(tmp_path) == before
+
+
+def _big_params_model(tmp_model):
+    """A model whose params (~150 KB) are much larger than its symbol file (~2 KB)."""
+    import mxnet as mx
+
+    from conftest import random_params
+    x = mx.sym.var("data")
+    y = mx.sym.Convolution(x, num_filter=64, kernel=(3, 3), pad=(1, 1), name="conv0")
+    y = mx.sym.Activation(y, act_type="relu", name="relu0")
+    y = mx.sym.Convolution(y, num_filter=64, kernel=(3, 3), pad=(1, 1), name="conv1")
+    arg, aux = random_params(y, {"data": (1, 64, 4, 4)})
+    return tmp_model(y, arg, aux, name="big")
+
+
+def test_file_size_limit_is_one_line_and_loses_nothing(tmp_model, tmp_path):
+    """RLIMIT_FSIZE (``ulimit -f``): the params file cannot be written; the earlier pair stays as it was."""
+    import resource
+    import signal
+
+    sp, pp = _big_params_model(tmp_model)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    sym, params = _old_pair(out_dir)
+    before = listing(out_dir)
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # the write fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (40000, 40000))
+
+    for extra in ([], ["--report", out_dir / "r.json"]):
+        p = subprocess_mxfuse(sp, "--params", pp, "-o", out_dir / "o", *extra, preexec_fn=limit)
+        err = native_noise_free(p.stderr)
+        one_line_error(p.returncode, err + "\n" if not err.endswith("\n") else err,
+                       "cannot write the model's params file", "no space left on the device, or a file size limit")
+        _unchanged(out_dir, before, sym, params)
+
+
+def test_a_failed_rename_puts_back_what_was_replaced(tmp_path, monkeypatch):
+    from fusion import publish as pub
+    from fusion.errors import FusionError
+
+    (tmp_path / "a").write_text("old a")
+    real_replace = os.replace
+    calls = []
+
+    def failing_replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:                  # the second target's rename fails
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(pub.os, "replace", failing_replace)
+    files = [("first", str(tmp_path / "a"), lambda t: open(t, "w").write("new a")),
+             ("second", str(tmp_path / "b"), lambda t: open(t, "w").write("new b"))]
+    with pytest.raises(FusionError, match="cannot write second '.*b': No space left on device"):
+        pub.publish(files)
+    monkeypatch.setattr(pub.os, "replace", real_replace)
+    assert listing(tmp_path) == ["a"] and (tmp_path / "a").read_text() == "old a"
+
+
+def test_folders_made_for_a_failed_write_are_removed(tmp_path):
+    from fusion import publish as pub
+    from fusion.errors import FusionError
+
+    def fail(tmp):
+        raise OSError(27, "File too large")
+
+    with pytest.raises(FusionError, match="cannot write it '.*x': File too large"):
+        pub.publish([("it", str(tmp_path / "new" / "deeper" / "x"), fail)])
+    assert listing(tmp_path) == []
+
+
+_SLOW_WRITE = """
+import os, sys, time
+import mxnet as mx
+marker = sys.argv.pop(1)
+real_save = mx.nd.save
+def slow_save(path, data):           # the params temp file is written; then the run is stopped
+    real_save(path, data)
+    open(marker, "w").close()
+    time.sleep(120)
+mx.nd.save = slow_save
+from fusion import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_term_and_hup_while_writing_leave_no_temp_files(tmp_model, tmp_path, signame):
+    import signal
+    import time
+
+    sp, pp = tmp_model()
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    sym, params = _old_pair(out_dir)
+    before = listing(out_dir)
+    marker = tmp_path / "writing"
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_WRITE, str(marker), str(sp), "--params", str(pp),
+                          "-o", str(out_dir / "o"), "--quiet"], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not marker.exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), p.stderr.read()
+    assert [n for n in os.listdir(out_dir) if n.startswith(".mxfuse-")]      # caught in the middle of writing
+    sig = getattr(signal, signame)
+    p.send_signal(sig)
+    err = native_noise_free(p.stderr.read())
+    assert p.wait(timeout=60) == 128 + sig
+    assert err.strip() == "mxfuse: terminated by %s; nothing written" % signame
+    _unchanged(out_dir, before, sym, params)
+
+
+def test_stale_temp_files_of_dead_runs_are_removed(tmp_model, tmp_path, capsys):
+    import time
+
+    from fusion import publish as pub
+
+    sp, pp = tmp_model()
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        tag = pub._host_tag()
+        names = {
+            "dead": ".mxfuse-%d-%s-abcd1234.params" % (dead.pid, tag),
+            "alive": ".mxfuse-%d-%s-abcd1234.params" % (alive.pid, tag),
+            "reused": ".mxfuse-%d-%s-efgh5678.json" % (alive.pid, tag),      # written before that process began
+            "other-host": ".mxfuse-%d-ffffff-abcd1234.json" % dead.pid,
+            "old-style": ".mxfuse-q1w2e3r4.json",
+        }
+        if tag == "ffffff":
+            names.pop("other-host")
+        for n in names.values():
+            (out_dir / n).write_text("half")
+        hour_ago = time.time() - 3600
+        os.utime(out_dir / names["reused"], (hour_ago, hour_ago))
+        time.sleep(0.05)
+        code, _, err = mxfuse(capsys, sp, "--params", pp, "-o", out_dir / "o")
+        assert code == 0, err
+        left = set(listing(out_dir))
+        assert names["dead"] not in left and names["reused"] not in left
+        assert {names["alive"], names["old-style"]} <= left
+        assert names.get("other-host", names["alive"]) in left
+        assert {"o-symbol.json", "o-0000.params"} <= left
+        assert not [n for n in left if n.endswith(".lock")]
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_publishing_waits_for_another_run_holding_the_prefix(tmp_path):
+    """Concurrent runs writing one prefix publish their pairs one after the other (flock per prefix)."""
+    import fcntl
+    import threading
+    import time
+
+    from fusion import publish as pub
+
+    lock = tmp_path / ".o.mxfuse.lock"
+    assert pub.lock_path(str(tmp_path / "o-symbol.json")) == str(lock)
+    assert pub.lock_path(str(tmp_path / "o-0000.params")) == str(lock)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)            # another run is publishing o-*
+    files = [("symbol", str(tmp_path / "o-symbol.json"), lambda t: open(t, "w").write("s")),
+             ("params", str(tmp_path / "o-0000.params"), lambda t: open(t, "w").write("p"))]
+    worker = threading.Thread(target=pub.publish, args=(files,))
+    worker.start()
+    time.sleep(1.0)
+    try:
+        assert worker.is_alive()
+        assert not (tmp_path / "o-symbol.json").exists() and not (tmp_path / "o-0000.params").exists()
+    finally:
+        os.close(fd)                          # that run is done
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+    assert (tmp_path / "o-symbol.json").read_text() == "s" and (tmp_path / "o-0000.params").read_text() == "p"
+    assert listing(tmp_path) == ["o-0000.params", "o-symbol.json"]      # lock file and temps gone
