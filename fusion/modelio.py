@@ -8,6 +8,8 @@ has been written, and never over the files the model was read from.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
@@ -127,7 +129,8 @@ def validate_params(graph: Graph, symbol: Any, arg: Mapping[str, Any], aux: Mapp
         # MXNet's shape inference overrides some given shapes (e.g. BatchNorm's gamma) instead of
         # refusing them, so compare what it infers from the inputs with what the params hold.
         if input_shapes:
-            inferred = symbol.infer_shape(**shapes, **input_shapes)
+            with contextlib.redirect_stdout(io.StringIO()):   # MXNet prints every argument's shape on failure
+                inferred = symbol.infer_shape(**shapes, **input_shapes)
         elif any(nd.op.startswith("fused_") for nd in graph.nodes):
             return      # MXNet 1.9.1 can crash inferring a library op's shapes from unknown inputs
         else:

@@ -486,3 +486,47 @@ def test_publishing_waits_for_another_run_holding_the_prefix(tmp_path):
     assert not worker.is_alive()
     assert (tmp_path / "o-symbol.json").read_text() == "s" and (tmp_path / "o-0000.params").read_text() == "p"
     assert listing(tmp_path) == ["o-0000.params", "o-symbol.json"]      # lock file and temps gone
+
+
+# ---------------------------------------------------------------- ONNX (bug 16, "Also")
+
+BERT_ONNX = os.path.join(ROOT, "tests", "data", "torch_tiny_bert.onnx")
+BERT_SHAPES = ["--shape", "hidden_states=1,8,32", "--shape", "attention_mask=1,8"]
+
+
+def test_truncated_external_onnx_data_names_the_initializer(tmp_path, capsys):
+    import onnx
+
+    model = onnx.load(BERT_ONNX)
+    onnx.save_model(model, str(tmp_path / "ext.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="ext.data", size_threshold=0)
+    data = (tmp_path / "ext.data").read_bytes()
+    (tmp_path / "ext.data").write_bytes(data[:-1000])
+    code, _, err = mxfuse(capsys, tmp_path / "ext.onnx", "-o", tmp_path / "o", *BERT_SHAPES)
+    one_line_error(code, err, "initializer '", "holds 7192 bytes, needs 8192 (its external data file is truncated?)")
+    assert not (tmp_path / "o-symbol.json").exists()
+
+
+@pytest.mark.parametrize("opset", [11, 12, 21, None])
+def test_onnx_opset_outside_the_supported_range_is_refused(tmp_path, capsys, opset):
+    import onnx
+
+    model = onnx.load(BERT_ONNX)
+    del model.opset_import[:]
+    if opset is not None:
+        model.opset_import.append(onnx.helper.make_opsetid("", opset))
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    code, _, err = mxfuse(capsys, tmp_path / "m.onnx", "-o", tmp_path / "o", *BERT_SHAPES)
+    one_line_error(code, err, "uses ONNX opset %s; the importer supports opsets 13-20" % (opset or "(none)"))
+
+
+def test_shape_errors_print_no_dump_of_every_argument(tmp_model, tmp_path, capsys):
+    """MXNet's Symbol.infer_shape prints every argument's shape to stdout before raising."""
+    code, out, err = mxfuse(capsys, BERT_ONNX, "-o", tmp_path / "o", "--shape", "hidden_states=1,8,33",
+                            "--shape", "attention_mask=1,8")
+    one_line_error(code, err, "MXNet rejects it")
+    assert out == ""
+    sp, pp = tmp_model()
+    code, out, err = mxfuse(capsys, sp, "--params", pp, "-o", tmp_path / "o", "--shape", "data=1,5,8,8")
+    one_line_error(code, err, "do not fit the graph")
+    assert out == ""
