@@ -4,16 +4,17 @@
 the reports, an ONNX export) to a temporary file beside its target, and only
 when all of them are written renames them into place, one after the other,
 with SIGINT/SIGTERM/SIGHUP held back so that no signal lands between two
-renames.  A failure before that removes the temporary files; a rename that
-fails puts back what the earlier renames replaced.  Other mxfuse runs
-publishing to the same prefix wait for an exclusive lock
-(``fcntl.flock`` on ``FOLDER/.NAME.mxfuse.lock``), so a symbol file and a params
-file always come from the same run.
+renames (the handlers take note and act after).  A failure before that
+removes the temporary files; a rename that fails puts back what the earlier
+renames replaced.  Other mxfuse runs publishing to the same prefix wait for
+an exclusive lock (``fcntl.flock`` on ``FOLDER/.NAME.mxfuse.lock``), so a
+symbol file and a params file always come from the same run.
 
 Temporary files are named ``.mxfuse-PID-HOST-XXXXXXXX.EXT``: a later run into
 the same folder removes those whose writer is dead (a SIGKILL leaves them
-behind) — only ones of this host, whose process is gone or was started after
-the file was last written (its PID reused).
+behind, and the ONNX exporter's ``..mxfuse-PID-HOST-*.tmp`` beside them) —
+only ones of this host, whose process is gone or was started after the file
+was last written (its PID reused).
 
 :func:`check_outputs` says, before any work is done, what cannot be written:
 an output that is also an input or another output, a folder, a path under a
@@ -100,9 +101,11 @@ def remove_stale_temps(folder: str) -> List[str]:
     except OSError:
         return removed
     for name in names:
-        if not name.startswith(TEMP_PREFIX):
+        if not name.startswith((TEMP_PREFIX, "." + TEMP_PREFIX)):
             continue
-        pid, _, rest = name[len(TEMP_PREFIX):].partition("-")
+        # ".<temp name>.XXXX.tmp": a temporary file of the ONNX exporter, writing our temporary file
+        own = name[1:] if name.startswith("." + TEMP_PREFIX) else name
+        pid, _, rest = own[len(TEMP_PREFIX):].partition("-")
         if not pid.isdigit() or not rest.startswith(tag + "-") or int(pid) == os.getpid():
             continue
         path = os.path.join(folder, name)
@@ -195,16 +198,32 @@ def _lock(path: str) -> int:
 
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
-    """Keep SIGINT/SIGTERM/SIGHUP pending (delivered on leaving) while files are being renamed."""
+    """Hold SIGINT/SIGTERM/SIGHUP back while files are renamed; one that arrived is acted on after.
+
+    Python runs signal handlers in the main thread whichever thread the signal reached
+    (MXNet's and OpenMP's threads do not block them), so the handlers are swapped for one
+    that only takes note, rather than the signals blocked.
+    """
+    caught: List[int] = []
+    previous: Dict[int, object] = {}
     try:
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
-    except (AttributeError, OSError, ValueError):
-        old = None
+        for sig in _HELD:
+            handler = signal.getsignal(sig)
+            if handler is not None:          # None: installed outside Python, left alone
+                previous[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
+    except ValueError:                       # not the main thread: handlers cannot be changed here
+        pass
     try:
         yield
     finally:
-        if old is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if caught:
+            handler = previous[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)     # e.g. raises KeyboardInterrupt now
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), caught[0])
 
 
 # ---------------------------------------------------------------- publishing

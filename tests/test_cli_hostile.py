@@ -419,6 +419,32 @@ def test_term_and_hup_while_writing_leave_no_temp_files(tmp_model, tmp_path, sig
     _unchanged(out_dir, before, sym, params)
 
 
+def test_a_signal_during_the_renames_waits_until_all_are_in_place(tmp_path, monkeypatch):
+    import signal
+
+    from fusion import publish as pub
+    real_replace = os.replace
+
+    def replace_then_signal(src, dst):
+        real_replace(src, dst)
+        os.kill(os.getpid(), signal.SIGTERM)      # arrives between the two renames
+
+    files = [("symbol", str(tmp_path / "o-symbol.json"), lambda t: open(t, "w").write("s")),
+             ("params", str(tmp_path / "o-0000.params"), lambda t: open(t, "w").write("p"))]
+    published = []
+    previous = signal.signal(signal.SIGTERM, cli._terminate)
+    monkeypatch.setattr(pub.os, "replace", replace_then_signal)
+    try:
+        with pytest.raises(cli.Terminated):
+            pub.publish(files, published=published)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        monkeypatch.setattr(pub.os, "replace", real_replace)
+    assert published == [str(tmp_path / "o-symbol.json"), str(tmp_path / "o-0000.params")]
+    assert (tmp_path / "o-symbol.json").read_text() == "s" and (tmp_path / "o-0000.params").read_text() == "p"
+    assert listing(tmp_path) == ["o-0000.params", "o-symbol.json"]
+
+
 def test_stale_temp_files_of_dead_runs_are_removed(tmp_model, tmp_path, capsys):
     import time
 
@@ -438,6 +464,7 @@ def test_stale_temp_files_of_dead_runs_are_removed(tmp_model, tmp_path, capsys):
             "reused": ".mxfuse-%d-%s-efgh5678.json" % (alive.pid, tag),      # written before that process began
             "other-host": ".mxfuse-%d-ffffff-abcd1234.json" % dead.pid,
             "old-style": ".mxfuse-q1w2e3r4.json",
+            "onnx-dead": "..mxfuse-%d-%s-abcd1234.onnx.x1y2.tmp" % (dead.pid, tag),   # the exporter's own temp
         }
         if tag == "ffffff":
             names.pop("other-host")
@@ -449,7 +476,7 @@ def test_stale_temp_files_of_dead_runs_are_removed(tmp_model, tmp_path, capsys):
         code, _, err = mxfuse(capsys, sp, "--params", pp, "-o", out_dir / "o")
         assert code == 0, err
         left = set(listing(out_dir))
-        assert names["dead"] not in left and names["reused"] not in left
+        assert names["dead"] not in left and names["reused"] not in left and names["onnx-dead"] not in left
         assert {names["alive"], names["old-style"]} <= left
         assert names.get("other-host", names["alive"]) in left
         assert {"o-symbol.json", "o-0000.params"} <= left
@@ -530,3 +557,4 @@ def test_shape_errors_print_no_dump_of_every_argument(tmp_model, tmp_path, capsy
     code, out, err = mxfuse(capsys, sp, "--params", pp, "-o", tmp_path / "o", "--shape", "data=1,5,8,8")
     one_line_error(code, err, "do not fit the graph")
     assert out == ""
+
