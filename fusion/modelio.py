@@ -59,6 +59,8 @@ def read_params(path: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     except mx.base.MXNetError as e:
         raise ParamsError("cannot load params file '%s' (truncated or not an MXNet params file): %s"
                           % (path, _first_line(str(e)))) from None
+    if isinstance(loaded, list) and not loaded:
+        return {}, {}           # what mx.nd.save writes for a model without parameters
     if not isinstance(loaded, dict):
         raise ParamsError("params file '%s' holds an unnamed list of arrays, expected arg:/aux: names" % path)
     arg, aux = {}, {}

@@ -558,3 +558,73 @@ def test_shape_errors_print_no_dump_of_every_argument(tmp_model, tmp_path, capsy
     one_line_error(code, err, "do not fit the graph")
     assert out == ""
 
+
+# ---------------------------------------------------------------- deep graphs (bug 8)
+
+def _relu_chain_json(n):
+    nodes = [{"op": "null", "name": "data", "inputs": []}]
+    for i in range(n):
+        nodes.append({"op": "Activation", "name": "relu%d" % i, "attrs": {"act_type": "relu"},
+                      "inputs": [[i, 0, 0]]})
+    return {"nodes": nodes, "arg_nodes": [0], "node_row_ptr": list(range(n + 2)), "heads": [[n, 0, 0]],
+            "attrs": {"mxnet_version": ["int", 10901]}}
+
+
+def _expr_depths(symbol_json):
+    from fusion.graph import expr_depth
+    return [expr_depth(n["attrs"]["expr"]) for n in symbol_json["nodes"] if n["op"] == "fused_elemwise"]
+
+
+def test_a_30000_op_chain_fuses_into_programs_mxnet_can_load(tmp_path):
+    """Was one fused_elemwise with a 30,000-deep expression: SIGSEGV in MXNet's load_json."""
+    import json
+    import time
+
+    import mxnet as mx
+    import numpy as np
+    p = _write_json(tmp_path / "chain-symbol.json", _relu_chain_json(30000))
+    start = time.time()
+    r = subprocess_mxfuse(p, "-o", tmp_path / "fused", "--shape", "data=2,5")
+    seconds = time.time() - start
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert seconds < 240, seconds
+    fused = json.loads((tmp_path / "fused-symbol.json").read_text())
+    depths = _expr_depths(fused)
+    assert max(depths) <= 256 and sum(depths) == 30000 and len(depths) <= 30000 // 256 + 8, depths
+    sym = mx.sym.load(str(tmp_path / "fused-symbol.json"))
+    x = np.random.default_rng(0).standard_normal((2, 5)).astype(np.float32)
+    np.testing.assert_array_equal(sym.eval(data=mx.nd.array(x))[0].asnumpy(), np.maximum(x, 0))
+
+
+def test_elementwise_regions_stop_at_256_program_ops():
+    import json
+
+    import mxnet as mx
+
+    import fusion
+    from conftest import ops
+    from patterns.elementwise import MAX_PROGRAM_OPS, program_ops
+    assert MAX_PROGRAM_OPS == 256
+    x = mx.sym.var("data")
+    y = x
+    for i in range(600):
+        y = mx.sym.Activation(y, act_type="relu", name="r%d" % i) if i % 2 else mx.sym.sigmoid(y, name="s%d" % i)
+    result = fusion.fuse(y)
+    depths = _expr_depths(json.loads(result.symbol.tojson()))
+    assert max(depths) <= 256 and sum(depths) == 600 and len(depths) == 3, depths
+    assert set(ops(result)) == {"fused_elemwise"}
+    # a fused op of 256 ops takes nothing more in; fusing again changes nothing
+    again = fusion.fuse(result.symbol)
+    assert _expr_depths(json.loads(again.symbol.tojson())) == depths
+    node = next(n for n in result.graph.nodes if n.op == "fused_elemwise")
+    assert program_ops(node) == node.attrs.raw("expr").count("(")
+
+
+def test_a_model_without_parameters_reads_back(tmp_path, capsys):
+    """mx.nd.save writes an empty list for no parameters; reading it back was 'an unnamed list' error."""
+    p = _write_json(tmp_path / "chain-symbol.json", _relu_chain_json(3))
+    code, _, err = mxfuse(capsys, p, "-o", tmp_path / "f")
+    assert code == 0, err
+    code, _, err = mxfuse(capsys, tmp_path / "f-symbol.json", "--params", tmp_path / "f-0000.params", "--unfuse",
+                          "-o", tmp_path / "u", "--shape", "data=2,3", "--verify")
+    assert code == 0, err
