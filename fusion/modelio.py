@@ -158,6 +158,7 @@ def validate_params(graph: Graph, symbol: Any, arg: Mapping[str, Any], aux: Mapp
 
 
 _DIM = re.compile(r"\s*[0-9]+\s*$")
+_MAX_RANK = 32
 
 
 def max_tensor_size() -> int:
@@ -174,6 +175,9 @@ def parse_shape(text: str) -> Tuple[str, Tuple[int, ...]]:
     shape = tuple(int(d) for d in parts) if all(_DIM.match(d) for d in parts) else ()
     if not sep or not name.strip() or not shape or any(d <= 0 for d in shape):
         raise FusionError("cannot parse --shape '%s': expected NAME=D1,D2,... with positive integers" % text)
+    if len(shape) > _MAX_RANK:
+        raise FusionError("--shape '%s' has %d dimensions; at most %d (NumPy's limit: --verify and the "
+                          "self-check draw inputs with it)" % (text, len(shape), _MAX_RANK))
     limit = max_tensor_size()
     size = 1
     for d in shape:

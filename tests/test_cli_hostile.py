@@ -79,6 +79,7 @@ def test_batch_numeric_options_are_checked_when_parsed(tmp_model, tmp_path, caps
     ("data=1,3,8,8.5", "cannot parse --shape"),
     ("data=1,3,8,0x8", "cannot parse --shape"),
     ("data=1,-3,8,8", "cannot parse --shape"),
+    ("data=" + ",".join(["1"] * 40), "has 40 dimensions; at most 32"),
 ])
 def test_shapes_are_validated(tmp_model, tmp_path, capsys, shape, message):
     sp, pp = tmp_model()
