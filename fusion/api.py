@@ -36,7 +36,9 @@ def _as_graph(symbol: Any) -> Graph:
     if isinstance(symbol, Graph):
         return symbol.copy()
     if isinstance(symbol, (str, bytes, dict)):
-        return Graph.from_json(symbol)
+        graph = Graph.from_json(symbol)
+        graph.check_loadable()      # MXNet has not seen this JSON: refuse what would crash it
+        return graph
     if hasattr(symbol, "tojson"):
         return Graph.from_symbol(symbol)
     raise TypeError("fuse() takes an mx.sym.Symbol, Symbol JSON text or a Graph, not %s" % type(symbol).__name__)

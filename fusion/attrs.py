@@ -27,6 +27,7 @@ from typing import Any, Dict, Iterator, Mapping, MutableMapping
 _INT = re.compile(r"^[+-]?\d+$")
 _FLOAT = re.compile(r"^[+-]?(\d+\.?\d*([eE][+-]?\d+)?|\.\d+([eE][+-]?\d+)?|inf|nan|infinity)$", re.I)
 _MISSING = object()
+_MAX_NESTING = 32
 
 
 def parse_value(text: str) -> Any:
@@ -43,6 +44,8 @@ def parse_value(text: str) -> Any:
     if _FLOAT.match(s):
         return float(s)
     if len(s) >= 2 and s[0] in "([" and s[-1] in ")]":
+        if len(s) - len(s.lstrip("([ ")) > _MAX_NESTING:
+            return text           # no MXNet attribute nests so deep: keep the string (and the stack)
         body = s[1:-1].strip().rstrip(",")
         if not body:
             return ()

@@ -355,9 +355,13 @@ def _orphan_temps(outdir: str) -> List[str]:
 
 # ---------------------------------------------------------------- command line
 
+class _UsageError(Exception):
+    pass
+
+
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:   # one line, like every other error of mxfuse
-        self.exit(2, "mxfuse: error: %s (see mxfuse --help)\n" % message)
+    def error(self, message: str) -> None:   # one line, like every other error of mxfuse (main_batch prints it)
+        raise _UsageError("mxfuse: error: %s (see mxfuse --help)\n" % message)
 
 
 class _QuietParser(argparse.ArgumentParser):
@@ -366,6 +370,9 @@ class _QuietParser(argparse.ArgumentParser):
 
 
 def build_parser(parser_class: type = _Parser) -> argparse.ArgumentParser:
+    from .argtypes import positive_float, positive_int
+
+    strict = parser_class is _Parser      # is_batch() only tells the modes apart: values are checked later
     p = parser_class(prog="mxfuse", description="Fuse many exported MXNet models, each in its own process.",
                      add_help=parser_class is _Parser)
     p.add_argument("inputs", nargs="+", metavar="MODEL_OR_DIR",
@@ -373,7 +380,7 @@ def build_parser(parser_class: type = _Parser) -> argparse.ArgumentParser:
                         "NAME.onnx, or a folder of them")
     p.add_argument("-o", "--output", required=True, metavar="OUTDIR",
                    help="writes OUTDIR/NAME-symbol.json and OUTDIR/NAME-0000.params per model")
-    p.add_argument("-j", "--jobs", type=int, help="models fused at once (default: the number of cores)")
+    p.add_argument("-j", "--jobs", type=positive_int if strict else str, help="models fused at once (default: the number of cores)")
     p.add_argument("--reports", action="store_true", help="also write OUTDIR/NAME-report.json per model")
     p.add_argument("--verbose", action="store_true", help="print the whole output of each failed model")
     # passed on to each model's mxfuse run (see mxfuse --help); keep in step with fusion/cli.py
@@ -381,9 +388,9 @@ def build_parser(parser_class: type = _Parser) -> argparse.ArgumentParser:
     p.add_argument("--rules")
     p.add_argument("--mode", choices=("inference", "training"))
     p.add_argument("--verify", action="store_true")
-    p.add_argument("--rtol")
+    p.add_argument("--rtol", type=positive_float if strict else str)
     p.add_argument("--benchmark", action="store_true")
-    p.add_argument("--repeats")
+    p.add_argument("--repeats", type=positive_int if strict else str)
     # single-model options: known here so that is_batch() reads their values right; refused in a batch
     p.add_argument("--params", help=argparse.SUPPRESS)
     p.add_argument("--report", help=argparse.SUPPRESS)
@@ -400,9 +407,10 @@ def main_batch(argv: Optional[List[str]] = None, stdout: Optional[IO[str]] = Non
     """``mxfuse MODEL_OR_DIR... -o OUTDIR [-j N]``: 0 when every model was fused, 1 when any failed, 2 bad usage."""
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
-    args = build_parser().parse_intermixed_args(argv)
-    if args.jobs is not None and args.jobs < 1:
-        stderr.write("mxfuse: error: -j needs a positive number of jobs\n")
+    try:
+        args = build_parser().parse_intermixed_args(argv)
+    except _UsageError as e:
+        stderr.write(str(e))
         return 2
     if args.params or args.report or args.html or args.to_onnx:
         stderr.write("mxfuse: error: --params, --report, --html and --to-onnx name one model's files; with several "
@@ -413,7 +421,7 @@ def main_batch(argv: Optional[List[str]] = None, stdout: Optional[IO[str]] = Non
         options += ["--shape", s]
     for flag in ("rules", "mode", "rtol", "repeats"):
         if getattr(args, flag) is not None:
-            options += ["--" + flag, getattr(args, flag)]
+            options += ["--" + flag, str(getattr(args, flag))]
     options += [f for f in ("--verify", "--benchmark", "--unfuse") if getattr(args, f[2:])]
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         stderr.write("mxfuse: error: -o '%s' is a file; with several models it must be a folder\n" % args.output)

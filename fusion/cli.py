@@ -7,21 +7,25 @@
     mxfuse MODEL_OR_DIR... -o OUTDIR [-j N] [--reports]       (batch: one process per model)
 
 Writes ``OUT_PREFIX-symbol.json`` and ``OUT_PREFIX-0000.params`` (``-o DIR/``
-keeps the model's name).  Exit status: 0 done, 1 verification failed (nothing
-written), 2 bad input or usage (one line on stderr, nothing written).
+keeps the model's name), with the reports, all at once or not at all
+(:mod:`fusion.publish`).  Exit status: 0 done, 1 verification failed (nothing
+written), 2 bad input or usage (one line on stderr, nothing written), 128 + N
+stopped by signal N (SIGINT, SIGTERM, SIGHUP; temporary files removed).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from .api import FusionResult, fuse, unfuse
+from .argtypes import positive_float, positive_int
 from .errors import FusionError
 from .graph import Graph
-from .modelio import (output_paths, parse_shape, read_graph, read_params, validate_params,
-                      write_model, write_text_atomic)
+from .modelio import model_files, output_paths, parse_shape, read_graph, read_params, text_file, validate_params
+from .publish import check_outputs, publish
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,9 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("inference", "training"), default="inference")
     p.add_argument("--verify", action="store_true", help="compare outputs on random inputs; refuse to write on mismatch")
     p.add_argument("--inputs", metavar="FILE.npz", help="verify on these inputs (arrays named like the model's inputs)")
-    p.add_argument("--rtol", type=float, default=1e-4, help="tolerance of --verify: max|Δ|/max|orig| (default 1e-4)")
+    p.add_argument("--rtol", type=positive_float, default=1e-4, help="tolerance of --verify: max|Δ|/max|orig| (default 1e-4)")
     p.add_argument("--benchmark", action="store_true", help="time the original and the fused model (medians)")
-    p.add_argument("--repeats", type=int, default=20, help="timed rounds of --benchmark (default 20)")
+    p.add_argument("--repeats", type=positive_int, default=20, help="timed rounds of --benchmark (default 20)")
     p.add_argument("--no-self-check", dest="self_check", action="store_false",
                    help="skip the per-rewrite self-check (each rewrite run against what it replaces on random "
                         "inputs at the --shape sizes and at other sizes the model accepts; on by default)")
@@ -58,6 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: unwind like Ctrl-C, so that temporary files are removed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated(signum)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     from .batch import is_batch, main_batch
@@ -65,18 +81,78 @@ def main(argv: Optional[List[str]] = None) -> int:
     if is_batch(argv):          # several inputs, or a directory: one process per model
         return main_batch(argv)
     args = build_parser().parse_args(argv)
+    published: List[str] = []
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            previous[sig] = signal.signal(sig, _terminate)
+        except (ValueError, OSError):     # not the main thread: leave signals alone
+            pass
     try:
-        return _run(args)
+        return _run(args, published)
     except FusionError as e:
         print("mxfuse: error: %s" % e, file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("mxfuse: interrupted; nothing written", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:
+        signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+        what = "interrupted" if signum == signal.SIGINT else "terminated by %s" % signal.Signals(signum).name
+        done = "; wrote %s" % ", ".join(published) if published else "; nothing written"
+        print("mxfuse: %s%s" % (what, done), file=sys.stderr)
+        return 128 + signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _flush_stdout()
 
 
-def _run(args: argparse.Namespace) -> int:
-    shapes = dict(parse_shape(s) for s in args.shape)
+def _say(text: str) -> None:
+    """Print to stdout; a reader that went away (``mxfuse ... | head``) does not stop the run."""
+    try:
+        print(text)
+    except BrokenPipeError:
+        _stdout_to_devnull()
+
+
+def _flush_stdout() -> None:
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_to_devnull()
+    except (OSError, ValueError):
+        pass
+
+
+def _stdout_to_devnull() -> None:
+    # What Python's docs advise: later writes (and the flush at exit) go nowhere instead of
+    # raising again, and no "Exception ignored ... BrokenPipeError" is printed at exit.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _outputs(args: argparse.Namespace) -> List[Tuple[str, str]]:
+    """(what, path) of every file the run writes."""
+    sym_path, params_path = output_paths(args.output, args.model)
+    outputs = [("the model's symbol file", sym_path), ("the model's params file", params_path)]
+    for flag in ("to_onnx", "report", "html"):
+        if getattr(args, flag) is not None:
+            outputs.append(("--" + flag.replace("_", "-"), getattr(args, flag)))
+    return outputs
+
+
+def _run(args: argparse.Namespace, published: List[str]) -> int:
+    protect = [args.model, args.params]
+    check_outputs(_outputs(args), protect)      # before any work: a bad path fails now, not after fusing
+    shapes: dict = {}
+    for text in args.shape:
+        name, shape = parse_shape(text)
+        if name in shapes:
+            raise FusionError("--shape gives '%s' twice (%s and %s)" % (name, ",".join(map(str, shapes[name])),
+                                                                     ",".join(map(str, shape))))
+        shapes[name] = shape
     if (args.verify or args.benchmark) and not shapes and not args.inputs:
         raise FusionError("--verify and --benchmark need the input shapes: add --shape NAME=D1,D2,...")
     if args.model.lower().endswith(".onnx"):
@@ -102,11 +178,6 @@ def _run(args: argparse.Namespace) -> int:
         inputs = load_inputs(args.inputs, symbol, arg, aux, shapes)
         shapes = {k: tuple(v.shape) for k, v in inputs.items()}
     validate_params(graph, symbol, arg, aux, shapes)
-    paths = output_paths(args.output, args.model)
-    protect = [args.model, args.params]
-    for p in paths:
-        if os.path.realpath(p) in {os.path.realpath(x) for x in protect if x}:
-            raise FusionError("refusing to write '%s' over an input file; choose another -o" % p)
 
     if args.to_onnx and not shapes:
         raise FusionError("--to-onnx needs the input shapes: add --shape NAME=D1,D2,...")
@@ -129,21 +200,27 @@ def _run(args: argparse.Namespace) -> int:
     if args.benchmark and status == 0:
         report.extra["benchmark"] = _benchmark(symbol, arg, aux, result, shapes, args.repeats)
     if not args.quiet:
-        print(report.to_text(explain=args.explain))
+        _say(report.to_text(explain=args.explain))
     if status:
         print("mxfuse: error: %s; nothing written" % report.extra["verify"]["failure"], file=sys.stderr)
         return status
-    if args.to_onnx:
-        _export_onnx(result, shapes, args.to_onnx, protect, args.quiet)
-    write_model(paths, result.symbol, result.arg_params, result.aux_params, protect=protect)
+    paths = output_paths(args.output, args.model)
+    onnx_said: List[str] = []
+    files = []
+    if args.to_onnx:            # first: a fallback to the un-fused form adds a note to the report
+        files.append(("--to-onnx", args.to_onnx, lambda tmp: onnx_said.append(_export_onnx(result, shapes, tmp))))
+    files += model_files(paths, result.symbol, result.arg_params, result.aux_params)
     if args.report:
-        write_text_atomic(args.report, report.to_json(), protect=protect)
+        files.append(text_file("--report", args.report, report.to_json))
     if args.html:
-        from .html_report import write_html
-        write_html(args.html, graph, result, title=os.path.basename(args.model),
-                   inputs=list(shapes) or None, protect=protect)
+        from .html_report import render_html
+        files.append(text_file("--html", args.html, lambda: render_html(
+            graph, result, title=os.path.basename(args.model), inputs=list(shapes) or None)))
+    publish(files, inputs=protect, published=published)
     if not args.quiet:
-        print("wrote %s and %s" % paths)
+        if args.to_onnx:
+            _say("wrote %s (ONNX Runtime vs MXNet: %s)" % (args.to_onnx, onnx_said[0]))
+        _say("wrote %s and %s" % paths)
     return 0
 
 
@@ -159,13 +236,11 @@ def _unfused_result(symbol, arg, aux, shapes) -> FusionResult:
     return FusionResult(plain, arg, aux, report, g2)
 
 
-def _export_onnx(result, shapes, path, protect, quiet: bool) -> None:
+def _export_onnx(result, shapes, path: str) -> str:
+    """Export ``result`` to the ONNX file ``path``; what ONNX Runtime vs MXNet said."""
     from .errors import GraphError
     from .onnx_io import export_onnx
 
-    if os.path.realpath(path) in {os.path.realpath(p) for p in protect if p}:
-        raise FusionError("refusing to write '%s' over an input file" % path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     symbol = result.symbol
     try:
         v = export_onnx(symbol, result.arg_params, result.aux_params, shapes, path)
@@ -176,8 +251,7 @@ def _export_onnx(result, shapes, path, protect, quiet: bool) -> None:
         symbol = unfuse(symbol, shapes, result.arg_params, result.aux_params)
         v = export_onnx(symbol, result.arg_params, result.aux_params, shapes, path)
         result.report.notes.append("ONNX export: %s; exported the un-fused form" % e)
-    if not quiet:
-        print("wrote %s (ONNX Runtime vs MXNet: %s)" % (path, v))
+    return str(v)
 
 
 def _benchmark(symbol, arg, aux, result, shapes, repeats: int) -> dict:

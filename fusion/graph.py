@@ -16,6 +16,7 @@ no head reaches and renumbers.
 from __future__ import annotations
 
 import json
+import sys
 from collections import defaultdict
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
@@ -104,6 +105,9 @@ class Graph:
             except json.JSONDecodeError as e:
                 raise GraphError("symbol file is not valid JSON (%s at line %d column %d)"
                                  % (e.msg, e.lineno, e.colno)) from None
+            except RecursionError:
+                raise GraphError("symbol file nests JSON arrays or objects too deep to read "
+                                 "(more than %d levels)" % sys.getrecursionlimit()) from None
         if not isinstance(data, dict) or "nodes" not in data or "heads" not in data:
             raise GraphError("not an MXNet Symbol JSON: expected an object with 'nodes' and 'heads'")
         jnodes, jheads = data["nodes"], data["heads"]
@@ -111,9 +115,13 @@ class Graph:
             raise GraphError("'nodes' and 'heads' must be lists")
         n = len(jnodes)
         row_ptr = data.get("node_row_ptr")
+        if row_ptr is not None and not _int_list(row_ptr):
+            raise GraphError("'node_row_ptr' must be a list of whole numbers (true/false are not numbers)")
         counts = None
         if isinstance(row_ptr, list) and len(row_ptr) == n + 1:
             counts = [row_ptr[i + 1] - row_ptr[i] for i in range(n)]
+        if not isinstance(data.get("attrs", {}), dict):
+            raise GraphError("the graph's 'attrs' must be an object")
         nodes: List[Node] = []
         for i, jn in enumerate(jnodes):
             if not isinstance(jn, dict) or not isinstance(jn.get("op"), str) or not isinstance(jn.get("name"), str):
@@ -121,6 +129,10 @@ class Graph:
             raw_attrs = jn.get("attrs", jn.get("attr", jn.get("param", {}))) or {}
             if not isinstance(raw_attrs, dict):
                 raise GraphError("node %d ('%s') has attributes that are not an object" % (i, jn["name"]))
+            bad = next((k for k, v in raw_attrs.items() if not isinstance(v, (str, int, float))), None)
+            if bad is not None:
+                raise GraphError("node %d ('%s') attribute '%s' is %s, not a string"
+                                 % (i, jn["name"], bad, type(raw_attrs[bad]).__name__))
             extra = {k: v for k, v in jn.items() if k not in _NODE_KEYS}
             nout = counts[i] if counts and counts[i] > 0 else 1
             nodes.append(Node(jn["op"], jn["name"], Attrs({k: str(v) for k, v in raw_attrs.items()}),
@@ -131,7 +143,8 @@ class Graph:
                 raise GraphError("node %d ('%s') has 'inputs' that is not a list" % (i, jn["name"]))
             try:                                  # the common, well-formed case, checked cheaply
                 nodes[i].inputs = [Entry(nodes[e[0]], e[1], e[2] if len(e) == 3 else 0) for e in ins
-                                   if 0 <= e[0] < n and 0 <= e[1] < nodes[e[0]].num_outputs and type(e) is list]
+                                   if type(e) is list and _int_list(e) and 2 <= len(e) <= 3 and e[-1] >= 0
+                                   and 0 <= e[0] < n and 0 <= e[1] < nodes[e[0]].num_outputs]
                 if len(nodes[i].inputs) != len(ins):
                     raise ValueError
             except (TypeError, ValueError, IndexError, KeyError):
@@ -139,6 +152,9 @@ class Graph:
         heads = [cls._entry(nodes, e, None, k) for k, e in enumerate(jheads)]
         if not heads:
             raise GraphError("the graph has no heads (outputs)")
+        arg_nodes = data.get("arg_nodes")   # written anew from the nodes, so a stale list is harmless,
+        if arg_nodes is not None and not _int_list(arg_nodes):      # but not one of another type
+            raise GraphError("'arg_nodes' must be a list of node numbers (true/false are not numbers)")
         graph = cls(nodes, heads, data.get("attrs", {"mxnet_version": ["int", 10901]}))
         graph._check_acyclic()
         return graph
@@ -148,15 +164,16 @@ class Graph:
         def where() -> str:
             return "head %d" % k if owner is None else "node %d ('%s') input %d" % (owner, nodes[owner].name, k)
 
-        if type(e) is not list or not 2 <= len(e) <= 3 or not all(type(v) is int for v in e):
-            raise GraphError("%s is malformed: expected [node_id, output_index(, version)], got %r" % (where(), e))
+        if type(e) is not list or not 2 <= len(e) <= 3 or not _int_list(e) or e[-1] < 0:
+            raise GraphError("%s is malformed: expected [node_id, output_index(, version)] of whole numbers, "
+                             "got %s" % (where(), _short(e)))
         nid, idx = e[0], e[1]
         if not 0 <= nid < len(nodes):
             raise GraphError("%s points to node %d, past the node list (%d nodes)" % (where(), nid, len(nodes)))
         node = nodes[nid]
         if idx < 0 or (node.num_outputs > 1 and idx >= node.num_outputs):
-            raise GraphError("%s uses output %d of '%s', which has %d outputs"
-                             % (where(), idx, node.name, node.num_outputs))
+            raise GraphError("%s uses output %d of %s, which has %s"
+                             % (where(), idx, _described(node, {id(node): nid}), _outputs(node)))
         if node.num_outputs == 1 and idx > 0:
             node.num_outputs = idx + 1  # node_row_ptr absent: learn the count from its uses
         return Entry(node, idx, e[2] if len(e) == 3 else 0)
@@ -203,15 +220,53 @@ class Graph:
         }
 
     def to_json_str(self) -> str:
-        return json.dumps(self.to_json())
+        try:
+            return json.dumps(self.to_json())
+        except RecursionError:
+            raise GraphError("a node carries a value nested too deep to write as JSON") from None
 
     def to_symbol(self):
         """The graph as an ``mx.sym.Symbol`` (raises GraphError when MXNet refuses it)."""
         import mxnet as mx
+        self.check_expr_depth()
         try:
             return mx.sym.load_json(self.to_json_str())
         except mx.base.MXNetError as e:
             raise GraphError("MXNet cannot load the graph: %s" % _first_line(str(e))) from None
+
+    # ------------------------------------------------------------------ what MXNet would crash on
+    def check_loadable(self) -> None:
+        """Raise GraphError for what MXNet 1.9.1 would not refuse but crash on, later, in native code.
+
+        Run on graphs read from a file (``Graph.from_json`` itself needs no MXNet): an entry naming
+        an output its op does not have (a SIGSEGV or SIGABRT at bind), a ``fused_elemwise``
+        expression nested deeper than its parser's stack allows.
+        """
+        self.check_expr_depth()
+        for nd in self.variables():
+            nd.num_outputs = 1
+        for nd in self.op_nodes():
+            count = opdefs.num_outputs(nd.op, nd.attrs.to_json(), len(nd.inputs), nd.extra.get("subgraphs"))
+            if count is not None:
+                nd.num_outputs = count
+        index = {id(nd): i for i, nd in enumerate(self.nodes)}
+        for i, nd in enumerate(self.nodes):
+            for k, e in enumerate(nd.inputs):
+                if e.index >= e.node.num_outputs:
+                    raise GraphError("node %d ('%s') input %d uses output %d of %s, which has %s"
+                                     % (i, nd.name, k, e.index, _described(e.node, index), _outputs(e.node)))
+        for k, e in enumerate(self.heads):
+            if e.index >= e.node.num_outputs:
+                raise GraphError("head %d uses output %d of %s, which has %s"
+                                 % (k, e.index, _described(e.node, index), _outputs(e.node)))
+
+    def check_expr_depth(self) -> None:
+        for nd in self.nodes:
+            if nd.op == "fused_elemwise":
+                depth = expr_depth(nd.attrs.raw("expr") or "")
+                if depth > MAX_EXPR_DEPTH:
+                    raise GraphError("fused_elemwise '%s' has an expression nested %d deep, more than the %d "
+                                     "MXNet can load safely" % (nd.name, depth, MAX_EXPR_DEPTH))
 
     # ------------------------------------------------------------------ queries
     def op_nodes(self) -> List[Node]:
@@ -307,6 +362,46 @@ class Graph:
         while "%s_%d" % (base, k) in names:
             k += 1
         return "%s_%d" % (base, k)
+
+
+# fused_elemwise's expression parser recurses once per nesting level, ~420 bytes of stack each:
+# MXNet's load_json crashed at depth ~19,000 on an 8 MiB stack, ~2,500 on 1 MiB, ~600 on 256 KiB.
+# The elementwise rule writes at most 256 levels; files nesting deeper than this are refused.
+MAX_EXPR_DEPTH = 4096
+
+
+def expr_depth(expr: str) -> int:
+    """The deepest nesting of parentheses in a fused_elemwise expression."""
+    depth = deepest = 0
+    for ch in expr:
+        if ch == "(":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+        elif ch == ")":
+            depth -= 1
+    return deepest
+
+
+def _int_list(value: Any) -> bool:
+    """A list of whole numbers (JSON's true/false are not: Python reads them as 1/0, MXNet refuses them)."""
+    return type(value) is list and all(type(v) is int for v in value)
+
+
+def _short(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _described(node: Node, index: Dict[int, int]) -> str:
+    return "node %d ('%s', %s)" % (index[id(node)], node.name, "a variable" if node.is_variable else node.op)
+
+
+def _outputs(node: Node) -> str:
+    return "1 output" if node.num_outputs == 1 else "%d outputs" % node.num_outputs
 
 
 def _first_line(text: str) -> str:

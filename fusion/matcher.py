@@ -180,6 +180,8 @@ def _grow_region(p: Region, entry: Entry, trace: Trace) -> List[Node]:
     heads = {id(e.node) for e in trace.graph.heads}
     inside = {id(anchor)}
     region = [anchor]
+    size = p.size if p.size is not None and p.max_size is not None else None
+    total = size(anchor) if size else 0
 
     def external_inputs(nodes) -> set:
         ids = {id(n) for n in nodes}
@@ -196,10 +198,14 @@ def _grow_region(p: Region, entry: Entry, trace: Trace) -> List[Node]:
                     continue
                 if any(id(u) not in inside for u, _ in users.get(cand, ())):
                     continue
+                if size and total + size(cand) > p.max_size:
+                    continue
                 if len(external_inputs(region + [cand])) > p.max_inputs:
                     continue
                 inside.add(id(cand))
                 region.append(cand)
+                if size:
+                    total += size(cand)
                 grown = True
                 if len(region) >= p.max_nodes:
                     break

@@ -2,24 +2,23 @@
 
 Reading validates everything a rewrite relies on and raises a one-line
 :class:`GraphError`/:class:`ParamsError` naming the problem.  Writing is
-atomic: each file goes to a temporary file in the target folder and is
-renamed into place only when every file of the model has been written, and
-never over the files the model was read from.
+atomic (:mod:`fusion.publish`): each file goes to a temporary file in the
+target folder and is renamed into place only when every file of the model
+has been written, and never over the files the model was read from.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
-import tempfile
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+import re
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
 from .errors import FusionError, GraphError, ParamsError
 from .graph import Graph, _first_line
-
-
-
-TEMP_PREFIX = ".mxfuse-"   # atomic writes go through such files beside their target
+from .publish import TEMP_PREFIX, publish  # noqa: F401  (TEMP_PREFIX: batch.py reads it here)
 
 
 def read_graph(path: str) -> Graph:
@@ -37,6 +36,10 @@ def read_graph(path: str) -> Graph:
     if unknown:
         raise GraphError("%s: unknown op(s) %s (not registered in MXNet %s; load the library that defines them)"
                          % (path, ", ".join(unknown), _mx_version()))
+    try:
+        graph.check_loadable()
+    except GraphError as e:
+        raise GraphError("%s: %s" % (path, e)) from None
     return graph
 
 
@@ -56,6 +59,8 @@ def read_params(path: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     except mx.base.MXNetError as e:
         raise ParamsError("cannot load params file '%s' (truncated or not an MXNet params file): %s"
                           % (path, _first_line(str(e)))) from None
+    if isinstance(loaded, list) and not loaded:
+        return {}, {}           # what mx.nd.save writes for a model without parameters
     if not isinstance(loaded, dict):
         raise ParamsError("params file '%s' holds an unnamed list of arrays, expected arg:/aux: names" % path)
     arg, aux = {}, {}
@@ -129,7 +134,8 @@ def validate_params(graph: Graph, symbol: Any, arg: Mapping[str, Any], aux: Mapp
         # MXNet's shape inference overrides some given shapes (e.g. BatchNorm's gamma) instead of
         # refusing them, so compare what it infers from the inputs with what the params hold.
         if input_shapes:
-            inferred = symbol.infer_shape(**shapes, **input_shapes)
+            with contextlib.redirect_stdout(io.StringIO()):   # MXNet prints every argument's shape on failure
+                inferred = symbol.infer_shape(**shapes, **input_shapes)
         elif any(nd.op.startswith("fused_") for nd in graph.nodes):
             return      # MXNet 1.9.1 can crash inferring a library op's shapes from unknown inputs
         else:
@@ -267,20 +273,41 @@ def _infers_without_params(symbol: Any) -> bool:
     return True
 
 
+_DIM = re.compile(r"\s*[0-9]+\s*$")
+_MAX_RANK = 32
+
+
+def max_tensor_size() -> int:
+    """The most elements MXNet takes in one dimension and in one tensor: 2^31 - 1 unless it was
+    built with USE_INT64_TENSOR_SIZE (then 2^63 - 1)."""
+    from mxnet.ndarray.ndarray import _int64_enabled
+    return 2 ** 63 - 1 if _int64_enabled() else 2 ** 31 - 1
+
+
 def parse_shape(text: str) -> Tuple[str, Tuple[int, ...]]:
-    """``"data=1,3,224,224"`` -> ("data", (1, 3, 224, 224))."""
+    """``"data=1,3,224,224"`` -> ("data", (1, 3, 224, 224)): positive dimensions whose product MXNet takes."""
     name, sep, dims = text.partition("=")
-    try:
-        shape = tuple(int(d) for d in dims.split(",") if d.strip())
-    except ValueError:
-        shape = ()
+    parts = [d for d in dims.split(",") if d.strip()]
+    shape = tuple(int(d) for d in parts) if all(_DIM.match(d) for d in parts) else ()
     if not sep or not name.strip() or not shape or any(d <= 0 for d in shape):
         raise FusionError("cannot parse --shape '%s': expected NAME=D1,D2,... with positive integers" % text)
+    if len(shape) > _MAX_RANK:
+        raise FusionError("--shape '%s' has %d dimensions; at most %d (NumPy's limit: --verify and the "
+                          "self-check draw inputs with it)" % (text, len(shape), _MAX_RANK))
+    limit = max_tensor_size()
+    size = 1
+    for d in shape:
+        size *= d
+    if size > limit:
+        raise FusionError("--shape '%s' has %d elements; MXNet %s takes at most %d (2^%d - 1) per tensor"
+                          % (text, size, _mx_version(), limit, limit.bit_length()))
     return name.strip(), shape
 
 
 def output_paths(out: str, model_path: str) -> Tuple[str, str]:
     """``OUT_PREFIX-symbol.json`` and ``OUT_PREFIX-0000.params``; ``OUT`` ending in / (or a folder) keeps the model's name."""
+    if not out.strip():
+        raise FusionError("-o '%s' names no output: give a prefix (out/model) or a folder (out/)" % out)
     if out.endswith(os.sep) or os.path.isdir(out):
         base = os.path.basename(model_path)
         for suffix in ("-symbol.json", ".json", ".onnx"):
@@ -291,64 +318,33 @@ def output_paths(out: str, model_path: str) -> Tuple[str, str]:
     return out + "-symbol.json", out + "-0000.params"
 
 
-def _umask_mode() -> int:
-    """The mode a plain open() would give a new file (mkstemp's temporaries are 0600)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 def write_model(prefix_paths: Tuple[str, str], symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any],
                 protect: Iterable[str] = ()) -> None:
-    """Write symbol and params atomically; refuse to write over any path in ``protect``."""
+    """Write symbol and params atomically (both or neither); refuse to write over any path in ``protect``."""
+    publish(model_files(prefix_paths, symbol, arg, aux), inputs=protect)
+
+
+def model_files(prefix_paths: Tuple[str, str], symbol: Any, arg: Mapping[str, Any],
+                aux: Mapping[str, Any]) -> List[Tuple[str, str, Callable[[str], None]]]:
+    """The (what, path, writer) triples of a model's two files, for :func:`fusion.publish.publish`."""
     import mxnet as mx
 
     sym_path, params_path = prefix_paths
-    protected = {os.path.realpath(p) for p in protect if p}
-    for p in (sym_path, params_path):
-        if os.path.realpath(p) in protected:
-            raise FusionError("refusing to write '%s' over an input file; choose another -o" % p)
-    folder = os.path.dirname(os.path.abspath(sym_path))
-    os.makedirs(folder, exist_ok=True)
     payload = {"arg:" + k: v for k, v in arg.items()}
     payload.update({"aux:" + k: v for k, v in aux.items()})
-    temps = []
-    try:
-        fd, tmp_sym = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".json", dir=folder)
-        temps.append(tmp_sym)
-        with os.fdopen(fd, "w") as f:
-            f.write(symbol.tojson())
-        fd, tmp_params = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".params", dir=folder)
-        os.close(fd)
-        temps.append(tmp_params)
-        mx.nd.save(tmp_params, payload)
-        for t in temps:
-            os.chmod(t, _umask_mode())
-        os.replace(tmp_params, params_path)
-        os.replace(tmp_sym, sym_path)
-        temps.clear()
-    finally:
-        for t in temps:
-            try:
-                os.unlink(t)
-            except OSError:
-                pass
+    return [("the model's symbol file", sym_path, lambda tmp: _write_text(tmp, symbol.tojson())),
+            ("the model's params file", params_path, lambda tmp: mx.nd.save(tmp, payload))]
+
+
+def text_file(what: str, path: str, text: Union[str, Callable[[], str]]) -> Tuple[str, str, Callable[[str], None]]:
+    """A (what, path, writer) triple of a text file (``text`` may be computed when it is written)."""
+    return what, path, lambda tmp: _write_text(tmp, text() if callable(text) else text)
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def write_text_atomic(path: str, text: str, protect: Iterable[str] = ()) -> None:
-    if os.path.realpath(path) in {os.path.realpath(p) for p in protect if p}:
-        raise FusionError("refusing to write '%s' over an input file" % path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    publish([text_file("file", path, text)], inputs=protect)

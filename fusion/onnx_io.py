@@ -48,6 +48,8 @@ against MXNet on random inputs, and renamed into place only if they match.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import tempfile
@@ -74,6 +76,9 @@ def _first_line(text: str) -> str:
 # Import
 # --------------------------------------------------------------------------------------------
 
+IMPORT_OPSETS = (13, 20)     # opsets of the default domain the importer reads (the forms of their ops)
+
+
 def import_onnx(path_or_model: Any, *, input_shapes: Optional[Mapping[str, Sequence[int]]] = None):
     """(symbol, arg_params, aux_params) of the ONNX model at ``path_or_model`` (a path or a ModelProto).
 
@@ -90,7 +95,7 @@ def _load(path_or_model: Any):
     import onnx
 
     if isinstance(path_or_model, onnx.ModelProto):
-        model, where = path_or_model, "ONNX model"
+        model, where, external = path_or_model, "ONNX model", set()
     else:
         path = os.fspath(path_or_model)
         where = "'%s'" % path
@@ -105,8 +110,9 @@ def _load(path_or_model: Any):
         except Exception as e:  # protobuf's DecodeError and friends
             raise GraphError("%s is not a valid ONNX model (truncated or not ONNX): %s"
                              % (where, _first_line(e) or type(e).__name__)) from None
-        if model.graph.node and any(t.HasField("data_location") and t.data_location == onnx.TensorProto.EXTERNAL
-                                    for t in model.graph.initializer):
+        external = {t.name for t in model.graph.initializer
+                    if t.HasField("data_location") and t.data_location == onnx.TensorProto.EXTERNAL}
+        if model.graph.node and external:
             try:
                 from onnx.external_data_helper import load_external_data_for_model
                 load_external_data_for_model(model, os.path.dirname(os.path.abspath(path)))
@@ -116,6 +122,11 @@ def _load(path_or_model: Any):
     if model.ir_version <= 0 or not g.output or not g.node:
         raise GraphError("%s is not a valid ONNX model (truncated or not ONNX): no %s"
                          % (where, "IR version" if model.ir_version <= 0 else "outputs" if not g.output else "nodes"))
+    opsets = [imp.version for imp in model.opset_import if imp.domain in ("", "ai.onnx")]
+    if not opsets or not IMPORT_OPSETS[0] <= opsets[-1] <= IMPORT_OPSETS[1]:
+        raise GraphError("%s uses ONNX opset %s; the importer supports opsets %d-%d (convert it, e.g. with "
+                         "onnx.version_converter)" % (where, opsets[-1] if opsets else "(none)", *IMPORT_OPSETS))
+    _check_initializers(g, where, external)
     known = {i.name for i in g.input} | {t.name for t in g.initializer} | {""}
     for node in g.node:
         for name in node.input:
@@ -128,6 +139,40 @@ def _load(path_or_model: Any):
         if out.name not in known:
             raise GraphError("%s: graph output '%s' is not produced by any node" % (where, out.name))
     return model
+
+
+def _check_initializers(g, where: str, external) -> None:
+    """Each initializer holds as many values as its shape says (a truncated external data file does not)."""
+    import onnx
+    from onnx import helper
+
+    for t in g.initializer:
+        try:
+            np_dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+        except (KeyError, ValueError, TypeError):
+            raise GraphError("%s: initializer '%s' has an unknown data type (%d)" % (where, t.name, t.data_type)) from None
+        want = int(np.prod(t.dims, dtype=np.int64))
+        if t.data_type == onnx.TensorProto.STRING:
+            have, unit = len(t.string_data), "strings"
+        elif t.HasField("raw_data"):
+            size = np.dtype(np_dtype).itemsize
+            have, unit = len(t.raw_data), "bytes"
+            want *= size
+        else:
+            field = helper.tensor_dtype_to_field(t.data_type)
+            have, unit = len(getattr(t, field)), "values"
+            if t.data_type in (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128):
+                want *= 2
+            elif t.data_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.BOOL,
+                                 onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16,
+                                 onnx.TensorProto.UINT16):
+                pass                     # one value per int32 slot
+            if have == 0 and want == 0:
+                continue
+        if have != want:
+            raise GraphError("%s: initializer '%s' (%s, shape %s) holds %d %s, needs %d%s"
+                             % (where, t.name, np.dtype(np_dtype).name, tuple(t.dims), have, unit, want,
+                                " (its external data file is truncated?)" if t.name in external else ""))
 
 
 class _Importer:
@@ -210,7 +255,8 @@ class _Importer:
     def shape(self, sym) -> Tuple[int, ...]:
         hit = self.shape_cache.get(id(sym))
         if hit is None:
-            _, out, _ = sym.infer_shape(**{a: self.shapes[a] for a in sym.list_arguments()})
+            with contextlib.redirect_stdout(io.StringIO()):   # MXNet prints every argument's shape on failure
+                _, out, _ = sym.infer_shape(**{a: self.shapes[a] for a in sym.list_arguments()})
             hit = self.shape_cache[id(sym)] = (sym, tuple(out[0]))   # holding sym keeps its id unique
         return hit[1]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 from functools import lru_cache
-from typing import Any, Dict, FrozenSet
+from typing import Any, Dict, FrozenSet, List, Optional
 
 DEFAULTS: Dict[str, Dict[str, Any]] = {
     "BatchNorm": dict(eps=1e-3, momentum=0.9, fix_gamma=True, use_global_stats=False,
@@ -106,9 +106,41 @@ def canonical_name(op: str, attrs: Dict[str, str], num_inputs: int) -> str:
     nodes.append({"op": op, "name": "n", "attrs": dict(attrs), "inputs": [[i, 0, 0] for i in range(num_inputs)]})
     try:
         sym = mx.sym.load_json(json.dumps({"nodes": nodes, "arg_nodes": list(range(num_inputs)),
-                                            "heads": [[num_inputs, 0, 0]]}))
+                                            "heads": [[num_inputs, 0, 0]], "attrs": _VERSION}))
         name = json.loads(sym.tojson())["nodes"][-1]["op"]
     except Exception:       # attributes MXNet refuses here: keep the spelling, try again on another node
         return op
     _CANONICAL[op] = name
     return name
+
+
+_VERSION = {"mxnet_version": ["int", 10901]}    # without it MXNet logs a "legacy JSON upgrade" per load
+_NUM_OUTPUTS: Dict[str, Optional[int]] = {}
+
+
+def num_outputs(op: str, attrs: Dict[str, str], num_inputs: int, subgraphs: Any = None) -> Optional[int]:
+    """How many outputs MXNet gives ``op`` with these attributes and inputs (hidden ones included,
+    e.g. BatchNorm's 3), or None when MXNet refuses to build the op alone (it will refuse the graph).
+
+    MXNet 1.9.1 does not check the output index of a graph's entries when it loads Symbol JSON:
+    a head or input naming an output an op does not have crashes it later (SIGSEGV, SIGABRT).
+    The op is built alone, once per op, attributes and input count.
+    """
+    import json
+
+    extra = {"subgraphs": subgraphs} if subgraphs is not None else {}
+    key = json.dumps([op, attrs, num_inputs, extra], sort_keys=True)
+    if key in _NUM_OUTPUTS:
+        return _NUM_OUTPUTS[key]
+    import mxnet as mx
+    nodes: List[Dict[str, Any]] = [{"op": "null", "name": "x%d" % i, "inputs": []} for i in range(num_inputs)]
+    nodes.append(dict(extra, op=op, name="n", attrs=dict(attrs), inputs=[[i, 0, 0] for i in range(num_inputs)]))
+    try:
+        sym = mx.sym.load_json(json.dumps({"nodes": nodes, "arg_nodes": list(range(num_inputs)),
+                                            "heads": [[num_inputs, 0, 0]], "attrs": _VERSION}))
+        row_ptr = json.loads(sym.tojson())["node_row_ptr"]
+        count: Optional[int] = row_ptr[-1] - row_ptr[-2]
+    except Exception:       # attributes MXNet refuses: loading the whole graph will say so, in one line
+        count = None
+    _NUM_OUTPUTS[key] = count
+    return count

@@ -154,7 +154,9 @@ class Region(Pattern):
 
     Grows backwards from the anchor over member producers whose outputs are used only
     inside the region (so no interior value escapes and no cycle can form, as in TVM's
-    FuseOps), up to ``max_nodes`` ops and ``max_inputs`` distinct external inputs.
+    FuseOps), up to ``max_nodes`` ops and ``max_inputs`` distinct external inputs, and,
+    when ``size(node)`` is given, up to ``max_size`` in the sum of the nodes' sizes (a
+    node that stands for several ops, e.g. a fused one, counts as that many).
     Binds ``name`` to the region's nodes in topological order; regions smaller than
     ``min_nodes`` do not match.  ``why_not(node, ctx)``, when given, says why an anchor
     that ``member`` refuses was refused, for the exclusions worth reporting (it returns
@@ -163,7 +165,8 @@ class Region(Pattern):
 
     def __init__(self, member: Callable[[Any, Any], bool], name: str, min_nodes: int = 2,
                  max_nodes: int = 32, max_inputs: int = 8, ops: Iterable[str] = (),
-                 why_not: Optional[Callable[[Any, Any], Optional[str]]] = None):
+                 why_not: Optional[Callable[[Any, Any], Optional[str]]] = None,
+                 size: Optional[Callable[[Any], int]] = None, max_size: Optional[int] = None):
         self.member = member
         self.why_not = why_not
         self.ops = frozenset(ops)      # ops an anchor may have (empty: any); lets the engine skip the rest
@@ -171,6 +174,8 @@ class Region(Pattern):
         self.min_nodes = min_nodes
         self.max_nodes = max_nodes
         self.max_inputs = max_inputs
+        self.size = size
+        self.max_size = max_size
 
     def roots(self) -> FrozenSet[str]:
         return self.ops

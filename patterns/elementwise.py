@@ -3,7 +3,10 @@ r"""Maximal regions of elementwise, broadcast and scalar ops → one ``fused_ele
 Matched: a connected region of the ops below, grown backwards from its output
 over producers whose values are used only inside the region (TVM FuseOps-style:
 no interior value escapes, so no cycle can form), at least two ops, at most 32
-ops and 8 distinct inputs::
+nodes, 8 distinct inputs and 256 program ops (an inlined ``fused_elemwise``
+counts as the ops of its program, BatchNorm as two), so that no expression nests
+deeper than 256: its parser recurses once per level, and MXNet's ``load_json``
+crashed (SIGSEGV) on a 30,000-deep one — a long chain becomes several ops::
 
     add sub mul div power maximum minimum (elemwise_*, broadcast_*, _plus, …)
     scalar forms (_plus_scalar, _rminus_scalar, _rdiv_scalar, _power_scalar, …, comparisons)
@@ -238,6 +241,16 @@ def member(node: Node, ctx) -> bool:
     return node.op in EXPR
 
 
+MAX_PROGRAM_OPS = 256   # per fused_elemwise; ~600 levels fit a 256 KiB stack (fusion/graph.py: MAX_EXPR_DEPTH)
+
+
+def program_ops(node: Node) -> int:
+    """How many ops ``node`` adds to a region's program (every op of the program is one call: one parenthesis)."""
+    if node.op == "fused_elemwise":
+        return max(1, (node.attrs.raw("expr") or "").count("("))
+    return 2 if node.op == "BatchNorm" else 1
+
+
 class Elementwise(Rule):
     name = "elementwise"
     family = "elementwise"
@@ -247,7 +260,7 @@ class Elementwise(Rule):
 
     def pattern(self) -> Pattern:
         return Region(member, "region", ops=set(EXPR) | {"BatchNorm"}, why_not=why_not,
-                      max_inputs=self.MAX_INPUTS)
+                      max_inputs=self.MAX_INPUTS, size=program_ops, max_size=MAX_PROGRAM_OPS)
 
     def check(self, m: Match) -> Optional[str]:
         region = m["region"]
