@@ -576,6 +576,13 @@ def _training_reason(m: Match, b: "Builder", mapping: Dict[Entry, Entry], ctx: "
         if ctx.memo[key]:
             return ("the graph has a LeakyReLU(prelu): MXNet 1.9.1 computes prelu's γ gradient wrong when "
                     "a library op runs before or after it in training")
+        key = ("zero_gradient", ctx.graph.version)
+        if key not in ctx.memo:
+            from .workarounds import zero_gradient
+            ctx.memo[key] = zero_gradient(ctx.graph)
+        if any(id(e.node) in ctx.memo[key] for e in mapping):
+            return ("its result gets no gradient (what reads it ends in BlockGrad or the like): MXNet skips "
+                    "the backward of what it replaces, a library op's would run (0 · NaN is NaN)")
     read = {id(e.node) for n in b.created for e in n.inputs} | {id(e.node) for e in mapping.values()}
     for nd in m.nodes:
         for e in nd.inputs:

@@ -100,3 +100,28 @@ def has_prelu(graph: Graph) -> bool:
     ops are right.  In training, no library op is put in such a graph.
     """
     return any(nd.op == "LeakyReLU" and nd.param("act_type", "leaky") == "prelu" for nd in graph.nodes)
+
+
+# Ops whose gradient MXNet makes zeros (MakeZeroGradNodes).
+ZERO_GRADIENT = frozenset({
+    "BlockGrad", "stop_gradient", "sign", "round", "rint", "fix", "floor", "ceil", "trunc",
+    "zeros_like", "ones_like", "shape_array", "size_array", "_contrib_arange_like", "argmax", "argmin",
+    "broadcast_equal", "broadcast_not_equal", "broadcast_greater", "broadcast_greater_equal",
+    "broadcast_lesser", "broadcast_lesser_equal", "_equal", "_not_equal", "_greater", "_greater_equal",
+    "_lesser", "_lesser_equal", "_equal_scalar", "_not_equal_scalar", "_greater_scalar",
+    "_greater_equal_scalar", "_lesser_scalar", "_lesser_equal_scalar"})
+
+
+def zero_gradient(graph: Graph) -> set:
+    """Ids of the nodes whose outputs get only zero gradients: read by nothing but ops of
+    ``ZERO_GRADIENT`` or by such nodes, and no graph output.  MXNet's gradient pass gives them
+    zeros without running their backward; a library op there would run its own, where a
+    gradient of 0 still meets a NaN or inf (0 · NaN is NaN)."""
+    users = graph.consumers()
+    heads = {id(e.node) for e in graph.heads}
+    zero: set = set()
+    for nd in reversed(graph.nodes):          # readers before what they read
+        readers = [u for u, _ in users.get(nd, ())]
+        if readers and id(nd) not in heads and all(u.op in ZERO_GRADIENT or id(u) in zero for u in readers):
+            zero.add(id(nd))
+    return zero

@@ -265,3 +265,18 @@ def test_moving_statistic_that_is_a_graph_output_stays_with_its_values():
     inputs = {"x": np.random.default_rng(0).standard_normal((1, 3, 4, 4)).astype(np.float32)}
     for a, b in zip(run(y, arg, aux, inputs), run(res.symbol, res.arg_params, res.aux_params, inputs)):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_training_no_library_op_where_mxnet_skips_the_backward():
+    """sqrt(x + 0.5) read only through BlockGrad (or ops reading it only so): MXNet's gradient pass
+    gives x zeros without running sqrt's backward; a library op's backward would run and give
+    0 · NaN = NaN where x < -0.5.  In training nothing is fused there."""
+    x = S.var("x")
+    s = S.sqrt(x + 0.5)
+    y = S.sigmoid(S.BlockGrad(s + s)) * 2
+    train = fusion.fuse(y, input_shapes={"x": (2, 3)}, mode="training")
+    fused = [n for n in train.graph.op_nodes() if n.op == "fused_elemwise"]
+    assert all("sqrt" not in n.attrs.raw("expr") for n in fused), [n.attrs.raw("expr") for n in fused]
+    assert "gets no gradient" in train.report.to_text(explain=True)
+    assert any("sqrt" in n.attrs.raw("expr") for n in fusion.fuse(y, input_shapes={"x": (2, 3)}).graph.op_nodes()
+               if n.op == "fused_elemwise")

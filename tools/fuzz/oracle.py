@@ -57,11 +57,35 @@ RANDOM_OPS = re.compile(r"^(_random_|random_|_sample_|sample_|_contrib_.*uniform
 
 
 def _misreads(sym, values) -> bool:
-    """Whether MXNet 1.9.1 would not run ``sym`` as its inferred shapes say at these values'
-    shapes (fusion.facts.misread: a where condition of another shape, read as cond[i // ratio];
-    a reshape to another size): no shape a fused model must reproduce."""
+    """Whether MXNet 1.9.1 would not run ``sym`` as its inferred shapes say at these values
+    (fusion.facts.misread: a where condition of another shape, read as cond[i // ratio]; a reshape
+    to another size), or reads past a tensor: softmax lengths longer than the axis they count.
+    No input a fused model must reproduce."""
     from fusion.selfcheck import _misfit_reshapes
-    return bool(_misfit_reshapes(sym, values))
+    if _misfit_reshapes(sym, values):
+        return True
+    data = json.loads(sym.tojson())
+    nodes = data["nodes"]
+    internals = sym.get_internals()
+    try:
+        _, shapes, _ = internals.infer_shape_partial(**{k: tuple(np.shape(v)) for k, v in values.items()})
+    except Exception:
+        return False
+    by_name = dict(zip(internals.list_outputs(), shapes))
+    for n in nodes:
+        a = n.get("attrs", {})
+        if n["op"] in ("softmax", "log_softmax", "masked_softmax") and str(a.get("use_length", "")).lower() == "true" \
+                and len(n["inputs"]) > 1:
+            src, ln = nodes[n["inputs"][0][0]], nodes[n["inputs"][1][0]]
+            if ln["op"] != "null" or ln["name"] not in values:
+                continue
+            shape = by_name.get(src["name"] if src["op"] == "null" else "%s_output" % src["name"])
+            if not shape:
+                continue
+            axis = int(a.get("axis", -1))
+            if np.size(values[ln["name"]]) and np.max(values[ln["name"]]) > shape[axis]:
+                return True
+    return False
 
 
 @dataclass
