@@ -2,7 +2,9 @@
 
 Inputs are model files (``NAME-symbol.json``, ``NAME.onnx``) and folders; a
 folder contributes every ``*-symbol.json`` (with the ``NAME-XXXX.params`` of
-the highest epoch beside it) and every ``*.onnx`` at its top level.  Each
+the highest epoch beside it) and every ``*.onnx`` at its top level.  A
+``NAME.shapes.json`` beside a model (``{"data": [1, 3, 224, 224]}``) gives
+that model's input shapes, in place of the ``--shape`` options.  Each
 model is one ``mxfuse`` run (:func:`fusion.cli.main` with that model's
 argv) in a worker process, writing ``OUTDIR/NAME-symbol.json`` and
 ``OUTDIR/NAME-0000.params``.  A model that fails — bad JSON, params that do
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from typing import Dict, IO, List, Optional, Sequence, Tuple
 
 _SYMBOL_SUFFIX = "-symbol.json"
+SHAPES_SUFFIX = ".shapes.json"
 _EPOCH = re.compile(r"-(\d{4})\.params$")
 
 
@@ -50,6 +53,7 @@ class Model:
     name: str                       # names the outputs: OUTDIR/NAME-symbol.json
     path: str
     params: Optional[str] = None
+    shapes: Optional[str] = None    # NAME.shapes.json beside the model: its input shapes
 
 
 @dataclass
@@ -77,7 +81,7 @@ class Interrupted(Exception):
 
 def _model_name(path: str) -> str:
     base = os.path.basename(path)
-    for suffix in (_SYMBOL_SUFFIX, ".json", ".onnx"):
+    for suffix in (_SYMBOL_SUFFIX, SHAPES_SUFFIX, ".json", ".onnx"):
         if base.endswith(suffix):
             return base[: -len(suffix)]
     return base
@@ -94,6 +98,45 @@ def _latest_params(symbol_path: str) -> Optional[str]:
     return os.path.join(folder, best[1]) if best else None
 
 
+def _shapes_file(model_path: str) -> Optional[str]:
+    path = os.path.join(os.path.dirname(model_path), _model_name(model_path) + SHAPES_SUFFIX)
+    return path if os.path.isfile(path) else None
+
+
+def shape_options(path: str) -> List[str]:
+    """``--shape`` options from a ``NAME.shapes.json`` file; ValueError (one line) when it is not one."""
+    try:
+        with open(path) as f:
+            shapes = json.load(f)
+    except OSError as e:
+        raise ValueError("cannot read shapes file '%s': %s" % (path, e.strerror or e)) from None
+    except ValueError as e:
+        raise ValueError("shapes file '%s' is not valid JSON: %s" % (path, e)) from None
+    if not isinstance(shapes, dict) or not shapes:
+        raise ValueError("shapes file '%s' must hold an object of input name -> shape, "
+                         'e.g. {"data": [1, 3, 224, 224]}' % path)
+    options: List[str] = []
+    for name, dims in shapes.items():
+        if not (isinstance(dims, list) and dims and all(type(d) is int and d > 0 for d in dims)):
+            raise ValueError("shapes file '%s': the shape of '%s' must be a list of positive integers, not %s"
+                             % (path, name, json.dumps(dims)))
+        options += ["--shape", "%s=%s" % (name, ",".join(map(str, dims)))]
+    return options
+
+
+def _without_shapes(options: Sequence[str]) -> List[str]:
+    out: List[str] = []
+    skip = False
+    for opt in options:
+        if skip:
+            skip = False
+        elif opt == "--shape":
+            skip = True
+        elif not opt.startswith("--shape="):
+            out.append(opt)
+    return out
+
+
 def find_models(inputs: Sequence[str]) -> Tuple[List[Model], List[Outcome]]:
     """The models ``inputs`` name, and a failed Outcome for each input that names none."""
     found: List[Model] = []
@@ -101,7 +144,7 @@ def find_models(inputs: Sequence[str]) -> Tuple[List[Model], List[Outcome]]:
 
     def add(path: str) -> None:
         params = _latest_params(path) if path.endswith(".json") else None
-        found.append(Model(_model_name(path), path, params))
+        found.append(Model(_model_name(path), path, params, _shapes_file(path)))
 
     for inp in inputs:
         if os.path.isdir(inp):
@@ -112,7 +155,10 @@ def find_models(inputs: Sequence[str]) -> Tuple[List[Model], List[Outcome]]:
             for e in entries:
                 add(os.path.join(inp, e))
         elif os.path.isfile(inp):
-            if inp.endswith((".json", ".onnx")):
+            if inp.endswith(SHAPES_SUFFIX):
+                problems.append(Outcome(Model(_model_name(inp), inp), False, "not a model: a NAME%s file gives "
+                                        "the input shapes of the model NAME beside it" % SHAPES_SUFFIX))
+            elif inp.endswith((".json", ".onnx")):
                 add(inp)
             else:
                 problems.append(Outcome(Model(_model_name(inp), inp), False,
@@ -453,11 +499,17 @@ def run_batch(inputs: Sequence[str], outdir: str, *, jobs: Optional[int] = None,
             todo = {}
             for k, m in enumerate(models):
                 refusal = _over_an_input(m, outdir, reports)
+                model_options = list(options)
+                if m.shapes and not refusal:
+                    try:
+                        model_options = _without_shapes(options) + shape_options(m.shapes)
+                    except ValueError as e:
+                        refusal = str(e)
                 if refusal:
                     finish(k, Outcome(m, False, refusal))
                     continue
                 argv = [m.path] + (["--params", m.params] if m.params else []) + ["-o", os.path.join(staging, "")]
-                todo[k] = (argv + list(options), os.path.join(staging, m.name + "-report.json"), reports)
+                todo[k] = (argv + model_options, os.path.join(staging, m.name + "-report.json"), reports)
             broken = _in_pool(ctx, jobs, _job, todo, lambda k, r: finish(k, _outcome(models[k], r)), stop)
             # A worker that dies (a crash in native code) takes every model in the pool down with it:
             # rerun those in a process each, so that only the model that crashed fails.
@@ -495,6 +547,34 @@ class _QuietParser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
+BATCH_HELP = ("Several models, or a folder of them, are fused each in its own process: -o names a folder "
+              "(OUTDIR/NAME-symbol.json, OUTDIR/NAME-0000.params), a failing model does not stop the others, and a "
+              "summary table ends the run. A model's params are the NAME-XXXX.params of the highest epoch beside it; "
+              'a NAME.shapes.json beside it ({"data": [1, 3, 224, 224]}) gives its input shapes in place of --shape. '
+              "--params, --report, --html, --to-onnx and --explain are for one model. Ctrl-C stops the batch at once "
+              "and names the models written.")
+
+
+VERBOSE_HELP = ("progress on stderr, each stage with its elapsed seconds (shown anyway when stderr is a terminal); "
+                "in batch mode, also the whole output of each failed model")
+
+
+def add_batch_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of batch mode (also listed in the single-model ``mxfuse --help``)."""
+    g = p.add_argument_group("batch mode (several models or a folder)", BATCH_HELP)
+    g.add_argument("-j", "--jobs", type=int, metavar="N", help="models fused at once (default: the number of cores)")
+    g.add_argument("--reports", action="store_true", help="also write OUTDIR/NAME-report.json per model")
+
+
+def batch_only_flags(args: argparse.Namespace) -> Optional[str]:
+    """The one-line refusal of batch options given with a single model (None when there are none)."""
+    given = [flag for flag, dest in (("-j", "jobs"), ("--reports", "reports"))
+             if getattr(args, dest, None) not in (None, False)]
+    if not given:
+        return None
+    return "%s: only for several models or a folder (batch mode)" % ", ".join(given)
+
+
 def build_parser(parser_class: type = _Parser) -> argparse.ArgumentParser:
     p = parser_class(prog="mxfuse", description="Fuse many exported MXNet models, each in its own process.",
                      add_help=parser_class is _Parser)
@@ -503,9 +583,8 @@ def build_parser(parser_class: type = _Parser) -> argparse.ArgumentParser:
                         "NAME.onnx, or a folder of them")
     p.add_argument("-o", "--output", required=True, metavar="OUTDIR",
                    help="writes OUTDIR/NAME-symbol.json and OUTDIR/NAME-0000.params per model")
-    p.add_argument("-j", "--jobs", type=int, help="models fused at once (default: the number of cores)")
-    p.add_argument("--reports", action="store_true", help="also write OUTDIR/NAME-report.json per model")
-    p.add_argument("--verbose", action="store_true", help="print the whole output of each failed model")
+    add_batch_arguments(p)
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     # passed on to each model's mxfuse run (see mxfuse --help); keep in step with fusion/cli.py
     p.add_argument("--shape", action="append", default=[], metavar="NAME=D1,D2,...")
     p.add_argument("--rules")

@@ -17,6 +17,7 @@ import os
 import sys
 from typing import List, Optional
 
+from . import batch
 from .api import FusionResult, fuse, unfuse
 from .errors import FusionError
 from .graph import Graph
@@ -54,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also export the fused model to ONNX, validated in ONNX Runtime (needs --shape)")
     p.add_argument("--html", metavar="FILE.html", help="write a readable HTML report with drawings of both graphs")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.add_argument("--verbose", action="store_true", help=batch.VERBOSE_HELP)
+    batch.add_batch_arguments(p)
     return p
 
 
@@ -63,7 +66,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if is_batch(argv):          # several inputs, or a directory: one process per model
         return main_batch(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if batch.batch_only_flags(args):
+        parser.error(batch.batch_only_flags(args))
     try:
         return _run(args)
     except FusionError as e:
