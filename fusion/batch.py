@@ -43,6 +43,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Dict, IO, List, Optional, Sequence, Tuple
 
+from .about import command_line as _command_line
+
 _SYMBOL_SUFFIX = "-symbol.json"
 SHAPES_SUFFIX = ".shapes.json"
 _EPOCH = re.compile(r"-(\d{4})\.params$")
@@ -449,7 +451,17 @@ def _one_by_one(ctx, jobs: int, job, todo: Dict[int, tuple], finish, died, stop:
 _PUBLISHED = ("-0000.params", "-symbol.json")    # the params first: a symbol file in OUTDIR means both are there
 
 
-def _publish(staging: str, outdir: str, name: str, report: bool) -> None:
+def _publish(staging: str, outdir: str, name: str, report: bool, command_line: Optional[str]) -> None:
+    if report and command_line:     # the command the user gave, not the one-model run with its staging paths
+        path = os.path.join(staging, name + "-report.json")
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            data["command_line"] = command_line
+            with open(path, "w") as f:
+                json.dump(data, f, indent=2)
+        except (OSError, ValueError):
+            pass
     for suffix in _PUBLISHED + (("-report.json",) if report else ()):
         src = os.path.join(staging, name + suffix)
         if os.path.exists(src):
@@ -466,10 +478,12 @@ def _over_an_input(model: Model, outdir: str, reports: bool) -> Optional[str]:
 
 
 def run_batch(inputs: Sequence[str], outdir: str, *, jobs: Optional[int] = None, options: Sequence[str] = (),
-              reports: bool = False, progress: Optional[IO[str]] = None, _job=run_job) -> List[Outcome]:
+              reports: bool = False, progress: Optional[IO[str]] = None, command_line: Optional[str] = None,
+              _job=run_job) -> List[Outcome]:
     """Fuse every model ``inputs`` name into ``outdir``; ``options`` are mxfuse options for each (e.g. --verify).
 
     Returns an Outcome for each input that names no model, then one per model in input order.
+    ``command_line`` (the batch's, as text) replaces each model's own in the reports ``reports`` keeps.
     (``_job`` replaces :func:`run_job` in tests; it must be importable in a fresh process.)
     """
     if any(opt in ("-o", "--output", "--params", "--report") or opt.startswith(("--output=", "--params=", "--report="))
@@ -491,7 +505,7 @@ def run_batch(inputs: Sequence[str], outdir: str, *, jobs: Optional[int] = None,
             if outcome.ok:
                 if stop.signum is not None:     # the batch was stopped: publish nothing more
                     return
-                _publish(staging, outdir, models[k].name, reports)
+                _publish(staging, outdir, models[k].name, reports, command_line)
             results[k] = outcome
             bar.update(outcome)
 
@@ -629,7 +643,8 @@ def main_batch(argv: Optional[List[str]] = None, stdout: Optional[IO[str]] = Non
         return 2
     try:
         outcomes = run_batch(args.inputs, args.output, jobs=args.jobs, options=options, reports=args.reports,
-                             progress=open(os.devnull, "w") if args.quiet else stderr, _job=_job)
+                             progress=open(os.devnull, "w") if args.quiet else stderr, _job=_job,
+                             command_line=_command_line(argv if argv is not None else sys.argv[1:]))
     except Interrupted as e:
         stdout.write(summary(e.outcomes) + "\n")
         stderr.write(interrupted_line(e, args.output) + "\n")

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import List, Optional
 
-from . import batch
+from . import about, batch
 from .api import FusionResult, fuse, unfuse
 from .errors import FusionError
 from .graph import Graph
@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="FILE.html", help="write a readable HTML report with drawings of both graphs")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     p.add_argument("--verbose", action="store_true", help=batch.VERBOSE_HELP)
+    p.add_argument("--list-rules", action=about.ListRulesAction,
+                   help="list the rules (name, family, inference only or not, what each matches) and exit")
+    p.add_argument("--version", action=about.VersionAction, help="print the versions of mxfuse and MXNet and exit")
     batch.add_batch_arguments(p)
     return p
 
@@ -70,6 +73,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if batch.batch_only_flags(args):
         parser.error(batch.batch_only_flags(args))
+    args.command_line = argv
     try:
         return _run(args)
     except FusionError as e:
@@ -119,6 +123,7 @@ def _run(args: argparse.Namespace) -> int:
         result = fuse(symbol, arg, aux, rules=rules, mode=args.mode, input_shapes=shapes,
                       self_check=args.self_check)
     report = result.report
+    report.extra.update(about.run_info(getattr(args, "command_line", None), shapes))
     status = 0
     if args.verify:
         from .verify import verify

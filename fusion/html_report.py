@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import networkx as nx
 
+from .about import describe_run
 from .errors import FusionError
 from .graph import Graph
 from .modelio import write_text_atomic
@@ -442,6 +443,7 @@ def _summary(report: Any) -> List[str]:
            '%d &middot; parameters removed %d &middot; %d pass(es) &middot; %s s</p>'
            % (_esc(report.mode), report.fused_count, report.ops_before, report.ops_after, report.nodes_before,
               report.nodes_after, report.params_removed, report.passes, _num(report.seconds, "%.3f"))]
+    out.append('<p class="meta run">%s</p>' % "<br>".join(_esc(line) for line in describe_run(report)))
     v = report.extra.get("verify")
     if v:
         ok = bool(v.get("ok"))

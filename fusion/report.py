@@ -83,7 +83,10 @@ class FusionReport:
         return sum(len(r.fused) for r in self.rules.values())
 
     def to_dict(self) -> Dict[str, Any]:
+        from .about import versions
+
         return {
+            "versions": versions(),
             "mode": self.mode, "passes": self.passes, "seconds": round(self.seconds, 4),
             "ops_before": self.ops_before, "ops_after": self.ops_after,
             "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
