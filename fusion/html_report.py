@@ -35,6 +35,7 @@ import networkx as nx
 from .about import describe_run
 from .errors import FusionError
 from .graph import Graph
+from .report import group_reasons
 from .modelio import write_text_atomic
 
 RENDERERS = ("auto", "dot", "svg")
@@ -476,12 +477,15 @@ def _rule_tables(report: Any, colours: Dict[str, int]) -> List[str]:
     for title, attr, cls in (("Rejected", "rejected", "rejected"), ("Near-misses", "near_misses", "near")):
         rows = []
         for name, r in report.rules.items():
-            by_reason: Dict[str, List[str]] = defaultdict(list)
-            for anchor, reason in getattr(r, attr).items():
-                by_reason[reason].append(anchor)
+            if attr == "near_misses":     # one row per kind of reason, the places counted
+                by_reason: Dict[str, List[str]] = dict(group_reasons(r.near_misses))
+            else:
+                by_reason = defaultdict(list)
+                for anchor, reason in r.rejected.items():
+                    by_reason[reason].append(anchor)
             for reason, anchors in by_reason.items():
-                shown = ", ".join(_esc(a) for a in anchors[:10]) + (
-                    " (+%d more)" % (len(anchors) - 10) if len(anchors) > 10 else "")
+                shown = ("%d&times;: " % len(anchors) if len(anchors) > 1 else "") + ", ".join(
+                    _esc(a) for a in anchors[:10]) + (" (+%d more)" % (len(anchors) - 10) if len(anchors) > 10 else "")
                 rows.append("<tr><td>%s</td><td>%s</td><td>%s</td></tr>" % (_esc(name), shown, _esc(reason)))
         out.append('<h2>%s</h2>' % title)
         out.append('<table class="%s"><tr><th>rule</th><th>anchor</th><th>reason</th></tr>%s</table>'

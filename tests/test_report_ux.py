@@ -99,3 +99,51 @@ def test_rules_option_takes_family_and_rule_names(name):
     sym = small_cnn()
     res = fusion.fuse(sym, rules=[name])
     assert set(res.report.rules) <= {r.name for r in rules_by_name()[name]}
+
+
+def _residual_blocks(n):
+    """n blocks of relu(BatchNorm(conv(x)) + x): each an Activation over an add, like dense_act's tail."""
+    x = mx.sym.var("data")
+    for i in range(n):
+        y = mx.sym.Convolution(x, num_filter=3, kernel=(1, 1), name="conv%d" % i)
+        y = mx.sym.BatchNorm(y, name="bn%d" % i)
+        x = mx.sym.Activation(mx.sym.elemwise_add(y, x, name="plus%d" % i), act_type="relu", name="relu%d" % i)
+    return x
+
+
+def test_explain_groups_near_misses_by_rule_and_kind():
+    sym = _residual_blocks(5)
+    res = fusion.fuse(sym, *random_params(sym, {"data": (1, 3, 4, 4)}), input_shapes={"data": (1, 3, 4, 4)})
+    assert len(res.report.rules["elementwise"].near_misses) == 10
+    text = res.report.to_text(explain=True)
+    tail = "is in the tail of a convolution or dense layer: left to MXNet's oneDNN backend, which fuses it there"
+    assert [ln for ln in text.splitlines() if "near-miss" in ln or "×" in ln] == [
+        "  near-misses of elementwise: 10, 2 kind(s)",
+        "    5× Activation %s  (at relu4, relu3, relu2 (+2 more))" % tail,
+        "    5× elemwise_add %s  (at plus4, plus3, plus2 (+2 more))" % tail], text
+    kinds = [r for r in res.report.to_dict()["rules"] if r["rule"] == "elementwise"][0]["near_miss_kinds"]
+    assert [(k["count"], len(k["anchors"])) for k in kinds] == [(5, 5), (5, 5)]
+
+
+def test_near_miss_reasons_name_no_pattern_internals():
+    x = mx.sym.var("x")
+    y = mx.sym.FullyConnected(x, num_hidden=8, name="fc")
+    gate = mx.sym.sigmoid(mx.sym.FullyConnected(x, num_hidden=8, name="fc2"), name="gate")
+    z = mx.sym.relu(mx.sym.broadcast_add(y, gate, name="add"), name="act")
+    res = fusion.fuse(z, *random_params(z, {"x": (64, 16)}), rules=["dense_act"], input_shapes={"x": (64, 16)})
+    reason = res.report.rules["dense_act"].near_misses["act"]
+    assert reason == ("input 1 of broadcast_add 'add' must be a parameter (a value from the params), "
+                      "but is computed by sigmoid 'gate'")
+
+
+def test_an_input_of_the_graph_is_not_blamed_on_missing_params():
+    x, r = mx.sym.var("x"), mx.sym.var("data")
+    z = mx.sym.relu(mx.sym.broadcast_add(mx.sym.FullyConnected(x, num_hidden=8, name="fc"), r, name="residual"),
+                    name="act")
+    arg, aux = random_params(z, {"x": (64, 16), "data": (64, 8)}, inputs=["x", "data"])
+    res = fusion.fuse(z, arg, aux, rules=["dense_act"], input_shapes={"x": (64, 16)})   # no shape for 'data'
+    reason = res.report.rules["dense_act"].near_misses["act"]
+    assert "(pass params)" not in reason and ("'data', read as a bias, is not a parameter (the params do not hold "
+                                              "it: it is an input of the graph)") in reason, reason
+    res = fusion.fuse(z, rules=["dense_act"], input_shapes={"x": (64, 16)})                 # no params at all
+    assert "has neither a value nor a known shape (pass params)" in res.report.rules["dense_act"].near_misses["act"]
