@@ -187,17 +187,12 @@ def _export_onnx(result, shapes, path, protect, quiet: bool) -> None:
 
 
 def _benchmark(symbol, arg, aux, result, shapes, repeats: int) -> dict:
-    from .bench import fused_vs_original
+    from .bench import benchmark, warn
     from .verify import random_inputs
 
-    t = fused_vs_original(symbol, arg, aux, result, random_inputs(symbol, arg, shapes), repeats)
-    ms = {k: round(v * 1e3, 3) for k, v in t.items()}
-    return {
-        "median_ms": ms,
-        "speedup_vs_mxnet_default": round(t["original"] / t["fused"], 3),
-        "speedup_vs_subgraph_off": round(t["original_no_subgraph"] / t["fused"], 3),
-        "speedup_both_subgraph_off": round(t["original_no_subgraph"] / t["fused_no_subgraph"], 3),
-    }
+    figures = benchmark(symbol, arg, aux, result, random_inputs(symbol, arg, shapes), repeats)
+    warn(figures)
+    return figures
 
 
 if __name__ == "__main__":

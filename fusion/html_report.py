@@ -453,12 +453,16 @@ def _summary(report: Any) -> List[str]:
                       _num(v.get("rtol"), "%.3g"), "OK" if ok else "MISMATCH"))
     b = report.extra.get("benchmark")
     if b:
-        cells = "".join("<tr><td>%s</td><td class=n>%s</td></tr>" % (_esc(k), _num(ms, "%.3f"))
+        p10, p90 = b.get("p10_ms") or {}, b.get("p90_ms") or {}
+        cells = "".join("<tr><td>%s</td><td class=n>%s</td><td class=n>%s</td><td class=n>%s</td></tr>"
+                        % (_esc(k), _num(ms, "%.3f"), _num(p10.get(k), "%.3f"), _num(p90.get(k), "%.3f"))
                         for k, ms in (b.get("median_ms") or {}).items())
-        out.append('<h2>Benchmark</h2><table><tr><th>graph</th><th>median ms</th></tr>%s</table>'
-                   '<p>speed-up %sx vs MXNet default bind, %sx vs MXNet with the subgraph backend off</p>'
+        out.append('<h2>Benchmark</h2><table><tr><th>graph</th><th>median ms</th><th>p10</th><th>p90</th></tr>%s'
+                   '</table><p>speed-up, like for like: <b>%sx</b> with MXNet\'s oneDNN subgraph backend on (its '
+                   'default bind), <b>%sx</b> with it off on both; fused (backend on) vs original with it off: %sx</p>'
                    % (cells, _num(b.get("speedup_vs_mxnet_default"), "%.2f"),
-                      _num(b.get("speedup_vs_subgraph_off"), "%.2f")))
+                      _num(b.get("speedup_both_subgraph_off"), "%.2f"), _num(b.get("speedup_vs_subgraph_off"), "%.2f")))
+        out.extend('<p class="verify bad">Warning: %s</p>' % _esc(w) for w in b.get("warnings") or ())
     return out
 
 

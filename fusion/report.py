@@ -186,10 +186,8 @@ class FusionReport:
                          % (v["max_abs"], v["max_rel"], v["rtol"], "OK" if v["ok"] else "MISMATCH"))
         b = self.extra.get("benchmark")
         if b:
-            ms = b["median_ms"]
-            lines.append("  benchmark (median ms): " + ", ".join("%s %.3f" % kv for kv in ms.items()))
-            lines.append("  speed-up: %.2fx vs MXNet default bind, %.2fx vs MXNet with the subgraph backend off"
-                         % (b["speedup_vs_mxnet_default"], b["speedup_vs_subgraph_off"]))
+            from .bench import benchmark_lines
+            lines.extend("  " + ln for ln in benchmark_lines(b))
         lines.extend("  note: " + n for n in self.notes)
         return "\n".join(lines)
 

@@ -147,3 +147,50 @@ def test_an_input_of_the_graph_is_not_blamed_on_missing_params():
                                               "it: it is an input of the graph)") in reason, reason
     res = fusion.fuse(z, rules=["dense_act"], input_shapes={"x": (64, 16)})                 # no params at all
     assert "has neither a value nor a known shape (pass params)" in res.report.rules["dense_act"].near_misses["act"]
+
+
+def test_benchmark_figures_spread_like_for_like_and_slower_warning():
+    from fusion import bench
+
+    ms = [i / 1e3 for i in range(1, 11)]                     # 1..10 ms: median 5.5, p10 1.9, p90 9.1
+    b = bench.figures({"original": ms, "fused": [t * 2 for t in ms],
+                       "original_no_subgraph": [t * 4 for t in ms], "fused_no_subgraph": [t + 1e-4 for t in ms]})
+    assert b["median_ms"]["original"] == 5.5 and b["p10_ms"]["original"] == 1.9 and b["p90_ms"]["original"] == 9.1
+    assert b["rounds"] == 10
+    assert (b["speedup_vs_mxnet_default"], b["speedup_both_subgraph_off"]) == (0.5, 3.929)
+    assert b["warnings"] == ["with the subgraph backend on (MXNet's default bind) the fused model is slower: "
+                             "11.000 ms vs 5.500 ms (0.50x); the p10-p90 ranges overlap, so it may be noise: "
+                             "rerun with more --repeats"]
+    far = bench.figures({"original": ms, "fused": [t + 0.1 for t in ms],
+                         "original_no_subgraph": ms, "fused_no_subgraph": ms})
+    assert far["warnings"][0].endswith("(0.05x); keep the original for this input shape")
+    lines = bench.benchmark_lines(b)
+    assert lines[0].startswith("benchmark (ms, median [p10-p90] of 10 interleaved rounds): original 5.500 "
+                               "[1.900-9.100], fused 11.000 [3.800-18.200]")
+    assert lines[1] == ("speed-up, like for like: 0.50x with the subgraph backend on (MXNet's default bind), "
+                        "3.93x with it off on both")
+    assert lines[-1].startswith("WARNING: with the subgraph backend on")
+
+
+def test_cli_benchmark_prints_like_for_like_and_warns_when_slower(tmp_model, tmp_path, capsys, monkeypatch):
+    from fusion import bench
+
+    real = bench.time_samples
+
+    def slower(systems, repeats=30, warmup=3):           # the fused model timed slower, as on a bad day
+        got = real(systems, 2, 0)                        # (every system still binds and runs)
+        return {k: [0.002 if k.startswith("fused") else 0.001] * 5 for k in got}
+
+    monkeypatch.setattr(bench, "time_samples", slower)
+    sp, pp = tmp_model()
+    code, out, err = run_cli(capsys, sp, "--params", pp, "-o", tmp_path / "o", "--shape", "data=1,3,8,8",
+                             "--benchmark", "--report", tmp_path / "r.json", "--html", tmp_path / "r.html")
+    assert code == 0, err
+    assert "speed-up, like for like: 0.50x with the subgraph backend on (MXNet's default bind), 0.50x with it off " \
+           "on both" in out
+    assert "WARNING: with the subgraph backend on (MXNet's default bind) the fused model is slower" in out
+    assert err.count("mxfuse: warning: ") == 2 and "slower: 2.000 ms vs 1.000 ms (0.50x)" in err
+    b = json.loads((tmp_path / "r.json").read_text())["benchmark"]
+    assert set(b["p10_ms"]) == set(b["p90_ms"]) == {"original", "fused", "original_no_subgraph", "fused_no_subgraph"}
+    assert len(b["warnings"]) == 2
+    assert "Warning: with the subgraph backend on" in (tmp_path / "r.html").read_text()
