@@ -177,7 +177,7 @@ def benchmark_lines(b: Mapping[str, Any]) -> List[str]:
 
 def warn(b: Mapping[str, Any], stream: Optional[Any] = None) -> None:
     """Each benchmark warning as one ``mxfuse: warning:`` line on stderr."""
-    import sys
+    from .progress import message
 
     for w in b.get("warnings", ()):
-        print("mxfuse: warning: " + w, file=stream or sys.stderr)
+        message("mxfuse: warning: " + w, stream)

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import List, Optional
 
-from . import about, batch
+from . import about, batch, progress
 from .api import FusionResult, fuse, unfuse
 from .errors import FusionError
 from .graph import Graph
@@ -75,7 +75,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(batch.batch_only_flags(args))
     args.command_line = argv
     try:
-        return _run(args)
+        with progress.session(verbose=args.verbose, quiet=args.quiet):
+            return _run(args)
     except FusionError as e:
         print("mxfuse: error: %s" % e, file=sys.stderr)
         return 2
@@ -118,21 +119,25 @@ def _run(args: argparse.Namespace) -> int:
     if args.unfuse:
         if args.rules or args.benchmark:
             raise FusionError("--unfuse takes no --rules or --benchmark")
-        result = _unfused_result(symbol, arg, aux, shapes)
+        with progress.stage("unfusing"):
+            result = _unfused_result(symbol, arg, aux, shapes)
     else:
-        result = fuse(symbol, arg, aux, rules=rules, mode=args.mode, input_shapes=shapes,
-                      self_check=args.self_check)
+        with progress.stage("fusing"):
+            result = fuse(symbol, arg, aux, rules=rules, mode=args.mode, input_shapes=shapes,
+                          self_check=args.self_check)
     report = result.report
     report.extra.update(about.run_info(getattr(args, "command_line", None), shapes))
     status = 0
     if args.verify:
         from .verify import verify
-        v = verify((symbol, arg, aux), result, input_shapes=shapes)
+        with progress.stage("verifying"):
+            v = verify((symbol, arg, aux), result, input_shapes=shapes)
         report.extra["verify"] = {"max_abs": v.max_abs, "max_rel": v.max_rel, "rtol": args.rtol, "ok": v.ok(args.rtol)}
         if not v.ok(args.rtol):
             status = 1
     if args.benchmark and status == 0:
-        report.extra["benchmark"] = _benchmark(symbol, arg, aux, result, shapes, args.repeats)
+        with progress.stage("benchmarking"):
+            report.extra["benchmark"] = _benchmark(symbol, arg, aux, result, shapes, args.repeats)
     if not args.quiet:
         print(report.to_text(explain=args.explain))
     if status:
@@ -140,7 +145,8 @@ def _run(args: argparse.Namespace) -> int:
               % (report.extra["verify"]["max_rel"], args.rtol), file=sys.stderr)
         return status
     if args.to_onnx:
-        _export_onnx(result, shapes, args.to_onnx, protect, args.quiet)
+        with progress.stage("exporting to ONNX"):
+            _export_onnx(result, shapes, args.to_onnx, protect, args.quiet)
     write_model(paths, result.symbol, result.arg_params, result.aux_params, protect=protect)
     if args.report:
         write_text_atomic(args.report, report.to_json(), protect=protect)

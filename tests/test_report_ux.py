@@ -194,3 +194,63 @@ def test_cli_benchmark_prints_like_for_like_and_warns_when_slower(tmp_model, tmp
     assert set(b["p10_ms"]) == set(b["p90_ms"]) == {"original", "fused", "original_no_subgraph", "fused_no_subgraph"}
     assert len(b["warnings"]) == 2
     assert "Warning: with the subgraph backend on" in (tmp_path / "r.html").read_text()
+
+
+def test_progress_on_a_pipe_only_with_verbose(tmp_model, tmp_path, capsys):
+    sp, pp = tmp_model()
+    argv = [sp, "--params", pp, "-o", tmp_path / "o", "--shape", "data=1,3,8,8", "--verify"]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 0 and "mxfuse: fusing" not in err                      # a pipe, by default: silent
+    code, _, err = run_cli(capsys, *argv, "--verbose")
+    mine = [ln for ln in err.splitlines() if ln.startswith("mxfuse: ")]
+    assert [ln.split(" done in")[0] for ln in mine] == [
+        "mxfuse: fusing...", "mxfuse: fusing", "mxfuse: verifying...", "mxfuse: verifying"], err
+    assert re.fullmatch(r"mxfuse: verifying done in \d+\.\d s \(\d+\.\d s in all\)", mine[-1])
+    code, _, err = run_cli(capsys, *argv, "--verbose", "--quiet")
+    assert "mxfuse: fusing" not in err
+
+
+def test_progress_redraws_one_line_on_a_terminal():
+    import io
+    import time
+
+    from fusion import progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Tty()
+    stages = progress.Stages(stream, tty=True, interval=0.05)
+    with stages.stage("fusing"):
+        time.sleep(0.3)
+        progress.message("mxfuse: warning: spoken in the middle", stream)   # no session: plain line
+    text = stream.getvalue()
+    assert text.count("\rmxfuse: fusing... 0 s") >= 3, text              # redrawn while it runs
+    assert re.search(r"\rmxfuse: fusing done in 0\.\d s \(0\.\d s in all\)\n$", text), text
+
+
+def test_progress_through_a_real_terminal(tmp_model, tmp_path):
+    import pty
+    import subprocess
+    import sys
+
+    sp, pp = tmp_model()
+    master, slave = pty.openpty()
+    proc = subprocess.run([sys.executable, "-m", "fusion.cli", str(sp), "--params", str(pp), "-o", str(tmp_path / "o"),
+                           "--shape", "data=1,3,8,8", "--verify"], cwd=ROOT, stdout=subprocess.PIPE, stderr=slave,
+                          timeout=300)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    err = b"".join(chunks).decode()
+    assert proc.returncode == 0, err
+    assert "\rmxfuse: fusing done in" in err and "\rmxfuse: verifying done in" in err, err
