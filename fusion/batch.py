@@ -452,12 +452,14 @@ _PUBLISHED = ("-0000.params", "-symbol.json")    # the params first: a symbol fi
 
 
 def _publish(staging: str, outdir: str, name: str, report: bool, command_line: Optional[str]) -> None:
-    if report and command_line:     # the command the user gave, not the one-model run with its staging paths
+    if report:      # the report names OUTDIR, not the staging folder, and the command the user gave
         path = os.path.join(staging, name + "-report.json")
         try:
             with open(path) as f:
-                data = json.load(f)
-            data["command_line"] = command_line
+                data = json.loads(f.read().replace(json.dumps(os.path.join(staging, ""))[1:-1],
+                                                   json.dumps(os.path.join(outdir, ""))[1:-1]))
+            if command_line:
+                data["command_line"] = command_line
             with open(path, "w") as f:
                 json.dump(data, f, indent=2)
         except (OSError, ValueError):

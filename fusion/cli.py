@@ -17,7 +17,7 @@ import os
 import sys
 from typing import List, Optional
 
-from . import about, batch, progress
+from . import about, batch, progress, serving
 from .api import FusionResult, fuse, unfuse
 from .errors import FusionError
 from .graph import Graph
@@ -127,6 +127,7 @@ def _run(args: argparse.Namespace) -> int:
                           self_check=args.self_check)
     report = result.report
     report.extra.update(about.run_info(getattr(args, "command_line", None), shapes))
+    serving.add_note(report, result.graph, paths[0][: -len("-symbol.json")])
     status = 0
     if args.verify:
         from .verify import verify

@@ -254,3 +254,78 @@ def test_progress_through_a_real_terminal(tmp_model, tmp_path):
     err = b"".join(chunks).decode()
     assert proc.returncode == 0, err
     assert "\rmxfuse: fusing done in" in err and "\rmxfuse: verifying done in" in err, err
+
+
+LN_BLOCK_SHAPES = {"data": (8, 16, 64), "res": (8, 16, 64)}
+
+
+def _write_ln_block(folder):
+    x, r = mx.sym.var("data"), mx.sym.var("res")
+    y = mx.sym.LayerNorm(mx.sym.FullyConnected(x, num_hidden=64, flatten=False, name="fc") + r, name="ln")
+    arg, aux = random_params(y, LN_BLOCK_SHAPES)
+    y.save(str(folder / "block-symbol.json"))
+    mx.nd.save(str(folder / "block-0000.params"), {"arg:" + k: v for k, v in arg.items()})
+    return folder / "block-symbol.json", folder / "block-0000.params"
+
+
+SERVE = """
+import json, sys
+import numpy as np
+import mxnet as mx
+how, prefix = sys.argv[1], sys.argv[2]
+if how == "fusion":
+    sys.path.insert(0, %r)
+    import fusion
+    sym, arg, aux = fusion.load_model(prefix)
+else:
+    sym, arg, aux = mx.model.load_checkpoint(prefix, 0)
+rng = np.random.default_rng(0)
+feed = {k: mx.nd.array(rng.normal(size=s)) for k, s in json.loads(sys.argv[3]).items()}
+out = sym.bind(mx.cpu(), {**arg, **feed}, aux_states=aux).forward()[0].asnumpy()
+print(json.dumps({"ops": sorted({n["op"] for n in json.loads(sym.tojson())["nodes"]} - {"null"}),
+                  "sum": float(out.sum()), "fusion_loaded": "fusion" in sys.modules}))
+""" % ROOT
+
+
+def _serve(how, prefix):
+    import subprocess
+    import sys
+
+    shapes = json.dumps({k: list(v) for k, v in LN_BLOCK_SHAPES.items()})
+    p = subprocess.run([sys.executable, "-c", SERVE, how, str(prefix), shapes], cwd="/", capture_output=True,
+                       text=True, timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_serving_a_fused_model_with_and_without_mxnet_fusion(tmp_path, capsys):
+    sp, pp = _write_ln_block(tmp_path)
+    fused, plain = tmp_path / "fused" / "block", tmp_path / "plain" / "block"
+    code, out, err = run_cli(capsys, sp, "--params", pp, "-o", fused, "--shape", "data=8,16,64",
+                             "--shape", "res=8,16,64", "--report", tmp_path / "r.json")
+    assert code == 0, err
+    note = ("note: the fused model uses mxnet-fusion's operators (fused_add_layer_norm, fused_dense): load it after "
+            "`import fusion`, or in one line with `fusion.load_model('%s')`; for stock MXNet without mxnet-fusion, "
+            "write a copy in stock ops with `mxfuse %s-symbol.json --params %s-0000.params --unfuse -o PLAIN`"
+            % (fused, fused, fused))
+    assert note in out
+    assert note[len("note: "):] in json.loads((tmp_path / "r.json").read_text())["notes"]
+    code, _, err = _serve("stock", fused)                       # the failure users met, without import fusion
+    assert code != 0 and "is not registered" in err
+    code, out, err = _serve("fusion", fused)                    # the one-line loader
+    assert code == 0, err
+    served = json.loads(out)
+    assert served["ops"] == ["fused_add_layer_norm", "fused_dense"] and served["fusion_loaded"]
+    code, _, err = run_cli(capsys, str(fused) + "-symbol.json", "--params", str(fused) + "-0000.params", "--unfuse",
+                           "-o", plain, "--shape", "data=8,16,64", "--shape", "res=8,16,64")
+    assert code == 0, err
+    code, out, err = _serve("stock", plain)                     # stock MXNet, no mxnet-fusion imported
+    assert code == 0, err
+    stock = json.loads(out)
+    assert not stock["fusion_loaded"] and not [op for op in stock["ops"] if op.startswith("fused_")]
+    assert abs(stock["sum"] - served["sum"]) <= 1e-3 * max(1.0, abs(served["sum"]))
+
+
+def test_no_serving_note_for_stock_ops_only(tmp_model, tmp_path, capsys):
+    sp, pp = tmp_model()
+    code, out, _ = run_cli(capsys, sp, "--params", pp, "-o", tmp_path / "o", "--shape", "data=1,3,8,8")
+    assert code == 0 and "mxnet-fusion's operators" not in out
