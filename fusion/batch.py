@@ -287,15 +287,16 @@ class Progress:
 def summary(outcomes: Sequence[Outcome]) -> str:
     rows = [("model", "status", "fused", "ops before->after", "seconds", "error")]
     for o in outcomes:
-        rows.append((o.model.name, "ok" if o.ok else "interrupted" if o.interrupted else "failed", "-" if o.fused is None else str(o.fused),
+        status = "ok" if o.ok else "interrupted" if o.interrupted else "failed"
+        rows.append((o.model.name, status, "-" if o.fused is None else str(o.fused),
                      "%d -> %d" % o.ops if o.ops else "-", "%.2f" % o.seconds if o.seconds else "-", o.error))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.rjust(w) if i in (2, 4) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
              + "  " + r[5] for r in rows]
     failed = sum(not o.ok and not o.interrupted for o in outcomes)
     stopped = sum(o.interrupted for o in outcomes)
-    lines.append("%d model(s): %d ok, %d failed%s" % (len(outcomes), len(outcomes) - failed - stopped, failed,
-                                                       ", %d not run to the end (interrupted)" % stopped if stopped else ""))
+    lines.append("%d model(s): %d ok, %d failed" % (len(outcomes), len(outcomes) - failed - stopped, failed)
+                 + (", %d not run to the end (interrupted)" % stopped if stopped else ""))
     return "\n".join(ln.rstrip() for ln in lines)
 
 

@@ -5,7 +5,8 @@ round-robin (one forward of each per round), and the median per system is
 reported with the 10th and 90th percentiles of its rounds.  Speed-ups are
 given like for like — fused vs original both with MXNet's oneDNN subgraph
 backend on (its default bind), and both with it off — and a fused model that
-is slower than the original is said to be, with whether the spreads overlap.  ``MXNET_SUBGRAPH_BACKEND`` is read by MXNet at bind time, so an
+is slower than the original is said to be, with whether the spreads overlap.
+``MXNET_SUBGRAPH_BACKEND`` is read by MXNet at bind time, so an
 executor bound with ``subgraph=False`` runs without the oneDNN fusion
 backend while others in the same process keep it.
 """

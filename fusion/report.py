@@ -58,7 +58,8 @@ class RuleReport:
             "fused": len(self.fused), "matches": self.fused,
             "rejected": [{"anchor": a, "reason": r} for a, r in self.rejected.items()],
             "near_misses": [{"anchor": a, "reason": r} for a, r in self.near_misses.items()],
-            "near_miss_kinds": [{"reason": k, "count": len(a), "anchors": a} for k, a in group_reasons(self.near_misses)],
+            "near_miss_kinds": [{"reason": k, "count": len(a), "anchors": a}
+                                for k, a in group_reasons(self.near_misses)],
             "nodes_removed": self.nodes_removed, "params_added": self.params_added,
         }
 
