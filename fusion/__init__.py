@@ -22,6 +22,7 @@ from .errors import FusionError, GraphError, ParamsError, VerificationError  # n
 from .graph import Entry, Graph, Node  # noqa: E402
 from .report import FusionReport  # noqa: E402
 from .rule import Rule  # noqa: E402
+from .serving import load_library, load_model  # noqa: E402
 from .verify import VerifyResult, verify  # noqa: E402
 
 _install_backend()
@@ -50,6 +51,6 @@ def _load_native_ops() -> None:
 
 _load_native_ops()
 
-__all__ = ["fuse", "unfuse", "FusionResult", "verify", "VerifyResult", "Graph", "Node", "Entry", "Rule", "BACKEND",
+__all__ = ["fuse", "unfuse", "load_model", "load_library", "FusionResult", "verify", "VerifyResult", "Graph", "Node", "Entry", "Rule", "BACKEND",
            "FusionReport", "FusionError", "GraphError", "ParamsError", "VerificationError"]
 __version__ = "0.1.0"

@@ -1,8 +1,12 @@
-"""Latency measurement of bound models: interleaved runs, medians.
+"""Latency measurement of bound models: interleaved runs, medians with their spread.
 
 Machines are shared and noisy, so every system is timed in the same process,
 round-robin (one forward of each per round), and the median per system is
-reported.  ``MXNET_SUBGRAPH_BACKEND`` is read by MXNet at bind time, so an
+reported with the 10th and 90th percentiles of its rounds.  Speed-ups are
+given like for like — fused vs original both with MXNet's oneDNN subgraph
+backend on (its default bind), and both with it off — and a fused model that
+is slower than the original is said to be, with whether the spreads overlap.
+``MXNET_SUBGRAPH_BACKEND`` is read by MXNet at bind time, so an
 executor bound with ``subgraph=False`` runs without the oneDNN fusion
 backend while others in the same process keep it.
 """
@@ -12,7 +16,9 @@ import os
 import statistics
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Mapping
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import numpy as np
 
 from .verify import bind
 
@@ -74,29 +80,105 @@ def executor(symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any], inputs
     return step
 
 
-def time_interleaved(systems: Mapping[str, Callable[[], None]], repeats: int = 30, warmup: int = 3) -> Dict[str, float]:
-    """Median seconds per call of each system, timed round-robin."""
+def time_samples(systems: Mapping[str, Callable[[], None]], repeats: int = 30,
+                 warmup: int = 3) -> Dict[str, List[float]]:
+    """Seconds of every timed call of each system, timed round-robin."""
     for _ in range(warmup):
         for step in systems.values():
             step()
-    samples: Dict[str, list] = {name: [] for name in systems}
+    samples: Dict[str, List[float]] = {name: [] for name in systems}
     for _ in range(repeats):
         for name, step in systems.items():
             t = time.perf_counter()
             step()
             samples[name].append(time.perf_counter() - t)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return samples
+
+
+def time_interleaved(systems: Mapping[str, Callable[[], None]], repeats: int = 30, warmup: int = 3) -> Dict[str, float]:
+    """Median seconds per call of each system, timed round-robin."""
+    return {name: statistics.median(v) for name, v in time_samples(systems, repeats, warmup).items()}
+
+
+def _systems(symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any], result: Any,
+             inputs: Mapping[str, Any]) -> Dict[str, Callable[[], None]]:
+    fused_inputs = {k: v for k, v in inputs.items() if k in set(result.symbol.list_arguments())}
+    return {
+        "original": executor(symbol, arg, aux, inputs),
+        "fused": executor(result.symbol, result.arg_params, result.aux_params, fused_inputs),
+        "original_no_subgraph": executor(symbol, arg, aux, inputs, subgraph=False),
+        "fused_no_subgraph": executor(result.symbol, result.arg_params, result.aux_params, fused_inputs,
+                                      subgraph=False),
+    }
 
 
 def fused_vs_original(symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any], result: Any,
                       inputs: Mapping[str, Any], repeats: int = 30) -> Dict[str, float]:
     """Median seconds of the original and the fused model, each with MXNet's default bind and
     with its subgraph backend off: keys original, fused, original_no_subgraph, fused_no_subgraph."""
-    fused_inputs = {k: v for k, v in inputs.items() if k in set(result.symbol.list_arguments())}
-    return time_interleaved({
-        "original": executor(symbol, arg, aux, inputs),
-        "fused": executor(result.symbol, result.arg_params, result.aux_params, fused_inputs),
-        "original_no_subgraph": executor(symbol, arg, aux, inputs, subgraph=False),
-        "fused_no_subgraph": executor(result.symbol, result.arg_params, result.aux_params, fused_inputs,
-                                      subgraph=False),
-    }, repeats=repeats)
+    return time_interleaved(_systems(symbol, arg, aux, result, inputs), repeats=repeats)
+
+
+#: (label, original, fused): the like-for-like comparisons, both sides bound the same way
+LIKE_FOR_LIKE = (("subgraph backend on (MXNet's default bind)", "original", "fused"),
+                 ("subgraph backend off", "original_no_subgraph", "fused_no_subgraph"))
+
+
+def figures(samples: Mapping[str, List[float]]) -> Dict[str, Any]:
+    """The benchmark as a report records it: per system median, p10 and p90 (ms), the speed-ups,
+    and a warning when the fused model is slower than the original bound the same way."""
+    ms = {k: np.asarray(v, dtype=float) * 1e3 for k, v in samples.items()}
+    med = {k: float(np.median(v)) for k, v in ms.items()}
+    p10 = {k: float(np.percentile(v, 10)) for k, v in ms.items()}
+    p90 = {k: float(np.percentile(v, 90)) for k, v in ms.items()}
+    out: Dict[str, Any] = {
+        "rounds": min(len(v) for v in ms.values()) if ms else 0,
+        "median_ms": {k: round(v, 3) for k, v in med.items()},
+        "p10_ms": {k: round(v, 3) for k, v in p10.items()},
+        "p90_ms": {k: round(v, 3) for k, v in p90.items()},
+        "speedup_vs_mxnet_default": round(med["original"] / med["fused"], 3),
+        "speedup_vs_subgraph_off": round(med["original_no_subgraph"] / med["fused"], 3),
+        "speedup_both_subgraph_off": round(med["original_no_subgraph"] / med["fused_no_subgraph"], 3),
+    }
+    slower = []
+    for label, orig, fused in LIKE_FOR_LIKE:
+        if med[fused] > med[orig]:
+            overlap = p10[fused] <= p90[orig]
+            slower.append("with the %s the fused model is slower: %.3f ms vs %.3f ms (%.2fx)%s"
+                          % (label, med[fused], med[orig], med[orig] / med[fused],
+                             "; the p10-p90 ranges overlap, so it may be noise: rerun with more --repeats"
+                             if overlap else "; keep the original for this input shape"))
+    out["warnings"] = slower
+    return out
+
+
+def benchmark(symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any], result: Any,
+              inputs: Mapping[str, Any], repeats: int = 30, warmup: int = 3) -> Dict[str, Any]:
+    """:func:`figures` of the original and the fused model, each bound with the subgraph backend on and off."""
+    return figures(time_samples(_systems(symbol, arg, aux, result, inputs), repeats, warmup))
+
+
+def benchmark_lines(b: Mapping[str, Any]) -> List[str]:
+    """The benchmark figures as text lines (the report's)."""
+    med, p10, p90 = b["median_ms"], b.get("p10_ms"), b.get("p90_ms")
+    if p10 and p90:
+        lines = ["benchmark (ms, median [p10-p90] of %s interleaved rounds): " % b.get("rounds", "?") + ", ".join(
+            "%s %.3f [%.3f-%.3f]" % (k, v, p10[k], p90[k]) for k, v in med.items())]
+    else:
+        lines = ["benchmark (median ms): " + ", ".join("%s %.3f" % kv for kv in med.items())]
+    lines.append("speed-up, like for like: %.2fx with the subgraph backend on (MXNet's default bind), %.2fx with it "
+                 "off on both" % (b["speedup_vs_mxnet_default"], b["speedup_both_subgraph_off"])
+                 if "speedup_both_subgraph_off" in b else
+                 "speed-up: %.2fx vs MXNet default bind" % b["speedup_vs_mxnet_default"])
+    if "speedup_vs_subgraph_off" in b:
+        lines.append("fused (backend on) vs original with the backend off: %.2fx" % b["speedup_vs_subgraph_off"])
+    lines.extend("WARNING: " + w for w in b.get("warnings", ()))
+    return lines
+
+
+def warn(b: Mapping[str, Any], stream: Optional[Any] = None) -> None:
+    """Each benchmark warning as one ``mxfuse: warning:`` line on stderr."""
+    from .progress import message
+
+    for w in b.get("warnings", ()):
+        message("mxfuse: warning: " + w, stream)

@@ -20,6 +20,7 @@ import signal
 import sys
 from typing import List, Optional, Tuple
 
+from . import about, batch, progress, serving
 from .api import FusionResult, fuse, unfuse
 from .argtypes import positive_float, positive_int
 from .errors import FusionError
@@ -59,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also export the fused model to ONNX, validated in ONNX Runtime (needs --shape)")
     p.add_argument("--html", metavar="FILE.html", help="write a readable HTML report with drawings of both graphs")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.add_argument("--verbose", action="store_true", help=batch.VERBOSE_HELP)
+    p.add_argument("--list-rules", action=about.ListRulesAction,
+                   help="list the rules (name, family, inference only or not, what each matches) and exit")
+    p.add_argument("--version", action=about.VersionAction, help="print the versions of mxfuse and MXNet and exit")
+    batch.add_batch_arguments(p)
     return p
 
 
@@ -80,7 +86,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if is_batch(argv):          # several inputs, or a directory: one process per model
         return main_batch(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if batch.batch_only_flags(args):
+        parser.error(batch.batch_only_flags(args))
+    args.command_line = argv
     published: List[str] = []
     previous = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -89,7 +99,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         except (ValueError, OSError):     # not the main thread: leave signals alone
             pass
     try:
-        return _run(args, published)
+        with progress.session(verbose=args.verbose, quiet=args.quiet):
+            return _run(args, published)
     except FusionError as e:
         print("mxfuse: error: %s" % e, file=sys.stderr)
         return 2
@@ -146,6 +157,7 @@ def _outputs(args: argparse.Namespace) -> List[Tuple[str, str]]:
 def _run(args: argparse.Namespace, published: List[str]) -> int:
     protect = [args.model, args.params]
     check_outputs(_outputs(args), protect)      # before any work: a bad path fails now, not after fusing
+    paths = output_paths(args.output, args.model)
     shapes: dict = {}
     for text in args.shape:
         name, shape = parse_shape(text)
@@ -185,30 +197,39 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
     if args.unfuse:
         if args.rules or args.benchmark:
             raise FusionError("--unfuse takes no --rules or --benchmark")
-        result = _unfused_result(symbol, arg, aux, shapes)
+        with progress.stage("unfusing"):
+            result = _unfused_result(symbol, arg, aux, shapes)
     else:
-        result = fuse(symbol, arg, aux, rules=rules, mode=args.mode, input_shapes=shapes,
-                      self_check=args.self_check)
+        with progress.stage("fusing"):
+            result = fuse(symbol, arg, aux, rules=rules, mode=args.mode, input_shapes=shapes,
+                          self_check=args.self_check)
     report = result.report
+    report.extra.update(about.run_info(getattr(args, "command_line", None), shapes))
+    serving.add_note(report, result.graph, paths[0][: -len("-symbol.json")])
     status = 0
     if args.verify:
         from .verify import verify
-        v = verify((symbol, arg, aux), result, input_shapes=shapes, inputs=inputs)
+        with progress.stage("verifying"):
+            v = verify((symbol, arg, aux), result, input_shapes=shapes, inputs=inputs)
         report.extra["verify"] = v.to_dict(args.rtol)
         if not v.ok(args.rtol):
             status = 1
     if args.benchmark and status == 0:
-        report.extra["benchmark"] = _benchmark(symbol, arg, aux, result, shapes, args.repeats)
+        with progress.stage("benchmarking"):
+            report.extra["benchmark"] = _benchmark(symbol, arg, aux, result, shapes, args.repeats)
     if not args.quiet:
         _say(report.to_text(explain=args.explain))
     if status:
         print("mxfuse: error: %s; nothing written" % report.extra["verify"]["failure"], file=sys.stderr)
         return status
-    paths = output_paths(args.output, args.model)
     onnx_said: List[str] = []
     files = []
     if args.to_onnx:            # first: a fallback to the un-fused form adds a note to the report
-        files.append(("--to-onnx", args.to_onnx, lambda tmp: onnx_said.append(_export_onnx(result, shapes, tmp))))
+
+        def export(tmp):
+            with progress.stage("exporting to ONNX"):
+                onnx_said.append(_export_onnx(result, shapes, tmp))
+        files.append(("--to-onnx", args.to_onnx, export))
     files += model_files(paths, result.symbol, result.arg_params, result.aux_params)
     if args.report:
         files.append(text_file("--report", args.report, report.to_json))
@@ -255,17 +276,12 @@ def _export_onnx(result, shapes, path: str) -> str:
 
 
 def _benchmark(symbol, arg, aux, result, shapes, repeats: int) -> dict:
-    from .bench import fused_vs_original
+    from .bench import benchmark, warn
     from .verify import random_inputs
 
-    t = fused_vs_original(symbol, arg, aux, result, random_inputs(symbol, arg, shapes), repeats)
-    ms = {k: round(v * 1e3, 3) for k, v in t.items()}
-    return {
-        "median_ms": ms,
-        "speedup_vs_mxnet_default": round(t["original"] / t["fused"], 3),
-        "speedup_vs_subgraph_off": round(t["original_no_subgraph"] / t["fused"], 3),
-        "speedup_both_subgraph_off": round(t["original_no_subgraph"] / t["fused_no_subgraph"], 3),
-    }
+    figures = benchmark(symbol, arg, aux, result, random_inputs(symbol, arg, shapes), repeats)
+    warn(figures)
+    return figures
 
 
 if __name__ == "__main__":

@@ -347,7 +347,9 @@ class Graph:
         ``SwapAxis``), as ``Symbol.tojson()`` would: rules match one spelling of each op, and a
         graph read from JSON written by another tool fuses as it would after a round trip."""
         for nd in self.nodes:
-            if not nd.is_variable:
+            # an op with subgraphs (oneDNN's _sg_mkldnn_*, control flow) is spelled as registered already;
+            # MXNet crashes loading one without its subgraph, which is how canonical_name asks
+            if not nd.is_variable and "subgraphs" not in nd.extra:
                 nd.op = opdefs.canonical_name(nd.op, nd.attrs.to_json(), len(nd.inputs))
 
     def copy(self) -> "Graph":

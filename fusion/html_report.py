@@ -32,8 +32,10 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import networkx as nx
 
+from .about import describe_run
 from .errors import FusionError
 from .graph import Graph
+from .report import group_reasons
 from .modelio import write_text_atomic
 
 RENDERERS = ("auto", "dot", "svg")
@@ -442,6 +444,7 @@ def _summary(report: Any) -> List[str]:
            '%d &middot; parameters removed %d &middot; %d pass(es) &middot; %s s</p>'
            % (_esc(report.mode), report.fused_count, report.ops_before, report.ops_after, report.nodes_before,
               report.nodes_after, report.params_removed, report.passes, _num(report.seconds, "%.3f"))]
+    out.append('<p class="meta run">%s</p>' % "<br>".join(_esc(line) for line in describe_run(report)))
     v = report.extra.get("verify")
     if v:
         ok = bool(v.get("ok"))
@@ -452,12 +455,16 @@ def _summary(report: Any) -> List[str]:
         out.extend('<p class="verify bad">%s</p>' % _esc(p) for p in v.get("problems") or ())
     b = report.extra.get("benchmark")
     if b:
-        cells = "".join("<tr><td>%s</td><td class=n>%s</td></tr>" % (_esc(k), _num(ms, "%.3f"))
+        p10, p90 = b.get("p10_ms") or {}, b.get("p90_ms") or {}
+        cells = "".join("<tr><td>%s</td><td class=n>%s</td><td class=n>%s</td><td class=n>%s</td></tr>"
+                        % (_esc(k), _num(ms, "%.3f"), _num(p10.get(k), "%.3f"), _num(p90.get(k), "%.3f"))
                         for k, ms in (b.get("median_ms") or {}).items())
-        out.append('<h2>Benchmark</h2><table><tr><th>graph</th><th>median ms</th></tr>%s</table>'
-                   '<p>speed-up %sx vs MXNet default bind, %sx vs MXNet with the subgraph backend off</p>'
+        out.append('<h2>Benchmark</h2><table><tr><th>graph</th><th>median ms</th><th>p10</th><th>p90</th></tr>%s'
+                   '</table><p>speed-up, like for like: <b>%sx</b> with MXNet\'s oneDNN subgraph backend on (its '
+                   'default bind), <b>%sx</b> with it off on both; fused (backend on) vs original with it off: %sx</p>'
                    % (cells, _num(b.get("speedup_vs_mxnet_default"), "%.2f"),
-                      _num(b.get("speedup_vs_subgraph_off"), "%.2f")))
+                      _num(b.get("speedup_both_subgraph_off"), "%.2f"), _num(b.get("speedup_vs_subgraph_off"), "%.2f")))
+        out.extend('<p class="verify bad">Warning: %s</p>' % _esc(w) for w in b.get("warnings") or ())
     return out
 
 
@@ -476,12 +483,15 @@ def _rule_tables(report: Any, colours: Dict[str, int]) -> List[str]:
     for title, attr, cls in (("Rejected", "rejected", "rejected"), ("Near-misses", "near_misses", "near")):
         rows = []
         for name, r in report.rules.items():
-            by_reason: Dict[str, List[str]] = defaultdict(list)
-            for anchor, reason in getattr(r, attr).items():
-                by_reason[reason].append(anchor)
+            if attr == "near_misses":     # one row per kind of reason, the places counted
+                by_reason: Dict[str, List[str]] = dict(group_reasons(r.near_misses))
+            else:
+                by_reason = defaultdict(list)
+                for anchor, reason in r.rejected.items():
+                    by_reason[reason].append(anchor)
             for reason, anchors in by_reason.items():
-                shown = ", ".join(_esc(a) for a in anchors[:10]) + (
-                    " (+%d more)" % (len(anchors) - 10) if len(anchors) > 10 else "")
+                shown = ("%d&times;: " % len(anchors) if len(anchors) > 1 else "") + ", ".join(
+                    _esc(a) for a in anchors[:10]) + (" (+%d more)" % (len(anchors) - 10) if len(anchors) > 10 else "")
                 rows.append("<tr><td>%s</td><td>%s</td><td>%s</td></tr>" % (_esc(name), shown, _esc(reason)))
         out.append('<h2>%s</h2>' % title)
         out.append('<table class="%s"><tr><th>rule</th><th>anchor</th><th>reason</th></tr>%s</table>'

@@ -98,8 +98,8 @@ def match_pattern(p: Pattern, entry: Entry, st: _State, trace: Trace,
     node = entry.node
     if isinstance(p, Var):
         if isinstance(p, Const) and not node.is_variable:
-            trace.fail(st, "%s: '%s' must be a parameter, but is computed by %s '%s'",
-                       _Lazy(lambda: _where(parent, slot)), p.name, node.op, node.name)
+            trace.fail(st, "%s must be a parameter (a value from the params), but is computed by %s '%s'",
+                       _Lazy(lambda: _where(parent, slot)), node.op, node.name)
             return
         bound = st.bindings.get(p.name)
         if bound is None:
@@ -107,7 +107,8 @@ def match_pattern(p: Pattern, entry: Entry, st: _State, trace: Trace,
         elif bound == entry:
             yield st
         else:
-            trace.fail(st, "%s: '%s' must be the same value as %r, found %r", _Lazy(lambda: _where(parent, slot)), p.name, bound, entry)
+            trace.fail(st, "%s must be the same value as %r, which the pattern reads twice; found %r",
+                       _Lazy(lambda: _where(parent, slot)), bound, entry)
         return
     if isinstance(p, AnyOf):
         # Failures of alternatives that lost to one that matched explain nothing: drop them.

@@ -2,8 +2,43 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
+
+
+def no_value_reason(ctx: Any, name: str, role: str) -> str:
+    """Why the value read as ``role`` (e.g. "bias") has neither a value nor a known shape, blaming the right thing."""
+    if not ctx.has_params:
+        return "%s '%s' has neither a value nor a known shape (pass params)" % (role, name)
+    if name in ctx.arg_params or name in ctx.aux_params:
+        return "%s '%s' has a value but no known shape" % (role, name)
+    return ("'%s', read as a %s, is not a parameter (the params do not hold it: it is an input of the graph) "
+            "and its shape is unknown (give it with --shape)" % (name, role))
+
+
+_NAMED = re.compile(r"(?: at)? '[^'\s]+'")
+
+
+def reason_kind(reason: str) -> str:
+    """A reason without the node names it quotes: reasons of one kind at many places group under it."""
+    return _NAMED.sub("", reason)
+
+
+def group_reasons(by_anchor: Dict[str, str]) -> List[Tuple[str, List[str]]]:
+    """(kind of reason, anchors) most frequent first; a kind seen once keeps its reason with the names."""
+    kinds: Dict[str, List[str]] = {}
+    first: Dict[str, str] = {}
+    for anchor, reason in by_anchor.items():
+        kind = reason_kind(reason)
+        kinds.setdefault(kind, []).append(anchor)
+        first.setdefault(kind, reason)
+    return [(kind if len(anchors) > 1 else first[kind], anchors)
+            for kind, anchors in sorted(kinds.items(), key=lambda kv: -len(kv[1]))]
+
+
+def _places(anchors: List[str], shown: int = 3) -> str:
+    return ", ".join(anchors[:shown]) + (" (+%d more)" % (len(anchors) - shown) if len(anchors) > shown else "")
 
 
 @dataclass
@@ -23,6 +58,8 @@ class RuleReport:
             "fused": len(self.fused), "matches": self.fused,
             "rejected": [{"anchor": a, "reason": r} for a, r in self.rejected.items()],
             "near_misses": [{"anchor": a, "reason": r} for a, r in self.near_misses.items()],
+            "near_miss_kinds": [{"reason": k, "count": len(a), "anchors": a}
+                                for k, a in group_reasons(self.near_misses)],
             "nodes_removed": self.nodes_removed, "params_added": self.params_added,
         }
 
@@ -83,7 +120,10 @@ class FusionReport:
         return sum(len(r.fused) for r in self.rules.values())
 
     def to_dict(self) -> Dict[str, Any]:
+        from .about import versions
+
         return {
+            "versions": versions(),
             "mode": self.mode, "passes": self.passes, "seconds": round(self.seconds, 4),
             "ops_before": self.ops_before, "ops_after": self.ops_after,
             "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
@@ -122,8 +162,12 @@ class FusionReport:
                 lines.append("  rejected %s at %s: %s" % (r.name, shown, reason))
         if explain:
             for r in self.rules.values():
-                for anchor, reason in r.near_misses.items():
-                    lines.append("  near-miss %s at '%s': %s" % (r.name, anchor, reason))
+                groups = group_reasons(r.near_misses)
+                if not groups:
+                    continue
+                lines.append("  near-misses of %s: %d, %d kind(s)" % (r.name, len(r.near_misses), len(groups)))
+                for reason, anchors in groups:
+                    lines.append("    %d× %s  (at %s)" % (len(anchors), reason, _places(anchors)))
         c = self.self_check
         if c is not None:
             line = "  self-check: %d rewrite(s) checked at %d input shape(s)" % (c.checked, max(1, len(c.probes)))
@@ -144,10 +188,8 @@ class FusionReport:
             lines.extend("  verify: " + p for p in v.get("problems", ()))
         b = self.extra.get("benchmark")
         if b:
-            ms = b["median_ms"]
-            lines.append("  benchmark (median ms): " + ", ".join("%s %.3f" % kv for kv in ms.items()))
-            lines.append("  speed-up: %.2fx vs MXNet default bind, %.2fx vs MXNet with the subgraph backend off"
-                         % (b["speedup_vs_mxnet_default"], b["speedup_vs_subgraph_off"]))
+            from .bench import benchmark_lines
+            lines.extend("  " + ln for ln in benchmark_lines(b))
         lines.extend("  note: " + n for n in self.notes)
         return "\n".join(lines)
 

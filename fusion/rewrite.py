@@ -379,6 +379,20 @@ def _escape_reason(m: Match, users: Dict[Node, List], heads: Set[int], exported:
     return None
 
 
+#: Ops of a quantized graph (mx.contrib.quantization): quantize/dequantize/requantize, the int8 ops, and
+#: oneDNN's quantized subgraph ops.  Their numbers are quantize_model's choice (ranges, rounding), so no
+#: rule replaces them; rules still fuse the float parts around them.
+QUANTIZATION_OPS = ("_contrib_quantize", "_contrib_dequantize", "_contrib_requantize", "_sg_mkldnn_", "_sg_onednn_")
+
+
+def _quantized_reason(m: Match) -> Optional[str]:
+    for nd in m.nodes:
+        if nd.op.startswith(QUANTIZATION_OPS):
+            return ("would replace %s '%s' of a quantized graph: quantization ops stay as "
+                    "mx.contrib.quantization made them (quantize first, then fuse)" % (nd.op, nd.name))
+    return None
+
+
 def _internal(rule, e: Exception) -> str:
     return "internal error in rule %s (%s: %s); the subgraph is left as it was" % (
         rule.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -443,6 +457,8 @@ class _Pass:
                 if not nx_cache:
                     nx_cache.append(graph.to_networkx())
                 reason = _cycle_reason(m, exported, graph, nx_cache[0])
+            if reason is None:
+                reason = _quantized_reason(m)
             if reason is None and rule.inference_only and ctx.mode == "training":
                 reason = rule.training_reason
             if reason is None:

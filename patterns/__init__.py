@@ -1,30 +1,61 @@
 """The rule library: one module per fusion family, each exporting ``RULES``.
 
 ``default_rules()`` is what ``fusion.fuse`` uses when no rules are given;
-``rules_by_name()`` maps rule names and family (module) names to rules, for
-``fuse(..., rules=["conv_bn_act"])`` and ``mxfuse --rules``.
+``rules_by_name()`` maps rule names and family names to rules, for
+``fuse(..., rules=["conv_bn"])`` and ``mxfuse --rules``; ``rule_table()``
+is what ``mxfuse --list-rules`` prints.
+
+A family and a rule never share a name, so a name in ``--rules`` means one
+thing: a module of several variants is a family with a name of its own
+(``bn_folding``: ``conv_bn_add_act``, ``conv_bn_act``, ``conv_bn``, ``dense_bn``);
+a module of one rule is that rule alone.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
-FAMILIES = ("constant_fold", "attention", "dense_act", "skip_layer_norm", "conv_bn_act", "layer_norm", "gelu", "softmax", "elementwise")
+#: The modules of the library, in the order their rules are listed.
+MODULES = ("constant_fold", "attention", "dense_act", "skip_layer_norm", "conv_bn_act", "layer_norm", "gelu",
+           "softmax", "elementwise")
+
+#: Family name -> the module whose rules it groups (modules of a single rule form no family).
+FAMILIES: Dict[str, str] = {
+    "inference_cleanup": "constant_fold",
+    "attention_fusion": "attention",
+    "bn_folding": "conv_bn_act",
+    "gelu": "gelu",
+}
 
 
-def _family(name: str) -> List:
-    return list(importlib.import_module("patterns." + name).RULES)
+def _module_rules(module: str) -> List:
+    return list(importlib.import_module("patterns." + module).RULES)
 
 
 def default_rules() -> List:
-    return [r for fam in FAMILIES for r in _family(fam)]
+    return [r for module in MODULES for r in _module_rules(module)]
 
 
 def rules_by_name() -> Dict[str, List]:
     out: Dict[str, List] = {}
-    for fam in FAMILIES:
-        rules = _family(fam)
-        out[fam] = rules
-        for r in rules:
-            out.setdefault(r.name, [r])
+    for module in MODULES:
+        for r in _module_rules(module):
+            out[r.name] = [r]
+    for family, module in FAMILIES.items():
+        assert family not in out, "family %r shares its name with a rule" % family
+        out[family] = _module_rules(module)
     return out
+
+
+def family_of(rule_name: str) -> Optional[str]:
+    for family, module in FAMILIES.items():
+        if any(r.name == rule_name for r in _module_rules(module)):
+            return family
+    return None
+
+
+def rule_table() -> List[Tuple[str, str, str, str]]:
+    """(rule, family or "-", "inference only" or "inference and training", what it matches) per rule."""
+    return [(r.name, family_of(r.name) or "-",
+             "inference only" if r.inference_only else "inference and training", r.description)
+            for r in default_rules()]

@@ -28,6 +28,7 @@ from typing import List, Optional
 
 from fusion.graph import Entry
 from fusion.matcher import Match
+from fusion.report import no_value_reason
 from fusion.pattern import Const, OneOf, Pattern, Var, op
 from fusion.rewrite import Builder
 from fusion.rule import Rule
@@ -127,7 +128,7 @@ class DenseAct(Rule):
         if c_shape is None:
             c = m.value("bias2")
             if c is None:
-                return "bias '%s' has neither a value nor a known shape (pass params)" % name
+                return no_value_reason(m.ctx, name, "bias")
             c_shape = c.shape
         c_shape = tuple(c_shape)
         if not c_shape or c_shape[-1] != hidden or any(d != 1 for d in c_shape[:-1]):

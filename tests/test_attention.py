@@ -11,7 +11,7 @@ from conftest import fuse_and_check, ops, random_params
 
 S = mx.sym
 N, SQ, SK, D = 6, 5, 7, 8
-RULES = ["attention"]
+RULES = ["attention_fusion"]
 
 
 def qkv_vars():
@@ -246,7 +246,7 @@ def test_softmax_over_wrong_axis_not_fused():
 
 B, L, LK, H, HD = 2, 5, 7, 3, 4
 E = H * HD
-HEAD_RULES = ["attention", "attention_heads"]
+HEAD_RULES = ["attention_fusion", "attention_heads"]
 
 
 def split_std(t):
@@ -323,7 +323,7 @@ def test_interleaved_selfatt_with_valid_length():
     y = S.contrib.interleaved_matmul_selfatt_valatt(qkv, S.Dropout(p, p=0.1), heads=H)
     rng = np.random.default_rng(5)
     arg, aux = random_params(y, {"x": (L, B, 10), "len": (B * H, L)}, inputs={"x", "len"})
-    res = fusion.fuse(y, arg, aux, rules=["attention"])
+    res = fusion.fuse(y, arg, aux, rules=["attention_fusion"])
     assert ops(res) == {"FullyConnected": 1, "fused_attention": 1}, res.report.to_text()
     inputs = {"x": rng.standard_normal((L, B, 10)).astype(np.float32),
               "len": np.repeat(rng.integers(1, L + 1, size=(B * H, 1)), L, axis=1).astype(np.int32)}
@@ -336,7 +336,7 @@ def test_interleaved_encdec():
     kv = S.FullyConnected(mem, num_hidden=2 * E, flatten=False, name="kv")
     s = S.contrib.interleaved_matmul_encdec_qk(q, kv, heads=H)
     y = S.contrib.interleaved_matmul_encdec_valatt(kv, S.softmax(s, axis=-1), heads=H)
-    res = check_fused(y, {"x": (L, B, 10), "mem": (LK, B, 6)}, rules=["attention"])
+    res = check_fused(y, {"x": (L, B, 10), "mem": (LK, B, 6)}, rules=["attention_fusion"])
     assert ops(res) == {"FullyConnected": 2, "fused_attention": 1}
 
 
@@ -357,7 +357,7 @@ def test_positions_taken_off_the_scores_move_to_q_and_k():
                                       S.reshape(S.contrib.arange_like(s, axis=1), shape=(-1, 1)))
     y = S.batch_dot(S.softmax(S.broadcast_add(s, S.expand_dims((1 - causal) * -1e9, axis=0)), axis=-1), v)
     shapes = {"q": (N, SQ, D), "k": (N, SQ, D), "v": (N, SQ, D)}
-    res = check_fused(y, shapes, rules=["scores_shape", "attention"])
+    res = check_fused(y, shapes, rules=["scores_shape", "attention_fusion"])
     assert len(res.report.rules["scores_shape"].fused) == 2
     # an arange over the feature axis of the scores is not a position: left alone, with the reason
     y2 = S.Group([y, S.contrib.arange_like(s, axis=0)])
@@ -390,12 +390,12 @@ def test_interleaved_head_size_unknown_is_explained():
     qkv = S.var("qkv")                       # not a projection, and no shapes given: the head size is unknown
     s = S.contrib.interleaved_matmul_selfatt_qk(qkv, heads=H)
     y = S.contrib.interleaved_matmul_selfatt_valatt(qkv, S.softmax(s, axis=-1), heads=H)
-    res = fusion.fuse(y, rules=["attention"])
+    res = fusion.fuse(y, rules=["attention_fusion"])
     assert res.report.fused_count == 0
     assert "head size is unknown" in list(res.report.rules["attention_interleaved"].rejected.values())[0]
     # with the shape given it is known here, but the graph takes any width: MXNet's op scales by
     # 1/√(head size) at run time, which a constant cannot follow
-    res = fusion.fuse(y, rules=["attention"], input_shapes={"qkv": (L, B, 3 * E)})
+    res = fusion.fuse(y, rules=["attention_fusion"], input_shapes={"qkv": (L, B, 3 * E)})
     assert res.report.fused_count == 0
     assert "head size changes with the width" in list(res.report.rules["attention_interleaved"].rejected.values())[0]
     # a projection fixes the width: it fuses
@@ -403,4 +403,4 @@ def test_interleaved_head_size_unknown_is_explained():
     qkv = S.FullyConnected(x, num_hidden=3 * E, flatten=False, name="proj")
     s = S.contrib.interleaved_matmul_selfatt_qk(qkv, heads=H)
     y = S.contrib.interleaved_matmul_selfatt_valatt(qkv, S.softmax(s, axis=-1), heads=H)
-    res = check_fused(y, {"x": (L, B, E)}, rules=["attention"])
+    res = check_fused(y, {"x": (L, B, E)}, rules=["attention_fusion"])

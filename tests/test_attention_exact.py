@@ -41,10 +41,10 @@ def test_gemm2_sequence_first_axis_is_refused():
     """linalg_gemm2(axis=0) multiplies (S, D) matrices batched over axis 1: not the kernel's layout."""
     q, k, v = S.var("q"), S.var("k"), S.var("v")
     y = S.linalg_gemm2(S.softmax(S.linalg_gemm2(q, k, transpose_b=True, axis=0), axis=-1), v, axis=0)
-    res = fusion.fuse(y, rules=["attention"], input_shapes=qkv((5, 3, 8)))
+    res = fusion.fuse(y, rules=["attention_fusion"], input_shapes=qkv((5, 3, 8)))
     assert ops(res).get("fused_attention") is None
     assert "along axis 0 of rank-3 operands" in rejections(res)[0]
-    res = fusion.fuse(y, rules=["attention"])          # rank unknown: refused too
+    res = fusion.fuse(y, rules=["attention_fusion"])          # rank unknown: refused too
     assert "unknown rank" in rejections(res)[0]
 
 
@@ -60,10 +60,10 @@ def test_softmax_axis_must_be_the_last_of_the_scores_rank():
     """axis=2 is the key axis of rank-3 scores but the query axis of rank-4 ones."""
     shapes = qkv((2, 3, 5, 4))
     y = attention(softmax=lambda s: S.softmax(s, axis=2))
-    res = fusion.fuse(y, rules=["attention"], input_shapes=shapes)
+    res = fusion.fuse(y, rules=["attention_fusion"], input_shapes=shapes)
     assert ops(res).get("fused_attention") is None
     assert "axis 2 of rank-4 scores, not the key axis" in rejections(res)[0]
-    res = fusion.fuse(y, rules=["attention"])
+    res = fusion.fuse(y, rules=["attention_fusion"])
     assert "rank unknown" in rejections(res)[0]
     equivalent(attention(softmax=lambda s: S.softmax(s, axis=3)), shapes, others=[qkv((3, 2, 6, 4))],
                mode="training")
@@ -105,7 +105,7 @@ def test_rank5_batch_dot_and_rank2_gemm2(shape):
 
 def test_mask_of_unknown_shape_is_refused():
     y = attention(lambda s: S.broadcast_add(s, S.var("m")))
-    res = fusion.fuse(y, rules=["attention"])
+    res = fusion.fuse(y, rules=["attention_fusion"])
     assert "shapes of mask 'm' and of the scores are unknown" in rejections(res)[0]
 
 
@@ -113,7 +113,7 @@ def test_mask_that_grows_the_scores_is_refused():
     q, k, v, m = (S.var(n) for n in "qkvm")
     y = S.batch_dot(S.softmax(S.broadcast_add(S.batch_dot(q, k, transpose_b=True), m), axis=-1), v)
     shapes = {"q": (2, 5, 4), "k": (2, 7, 4), "v": (1, 2, 7, 4), "m": (1, 1, 1, 7)}
-    res = fusion.fuse(y, rules=["attention"], input_shapes=shapes)
+    res = fusion.fuse(y, rules=["attention_fusion"], input_shapes=shapes)
     assert "broadcasts the scores (2, 5, 7) to (1, 2, 5, 7)" in rejections(res)[0]
 
 
@@ -162,7 +162,7 @@ def test_fixed_offset_mask_is_kept_as_a_mask():
     """j <= i - 2 is the causal band only while Sk - Sq = -2: the probe shapes tell, and the mask
     stays an input the kernel reads (rows that see no key match the unfused graph)."""
     y = _causal_attention("add", -1e9, offset=-2)
-    res = equivalent(y, qkv((2, 6, 4), (2, 4, 4)), rules=["attention", "elementwise"],
+    res = equivalent(y, qkv((2, 6, 4), (2, 4, 4)), rules=["attention_fusion", "elementwise"],
                      others=[qkv((2, 7, 4), (2, 4, 4)), qkv((3, 5, 4), (3, 5, 4))])
     node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
     assert not node.param("causal", False) and node.attrs["mask_kind"] == "additive"
@@ -177,7 +177,7 @@ def test_sliding_window_is_kept_as_a_mask():
     keep = S.broadcast_mul(S.broadcast_lesser_equal(kpos, qpos),
                            S.broadcast_greater_equal(kpos, I._plus_scalar(qpos, scalar=-2.0)))
     y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - keep) * -1e9)), v)
-    res = equivalent(y, qkv((2, 3, 8)), rules=["attention", "elementwise"], others=[qkv((2, 7, 8))])
+    res = equivalent(y, qkv((2, 3, 8)), rules=["attention_fusion", "elementwise"], others=[qkv((2, 7, 8))])
     node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
     assert not node.param("causal", False) and node.attrs["mask_kind"] == "additive"
 
@@ -192,7 +192,7 @@ def test_sliding_window_wider_than_every_probe_is_kept_as_a_mask():
     keep = S.broadcast_mul(S.broadcast_lesser_equal(kpos, qpos),
                            S.broadcast_greater_equal(kpos, I._plus_scalar(qpos, scalar=-10.0)))
     y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - keep) * -1e9)), v)
-    res = equivalent(y, qkv((2, 8, 4)), rules=["attention", "elementwise"], others=[qkv((2, 30, 4))])
+    res = equivalent(y, qkv((2, 8, 4)), rules=["attention_fusion", "elementwise"], others=[qkv((2, 30, 4))])
     node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
     assert not node.param("causal", False) and node.attrs["mask_kind"] == "additive"
 
@@ -205,7 +205,7 @@ def test_causal_needs_more_than_one_length():
     s = S.batch_dot(q, k, transpose_b=True)
     band = _band_mask(q, k)
     y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - band) * -1e9)), v)
-    res = equivalent(y, {"x": (2, 60)}, rules=["attention"])
+    res = equivalent(y, {"x": (2, 60)}, rules=["attention_fusion"])
     node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
     assert not node.param("causal", False) and node.attrs["mask_kind"] == "additive"
 
@@ -218,7 +218,7 @@ def test_causal_positions_from_the_scores_in_training():
     qpos = S.reshape(S.contrib.arange_like(s, axis=-2), shape=(-1, 1))
     kpos = S.reshape(S.contrib.arange_like(s, axis=-1), shape=(1, -1))
     y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - S.broadcast_greater_equal(qpos, kpos)) * -1e9)), v)
-    res = equivalent(y, qkv((2, 5, 4)), rules=["scores_shape", "attention"], mode="training",
+    res = equivalent(y, qkv((2, 5, 4)), rules=["scores_shape", "attention_fusion"], mode="training",
                      others=[qkv((3, 9, 4)), qkv((3, 4, 4), (3, 9, 4))])
     node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
     assert not node.param("causal", False) and node.attrs["mask_kind"] == "additive"
@@ -233,7 +233,7 @@ def test_top_left_band_stays_a_mask_where_lengths_can_differ(sq, sk):
     s = S.batch_dot(q, k, transpose_b=True)
     keep = _band_mask(q, k, offset=0)
     y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - keep) * -1e9)), v)
-    res = equivalent(y, qkv((2, sq, 4), (2, sk, 4)), rules=["attention"], mode="training",
+    res = equivalent(y, qkv((2, sq, 4), (2, sk, 4)), rules=["attention_fusion"], mode="training",
                      others=[qkv((2, 3, 4), (2, 8, 4)), qkv((1, 6, 4), (1, 6, 4))])
     node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
     assert not node.param("causal", False) and node.attrs["mask_kind"] == "additive"
@@ -248,7 +248,7 @@ def test_top_left_band_is_causal_when_queries_and_keys_share_their_length():
     y = S.batch_dot(S.softmax(S.broadcast_add(s, (1 - keep) * -1e9)), v)
     rng = np.random.default_rng(3)
     params = {n + "_weight": rng.standard_normal((4, 4)) for n in "qkv"}
-    res = equivalent(y, {"x": (2, 5, 4)}, params=params, rules=["attention"], others=[{"x": (3, 9, 4)}])
+    res = equivalent(y, {"x": (2, 5, 4)}, params=params, rules=["attention_fusion"], others=[{"x": (3, 9, 4)}])
     node = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
     assert node.param("causal", False) is True
 
@@ -341,7 +341,7 @@ def test_any_where_fill_value_is_exact():
 @pytest.mark.parametrize("mode", ["inference", "training"])
 def test_monte_carlo_dropout_is_refused(mode):
     y = attention(softmax=lambda s: S.Dropout(S.softmax(s, axis=-1), p=0.5, mode="always"))
-    res = fusion.fuse(y, rules=["attention"], input_shapes=qkv((2, 4, 8)), mode=mode)
+    res = fusion.fuse(y, rules=["attention_fusion"], input_shapes=qkv((2, 4, 8)), mode=mode)
     assert ops(res).get("fused_attention") is None and ops(res).get("Dropout") == 1
     assert "mode='always'" in rejections(res)[0] and "samples at inference" in rejections(res)[0]
 
@@ -359,7 +359,7 @@ def test_training_keeps_a_scale_parameter_trainable(form):
                      others=[qkv((3, 6, 4))])
     assert "temp" in res.symbol.list_arguments()
     # at inference its value is folded into the op's scale
-    res = fusion.fuse(y, {"temp": mx.nd.array([0.7])}, {}, rules=["attention"], input_shapes=qkv((2, 5, 4)))
+    res = fusion.fuse(y, {"temp": mx.nd.array([0.7])}, {}, rules=["attention_fusion"], input_shapes=qkv((2, 5, 4)))
     assert ops(res) == {"fused_attention": 1} and "temp" not in res.symbol.list_arguments()
 
 
@@ -368,7 +368,7 @@ def test_interleaved_scale_parameter_refused_in_training():
     s = S.contrib.interleaved_matmul_selfatt_qk(x, heads=2)
     y = S.contrib.interleaved_matmul_selfatt_valatt(x, S.softmax(S.broadcast_mul(s, S.var("t")), axis=-1), heads=2)
     res = fusion.fuse(y, {"t": mx.nd.array([0.5]), **{k: mx.nd.array(v) for k, v in params.items()}}, {},
-                      rules=["attention"], input_shapes={"x": (5, 2, 24)}, mode="training")
+                      rules=["attention_fusion"], input_shapes={"x": (5, 2, 24)}, mode="training")
     assert "it is trained in mode='training'" in rejections(res, "attention_interleaved")[0]
 
 
@@ -418,7 +418,7 @@ def test_packed_projection_gradients(swap, mask, heads4, bshape):
         shapes["m"] = bshape
         make = lambda n, sh, rng: (rng.random(sh) > 0.3).astype(np.float32) if n == "m" else None
     res = equivalent(_packed(swap, mask, heads4), shapes, params=params, make=make, mode="training",
-                     rules=["attention", "attention_heads"])
+                     rules=["attention_fusion", "attention_heads"])
     layout = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0].attrs["layout"]
     assert layout == ("bshd" if swap else "packed_qkv")
 
@@ -451,7 +451,7 @@ def test_interleaved_lengths_zero_gradients_with_non_finite_values():
     s = S.contrib.interleaved_matmul_selfatt_qk(x, heads=2)
     y = S.contrib.interleaved_matmul_selfatt_valatt(x, S.softmax(s, L, axis=-1, use_length=True), heads=2)
     for seed in range(3):
-        res = equivalent(y, {"x": (5, 2, 24), "len": (4, 5)}, params=params, rules=["attention"], mode="training",
+        res = equivalent(y, {"x": (5, 2, 24), "len": (4, 5)}, params=params, rules=["attention_fusion"], mode="training",
                          make=_with_non_finite({"x"}, "len"), others=[{"x": (7, 3, 24), "len": (6, 7)}], seed=seed)
     assert ops(res) == {"fused_attention": 1, "broadcast_add": 1}
 
@@ -528,7 +528,7 @@ def test_where_condition_read_misaligned_is_refused(cshape, why):
     """Any other condition shape passes MXNet 1.9.1's shape inference unchecked and is read as
     cond[i // (size ratio)] (or not at all): not the broadcast the kernel would apply."""
     y = attention(lambda s: S.where(S.var("c"), s, S.ones_like(s) * -1e9))
-    res = fusion.fuse(y, rules=["attention"], input_shapes=dict(qkv((2, 5, 4), (2, 7, 4)), c=cshape))
+    res = fusion.fuse(y, rules=["attention_fusion"], input_shapes=dict(qkv((2, 5, 4), (2, 7, 4)), c=cshape))
     assert ops(res).get("fused_attention") is None
     assert why in rejections(res)[0] and "'c' %s of the scores (2, 5, 7)" % (cshape,) in rejections(res)[0]
 
@@ -551,10 +551,10 @@ def test_head_chain_that_mxnet_cannot_run_leaves_no_error_behind():
     params = {n + s: rng.standard_normal((12, 6) if s == "_w" else (12,)).astype(np.float32)
               for n in "qkv" for s in ("_w", "_b")}
     res = fusion.fuse(y, {n: mx.nd.array(v) for n, v in params.items()}, {}, input_shapes={"x": (1, 5, 6)},
-                      rules=["attention", "attention_heads"])
+                      rules=["attention_fusion", "attention_heads"])
     mx.nd.waitall()                             # nothing left failing behind fuse()
     assert ops(res).get("fused_attention") == 1
-    equivalent(y, {"x": (1, 5, 6)}, params=params, rules=["attention", "attention_heads"],
+    equivalent(y, {"x": (1, 5, 6)}, params=params, rules=["attention_fusion", "attention_heads"],
                others=[{"x": (9, 6, 6)}])
 
 
@@ -582,4 +582,4 @@ def test_head_chains_in_other_spellings(swap):
     assert ops(res) == {"fused_attention": 1, "broadcast_add": 1}, ops(res)
     again = fusion.fuse(res.symbol, res.arg_params, res.aux_params, input_shapes=shapes)
     assert again.symbol.tojson() == res.symbol.tojson()
-    equivalent(y, shapes, params=params, rules=["attention", "attention_heads"], others=[{"x": (3, 4, 3 * H * D)}])
+    equivalent(y, shapes, params=params, rules=["attention_fusion", "attention_heads"], others=[{"x": (3, 4, 3 * H * D)}])

@@ -130,3 +130,57 @@ def test_a_crashing_worker_takes_only_its_model_down(tmp_path):
     assert [(o.model.name, o.ok) for o in outcomes] == [("crash", False), ("fine", True)]
     assert "worker process died" in outcomes[0].error
     assert sorted(os.listdir(tmp_path / "out")) == ["fine-0000.params", "fine-symbol.json"]
+
+
+def test_per_model_shapes_file(tmp_path):
+    """NAME.shapes.json beside a model gives its input shapes, in place of --shape (models' inputs differ)."""
+    models, out = tmp_path / "models", tmp_path / "out"
+    models.mkdir()
+    sym = small_cnn()
+    save_model(models, "cnn", sym, *random_params(sym, X))
+    x = mx.sym.var("x")
+    mlp = mx.sym.Activation(mx.sym.FullyConnected(x, num_hidden=8, name="fc"), act_type="relu")
+    save_model(models, "mlp", mlp, *random_params(mlp, {"x": (2, 16)}))
+    save_model(models, "bad", sym, *random_params(sym, X))
+    (models / "cnn.shapes.json").write_text('{"data": [1, 3, 8, 8]}')
+    (models / "mlp.shapes.json").write_text('{"x": [2, 16]}')
+    (models / "bad.shapes.json").write_text('{"data": [1, 3, 0, 8]}')
+    outcomes = batch.run_batch([str(models), str(models / "mlp.shapes.json")], str(out), jobs=2,
+                               options=["--verify", "--shape", "data=1,3,8,8"], reports=True, progress=io.StringIO())
+    assert outcomes[0].error.startswith("not a model: a NAME.shapes.json file gives")   # inputs naming no model
+    by_name = {o.model.name: o for o in outcomes[1:]}
+    assert by_name["cnn"].ok and by_name["mlp"].ok, [(o.model.name, o.error) for o in outcomes]
+    assert not by_name["bad"].ok and by_name["bad"].error == (
+        "shapes file '%s': the shape of 'data' must be a list of positive integers, not [1, 3, 0, 8]"
+        % (models / "bad.shapes.json"))
+    for name in ("cnn", "mlp"):         # verified: the shapes reached each model
+        assert json.loads((out / (name + "-report.json")).read_text())["verify"]["ok"]
+    assert sorted(os.listdir(out)) == ["cnn-0000.params", "cnn-report.json", "cnn-symbol.json",
+                                       "mlp-0000.params", "mlp-report.json", "mlp-symbol.json"]
+    assert batch.shape_options(str(models / "mlp.shapes.json")) == ["--shape", "x=2,16"]
+
+
+def test_help_lists_batch_mode(capsys):
+    from fusion import cli
+
+    text = cli.build_parser().format_help()
+    for flag in ("-j N, --jobs N", "--reports", "--verbose", "NAME.shapes.json", "batch mode"):
+        assert flag in text, flag
+    err = io.StringIO()
+    assert batch.main_batch(["a", "b", "-o", "x", "-j", "0"], stderr=err) == 2
+    try:      # batch options with one model: one line, exit 2
+        cli.main(["m-symbol.json", "-o", "out", "--reports"])
+    except SystemExit as e:
+        assert e.code == 2
+    assert capsys.readouterr().err == ("mxfuse: error: --reports: only for several models or a folder (batch mode) "
+                                       "(see mxfuse --help)\n")
+
+
+def test_output_folder_holding_the_inputs_is_refused_per_model(tmp_path):
+    sym = small_cnn()
+    save_model(tmp_path, "m", sym, *random_params(sym, X))
+    before = sorted(os.listdir(tmp_path))
+    outcomes = batch.run_batch([str(tmp_path)], str(tmp_path), progress=io.StringIO())
+    assert [o.error for o in outcomes] == [
+        "refusing to write '%s' over an input file; choose another -o" % (tmp_path / "m-0000.params")]
+    assert sorted(os.listdir(tmp_path)) == before

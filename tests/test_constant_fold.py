@@ -34,9 +34,9 @@ def test_weight_built_from_parameters_is_folded_then_fused():
 def test_data_dependent_ops_not_folded():
     y = S.reshape(S.var("x"), shape=(-1,)) + S.reshape(S.var("b"), shape=(-1,))
     arg = {"b": mx.nd.ones((2, 3))}
-    res = fuse_and_check(y, {"x": (2, 3)}, arg, {}, rules=["constant_fold"])
+    res = fuse_and_check(y, {"x": (2, 3)}, arg, {}, rules=["inference_cleanup"])
     assert ops(res) == {"Reshape": 1, "elemwise_add": 1}      # only the parameter's reshape folded
-    assert fusion.fuse(y, arg, {}, rules=["constant_fold"], mode="training").report.fused_count == 0
+    assert fusion.fuse(y, arg, {}, rules=["inference_cleanup"], mode="training").report.fused_count == 0
 
 
 def test_oversized_result_not_materialized(monkeypatch):
@@ -46,7 +46,7 @@ def test_oversized_result_not_materialized(monkeypatch):
     monkeypatch.setattr(cf, "MAX_BYTES", 16)
     y = S.reshape(S.var("b"), shape=(-1,)) + S.var("x")
     arg = {"b": mx.nd.ones((2, 3))}
-    res = fuse_and_check(y, {"x": (6,)}, arg, {}, rules=["constant_fold"])
+    res = fuse_and_check(y, {"x": (6,)}, arg, {}, rules=["inference_cleanup"])
     assert res.report.fused_count == 0
     reasons = res.report.rules["constant_fold"].near_misses
     assert any("24-byte parameter (limit 16)" in r for r in reasons.values()), reasons

@@ -7,7 +7,7 @@ import fusion
 
 from conftest import fuse_and_check as _fuse_and_check, ops, random_params
 
-FAMILY = ["conv_bn_act"]       # this file tests the Conv-BN family alone (dense_act would fuse the dense layers next)
+FAMILY = ["bn_folding"]        # this file tests the Conv-BN family alone (dense_act would fuse the dense layers next)
 
 
 def fuse_and_check(*args, **kwargs):

@@ -306,7 +306,7 @@ def conv_feeds_nonchannel_bn(spec) -> bool:
                for b in spec["blocks"])
 
 
-CONV_BN_RULES = {r.name for r in rules_by_name()["conv_bn_act"]}
+CONV_BN_RULES = {r.name for r in rules_by_name()["bn_folding"]}
 
 
 # ---------------------------------------------------------------------------- the property

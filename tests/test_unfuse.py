@@ -82,7 +82,7 @@ def test_interleaved_selfatt():
     qkv = S.FullyConnected(x, num_hidden=3 * E, flatten=False, name="qkv")
     s = S.contrib.interleaved_matmul_selfatt_qk(qkv, heads=H)
     y = S.contrib.interleaved_matmul_selfatt_valatt(qkv, S.softmax(s, axis=-1), heads=H)
-    roundtrip(y, {"x": (L, B, 7)}, rules=["attention"])
+    roundtrip(y, {"x": (L, B, 7)}, rules=["attention_fusion"])
 
 
 def test_folded_conv_stays_folded_and_plain_graph_unchanged():

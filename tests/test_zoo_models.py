@@ -90,7 +90,7 @@ def _snapshot(arg: dict, aux: dict, names: List[str]) -> Dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def conv_bn_rules() -> Set[str]:
-    return {r.name for r in rules_by_name()["conv_bn_act"]}
+    return {r.name for r in rules_by_name()["bn_folding"]}
 
 
 @pytest.mark.parametrize("name,size", MODELS, ids=[m[0] for m in MODELS])

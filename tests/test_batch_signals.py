@@ -1,0 +1,97 @@
+"""A batch stopped by Ctrl-C or SIGTERM stops at once, publishes nothing after the signal, and says
+exactly which models were written (a real signal to a real mxfuse batch process)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fusion import batch
+
+from conftest import random_params, small_cnn
+
+X = {"data": (1, 3, 8, 8)}
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def slow_after_a(argv, report, keep):
+    """run_job, then (for every model but 'a') a long wait before handing the result back: such a model
+    is fused and staged, but the batch must not publish it once a signal has come."""
+    result = batch.run_job(argv, report, keep)
+    name = os.path.basename(argv[0])[: -len("-symbol.json")]
+    with open(os.path.join(os.environ["MXFUSE_TEST_MARKS"], name), "w") as f:
+        f.write(str(os.getpid()))
+    if name != "a":
+        time.sleep(300)
+    return result
+
+
+DRIVER = """
+import sys
+sys.path[:0] = [%r, %r]
+from fusion import batch
+from test_batch_signals import slow_after_a
+sys.exit(batch.main_batch(sys.argv[1:], _job=slow_after_a))
+""" % (ROOT, HERE)
+
+
+def _alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_for(cond, seconds, what):
+    deadline = time.time() + seconds
+    while not cond():
+        assert time.time() < deadline, "timed out waiting for " + what
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("target,sig", [("group", signal.SIGINT), ("parent", signal.SIGINT),
+                                        ("parent", signal.SIGTERM)])
+def test_signal_stops_the_batch_and_the_message_is_true(tmp_path, target, sig):
+    models, out, marks = tmp_path / "models", tmp_path / "out", tmp_path / "marks"
+    models.mkdir()
+    marks.mkdir()
+    sym = small_cnn()
+    arg, aux = random_params(sym, X)
+    for name in "abc":
+        sym.save(str(models / (name + "-symbol.json")))
+    env = dict(os.environ, MXFUSE_TEST_MARKS=str(marks))
+    # like a shell's foreground job: its own process group, SIGINT handled (not inherited as ignored)
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(models), "-o", str(out), "-j", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        # 'a' is published; 'b' is fused and staged, its worker still busy: the signal comes now
+        _wait_for(lambda: (out / "a-symbol.json").exists() and (marks / "b").exists(), 240, "models a and b")
+        worker_b = int((marks / "b").read_text())
+        sent = time.time()
+        if target == "group":
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
+        stdout, stderr = proc.communicate(timeout=60)
+        took = time.time() - sent
+        _wait_for(lambda: not _alive(worker_b), 10, "the worker of b to end")    # terminated, not orphaned
+    finally:
+        try:                     # whatever happened, leave no process of this test behind
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert took < 10, took
+    assert proc.returncode == 128 + sig, (proc.returncode, stderr)
+    assert sorted(os.listdir(out)) == ["a-0000.params", "a-symbol.json"]      # no staging folder left either
+    assert stderr.splitlines()[-1] == (
+        "mxfuse: interrupted by %s: 1 model(s) written to %s (a); 2 not written (b, c)"
+        % (signal.Signals(sig).name, out)), stderr
+    assert "Traceback" not in stderr, stderr
+    rows = {ln.split()[0]: ln.split()[1] for ln in stdout.splitlines()[1:-1]}
+    assert rows == {"a": "ok", "b": "interrupted", "c": "interrupted"}, stdout

@@ -1,0 +1,331 @@
+"""What mxfuse tells a person: --list-rules, --version, what a report records, the README's rule table."""
+import json
+import os
+import re
+
+import mxnet as mx
+import pytest
+
+import fusion
+from fusion import cli
+from patterns import FAMILIES, default_rules, rules_by_name
+
+from conftest import random_params, small_cnn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(capsys, *argv):
+    try:
+        code = cli.main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_family_and_a_rule_never_share_a_name():
+    rule_names = [r.name for r in default_rules()]
+    assert len(set(rule_names)) == len(rule_names)
+    assert not set(FAMILIES) & set(rule_names)
+    known = rules_by_name()
+    assert [r.name for r in known["attention"]] == ["attention"]        # the rule, as the report names it
+    assert [r.name for r in known["conv_bn_act"]] == ["conv_bn_act"]
+    assert [r.name for r in known["bn_folding"]] == ["conv_bn_add_act", "conv_bn_act", "conv_bn", "dense_bn"]
+    assert "attention_interleaved" in [r.name for r in known["attention_fusion"]]
+
+
+def test_readme_rule_table_lists_every_rule_with_its_family():
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    table = text[text.index("| rule | family | file |"):]
+    table = table[: table.index("\n\n")]
+    rows = [[c.strip().strip("`") for c in ln.strip("|").split("|")] for ln in table.splitlines()[2:]]
+    listed = {row[0]: row[1] for row in rows}
+    from patterns import family_of
+
+    assert listed == {r.name: family_of(r.name) or "–" for r in default_rules()}
+
+
+def test_list_rules_and_version(capsys):
+    code, out, err = run_cli(capsys, "--list-rules")
+    assert code == 0 and not err
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["rule", "family", "mode"]
+    by_rule = {ln.split()[0]: ln for ln in lines[1:] if ln.strip() and not ln.startswith("--rules")}
+    assert set(by_rule) == {r.name for r in default_rules()}
+    assert re.match(r"dense_bn +bn_folding +inference only +fold BatchNorm", by_rule["dense_bn"])
+    assert re.match(r"attention_heads +attention_fusion +inference and training ", by_rule["attention_heads"])
+    code, out, err = run_cli(capsys, "--version")
+    assert code == 0 and out == "mxfuse %s (MXNet %s, Python %s)\n" % (
+        fusion.__version__, mx.__version__, __import__("platform").python_version())
+
+
+def test_report_records_versions_shapes_and_command_line(tmp_model, tmp_path, capsys):
+    sp, pp = tmp_model()
+    report, page = tmp_path / "r.json", tmp_path / "r.html"
+    code, _, err = run_cli(capsys, sp, "--params", pp, "-o", str(tmp_path / "out") + "/", "--shape", "data=1,3,8,8",
+                           "--report", report, "--html", page, "--quiet")
+    assert code == 0, err
+    d = json.loads(report.read_text())
+    assert d["versions"] == {"mxnet_fusion": fusion.__version__, "mxnet": mx.__version__,
+                             "python": __import__("platform").python_version()}
+    assert d["input_shapes"] == {"data": [1, 3, 8, 8]}
+    assert d["command_line"] == "mxfuse %s --params %s -o %s/ --shape data=1,3,8,8 --report %s --html %s --quiet" % (
+        sp, pp, tmp_path / "out", report, page)
+    html = page.read_text()
+    assert "MXNet %s" % mx.__version__ in html and "input shapes: data=1,3,8,8" in html
+    assert "command: mxfuse " in html
+
+
+def test_batch_reports_record_the_batch_command(tmp_path):
+    import io
+
+    from fusion import batch
+
+    sym = small_cnn()
+    arg, aux = random_params(sym, {"data": (1, 3, 8, 8)})
+    sym.save(str(tmp_path / "m-symbol.json"))
+    mx.nd.save(str(tmp_path / "m-0000.params"), {**{"arg:" + k: v for k, v in arg.items()},
+                                                  **{"aux:" + k: v for k, v in aux.items()}})
+    argv = [str(tmp_path / "m-symbol.json"), str(tmp_path / "m-symbol.json"), "-o", str(tmp_path / "out"),
+            "--reports", "--shape", "data=1,3,8,8"]
+    assert batch.main_batch(argv, stdout=io.StringIO(), stderr=io.StringIO()) == 0
+    d = json.loads((tmp_path / "out" / "m-report.json").read_text())
+    assert d["command_line"] == "mxfuse " + " ".join(argv) and d["input_shapes"] == {"data": [1, 3, 8, 8]}
+
+
+@pytest.mark.parametrize("name", ["attention_fusion", "bn_folding", "inference_cleanup", "gelu", "conv_bn"])
+def test_rules_option_takes_family_and_rule_names(name):
+    sym = small_cnn()
+    res = fusion.fuse(sym, rules=[name])
+    assert set(res.report.rules) <= {r.name for r in rules_by_name()[name]}
+
+
+def _residual_blocks(n):
+    """n blocks of relu(BatchNorm(conv(x)) + x): each an Activation over an add, like dense_act's tail."""
+    x = mx.sym.var("data")
+    for i in range(n):
+        y = mx.sym.Convolution(x, num_filter=3, kernel=(1, 1), name="conv%d" % i)
+        y = mx.sym.BatchNorm(y, name="bn%d" % i)
+        x = mx.sym.Activation(mx.sym.elemwise_add(y, x, name="plus%d" % i), act_type="relu", name="relu%d" % i)
+    return x
+
+
+def test_explain_groups_near_misses_by_rule_and_kind():
+    sym = _residual_blocks(5)
+    res = fusion.fuse(sym, *random_params(sym, {"data": (1, 3, 4, 4)}), input_shapes={"data": (1, 3, 4, 4)})
+    assert len(res.report.rules["elementwise"].near_misses) == 10
+    text = res.report.to_text(explain=True)
+    tail = "is in the tail of a convolution or dense layer: left to MXNet's oneDNN backend, which fuses it there"
+    assert [ln for ln in text.splitlines() if "near-miss" in ln or "×" in ln] == [
+        "  near-misses of elementwise: 10, 2 kind(s)",
+        "    5× Activation %s  (at relu4, relu3, relu2 (+2 more))" % tail,
+        "    5× elemwise_add %s  (at plus4, plus3, plus2 (+2 more))" % tail], text
+    kinds = [r for r in res.report.to_dict()["rules"] if r["rule"] == "elementwise"][0]["near_miss_kinds"]
+    assert [(k["count"], len(k["anchors"])) for k in kinds] == [(5, 5), (5, 5)]
+
+
+def test_near_miss_reasons_name_no_pattern_internals():
+    x = mx.sym.var("x")
+    y = mx.sym.FullyConnected(x, num_hidden=8, name="fc")
+    gate = mx.sym.sigmoid(mx.sym.FullyConnected(x, num_hidden=8, name="fc2"), name="gate")
+    z = mx.sym.relu(mx.sym.broadcast_add(y, gate, name="add"), name="act")
+    res = fusion.fuse(z, *random_params(z, {"x": (64, 16)}), rules=["dense_act"], input_shapes={"x": (64, 16)})
+    reason = res.report.rules["dense_act"].near_misses["act"]
+    assert reason == ("input 1 of broadcast_add 'add' must be a parameter (a value from the params), "
+                      "but is computed by sigmoid 'gate'")
+
+
+def test_an_input_of_the_graph_is_not_blamed_on_missing_params():
+    x, r = mx.sym.var("x"), mx.sym.var("data")
+    z = mx.sym.relu(mx.sym.broadcast_add(mx.sym.FullyConnected(x, num_hidden=8, name="fc"), r, name="residual"),
+                    name="act")
+    arg, aux = random_params(z, {"x": (64, 16), "data": (64, 8)}, inputs=["x", "data"])
+    res = fusion.fuse(z, arg, aux, rules=["dense_act"], input_shapes={"x": (64, 16)})   # no shape for 'data'
+    reason = res.report.rules["dense_act"].near_misses["act"]
+    assert "(pass params)" not in reason and ("'data', read as a bias, is not a parameter (the params do not hold "
+                                              "it: it is an input of the graph)") in reason, reason
+    res = fusion.fuse(z, rules=["dense_act"], input_shapes={"x": (64, 16)})                 # no params at all
+    assert "has neither a value nor a known shape (pass params)" in res.report.rules["dense_act"].near_misses["act"]
+
+
+def test_benchmark_figures_spread_like_for_like_and_slower_warning():
+    from fusion import bench
+
+    ms = [i / 1e3 for i in range(1, 11)]                     # 1..10 ms: median 5.5, p10 1.9, p90 9.1
+    b = bench.figures({"original": ms, "fused": [t * 2 for t in ms],
+                       "original_no_subgraph": [t * 4 for t in ms], "fused_no_subgraph": [t + 1e-4 for t in ms]})
+    assert b["median_ms"]["original"] == 5.5 and b["p10_ms"]["original"] == 1.9 and b["p90_ms"]["original"] == 9.1
+    assert b["rounds"] == 10
+    assert (b["speedup_vs_mxnet_default"], b["speedup_both_subgraph_off"]) == (0.5, 3.929)
+    assert b["warnings"] == ["with the subgraph backend on (MXNet's default bind) the fused model is slower: "
+                             "11.000 ms vs 5.500 ms (0.50x); the p10-p90 ranges overlap, so it may be noise: "
+                             "rerun with more --repeats"]
+    far = bench.figures({"original": ms, "fused": [t + 0.1 for t in ms],
+                         "original_no_subgraph": ms, "fused_no_subgraph": ms})
+    assert far["warnings"][0].endswith("(0.05x); keep the original for this input shape")
+    lines = bench.benchmark_lines(b)
+    assert lines[0].startswith("benchmark (ms, median [p10-p90] of 10 interleaved rounds): original 5.500 "
+                               "[1.900-9.100], fused 11.000 [3.800-18.200]")
+    assert lines[1] == ("speed-up, like for like: 0.50x with the subgraph backend on (MXNet's default bind), "
+                        "3.93x with it off on both")
+    assert lines[-1].startswith("WARNING: with the subgraph backend on")
+
+
+def test_cli_benchmark_prints_like_for_like_and_warns_when_slower(tmp_model, tmp_path, capsys, monkeypatch):
+    from fusion import bench
+
+    real = bench.time_samples
+
+    def slower(systems, repeats=30, warmup=3):           # the fused model timed slower, as on a bad day
+        got = real(systems, 2, 0)                        # (every system still binds and runs)
+        return {k: [0.002 if k.startswith("fused") else 0.001] * 5 for k in got}
+
+    monkeypatch.setattr(bench, "time_samples", slower)
+    sp, pp = tmp_model()
+    code, out, err = run_cli(capsys, sp, "--params", pp, "-o", tmp_path / "o", "--shape", "data=1,3,8,8",
+                             "--benchmark", "--report", tmp_path / "r.json", "--html", tmp_path / "r.html")
+    assert code == 0, err
+    assert "speed-up, like for like: 0.50x with the subgraph backend on (MXNet's default bind), 0.50x with it off " \
+           "on both" in out
+    assert "WARNING: with the subgraph backend on (MXNet's default bind) the fused model is slower" in out
+    assert err.count("mxfuse: warning: ") == 2 and "slower: 2.000 ms vs 1.000 ms (0.50x)" in err
+    b = json.loads((tmp_path / "r.json").read_text())["benchmark"]
+    assert set(b["p10_ms"]) == set(b["p90_ms"]) == {"original", "fused", "original_no_subgraph", "fused_no_subgraph"}
+    assert len(b["warnings"]) == 2
+    assert "Warning: with the subgraph backend on" in (tmp_path / "r.html").read_text()
+
+
+def test_progress_on_a_pipe_only_with_verbose(tmp_model, tmp_path, capsys):
+    sp, pp = tmp_model()
+    argv = [sp, "--params", pp, "-o", tmp_path / "o", "--shape", "data=1,3,8,8", "--verify"]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 0 and "mxfuse: fusing" not in err                      # a pipe, by default: silent
+    code, _, err = run_cli(capsys, *argv, "--verbose")
+    mine = [ln for ln in err.splitlines() if ln.startswith("mxfuse: ")]
+    assert [ln.split(" done in")[0] for ln in mine] == [
+        "mxfuse: fusing...", "mxfuse: fusing", "mxfuse: verifying...", "mxfuse: verifying"], err
+    assert re.fullmatch(r"mxfuse: verifying done in \d+\.\d s \(\d+\.\d s in all\)", mine[-1])
+    code, _, err = run_cli(capsys, *argv, "--verbose", "--quiet")
+    assert "mxfuse: fusing" not in err
+
+
+def test_progress_redraws_one_line_on_a_terminal():
+    import io
+    import time
+
+    from fusion import progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Tty()
+    stages = progress.Stages(stream, tty=True, interval=0.05)
+    with stages.stage("fusing"):
+        time.sleep(0.3)
+        progress.message("mxfuse: warning: spoken in the middle", stream)   # no session: plain line
+    text = stream.getvalue()
+    assert text.count("\rmxfuse: fusing... 0 s") >= 3, text              # redrawn while it runs
+    assert re.search(r"\rmxfuse: fusing done in 0\.\d s \(0\.\d s in all\)\n$", text), text
+
+
+def test_progress_through_a_real_terminal(tmp_model, tmp_path):
+    import pty
+    import subprocess
+    import sys
+
+    sp, pp = tmp_model()
+    master, slave = pty.openpty()
+    proc = subprocess.run([sys.executable, "-m", "fusion.cli", str(sp), "--params", str(pp), "-o", str(tmp_path / "o"),
+                           "--shape", "data=1,3,8,8", "--verify"], cwd=ROOT, stdout=subprocess.PIPE, stderr=slave,
+                          timeout=300)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    err = b"".join(chunks).decode()
+    assert proc.returncode == 0, err
+    assert "\rmxfuse: fusing done in" in err and "\rmxfuse: verifying done in" in err, err
+
+
+LN_BLOCK_SHAPES = {"data": (8, 16, 64), "res": (8, 16, 64)}
+
+
+def _write_ln_block(folder):
+    x, r = mx.sym.var("data"), mx.sym.var("res")
+    y = mx.sym.LayerNorm(mx.sym.FullyConnected(x, num_hidden=64, flatten=False, name="fc") + r, name="ln")
+    arg, aux = random_params(y, LN_BLOCK_SHAPES)
+    y.save(str(folder / "block-symbol.json"))
+    mx.nd.save(str(folder / "block-0000.params"), {"arg:" + k: v for k, v in arg.items()})
+    return folder / "block-symbol.json", folder / "block-0000.params"
+
+
+SERVE = """
+import json, sys
+import numpy as np
+import mxnet as mx
+how, prefix = sys.argv[1], sys.argv[2]
+if how == "fusion":
+    sys.path.insert(0, %r)
+    import fusion
+    sym, arg, aux = fusion.load_model(prefix)
+else:
+    sym, arg, aux = mx.model.load_checkpoint(prefix, 0)
+rng = np.random.default_rng(0)
+feed = {k: mx.nd.array(rng.normal(size=s)) for k, s in json.loads(sys.argv[3]).items()}
+out = sym.bind(mx.cpu(), {**arg, **feed}, aux_states=aux).forward()[0].asnumpy()
+print(json.dumps({"ops": sorted({n["op"] for n in json.loads(sym.tojson())["nodes"]} - {"null"}),
+                  "sum": float(out.sum()), "fusion_loaded": "fusion" in sys.modules}))
+""" % ROOT
+
+
+def _serve(how, prefix):
+    import subprocess
+    import sys
+
+    shapes = json.dumps({k: list(v) for k, v in LN_BLOCK_SHAPES.items()})
+    p = subprocess.run([sys.executable, "-c", SERVE, how, str(prefix), shapes], cwd="/", capture_output=True,
+                       text=True, timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_serving_a_fused_model_with_and_without_mxnet_fusion(tmp_path, capsys):
+    sp, pp = _write_ln_block(tmp_path)
+    fused, plain = tmp_path / "fused" / "block", tmp_path / "plain" / "block"
+    code, out, err = run_cli(capsys, sp, "--params", pp, "-o", fused, "--shape", "data=8,16,64",
+                             "--shape", "res=8,16,64", "--report", tmp_path / "r.json")
+    assert code == 0, err
+    note = ("note: the fused model uses mxnet-fusion's operators (fused_add_layer_norm, fused_dense): load it after "
+            "`import fusion`, or in one line with `fusion.load_model('%s')`; for stock MXNet without mxnet-fusion, "
+            "write a copy in stock ops with `mxfuse %s-symbol.json --params %s-0000.params --unfuse -o PLAIN`"
+            % (fused, fused, fused))
+    assert note in out
+    assert note[len("note: "):] in json.loads((tmp_path / "r.json").read_text())["notes"]
+    code, _, err = _serve("stock", fused)                       # the failure users met, without import fusion
+    assert code != 0 and "is not registered" in err
+    code, out, err = _serve("fusion", fused)                    # the one-line loader
+    assert code == 0, err
+    served = json.loads(out)
+    assert served["ops"] == ["fused_add_layer_norm", "fused_dense"] and served["fusion_loaded"]
+    code, _, err = run_cli(capsys, str(fused) + "-symbol.json", "--params", str(fused) + "-0000.params", "--unfuse",
+                           "-o", plain, "--shape", "data=8,16,64", "--shape", "res=8,16,64")
+    assert code == 0, err
+    code, out, err = _serve("stock", plain)                     # stock MXNet, no mxnet-fusion imported
+    assert code == 0, err
+    stock = json.loads(out)
+    assert not stock["fusion_loaded"] and not [op for op in stock["ops"] if op.startswith("fused_")]
+    assert abs(stock["sum"] - served["sum"]) <= 1e-3 * max(1.0, abs(served["sum"]))
+
+
+def test_no_serving_note_for_stock_ops_only(tmp_model, tmp_path, capsys):
+    sp, pp = tmp_model()
+    code, out, _ = run_cli(capsys, sp, "--params", pp, "-o", tmp_path / "o", "--shape", "data=1,3,8,8")
+    assert code == 0 and "mxnet-fusion's operators" not in out
