@@ -194,6 +194,9 @@ def _check_param_dtypes(graph: Graph, symbol: Any, dtypes: Dict[str, str], input
     says: a float16 weight among float32 ones is refused at bind ("This layer requires uniform
     type").  The error names the parameter whose dtype differs from what the graph computes in
     with the most common dtype given to the other parameters and the inputs."""
+    read = set(symbol.list_arguments()) | set(symbol.list_auxiliary_states())
+    dtypes = {k: t for k, t in dtypes.items() if k in read}        # params the graph does not read: ignored
+    input_dtypes = {k: t for k, t in input_dtypes.items() if k in read}
     if not dtypes or any(nd.op.startswith("fused_") for nd in graph.op_nodes()):
         return      # library ops: MXNet 1.9.1's wrappers are not safe to infer from partial facts
     if fitting_input_dtypes(symbol, dtypes, input_dtypes) is not None:
