@@ -160,6 +160,31 @@ def infer(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[st
     return result, types
 
 
+def infer_dtypes(graph: Graph, dtypes: Mapping[str, str]) -> Dict[Entry, str]:
+    """The dtype of every value MXNet's type inference gives, shapes not needed, with the variables'
+    dtypes by name (those not given: as the graph declares them, else float32, what bind gives an
+    input it is not told about).  Empty when MXNet cannot infer them."""
+    try:
+        view = _view(graph)
+    except Exception:
+        return {}
+    if view.has_library_ops:
+        return {}           # MXNet 1.9.1's wrappers of library ops need every input's facts
+    known = {}
+    for i, name in view.variables:
+        nd = graph.nodes[i] if i < len(graph.nodes) else None
+        declared = nd is not None and nd.name == name and nd.attrs.get("__dtype__") is not None
+        if name in dtypes:
+            known["__n%d" % i] = dtypes[name]
+        elif not declared:              # a declared dtype MXNet reads from the variable itself
+            known["__n%d" % i] = "float32"
+    try:
+        _, out_types, _ = view.internals.infer_type_partial(**known)
+    except Exception:
+        return {}
+    return {e: np.dtype(t).name for e, t in zip(view.entries, out_types) if t is not None}
+
+
 def infer_nodes(nodes: Sequence[Node], known: Mapping[Entry, Shape], dtypes: Optional[Mapping[Entry, str]] = None,
                 param_shapes: Optional[Mapping[str, Shape]] = None, param_dtypes: Optional[Mapping[str, str]] = None
                 ) -> Optional[Tuple[Dict[Entry, Shape], Dict[Entry, str]]]:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+import numpy as np
+
 from fusion.graph import Entry
 
 # MXNet's dtype codes (mshadow): 0 float32, 1 float64, 2 float16, 3 uint8, 4 int32, 5 int8, 6 int64, ...
@@ -20,6 +22,9 @@ def not_float32(entry: Entry, ctx) -> bool:
     dtype = ctx.dtype(entry) if hasattr(ctx, "dtype") else None
     if dtype is not None:
         return dtype != "float32"
+    types = _types_without_shapes(ctx)
+    if entry in types:
+        return types[entry] != "float32"
     node = entry.node
     if node.op == "null":
         dtype = node.attrs.get("__dtype__")
@@ -36,6 +41,26 @@ def not_float32(entry: Entry, ctx) -> bool:
         return str(node.attrs.get("dtype")) not in _FLOAT32_NAMES
     return False
 
+
+
+def _types_without_shapes(ctx) -> dict:
+    """MXNet's type inference over the graph when no shapes are known (types need none): the
+    given input dtypes and the parameters' own, other inputs float32 as bind makes them."""
+    graph = getattr(ctx, "graph", None)
+    if graph is None or not hasattr(ctx, "memo"):
+        return {}
+    key = ("types_without_shapes", graph.version)
+    if key not in ctx.memo:
+        from fusion.facts import infer_dtypes
+        given = dict(getattr(ctx, "input_dtypes", {}) or {})
+        stores = [getattr(ctx, k, None) or {} for k in ("new_args", "new_aux", "arg_params", "aux_params")]
+        for nd in graph.variables():
+            for store in stores:
+                if nd.name in store:
+                    given[nd.name] = np.dtype(store[nd.name].dtype).name
+                    break
+        ctx.memo[key] = infer_dtypes(graph, given)
+    return ctx.memo[key]
 
 
 def float32_reason(entries: Iterable[Entry], ctx) -> Optional[str]:

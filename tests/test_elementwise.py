@@ -301,3 +301,16 @@ def test_training_two_nodes_computing_the_same_value_are_not_merged():
     assert "fused_elemwise" not in train.graph.count_ops()
     assert "compute the same value" in train.report.to_text(explain=True)
     assert "fused_elemwise" in fusion.fuse(y, input_shapes={"x": (2, 3)}).graph.count_ops()
+
+
+def test_dtypes_decided_without_shapes():
+    """Without input shapes MXNet's type inference still runs (types need none): a comparison of
+    positions of a float64 tensor is float64 and stays out of the float32 fused op."""
+    q = mx.sym.Cast(mx.sym.var("q"), dtype="float64")
+    pos = mx.sym.contrib.arange_like(q, axis=1)
+    m = mx.sym.broadcast_greater_equal(mx.sym.reshape(pos, shape=(-1, 1)), mx.sym.reshape(pos, shape=(1, -1)))
+    y = mx.sym.broadcast_add(mx.sym.batch_dot(q, q, transpose_b=True), 1 - m)
+    res = fusion.fuse(y)
+    assert "fused_elemwise" not in res.graph.count_ops(), res.graph.count_ops()
+    exe = res.symbol.bind(mx.cpu(), {"q": mx.nd.ones((2, 3, 4))})
+    assert exe.forward()[0].dtype == np.float64
