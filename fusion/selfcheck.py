@@ -145,13 +145,16 @@ def _domain(node: Node, slot: int, shape_of) -> Optional[Tuple]:
     return None
 
 
-def _input_domain(entry_users: List[Tuple[Node, int]], users_of, shape_of, depth: int = 0) -> Optional[Tuple]:
+def _input_domain(entry_users: List[Tuple[Node, int]], users_of, shape_of, depth: int = 0,
+                  domain=None, max_depth: int = 6) -> Optional[Tuple]:
+    """The domain the first reader that has one reads the value in, looking through pass-through
+    ops; ``domain(node, slot, shape_of)``: another rule tried before ``_domain``."""
     for node, slot in entry_users:
-        d = _domain(node, slot, shape_of)
+        d = (domain and domain(node, slot, shape_of)) or _domain(node, slot, shape_of)
         if d is not None:
             return d
-        if node.op in _PASS_THROUGH and (node.op, slot) not in SHAPE_ONLY and slot == 0 and depth < 6:
-            d = _input_domain(users_of(node), users_of, shape_of, depth + 1)
+        if node.op in _PASS_THROUGH and (node.op, slot) not in SHAPE_ONLY and slot == 0 and depth < max_depth:
+            d = _input_domain(users_of(node), users_of, shape_of, depth + 1, domain, max_depth)
             if d is not None:
                 return d
     return None

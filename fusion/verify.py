@@ -145,18 +145,10 @@ def _length_domain(node: Any, slot: int, shape_of) -> Optional[Tuple]:
     return None
 
 
-def _domain_of(entry_users, users_of, shape_of, depth: int = 0) -> Optional[Tuple]:
-    from .selfcheck import _PASS_THROUGH, SHAPE_ONLY, _domain
+def _domain_of(entry_users, users_of, shape_of) -> Optional[Tuple]:
+    from .selfcheck import _input_domain
 
-    for node, slot in entry_users:
-        d = _length_domain(node, slot, shape_of) or _domain(node, slot, shape_of)
-        if d is not None:
-            return d
-        if node.op in _PASS_THROUGH and (node.op, slot) not in SHAPE_ONLY and slot == 0 and depth < 8:
-            d = _domain_of(users_of(node), users_of, shape_of, depth + 1)
-            if d is not None:
-                return d
-    return None
+    return _input_domain(entry_users, users_of, shape_of, domain=_length_domain, max_depth=8)
 
 
 def _is_mask(entry_users, users_of, shape_of, size: int, depth: int = 0) -> bool:

@@ -407,6 +407,18 @@ def _causal_value(a: np.ndarray, sq: int, sk: int, where: bool) -> Tuple[bool, O
     return True, float(masked[0])
 
 
+def _causal_at(m: Match, shapes: Dict[str, tuple], sshape: tuple, where: bool, values: set) -> bool:
+    """Whether the mask, computed by MXNet at input ``shapes`` (scores of ``sshape``) with two
+    seeds, is the same both times and causal; the value after the band is added to ``values``."""
+    runs = [m.ctx.evaluate(m["mask"], seed, shapes) for seed in (1, 2)]
+    if any(r is None for r in runs) or runs[0].shape != runs[1].shape or not np.array_equal(runs[0], runs[1]):
+        return False
+    causal, c = _causal_value(runs[0], sshape[-2], sshape[-1], where)
+    if causal and c is not None:
+        values.add(c)
+    return causal
+
+
 def causal_form(m: Match) -> Optional[Tuple[str, float]]:
     """("add" | "fill", c) when the mask is exactly causal at every probe shape, else None.
 
@@ -432,18 +444,11 @@ def causal_form(m: Match) -> Optional[Tuple[str, float]]:
         return None
     if len({tuple(sh[-2:]) for sh in scores}) < 2:
         return None                 # one (Sq, Sk) only: a fixed offset or window could not be told apart
-    values = set()
-    for shapes, sshape in zip(probes, scores):
-        runs = [ctx.evaluate(m["mask"], seed, shapes) for seed in (1, 2)]
-        if any(r is None for r in runs) or runs[0].shape != runs[1].shape or not np.array_equal(runs[0], runs[1]):
-            return None
-        causal, c = _causal_value(runs[0], sshape[-2], sshape[-1], where)
-        if not causal:
-            return None
-        if c is not None:
-            values.add(c)
-    # Probes shrink sizes; a window wider than every probe length looks causal there.  The
-    # mask alone (positions only: cheap) is also computed at longer lengths the graph takes.
+    values: set = set()
+    if not all(_causal_at(m, shapes, sshape, where, values) for shapes, sshape in zip(probes, scores)):
+        return None
+    # A window wider than every probe length looks causal there.  The mask alone (positions
+    # only: cheap) is also computed at longer lengths the graph takes.
     longer = _longer_shapes(ctx)
     if longer is not None:
         runs = [ctx.evaluate(m["mask"], seed, longer) for seed in (1, 2)]
@@ -461,17 +466,8 @@ def causal_form(m: Match) -> Optional[Tuple[str, float]]:
     if all(sh[-2] == sh[-1] for sh in scores):
         for probe, shapes in _unequal_lengths(ctx):
             sshape = shapes.get(_scores(m))
-            if sshape is None or sshape[-2] == sshape[-1]:
-                continue
-            runs = [ctx.evaluate(m["mask"], seed, probe) for seed in (1, 2)]
-            if any(r is None for r in runs) or runs[0].shape != runs[1].shape or \
-                    not np.array_equal(runs[0], runs[1]):
+            if sshape is not None and sshape[-2] != sshape[-1] and not _causal_at(m, probe, sshape, where, values):
                 return None
-            causal, c = _causal_value(runs[0], sshape[-2], sshape[-1], where)
-            if not causal:
-                return None
-            if c is not None:
-                values.add(c)
     if where:
         form = ("fill", float(m.node("fill").attrs["scalar"]))
     elif len(values) == 1:
