@@ -463,7 +463,8 @@ _FOLD: Dict[str, Callable] = {
     "Concat": lambda im, ins, a: np.concatenate(ins, axis=int(a["axis"])),
     "Reshape": _np_reshape,
     "Flatten": lambda im, ins, a: ins[0].reshape(
-        int(np.prod(ins[0].shape[:im.axis(a.get("axis", 1), ins[0].ndim + 1)])), -1),
+        int(np.prod(ins[0].shape[:_flatten_axis(im, a, ins[0].ndim)])), int(np.prod(
+            ins[0].shape[_flatten_axis(im, a, ins[0].ndim):]))),
     "Transpose": lambda im, ins, a: np.transpose(ins[0], a.get("perm")),
     "Slice": _np_slice,
     "Split": _np_split,
@@ -612,31 +613,67 @@ def _fc_bias(im, a, b):
 
 
 def _gemm(im, ins, attrs):
+    """Y = alpha·A'·B' + beta·C (A' = Aᵀ with transA, B' = Bᵀ with transB), C broadcast to (M, N).
+
+    A constant B becomes FullyConnected's weight (alpha folded in), and a C that is one value per
+    column (shape (N,), (1, N), (1,) or ()) its bias; any other C is added after, broadcast."""
     a, b = ins[0], ins[1]
     c = ins[2] if len(ins) > 2 else None
     alpha, beta = float(attrs.get("alpha", 1.0)), float(attrs.get("beta", 1.0))
+    trans_a, trans_b = bool(attrs.get("transA", 0)), bool(attrs.get("transB", 0))
     mx = im.mx
-    if attrs.get("transA", 0):
-        a = mx.sym.transpose(im.as_sym(a, im.node_name + "_a"), name=im.op_name("_transpose_a"))
-    if not isinstance(b, np.ndarray):
-        im.fail("Gemm with a B computed at run time is not supported")
-    w = b if attrs.get("transB", 0) else b.T
-    n = w.shape[0]
-    weight = im.as_sym(np.ascontiguousarray(w * alpha if alpha != 1.0 else w), im.node_name + "_weight",
-                       im.node.input[1] if alpha == 1.0 and attrs.get("transB", 0) else None)
-    bias_value = None
-    if isinstance(c, np.ndarray) and (c.size == 1 or c.shape[-1:] == (n,)) and c.size in (1, n):
-        bias_value = np.broadcast_to(c.reshape(-1) * beta, (n,)).astype(np.float32)
-    out_name = im.op_name()
-    if bias_value is not None:
-        bias = im.as_sym(bias_value, im.node_name + "_bias", im.node.input[2] if beta == 1.0 and c.size == n else None)
-        return mx.sym.FullyConnected(a, weight, bias, num_hidden=n, name=out_name)
-    out = mx.sym.FullyConnected(a, weight, num_hidden=n, no_bias=True, name=out_name)
-    if c is None or beta == 0.0:
+    for what, v in (("A", a), ("B", b)):
+        if im.rank(v) != 2:
+            im.fail("input %s has rank %d; Gemm takes 2-D A and B" % (what, im.rank(v)))
+    a = im.as_sym(a, im.node_name + "_a", im.node.input[0])
+    if trans_a:
+        a = mx.sym.transpose(a, axes=(1, 0), name=im.op_name("_transpose_a"))
+    m_rows = im.shape(a)[0]
+    if c is not None and beta == 0.0:
+        c = None
+    if isinstance(b, np.ndarray):
+        w = b if trans_b else b.T                      # (N, K)
+        n = w.shape[0]
+        weight = im.as_sym(np.ascontiguousarray(w * np.float32(alpha) if alpha != 1.0 else w),
+                           im.node_name + "_weight", im.node.input[1] if alpha == 1.0 and trans_b else None)
+        bias = None
+        if isinstance(c, np.ndarray) and c.ndim <= 2 and c.size in (1, n) and \
+                (c.ndim == 0 or c.shape[-1] in (1, n)) and (c.ndim < 2 or c.shape[0] == 1):
+            bias_value = np.broadcast_to(c.reshape(-1) * np.float32(beta), (n,)).astype(np.float32)
+            plain = beta == 1.0 and c.shape == (n,)
+            bias = im.as_sym(np.ascontiguousarray(bias_value), im.node_name + "_bias",
+                             im.node.input[2] if plain else None)
+            c = None
+        out = mx.sym.FullyConnected(a, weight, bias, num_hidden=n, no_bias=bias is None,
+                                    name=im.op_name() if c is None else im.op_name("_fc"))
+    else:
+        b = im.as_sym(b, im.node_name + "_b", im.node.input[1])
+        n = im.shape(b)[0 if trans_b else 1]
+        out = mx.sym.dot(a, b, transpose_b=trans_b, name=im.op_name() if c is None and alpha == 1.0
+                         else im.op_name("_dot"))
+        if alpha != 1.0:
+            out = im.sym_op("_mul_scalar")(out, scalar=alpha, name=im.op_name() if c is None
+                                           else im.op_name("_alpha"))
+    if c is None:
         return out
-    c_scaled = c * beta if isinstance(c, np.ndarray) else \
-        im.sym_op("_mul_scalar")(c, scalar=beta, name=im.op_name("_beta"))
-    return _binary("Add")(im, [out, c_scaled], {})
+    c_shape = c.shape if isinstance(c, np.ndarray) else im.shape(c)
+    try:
+        np.broadcast_shapes(c_shape, (m_rows, n))
+        ok = len(c_shape) <= 2 and tuple(np.broadcast_shapes(c_shape, (m_rows, n))) == (m_rows, n)
+    except ValueError:
+        ok = False
+    if not ok:
+        im.fail("C of shape %s does not broadcast to the output (%d, %d)" % (tuple(c_shape), m_rows, n))
+    if isinstance(c, np.ndarray):
+        c = im.as_sym(np.ascontiguousarray((c * np.float32(beta)).reshape((1,) * (2 - c.ndim) + c.shape)
+                                           .astype(np.float32)), im.node_name + "_c")
+    else:
+        if beta != 1.0:
+            c = im.sym_op("_mul_scalar")(c, scalar=beta, name=im.op_name("_beta"))
+        c = _align(im, c, 2 - len(c_shape), "c")
+    if im.shape(c) == (m_rows, n):
+        return mx.sym.elemwise_add(out, c, name=im.op_name())
+    return mx.sym.broadcast_add(out, c, name=im.op_name())
 
 
 def _pads(im, attrs, nd: int, in_shape=None, kernel=None, strides=None, dilations=None):
@@ -729,10 +766,18 @@ def _batch_norm(im, ins, attrs):
                                use_global_stats=True, axis=1, name=im.op_name())
 
 
+def _flatten_axis(im, attrs, rank: int) -> int:
+    """Flatten's axis: in [-rank, rank], a negative one counting from the back (-1 keeps the last dim)."""
+    a = int(attrs.get("axis", 1))
+    if not -rank <= a <= rank:
+        im.fail("axis %d is out of range for rank %d (Flatten takes [-%d, %d])" % (a, rank, rank, rank))
+    return a + rank if a < 0 else a
+
+
 def _flatten(im, ins, attrs):
     x = ins[0]
     shape = im.shape(x)
-    axis = im.axis(attrs.get("axis", 1), len(shape) + 1)
+    axis = _flatten_axis(im, attrs, len(shape))
     if axis == 1:
         return im.mx.sym.flatten(x, name=im.op_name())
     if axis == 0:
@@ -745,8 +790,13 @@ def _reshape(im, ins, attrs):
     x = ins[0]
     target = [int(s) for s in im.const_input(ins[1], "the target shape").reshape(-1)]
     if attrs.get("allowzero", 0) and 0 in target:
-        im.fail("allowzero=1 with a zero in the shape is not supported")
+        im.fail("allowzero=1 with a zero in the shape (an empty tensor) is not supported")
     in_shape = im.shape(x)
+    bad = [s for s in target if s < -1]
+    if bad or target.count(-1) > 1:
+        im.fail("invalid target shape %s (sizes are >= 0, with at most one -1)" % (target,))
+    if not attrs.get("allowzero", 0) and any(s == 0 and i >= len(in_shape) for i, s in enumerate(target)):
+        im.fail("target shape %s copies (0) a dimension past the input's rank %d" % (target, len(in_shape)))
     # Leading sizes equal to the input's become 0 (copy): the folded shape stays batch-size agnostic.
     out = list(target)
     for i, s in enumerate(target):
