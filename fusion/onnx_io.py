@@ -160,6 +160,11 @@ class _Importer:
         self.pending_fc: Dict[str, Tuple[Any, Any, int, str]] = {}
         # Transpose outputs: name -> (input value, perm), so MatMul can use transpose_b
         self.transposes: Dict[str, Tuple[Any, Tuple[int, ...]]] = {}
+        # Flatten(axis=rank-1) outputs: name -> the unflattened input (MXNet's exporter writes
+        # FullyConnected(flatten=False) as Flatten(axis=-1) -> Gemm -> Reshape back)
+        self.flattened: Dict[str, Any] = {}
+        # Gemm outputs computed unflattened: name -> (the (..., N) symbol, its shape)
+        self.unflattened: Dict[str, Tuple[Any, Tuple[int, ...]]] = {}
 
         for t in self.graph.initializer:
             self.values[t.name] = numpy_helper.to_array(t)
@@ -531,6 +536,11 @@ def _binary(op: str):
                 name = _SCALAR_OPS[op][1 if rev else 0] if op in _SCALAR_OPS else None
                 if name is not None:
                     return im.sym_op(name)(x, scalar=value, name=im.op_name())
+        if op == "Sub" and isinstance(b, np.ndarray) and not isinstance(a, np.ndarray) \
+                and np.issubdtype(b.dtype, np.floating):
+            # x - c as x + (-c), bitwise the same: MXNet's exporter writes LayerNorm's "+ beta" as
+            # "- (-beta)", and the layer-norm rules match the Add
+            return _binary("Add")(im, [a, np.negative(b)], attrs)
         ra, rb = im.rank(a), im.rank(b)
         a, b = _align(im, a, rb - ra, "a"), _align(im, b, ra - rb, "b")
         a = im.as_sym(a, im.node_name + "_a", im.node.input[0] if ra >= rb else None)
@@ -644,6 +654,15 @@ def _gemm(im, ins, attrs):
             bias = im.as_sym(np.ascontiguousarray(bias_value), im.node_name + "_bias",
                              im.node.input[2] if plain else None)
             c = None
+        src = im.flattened.get(im.node.input[0])
+        if src is not None and not trans_a and c is None:
+            # Flatten(axis=-1) -> Gemm: FullyConnected(flatten=False) on the unflattened input, the form
+            # the rules match; the Reshape back to (..., N) that follows gives it back unchanged
+            full = mx.sym.FullyConnected(src, weight, bias, num_hidden=n, no_bias=bias is None, flatten=False,
+                                         name=im.op_name())
+            if im.uses.get(im.node.output[0], 0) == 1:
+                im.unflattened[im.node.output[0]] = (full, im.shape(full))
+            return mx.sym.reshape(full, shape=(-1, n), name=im.op_name("_flat"))
         out = mx.sym.FullyConnected(a, weight, bias, num_hidden=n, no_bias=bias is None,
                                     name=im.op_name() if c is None else im.op_name("_fc"))
     else:
@@ -778,12 +797,26 @@ def _flatten(im, ins, attrs):
     x = ins[0]
     shape = im.shape(x)
     axis = _flatten_axis(im, attrs, len(shape))
+    if axis == len(shape) - 1 and len(shape) > 2 and im.uses.get(im.node.output[0], 0) == 1:
+        im.flattened[im.node.output[0]] = x
     if axis == 1:
         return im.mx.sym.flatten(x, name=im.op_name())
     if axis == 0:
         return im.mx.sym.reshape(x, shape=(1, -1), name=im.op_name())
     # (prod(shape[:axis]), prod(shape[axis:])) written without the leading sizes: batch-size agnostic
     return im.mx.sym.reshape(x, shape=(-1, int(np.prod(shape[axis:]))), name=im.op_name())
+
+
+def _reshape_result(in_shape, target, allowzero) -> Optional[Tuple[int, ...]]:
+    """The shape ONNX's Reshape gives ``in_shape`` for ``target`` (None where it does not divide)."""
+    out = [in_shape[i] if s == 0 and not allowzero else s for i, s in enumerate(target)]
+    if -1 in out:
+        rest = int(np.prod([s for s in out if s != -1]))
+        total = int(np.prod(in_shape))
+        if rest == 0 or total % rest:
+            return None
+        out[out.index(-1)] = total // rest
+    return tuple(out) if int(np.prod(out)) == int(np.prod(in_shape)) else None
 
 
 def _reshape(im, ins, attrs):
@@ -797,6 +830,9 @@ def _reshape(im, ins, attrs):
         im.fail("invalid target shape %s (sizes are >= 0, with at most one -1)" % (target,))
     if not attrs.get("allowzero", 0) and any(s == 0 and i >= len(in_shape) for i, s in enumerate(target)):
         im.fail("target shape %s copies (0) a dimension past the input's rank %d" % (target, len(in_shape)))
+    full = im.unflattened.get(im.node.input[0])
+    if full is not None and _reshape_result(in_shape, target, attrs.get("allowzero", 0)) == full[1]:
+        return full[0]
     # Leading sizes equal to the input's become 0 (copy): the folded shape stays batch-size agnostic.
     out = list(target)
     for i, s in enumerate(target):

@@ -163,3 +163,122 @@ def test_reshape_invalid_target_is_refused(target):
     with pytest.raises(GraphError) as e:
         import_onnx(m)
     assert "/the/Reshape" in one_line(e)
+
+
+# ---------------------------------------------------------------------------------------------
+# files written by MXNet's own exporter
+# ---------------------------------------------------------------------------------------------
+
+def mx_bert_block(seq=8, hidden=32, heads=4, ffn=64):
+    """A BERT-like encoder layer without embeddings: dense, attention written with batch_dot/softmax,
+    LayerNorm, GELU; the additive mask is per (batch·head, 1, key)."""
+    import mxnet as mx
+
+    x, mask = mx.sym.var("data"), mx.sym.var("mask")
+    d = hidden // heads
+
+    def dense(y, n, name):
+        return mx.sym.FullyConnected(y, num_hidden=n, flatten=False, name=name)
+
+    def split(y):
+        y = mx.sym.transpose(mx.sym.reshape(y, shape=(0, 0, heads, d)), axes=(0, 2, 1, 3))
+        return mx.sym.reshape(y, shape=(-1, seq, d))
+
+    q, k, v = (split(dense(x, hidden, n)) for n in ("q", "k", "v"))
+    s = mx.sym.broadcast_add(mx.sym.batch_dot(q, k, transpose_b=True) / np.sqrt(d), mask)
+    c = mx.sym.batch_dot(mx.sym.softmax(s, axis=-1), v)
+    c = mx.sym.reshape(mx.sym.transpose(mx.sym.reshape(c, shape=(-1, heads, seq, d)), axes=(0, 2, 1, 3)),
+                       shape=(0, 0, hidden))
+    h1 = mx.sym.LayerNorm(dense(c, hidden, "o") + x, axis=-1, eps=1e-12, name="ln1")
+    f = mx.sym.LeakyReLU(dense(h1, ffn, "i"), act_type="gelu", name="gelu")
+    return mx.sym.LayerNorm(dense(f, hidden, "f") + h1, axis=-1, eps=1e-12, name="ln2")
+
+
+def mx_small_cnn():
+    import mxnet as mx
+
+    x = mx.sym.var("data")
+
+    def cbr(y, n, name, act=True):
+        y = mx.sym.Convolution(y, num_filter=n, kernel=(3, 3), pad=(1, 1), name=name)
+        y = mx.sym.BatchNorm(y, fix_gamma=False, eps=1e-5, name=name + "_bn")
+        return mx.sym.Activation(y, act_type="relu", name=name + "_relu") if act else y
+
+    y = cbr(x, 8, "c1")
+    y = mx.sym.Activation(cbr(y, 8, "c2", act=False) + y, act_type="relu")
+    y = mx.sym.Pooling(y, kernel=(2, 2), stride=(2, 2), pool_type="max")
+    g = mx.sym.Pooling(y, kernel=(1, 1), global_pool=True, pool_type="avg")
+    # flatten written out: MXNet's exporter reads a missing flatten attribute as False (an invalid file)
+    return mx.sym.FullyConnected(g, num_hidden=10, flatten=True, name="fc")     # Flatten(axis=1) -> Gemm
+
+
+def mx_params(sym, shapes, seed=0):
+    import mxnet as mx
+
+    r = np.random.default_rng(seed)
+    arg_shapes, _, aux_shapes = sym.infer_shape(**shapes)
+    params = {}
+    for n, s in list(zip(sym.list_arguments(), arg_shapes)) + list(zip(sym.list_auxiliary_states(), aux_shapes)):
+        if n in shapes:
+            continue
+        value = r.uniform(0.5, 1.5, s) if n.endswith(("gamma", "var")) else r.normal(0, 0.3, s)
+        params[n] = mx.nd.array(value)
+    return params
+
+
+def mx_export(sym, params, shapes, path, opset, monkeypatch):
+    """mx.onnx.export_model as it writes files with an onnx release whose newest opset is ``opset``
+    (onnx 1.14.1, pinned here, stamps 19 and then fails its own check of ReduceMean's axes)."""
+    import onnx.checker
+    import onnx.defs
+    import mxnet as mx
+
+    monkeypatch.setattr(onnx.defs, "onnx_opset_version", lambda: opset)
+    monkeypatch.setattr(onnx.checker, "check_graph", lambda *a, **k: None)
+    mx.onnx.export_model(sym, params, [shapes[n] for n in shapes], [np.float32] * len(shapes), path)
+    monkeypatch.undo()
+    model = onnx.load(path)
+    assert [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] == [opset]
+    return model
+
+
+def import_fuse_compare(path, shapes, feed):
+    reference = ort_run(path, feed)
+    names = ["y%d" % i for i in range(len(reference))]
+    sym, arg, aux = import_onnx(path, input_shapes=shapes)
+    imported = compare(reference, run(sym, arg, aux, feed), names)
+    assert imported.max_rel <= RTOL, imported
+    fused = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+    result = compare(reference, run(fused.symbol, fused.arg_params, fused.aux_params, feed), names)
+    assert result.max_rel <= RTOL, (result, fused.report.to_text())
+    return sym, fused, imported, result
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+def test_mxnet_exported_bert_block(opset, tmp_path, monkeypatch):
+    """Flatten(axis=-1) -> Gemm -> Reshape (FullyConnected(flatten=False)), LayerNorm written out with
+    "- (-beta)", GELU written out: imported as FullyConnected(flatten=False) and LayerNorm forms,
+    and the whole layer fuses."""
+    shapes = {"data": (2, 8, 32), "mask": (8, 1, 8)}
+    sym = mx_bert_block()
+    path = str(tmp_path / "bert.onnx")
+    model = mx_export(sym, mx_params(sym, shapes), shapes, path, opset, monkeypatch)
+    written = {n.op_type for n in model.graph.node}
+    assert {"Flatten", "Gemm", "ReduceMean", "Erf", "Softmax"} <= written
+    assert any(n.op_type == "Flatten" and n.attribute[0].i == -1 for n in model.graph.node)
+    feed = {"data": randn(2, 8, 32), "mask": np.where(rng.random((8, 1, 8)) > 0.3, 0, -10000).astype(np.float32)}
+    sym, fused, _, _ = import_fuse_compare(path, shapes, feed)
+    assert ops(sym)["FullyConnected"] == 6 and "Flatten" not in ops(sym)
+    assert ops(fused) == {"fused_dense": 6, "fused_attention": 1, "fused_add_layer_norm": 2}, \
+        fused.report.to_text(explain=True)
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+def test_mxnet_exported_small_cnn(opset, tmp_path, monkeypatch):
+    shapes = {"data": (2, 3, 16, 16)}
+    sym = mx_small_cnn()
+    path = str(tmp_path / "cnn.onnx")
+    mx_export(sym, mx_params(sym, shapes), shapes, path, opset, monkeypatch)
+    sym, fused, _, _ = import_fuse_compare(path, shapes, {"data": randn(2, 3, 16, 16)})
+    assert ops(sym)["Convolution"] == 2 and ops(sym)["FullyConnected"] == 1
+    assert "BatchNorm" not in ops(fused)
