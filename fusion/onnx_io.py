@@ -130,6 +130,16 @@ def _load(path_or_model: Any):
     return model
 
 
+# The default-domain opsets read.  Checked op by op from 13 to 21 for the ops of SUPPORTED_OPS: 14
+# (Reshape allowzero; Add/Sub/Mul/Div/Relu/Identity types; BatchNormalization training_mode, refused),
+# 15 (Shape start/end; Pow, BatchNormalization types), 16 (LeakyRelu, Where types), 17
+# (LayerNormalization), 18 (Reduce* axes as an input, noop_with_empty_axes; Split num_outputs), 19
+# (AveragePool dilations, refused; Cast saturate, float8 only; Constant/Equal/Reshape/Shape/Size
+# types), 20 (Gelu; ReduceMax/ReduceMin, ConstantOfShape types), 21 (int4/uint4 types of Cast,
+# Constant, ConstantOfShape, Flatten, Identity, Reshape, Shape, Size, Squeeze, Transpose, Unsqueeze).
+OPSET_RANGE = (13, 21)
+
+
 class _Importer:
     """One pass over the (topologically ordered) ONNX nodes; values are np.ndarray or mx.sym.Symbol."""
 
@@ -140,10 +150,19 @@ class _Importer:
 
         self.mx, self.onnx = mx, onnx
         self.model, self.graph = model, model.graph
-        self.opset = 1
+        self.opset = 0
         for imp in model.opset_import:
             if imp.domain in ("", "ai.onnx"):
                 self.opset = imp.version
+        lo, hi = OPSET_RANGE
+        if not lo <= self.opset <= hi:
+            raise GraphError("ONNX opset %s is not supported: the importer reads opsets %d-%d "
+                             "(convert the file with onnx.version_converter.convert_version)"
+                             % (self.opset or "(none imported)", lo, hi))
+        ms = [imp.version for imp in model.opset_import if imp.domain == "com.microsoft"]
+        if ms and ms[0] != 1 and any(n.domain == "com.microsoft" for n in model.graph.node):
+            raise GraphError("com.microsoft opset %d is not supported (ONNX Runtime's contrib ops are "
+                             "version 1)" % ms[0])
         self.values: Dict[str, Any] = {}
         self.params: Dict[str, np.ndarray] = {}      # MXNet var name -> value
         self.shapes: Dict[str, Tuple[int, ...]] = {}  # MXNet var name -> shape (inputs and params)
@@ -433,7 +452,7 @@ def _np_split(im, ins, attrs):
 
 def _np_reduce(fn):
     def fold(im, ins, attrs):
-        axes = _axes_input(im, ins, attrs)
+        axes = _axes_input(im, ins, attrs) or None     # an empty axes input is no axes (opset 18)
         if axes is None and attrs.get("noop_with_empty_axes", 0):
             return ins[0]
         axes = None if axes is None else tuple(im.axis(a, ins[0].ndim) for a in axes)
@@ -1001,7 +1020,7 @@ def _layer_norm(im, ins, attrs):
 def _reduce(mx_op: str):
     def conv(im, ins, attrs):
         x = ins[0]
-        axes = _axes_input(im, ins, attrs)
+        axes = _axes_input(im, ins, attrs) or None     # an empty axes input is no axes (opset 18)
         keep = bool(attrs.get("keepdims", 1))
         if axes is None and attrs.get("noop_with_empty_axes", 0):
             return x
@@ -1029,8 +1048,10 @@ def _clip(im, ins, attrs):
 def _gelu(im, ins, attrs):
     approx = attrs.get("approximate", b"none")
     approx = approx.decode() if isinstance(approx, bytes) else approx
+    if approx == "tanh":
+        return _gelu_tanh(im, ins[0])
     if approx != "none":
-        im.fail("approximate=%r is not supported (only the erf form)" % approx)
+        im.fail("approximate=%r is not supported (none or tanh)" % approx)
     return im.mx.sym.LeakyReLU(ins[0], act_type="gelu", name=im.op_name())
 
 
@@ -1097,6 +1118,263 @@ _SYMBOLIC: Dict[str, Callable] = {
     "ReduceMin": _reduce("min"), "ReduceProd": _reduce("prod"),
     "Clip": _clip, "Where": _where, "Expand": _expand,
 }
+
+
+# --------------------------------------------------------------------------------------------
+# ONNX Runtime contrib ops (domain com.microsoft), as its transformers optimizer writes them:
+# imported as the stock MXNet ops the rules fuse (FullyConnected, batch_dot/softmax, LayerNorm, GELU).
+# --------------------------------------------------------------------------------------------
+
+_MASK_FILTER = -10000.0   # ORT's default mask_filter_value
+
+
+def _refuse_inputs(im, ins, names: Dict[int, str]):
+    for i, what in names.items():
+        if len(ins) > i and ins[i] is not None:
+            im.fail("input %d (%s) is not supported" % (i, what))
+
+
+def _refuse_outputs(im, names: Dict[int, str]):
+    for i, what in names.items():
+        if len(im.node.output) > i and im.node.output[i]:
+            im.fail("output %d (%s) is not supported" % (i, what))
+
+
+def _with_bias(im, x, x_name: str, bias: Optional[np.ndarray], tag: str):
+    """x + bias (a constant vector over the last axis): into a waiting FullyConnected when x is one."""
+    if bias is None:
+        return x
+    pending = im.pending_fc.get(x_name)
+    n = bias.size
+    if pending is not None and pending[2] == n:
+        data, weight, _, name = pending
+        del im.pending_fc[x_name]
+        bias_var = im.as_sym(bias.reshape(n), im.node_name + tag)
+        return im.mx.sym.FullyConnected(data, weight, bias_var, num_hidden=n, flatten=False, name=name)
+    b = im.as_sym(bias.reshape((1,) * (im.rank(x) - 1) + (n,)), im.node_name + tag)
+    return im.mx.sym.broadcast_add(x, b, name=im.op_name(tag))
+
+
+def _const_1d(im, value, what: str) -> Optional[np.ndarray]:
+    if value is None:
+        return None
+    v = im.const_input(value, what)
+    if v.ndim != 1:
+        im.fail("%s must be 1-D, got shape %s" % (what, v.shape))
+    return v.astype(np.float32)
+
+
+def _skip_layer_norm(im, ins, attrs):
+    """SkipLayerNormalization(input, skip, gamma[, beta][, bias]) = LayerNorm(input + skip + bias)."""
+    _refuse_outputs(im, {1: "mean", 2: "inv_std_var"})
+    x, skip = ins[0], ins[1]
+    gamma = _const_1d(im, ins[2], "gamma")
+    beta = _const_1d(im, ins[3] if len(ins) > 3 else None, "beta")
+    bias = _const_1d(im, ins[4] if len(ins) > 4 else None, "bias")
+    mx = im.mx
+    x = _with_bias(im, x, im.node.input[0], bias, "_bias")
+    shape = im.shape(x)
+    if not isinstance(skip, np.ndarray) and im.shape(skip) == shape:
+        s = mx.sym.elemwise_add(x, skip, name=im.op_name("_add"))
+    else:
+        skip = _align(im, skip, len(shape) - im.rank(skip), "skip")
+        skip = im.as_sym(skip, im.node_name + "_skip", im.node.input[1])
+        s = mx.sym.broadcast_add(x, skip, name=im.op_name("_add"))
+    n = shape[-1]
+    if gamma.size != n or (beta is not None and beta.size != n):
+        im.fail("gamma/beta of size %d/%s for a hidden size of %d" % (gamma.size, None if beta is None
+                                                                      else beta.size, n))
+    beta = np.zeros(n, np.float32) if beta is None else beta
+    g = im.as_sym(gamma, im.node_name + "_gamma", im.node.input[2])
+    b = im.as_sym(beta, im.node_name + "_beta", im.node.input[3] if len(ins) > 3 and ins[3] is not None else None)
+    y = mx.sym.LayerNorm(s, g, b, axis=-1, eps=float(attrs.get("epsilon", 1e-12)), name=im.op_name())
+    return [y, None, None, s]
+
+
+def _bias_gelu(im, ins, attrs):
+    """BiasGelu(A, B) = Gelu(A + B), the erf form."""
+    x = _with_bias(im, ins[0], im.node.input[0], _const_1d(im, ins[1], "the bias"), "_bias")
+    return im.mx.sym.LeakyReLU(x, act_type="gelu", name=im.op_name())
+
+
+def _gelu_tanh(im, x):
+    """0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), written out as the gelu_tanh rule matches it."""
+    mx, f = im.mx, im.sym_op
+    cube = f("_power_scalar")(x, scalar=3.0, name=im.op_name("_cube"))
+    poly = mx.sym.elemwise_add(x, f("_mul_scalar")(cube, scalar=0.044715, name=im.op_name("_a")),
+                               name=im.op_name("_poly"))
+    t = mx.sym.tanh(f("_mul_scalar")(poly, scalar=float(np.sqrt(2.0 / np.pi)), name=im.op_name("_k")),
+                    name=im.op_name("_tanh"))
+    return mx.sym.elemwise_mul(f("_mul_scalar")(x, scalar=0.5, name=im.op_name("_half")),
+                               f("_plus_scalar")(t, scalar=1.0, name=im.op_name("_one")), name=im.op_name())
+
+
+def _fast_gelu(im, ins, attrs):
+    """FastGelu(X[, bias]): the tanh approximation of GELU of X + bias."""
+    bias = _const_1d(im, ins[1] if len(ins) > 1 else None, "the bias")
+    return _gelu_tanh(im, _with_bias(im, ins[0], im.node.input[0], bias, "_bias"))
+
+
+def _fused_matmul(im, ins, attrs):
+    """FusedMatMul(A, B) = alpha · A' · B' (transA/transB swap the last two axes)."""
+    if attrs.get("transBatchA", 0) or attrs.get("transBatchB", 0):
+        im.fail("transBatchA/transBatchB are not supported")
+    a, b = ins
+    alpha = float(attrs.get("alpha", 1.0))
+    trans_a, trans_b = bool(attrs.get("transA", 0)), bool(attrs.get("transB", 0))
+    mx = im.mx
+    if isinstance(b, np.ndarray) and not trans_a and b.ndim == 2:
+        w = (b.T if trans_b else b) * np.float32(alpha)
+        return _matmul(im, [a, np.ascontiguousarray(w.astype(np.float32))], {})
+    a = im.as_sym(a, im.node_name + "_a", im.node.input[0])
+    b = im.as_sym(b, im.node_name + "_b", im.node.input[1])
+    ra, rb = im.rank(a), im.rank(b)
+    if ra != rb or ra < 2 or im.shape(a)[:-2] != im.shape(b)[:-2]:
+        im.fail("operands of shapes %s and %s are not supported (needs equal ranks >= 2 and the same "
+                "batch dimensions)" % (im.shape(a), im.shape(b)))
+    fn = mx.sym.dot if ra == 2 else mx.sym.batch_dot
+    out = fn(a, b, transpose_a=trans_a, transpose_b=trans_b,
+             name=im.op_name() if alpha == 1.0 else im.op_name("_mm"))
+    if alpha != 1.0:
+        out = im.sym_op("_mul_scalar")(out, scalar=alpha, name=im.op_name())
+    return out
+
+
+def _split_heads(im, x, heads: int, tag: str):
+    """(B, S, H·D) -> (B, H, S, D)."""
+    y = im.mx.sym.reshape(x, shape=(0, 0, heads, -1), name=im.op_name("_%s_split" % tag))
+    return im.mx.sym.transpose(y, axes=(0, 2, 1, 3), name=im.op_name("_%s_heads" % tag))
+
+
+def _key_mask(im, mask, batch: int, sq: int, sk: int, fill: float):
+    """ORT's mask_index / key_padding_mask forms -> an additive (B, 1, 1|Sq, Sk) mask (0 or ``fill``)."""
+    mx, f = im.mx, im.sym_op
+    shape = mask.shape if isinstance(mask, np.ndarray) else im.shape(mask)
+    mask = im.as_sym(mask, im.node_name + "_mask")
+    if len(shape) == 1 and shape[0] in (batch, 2 * batch):
+        pos = im.const_var(np.arange(sk, dtype=np.float32).reshape(1, sk), im.node_name + "_positions")
+        ends = mx.sym.slice_axis(mask, axis=0, begin=0, end=batch, name=im.op_name("_ends"))
+        out = mx.sym.broadcast_greater_equal(pos, mx.sym.reshape(ends, shape=(batch, 1), name=im.op_name("_endc")),
+                                             name=im.op_name("_past_end"))
+        if shape[0] == 2 * batch:    # left padding: exclusive ends, then inclusive starts
+            starts = mx.sym.slice_axis(mask, axis=0, begin=batch, end=2 * batch, name=im.op_name("_starts"))
+            before = mx.sym.broadcast_lesser(pos, mx.sym.reshape(starts, shape=(batch, 1), name=im.op_name("_sc")),
+                                             name=im.op_name("_before_start"))
+            out = mx.sym.broadcast_logical_or(out, before, name=im.op_name("_outside"))
+        out = mx.sym.reshape(out, shape=(batch, 1, 1, sk), name=im.op_name("_mask4"))
+    elif len(shape) == 2 and shape == (batch, sk):
+        out = mx.sym.reshape(f("_lesser_equal_scalar")(mask, scalar=0.0, name=im.op_name("_masked")),
+                             shape=(batch, 1, 1, sk), name=im.op_name("_mask4"))
+    elif len(shape) == 3 and shape == (batch, sq, sk):
+        out = mx.sym.reshape(f("_lesser_equal_scalar")(mask, scalar=0.0, name=im.op_name("_masked")),
+                             shape=(batch, 1, sq, sk), name=im.op_name("_mask4"))
+    else:
+        im.fail("a mask of shape %s is not supported (supported: (B), (2·B), (B, Sk), (B, Sq, Sk) with B=%d, "
+                "Sq=%d, Sk=%d)" % (tuple(shape), batch, sq, sk))
+    return f("_mul_scalar")(out, scalar=fill, name=im.op_name("_mask_add"))
+
+
+def _attend(im, q, k, v, heads: int, attrs, mask, attention_bias, head_size: int):
+    """softmax(scale·q·kᵀ + masks)·v over heads, in the form the attention rules match; (B, Sq, H·Dv)."""
+    mx, f = im.mx, im.sym_op
+    qs, ks = im.shape(q), im.shape(k)
+    batch, sq, sk = qs[0], qs[1], ks[1]
+    scale = float(attrs.get("scale", 0.0)) or 1.0 / float(np.sqrt(head_size))
+    fill = float(attrs.get("mask_filter_value", _MASK_FILTER))
+    qh, kh, vh = (_split_heads(im, t, heads, tag) for t, tag in ((q, "q"), (k, "k"), (v, "v")))
+    scores = mx.sym.batch_dot(qh, kh, transpose_b=True, name=im.op_name("_qk"))
+    scores = f("_mul_scalar")(scores, scalar=scale, name=im.op_name("_scaled"))
+    additive = []
+    if mask is not None:
+        additive.append(_key_mask(im, mask, batch, sq, sk, fill))
+    if attrs.get("unidirectional", 0):
+        # keys after the causal band are dropped, not given mask_filter_value: ONNX Runtime's row of
+        # only padded keys and later keys attends to the padded ones (measured, left padding)
+        band = np.triu(np.ones((sq, sk), np.float32), k=sk - sq + 1) * np.float32(-_FLT_MAX)
+        additive.append(im.const_var(band.reshape(1, 1, sq, sk), im.node_name + "_causal"))
+    if attention_bias is not None:
+        ab_shape = attention_bias.shape if isinstance(attention_bias, np.ndarray) else im.shape(attention_bias)
+        if len(ab_shape) != 4 or ab_shape[2:] != (sq, sk) or ab_shape[0] not in (1, batch) \
+                or ab_shape[1] not in (1, heads):
+            im.fail("attention_bias of shape %s is not (B or 1, H or 1, %d, %d)" % (tuple(ab_shape), sq, sk))
+        additive.append(im.as_sym(attention_bias, im.node_name + "_attention_bias"))
+    for i, m in enumerate(additive):
+        scores = mx.sym.broadcast_add(scores, m, name=im.op_name("_masked%d" % i))
+    probs = mx.sym.softmax(scores, axis=-1, name=im.op_name("_softmax"))
+    ctx = mx.sym.batch_dot(probs, vh, name=im.op_name("_ctx"))
+    ctx = mx.sym.transpose(ctx, axes=(0, 2, 1, 3), name=im.op_name("_merge"))
+    return mx.sym.reshape(ctx, shape=(0, 0, -1), name=im.op_name())
+
+
+def _attention(im, ins, attrs):
+    """Attention(input, weights[, bias][, mask_index]): the packed Q/K/V projection split into three
+    FullyConnected, then multi-head attention (no past/present)."""
+    _refuse_inputs(im, ins, {4: "past", 6: "past_sequence_length"})
+    _refuse_outputs(im, {1: "present"})
+    for key in ("do_rotary", "past_present_share_buffer"):
+        if attrs.get(key, 0):
+            im.fail("%s=%s is not supported" % (key, attrs[key]))
+    heads = int(attrs["num_heads"])
+    x = ins[0]
+    w = im.const_input(ins[1], "weights")
+    bias = _const_1d(im, ins[2] if len(ins) > 2 else None, "bias")
+    if im.rank(x) != 3 or w.ndim != 2:
+        im.fail("input of rank %d and weights of rank %d (needs (B, S, K) and (K, N))" % (im.rank(x), w.ndim))
+    total = w.shape[1]
+    sizes = [int(s) for s in attrs.get("qkv_hidden_sizes", [])] or [total // 3] * 3
+    if len(sizes) != 3 or sum(sizes) != total or sizes[0] != sizes[1] or any(s % heads or s <= 0 for s in sizes):
+        im.fail("qkv_hidden_sizes %s do not split weights of width %d into Q, K (equal) and V, each a "
+                "multiple of num_heads=%d" % (sizes, total, heads))
+    if bias is not None and bias.size != total:
+        im.fail("bias of size %d for weights of width %d" % (bias.size, total))
+    parts, start = [], 0
+    for size, tag in zip(sizes, "qkv"):
+        wp = np.ascontiguousarray(w[:, start:start + size].T.astype(np.float32))
+        args = [x, im.const_var(wp, im.node_name + "_%s_weight" % tag)]
+        if bias is not None:
+            args.append(im.const_var(bias[start:start + size], im.node_name + "_%s_bias" % tag))
+        parts.append(im.mx.sym.FullyConnected(*args, num_hidden=size, no_bias=bias is None, flatten=False,
+                                              name=im.op_name("_" + tag)))
+        start += size
+    mask = ins[3] if len(ins) > 3 else None
+    attention_bias = ins[5] if len(ins) > 5 else None
+    return [_attend(im, *parts, heads, attrs, mask, attention_bias, sizes[0] // heads), None]
+
+
+def _multi_head_attention(im, ins, attrs):
+    """MultiHeadAttention(query, key, value[, bias][, key_padding_mask][, attention_bias]), 3-D Q, K, V."""
+    _refuse_inputs(im, ins, {6: "past_key", 7: "past_value", 8: "past_sequence_length", 9: "cache_indirection"})
+    _refuse_outputs(im, {1: "present_key", 2: "present_value", 3: "qk"})
+    heads = int(attrs["num_heads"])
+    q = ins[0]
+    k = ins[1] if len(ins) > 1 else None
+    v = ins[2] if len(ins) > 2 else None
+    if k is None or v is None or any(im.rank(t) != 3 for t in (q, k, v)):
+        im.fail("only separate 3-D query, key and value are supported (not packed QKV/KV or past key/value)")
+    sizes = [im.shape(t)[-1] for t in (q, k, v)]
+    if sizes[0] != sizes[1] or any(s % heads for s in sizes):
+        im.fail("hidden sizes %s: Q and K must match and each be a multiple of num_heads=%d" % (sizes, heads))
+    bias = _const_1d(im, ins[3] if len(ins) > 3 else None, "bias")
+    if bias is not None:
+        if bias.size != sum(sizes):
+            im.fail("bias of size %d for Q, K, V of widths %s" % (bias.size, sizes))
+        offsets = np.cumsum([0] + sizes)
+        q, k, v = (_with_bias(im, t, im.node.input[i], bias[offsets[i]:offsets[i + 1]], "_%s_bias" % "qkv"[i])
+                   for i, t in enumerate((q, k, v)))
+    q, k, v = (im.as_sym(t, im.node_name + "_" + tag) for t, tag in ((q, "q"), (k, "k"), (v, "v")))
+    mask = ins[4] if len(ins) > 4 else None
+    attention_bias = ins[5] if len(ins) > 5 else None
+    return [_attend(im, q, k, v, heads, attrs, mask, attention_bias, sizes[0] // heads), None, None, None]
+
+
+_SYMBOLIC.update({
+    "com.microsoft.SkipLayerNormalization": _skip_layer_norm,
+    "com.microsoft.BiasGelu": _bias_gelu,
+    "com.microsoft.FastGelu": _fast_gelu,
+    "com.microsoft.FusedMatMul": _fused_matmul,
+    "com.microsoft.Attention": _attention,
+    "com.microsoft.MultiHeadAttention": _multi_head_attention,
+})
 
 SUPPORTED_OPS = tuple(sorted(set(_SYMBOLIC) | set(_FOLD) | {"Constant", "com.microsoft.Gelu"}))
 

@@ -282,3 +282,208 @@ def test_mxnet_exported_small_cnn(opset, tmp_path, monkeypatch):
     sym, fused, _, _ = import_fuse_compare(path, shapes, {"data": randn(2, 3, 16, 16)})
     assert ops(sym)["Convolution"] == 2 and ops(sym)["FullyConnected"] == 1
     assert "BatchNorm" not in ops(fused)
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime contrib ops (com.microsoft), one node at a time against ONNX Runtime
+# ---------------------------------------------------------------------------------------------
+
+MS = "com.microsoft"
+
+
+def contrib_model(op_type, inputs, inits=(), names=None, n_out=1, opset=17, **attrs):
+    """One com.microsoft node; ``names`` orders graph inputs and initializers ("" for an absent input)."""
+    init_names = [n for n, _ in inits]
+    names = names if names is not None else list(inputs) + init_names
+    outs = ["y"] + ["y%d" % i for i in range(1, n_out)]
+    node = helper.make_node(op_type, names, outs, name="/the/" + op_type, domain=MS, **attrs)
+    vis = [helper.make_tensor_value_info(n, TensorProto.INT32 if n.startswith("i32_") else TensorProto.FLOAT, s)
+           for n, s in inputs.items()]
+    g = helper.make_graph([node], "g", vis, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs],
+                          [numpy_helper.from_array(np.asarray(v), n) for n, v in inits])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)])
+    m.ir_version = 8
+    return m
+
+
+def check_contrib(model, feed, shapes=None):
+    reference = ort_run(model, feed)
+    sym, arg, aux = import_onnx(model, input_shapes=shapes)
+    got = run(sym, arg, aux, {k: v.astype(np.float32) for k, v in feed.items()})
+    result = compare(reference[:len(got)], got, ["y%d" % i for i in range(len(got))])
+    assert result.max_rel <= RTOL, result
+    return sym, arg, aux, result
+
+
+@pytest.mark.parametrize("beta, bias, skip_shape, sum_out", [
+    (True, True, (2, 5, 16), False), (False, False, (2, 5, 16), False), (True, False, (1, 5, 16), False),
+    (True, True, (5, 16), True),
+])
+def test_skip_layer_normalization(beta, bias, skip_shape, sum_out):
+    inits = [("gamma", rng.uniform(0.5, 1.5, 16).astype(np.float32))]
+    names = ["x", "skip", "gamma", "beta" if beta else "", "bias" if bias else ""]
+    if beta:
+        inits.append(("beta", randn(16)))
+    if bias:
+        inits.append(("bias", randn(16)))
+    while names[-1] == "":
+        names.pop()
+    m = contrib_model("SkipLayerNormalization", {"x": [2, 5, 16], "skip": list(skip_shape)}, inits, names=names,
+                      n_out=4 if sum_out else 1, epsilon=1e-5)
+    if sum_out:
+        m.graph.node[0].output[1] = m.graph.node[0].output[2] = ""
+        del m.graph.output[1:3]
+    sym, _, _, _ = check_contrib(m, {"x": randn(2, 5, 16), "skip": randn(*skip_shape)})
+    assert ops(sym)["LayerNorm"] == 1
+
+
+def test_skip_layer_normalization_refuses_mean_output():
+    m = contrib_model("SkipLayerNormalization", {"x": [2, 5, 16], "skip": [2, 5, 16]},
+                      [("gamma", np.ones(16, np.float32))], n_out=2)
+    with pytest.raises(GraphError) as e:
+        import_onnx(m)
+    msg = one_line(e)
+    assert "/the/SkipLayerNormalization" in msg and "mean" in msg
+
+
+def test_bias_gelu_and_fast_gelu():
+    x = randn(2, 5, 16) * 3
+    check_contrib(contrib_model("BiasGelu", {"x": [2, 5, 16]}, [("b", randn(16))]), {"x": x})
+    check_contrib(contrib_model("FastGelu", {"x": [2, 5, 16]}, [("b", randn(16))]), {"x": x})
+    check_contrib(contrib_model("FastGelu", {"x": [2, 5, 16]}), {"x": x})
+    check_contrib(contrib_model("Gelu", {"x": [2, 5, 16]}), {"x": x})
+
+
+@pytest.mark.parametrize("trans_a, trans_b, alpha, const_b", [
+    (0, 0, 1.0, True), (0, 1, 0.5, True), (1, 0, 2.0, False), (1, 1, 1.0, False), (0, 1, 0.125, False),
+])
+def test_fused_matmul(trans_a, trans_b, alpha, const_b):
+    a_shape = [2, 6, 4] if trans_a else [2, 4, 6]
+    b_shape = [5, 6] if trans_b else [6, 5]
+    if const_b:
+        m = contrib_model("FusedMatMul", {"a": a_shape}, [("b", randn(*b_shape))], transA=trans_a, transB=trans_b,
+                          alpha=alpha)
+        feed = {"a": randn(*a_shape)}
+    else:
+        b_shape = [2] + b_shape
+        m = contrib_model("FusedMatMul", {"a": a_shape, "b": b_shape}, transA=trans_a, transB=trans_b, alpha=alpha)
+        feed = {"a": randn(*a_shape), "b": randn(*b_shape)}
+    check_contrib(m, feed)
+
+
+def test_fused_matmul_refuses_trans_batch():
+    m = contrib_model("FusedMatMul", {"a": [2, 4, 6], "b": [2, 6, 5]}, transBatchA=1)
+    with pytest.raises(GraphError) as e:
+        import_onnx(m)
+    assert "transBatchA" in one_line(e) and "/the/FusedMatMul" in str(e.value)
+
+
+def right_padded_lengths(batch, seq):
+    return np.array([seq, max(1, seq - 2)] + [seq - 1] * (batch - 2), np.int32)[:batch]
+
+
+ATTN_MASKS = ["none", "lengths", "left_padding", "raw2d", "raw3d", "raw_first_masked"]
+
+
+def attention_mask(kind, batch, sq, sk):
+    if kind == "lengths":
+        return right_padded_lengths(batch, sk)
+    if kind == "left_padding":
+        return np.array([sk, sk - 1, 0, 2], np.int32)             # ends, then starts
+    keep = (rng.random((batch, sk) if kind == "raw2d" else (batch, sq, sk)) > 0.3).astype(np.int32)
+    keep[..., 0] = 1
+    if kind == "raw_first_masked":          # batch 1 masks keys 0 and 1: causal rows 0-1 see only padding
+        keep = np.ones((batch, sk), np.int32)
+        keep[1, :2] = 0
+    return keep
+
+
+@pytest.mark.parametrize("mask", ATTN_MASKS)
+@pytest.mark.parametrize("variant", ["plain", "unidirectional", "qkv_sizes", "scale_filter", "attention_bias"])
+def test_attention(mask, variant):
+    b, s, k_in, heads = 2, 5, 12, 2
+    sizes = [8, 8, 12] if variant == "qkv_sizes" else [8, 8, 8]
+    attrs = {"num_heads": heads}
+    if variant == "unidirectional":
+        attrs["unidirectional"] = 1
+    if variant == "qkv_sizes":
+        attrs["qkv_hidden_sizes"] = sizes
+    if variant == "scale_filter":
+        attrs.update(scale=0.3, mask_filter_value=-1e9)
+    inputs = {"x": [b, s, k_in]}
+    names = ["x", "w", "bias"]
+    feed = {"x": randn(b, s, k_in)}
+    if mask != "none":
+        value = attention_mask(mask, b, s, s)
+        inputs["i32_mask"] = list(value.shape)
+        feed["i32_mask"] = value
+        names.append("i32_mask")
+    if variant == "attention_bias":
+        names += [""] * (4 - len(names)) + ["", "ab"]
+        inputs["ab"] = [1, heads, s, s]
+        feed["ab"] = randn(1, heads, s, s)
+    m = contrib_model("Attention", inputs, [("w", randn(k_in, sum(sizes)) * 0.5), ("bias", randn(sum(sizes)))],
+                      names=names, **attrs)
+    sym, _, _, _ = check_contrib(m, feed)
+    assert ops(sym)["FullyConnected"] == 3 and ops(sym)["softmax"] == 1
+
+
+@pytest.mark.parametrize("what, attrs, extra", [
+    ("past", {}, "past"),
+    ("present", {}, "present"),
+    ("rotary", {"do_rotary": 1}, "do_rotary"),
+    ("mask4d", {}, "mask"),
+])
+def test_attention_refusals(what, attrs, extra):
+    b, s = 2, 4
+    inputs = {"x": [b, s, 8]}
+    names = ["x", "w", "bias"]
+    n_out = 1
+    if what == "past":
+        inputs["past"] = [2, b, 2, 3, 4]
+        names += ["", "past"]
+    if what == "present":
+        n_out = 2
+    if what == "mask4d":
+        inputs["i32_mask"] = [b, 1, s, s]
+        names.append("i32_mask")
+    m = contrib_model("Attention", inputs, [("w", randn(8, 24)), ("bias", randn(24))], names=names, n_out=n_out,
+                      num_heads=2, **attrs)
+    with pytest.raises(GraphError) as e:
+        import_onnx(m)
+    msg = one_line(e)
+    assert "/the/Attention" in msg and extra in msg
+
+
+@pytest.mark.parametrize("mask", ["none", "lengths", "raw2d", "raw3d", "raw_first_masked"])
+@pytest.mark.parametrize("variant", ["self", "cross", "no_bias", "attention_bias", "unidirectional"])
+def test_multi_head_attention(mask, variant):
+    b, sq, heads = 2, 5, 2
+    sk = 7 if variant == "cross" else sq
+    inputs = {"q": [b, sq, 8], "k": [b, sk, 8], "v": [b, sk, 12]}
+    feed = {n: randn(*s) for n, s in inputs.items()}
+    names = ["q", "k", "v", "" if variant == "no_bias" else "bias"]
+    inits = [] if variant == "no_bias" else [("bias", randn(28))]
+    if mask != "none":
+        value = attention_mask(mask, b, sq, sk)
+        inputs["i32_mask"] = list(value.shape)
+        feed["i32_mask"] = value
+        names.append("i32_mask")
+    if variant == "attention_bias":
+        names += [""] * (5 - len(names)) + ["ab"]
+        inputs["ab"] = [b, 1, sq, sk]
+        feed["ab"] = randn(b, 1, sq, sk)
+    attrs = {"num_heads": heads}
+    if variant == "unidirectional":
+        attrs["unidirectional"] = 1
+    while names[-1] == "":
+        names.pop()
+    m = contrib_model("MultiHeadAttention", inputs, inits, names=names, **attrs)
+    check_contrib(m, feed)
+
+
+def test_multi_head_attention_refuses_packed_qkv():
+    m = contrib_model("MultiHeadAttention", {"qkv": [2, 4, 2, 3, 4]}, names=["qkv"], num_heads=2)
+    with pytest.raises(GraphError) as e:
+        import_onnx(m)
+    assert "/the/MultiHeadAttention" in one_line(e) and "packed" in str(e.value)
