@@ -487,3 +487,136 @@ def test_multi_head_attention_refuses_packed_qkv():
     with pytest.raises(GraphError) as e:
         import_onnx(m)
     assert "/the/MultiHeadAttention" in one_line(e) and "packed" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# files optimized by ONNX Runtime's transformers optimizer
+# ---------------------------------------------------------------------------------------------
+
+DATA = __import__("os").path.join(__import__("os").path.dirname(__import__("os").path.abspath(__file__)), "data")
+
+
+def ort_optimized(src, dst, options):
+    """onnxruntime.transformers.optimizer.optimize_model with the fusion options API (no symbolic shape
+    inference: it needs sympy, which the pinned environment does not have)."""
+    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer")
+    from onnxruntime.transformers.fusion_options import FusionOptions
+
+    opts = FusionOptions("bert")
+    opts.enable_shape_inference = False
+    if options == "raw_mask":
+        opts.use_raw_attention_mask(True)
+    if options == "fast_gelu":
+        opts.enable_gelu_approximation = True
+    model = optimizer.optimize_model(src, model_type="bert", num_heads=4, hidden_size=32, opt_level=0,
+                                     optimization_options=opts, use_gpu=False)
+    model.save_model_to_file(dst)
+    return onnx.load(dst)
+
+
+@pytest.mark.parametrize("options, contrib", [
+    ("default", {"Attention", "SkipLayerNormalization", "BiasGelu"}),
+    ("raw_mask", {"Attention", "SkipLayerNormalization", "BiasGelu"}),
+    ("fast_gelu", {"Attention", "SkipLayerNormalization", "FastGelu"}),
+])
+def test_ort_optimized_tiny_bert(options, contrib, tmp_path):
+    """The torch-exported tiny BERT layer, optimized by ORT into contrib ops, imported: it matches ORT
+    on the original file (right-padded masks: ORT's mask_index of lengths assumes right padding), and
+    fuses into our ops."""
+    src = __import__("os").path.join(DATA, "torch_tiny_bert.onnx")
+    optimized = ort_optimized(src, str(tmp_path / "opt.onnx"), options)
+    found = {n.op_type for n in optimized.graph.node if n.domain == MS}
+    assert found == contrib, found
+    shapes = {"hidden_states": (2, 8, 32), "attention_mask": (2, 8)}
+    keep = np.zeros((2, 8), np.int64)
+    keep[0, :8], keep[1, :5] = 1, 1
+    feed = {"hidden_states": randn(2, 8, 32), "attention_mask": keep}
+    reference = ort_run(src, feed)
+    approx = options == "fast_gelu"      # the tanh GELU against the file's erf GELU: compare with ORT's own
+    if approx:
+        reference = ort_run(str(tmp_path / "opt.onnx"), feed)
+    mx_feed = {k: v.astype(np.float32) for k, v in feed.items()}
+    sym, arg, aux = import_onnx(str(tmp_path / "opt.onnx"), input_shapes=shapes)
+    imported = compare(reference, run(sym, arg, aux, mx_feed), ["y"])
+    assert imported.max_rel <= RTOL, imported
+    fused = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+    result = compare(reference, run(fused.symbol, fused.arg_params, fused.aux_params, mx_feed), ["y"])
+    assert result.max_rel <= RTOL, (result, fused.report.to_text())
+    counts = ops(fused)
+    assert counts.get("fused_dense", 0) == 6 and counts.get("fused_add_layer_norm", 0) == 2 \
+        and counts.get("fused_attention", 0) == 1, \
+        fused.report.to_text(explain=True)
+    print("%s: imported rel err %.2e, fused %.2e, fused ops %s" % (options, imported.max_rel, result.max_rel,
+                                                                  counts))
+
+
+# ---------------------------------------------------------------------------------------------
+# opsets 13-21
+# ---------------------------------------------------------------------------------------------
+
+def versioned_model(opset):
+    """Ops whose spelling changed between 13 and 21, each in the form of ``opset``."""
+    nodes, inits = [], []
+
+    def init(name, value):
+        inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def node(op, ins, n_out=1, **attrs):
+        outs = ["%s_%d_%d" % (op, len(nodes), i) for i in range(n_out)]
+        nodes.append(helper.make_node(op, ins, outs, name="/%s_%d" % (op, len(nodes)), **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    x = "x"                                                          # (2, 6, 8)
+    if opset >= 18:
+        mean = node("ReduceMean", [x, init("axes", np.array([-1], np.int64))], keepdims=1)
+        parts = node("Split", [x], 2, axis=1, num_outputs=2)
+    else:
+        mean = node("ReduceMean", [x], axes=[-1], keepdims=1)
+        parts = node("Split", [x, init("split", np.array([3, 3], np.int64))], 2, axis=1)
+    y = node("Add", [node("Sub", [x, mean]), node("Concat", [parts[1], parts[0]], axis=1)])
+    if opset >= 17:
+        y = node("LayerNormalization", [y, init("g", rng.uniform(0.5, 1.5, 8).astype(np.float32)),
+                                        init("b", randn(8))], axis=-1, epsilon=1e-5)
+    if opset >= 20:
+        y = node("Gelu", [y], approximate="tanh")
+    else:
+        y = node("Tanh", [y])
+    shape_kw = {"start": -2} if opset >= 15 else {}
+    tail = node("Shape", [y], **shape_kw)                             # [6, 8] (or [2, 6, 8])
+    target = node("Concat", [init("lead", np.array([-1], np.int64)),
+                             node("Slice", [tail, init("s0", np.array([-1], np.int64)),
+                                            init("s1", np.array([100], np.int64))])], axis=0)
+    reshape_kw = {"allowzero": 1} if opset >= 14 else {}
+    y = node("Reshape", [y, target], **reshape_kw)                   # (12, 8)
+    y = node("Flatten", [node("Unsqueeze", [y, init("ax", np.array([0], np.int64))])], axis=-1)
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6, 8])],
+                          [helper.make_tensor_value_info(y, TensorProto.FLOAT, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8 if opset <= 19 else 9 if opset == 20 else 10
+    return m
+
+
+@pytest.mark.parametrize("opset", list(range(13, 22)))
+def test_opsets_13_to_21(opset):
+    check_vs_ort(versioned_model(opset), {"x": randn(2, 6, 8)}, shapes={"x": (2, 6, 8)})
+
+
+@pytest.mark.parametrize("opset", [11, 12, 22])
+def test_opset_outside_range_is_refused(opset):
+    m = versioned_model(13)
+    m.opset_import[0].version = opset
+    with pytest.raises(GraphError) as e:
+        import_onnx(m, input_shapes={"x": (2, 6, 8)})
+    msg = one_line(e)
+    assert ("opset %d" % opset) in msg and "13-21" in msg
+
+
+@pytest.mark.parametrize("noop", [0, 1])
+def test_reduce_with_empty_axes_input(noop):
+    """Opset 18: an empty axes input reduces over everything, or (noop_with_empty_axes) nothing."""
+    m = single_op_model("ReduceSum", {"x": [2, 3]}, [("axes", np.zeros(0, np.int64))], opset=18,
+                        noop_with_empty_axes=noop, keepdims=1)
+    m.graph.node.append(helper.make_node("Relu", ["y"], ["z"]))
+    m.graph.output[0].name = "z"
+    check_vs_ort(m, {"x": randn(2, 3)})
