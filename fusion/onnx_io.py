@@ -1246,28 +1246,38 @@ def _split_heads(im, x, heads: int, tag: str):
     return im.mx.sym.transpose(y, axes=(0, 2, 1, 3), name=im.op_name("_%s_heads" % tag))
 
 
-def _key_mask(im, mask, batch: int, sq: int, sk: int, fill: float):
-    """ORT's mask_index / key_padding_mask forms -> an additive (B, 1, 1|Sq, Sk) mask (0 or ``fill``)."""
+def _key_mask(im, mask, keys, batch: int, sq: int, sk: int, fill: float):
+    """ORT's mask_index / key_padding_mask forms -> an additive (B, 1, 1|Sq, Sk) mask (0 or ``fill``).
+
+    Written without the batch and sequence sizes (positions from ``keys``, the (B, Sk, ·) keys), so the
+    imported graph runs at other sizes too."""
     mx, f = im.mx, im.sym_op
     shape = mask.shape if isinstance(mask, np.ndarray) else im.shape(mask)
     mask = im.as_sym(mask, im.node_name + "_mask")
     if len(shape) == 1 and shape[0] in (batch, 2 * batch):
-        pos = im.const_var(np.arange(sk, dtype=np.float32).reshape(1, sk), im.node_name + "_positions")
-        ends = mx.sym.slice_axis(mask, axis=0, begin=0, end=batch, name=im.op_name("_ends"))
-        out = mx.sym.broadcast_greater_equal(pos, mx.sym.reshape(ends, shape=(batch, 1), name=im.op_name("_endc")),
-                                             name=im.op_name("_past_end"))
-        if shape[0] == 2 * batch:    # left padding: exclusive ends, then inclusive starts
-            starts = mx.sym.slice_axis(mask, axis=0, begin=batch, end=2 * batch, name=im.op_name("_starts"))
-            before = mx.sym.broadcast_lesser(pos, mx.sym.reshape(starts, shape=(batch, 1), name=im.op_name("_sc")),
-                                             name=im.op_name("_before_start"))
+        pos = mx.sym.reshape(mx.sym.contrib.arange_like(keys, axis=1, name=im.op_name("_positions")),
+                             shape=(1, -1), name=im.op_name("_positions_row"))
+        if shape[0] == batch:
+            ends = mx.sym.reshape(mask, shape=(-1, 1), name=im.op_name("_ends"))
+        else:    # left padding: exclusive ends, then inclusive starts
+            pair = mx.sym.reshape(mask, shape=(2, -1), name=im.op_name("_pair"))
+            ends = mx.sym.reshape(mx.sym.slice_axis(pair, axis=0, begin=0, end=1, name=im.op_name("_end_row")),
+                                  shape=(-1, 1), name=im.op_name("_ends"))
+        out = mx.sym.broadcast_greater_equal(pos, ends, name=im.op_name("_past_end"))
+        if shape[0] == 2 * batch:
+            starts = mx.sym.reshape(mx.sym.slice_axis(pair, axis=0, begin=1, end=2, name=im.op_name("_start_row")),
+                                    shape=(-1, 1), name=im.op_name("_starts"))
+            before = mx.sym.broadcast_lesser(pos, starts, name=im.op_name("_before_start"))
             out = mx.sym.broadcast_logical_or(out, before, name=im.op_name("_outside"))
-        out = mx.sym.reshape(out, shape=(batch, 1, 1, sk), name=im.op_name("_mask4"))
+        out = mx.sym.expand_dims(mx.sym.expand_dims(out, axis=1, name=im.op_name("_mask3")), axis=1,
+                                 name=im.op_name("_mask4"))
     elif len(shape) == 2 and shape == (batch, sk):
-        out = mx.sym.reshape(f("_lesser_equal_scalar")(mask, scalar=0.0, name=im.op_name("_masked")),
-                             shape=(batch, 1, 1, sk), name=im.op_name("_mask4"))
+        out = f("_lesser_equal_scalar")(mask, scalar=0.0, name=im.op_name("_masked"))
+        out = mx.sym.expand_dims(mx.sym.expand_dims(out, axis=1, name=im.op_name("_mask3")), axis=1,
+                                 name=im.op_name("_mask4"))
     elif len(shape) == 3 and shape == (batch, sq, sk):
-        out = mx.sym.reshape(f("_lesser_equal_scalar")(mask, scalar=0.0, name=im.op_name("_masked")),
-                             shape=(batch, 1, sq, sk), name=im.op_name("_mask4"))
+        out = mx.sym.expand_dims(f("_lesser_equal_scalar")(mask, scalar=0.0, name=im.op_name("_masked")), axis=1,
+                                 name=im.op_name("_mask4"))
     else:
         im.fail("a mask of shape %s is not supported (supported: (B), (2·B), (B, Sk), (B, Sq, Sk) with B=%d, "
                 "Sq=%d, Sk=%d)" % (tuple(shape), batch, sq, sk))
@@ -1286,7 +1296,7 @@ def _attend(im, q, k, v, heads: int, attrs, mask, attention_bias, head_size: int
     scores = f("_mul_scalar")(scores, scalar=scale, name=im.op_name("_scaled"))
     additive = []
     if mask is not None:
-        additive.append(_key_mask(im, mask, batch, sq, sk, fill))
+        additive.append(_key_mask(im, mask, k, batch, sq, sk, fill))
     if attrs.get("unidirectional", 0):
         # keys after the causal band are dropped, not given mask_filter_value: ONNX Runtime's row of
         # only padded keys and later keys attends to the padded ones (measured, left padding)
