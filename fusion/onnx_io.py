@@ -1386,6 +1386,54 @@ _SYMBOLIC.update({
     "com.microsoft.MultiHeadAttention": _multi_head_attention,
 })
 
+
+def _embed_layer_norm(im, ins, attrs):
+    """EmbedLayerNormalization(input_ids, segment_ids, word_embedding, position_embedding,
+    segment_embedding, gamma, beta[, mask][, position_ids]) = LayerNorm(word[ids] + position[pos] +
+    segment[seg]); mask_index (output 1) = the number of mask values equal to 1 per row (0 without a mask)."""
+    mx, f = im.mx, im.sym_op
+    get = lambda i: ins[i] if len(ins) > i else None   # noqa: E731
+    ids, seg_ids = get(0), get(1)
+    tables = [im.const_input(get(i), what) for i, what in ((2, "word_embedding"), (3, "position_embedding"),
+                                                          (4, "segment_embedding"))]
+    if (seg_ids is None) != (tables[2] is None):
+        im.fail("segment_ids and segment_embedding must be given together")
+    gamma, beta = _const_1d(im, get(5), "gamma"), _const_1d(im, get(6), "beta")
+    mask, position_ids = get(7), get(8)
+    if im.rank(ids) != 2:
+        im.fail("input_ids of rank %d (needs (B, S))" % im.rank(ids))
+    hidden = tables[0].shape[1]
+
+    def lookup(index, table, tag):
+        weight = im.as_sym(table.astype(np.float32), im.node_name + tag, None)
+        return mx.sym.Embedding(im.as_sym(index, im.node_name + tag + "_ids"), weight, input_dim=table.shape[0],
+                                output_dim=hidden, name=im.op_name(tag))
+
+    total = lookup(ids, tables[0], "_word")
+    if position_ids is None:
+        position_ids = mx.sym.contrib.arange_like(ids, axis=1, name=im.op_name("_positions"))
+    pos = lookup(position_ids, tables[1], "_position")
+    if im.rank(pos) == 2:                                  # (S, H) from positions 0..S-1
+        pos = mx.sym.expand_dims(pos, axis=0, name=im.op_name("_position_b"))
+    total = mx.sym.broadcast_add(total, pos, name=im.op_name("_sum_pos")) if im.shape(pos)[0] != im.shape(total)[0] \
+        else mx.sym.elemwise_add(total, pos, name=im.op_name("_sum_pos"))
+    if seg_ids is not None:
+        total = mx.sym.elemwise_add(total, lookup(seg_ids, tables[2], "_segment"), name=im.op_name("_sum"))
+    y = mx.sym.LayerNorm(total, im.as_sym(gamma, im.node_name + "_gamma", im.node.input[5]),
+                         im.as_sym(beta, im.node_name + "_beta", im.node.input[6]), axis=-1,
+                         eps=float(attrs.get("epsilon", 1e-12)), name=im.op_name())
+    if mask is not None:
+        mask_index = mx.sym.sum(f("_equal_scalar")(im.as_sym(mask, im.node_name + "_mask"), scalar=1.0,
+                                                   name=im.op_name("_ones")), axis=1, name=im.op_name("_mask_index"))
+    else:
+        mask_index = mx.sym.zeros_like(mx.sym.slice_axis(ids, axis=1, begin=0, end=1, name=im.op_name("_col")),
+                                       name=im.op_name("_mask_zero"))
+        mask_index = mx.sym.reshape(mask_index, shape=(-1,), name=im.op_name("_mask_index"))
+    return [y, mask_index, total]
+
+
+_SYMBOLIC["com.microsoft.EmbedLayerNormalization"] = _embed_layer_norm
+
 SUPPORTED_OPS = tuple(sorted(set(_SYMBOLIC) | set(_FOLD) | {"Constant", "com.microsoft.Gelu"}))
 
 

@@ -629,3 +629,42 @@ def test_reduce_with_empty_axes_input(noop):
     m.graph.node.append(helper.make_node("Relu", ["y"], ["z"]))
     m.graph.output[0].name = "z"
     check_vs_ort(m, {"x": randn(2, 3)})
+
+
+@pytest.mark.parametrize("segments, mask, position_ids", [
+    (True, True, None), (False, False, None), (True, False, "batch"), (True, True, "shared"),
+])
+def test_embed_layer_normalization(segments, mask, position_ids):
+    b, s, hidden = 2, 6, 16
+    inits = [("word", randn(30, hidden)), ("pos", randn(10, hidden)), ("gamma", rng.uniform(0.5, 1.5, hidden)
+                                                                       .astype(np.float32)), ("beta", randn(hidden))]
+    inputs = {"i32_ids": [b, s]}
+    feed = {"i32_ids": rng.integers(0, 30, (b, s)).astype(np.int32)}
+    names = ["i32_ids", "", "word", "pos", "", "gamma", "beta"]
+    if segments:
+        inits.append(("seg", randn(2, hidden)))
+        inputs["i32_seg"] = [b, s]
+        feed["i32_seg"] = rng.integers(0, 2, (b, s)).astype(np.int32)
+        names[1], names[4] = "i32_seg", "seg"
+    if mask:
+        keep = np.ones((b, s), np.int32)
+        keep[1, 4:] = 0
+        inputs["i32_mask"] = [b, s]
+        feed["i32_mask"] = keep
+    names.append("i32_mask" if mask else "")
+    if position_ids:
+        shape = (b, s) if position_ids == "batch" else (1, s)
+        inputs["i32_positions"] = list(shape)
+        feed["i32_positions"] = rng.integers(0, 10, shape).astype(np.int32)
+        names.append("i32_positions")
+    while names[-1] == "":
+        names.pop()
+    m = contrib_model("EmbedLayerNormalization", inputs, inits, names=names, n_out=3, epsilon=1e-5)
+    m.graph.output[1].type.tensor_type.elem_type = TensorProto.INT32
+    reference = ort_run(m, feed)
+    sym, arg, aux = import_onnx(m)
+    got = run(sym, arg, aux, {k: v.astype(np.float32) for k, v in feed.items()})
+    result = compare([reference[0], reference[2]], [got[0], got[2]], ["y", "sum"])
+    assert result.max_rel <= RTOL, result
+    np.testing.assert_array_equal(reference[1], got[1])
+    assert ops(sym)["LayerNorm"] == 1
