@@ -310,6 +310,11 @@ class _Importer:
             out = _FOLD[key](self, ins, attrs)
             return [np.asarray(o) for o in (out if isinstance(out, list) else [out])]
         handler = _SYMBOLIC.get(key)
+        known = _KNOWN_ATTRS.get(key)
+        if handler is not None and known is not None and set(attrs) - known:
+            raise GraphError("ONNX node '%s' (%s): attribute(s) %s not supported (known: %s)"
+                             % (self.node_name, node.op_type, ", ".join(sorted(set(attrs) - known)),
+                                ", ".join(sorted(known)) or "none"))
         if handler is None:
             where = " (domain %s)" % domain if domain else ""
             if key in _FOLD:
@@ -1433,6 +1438,22 @@ def _embed_layer_norm(im, ins, attrs):
 
 
 _SYMBOLIC["com.microsoft.EmbedLayerNormalization"] = _embed_layer_norm
+
+# Attributes read by these importers; any other attribute is refused (a contrib op's newer attribute
+# would otherwise be ignored silently).
+_KNOWN_ATTRS: Dict[str, set] = {
+    "Gemm": {"alpha", "beta", "transA", "transB"},
+    "Flatten": {"axis"},
+    "Reshape": {"allowzero"},
+    "com.microsoft.SkipLayerNormalization": {"epsilon"},
+    "com.microsoft.BiasGelu": set(),
+    "com.microsoft.FastGelu": set(),
+    "com.microsoft.FusedMatMul": {"alpha", "transA", "transB", "transBatchA", "transBatchB"},
+    "com.microsoft.Attention": {"num_heads", "scale", "mask_filter_value", "unidirectional", "qkv_hidden_sizes",
+                                "do_rotary", "past_present_share_buffer", "rotary_embedding_dim"},
+    "com.microsoft.MultiHeadAttention": {"num_heads", "scale", "mask_filter_value", "unidirectional"},
+    "com.microsoft.EmbedLayerNormalization": {"epsilon", "mask_index_type"},
+}
 
 SUPPORTED_OPS = tuple(sorted(set(_SYMBOLIC) | set(_FOLD) | {"Constant", "com.microsoft.Gelu"}))
 

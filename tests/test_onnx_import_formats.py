@@ -668,3 +668,21 @@ def test_embed_layer_normalization(segments, mask, position_ids):
     assert result.max_rel <= RTOL, result
     np.testing.assert_array_equal(reference[1], got[1])
     assert ops(sym)["LayerNorm"] == 1
+
+
+def test_unknown_attribute_of_contrib_op_is_refused():
+    m = contrib_model("SkipLayerNormalization", {"x": [2, 5, 16], "skip": [2, 5, 16]},
+                      [("gamma", np.ones(16, np.float32))], simplified=1)
+    with pytest.raises(GraphError) as e:
+        import_onnx(m)
+    msg = one_line(e)
+    assert "/the/SkipLayerNormalization" in msg and "simplified" in msg
+
+
+def test_unsupported_contrib_op_names_domain_and_node():
+    m = contrib_model("SkipSimplifiedLayerNormalization", {"x": [2, 5, 16], "skip": [2, 5, 16]},
+                      [("gamma", np.ones(16, np.float32))])
+    with pytest.raises(GraphError) as e:
+        import_onnx(m)
+    msg = one_line(e)
+    assert "SkipSimplifiedLayerNormalization" in msg and "com.microsoft" in msg and "/the/" in msg
