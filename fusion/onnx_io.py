@@ -26,6 +26,16 @@ small functions, and gives:
   ``batch_dot(..., transpose_b=True)``, same-shape ``Add`` -> ``elemwise_add``;
 * parameter and node names made valid, unique MXNet names (``[A-Za-z0-9_]``).
 
+Files the importer reads besides plain exporter output: opsets 13-21 (``OPSET_RANGE``, checked op by
+op); MXNet's own exporter (``FullyConnected(flatten=False)`` written as ``Flatten(axis=-1) -> Gemm ->
+Reshape``, LayerNorm's ``+ beta`` as ``- (-beta)``: both read back in the forms the rules match); and
+ONNX Runtime's transformers optimizer, whose ``com.microsoft`` contrib ops (``Attention``,
+``MultiHeadAttention``, ``SkipLayerNormalization``, ``BiasGelu``, ``FastGelu``, ``Gelu``,
+``FusedMatMul``, ``EmbedLayerNormalization``) are written out as the stock ops of the unfused model
+(``FullyConnected`` per Q/K/V, ``batch_dot``/``softmax`` with an additive mask, ``LayerNorm``, GELU), with
+ORT's defaults (scale 1/sqrt(head size), mask_filter_value -10000, epsilon 1e-12) and mask forms.
+Attributes an importer does not read are refused (``_KNOWN_ATTRS``), not ignored.
+
 Values inside the importer are either NumPy arrays (known now) or MXNet
 symbols (known at run time).  Integer and boolean tensors that reach run time
 are carried as float32, as MXNet models do.  ``Reshape`` targets keep the
