@@ -505,8 +505,10 @@ def ort_optimized(src, dst, options):
 
     opts = FusionOptions("bert")
     opts.enable_shape_inference = False
-    if options == "raw_mask":
+    if options in ("raw_mask", "mha_raw_mask"):
         opts.use_raw_attention_mask(True)
+    if options.startswith("mha"):
+        opts.use_multi_head_attention = True
     if options == "fast_gelu":
         opts.enable_gelu_approximation = True
     model = optimizer.optimize_model(src, model_type="bert", num_heads=4, hidden_size=32, opt_level=0,
@@ -519,6 +521,8 @@ def ort_optimized(src, dst, options):
     ("default", {"Attention", "SkipLayerNormalization", "BiasGelu"}),
     ("raw_mask", {"Attention", "SkipLayerNormalization", "BiasGelu"}),
     ("fast_gelu", {"Attention", "SkipLayerNormalization", "FastGelu"}),
+    ("mha", {"MultiHeadAttention", "SkipLayerNormalization", "BiasGelu"}),
+    ("mha_raw_mask", {"MultiHeadAttention", "SkipLayerNormalization", "BiasGelu"}),
 ])
 def test_ort_optimized_tiny_bert(options, contrib, tmp_path):
     """The torch-exported tiny BERT layer, optimized by ORT into contrib ops, imported: it matches ORT
