@@ -693,3 +693,61 @@ def test_unsupported_contrib_op_names_domain_and_node():
         import_onnx(m)
     msg = one_line(e)
     assert "SkipSimplifiedLayerNormalization" in msg and "com.microsoft" in msg and "/the/" in msg
+
+
+def tiny_bert_with_embeddings(path):
+    """tests/data/torch_tiny_bert.onnx behind BERT's embeddings (word + token type + position, sliced
+    from a position-id buffer by the sequence length, LayerNormalization), as HF exports write them."""
+    m = onnx.load(__import__("os").path.join(DATA, "torch_tiny_bert.onnx"))
+    g, r, hidden = m.graph, np.random.default_rng(7), 32
+    inits = [("word_emb", r.normal(0, 1, (50, hidden))), ("pos_emb", r.normal(0, 1, (16, hidden))),
+             ("type_emb", r.normal(0, 1, (2, hidden))), ("emb_ln_g", r.uniform(0.5, 1.5, hidden)),
+             ("emb_ln_b", r.normal(0, 0.1, hidden))]
+    inits = [numpy_helper.from_array(v.astype(np.float32), n) for n, v in inits]
+    inits += [numpy_helper.from_array(v, n) for n, v in (
+        ("position_ids_buf", np.arange(16, dtype=np.int64).reshape(1, 16)), ("e_zero", np.array([0], np.int64)),
+        ("e_one", np.array([1], np.int64)), ("e_one_s", np.array(1, np.int64)))]
+    mk = helper.make_node
+    nodes = [mk("Shape", ["input_ids"], ["ids_shape"]), mk("Gather", ["ids_shape", "e_one_s"], ["seq_len"], axis=0),
+             mk("Unsqueeze", ["seq_len", "e_zero"], ["seq_len1"]),
+             mk("Slice", ["position_ids_buf", "e_zero", "seq_len1", "e_one"], ["position_ids"]),
+             mk("Gather", ["word_emb", "input_ids"], ["w_e"]), mk("Gather", ["pos_emb", "position_ids"], ["p_e"]),
+             mk("Gather", ["type_emb", "token_type_ids"], ["t_e"]), mk("Add", ["w_e", "t_e"], ["wt"]),
+             mk("Add", ["wt", "p_e"], ["wtp"]),
+             mk("LayerNormalization", ["wtp", "emb_ln_g", "emb_ln_b"], ["hidden_states"], axis=-1, epsilon=1e-12)]
+    others = [i for i in g.input if i.name != "hidden_states"]
+    del g.input[:]
+    g.input.extend([helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"])
+                    for n in ("input_ids", "token_type_ids")] + others)
+    body = nodes + list(g.node)
+    del g.node[:]
+    g.node.extend(body)
+    g.initializer.extend(inits)
+    onnx.checker.check_model(m)
+    onnx.save(m, path)
+
+
+def test_ort_optimized_bert_with_embeddings(tmp_path):
+    """EmbedLayerNormalization (its mask_index feeding Attention) from ORT's optimizer, imported and fused."""
+    src = str(tmp_path / "emb.onnx")
+    tiny_bert_with_embeddings(src)
+    optimized = ort_optimized(src, str(tmp_path / "opt.onnx"), "default")
+    found = {n.op_type for n in optimized.graph.node if n.domain == MS}
+    assert found == {"EmbedLayerNormalization", "Attention", "SkipLayerNormalization", "BiasGelu"}, found
+    for batch, seq, valid in ((2, 8, 5), (3, 6, 2)):
+        keep = np.ones((batch, seq), np.int64)
+        keep[1, valid:] = 0
+        feed = {"input_ids": rng.integers(0, 50, (batch, seq)), "token_type_ids": rng.integers(0, 2, (batch, seq)),
+                "attention_mask": keep}
+        mx_feed = {k: v.astype(np.float32) for k, v in feed.items()}
+        reference = ort_run(src, feed)
+        if batch == 2:
+            shapes = {k: v.shape for k, v in feed.items()}
+            sym, arg, aux = import_onnx(str(tmp_path / "opt.onnx"), input_shapes=shapes)
+            fused = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+            counts = ops(fused)
+            assert counts["fused_add_layer_norm"] == 3 and counts["fused_dense"] == 6 \
+                and counts["fused_attention"] == 1, fused.report.to_text(explain=True)
+        for s, a, x in ((sym, arg, aux), (fused.symbol, fused.arg_params, fused.aux_params)):
+            result = compare(reference, run(s, a, x, mx_feed), ["y"])
+            assert result.max_rel <= RTOL, result
