@@ -1313,9 +1313,12 @@ def _attend(im, q, k, v, heads: int, attrs, mask, attention_bias, head_size: int
     if mask is not None:
         additive.append(_key_mask(im, mask, k, batch, sq, sk, fill))
     if attrs.get("unidirectional", 0):
+        if sq != sk:   # ORT 1.32 (measured): rows 0..Sq-2 see keys j <= i, its last row every key
+            im.fail("unidirectional=1 with %d queries and %d keys is not supported (only self-attention, "
+                    "Sq = Sk)" % (sq, sk))
         # keys after the causal band are dropped, not given mask_filter_value: ONNX Runtime's row of
         # only padded keys and later keys attends to the padded ones (measured, left padding)
-        band = np.triu(np.ones((sq, sk), np.float32), k=sk - sq + 1) * np.float32(-_FLT_MAX)
+        band = np.triu(np.ones((sq, sk), np.float32), k=1) * np.float32(-_FLT_MAX)
         additive.append(im.const_var(band.reshape(1, 1, sq, sk), im.node_name + "_causal"))
     if attention_bias is not None:
         ab_shape = attention_bias.shape if isinstance(attention_bias, np.ndarray) else im.shape(attention_bias)

@@ -751,3 +751,13 @@ def test_ort_optimized_bert_with_embeddings(tmp_path):
         for s, a, x in ((sym, arg, aux), (fused.symbol, fused.arg_params, fused.aux_params)):
             result = compare(reference, run(s, a, x, mx_feed), ["y"])
             assert result.max_rel <= RTOL, result
+
+
+@pytest.mark.parametrize("sq, sk", [(5, 7), (7, 5)])
+def test_causal_cross_attention_is_refused(sq, sk):
+    inputs = {"q": [2, sq, 8], "k": [2, sk, 8], "v": [2, sk, 8]}
+    m = contrib_model("MultiHeadAttention", inputs, names=["q", "k", "v"], num_heads=2, unidirectional=1)
+    with pytest.raises(GraphError) as e:
+        import_onnx(m)
+    msg = one_line(e)
+    assert "/the/MultiHeadAttention" in msg and "unidirectional" in msg
