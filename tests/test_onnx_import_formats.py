@@ -761,3 +761,32 @@ def test_causal_cross_attention_is_refused(sq, sk):
         import_onnx(m)
     msg = one_line(e)
     assert "/the/MultiHeadAttention" in msg and "unidirectional" in msg
+
+
+@pytest.mark.parametrize("op", ["Attention", "MultiHeadAttention"])
+@pytest.mark.parametrize("kind", ["raw_all_masked", "length_zero", "raw3d_row_masked", "raw_other_values"])
+@pytest.mark.parametrize("fill", [None, -1e9, -3.0])
+def test_attention_masked_rows_and_fill_values(op, kind, fill):
+    """Rows with every key masked, a mask_filter_value that does not drown the scores, mask values
+    other than 0/1 (ORT keeps a key where the raw mask is > 0)."""
+    b, s = 2, 5
+    if kind == "raw_all_masked":
+        mask = np.ones((b, s), np.int32)
+        mask[1] = 0
+    elif kind == "length_zero":
+        mask = np.array([5, 0], np.int32)
+    elif kind == "raw3d_row_masked":
+        mask = np.ones((b, s, s), np.int32)
+        mask[1, 2] = 0
+    else:
+        mask = np.array([[2, 1, -1, 0, 3], [1, -2, 5, 1, 0]], np.int32)
+    attrs = {"num_heads": 2} if fill is None else {"num_heads": 2, "mask_filter_value": fill}
+    if op == "Attention":
+        m = contrib_model(op, {"x": [b, s, 12], "i32_mask": list(mask.shape)},
+                          [("w", randn(12, 24)), ("bias", randn(24))], names=["x", "w", "bias", "i32_mask"], **attrs)
+        feed = {"x": randn(b, s, 12), "i32_mask": mask}
+    else:
+        inputs = {"q": [b, s, 8], "k": [b, s, 8], "v": [b, s, 8], "i32_mask": list(mask.shape)}
+        m = contrib_model(op, inputs, names=["q", "k", "v", "", "i32_mask"], **attrs)
+        feed = {**{n: randn(b, s, 8) for n in "qkv"}, "i32_mask": mask}
+    check_contrib(m, feed)
