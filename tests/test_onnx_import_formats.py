@@ -2,6 +2,8 @@
 files written by MXNet's own exporter (mx.onnx.export_model), files optimized by ONNX Runtime's
 transformers optimizer (com.microsoft contrib ops), and the opset range.  Tolerance as everywhere:
 max|err| / max|ref| <= 1e-4 (RTOL)."""
+import os
+
 import numpy as np
 import pytest
 
@@ -32,10 +34,9 @@ def one_line(excinfo):
     return msg
 
 
-def single_op_model(op_type, inputs, inits=(), opset=13, out_rank=None, domain="", n_out=1, **attrs):
+def single_op_model(op_type, inputs, inits=(), opset=13, domain="", n_out=1, **attrs):
     """One node reading graph inputs ``inputs`` ({name: shape}) and initializers ``inits`` ({name: array})."""
-    init_names = [n for n, _ in inits]
-    names = list(inputs) + init_names if not attrs.pop("order", None) else attrs.pop("names")
+    names = list(inputs) + [n for n, _ in inits]
     outs = ["y"] + ["y%d" % i for i in range(1, n_out)]
     node = helper.make_node(op_type, names, outs, name="/the/" + op_type, domain=domain, **attrs)
     g = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s)
@@ -494,7 +495,7 @@ def test_multi_head_attention_refuses_packed_qkv():
 # files optimized by ONNX Runtime's transformers optimizer
 # ---------------------------------------------------------------------------------------------
 
-DATA = __import__("os").path.join(__import__("os").path.dirname(__import__("os").path.abspath(__file__)), "data")
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 
 def ort_optimized(src, dst, options):
@@ -528,7 +529,7 @@ def test_ort_optimized_tiny_bert(options, contrib, tmp_path):
     """The torch-exported tiny BERT layer, optimized by ORT into contrib ops, imported: it matches ORT
     on the original file (right-padded masks: ORT's mask_index of lengths assumes right padding), and
     fuses into our ops."""
-    src = __import__("os").path.join(DATA, "torch_tiny_bert.onnx")
+    src = os.path.join(DATA, "torch_tiny_bert.onnx")
     optimized = ort_optimized(src, str(tmp_path / "opt.onnx"), options)
     found = {n.op_type for n in optimized.graph.node if n.domain == MS}
     assert found == contrib, found
@@ -698,7 +699,7 @@ def test_unsupported_contrib_op_names_domain_and_node():
 def tiny_bert_with_embeddings(path):
     """tests/data/torch_tiny_bert.onnx behind BERT's embeddings (word + token type + position, sliced
     from a position-id buffer by the sequence length, LayerNormalization), as HF exports write them."""
-    m = onnx.load(__import__("os").path.join(DATA, "torch_tiny_bert.onnx"))
+    m = onnx.load(os.path.join(DATA, "torch_tiny_bert.onnx"))
     g, r, hidden = m.graph, np.random.default_rng(7), 32
     inits = [("word_emb", r.normal(0, 1, (50, hidden))), ("pos_emb", r.normal(0, 1, (16, hidden))),
              ("type_emb", r.normal(0, 1, (2, hidden))), ("emb_ln_g", r.uniform(0.5, 1.5, hidden)),
