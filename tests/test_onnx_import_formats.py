@@ -227,7 +227,7 @@ def mx_params(sym, shapes, seed=0):
     return params
 
 
-def mx_export(sym, params, shapes, path, opset, monkeypatch):
+def mx_export(sym, params, shapes, path, opset, monkeypatch, **kwargs):
     """mx.onnx.export_model as it writes files with an onnx release whose newest opset is ``opset``
     (onnx 1.14.1, pinned here, stamps 19 and then fails its own check of ReduceMean's axes)."""
     import onnx.checker
@@ -236,7 +236,7 @@ def mx_export(sym, params, shapes, path, opset, monkeypatch):
 
     monkeypatch.setattr(onnx.defs, "onnx_opset_version", lambda: opset)
     monkeypatch.setattr(onnx.checker, "check_graph", lambda *a, **k: None)
-    mx.onnx.export_model(sym, params, [shapes[n] for n in shapes], [np.float32] * len(shapes), path)
+    mx.onnx.export_model(sym, params, [shapes[n] for n in shapes], [np.float32] * len(shapes), path, **kwargs)
     monkeypatch.undo()
     model = onnx.load(path)
     assert [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] == [opset]
@@ -273,6 +273,24 @@ def test_mxnet_exported_bert_block(opset, tmp_path, monkeypatch):
     assert ops(sym)["FullyConnected"] == 6 and "Flatten" not in ops(sym)
     assert ops(fused) == {"fused_dense": 6, "fused_attention": 1, "fused_add_layer_norm": 2}, \
         fused.report.to_text(explain=True)
+
+
+def test_mxnet_exported_dynamic_batch(tmp_path, monkeypatch):
+    """MXNet's dynamic export (symbolic batch): imported at batch 2, the same symbols run at batch 3."""
+    shapes = {"data": (2, 8, 32), "mask": (8, 1, 8)}
+    sym = mx_bert_block()
+    path = str(tmp_path / "bert_dyn.onnx")
+    model = mx_export(sym, mx_params(sym, shapes), shapes, path, 13, monkeypatch, dynamic=True,
+                      dynamic_input_shapes=[(None, 8, 32), (None, 1, 8)])
+    assert not model.graph.input[0].type.tensor_type.shape.dim[0].dim_value
+    sym, fused, _, _ = import_fuse_compare(path, shapes, {"data": randn(2, 8, 32), "mask": np.zeros((8, 1, 8),
+                                                                                                   np.float32)})
+    feed = {"data": randn(3, 8, 32), "mask": np.where(rng.random((12, 1, 8)) > 0.3, 0, -10000).astype(np.float32)}
+    reference = ort_run(path, feed)
+    for s, a, x in ((sym, *import_onnx(path, input_shapes=shapes)[1:]),
+                    (fused.symbol, fused.arg_params, fused.aux_params)):
+        result = compare(reference, run(s, a, x, feed), ["y"])
+        assert result.max_rel <= RTOL, result
 
 
 @pytest.mark.parametrize("opset", [13, 17, 19])      # 19: what the pinned onnx 1.14.1 stamps
