@@ -555,11 +555,19 @@ _BROADCAST = {"Add": "broadcast_add", "Sub": "broadcast_sub", "Mul": "broadcast_
 
 
 def _binary(op: str):
-    def conv(im, ins, attrs):
+    def conv(im, ins, attrs, names=None):
+        """``names``: the ONNX names of a and b (constants are cached by name), None for a value that is
+        not the named one (default: the node's first two inputs)."""
         a, b = ins
         mx = im.mx
+        names = list(im.node.input[:2]) if names is None else list(names)
+        if op == "Sub" and isinstance(b, np.ndarray) and not isinstance(a, np.ndarray) \
+                and np.issubdtype(b.dtype, np.floating) and b.size > 1:
+            # x - c as x + (-c), bitwise the same: MXNet's exporter writes LayerNorm's "+ beta" as
+            # "- (-beta)", and the layer-norm rules match the Add (-c is not the value named c)
+            return _binary("Add")(im, [a, np.negative(b)], attrs, [names[0], None])
         if op == "Add":
-            fused = _fc_bias(im, a, b)
+            fused = _fc_bias(im, a, b, names)
             if fused is not None:
                 return fused
         for x, c, rev in ((a, b, False), (b, a, True)):
@@ -570,15 +578,10 @@ def _binary(op: str):
                 name = _SCALAR_OPS[op][1 if rev else 0] if op in _SCALAR_OPS else None
                 if name is not None:
                     return im.sym_op(name)(x, scalar=value, name=im.op_name())
-        if op == "Sub" and isinstance(b, np.ndarray) and not isinstance(a, np.ndarray) \
-                and np.issubdtype(b.dtype, np.floating):
-            # x - c as x + (-c), bitwise the same: MXNet's exporter writes LayerNorm's "+ beta" as
-            # "- (-beta)", and the layer-norm rules match the Add
-            return _binary("Add")(im, [a, np.negative(b)], attrs)
         ra, rb = im.rank(a), im.rank(b)
         a, b = _align(im, a, rb - ra, "a"), _align(im, b, ra - rb, "b")
-        a = im.as_sym(a, im.node_name + "_a", im.node.input[0] if ra >= rb else None)
-        b = im.as_sym(b, im.node_name + "_b", im.node.input[1] if rb >= ra else None)
+        a = im.as_sym(a, im.node_name + "_a", names[0] if ra >= rb else None)
+        b = im.as_sym(b, im.node_name + "_b", names[1] if rb >= ra else None)
         if op in _ELEMWISE and im.shape(a) == im.shape(b):
             return getattr(mx.sym, _ELEMWISE[op])(a, b, name=im.op_name())
         return getattr(mx.sym, _BROADCAST[op])(a, b, name=im.op_name())
@@ -600,7 +603,7 @@ def _variadic(op: str):
     def conv(im, ins, attrs):
         acc = ins[0]
         for i, x in enumerate(ins[1:]):
-            acc = _binary(op)(im, [acc, x], attrs)
+            acc = _binary(op)(im, [acc, x], attrs, [im.node.input[0] if i == 0 else None, im.node.input[i + 1]])
         return acc
     return conv
 
@@ -641,9 +644,9 @@ def _matmul(im, ins, attrs):
     return mx.sym.batch_dot(a, b, transpose_b=transpose_b, name=im.op_name())
 
 
-def _fc_bias(im, a, b):
+def _fc_bias(im, a, b, names):
     """MatMul(x, W) + bias, the bias a constant vector: one FullyConnected with bias."""
-    for x_name, bias in ((im.node.input[0], b), (im.node.input[1], a)):
+    for x_name, bias in ((names[0], b), (names[1], a)):
         pending = im.pending_fc.get(x_name)
         if pending is None or not isinstance(bias, np.ndarray):
             continue

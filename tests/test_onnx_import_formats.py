@@ -809,3 +809,17 @@ def test_attention_masked_rows_and_fill_values(op, kind, fill):
         m = contrib_model(op, inputs, names=["q", "k", "v", "", "i32_mask"], **attrs)
         feed = {**{n: randn(b, s, 8) for n in "qkv"}, "i32_mask": mask}
     check_contrib(m, feed)
+
+
+def test_constants_are_not_confused_by_name():
+    """x - c read as x + (-c) must not hand -c to a later reader of c; Max(x, c1, c2) must not read c1
+    twice (constants are cached by their ONNX name)."""
+    c, c1, c2 = randn(2, 4), randn(2, 4), randn(2, 4)
+    nodes = [helper.make_node("Sub", ["x", "c"], ["d"]), helper.make_node("Mul", ["d", "c"], ["e"]),
+             helper.make_node("Max", ["e", "c1", "c2"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(v, n) for n, v in (("c", c), ("c1", c1), ("c2", c2))])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    check_vs_ort(m, {"x": randn(2, 4)})
