@@ -823,3 +823,23 @@ def test_constants_are_not_confused_by_name():
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
     m.ir_version = 8
     check_vs_ort(m, {"x": randn(2, 4)})
+
+
+def test_ort_optimized_mxnet_export(tmp_path, monkeypatch):
+    """ORT's optimizer on MXNet's export: it only finds the GELU (com.microsoft Gelu) among MXNet's
+    Flatten/Gemm/Reshape; the result still imports into the whole fused layer."""
+    shapes = {"data": (2, 8, 32), "mask": (8, 1, 8)}
+    sym = mx_bert_block()
+    src = str(tmp_path / "bert.onnx")
+    mx_export(sym, mx_params(sym, shapes), shapes, src, 13, monkeypatch)
+    optimized = ort_optimized(src, str(tmp_path / "opt.onnx"), "default")
+    assert {n.op_type for n in optimized.graph.node if n.domain == MS} == {"Gelu"}
+    feed = {"data": randn(2, 8, 32), "mask": np.where(rng.random((8, 1, 8)) > 0.3, 0, -10000).astype(np.float32)}
+    reference = ort_run(src, feed)
+    sym, arg, aux = import_onnx(str(tmp_path / "opt.onnx"), input_shapes=shapes)
+    fused = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+    for s, a, x in ((sym, arg, aux), (fused.symbol, fused.arg_params, fused.aux_params)):
+        result = compare(reference, run(s, a, x, feed), ["y"])
+        assert result.max_rel <= RTOL, result
+    assert ops(fused) == {"fused_dense": 6, "fused_attention": 1, "fused_add_layer_norm": 2}, \
+        fused.report.to_text(explain=True)
