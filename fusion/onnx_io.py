@@ -1321,8 +1321,15 @@ def _attend(im, q, k, v, heads: int, attrs, mask, attention_bias, head_size: int
                     "Sq = Sk)" % (sq, sk))
         # keys after the causal band are dropped, not given mask_filter_value: ONNX Runtime's row of
         # only padded keys and later keys attends to the padded ones (measured, left padding)
-        band = np.triu(np.ones((sq, sk), np.float32), k=1) * np.float32(-_FLT_MAX)
-        additive.append(im.const_var(band.reshape(1, 1, sq, sk), im.node_name + "_causal"))
+        # (from the positions of q and k, so the graph runs at other sequence lengths)
+        rows = mx.sym.reshape(mx.sym.contrib.arange_like(q, axis=1, name=im.op_name("_rows")), shape=(-1, 1),
+                              name=im.op_name("_row_col"))
+        cols = mx.sym.reshape(mx.sym.contrib.arange_like(k, axis=1, name=im.op_name("_cols")), shape=(1, -1),
+                              name=im.op_name("_col_row"))
+        later = mx.sym.broadcast_greater(cols, rows, name=im.op_name("_later"))
+        later = mx.sym.expand_dims(mx.sym.expand_dims(later, axis=0, name=im.op_name("_causal3")), axis=0,
+                                   name=im.op_name("_causal4"))
+        additive.append(f("_mul_scalar")(later, scalar=-_FLT_MAX, name=im.op_name("_causal")))
     if attention_bias is not None:
         ab_shape = attention_bias.shape if isinstance(attention_bias, np.ndarray) else im.shape(attention_bias)
         if len(ab_shape) != 4 or ab_shape[2:] != (sq, sk) or ab_shape[0] not in (1, batch) \

@@ -843,3 +843,27 @@ def test_ort_optimized_mxnet_export(tmp_path, monkeypatch):
         assert result.max_rel <= RTOL, result
     assert ops(fused) == {"fused_dense": 6, "fused_attention": 1, "fused_add_layer_norm": 2}, \
         fused.report.to_text(explain=True)
+
+
+@pytest.mark.parametrize("op", ["Attention", "MultiHeadAttention"])
+def test_causal_attention_runs_at_other_lengths(op):
+    """unidirectional=1, imported at S=5, runs at S=7 (the band is built from positions, not a constant)."""
+    def model_and_feed(s):
+        if op == "Attention":
+            m = contrib_model(op, {"x": ["B", "S", 12]}, [("w", w), ("bias", bias)], names=["x", "w", "bias"],
+                              num_heads=2, unidirectional=1)
+            return m, {"x": randn(2, s, 12)}
+        m = contrib_model(op, {n: ["B", "S", 8] for n in "qkv"}, names=list("qkv"), num_heads=2, unidirectional=1)
+        return m, {n: randn(2, s, 8) for n in "qkv"}
+
+    w, bias = randn(12, 24), randn(24)
+    m, feed = model_and_feed(5)
+    shapes = {k: v.shape for k, v in feed.items()}
+    sym, arg, aux = import_onnx(m, input_shapes=shapes)
+    fused = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+    assert ops(fused).get("fused_attention", 0) == 1, fused.report.to_text(explain=True)
+    for s in (5, 7):
+        _, feed = model_and_feed(s)
+        for graph in ((sym, arg, aux), (fused.symbol, fused.arg_params, fused.aux_params)):
+            result = compare(ort_run(m, feed), run(*graph, feed), ["y"])
+            assert result.max_rel <= RTOL, result
