@@ -252,6 +252,7 @@ def import_fuse_compare(path, shapes, feed):
     fused = fusion.fuse(sym, arg, aux, input_shapes=shapes)
     result = compare(reference, run(fused.symbol, fused.arg_params, fused.aux_params, feed), names)
     assert result.max_rel <= RTOL, (result, fused.report.to_text())
+    print("%s: imported rel err %.2e, fused %.2e" % (os.path.basename(path), imported.max_rel, result.max_rel))
     return sym, fused, imported, result
 
 
