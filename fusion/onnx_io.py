@@ -26,6 +26,16 @@ small functions, and gives:
   ``batch_dot(..., transpose_b=True)``, same-shape ``Add`` -> ``elemwise_add``;
 * parameter and node names made valid, unique MXNet names (``[A-Za-z0-9_]``).
 
+Files the importer reads besides plain exporter output: opsets 13-21 (``OPSET_RANGE``, checked op by
+op); MXNet's own exporter (``FullyConnected(flatten=False)`` written as ``Flatten(axis=-1) -> Gemm ->
+Reshape``, LayerNorm's ``+ beta`` as ``- (-beta)``: both read back in the forms the rules match); and
+ONNX Runtime's transformers optimizer, whose ``com.microsoft`` contrib ops (``Attention``,
+``MultiHeadAttention``, ``SkipLayerNormalization``, ``BiasGelu``, ``FastGelu``, ``Gelu``,
+``FusedMatMul``, ``EmbedLayerNormalization``) are written out as the stock ops of the unfused model
+(``FullyConnected`` per Q/K/V, ``batch_dot``/``softmax`` with an additive mask, ``LayerNorm``, GELU), with
+ORT's defaults (scale 1/sqrt(head size), mask_filter_value -10000, epsilon 1e-12) and mask forms.
+Attributes an importer does not read are refused (``_KNOWN_ATTRS``), not ignored.
+
 Values inside the importer are either NumPy arrays (known now) or MXNet
 symbols (known at run time).  Integer and boolean tensors that reach run time
 are carried as float32, as MXNet models do.  ``Reshape`` targets keep the
@@ -76,7 +86,6 @@ def _first_line(text: str) -> str:
 # Import
 # --------------------------------------------------------------------------------------------
 
-IMPORT_OPSETS = (13, 20)     # opsets of the default domain the importer reads (the forms of their ops)
 
 
 def import_onnx(path_or_model: Any, *, input_shapes: Optional[Mapping[str, Sequence[int]]] = None):
@@ -123,9 +132,9 @@ def _load(path_or_model: Any):
         raise GraphError("%s is not a valid ONNX model (truncated or not ONNX): no %s"
                          % (where, "IR version" if model.ir_version <= 0 else "outputs" if not g.output else "nodes"))
     opsets = [imp.version for imp in model.opset_import if imp.domain in ("", "ai.onnx")]
-    if not opsets or not IMPORT_OPSETS[0] <= opsets[-1] <= IMPORT_OPSETS[1]:
+    if not opsets or not OPSET_RANGE[0] <= opsets[-1] <= OPSET_RANGE[1]:
         raise GraphError("%s uses ONNX opset %s; the importer supports opsets %d-%d (convert it, e.g. with "
-                         "onnx.version_converter)" % (where, opsets[-1] if opsets else "(none)", *IMPORT_OPSETS))
+                         "onnx.version_converter)" % (where, opsets[-1] if opsets else "(none)", *OPSET_RANGE))
     _check_initializers(g, where, external)
     known = {i.name for i in g.input} | {t.name for t in g.initializer} | {""}
     for node in g.node:
@@ -175,6 +184,16 @@ def _check_initializers(g, where: str, external) -> None:
                                 " (its external data file is truncated?)" if t.name in external else ""))
 
 
+# The default-domain opsets read.  Checked op by op from 13 to 21 for the ops of SUPPORTED_OPS: 14
+# (Reshape allowzero; Add/Sub/Mul/Div/Relu/Identity types; BatchNormalization training_mode, refused),
+# 15 (Shape start/end; Pow, BatchNormalization types), 16 (LeakyRelu, Where types), 17
+# (LayerNormalization), 18 (Reduce* axes as an input, noop_with_empty_axes; Split num_outputs), 19
+# (AveragePool dilations, refused; Cast saturate, float8 only; Constant/Equal/Reshape/Shape/Size
+# types), 20 (Gelu; ReduceMax/ReduceMin, ConstantOfShape types), 21 (int4/uint4 types of Cast,
+# Constant, ConstantOfShape, Flatten, Identity, Reshape, Shape, Size, Squeeze, Transpose, Unsqueeze).
+OPSET_RANGE = (13, 21)
+
+
 class _Importer:
     """One pass over the (topologically ordered) ONNX nodes; values are np.ndarray or mx.sym.Symbol."""
 
@@ -185,10 +204,19 @@ class _Importer:
 
         self.mx, self.onnx = mx, onnx
         self.model, self.graph = model, model.graph
-        self.opset = 1
+        self.opset = 0
         for imp in model.opset_import:
             if imp.domain in ("", "ai.onnx"):
                 self.opset = imp.version
+        lo, hi = OPSET_RANGE
+        if not lo <= self.opset <= hi:
+            raise GraphError("ONNX opset %s is not supported: the importer reads opsets %d-%d "
+                             "(convert the file with onnx.version_converter.convert_version)"
+                             % (self.opset or "(none imported)", lo, hi))
+        ms = [imp.version for imp in model.opset_import if imp.domain == "com.microsoft"]
+        if ms and ms[0] != 1 and any(n.domain == "com.microsoft" for n in model.graph.node):
+            raise GraphError("com.microsoft opset %d is not supported (ONNX Runtime's contrib ops are "
+                             "version 1)" % ms[0])
         self.values: Dict[str, Any] = {}
         self.params: Dict[str, np.ndarray] = {}      # MXNet var name -> value
         self.shapes: Dict[str, Tuple[int, ...]] = {}  # MXNet var name -> shape (inputs and params)
@@ -205,6 +233,11 @@ class _Importer:
         self.pending_fc: Dict[str, Tuple[Any, Any, int, str]] = {}
         # Transpose outputs: name -> (input value, perm), so MatMul can use transpose_b
         self.transposes: Dict[str, Tuple[Any, Tuple[int, ...]]] = {}
+        # Flatten(axis=rank-1) outputs: name -> the unflattened input (MXNet's exporter writes
+        # FullyConnected(flatten=False) as Flatten(axis=-1) -> Gemm -> Reshape back)
+        self.flattened: Dict[str, Any] = {}
+        # Gemm outputs computed unflattened: name -> (the (..., N) symbol, its shape)
+        self.unflattened: Dict[str, Tuple[Any, Tuple[int, ...]]] = {}
 
         for t in self.graph.initializer:
             self.values[t.name] = numpy_helper.to_array(t)
@@ -332,6 +365,11 @@ class _Importer:
             out = _FOLD[key](self, ins, attrs)
             return [np.asarray(o) for o in (out if isinstance(out, list) else [out])]
         handler = _SYMBOLIC.get(key)
+        known = _KNOWN_ATTRS.get(key)
+        if handler is not None and known is not None and set(attrs) - known:
+            raise GraphError("ONNX node '%s' (%s): attribute(s) %s not supported (known: %s)"
+                             % (self.node_name, node.op_type, ", ".join(sorted(set(attrs) - known)),
+                                ", ".join(sorted(known)) or "none"))
         if handler is None:
             where = " (domain %s)" % domain if domain else ""
             if key in _FOLD:
@@ -474,7 +512,7 @@ def _np_split(im, ins, attrs):
 
 def _np_reduce(fn):
     def fold(im, ins, attrs):
-        axes = _axes_input(im, ins, attrs)
+        axes = _axes_input(im, ins, attrs) or None     # an empty axes input is no axes (opset 18)
         if axes is None and attrs.get("noop_with_empty_axes", 0):
             return ins[0]
         axes = None if axes is None else tuple(im.axis(a, ins[0].ndim) for a in axes)
@@ -509,7 +547,8 @@ _FOLD: Dict[str, Callable] = {
     "Concat": lambda im, ins, a: np.concatenate(ins, axis=int(a["axis"])),
     "Reshape": _np_reshape,
     "Flatten": lambda im, ins, a: ins[0].reshape(
-        int(np.prod(ins[0].shape[:im.axis(a.get("axis", 1), ins[0].ndim + 1)])), -1),
+        int(np.prod(ins[0].shape[:_flatten_axis(im, a, ins[0].ndim)])), int(np.prod(
+            ins[0].shape[_flatten_axis(im, a, ins[0].ndim):]))),
     "Transpose": lambda im, ins, a: np.transpose(ins[0], a.get("perm")),
     "Slice": _np_slice,
     "Split": _np_split,
@@ -561,11 +600,19 @@ _BROADCAST = {"Add": "broadcast_add", "Sub": "broadcast_sub", "Mul": "broadcast_
 
 
 def _binary(op: str):
-    def conv(im, ins, attrs):
+    def conv(im, ins, attrs, names=None):
+        """``names``: the ONNX names of a and b (constants are cached by name), None for a value that is
+        not the named one (default: the node's first two inputs)."""
         a, b = ins
         mx = im.mx
+        names = list(im.node.input[:2]) if names is None else list(names)
+        if op == "Sub" and isinstance(b, np.ndarray) and not isinstance(a, np.ndarray) \
+                and np.issubdtype(b.dtype, np.floating) and b.size > 1:
+            # x - c as x + (-c), bitwise the same: MXNet's exporter writes LayerNorm's "+ beta" as
+            # "- (-beta)", and the layer-norm rules match the Add (-c is not the value named c)
+            return _binary("Add")(im, [a, np.negative(b)], attrs, [names[0], None])
         if op == "Add":
-            fused = _fc_bias(im, a, b)
+            fused = _fc_bias(im, a, b, names)
             if fused is not None:
                 return fused
         for x, c, rev in ((a, b, False), (b, a, True)):
@@ -578,8 +625,8 @@ def _binary(op: str):
                     return im.sym_op(name)(x, scalar=value, name=im.op_name())
         ra, rb = im.rank(a), im.rank(b)
         a, b = _align(im, a, rb - ra, "a"), _align(im, b, ra - rb, "b")
-        a = im.as_sym(a, im.node_name + "_a", im.node.input[0] if ra >= rb else None)
-        b = im.as_sym(b, im.node_name + "_b", im.node.input[1] if rb >= ra else None)
+        a = im.as_sym(a, im.node_name + "_a", names[0] if ra >= rb else None)
+        b = im.as_sym(b, im.node_name + "_b", names[1] if rb >= ra else None)
         if op in _ELEMWISE and im.shape(a) == im.shape(b):
             return getattr(mx.sym, _ELEMWISE[op])(a, b, name=im.op_name())
         return getattr(mx.sym, _BROADCAST[op])(a, b, name=im.op_name())
@@ -601,7 +648,7 @@ def _variadic(op: str):
     def conv(im, ins, attrs):
         acc = ins[0]
         for i, x in enumerate(ins[1:]):
-            acc = _binary(op)(im, [acc, x], attrs)
+            acc = _binary(op)(im, [acc, x], attrs, [im.node.input[0] if i == 0 else None, im.node.input[i + 1]])
         return acc
     return conv
 
@@ -642,9 +689,9 @@ def _matmul(im, ins, attrs):
     return mx.sym.batch_dot(a, b, transpose_b=transpose_b, name=im.op_name())
 
 
-def _fc_bias(im, a, b):
+def _fc_bias(im, a, b, names):
     """MatMul(x, W) + bias, the bias a constant vector: one FullyConnected with bias."""
-    for x_name, bias in ((im.node.input[0], b), (im.node.input[1], a)):
+    for x_name, bias in ((names[0], b), (names[1], a)):
         pending = im.pending_fc.get(x_name)
         if pending is None or not isinstance(bias, np.ndarray):
             continue
@@ -658,31 +705,76 @@ def _fc_bias(im, a, b):
 
 
 def _gemm(im, ins, attrs):
+    """Y = alpha·A'·B' + beta·C (A' = Aᵀ with transA, B' = Bᵀ with transB), C broadcast to (M, N).
+
+    A constant B becomes FullyConnected's weight (alpha folded in), and a C that is one value per
+    column (shape (N,), (1, N), (1,) or ()) its bias; any other C is added after, broadcast."""
     a, b = ins[0], ins[1]
     c = ins[2] if len(ins) > 2 else None
     alpha, beta = float(attrs.get("alpha", 1.0)), float(attrs.get("beta", 1.0))
+    trans_a, trans_b = bool(attrs.get("transA", 0)), bool(attrs.get("transB", 0))
     mx = im.mx
-    if attrs.get("transA", 0):
-        a = mx.sym.transpose(im.as_sym(a, im.node_name + "_a"), name=im.op_name("_transpose_a"))
-    if not isinstance(b, np.ndarray):
-        im.fail("Gemm with a B computed at run time is not supported")
-    w = b if attrs.get("transB", 0) else b.T
-    n = w.shape[0]
-    weight = im.as_sym(np.ascontiguousarray(w * alpha if alpha != 1.0 else w), im.node_name + "_weight",
-                       im.node.input[1] if alpha == 1.0 and attrs.get("transB", 0) else None)
-    bias_value = None
-    if isinstance(c, np.ndarray) and (c.size == 1 or c.shape[-1:] == (n,)) and c.size in (1, n):
-        bias_value = np.broadcast_to(c.reshape(-1) * beta, (n,)).astype(np.float32)
-    out_name = im.op_name()
-    if bias_value is not None:
-        bias = im.as_sym(bias_value, im.node_name + "_bias", im.node.input[2] if beta == 1.0 and c.size == n else None)
-        return mx.sym.FullyConnected(a, weight, bias, num_hidden=n, name=out_name)
-    out = mx.sym.FullyConnected(a, weight, num_hidden=n, no_bias=True, name=out_name)
-    if c is None or beta == 0.0:
+    for what, v in (("A", a), ("B", b)):
+        if im.rank(v) != 2:
+            im.fail("input %s has rank %d; Gemm takes 2-D A and B" % (what, im.rank(v)))
+    a = im.as_sym(a, im.node_name + "_a", im.node.input[0])
+    if trans_a:
+        a = mx.sym.transpose(a, axes=(1, 0), name=im.op_name("_transpose_a"))
+    m_rows = im.shape(a)[0]
+    if c is not None and beta == 0.0:
+        c = None
+    if isinstance(b, np.ndarray):
+        w = b if trans_b else b.T                      # (N, K)
+        n = w.shape[0]
+        weight = im.as_sym(np.ascontiguousarray(w * np.float32(alpha) if alpha != 1.0 else w),
+                           im.node_name + "_weight", im.node.input[1] if alpha == 1.0 and trans_b else None)
+        bias = None
+        if isinstance(c, np.ndarray) and c.ndim <= 2 and c.size in (1, n) and \
+                (c.ndim == 0 or c.shape[-1] in (1, n)) and (c.ndim < 2 or c.shape[0] == 1):
+            bias_value = np.broadcast_to(c.reshape(-1) * np.float32(beta), (n,)).astype(np.float32)
+            plain = beta == 1.0 and c.shape == (n,)
+            bias = im.as_sym(np.ascontiguousarray(bias_value), im.node_name + "_bias",
+                             im.node.input[2] if plain else None)
+            c = None
+        src = im.flattened.get(im.node.input[0])
+        if src is not None and not trans_a and c is None:
+            # Flatten(axis=-1) -> Gemm: FullyConnected(flatten=False) on the unflattened input, the form
+            # the rules match; the Reshape back to (..., N) that follows gives it back unchanged
+            full = mx.sym.FullyConnected(src, weight, bias, num_hidden=n, no_bias=bias is None, flatten=False,
+                                         name=im.op_name())
+            if im.uses.get(im.node.output[0], 0) == 1:
+                im.unflattened[im.node.output[0]] = (full, im.shape(full))
+            return mx.sym.reshape(full, shape=(-1, n), name=im.op_name("_flat"))
+        out = mx.sym.FullyConnected(a, weight, bias, num_hidden=n, no_bias=bias is None,
+                                    name=im.op_name() if c is None else im.op_name("_fc"))
+    else:
+        b = im.as_sym(b, im.node_name + "_b", im.node.input[1])
+        n = im.shape(b)[0 if trans_b else 1]
+        out = mx.sym.dot(a, b, transpose_b=trans_b, name=im.op_name() if c is None and alpha == 1.0
+                         else im.op_name("_dot"))
+        if alpha != 1.0:
+            out = im.sym_op("_mul_scalar")(out, scalar=alpha, name=im.op_name() if c is None
+                                           else im.op_name("_alpha"))
+    if c is None:
         return out
-    c_scaled = c * beta if isinstance(c, np.ndarray) else \
-        im.sym_op("_mul_scalar")(c, scalar=beta, name=im.op_name("_beta"))
-    return _binary("Add")(im, [out, c_scaled], {})
+    c_shape = c.shape if isinstance(c, np.ndarray) else im.shape(c)
+    try:
+        np.broadcast_shapes(c_shape, (m_rows, n))
+        ok = len(c_shape) <= 2 and tuple(np.broadcast_shapes(c_shape, (m_rows, n))) == (m_rows, n)
+    except ValueError:
+        ok = False
+    if not ok:
+        im.fail("C of shape %s does not broadcast to the output (%d, %d)" % (tuple(c_shape), m_rows, n))
+    if isinstance(c, np.ndarray):
+        c = im.as_sym(np.ascontiguousarray((c * np.float32(beta)).reshape((1,) * (2 - c.ndim) + c.shape)
+                                           .astype(np.float32)), im.node_name + "_c")
+    else:
+        if beta != 1.0:
+            c = im.sym_op("_mul_scalar")(c, scalar=beta, name=im.op_name("_beta"))
+        c = _align(im, c, 2 - len(c_shape), "c")
+    if im.shape(c) == (m_rows, n):
+        return mx.sym.elemwise_add(out, c, name=im.op_name())
+    return mx.sym.broadcast_add(out, c, name=im.op_name())
 
 
 def _pads(im, attrs, nd: int, in_shape=None, kernel=None, strides=None, dilations=None):
@@ -775,10 +867,20 @@ def _batch_norm(im, ins, attrs):
                                use_global_stats=True, axis=1, name=im.op_name())
 
 
+def _flatten_axis(im, attrs, rank: int) -> int:
+    """Flatten's axis: in [-rank, rank], a negative one counting from the back (-1 keeps the last dim)."""
+    a = int(attrs.get("axis", 1))
+    if not -rank <= a <= rank:
+        im.fail("axis %d is out of range for rank %d (Flatten takes [-%d, %d])" % (a, rank, rank, rank))
+    return a + rank if a < 0 else a
+
+
 def _flatten(im, ins, attrs):
     x = ins[0]
     shape = im.shape(x)
-    axis = im.axis(attrs.get("axis", 1), len(shape) + 1)
+    axis = _flatten_axis(im, attrs, len(shape))
+    if axis == len(shape) - 1 and len(shape) > 2 and im.uses.get(im.node.output[0], 0) == 1:
+        im.flattened[im.node.output[0]] = x
     if axis == 1:
         return im.mx.sym.flatten(x, name=im.op_name())
     if axis == 0:
@@ -787,12 +889,32 @@ def _flatten(im, ins, attrs):
     return im.mx.sym.reshape(x, shape=(-1, int(np.prod(shape[axis:]))), name=im.op_name())
 
 
+def _reshape_result(in_shape, target, allowzero) -> Optional[Tuple[int, ...]]:
+    """The shape ONNX's Reshape gives ``in_shape`` for ``target`` (None where it does not divide)."""
+    out = [in_shape[i] if s == 0 and not allowzero else s for i, s in enumerate(target)]
+    if -1 in out:
+        rest = int(np.prod([s for s in out if s != -1]))
+        total = int(np.prod(in_shape))
+        if rest == 0 or total % rest:
+            return None
+        out[out.index(-1)] = total // rest
+    return tuple(out) if int(np.prod(out)) == int(np.prod(in_shape)) else None
+
+
 def _reshape(im, ins, attrs):
     x = ins[0]
     target = [int(s) for s in im.const_input(ins[1], "the target shape").reshape(-1)]
     if attrs.get("allowzero", 0) and 0 in target:
-        im.fail("allowzero=1 with a zero in the shape is not supported")
+        im.fail("allowzero=1 with a zero in the shape (an empty tensor) is not supported")
     in_shape = im.shape(x)
+    bad = [s for s in target if s < -1]
+    if bad or target.count(-1) > 1:
+        im.fail("invalid target shape %s (sizes are >= 0, with at most one -1)" % (target,))
+    if not attrs.get("allowzero", 0) and any(s == 0 and i >= len(in_shape) for i, s in enumerate(target)):
+        im.fail("target shape %s copies (0) a dimension past the input's rank %d" % (target, len(in_shape)))
+    full = im.unflattened.get(im.node.input[0])
+    if full is not None and _reshape_result(in_shape, target, attrs.get("allowzero", 0)) == full[1]:
+        return full[0]
     # Leading sizes equal to the input's become 0 (copy): the folded shape stays batch-size agnostic.
     out = list(target)
     for i, s in enumerate(target):
@@ -961,7 +1083,7 @@ def _layer_norm(im, ins, attrs):
 def _reduce(mx_op: str):
     def conv(im, ins, attrs):
         x = ins[0]
-        axes = _axes_input(im, ins, attrs)
+        axes = _axes_input(im, ins, attrs) or None     # an empty axes input is no axes (opset 18)
         keep = bool(attrs.get("keepdims", 1))
         if axes is None and attrs.get("noop_with_empty_axes", 0):
             return x
@@ -989,8 +1111,10 @@ def _clip(im, ins, attrs):
 def _gelu(im, ins, attrs):
     approx = attrs.get("approximate", b"none")
     approx = approx.decode() if isinstance(approx, bytes) else approx
+    if approx == "tanh":
+        return _gelu_tanh(im, ins[0])
     if approx != "none":
-        im.fail("approximate=%r is not supported (only the erf form)" % approx)
+        im.fail("approximate=%r is not supported (none or tanh)" % approx)
     return im.mx.sym.LeakyReLU(ins[0], act_type="gelu", name=im.op_name())
 
 
@@ -1056,6 +1180,347 @@ _SYMBOLIC: Dict[str, Callable] = {
     "ReduceMean": _reduce("mean"), "ReduceSum": _reduce("sum"), "ReduceMax": _reduce("max"),
     "ReduceMin": _reduce("min"), "ReduceProd": _reduce("prod"),
     "Clip": _clip, "Where": _where, "Expand": _expand,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# ONNX Runtime contrib ops (domain com.microsoft), as its transformers optimizer writes them:
+# imported as the stock MXNet ops the rules fuse (FullyConnected, batch_dot/softmax, LayerNorm, GELU).
+# --------------------------------------------------------------------------------------------
+
+_MASK_FILTER = -10000.0   # ORT's default mask_filter_value
+
+
+def _refuse_inputs(im, ins, names: Dict[int, str]):
+    for i, what in names.items():
+        if len(ins) > i and ins[i] is not None:
+            im.fail("input %d (%s) is not supported" % (i, what))
+
+
+def _refuse_outputs(im, names: Dict[int, str]):
+    for i, what in names.items():
+        if len(im.node.output) > i and im.node.output[i]:
+            im.fail("output %d (%s) is not supported" % (i, what))
+
+
+def _with_bias(im, x, x_name: str, bias: Optional[np.ndarray], tag: str):
+    """x + bias (a constant vector over the last axis): into a waiting FullyConnected when x is one."""
+    if bias is None:
+        return x
+    pending = im.pending_fc.get(x_name)
+    n = bias.size
+    if pending is not None and pending[2] == n:
+        data, weight, _, name = pending
+        del im.pending_fc[x_name]
+        bias_var = im.as_sym(bias.reshape(n), im.node_name + tag)
+        return im.mx.sym.FullyConnected(data, weight, bias_var, num_hidden=n, flatten=False, name=name)
+    b = im.as_sym(bias.reshape((1,) * (im.rank(x) - 1) + (n,)), im.node_name + tag)
+    return im.mx.sym.broadcast_add(x, b, name=im.op_name(tag))
+
+
+def _const_1d(im, value, what: str) -> Optional[np.ndarray]:
+    if value is None:
+        return None
+    v = im.const_input(value, what)
+    if v.ndim != 1:
+        im.fail("%s must be 1-D, got shape %s" % (what, v.shape))
+    return v.astype(np.float32)
+
+
+def _skip_layer_norm(im, ins, attrs):
+    """SkipLayerNormalization(input, skip, gamma[, beta][, bias]) = LayerNorm(input + skip + bias)."""
+    _refuse_outputs(im, {1: "mean", 2: "inv_std_var"})
+    x, skip = ins[0], ins[1]
+    gamma = _const_1d(im, ins[2], "gamma")
+    beta = _const_1d(im, ins[3] if len(ins) > 3 else None, "beta")
+    bias = _const_1d(im, ins[4] if len(ins) > 4 else None, "bias")
+    mx = im.mx
+    x = _with_bias(im, x, im.node.input[0], bias, "_bias")
+    shape = im.shape(x)
+    if not isinstance(skip, np.ndarray) and im.shape(skip) == shape:
+        s = mx.sym.elemwise_add(x, skip, name=im.op_name("_add"))
+    else:
+        skip = _align(im, skip, len(shape) - im.rank(skip), "skip")
+        skip = im.as_sym(skip, im.node_name + "_skip", im.node.input[1])
+        s = mx.sym.broadcast_add(x, skip, name=im.op_name("_add"))
+    n = shape[-1]
+    if gamma.size != n or (beta is not None and beta.size != n):
+        im.fail("gamma/beta of size %d/%s for a hidden size of %d" % (gamma.size, None if beta is None
+                                                                      else beta.size, n))
+    beta = np.zeros(n, np.float32) if beta is None else beta
+    g = im.as_sym(gamma, im.node_name + "_gamma", im.node.input[2])
+    b = im.as_sym(beta, im.node_name + "_beta", im.node.input[3] if len(ins) > 3 and ins[3] is not None else None)
+    y = mx.sym.LayerNorm(s, g, b, axis=-1, eps=float(attrs.get("epsilon", 1e-12)), name=im.op_name())
+    return [y, None, None, s]
+
+
+def _bias_gelu(im, ins, attrs):
+    """BiasGelu(A, B) = Gelu(A + B), the erf form."""
+    x = _with_bias(im, ins[0], im.node.input[0], _const_1d(im, ins[1], "the bias"), "_bias")
+    return im.mx.sym.LeakyReLU(x, act_type="gelu", name=im.op_name())
+
+
+def _gelu_tanh(im, x):
+    """0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), written out as the gelu_tanh rule matches it."""
+    mx, f = im.mx, im.sym_op
+    cube = f("_power_scalar")(x, scalar=3.0, name=im.op_name("_cube"))
+    poly = mx.sym.elemwise_add(x, f("_mul_scalar")(cube, scalar=0.044715, name=im.op_name("_a")),
+                               name=im.op_name("_poly"))
+    t = mx.sym.tanh(f("_mul_scalar")(poly, scalar=float(np.sqrt(2.0 / np.pi)), name=im.op_name("_k")),
+                    name=im.op_name("_tanh"))
+    return mx.sym.elemwise_mul(f("_mul_scalar")(x, scalar=0.5, name=im.op_name("_half")),
+                               f("_plus_scalar")(t, scalar=1.0, name=im.op_name("_one")), name=im.op_name())
+
+
+def _fast_gelu(im, ins, attrs):
+    """FastGelu(X[, bias]): the tanh approximation of GELU of X + bias."""
+    bias = _const_1d(im, ins[1] if len(ins) > 1 else None, "the bias")
+    return _gelu_tanh(im, _with_bias(im, ins[0], im.node.input[0], bias, "_bias"))
+
+
+def _fused_matmul(im, ins, attrs):
+    """FusedMatMul(A, B) = alpha · A' · B' (transA/transB swap the last two axes)."""
+    if attrs.get("transBatchA", 0) or attrs.get("transBatchB", 0):
+        im.fail("transBatchA/transBatchB are not supported")
+    a, b = ins
+    alpha = float(attrs.get("alpha", 1.0))
+    trans_a, trans_b = bool(attrs.get("transA", 0)), bool(attrs.get("transB", 0))
+    mx = im.mx
+    if isinstance(b, np.ndarray) and not trans_a and b.ndim == 2:
+        w = (b.T if trans_b else b) * np.float32(alpha)
+        return _matmul(im, [a, np.ascontiguousarray(w.astype(np.float32))], {})
+    a = im.as_sym(a, im.node_name + "_a", im.node.input[0])
+    b = im.as_sym(b, im.node_name + "_b", im.node.input[1])
+    ra, rb = im.rank(a), im.rank(b)
+    if ra != rb or ra < 2 or im.shape(a)[:-2] != im.shape(b)[:-2]:
+        im.fail("operands of shapes %s and %s are not supported (needs equal ranks >= 2 and the same "
+                "batch dimensions)" % (im.shape(a), im.shape(b)))
+    fn = mx.sym.dot if ra == 2 else mx.sym.batch_dot
+    out = fn(a, b, transpose_a=trans_a, transpose_b=trans_b,
+             name=im.op_name() if alpha == 1.0 else im.op_name("_mm"))
+    if alpha != 1.0:
+        out = im.sym_op("_mul_scalar")(out, scalar=alpha, name=im.op_name())
+    return out
+
+
+def _split_heads(im, x, heads: int, tag: str):
+    """(B, S, H·D) -> (B, H, S, D)."""
+    y = im.mx.sym.reshape(x, shape=(0, 0, heads, -1), name=im.op_name("_%s_split" % tag))
+    return im.mx.sym.transpose(y, axes=(0, 2, 1, 3), name=im.op_name("_%s_heads" % tag))
+
+
+def _key_mask(im, mask, keys, batch: int, sq: int, sk: int, fill: float):
+    """ORT's mask_index / key_padding_mask forms -> an additive (B, 1, 1|Sq, Sk) mask (0 or ``fill``).
+
+    Written without the batch and sequence sizes (positions from ``keys``, the (B, Sk, ·) keys), so the
+    imported graph runs at other sizes too."""
+    mx, f = im.mx, im.sym_op
+    shape = mask.shape if isinstance(mask, np.ndarray) else im.shape(mask)
+    mask = im.as_sym(mask, im.node_name + "_mask")
+    if len(shape) == 1 and shape[0] in (batch, 2 * batch):
+        pos = mx.sym.reshape(mx.sym.contrib.arange_like(keys, axis=1, name=im.op_name("_positions")),
+                             shape=(1, -1), name=im.op_name("_positions_row"))
+        if shape[0] == batch:
+            ends = mx.sym.reshape(mask, shape=(-1, 1), name=im.op_name("_ends"))
+        else:    # left padding: exclusive ends, then inclusive starts
+            pair = mx.sym.reshape(mask, shape=(2, -1), name=im.op_name("_pair"))
+            ends = mx.sym.reshape(mx.sym.slice_axis(pair, axis=0, begin=0, end=1, name=im.op_name("_end_row")),
+                                  shape=(-1, 1), name=im.op_name("_ends"))
+        out = mx.sym.broadcast_greater_equal(pos, ends, name=im.op_name("_past_end"))
+        if shape[0] == 2 * batch:
+            starts = mx.sym.reshape(mx.sym.slice_axis(pair, axis=0, begin=1, end=2, name=im.op_name("_start_row")),
+                                    shape=(-1, 1), name=im.op_name("_starts"))
+            before = mx.sym.broadcast_lesser(pos, starts, name=im.op_name("_before_start"))
+            out = mx.sym.broadcast_logical_or(out, before, name=im.op_name("_outside"))
+        out = mx.sym.expand_dims(mx.sym.expand_dims(out, axis=1, name=im.op_name("_mask3")), axis=1,
+                                 name=im.op_name("_mask4"))
+    elif len(shape) == 2 and shape == (batch, sk):
+        out = f("_lesser_equal_scalar")(mask, scalar=0.0, name=im.op_name("_masked"))
+        out = mx.sym.expand_dims(mx.sym.expand_dims(out, axis=1, name=im.op_name("_mask3")), axis=1,
+                                 name=im.op_name("_mask4"))
+    elif len(shape) == 3 and shape == (batch, sq, sk):
+        out = mx.sym.expand_dims(f("_lesser_equal_scalar")(mask, scalar=0.0, name=im.op_name("_masked")), axis=1,
+                                 name=im.op_name("_mask4"))
+    else:
+        im.fail("a mask of shape %s is not supported (supported: (B), (2·B), (B, Sk), (B, Sq, Sk) with B=%d, "
+                "Sq=%d, Sk=%d)" % (tuple(shape), batch, sq, sk))
+    return f("_mul_scalar")(out, scalar=fill, name=im.op_name("_mask_add"))
+
+
+def _attend(im, q, k, v, heads: int, attrs, mask, attention_bias, head_size: int):
+    """softmax(scale·q·kᵀ + masks)·v over heads, in the form the attention rules match; (B, Sq, H·Dv)."""
+    mx, f = im.mx, im.sym_op
+    qs, ks = im.shape(q), im.shape(k)
+    batch, sq, sk = qs[0], qs[1], ks[1]
+    scale = float(attrs.get("scale", 0.0)) or 1.0 / float(np.sqrt(head_size))
+    fill = float(attrs.get("mask_filter_value", _MASK_FILTER))
+    qh, kh, vh = (_split_heads(im, t, heads, tag) for t, tag in ((q, "q"), (k, "k"), (v, "v")))
+    scores = mx.sym.batch_dot(qh, kh, transpose_b=True, name=im.op_name("_qk"))
+    scores = f("_mul_scalar")(scores, scalar=scale, name=im.op_name("_scaled"))
+    additive = []
+    if mask is not None:
+        additive.append(_key_mask(im, mask, k, batch, sq, sk, fill))
+    if attrs.get("unidirectional", 0):
+        if sq != sk:   # ORT 1.32 (measured): rows 0..Sq-2 see keys j <= i, its last row every key
+            im.fail("unidirectional=1 with %d queries and %d keys is not supported (only self-attention, "
+                    "Sq = Sk)" % (sq, sk))
+        # keys after the causal band are dropped, not given mask_filter_value: ONNX Runtime's row of
+        # only padded keys and later keys attends to the padded ones (measured, left padding)
+        # (from the positions of q and k, so the graph runs at other sequence lengths)
+        rows = mx.sym.reshape(mx.sym.contrib.arange_like(q, axis=1, name=im.op_name("_rows")), shape=(-1, 1),
+                              name=im.op_name("_row_col"))
+        cols = mx.sym.reshape(mx.sym.contrib.arange_like(k, axis=1, name=im.op_name("_cols")), shape=(1, -1),
+                              name=im.op_name("_col_row"))
+        later = mx.sym.broadcast_greater(cols, rows, name=im.op_name("_later"))
+        later = mx.sym.expand_dims(mx.sym.expand_dims(later, axis=0, name=im.op_name("_causal3")), axis=0,
+                                   name=im.op_name("_causal4"))
+        additive.append(f("_mul_scalar")(later, scalar=-_FLT_MAX, name=im.op_name("_causal")))
+    if attention_bias is not None:
+        ab_shape = attention_bias.shape if isinstance(attention_bias, np.ndarray) else im.shape(attention_bias)
+        if len(ab_shape) != 4 or ab_shape[2:] != (sq, sk) or ab_shape[0] not in (1, batch) \
+                or ab_shape[1] not in (1, heads):
+            im.fail("attention_bias of shape %s is not (B or 1, H or 1, %d, %d)" % (tuple(ab_shape), sq, sk))
+        additive.append(im.as_sym(attention_bias, im.node_name + "_attention_bias"))
+    for i, m in enumerate(additive):
+        scores = mx.sym.broadcast_add(scores, m, name=im.op_name("_masked%d" % i))
+    probs = mx.sym.softmax(scores, axis=-1, name=im.op_name("_softmax"))
+    ctx = mx.sym.batch_dot(probs, vh, name=im.op_name("_ctx"))
+    ctx = mx.sym.transpose(ctx, axes=(0, 2, 1, 3), name=im.op_name("_merge"))
+    return mx.sym.reshape(ctx, shape=(0, 0, -1), name=im.op_name())
+
+
+def _attention(im, ins, attrs):
+    """Attention(input, weights[, bias][, mask_index]): the packed Q/K/V projection split into three
+    FullyConnected, then multi-head attention (no past/present)."""
+    _refuse_inputs(im, ins, {4: "past", 6: "past_sequence_length"})
+    _refuse_outputs(im, {1: "present"})
+    for key in ("do_rotary", "past_present_share_buffer"):
+        if attrs.get(key, 0):
+            im.fail("%s=%s is not supported" % (key, attrs[key]))
+    heads = int(attrs["num_heads"])
+    x = ins[0]
+    w = im.const_input(ins[1], "weights")
+    bias = _const_1d(im, ins[2] if len(ins) > 2 else None, "bias")
+    if im.rank(x) != 3 or w.ndim != 2:
+        im.fail("input of rank %d and weights of rank %d (needs (B, S, K) and (K, N))" % (im.rank(x), w.ndim))
+    total = w.shape[1]
+    sizes = [int(s) for s in attrs.get("qkv_hidden_sizes", [])] or [total // 3] * 3
+    if len(sizes) != 3 or sum(sizes) != total or sizes[0] != sizes[1] or any(s % heads or s <= 0 for s in sizes):
+        im.fail("qkv_hidden_sizes %s do not split weights of width %d into Q, K (equal) and V, each a "
+                "multiple of num_heads=%d" % (sizes, total, heads))
+    if bias is not None and bias.size != total:
+        im.fail("bias of size %d for weights of width %d" % (bias.size, total))
+    parts, start = [], 0
+    for size, tag in zip(sizes, "qkv"):
+        wp = np.ascontiguousarray(w[:, start:start + size].T.astype(np.float32))
+        args = [x, im.const_var(wp, im.node_name + "_%s_weight" % tag)]
+        if bias is not None:
+            args.append(im.const_var(bias[start:start + size], im.node_name + "_%s_bias" % tag))
+        parts.append(im.mx.sym.FullyConnected(*args, num_hidden=size, no_bias=bias is None, flatten=False,
+                                              name=im.op_name("_" + tag)))
+        start += size
+    mask = ins[3] if len(ins) > 3 else None
+    attention_bias = ins[5] if len(ins) > 5 else None
+    return [_attend(im, *parts, heads, attrs, mask, attention_bias, sizes[0] // heads), None]
+
+
+def _multi_head_attention(im, ins, attrs):
+    """MultiHeadAttention(query, key, value[, bias][, key_padding_mask][, attention_bias]), 3-D Q, K, V."""
+    _refuse_inputs(im, ins, {6: "past_key", 7: "past_value", 8: "past_sequence_length", 9: "cache_indirection"})
+    _refuse_outputs(im, {1: "present_key", 2: "present_value", 3: "qk"})
+    heads = int(attrs["num_heads"])
+    q = ins[0]
+    k = ins[1] if len(ins) > 1 else None
+    v = ins[2] if len(ins) > 2 else None
+    if k is None or v is None or any(im.rank(t) != 3 for t in (q, k, v)):
+        im.fail("only separate 3-D query, key and value are supported (not packed QKV/KV or past key/value)")
+    sizes = [im.shape(t)[-1] for t in (q, k, v)]
+    if sizes[0] != sizes[1] or any(s % heads for s in sizes):
+        im.fail("hidden sizes %s: Q and K must match and each be a multiple of num_heads=%d" % (sizes, heads))
+    bias = _const_1d(im, ins[3] if len(ins) > 3 else None, "bias")
+    if bias is not None:
+        if bias.size != sum(sizes):
+            im.fail("bias of size %d for Q, K, V of widths %s" % (bias.size, sizes))
+        offsets = np.cumsum([0] + sizes)
+        q, k, v = (_with_bias(im, t, im.node.input[i], bias[offsets[i]:offsets[i + 1]], "_%s_bias" % "qkv"[i])
+                   for i, t in enumerate((q, k, v)))
+    q, k, v = (im.as_sym(t, im.node_name + "_" + tag) for t, tag in ((q, "q"), (k, "k"), (v, "v")))
+    mask = ins[4] if len(ins) > 4 else None
+    attention_bias = ins[5] if len(ins) > 5 else None
+    return [_attend(im, q, k, v, heads, attrs, mask, attention_bias, sizes[0] // heads), None, None, None]
+
+
+_SYMBOLIC.update({
+    "com.microsoft.SkipLayerNormalization": _skip_layer_norm,
+    "com.microsoft.BiasGelu": _bias_gelu,
+    "com.microsoft.FastGelu": _fast_gelu,
+    "com.microsoft.FusedMatMul": _fused_matmul,
+    "com.microsoft.Attention": _attention,
+    "com.microsoft.MultiHeadAttention": _multi_head_attention,
+})
+
+
+def _embed_layer_norm(im, ins, attrs):
+    """EmbedLayerNormalization(input_ids, segment_ids, word_embedding, position_embedding,
+    segment_embedding, gamma, beta[, mask][, position_ids]) = LayerNorm(word[ids] + position[pos] +
+    segment[seg]); mask_index (output 1) = the number of mask values equal to 1 per row (0 without a mask)."""
+    mx, f = im.mx, im.sym_op
+    get = lambda i: ins[i] if len(ins) > i else None   # noqa: E731
+    ids, seg_ids = get(0), get(1)
+    tables = [im.const_input(get(i), what) for i, what in ((2, "word_embedding"), (3, "position_embedding"),
+                                                          (4, "segment_embedding"))]
+    if (seg_ids is None) != (tables[2] is None):
+        im.fail("segment_ids and segment_embedding must be given together")
+    gamma, beta = _const_1d(im, get(5), "gamma"), _const_1d(im, get(6), "beta")
+    mask, position_ids = get(7), get(8)
+    if im.rank(ids) != 2:
+        im.fail("input_ids of rank %d (needs (B, S))" % im.rank(ids))
+    hidden = tables[0].shape[1]
+
+    def lookup(index, table, tag):
+        weight = im.as_sym(table.astype(np.float32), im.node_name + tag, None)
+        return mx.sym.Embedding(im.as_sym(index, im.node_name + tag + "_ids"), weight, input_dim=table.shape[0],
+                                output_dim=hidden, name=im.op_name(tag))
+
+    total = lookup(ids, tables[0], "_word")
+    if position_ids is None:
+        position_ids = mx.sym.contrib.arange_like(ids, axis=1, name=im.op_name("_positions"))
+    pos = lookup(position_ids, tables[1], "_position")
+    if im.rank(pos) == 2:                                  # (S, H) from positions 0..S-1
+        pos = mx.sym.expand_dims(pos, axis=0, name=im.op_name("_position_b"))
+    total = mx.sym.broadcast_add(total, pos, name=im.op_name("_sum_pos")) if im.shape(pos)[0] != im.shape(total)[0] \
+        else mx.sym.elemwise_add(total, pos, name=im.op_name("_sum_pos"))
+    if seg_ids is not None:
+        total = mx.sym.elemwise_add(total, lookup(seg_ids, tables[2], "_segment"), name=im.op_name("_sum"))
+    y = mx.sym.LayerNorm(total, im.as_sym(gamma, im.node_name + "_gamma", im.node.input[5]),
+                         im.as_sym(beta, im.node_name + "_beta", im.node.input[6]), axis=-1,
+                         eps=float(attrs.get("epsilon", 1e-12)), name=im.op_name())
+    if mask is not None:
+        mask_index = mx.sym.sum(f("_equal_scalar")(im.as_sym(mask, im.node_name + "_mask"), scalar=1.0,
+                                                   name=im.op_name("_ones")), axis=1, name=im.op_name("_mask_index"))
+    else:
+        mask_index = mx.sym.zeros_like(mx.sym.slice_axis(ids, axis=1, begin=0, end=1, name=im.op_name("_col")),
+                                       name=im.op_name("_mask_zero"))
+        mask_index = mx.sym.reshape(mask_index, shape=(-1,), name=im.op_name("_mask_index"))
+    return [y, mask_index, total]
+
+
+_SYMBOLIC["com.microsoft.EmbedLayerNormalization"] = _embed_layer_norm
+
+# Attributes read by these importers; any other attribute is refused (a contrib op's newer attribute
+# would otherwise be ignored silently).
+_KNOWN_ATTRS: Dict[str, set] = {
+    "Gemm": {"alpha", "beta", "transA", "transB"},
+    "Flatten": {"axis"},
+    "Reshape": {"allowzero"},
+    "com.microsoft.SkipLayerNormalization": {"epsilon"},
+    "com.microsoft.BiasGelu": set(),
+    "com.microsoft.FastGelu": set(),
+    "com.microsoft.FusedMatMul": {"alpha", "transA", "transB", "transBatchA", "transBatchB"},
+    "com.microsoft.Attention": {"num_heads", "scale", "mask_filter_value", "unidirectional", "qkv_hidden_sizes",
+                                "do_rotary", "past_present_share_buffer", "rotary_embedding_dim"},
+    "com.microsoft.MultiHeadAttention": {"num_heads", "scale", "mask_filter_value", "unidirectional"},
+    "com.microsoft.EmbedLayerNormalization": {"epsilon", "mask_index_type"},
 }
 
 SUPPORTED_OPS = tuple(sorted(set(_SYMBOLIC) | set(_FOLD) | {"Constant", "com.microsoft.Gelu"}))

@@ -535,7 +535,7 @@ def test_truncated_external_onnx_data_names_the_initializer(tmp_path, capsys):
     assert not (tmp_path / "o-symbol.json").exists()
 
 
-@pytest.mark.parametrize("opset", [11, 12, 21, None])
+@pytest.mark.parametrize("opset", [11, 12, 22, None])
 def test_onnx_opset_outside_the_supported_range_is_refused(tmp_path, capsys, opset):
     import onnx
 
@@ -545,7 +545,7 @@ def test_onnx_opset_outside_the_supported_range_is_refused(tmp_path, capsys, ops
         model.opset_import.append(onnx.helper.make_opsetid("", opset))
     onnx.save(model, str(tmp_path / "m.onnx"))
     code, _, err = mxfuse(capsys, tmp_path / "m.onnx", "-o", tmp_path / "o", *BERT_SHAPES)
-    one_line_error(code, err, "uses ONNX opset %s; the importer supports opsets 13-20" % (opset or "(none)"))
+    one_line_error(code, err, "uses ONNX opset %s; the importer supports opsets 13-21" % (opset or "(none)"))
 
 
 def test_shape_errors_print_no_dump_of_every_argument(tmp_model, tmp_path, capsys):
