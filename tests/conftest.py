@@ -92,3 +92,15 @@ def small_cnn():
     y = mx.sym.Convolution(y, num_filter=4, kernel=(1, 1), no_bias=True, name="conv1")
     y = mx.sym.BatchNorm(y, name="bn1")
     return mx.sym.Pooling(y, kernel=(1, 1), global_pool=True, pool_type="avg", name="pool")
+
+
+def run_mxfuse(capsys, *argv):
+    """(exit status, stdout, stderr) of an in-process mxfuse run; argparse's exits included."""
+    from fusion import cli
+
+    try:
+        code = cli.main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err

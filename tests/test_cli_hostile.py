@@ -8,17 +8,12 @@ import pytest
 
 from fusion import cli
 
+from conftest import run_mxfuse
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def mxfuse(capsys, *argv):
-    """(exit status, stdout, stderr) of an in-process mxfuse run; argparse's exits included."""
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+mxfuse = run_mxfuse
 
 
 def one_line_error(code, err, *fragments):

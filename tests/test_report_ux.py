@@ -7,21 +7,14 @@ import mxnet as mx
 import pytest
 
 import fusion
-from fusion import cli
 from patterns import FAMILIES, default_rules, rules_by_name
 
-from conftest import random_params, small_cnn
+from conftest import random_params, run_mxfuse, small_cnn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_cli(capsys, *argv):
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+run_cli = run_mxfuse
 
 
 def test_a_family_and_a_rule_never_share_a_name():
