@@ -19,13 +19,7 @@ from fusion.onnx_io import import_onnx  # noqa: E402
 from fusion.verify import compare, run  # noqa: E402
 
 
-def ort_run(model_or_path, feed):
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
-    opts.log_severity_level = 3
-    src = model_or_path if isinstance(model_or_path, str) else model_or_path.SerializeToString()
-    sess = ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
-    return sess.run(None, {i.name: feed[i.name] for i in sess.get_inputs()})
+from test_onnx import ort_run  # noqa: E402  (ONNX Runtime on one thread, CPU)
 
 
 def one_line(excinfo):

@@ -18,6 +18,15 @@ def run_cli(capsys, *argv):
     return code, out, err
 
 
+def verify_cli(capsys, tmp_path, y, *extra):
+    """``y`` (input data of (1, 3, 4, 4), random params) saved and given to ``mxfuse --verify``."""
+    y.save(str(tmp_path / "m-symbol.json"))
+    arg, aux = random_params(y, {"data": (1, 3, 4, 4)})
+    mx.nd.save(str(tmp_path / "m-0000.params"), {"arg:" + k: v for k, v in arg.items()})
+    return run_cli(capsys, tmp_path / "m-symbol.json", "--params", tmp_path / "m-0000.params",
+                   "-o", tmp_path / "o", "--shape", "data=1,3,4,4", "--verify", *extra)
+
+
 # ---------------------------------------------------------------- NaN / inf
 
 def test_nan_does_not_hide_the_error_on_finite_values():
@@ -83,12 +92,7 @@ NAN_RULES = [ReluToSqrt()]
 def test_cli_nan_where_the_original_is_finite(tmp_path, capsys):
     x = mx.sym.var("data")
     y = mx.sym.Activation(mx.sym.Convolution(x, num_filter=2, kernel=(1, 1), name="c"), act_type="relu") + 1
-    y.save(str(tmp_path / "m-symbol.json"))
-    arg, aux = random_params(y, {"data": (1, 3, 4, 4)})
-    mx.nd.save(str(tmp_path / "m-0000.params"), {"arg:" + k: v for k, v in arg.items()})
-    code, out, err = run_cli(capsys, tmp_path / "m-symbol.json", "--params", tmp_path / "m-0000.params",
-                             "-o", tmp_path / "o", "--shape", "data=1,3,4,4", "--verify", "--no-self-check",
-                             "--rules", "test_verify:NAN_RULES")
+    code, out, err = verify_cli(capsys, tmp_path, y, "--no-self-check", "--rules", "test_verify:NAN_RULES")
     assert code == 1 and "MISMATCH" in out
     assert "NaN/inf where the original is finite; nothing written" in err and len(err.strip().splitlines()) == 1
     assert not os.path.exists(str(tmp_path / "o") + "-symbol.json")
@@ -97,11 +101,7 @@ def test_cli_nan_where_the_original_is_finite(tmp_path, capsys):
 def test_cli_reports_nan_of_the_original(tmp_path, capsys):
     x = mx.sym.var("data")
     y = mx.sym.log(mx.sym.Convolution(x, num_filter=2, kernel=(1, 1), name="c"))
-    y.save(str(tmp_path / "m-symbol.json"))
-    arg, aux = random_params(y, {"data": (1, 3, 4, 4)})
-    mx.nd.save(str(tmp_path / "m-0000.params"), {"arg:" + k: v for k, v in arg.items()})
-    code, out, err = run_cli(capsys, tmp_path / "m-symbol.json", "--params", tmp_path / "m-0000.params",
-                             "-o", tmp_path / "o", "--shape", "data=1,3,4,4", "--verify")
+    code, out, err = verify_cli(capsys, tmp_path, y)
     assert code == 0, err
     assert "the original computes NaN/inf at" in out
 
@@ -168,11 +168,7 @@ def test_constant_output_is_weak_not_ok():
 def test_cli_says_weak(tmp_path, capsys):
     x = mx.sym.var("data")
     y = mx.sym.relu(mx.sym.Convolution(x, num_filter=2, kernel=(1, 1), name="c")) * 0
-    y.save(str(tmp_path / "m-symbol.json"))
-    arg, aux = random_params(y, {"data": (1, 3, 4, 4)})
-    mx.nd.save(str(tmp_path / "m-0000.params"), {"arg:" + k: v for k, v in arg.items()})
-    code, out, err = run_cli(capsys, tmp_path / "m-symbol.json", "--params", tmp_path / "m-0000.params",
-                             "-o", tmp_path / "o", "--shape", "data=1,3,4,4", "--verify")
+    code, out, err = verify_cli(capsys, tmp_path, y)
     assert code == 0, err
     assert "WEAK" in out and "verification is weak: output 0" in out and ": OK" not in out
 
