@@ -350,40 +350,6 @@ def _longer_shapes(ctx) -> Optional[Dict[str, tuple]]:
     return {n: (s[:1] + tuple(2 * d + 3 if d in grow else d for d in s[1:])) for n, s in base.items()}
 
 
-def _unequal_lengths(ctx) -> List[Dict[Entry, tuple]]:
-    """Shapes of the graph's values at input shapes the graph accepts where one sequence length
-    changes without the others: each (input, axis) of a size no parameter has grown alone, or
-    every other place of the same size grown.  Where queries and keys come from different
-    inputs, this is where a mask aligned to the top-left corner (j <= i) and one aligned to the
-    bottom-right (j <= i + Sk - Sq) differ; equal lengths at every probe cannot tell them apart."""
-    from fusion.facts import infer
-    key = ("unequal_lengths", ctx.graph.version)
-    if key in ctx.memo:
-        return ctx.memo[key]
-    base = {n: tuple(s) for n, s in (ctx.input_shapes or {}).items()}
-    params = {nd.name: ctx._param_shape(nd.name) for nd in ctx.graph.variables()
-              if ctx._param_shape(nd.name) is not None}
-    fixed = {d for sh in params.values() for d in sh}
-    sites = [(n, a) for n, sh in base.items() if n not in params
-             for a, d in enumerate(sh) if d >= 1 and d not in fixed]
-    tried, found = set(), []
-    for site in sites:
-        size = base[site[0]][site[1]]
-        same = [t for t in sites if base[t[0]][t[1]] == size]
-        for group in ([site], [t for t in same if t != site]):
-            grown = frozenset(group)
-            if not group or grown in tried or len(found) >= 2:
-                continue
-            tried.add(grown)
-            probe = {n: tuple(2 * d + 3 if (n, a) in grown else d for a, d in enumerate(sh))
-                     for n, sh in base.items()}
-            shapes, _ = infer(ctx.graph, {**params, **probe}, complete=True)
-            if shapes:
-                found.append((probe, shapes))
-    ctx.memo[key] = found
-    return found
-
-
 def _causal_value(a: np.ndarray, sq: int, sk: int, where: bool) -> Tuple[bool, Optional[float]]:
     """(causal, c): whether mask ``a`` is causal on (Sq, Sk) scores — 0 (additive) / nonzero (where)
     on the band j ≤ i + Sk − Sq of every slice, one constant c after it (additive; None when
@@ -425,10 +391,10 @@ def causal_form(m: Match) -> Optional[Tuple[str, float]]:
     The mask must not read data values (only shapes, through ``arange_like`` and the like:
     checked on the graph; in training not parameters either), and is computed with MXNet at
     each probe (the user's input shapes and the alternates of ``Context.probes``, which must
-    include at least two (Sq, Sk)), at longer lengths, and at a query length other than the key
-    length where the graph takes one: a mask causal at one sequence length only (a fixed offset,
-    a sliding window wider than the probes' lengths, a band aligned to the top-left corner)
-    stays a mask, which is exact.
+    include at least two (Sq, Sk); where the graph takes a query length other than the key
+    length, the probe of sizes set apart has one) and at longer lengths: a mask causal at one
+    sequence length only (a fixed offset, a sliding window wider than the probes' lengths, a
+    band aligned to the top-left corner) stays a mask, which is exact.
     """
     ctx = m.ctx
     if not m.has("mask_op") or m.has("length"):
@@ -461,13 +427,6 @@ def causal_form(m: Match) -> Optional[Tuple[str, float]]:
                 return None
             if c is not None:
                 values.add(c)
-    # Equal lengths at every probe: a corner-aligned mask looks causal there.  It is computed
-    # where the graph takes a query length other than the key length.
-    if all(sh[-2] == sh[-1] for sh in scores):
-        for probe, shapes in _unequal_lengths(ctx):
-            sshape = shapes.get(_scores(m))
-            if sshape is not None and sshape[-2] != sshape[-1] and not _causal_at(m, probe, sshape, where, values):
-                return None
     if where:
         form = ("fill", float(m.node("fill").attrs["scalar"]))
     elif len(values) == 1:
