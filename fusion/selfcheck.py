@@ -521,7 +521,7 @@ class SelfCheck:
             for names in (v_old, v_new):
                 for n, e in names.items():
                     feed[n] = it.values[e]
-        bad = _misfit_reshapes(sym, feed)
+        bad = _misread_nodes(sym, feed)
         if bad:     # MXNet would run them past their buffers: report without running anything
             out = []
             for it in items:
@@ -598,7 +598,7 @@ class SelfCheck:
 _UNCHECKED = "unchecked"
 
 
-def _misfit_reshapes(sym: Any, feed: Dict[str, Any]) -> List[Tuple[str, str]]:
+def _misread_nodes(sym: Any, feed: Dict[str, Any]) -> List[Tuple[str, str]]:
     """(name, op) of the nodes MXNet 1.9.1 would not run as their inferred shapes say (``facts.misread``:
     a reshape to another size copies past its buffer, a ``where`` condition of another shape is
     read elsewhere or divides by zero)."""
