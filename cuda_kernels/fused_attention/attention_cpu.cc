@@ -6,7 +6,8 @@
 // Results follow the unfused MXNet graph, fully masked rows and non-finite values
 // included: keys a row does not see (valid length, causal band) are skipped, and where
 // the unfused graph would still multiply them by a probability of 0, a non-finite value
-// in v gives NaN as that product does (see RowPlan and finish_rows).
+// in v gives NaN as that product does (see finish_rows); among the keys it computes, a
+// non-finite value meets the exact probability the unfused softmax gives (nonfinite_values).
 #include <omp.h>
 
 #include <algorithm>
@@ -149,6 +150,10 @@ struct Prep {
   // rows that skip keys (valid length, causal): per head and value column, the last key
   // whose value is not finite (-1: none)
   std::vector<int64_t> vbad;
+  // per head, the keys whose value row holds a non-finite value: head n's are
+  // vkeys[voff[n] .. voff[n+1]) (forward only; see nonfinite_values)
+  std::vector<int64_t> voff, vkeys;
+  bool onednn_softmax = false;  // which softmax the unfused graph runs (see softmax_zero)
 };
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -207,6 +212,19 @@ Prep prepare(const Params& p, const Geom& g, const MaskView& m, bool forward) {
       float* suf = pr.knsuf.data() + n * (g.Sk + 1);
       for (int64_t j = g.Sk; j-- > 0;)
         suf[j] = std::max(suf[j + 1], norm(g.k.row(n / g.H, n % g.H, j), g.D));
+    }
+  }
+  if (forward) {
+    pr.onednn_softmax = softmax_nan_at_scores(p, g);
+    std::vector<std::vector<int64_t>> keys(N);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t j = 0; j < g.Sk; ++j)
+        if (any_non_finite(g.v.row(n / g.H, n % g.H, j), g.Dv)) keys[n].push_back(j);
+    pr.voff.assign(N + 1, 0);
+    for (int64_t n = 0; n < N; ++n) {
+      pr.voff[n + 1] = pr.voff[n] + static_cast<int64_t>(keys[n].size());
+      pr.vkeys.insert(pr.vkeys.end(), keys[n].begin(), keys[n].end());
     }
   }
   if (forward && skips_keys(p, m)) {
@@ -362,13 +380,74 @@ void row_stats(const Params& p, const Geom& g, const MaskView& mk, const Prep& p
   }
 }
 
+// Whether the unfused softmax gives a probability of exactly 0 for a score d below the row
+// max (d = s - max <= 0; l: the row's sum).  oneDNN's exp builds 2^n, n = floor(d·log2(e) +
+// 1/2), as 2^(n-1)·2 from exponent bits, which are 0 (the value 0) for n <= -126: its result
+// is 0 below about -86.99 (measured against MXNet 1.9.1's softmax: d = -86.9 gives 4.5e-39,
+// d = -87.2 gives 0).  MXNet's own kernel computes expf(d) / sum, which keeps subnormal
+// results, so it is 0 only where that quotient rounds to 0.
+bool softmax_zero(bool onednn, float d, float l) {
+  if (std::isnan(d)) return false;
+  if (onednn) return std::floor(std::fma(d, 1.44269502f, 0.5f)) <= -126.f;
+  const double q = std::exp(static_cast<double>(d)) / static_cast<double>(l);
+  return q < std::ldexp(1.0, -150);     // below half the smallest subnormal: rounds to 0
+}
+
+// The score of query i and key j as score_tile computes it (row r of the block).
+float score_at(const Params& p, const Geom& g, const MaskView& m, int64_t n, int64_t i, int64_t j,
+               int64_t r, const Scratch& w) {
+  const int64_t b = n / g.H, h = n % g.H;
+  float s = p.scale * dot(g.q.row(b, h, i), g.k.row(b, h, j), g.D);
+  if (m.kind == MaskKind::additive || m.kind == MaskKind::boolean) {
+    const float mv = m.base(n)[i * m.sq + j * m.sk];
+    s = m.kind == MaskKind::additive ? s + mv : (mv != 0.f ? s : p.mask_value);
+  }
+  if (p.causal && p.causal_mode != CausalMode::exclude && j >= w.band[r] && j < w.lim[r])
+    s = p.causal_mode == CausalMode::add ? s + p.mask_value : p.mask_value;
+  return s;
+}
+
+// Output columns of a finite row where v holds a non-finite value among the keys the row
+// computes: the unfused product sums P_j * v_j, so the column is NaN where some such v_j is
+// NaN, or is ±inf where P_j = 0 (0 * inf), or where +inf and -inf meet; ±inf otherwise.
+// Which P_j are 0 depends on the final row max, which the online softmax does not know
+// while it accumulates (nor does its exp flush where the unfused softmax's does), so these
+// columns are recomputed from the keys themselves.
+void nonfinite_values(const Params& p, const Geom& g, const MaskView& mk, const Prep& pr,
+                      int64_t n, int64_t i0, int64_t bq, const Scratch& w) {
+  const int64_t k0 = pr.voff[n], k1 = pr.voff[n + 1];
+  if (k0 == k1) return;
+  const int64_t b = n / g.H, h = n % g.H, Dv = g.Dv;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<char> seen(Dv);
+  for (int64_t r = 0; r < bq; ++r) {
+    if (!(w.l[r] > 0.f)) continue;  // a NaN or untouched row: written whole by finish_rows
+    float* out = g.o.mrow(b, h, i0 + r);
+    std::fill(seen.begin(), seen.end(), 0);
+    for (int64_t t = k0; t < k1 && pr.vkeys[t] < w.lim[r]; ++t) {
+      const int64_t j = pr.vkeys[t];
+      const float* vr = g.v.row(b, h, j);
+      const bool zero = softmax_zero(pr.onednn_softmax,
+                                     score_at(p, g, mk, n, i0 + r, j, r, w) - w.m[r], w.l[r]);
+      for (int64_t c = 0; c < Dv; ++c) {
+        const float x = vr[c];
+        if (std::isfinite(x)) continue;
+        const float term = std::isnan(x) || zero ? nan : x;
+        // the first non-finite term of a column replaces its finite sum; later ones add to it
+        out[c] = seen[c] ? out[c] + term : term;
+        seen[c] = 1;
+      }
+    }
+  }
+}
+
 // Writes the block's output rows: untouched rows (valid length 0, empty band) give 0 as
 // MXNet's softmax with lengths does; rows whose scores are all -inf, or hold a NaN or
 // +inf, give NaN as softmax does.  A row that skips keys [lim, Sk) gives NaN in every
 // column where v is not finite among them (0 * inf and 0 * NaN are NaN in the unfused
 // product).
-void finish_rows(const Params& p, const Geom& g, const Prep& pr, int64_t n, int64_t i0,
-                 int64_t bq, const Scratch& w) {
+void finish_rows(const Params& p, const Geom& g, const MaskView& mk, const Prep& pr, int64_t n,
+                 int64_t i0, int64_t bq, const Scratch& w) {
   const int64_t b = n / g.H, h = n % g.H, Dv = g.Dv;
   const float nan = std::numeric_limits<float>::quiet_NaN();
   for (int64_t r = 0; r < bq; ++r) {
@@ -381,6 +460,10 @@ void finish_rows(const Params& p, const Geom& g, const Prep& pr, int64_t n, int6
       const float fill = w.touched[r] ? nan : 0.f;
       for (int64_t c = 0; c < Dv; ++c) out[c] = fill;
     }
+  }
+  nonfinite_values(p, g, mk, pr, n, i0, bq, w);
+  for (int64_t r = 0; r < bq; ++r) {
+    float* out = g.o.mrow(b, h, i0 + r);
     if (!pr.vbad.empty() && w.lim[r] < g.Sk) {
       const int64_t* bad = pr.vbad.data() + n * Dv;
       for (int64_t c = 0; c < Dv; ++c)
@@ -445,7 +528,7 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Pre
 #endif
     sgemm('N', 'N', bq, Dv, nb, 1.f, S, BK, g.v.row(b, h, j0), g.v.rs, 1.f, w.O.data(), Dv);
   }
-  finish_rows(p, g, pr, n, i0, bq, w);
+  finish_rows(p, g, mk, pr, n, i0, bq, w);
 }
 
 }  // namespace

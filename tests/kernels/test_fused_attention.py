@@ -3,6 +3,8 @@
 Tolerances (fp32): forward rtol=1e-5, atol=2e-5 vs NumPy (float64 reference);
 backward rtol=1e-4, atol=1e-4 vs MXNet autograd on batch_dot/softmax/batch_dot.
 """
+import os
+
 import mxnet as mx
 import numpy as np
 import pytest
@@ -774,3 +776,46 @@ def test_lengths_zero_backward_every_layout(layout, nonfinite):
     out_shape = fu(*[mx.nd.array(x) for x in xs]).shape
     dy = rnd(*out_shape, seed=9)
     _grads_same(grads(fu, xs, dy), grads(un, xs, dy))
+
+
+# ---- a non-finite value where the probability is at the edge of float32 ----------------------
+def _tiny_probability_case(gap, late=False):
+    """Scores of a row: key 1 at -gap below the max; v of key 1 is +inf, -inf or NaN by column.
+    ``late``: the max comes only at key 290, in a later key tile than key 1 (the others at -gap)."""
+    N, Sq, Sk, D = 1, 3, 300 if late else 5, 2
+    q = np.zeros((N, Sq, D), np.float32)
+    q[0, :, 0] = 1.0
+    k = np.zeros((N, Sk, D), np.float32)
+    if late:
+        k[0, :, 0] = -gap
+        k[0, 290, 0] = 0.0
+    k[0, 1, 0] = -gap                   # scale 1: the score of key 1 is -gap
+    v = rnd(N, Sk, 4, seed=3)
+    v[0, 1, :3] = [np.inf, -np.inf, np.nan]
+    return q, k, v
+
+
+# gaps around the two flush points: oneDNN's exp gives 0 below about -86.99, MXNet's own softmax
+# keeps subnormals down to about -103.3 (then the quotient by the sum rounds to 0); our own exp
+# flushes at -86.6, so 86.7 is a probability above 0 that the online softmax drops
+_GAPS = [20.0, 86.7, 86.9, 87.1, 87.5, 95.0, 103.0, 104.5, 200.0]
+
+
+def _check_tiny_probabilities():
+    for gap, late in [(g, late) for g in _GAPS for late in (False, True)]:
+        q, k, v = _tiny_probability_case(gap, late)
+        nd = [mx.nd.array(x) for x in (q, k, v)]
+        want = mx.nd.batch_dot(mx.nd.softmax(mx.nd.batch_dot(nd[0], nd[1], transpose_b=True), axis=-1), nd[2])
+        _same(mx.nd.fused_attention(*nd, scale=1.0).asnumpy(), want.asnumpy())
+
+
+@pytest.mark.parametrize("softmax", ["onednn", "mxnet"])
+def test_non_finite_value_with_a_tiny_probability(softmax):
+    """P · inf is ±inf where the unfused softmax gives a probability above 0 and NaN where it gives
+    exactly 0 — at the row's final max, which the online softmax learns only at the end."""
+    if softmax == "onednn":
+        _check_tiny_probabilities()
+    else:       # MXNet's own softmax kernel: the op reads the switch when the library loads
+        code = ("import fusion\nfrom test_fused_attention import _check_tiny_probabilities\n"
+                "_check_tiny_probabilities()\nprint('ok')\n")
+        assert "ok" in run_python(code, MXNET_MKLDNN_ENABLED="0")
