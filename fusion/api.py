@@ -157,7 +157,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     graph.canonicalize_ops()
     rule_list = resolve_rules(rules)
     if arg_params or aux_params:
-        check_param_values(graph, graph.to_symbol(), arg_params or {}, aux_params or {}, input_dtypes)
+        check_param_values(graph, None, arg_params or {}, aux_params or {}, input_dtypes)
     report = FusionReport(mode=mode)
     graph.compact()
     report.nodes_before, report.ops_before = len(graph.nodes), len(graph.op_nodes())

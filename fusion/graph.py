@@ -142,8 +142,9 @@ class Graph:
             if not isinstance(ins, list):
                 raise GraphError("node %d ('%s') has 'inputs' that is not a list" % (i, jn["name"]))
             try:                                  # the common, well-formed case, checked cheaply
-                nodes[i].inputs = [Entry(nodes[e[0]], e[1], e[2] if len(e) == 3 else 0) for e in ins
-                                   if type(e) is list and _int_list(e) and 2 <= len(e) <= 3 and e[-1] >= 0
+                nodes[i].inputs = [Entry(nodes[e[0]], e[1], e[2]) for e in ins
+                                   if type(e) is list and len(e) == 3 and type(e[0]) is int
+                                   and type(e[1]) is int and type(e[2]) is int and e[2] >= 0
                                    and 0 <= e[0] < n and 0 <= e[1] < nodes[e[0]].num_outputs]
                 if len(nodes[i].inputs) != len(ins):
                     raise ValueError

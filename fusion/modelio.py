@@ -166,26 +166,82 @@ def _numpy(value: Any) -> np.ndarray:
     return value.asnumpy() if hasattr(value, "asnumpy") else np.asarray(value)
 
 
+_DTYPE_NAMES: Dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``np.dtype(dtype).name``, remembered (it is slow, and asked once per parameter)."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):
+        name = np.dtype(dtype).name
+        try:
+            _DTYPE_NAMES[dtype] = name
+        except TypeError:
+            pass
+        return name
+
+
+class _FiniteCheck:
+    """Raises ParamsError for the first array added that holds NaN or inf.  Small arrays are checked
+    together (one NumPy call for many: a graph of 100k nodes has tens of thousands of them)."""
+    BATCH = 1 << 20
+
+    def __init__(self):
+        self.pending: List[Tuple[str, np.ndarray]] = []
+        self.size = 0
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        if array.size >= self.BATCH:
+            self._check([(name, array)])
+            return
+        self.pending.append((name, array))
+        self.size += array.size
+        if self.size >= self.BATCH:
+            self.done()
+
+    def done(self) -> None:
+        if self.pending:
+            self._check(self.pending)
+        self.pending, self.size = [], 0
+
+    @staticmethod
+    def _check(items: List[Tuple[str, np.ndarray]]) -> None:
+        whole = items[0][1] if len(items) == 1 else np.concatenate([a.ravel() for _, a in items])
+        if np.isfinite(whole).all():
+            return
+        for name, array in items:
+            if not np.isfinite(array).all():
+                raise ParamsError("parameter '%s' contains NaN or inf" % name)
+
+
 def check_param_values(graph: Graph, symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any],
                        input_dtypes: Optional[Mapping[str, Any]] = None) -> None:
     """The checks of parameter values that ``mxfuse`` and ``fuse()`` share: dtypes MXNet has and the
     graph's type inference accepts, no NaN or inf, no negative BatchNorm moving variance.
-    Raises a one-line :class:`ParamsError` naming the array."""
+    Raises a one-line :class:`ParamsError` naming the array.  ``symbol``: the graph as MXNet's
+    Symbol, or None to make it only where needed (type inference, when a dtype is not float32)."""
     dtypes = {}
+    finite = _FiniteCheck()
     for name, value in list(arg.items()) + list(aux.items()):
-        dtype = np.dtype(value.dtype)
-        if dtype.name not in PARAM_DTYPES:
+        dtype_name = _dtype_name(value.dtype)
+        if dtype_name not in PARAM_DTYPES:
             raise ParamsError("parameter '%s' has dtype %s; MXNet arrays are %s"
-                              % (name, dtype.name, ", ".join(PARAM_DTYPES)))
-        dtypes[name] = dtype.name
-        if dtype.kind == "f" and not np.isfinite(_numpy(value)).all():
-            raise ParamsError("parameter '%s' contains NaN or inf" % name)
+                              % (name, dtype_name, ", ".join(PARAM_DTYPES)))
+        dtypes[name] = dtype_name
+        if dtype_name.startswith("float"):
+            finite.add(name, _numpy(value))
+    finite.done()
     for nd in graph.op_nodes():
         if nd.op == "BatchNorm" and len(nd.inputs) == 5:
             var = nd.inputs[4].node.name
             if var in aux and (_numpy(aux[var]) < 0).any():
                 raise ParamsError("BatchNorm '%s' has a negative moving variance in '%s'" % (nd.name, var))
-    _check_param_dtypes(graph, symbol, dtypes, {k: np.dtype(v).name for k, v in (input_dtypes or {}).items()})
+    input_dtypes = {k: np.dtype(v).name for k, v in (input_dtypes or {}).items()}
+    if any(t != "float32" for t in list(dtypes.values()) + list(input_dtypes.values())):
+        _check_param_dtypes(graph, graph.to_symbol() if symbol is None else symbol, dtypes, input_dtypes)
+    # float32 everywhere is what bind gives a graph: where MXNet's type inference refuses that,
+    # the graph is at fault, not its parameters (and binding it says so)
 
 
 def _check_param_dtypes(graph: Graph, symbol: Any, dtypes: Dict[str, str], input_dtypes: Dict[str, str]) -> None:
@@ -194,14 +250,15 @@ def _check_param_dtypes(graph: Graph, symbol: Any, dtypes: Dict[str, str], input
     says: a float16 weight among float32 ones is refused at bind ("This layer requires uniform
     type").  The error names the parameter whose dtype differs from what the graph computes in
     with the most common dtype given to the other parameters and the inputs."""
-    read = set(symbol.list_arguments()) | set(symbol.list_auxiliary_states())
+    names = symbol.list_inputs()        # arguments and auxiliary states (asking for each is slower)
+    read = set(names)
     dtypes = {k: t for k, t in dtypes.items() if k in read}        # params the graph does not read: ignored
     input_dtypes = {k: t for k, t in input_dtypes.items() if k in read}
     if not dtypes or any(nd.op.startswith("fused_") for nd in graph.op_nodes()):
         return      # library ops: MXNet 1.9.1's wrappers are not safe to infer from partial facts
-    if fitting_input_dtypes(symbol, dtypes, input_dtypes) is not None:
+    infer = _type_inference(symbol, dtypes, input_dtypes, names)
+    if _first_fit(infer, dtypes) is not None:
         return
-    infer = _type_inference(symbol, dtypes, input_dtypes)
     counts = _dtype_counts(dtypes)
     floats = [t for t in counts if np.dtype(t).kind == "f"]
     common = max(counts, key=lambda t: (counts[t], t == "float32"))
@@ -232,13 +289,14 @@ def _dtype_counts(dtypes: Mapping[str, str]) -> Dict[str, int]:
     return counts
 
 
-def _type_inference(symbol: Any, dtypes: Mapping[str, str], input_dtypes: Mapping[str, str]):
+def _type_inference(symbol: Any, dtypes: Mapping[str, str], input_dtypes: Mapping[str, str],
+                    names: List[str]):
     """``infer(given, data_dtype)``: MXNet's partial type inference with the parameters' dtypes
-    ``given`` and every input not in ``input_dtypes`` of ``data_dtype``; the error's first line
-    when MXNet refuses."""
+    ``given`` and every other input of ``names`` (the symbol's arguments, or all its inputs) not
+    in ``input_dtypes`` of ``data_dtype``; the error's first line when MXNet refuses."""
     import mxnet as mx
 
-    inputs = [n for n in symbol.list_arguments() if n not in dtypes and n not in input_dtypes]
+    inputs = [n for n in names if n not in dtypes and n not in input_dtypes]
 
     def infer(given, data_dtype):
         try:
@@ -254,14 +312,23 @@ def fitting_input_dtypes(symbol: Any, dtypes: Mapping[str, str],
     get one float dtype that MXNet's type inference accepts with the parameters' ``dtypes``:
     float32 (what bind gives an input) or else one of the parameters' float dtypes, the most common
     first.  None when none fits."""
-    infer = _type_inference(symbol, dtypes, dict(input_dtypes or {}))
+    arguments = symbol.list_arguments()
+    fit = _first_fit(_type_inference(symbol, dtypes, dict(input_dtypes or {}), arguments), dtypes)
+    if fit is None:
+        return None
+    data_dtype, got = fit
+    return {n: _dtype_name(x) if x is not None else data_dtype for n, x in zip(arguments, got[0])}
+
+
+def _first_fit(infer, dtypes: Mapping[str, str]):
+    """(data dtype, MXNet's inferred types) for the first data dtype that fits (see
+    fitting_input_dtypes), or None."""
     counts = _dtype_counts(dtypes)
     floats = sorted((t for t in counts if np.dtype(t).kind == "f"), key=lambda t: -counts[t])
     for t in ["float32"] + [t for t in floats if t != "float32"]:
         got = infer(dict(dtypes), t)
         if not isinstance(got, str):
-            return {n: np.dtype(x).name if x is not None else t
-                    for n, x in zip(symbol.list_arguments(), got[0])}
+            return t, got
     return None
 
 

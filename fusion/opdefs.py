@@ -129,7 +129,13 @@ def num_outputs(op: str, attrs: Dict[str, str], num_inputs: int, subgraphs: Any 
     import json
 
     extra = {"subgraphs": subgraphs} if subgraphs is not None else {}
-    key = json.dumps([op, attrs, num_inputs, extra], sort_keys=True)
+    try:        # the common case, attributes of strings: a cheap key (a 100k-node graph asks for each op)
+        key: Any = (op, tuple(sorted(attrs.items())), num_inputs) if subgraphs is None else None
+        hash(key)
+    except TypeError:
+        key = None
+    if key is None:
+        key = json.dumps([op, attrs, num_inputs, extra], sort_keys=True)
     if key in _NUM_OUTPUTS:
         return _NUM_OUTPUTS[key]
     import mxnet as mx

@@ -287,6 +287,7 @@ class Builder:
         self.created: List[Node] = []
         self.params_added = 0
         self._params: List[tuple] = []
+        self._where: Any = self     # the match's source context, once known (self: not yet)
 
     @property
     def mode(self) -> str:
@@ -328,7 +329,9 @@ class Builder:
                               % (name, value.dtype.name))
         unique = self.ctx.unique_name(name)
         (self.ctx.new_aux if aux else self.ctx.new_args)[unique] = value
-        where = self._source_context()
+        if self._where is self:
+            self._where = self._source_context()
+        where = self._where
         if where is not None:
             self.ctx.new_contexts[unique] = where
         self.params_added += 1
