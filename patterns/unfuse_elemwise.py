@@ -55,28 +55,38 @@ _TOKEN = re.compile(r"\s*(?:(?P<num>[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[
 
 def _parse(text: str):
     """The program as a tree: ("num", v) | ("in", k) | (fn, [args]); the builder adds
-    ("val", v) leaves for values it has emitted already."""
+    ("val", v) leaves for values it has emitted already.  Without recursion: a program may
+    nest as deep as MXNet loads (fusion/graph.py: MAX_EXPR_DEPTH)."""
     tokens = [(t.lastgroup, t.group(t.lastgroup)) for t in _TOKEN.finditer(text)]
-    pos = [0]
-
-    def expr():
-        kind, val = tokens[pos[0]]
-        pos[0] += 1
-        if kind == "num":
-            return ("num", float(val))
-        if re.fullmatch(r"x\d+", val):
-            return ("in", int(val[1:]))
-        assert tokens[pos[0]] == ("punct", "("), "expected ( after %s" % val
-        pos[0] += 1
-        args = [expr()]
-        while tokens[pos[0]] == ("punct", ","):
-            pos[0] += 1
-            args.append(expr())
-        assert tokens[pos[0]] == ("punct", ")")
-        pos[0] += 1
-        return (val, args)
-
-    return expr()
+    frames: list = []           # (fn, args) of the calls still open
+    result = None
+    k = 0
+    while k < len(tokens):
+        kind, val = tokens[k]
+        k += 1
+        if kind == "punct":
+            if val == ")":
+                assert frames, "unbalanced ) in %r" % text[:80]
+                node = tuple(frames.pop())
+            else:
+                assert val == "," and frames, "unexpected %r in %r" % (val, text[:80])
+                continue
+        elif kind == "num":
+            node = ("num", float(val))
+        elif re.fullmatch(r"x\d+", val):
+            node = ("in", int(val[1:]))
+        else:
+            assert k < len(tokens) and tokens[k] == ("punct", "("), "expected ( after %s" % val
+            k += 1
+            frames.append((val, []))
+            continue
+        if frames:
+            frames[-1][1].append(node)
+        else:
+            assert result is None, "more than one expression in %r" % text[:80]
+            result = node
+    assert result is not None and not frames, "incomplete expression %r" % text[:80]
+    return result
 
 
 def _spell(v: float) -> str:
@@ -84,11 +94,13 @@ def _spell(v: float) -> str:
 
 
 def _inputs_read(tree, acc: set) -> set:
-    if tree[0] == "in":
-        acc.add(tree[1])
-    elif tree[0] != "num":
-        for t in tree[1]:
-            _inputs_read(t, acc)
+    todo = [tree]
+    while todo:
+        t = todo.pop()
+        if t[0] == "in":
+            acc.add(t[1])
+        elif t[0] not in ("num", "val"):
+            todo.extend(t[1])
     return acc
 
 
@@ -134,13 +146,28 @@ class ElemwiseProgram:
         """A tensor of zero's shape holding v (-0 + v == v for every v)."""
         return self._op("_plus_scalar", [zero], scalar=v)
 
-    def _emit(self, t):
-        kind = t[0]
-        if kind in ("num", "val"):
-            return t[1]
-        if kind == "in":
-            return self.inputs[t[1]]
-        args = [self._emit(a) for a in t[1]]
+    def _emit(self, tree):
+        """The stock value of ``tree``: its calls in post-order, without recursion."""
+        values: dict = {}           # id(node) -> its value (a node object may be reached twice)
+        todo = [(tree, False)]
+        while todo:
+            t, ready = todo.pop()
+            if id(t) in values:
+                continue
+            kind = t[0]
+            if kind in ("num", "val"):
+                values[id(t)] = t[1]
+            elif kind == "in":
+                values[id(t)] = self.inputs[t[1]]
+            elif not ready:
+                todo.append((t, True))
+                todo.extend((a, False) for a in reversed(t[1]))
+            else:
+                values[id(t)] = self._call(kind, t, [values[id(a)] for a in t[1]])
+        return values[id(tree)]
+
+    def _call(self, kind: str, t, args):
+        """``kind`` applied to the emitted values of its arguments."""
         if kind in ("where", "clip", "hard_sigmoid", "leaky") or (kind in _BINARY and all(
                 isinstance(a, float) for a in args)) or (len(args) == 1 and isinstance(args[0], float)):
             return self._special(kind, t, args)

@@ -176,3 +176,19 @@ def test_unfuse_is_total(expr, shapes):
         sh = [((lead,) + s[1:] if lead and len(s) > 1 and k == 0 else s) for k, s in enumerate(shapes)]
         inputs = inputs_for(dict(zip(names, sh)), 1)
         compare(run(plain, {}, inputs), run(sym, {}, inputs), expr)
+
+
+def test_unfuse_of_a_program_nested_as_deep_as_mxnet_loads():
+    """A program nested thousands deep (one written by hand, or by another tool: the rules emit at
+    most 256 ops) unfuses like any other — the parser and builder do not recurse."""
+    from fusion.graph import MAX_EXPR_DEPTH
+
+    expr = "x0"
+    for i in range(MAX_EXPR_DEPTH - 1):
+        expr = ("add(%s, x1)" if i % 2 else "mul(%s, 0.999)") % expr
+    sym = S.fused_elemwise(S.var("x0"), S.var("x1"), expr=expr, num_args=2)
+    plain = fusion.unfuse(sym, {"x0": (2, 3), "x1": (2, 3)})
+    assert Graph.from_symbol(plain).count_ops() == {"_mul_scalar": MAX_EXPR_DEPTH // 2,
+                                                    "broadcast_add": MAX_EXPR_DEPTH // 2 - 1}
+    inputs = inputs_for({"x0": (2, 3), "x1": (2, 3)}, 1)
+    compare(run(plain, {}, inputs), run(sym, {}, inputs), "deep")
