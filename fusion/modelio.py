@@ -169,7 +169,7 @@ def _numpy(value: Any) -> np.ndarray:
 _DTYPE_NAMES: Dict[Any, str] = {}
 
 
-def _dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
     """``np.dtype(dtype).name``, remembered (it is slow, and asked once per parameter)."""
     try:
         return _DTYPE_NAMES[dtype]
@@ -224,12 +224,12 @@ def check_param_values(graph: Graph, symbol: Any, arg: Mapping[str, Any], aux: M
     dtypes = {}
     finite = _FiniteCheck()
     for name, value in list(arg.items()) + list(aux.items()):
-        dtype_name = _dtype_name(value.dtype)
-        if dtype_name not in PARAM_DTYPES:
+        dtype = dtype_name(value.dtype)
+        if dtype not in PARAM_DTYPES:
             raise ParamsError("parameter '%s' has dtype %s; MXNet arrays are %s"
-                              % (name, dtype_name, ", ".join(PARAM_DTYPES)))
-        dtypes[name] = dtype_name
-        if dtype_name.startswith("float"):
+                              % (name, dtype, ", ".join(PARAM_DTYPES)))
+        dtypes[name] = dtype
+        if dtype.startswith("float"):
             finite.add(name, _numpy(value))
     finite.done()
     for nd in graph.op_nodes():
@@ -317,7 +317,7 @@ def fitting_input_dtypes(symbol: Any, dtypes: Mapping[str, str],
     if fit is None:
         return None
     data_dtype, got = fit
-    return {n: _dtype_name(x) if x is not None else data_dtype for n, x in zip(arguments, got[0])}
+    return {n: dtype_name(x) if x is not None else data_dtype for n, x in zip(arguments, got[0])}
 
 
 def _first_fit(infer, dtypes: Mapping[str, str]):

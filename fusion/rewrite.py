@@ -29,7 +29,7 @@ from .attrs import Attrs
 from .errors import FusionError
 from .graph import Entry, Graph, Node
 from .matcher import Match, Trace, _State, match_pattern
-from .modelio import PARAM_DTYPES
+from .modelio import PARAM_DTYPES, dtype_name
 from .pattern import required_ops
 from .report import FusionReport
 from .selfcheck import Candidate, SelfCheck
@@ -158,7 +158,7 @@ class Context:
     def _param_dtype(self, name: str) -> Optional[str]:
         for store in (self.new_args, self.new_aux, self.arg_params, self.aux_params):
             if name in store:
-                return np.dtype(store[name].dtype).name
+                return dtype_name(store[name].dtype)
         return None
 
     @property
@@ -324,7 +324,7 @@ class Builder:
             raise FusionError("it would add parameter '%s'; in training every parameter must stay the one "
                               "the optimizer updates" % name)
         value = np.ascontiguousarray(value)
-        if value.dtype.name not in PARAM_DTYPES:
+        if dtype_name(value.dtype) not in PARAM_DTYPES:
             raise FusionError("it would add parameter '%s' of dtype %s, which MXNet has no arrays of"
                               % (name, value.dtype.name))
         unique = self.ctx.unique_name(name)
