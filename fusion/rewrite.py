@@ -602,6 +602,12 @@ def _training_reason(m: Match, b: "Builder", mapping: Dict[Entry, Entry], ctx: "
         if any(id(e.node) in ctx.memo[key] for e in mapping):
             return ("its result gets no gradient (what reads it ends in BlockGrad or the like): MXNet skips "
                     "the backward of what it replaces, a library op's would run (0 · NaN is NaN)")
+        quiet = next((e for e in m.external_inputs() if not e.node.is_variable and id(e.node) in ctx.memo[key]),
+                     None)
+        if quiet is not None:
+            return ("%s '%s' gets no gradient (what reads it ends in a comparison, BlockGrad or the like): "
+                    "MXNet skips its backward; the library op's backward would hand it zeros and run it "
+                    "(0 · inf is NaN)" % (quiet.node.op, quiet.node.name))
     read = {id(e.node) for n in b.created for e in n.inputs} | {id(e.node) for e in mapping.values()}
     for nd in m.nodes:
         for e in nd.inputs:

@@ -280,3 +280,36 @@ def test_training_no_library_op_where_mxnet_skips_the_backward():
     assert "gets no gradient" in train.report.to_text(explain=True)
     assert any("sqrt" in n.attrs.raw("expr") for n in fusion.fuse(y, input_shapes={"x": (2, 3)}).graph.op_nodes()
                if n.op == "fused_elemwise")
+
+
+def test_training_no_library_op_reads_what_mxnet_gives_no_gradient():
+    """gt(tanh(x mod m) + 0.5, 0.5): the comparison makes every gradient below it zero, and MXNet
+    runs no backward there (mod's gradient w.r.t. m at m = 0 would be 0 · inf).  A fused op of the
+    chain above mod would hand mod zeros through its own backward, and mod's would run: NaN.
+    In training that rewrite is refused with the reason; the gradients stay MXNet's."""
+    x, m = S.var("x"), S.var("m")
+    y = S.broadcast_mod(x, m).tanh() + 0.5 > 0.5
+    shapes = {"x": (2, 4), "m": (2, 4)}
+    train = fusion.fuse(y, input_shapes=shapes, mode="training")
+    assert "fused_elemwise" not in train.graph.count_ops()
+    assert "'broadcast_mod" in train.report.to_text(explain=True) and "gets no gradient" in \
+        train.report.to_text(explain=True)
+    inputs = {"x": np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32),
+              "m": np.array([[1, 1, 1, 1], [1, 1, 1, 0]], np.float32)}
+    want, got = (grads_of(s, inputs) for s in (y, train.symbol))
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+    assert not np.isnan(want["m"]).any()
+    assert "fused_elemwise" in fusion.fuse(y, input_shapes=shapes).graph.count_ops()   # inference: fused
+
+
+def grads_of(sym, inputs):
+    """Gradients of every input after one backward with all-ones head gradients."""
+    import mxnet as mx
+
+    args = {k: mx.nd.array(v) for k, v in inputs.items()}
+    g = {k: mx.nd.zeros(v.shape) for k, v in inputs.items()}
+    exe = sym.bind(mx.cpu(), args, args_grad=g)
+    outs = exe.forward(is_train=True)
+    exe.backward([mx.nd.ones(o.shape) for o in outs])
+    return {k: v.asnumpy() for k, v in g.items()}

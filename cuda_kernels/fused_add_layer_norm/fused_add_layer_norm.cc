@@ -137,7 +137,7 @@ MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* in, std::vecto
       float* pg = part.data() + static_cast<size_t>(t) * (2 * C + (b_full ? 0 : BR * C));
       float* pb = pg + C;
       float* pbb = pb + C;
-      std::vector<float> xh(C);
+      std::vector<float> xh(C), gg(C);
 #pragma omp for schedule(dynamic, 8)
       for (int64_t r = 0; r < R; ++r) {
         const float* ar = A + r * C;
@@ -152,7 +152,7 @@ MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* in, std::vecto
         float m1 = 0.f, m2 = 0.f;
         for (int64_t c = 0; c < C; ++c) {
           xh[c] = (xh[c] - mean) * rstd;
-          const float g = dy[c] * G[c];
+          const float g = gg[c] = dy[c] * G[c];
           m1 += g;
           m2 += g * xh[c];
           pg[c] += dy[c] * xh[c];
@@ -161,8 +161,11 @@ MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* in, std::vecto
         m1 /= C;
         m2 /= C;
         float* da = dA + r * C;
+        // g·γ rounded once, as summed into m1: written again here, the compiler may contract it
+        // into fma(dy, γ, -m1), whose exact product leaves a rounding residue where the terms
+        // cancel (one feature: 0 in the unfused graph, the residue times rstd = 1/sqrt(eps) here)
         for (int64_t c = 0; c < C; ++c) {
-          float v = rstd * (dy[c] * G[c] - m1 - xh[c] * m2);
+          float v = rstd * (gg[c] - m1 - xh[c] * m2);
           if (dS) v += dS[r * C + c];
           da[c] = v;
         }

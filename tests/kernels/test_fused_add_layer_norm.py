@@ -41,11 +41,14 @@ def test_forward(ashape, bshape, output_sum):
         np.testing.assert_allclose(out.asnumpy(), y, **FWD)
 
 
-@pytest.mark.parametrize("bshape", [(3, 6, 20), (6, 20)])
+# C = 1 with eps 1e-12: the normalized value is 0 and its gradient cancels exactly (0 in MXNet;
+# rstd = 1e6 magnifies any rounding residue left in the cancellation)
+@pytest.mark.parametrize("bshape,C,eps", [((3, 6, 20), 20, 1e-3), ((6, 20), 20, 1e-3), ((3, 6, 1), 1, 1e-12),
+                                          ((3, 6, 2), 2, 1e-12)])
 @pytest.mark.parametrize("output_sum", [False, True])
-def test_backward_vs_mxnet(bshape, output_sum):
-    a, b, g, be = rnd(3, 6, 20), rnd(*bshape, seed=1), rnd(20, seed=2), rnd(20, seed=3)
-    dy, ds = rnd(3, 6, 20, seed=4), rnd(3, 6, 20, seed=5)
+def test_backward_vs_mxnet(bshape, C, eps, output_sum):
+    a, b, g, be = rnd(3, 6, C), rnd(*bshape, seed=1), rnd(C, seed=2), rnd(C, seed=3)
+    dy, ds = rnd(3, 6, C, seed=4), rnd(3, 6, C, seed=5)
     xs = [mx.nd.array(x) for x in (a, b, g, be)]
     res = []
     for fused in (False, True):
@@ -53,11 +56,11 @@ def test_backward_vs_mxnet(bshape, output_sum):
             x.attach_grad()
         with mx.autograd.record():
             if fused:
-                o = mx.nd.fused_add_layer_norm(*xs, eps=1e-3, output_sum=output_sum)
+                o = mx.nd.fused_add_layer_norm(*xs, eps=eps, output_sum=output_sum)
                 outs = list(o) if output_sum else [o]
             else:
                 s = mx.nd.broadcast_add(xs[0], xs[1])
-                outs = [mx.nd.LayerNorm(s, xs[2], xs[3], eps=1e-3)] + ([s] if output_sum else [])
+                outs = [mx.nd.LayerNorm(s, xs[2], xs[3], eps=eps)] + ([s] if output_sum else [])
         heads = [mx.nd.array(dy)] + ([mx.nd.array(ds)] if output_sum else [])
         mx.autograd.backward(outs, heads)
         res.append([x.grad.asnumpy().copy() for x in xs])
