@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import numpy as np
+
+from fusion.errors import FusionError
 from fusion.graph import Entry, Node
 from fusion.matcher import Match
 from fusion.pattern import Pattern, Region, Var, op
@@ -99,6 +102,10 @@ class ConstantFold(Rule):
         args = [mx.nd.array(b.value(e), dtype=b.value(e).dtype) for e in node.inputs]
         out = fn(*args, **node.attrs.to_json())
         value = (out[0] if isinstance(out, (list, tuple)) else out).asnumpy()
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            # fuse() and mxfuse refuse parameters holding NaN or inf (a corrupt file, as a rule):
+            # the fused model must load and fuse again like any other
+            raise FusionError("the folded value holds NaN or inf, which a parameter may not")
         return b.param(node.name + "_const", value)
 
 

@@ -50,3 +50,17 @@ def test_oversized_result_not_materialized(monkeypatch):
     assert res.report.fused_count == 0
     reasons = res.report.rules["constant_fold"].near_misses
     assert any("24-byte parameter (limit 16)" in r for r in reasons.values()), reasons
+
+
+def test_value_that_would_hold_nan_or_inf_is_not_folded():
+    """rsqrt of a parameter with a negative entry: the folded parameter would hold NaN, which fuse()
+    refuses in a params file — the fused model must fuse again (idempotence); the op stays."""
+    y = S.rsqrt(S.var("p")) * S.var("x")
+    arg = {"p": mx.nd.array([4.0, -1.0, 1.0])}
+    res = fuse_and_check(y, {"x": (3,)}, arg, {}, rules=["inference_cleanup"])
+    assert res.report.fused_count == 0
+    assert "NaN or inf" in res.report.to_text(explain=True)
+    again = fusion.fuse(res.symbol, res.arg_params, res.aux_params, input_shapes={"x": (3,)})
+    assert again.report is not None
+    ok = fuse_and_check(y, {"x": (3,)}, {"p": mx.nd.array([4.0, 2.0, 1.0])}, {}, rules=["inference_cleanup"])
+    assert ok.report.fused_count == 1

@@ -484,8 +484,10 @@ MXReturnValue backward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MX
         for (size_t i = 0; i < ni; ++i)
           if (wants[i]) std::fill(adj[i], adj[i] + n, -0.f);
         if (wants[ni - 1]) std::memcpy(adj[ni - 1], dY + s, n * sizeof(float));
+        // only values an adjoint reaches backpropagate: one no gradient reaches (a comparison's
+        // operand) passes nothing on, not 0 times its local derivative (0 · NaN would be NaN)
         for (size_t i = ni; i-- > 0;)
-          if (wants[i] && code[i].op != LOAD)
+          if (flows[i] && code[i].op != LOAD)
             backprop(code[i], vals, vals[i], adj[i], adj, wants,
                      code[i].b >= 0 && code[code[i].b].op == CONST, n);
         for (int k = 0; k < nin; ++k) {
@@ -494,7 +496,7 @@ MXReturnValue backward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MX
           if (b.views[k].full) {
             if (flows[li]) std::memcpy((*out)[k].data<float>() + s, adj[li], n * sizeof(float));
             else std::fill((*out)[k].data<float>() + s, (*out)[k].data<float>() + s + n, 0.f);
-          } else {
+          } else if (flows[li]) {
             b.views[k].scatter_add(adj[li], s, n, acc[k].data() + static_cast<size_t>(t) * (*out)[k].size());
           }
         }

@@ -155,6 +155,23 @@ def test_backward_vs_mxnet(expr, shapes):
         np.testing.assert_allclose(g, w, **BWD)
 
 
+@pytest.mark.parametrize("shape0", [(6,), (1,)])      # x0 read in full, and broadcast
+def test_backward_passes_nothing_through_a_comparison(shape0):
+    """Below a comparison no gradient flows: the values it reads pass nothing back, not 0 times their
+    local derivative (pow of a negative base: log(a) is NaN there), as MXNet's separate ops give 0."""
+    expr = "tanh(gt(add(x0, pow(x0, x0)), x1))"
+    x0 = np.full(shape0, -0.52, np.float32)
+    x1 = np.linspace(-1.5, 1.5, 6).astype(np.float32)
+    arrs = [mx.nd.array(x0), mx.nd.array(x1)]
+    for a in arrs:
+        a.attach_grad()
+    with mx.autograd.record():
+        y = mx.nd.fused_elemwise(*arrs, expr=expr)
+    y.backward(mx.nd.ones(y.shape))
+    for a in arrs:
+        np.testing.assert_array_equal(a.grad.asnumpy(), np.zeros(a.shape, np.float32))
+
+
 def test_constant_program():
     y = mx.nd.fused_elemwise(mx.nd.ones((3, 5000)), expr="2.5", num_args=1)
     np.testing.assert_array_equal(y.asnumpy(), np.full((3, 5000), 2.5, np.float32))
