@@ -313,7 +313,9 @@ def make_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: M
     values = sorted({d for s in base.values() for d in s[1:] if d >= 1}, reverse=True)[:MAX_SIZES_TRIED]
     # Sizes no parameter has (a sequence length, an image side) are likely free: tried together
     # first; otherwise each size alone, then all that worked together.
-    param_dims = {d for s in param_shapes.values() for d in s}
+    # (1 is no parameter's size to keep: a scalar parameter or a broadcast axis has it, and where a
+    # size of 1 is a real one the graph refuses the other sizes -- `accepted` asks it)
+    param_dims = {d for s in param_shapes.values() for d in s if d != 1}
     free = {v: _alternate(v) for v in values if v not in param_dims}
     if free and accepted(resized(with_batch, free)):
         probes.append(resized(with_batch, free))
