@@ -16,7 +16,7 @@ import importlib
 from typing import Dict, List, Optional, Tuple
 
 #: The modules of the library, in the order their rules are listed.
-MODULES = ("constant_fold", "attention", "dense_act", "skip_layer_norm", "conv_bn_act", "layer_norm", "gelu",
+MODULES = ("constant_fold", "attention", "squeeze_excitation", "dense_act", "skip_layer_norm", "conv_bn_act", "layer_norm", "gelu",
            "softmax", "elementwise")
 
 #: Family name -> the module whose rules it groups (modules of a single rule form no family).
@@ -25,6 +25,7 @@ FAMILIES: Dict[str, str] = {
     "attention_fusion": "attention",
     "bn_folding": "conv_bn_act",
     "gelu": "gelu",
+    "squeeze_excitation": "squeeze_excitation",
 }
 
 
