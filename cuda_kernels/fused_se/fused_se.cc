@@ -125,6 +125,10 @@ MXReturnValue infer_shape(const Attrs& a, std::vector<Shape>* in, std::vector<Sh
       throw OpError("b1 must be (" + std::to_string(Cm) + ",), got " + shape_str((*in)[s.b1]));
     if (p.bias2 && !((*in)[s.b2].size() == 1 && static_cast<int64_t>((*in)[s.b2][0]) == C))
       throw OpError("b2 must be (" + std::to_string(C) + ",), got " + shape_str((*in)[s.b2]));
+    if (attr_int(a, "num_hidden", Cm) != Cm || attr_int(a, "num_channels", C) != C)
+      throw OpError("num_hidden/num_channels (" + std::to_string(attr_int(a, "num_hidden", Cm)) + ", " +
+                    std::to_string(attr_int(a, "num_channels", C)) + ") do not match the weights (" +
+                    std::to_string(Cm) + ", " + std::to_string(C) + ")");
     if (p.residual && (*in)[s.res] != x)
       throw OpError("residual must have x's shape " + shape_str(x) + ", got " +
                     shape_str((*in)[s.res]));
@@ -166,7 +170,6 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
     const bool hs = p.in_act == InAct::hard_swish;
     const Act hidden = resolve_act(p.act, 4, dnnl_enabled());
     const Act tail = resolve_act(p.out_act, 4, dnnl_enabled());
-    const float inv_hw = 1.f / static_cast<float>(HW);
 
     std::vector<float> pooled(N * C), hid(N * Cm), gate(N * C);
     // pass 1: the mean of each plane (of the activated input)
@@ -183,7 +186,6 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
       }
       pooled[i] = acc / static_cast<float>(HW);
     }
-    (void)inv_hw;
     // the excitation: two matrix-vector products per sample (small: done on one thread)
     for (int64_t n = 0; n < N; ++n) {
       const float* pn = pooled.data() + n * C;
