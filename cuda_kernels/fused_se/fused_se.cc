@@ -171,68 +171,75 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
     const Act hidden = resolve_act(p.act, 4, dnnl_enabled());
     const Act tail = resolve_act(p.out_act, 4, dnnl_enabled());
 
-    std::vector<float> pooled(N * C), hid(N * Cm), gate(N * C);
-    // pass 1: the mean of each plane (of the activated input)
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < N * C; ++i) {
-      const float* xp = X + i * HW;
-      float acc = 0.f;
-      if (hs) {
-#pragma omp simd reduction(+ : acc)
-        for (int64_t k = 0; k < HW; ++k) acc += hard_swish(xp[k]);
-      } else {
-#pragma omp simd reduction(+ : acc)
-        for (int64_t k = 0; k < HW; ++k) acc += xp[k];
-      }
-      pooled[i] = acc / static_cast<float>(HW);
-    }
-    // the excitation: two matrix-vector products per sample (small: done on one thread)
-    for (int64_t n = 0; n < N; ++n) {
-      const float* pn = pooled.data() + n * C;
-      float* hn = hid.data() + n * Cm;
-      for (int64_t j = 0; j < Cm; ++j) {
-        const float* w = W1 + j * C;
+    const int64_t P = N * C;  // planes
+    std::vector<float> pooled(P);
+    const bool relu_nan_zero = tail == Act::relu_dnnl;
+    const bool relu_keep_nan = tail == Act::relu || tail == Act::act_relu;
+    // One parallel region with one barrier: each thread pools a range of planes; after the
+    // barrier it computes the (small) hidden layer itself, then the gates of its own planes
+    // and scales them -- the planes it pooled, still in its cache when they are small.  A
+    // team that joined and forked between the passes would have to wake its threads again,
+    // which on a loaded machine can cost a scheduler time slice.
+    const int nt = P * HW < (1 << 15) ? 1 : omp_get_max_threads();
+#pragma omp parallel num_threads(nt)
+    {
+      const int T = omp_get_num_threads(), t = omp_get_thread_num();
+      const int64_t lo = P * t / T, hi = P * (t + 1) / T;
+      for (int64_t i = lo; i < hi; ++i) {  // pass 1: the mean of each plane (of the activated input)
+        const float* xp = X + i * HW;
         float acc = 0.f;
+        if (hs) {
 #pragma omp simd reduction(+ : acc)
-        for (int64_t c = 0; c < C; ++c) acc += w[c] * pn[c];
-        hn[j] = acc + (B1 ? B1[j] : 0.f);
+          for (int64_t k = 0; k < HW; ++k) acc += hard_swish(xp[k]);
+        } else {
+#pragma omp simd reduction(+ : acc)
+          for (int64_t k = 0; k < HW; ++k) acc += xp[k];
+        }
+        pooled[i] = acc / static_cast<float>(HW);
       }
-      act_forward(hidden, p.slope, hn, Cm);
-      float* gn = gate.data() + n * C;
-      for (int64_t c = 0; c < C; ++c) {
+#pragma omp barrier
+      std::vector<float> hid(N * Cm);
+      for (int64_t n = 0; n < N; ++n) {  // the hidden layer of every sample (Cm x C, small)
+        const float* pn = pooled.data() + n * C;
+        float* hn = hid.data() + n * Cm;
+        for (int64_t j = 0; j < Cm; ++j) {
+          const float* w = W1 + j * C;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t c = 0; c < C; ++c) acc += w[c] * pn[c];
+          hn[j] = acc + (B1 ? B1[j] : 0.f);
+        }
+        act_forward(hidden, p.slope, hn, Cm);
+      }
+      for (int64_t i = lo; i < hi; ++i) {  // pass 2: gate, scale [+ residual] [-> relu]
+        const int64_t n = i / C, c = i % C;
         const float* w = W2 + c * Cm;
+        const float* hn = hid.data() + n * Cm;
         float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t j = 0; j < Cm; ++j) acc += w[j] * hn[j];
-        gn[c] = gate_fn(p, acc + (B2 ? B2[c] : 0.f));
-      }
-    }
-    // pass 2: scale each plane [+ residual] [→ relu]
-    const bool relu_nan_zero = tail == Act::relu_dnnl;
-    const bool relu_keep_nan = tail == Act::relu || tail == Act::act_relu;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < N * C; ++i) {
-      const float* xp = X + i * HW;
-      const float g = gate[i];
-      float* yp = Y + i * HW;
-      const float* rp = R ? R + i * HW : nullptr;
-      if (hs) {
+        const float g = gate_fn(p, acc + (B2 ? B2[c] : 0.f));
+        const float* xp = X + i * HW;
+        float* yp = Y + i * HW;
+        const float* rp = R ? R + i * HW : nullptr;
+        if (hs) {
 #pragma omp simd
-        for (int64_t k = 0; k < HW; ++k) yp[k] = hard_swish(xp[k]) * g;
-      } else {
+          for (int64_t k = 0; k < HW; ++k) yp[k] = hard_swish(xp[k]) * g;
+        } else {
 #pragma omp simd
-        for (int64_t k = 0; k < HW; ++k) yp[k] = xp[k] * g;
-      }
-      if (rp) {
+          for (int64_t k = 0; k < HW; ++k) yp[k] = xp[k] * g;
+        }
+        if (rp) {
 #pragma omp simd
-        for (int64_t k = 0; k < HW; ++k) yp[k] += rp[k];
-      }
-      if (relu_nan_zero) {
+          for (int64_t k = 0; k < HW; ++k) yp[k] += rp[k];
+        }
+        if (relu_nan_zero) {
 #pragma omp simd
-        for (int64_t k = 0; k < HW; ++k) yp[k] = yp[k] > 0.f ? yp[k] : 0.f;
-      } else if (relu_keep_nan) {
+          for (int64_t k = 0; k < HW; ++k) yp[k] = yp[k] > 0.f ? yp[k] : 0.f;
+        } else if (relu_keep_nan) {
 #pragma omp simd
-        for (int64_t k = 0; k < HW; ++k) yp[k] = !(yp[k] <= 0.f) ? yp[k] : 0.f;
+          for (int64_t k = 0; k < HW; ++k) yp[k] = !(yp[k] <= 0.f) ? yp[k] : 0.f;
+        }
       }
     }
   });
