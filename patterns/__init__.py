@@ -16,8 +16,8 @@ import importlib
 from typing import Dict, List, Optional, Tuple
 
 #: The modules of the library, in the order their rules are listed.
-MODULES = ("constant_fold", "attention", "squeeze_excitation", "dense_act", "skip_layer_norm", "conv_bn_act", "layer_norm", "gelu",
-           "softmax", "elementwise")
+MODULES = ("constant_fold", "attention", "squeeze_excitation", "dense_act", "skip_layer_norm", "conv_bn_act",
+           "concat_bn_act", "layer_norm", "gelu", "softmax", "elementwise")
 
 #: Family name -> the module whose rules it groups (modules of a single rule form no family).
 FAMILIES: Dict[str, str] = {
@@ -26,6 +26,7 @@ FAMILIES: Dict[str, str] = {
     "bn_folding": "conv_bn_act",
     "gelu": "gelu",
     "squeeze_excitation": "squeeze_excitation",
+    "dense_concat": "concat_bn_act",
 }
 
 
