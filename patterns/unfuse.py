@@ -12,6 +12,7 @@ fused_add_layer_norm       broadcast_add → LayerNorm (the sum is the 2nd outpu
 fused_se                   [hard-swish ops] → Pooling(global avg) → Convolution 1×1 | FullyConnected → act
                            → Convolution 1×1 | FullyConnected → gate ops [→ Reshape] → broadcast_mul
                            [→ elemwise_add → relu]
+fused_concat_scale_act     Concat(dim=1) → broadcast_mul(scale) → broadcast_add(shift) [→ Activation(relu) | relu]
 fused_elemwise             the program's ops (broadcast_*, scalar ops, where on broadcast_like'd operands)
 fused_attention            head split (Reshape/transpose/slice_axis) → batch_dot(q, k, transpose_b) ·scale
                            [+ mask | where] → softmax [use_length] → batch_dot(·, v) → head merge
@@ -134,4 +135,21 @@ class UnfuseSE(_Unfuse):
         return y
 
 
-RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseElemwise(), UnfuseAttention()]
+# ---------------------------------------------------------------- fused_concat_scale_act
+
+class UnfuseConcatScaleAct(_Unfuse):
+    def __init__(self):
+        super().__init__("fused_concat_scale_act", 130)
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        f = m.node("f")
+        ins = self.inputs(m)
+        pieces, s, t = ins[:-2], ins[-2], ins[-1]
+        cat = b.op("Concat", pieces, attrs={"dim": 1, "num_args": len(pieces)}, name=f.name + "_concat")
+        y = b.op("broadcast_mul", [cat, s], name=f.name + "_scale")
+        y = b.op("broadcast_add", [y, t], name=f.name + "_shift")
+        return _activation(b, y, f.attrs.get("act", "none"), 0.0, f.name)
+
+
+RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseConcatScaleAct(), UnfuseElemwise(),
+                     UnfuseAttention()]

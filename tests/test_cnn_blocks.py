@@ -191,3 +191,75 @@ def test_fused_se_matches_numpy_and_rejects_bad_shapes():
     np.testing.assert_allclose(y, np.maximum(x * g[:, :, None, None] + r, 0), rtol=1e-5, atol=1e-5)
     with pytest.raises(mx.MXNetError, match="w2 must be"):
         mx.nd.fused_se(mx.nd.array(x), mx.nd.array(w1), mx.nd.array(w1), no_bias1=True, no_bias2=True).wait_to_read()
+
+
+# ------------------------------------------------------------------ DenseNet: Concat → BatchNorm → relu
+DENSE_RULES = ["dense_concat"]
+
+
+def dense_block(layers=3, act="Activation", x_shape_c=2):
+    """DenseNet's block as HybridConcurrent writes it: concat(x, layer(x)), layer = BN → relu → conv."""
+    x = mx.sym.var("data")
+    c = x
+    for k in range(layers):
+        h = mx.sym.BatchNorm(c, fix_gamma=False, name="bn%d" % k)
+        h = mx.sym.Activation(h, act_type="relu") if act == "Activation" else mx.sym.relu(h)
+        c = mx.sym.Concat(c, mx.sym.Convolution(h, num_filter=2, kernel=(3, 3), pad=(1, 1), name="conv%d" % k),
+                          dim=1, name="cat%d" % k)
+    y = mx.sym.BatchNorm(c, fix_gamma=False, name="bn_last")
+    return mx.sym.Activation(y, act_type="relu") if act == "Activation" else mx.sym.relu(y)
+
+
+@pytest.mark.parametrize("act", ["Activation", "relu"])
+def test_dense_block_writes_no_concatenation(act):
+    res = fuse_and_check(dense_block(act=act), X, rules=DENSE_RULES)
+    assert fused_by(res) == {"concat_flatten": 1, "concat_bn_act": 3}, res.report.to_text(explain=True)
+    assert "Concat" not in ops(res) and ops(res)["fused_concat_scale_act"] == 3
+    assert res.report.passes <= 3
+
+
+def test_concat_read_elsewhere_is_rebuilt_and_kept():
+    x = mx.sym.var("data")
+    c0 = mx.sym.Concat(x, mx.sym.relu(x), dim=1)
+    c1 = mx.sym.Concat(c0, mx.sym.sigmoid(c0), dim=1)
+    y = mx.sym.Group([mx.sym.relu(mx.sym.BatchNorm(c1, fix_gamma=False)), mx.sym.tanh(c0)])
+    res = fuse_and_check(y, {"data": (1, 2, 3, 3)}, rules=DENSE_RULES)
+    assert ops(res)["Concat"] == 1 and ops(res)["fused_concat_scale_act"] == 1, ops(res)
+
+
+@pytest.mark.parametrize("dim,axis,reason", [(2, 2, "not the channel axis 1"), (1, 2, "normalizes axis 2")])
+def test_concat_bn_refusals(dim, axis, reason):
+    x = mx.sym.var("data")
+    y = mx.sym.relu(mx.sym.BatchNorm(mx.sym.Concat(x, mx.sym.relu(x), dim=dim), axis=axis, fix_gamma=False))
+    res = fuse_and_check(y, {"data": (1, 3, 3, 3)}, rules=DENSE_RULES)
+    assert "fused_concat_scale_act" not in ops(res)
+    assert reason in rejections(res, "concat_bn_act"), res.report.to_text(explain=True)
+
+
+def test_concat_bn_training_is_refused():
+    sym = dense_block()
+    arg, aux = random_params(sym, X)
+    res = fusion.fuse(sym, arg, aux, rules=DENSE_RULES, mode="training", input_shapes=X)
+    assert "fused_concat_scale_act" not in ops(res)
+    assert "moving statistics" in res.report.to_text(explain=True)
+
+
+def test_concat_unfuse_restores_stock_ops():
+    sym = dense_block()
+    arg, aux = random_params(sym, X)
+    res = fusion.fuse(sym, arg, aux, rules=DENSE_RULES, input_shapes=X)
+    plain = fusion.unfuse(res.symbol)
+    assert not any(op.startswith("fused_") for op in ops(plain)), ops(plain)
+    v = fusion.verify(sym, (plain, res.arg_params, res.aux_params), (arg, aux), X)
+    assert v.max_rel <= 1e-5, v
+
+
+def test_densenet_like_network():
+    from mxnet.gluon.model_zoo.vision.densenet import DenseNet
+    shape = (1, 3, 224, 224)
+    with mx.name.NameManager():
+        sym, arg, aux = export(DenseNet(8, 4, [3, 2], classes=10), shape)
+    res = fusion.fuse(sym, arg, aux, input_shapes={"data": shape})
+    assert "Concat" not in ops(res) and ops(res)["fused_concat_scale_act"] == 5, ops(res)
+    for s in (shape, (2, 3, 224, 224)):
+        assert fusion.verify((sym, arg, aux), res, input_shapes={"data": s}).max_rel <= 1e-4
