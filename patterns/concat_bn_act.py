@@ -3,7 +3,7 @@ r"""DenseNet's pre-activation: Concat → BatchNorm [→ relu] in one pass that 
 Matched (anchor at the bottom)::
 
     p0 … pk-1
-       Concat(dim=1)                    (kept: it stays for any other reader)
+       Concat(dim=1)                    (rebuilt for any other reader)
        BatchNorm(γ, β, μ, σ², axis=1)   inference, parameters known
        [Activation(relu) | relu]
 
@@ -18,10 +18,9 @@ And, so that a DenseNet's concatenations are not written at all, a Concat(dim=1)
 first input is another Concat(dim=1) (DenseNet's ``concat(x, layer(x))``), to any depth,
 reads the innermost pieces instead (``concat(concat(a, b), c) = concat(a, b, c)``, exact;
 each inner one is rebuilt from its pieces for its other readers, all in one rewrite):
-each layer's BatchNorm then reads the
-block's input and every earlier layer's output directly, and once nothing else reads a
-concatenation, it is fused away with its BatchNorm.  A concatenation still read elsewhere
-is not fused (the engine refuses: its value escapes).
+each layer's BatchNorm then reads the block's input and every earlier layer's output
+directly, and once nothing else reads a concatenation, it is fused away with its BatchNorm.  A concatenation also read elsewhere
+is rebuilt for those readers (written once, as before; the pass over it is still saved).
 
 Refused: BatchNorm over another axis than the concatenation's channel axis (1), a
 Concat along another axis, values other than float32, unknown parameters or shapes,
@@ -78,6 +77,9 @@ class ConcatBNAct(Rule):
                           name="bn")
         return op.Activation(bn, act_type="relu", name="act") | op.relu(bn, name="act") | bn
 
+    def outside_use_ok(self, m: Match, entry: Entry, user) -> bool:
+        return entry == Entry(m.node("cat"))    # the concatenation, rebuilt for readers outside
+
     def check(self, m: Match) -> Optional[str]:
         cat, bn = m.node("cat"), m.node("bn")
         reason = float32_reason(_pieces(m) + [m[k] for k in ("gamma", "beta", "mean", "var")], m.ctx)
@@ -90,10 +92,10 @@ class ConcatBNAct(Rule):
             return "Concat '%s' joins axis %d, not the channel axis 1" % (cat.name, _dim(cat))
         if bn.param("axis") % len(shape) != 1:
             return "BatchNorm '%s' normalizes axis %d, not the channel axis 1" % (bn.name, bn.param("axis"))
-        nested = next((e for e in _pieces(m) if _joins(e, _dim(cat))), None)
-        if nested is not None:        # concat_flatten opens it first: then the copy it makes goes too
+        first = _pieces(m)[0]
+        if _joins(first, _dim(cat)):      # concat_flatten opens it first: then the copy it makes goes too
             return "Concat '%s' reads Concat '%s' along the same axis (not flattened yet)" % (
-                cat.name, nested.node.name)
+                cat.name, first.node.name)
         if bn.param("output_mean_var"):
             return "BatchNorm '%s' also returns its mean and variance" % bn.name
         if _batchnorm_scale_shift(bn, m.ctx) is None:
@@ -111,8 +113,14 @@ class ConcatBNAct(Rule):
         if m.has("act"):
             act = "act_relu" if m.node("act").op == "Activation" else "relu"
         pieces = _pieces(m)
-        return b.op("fused_concat_scale_act", pieces + [s, t],
-                    attrs={"num_args": len(pieces), "act": act}, name=m.anchor.name)
+        y = b.op("fused_concat_scale_act", pieces + [s, t], attrs={"num_args": len(pieces), "act": act},
+                 name=m.anchor.name)
+        cat = m.node("cat")
+        graph = m.ctx.graph
+        if Entry(cat) in graph.heads or any(u is not bn for u, _ in graph.consumers().get(cat, ())):
+            # read elsewhere too: it is still written once, and the pass over it is saved
+            return {m.anchor_entry: y, Entry(cat): b.op("Concat", pieces, attrs=cat.attrs, name=cat.name, after=cat)}
+        return y
 
 
 def _axis1(v) -> bool:

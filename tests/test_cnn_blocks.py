@@ -227,6 +227,14 @@ def test_concat_read_elsewhere_is_rebuilt_and_kept():
     assert ops(res)["Concat"] == 1 and ops(res)["fused_concat_scale_act"] == 1, ops(res)
 
 
+def test_concat_read_by_another_op_is_rebuilt_for_it():
+    x = mx.sym.var("data")
+    c0 = mx.sym.Concat(x, mx.sym.relu(x), dim=1)
+    y = mx.sym.Group([mx.sym.relu(mx.sym.BatchNorm(c0, fix_gamma=False)), mx.sym.tanh(c0)])
+    res = fuse_and_check(y, {"data": (1, 2, 3, 3)}, rules=DENSE_RULES)
+    assert ops(res) == {"Concat": 1, "fused_concat_scale_act": 1, "relu": 1, "tanh": 1}, ops(res)
+
+
 @pytest.mark.parametrize("dim,axis,reason", [(2, 2, "not the channel axis 1"), (1, 2, "normalizes axis 2")])
 def test_concat_bn_refusals(dim, axis, reason):
     x = mx.sym.var("data")
