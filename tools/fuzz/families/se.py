@@ -49,6 +49,8 @@ def build(b):
 
     def layer(v, units, k):
         kind = "dense" if dense else d.choice(["conv", "grouped"], [9, 1], label="layer %d kind" % k)
+        if kind == "grouped" and (units % 2 or v_channels[0] % 2):
+            kind = "conv"
         no_bias = d.maybe(0.3, label="layer %d no_bias" % k)
         name = b.name("se_fc")
         w_shape = (units, v_channels[0]) if kind == "dense" else (
