@@ -198,20 +198,8 @@ def _conv_tail(node: Node, depth: int = 3) -> bool:
     return any(e.node.op in _CONV or _conv_tail(e.node, depth - 1) for e in node.inputs)
 
 
-def _after_concat(node: Node) -> bool:
-    """Whether ``node`` is a BatchNorm over the channel axis of a Concat along it: left to
-    concat_bn_act (patterns/concat_bn_act.py), which reads the concatenated pieces directly."""
-    if node.op != "BatchNorm" or not node.inputs:
-        return False
-    src = node.inputs[0].node
-    return src.op == "Concat" and int(src.param("dim", 1)) == 1 and node.param("axis") == 1
-
-
 def why_not(node: Node, ctx) -> Optional[str]:
     """The reportable reasons an elementwise op stays out of every region."""
-    if _after_concat(node):
-        return ("BatchNorm '%s' reads a Concat: left to concat_bn_act, which reads the concatenated "
-                "pieces where they are" % node.name)
     if _conv_tail(node):
         return ("%s '%s' is in the tail of a convolution or dense layer: left to MXNet's oneDNN "
                 "backend, which fuses it there" % (node.op, node.name))
@@ -229,7 +217,7 @@ def why_not(node: Node, ctx) -> Optional[str]:
 
 
 def member(node: Node, ctx) -> bool:
-    if _conv_tail(node) or _after_concat(node):
+    if _conv_tail(node):
         return False
     if any(_not_float32(e, ctx) for e in node.inputs):
         return False

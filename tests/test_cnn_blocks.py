@@ -267,7 +267,8 @@ def test_densenet_like_network():
     shape = (1, 3, 224, 224)
     with mx.name.NameManager():
         sym, arg, aux = export(DenseNet(8, 4, [3, 2], classes=10), shape)
-    res = fusion.fuse(sym, arg, aux, input_shapes={"data": shape})
+    assert "fused_concat_scale_act" not in ops(fusion.fuse(sym, arg, aux, input_shapes={"data": shape}))  # opt-in
+    res = fusion.fuse(sym, arg, aux, rules=DENSE_RULES + ["default"], input_shapes={"data": shape})
     assert "Concat" not in ops(res) and ops(res)["fused_concat_scale_act"] == 5, ops(res)
     for s in (shape, (2, 3, 224, 224)):
         assert fusion.verify((sym, arg, aux), res, input_shapes={"data": s}).max_rel <= 1e-4
