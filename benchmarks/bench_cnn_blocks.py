@@ -11,7 +11,8 @@ which fuses conv+BN+ReLU(+add) itself) and timed round-robin; per model the medi
 the p10–p90 spread of each, and ``speed-up`` = original median ÷ fused median.  With
 ``--rounds R`` the whole comparison is repeated R times and every round printed (the
 machines are shared: look at the spread across rounds).  Every fused model is verified
-against the original first (max relative error, ``fusion.verify``).
+against the original first (max relative error, ``fusion.verify``).  ``MODEL+RULES`` fuses
+with opt-in rules besides the default ones (``densenet121+dense_concat``).
 """
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ from fusion.testing_gluoncv import MODELS as GLUONCV  # noqa: E402
 from fusion.testing_gluoncv import gluoncv_model  # noqa: E402
 from fusion.verify import random_inputs  # noqa: E402
 
-MODELS = ("se_resnext50_32x4d", "mobilenetv3_large", "densenet121", "resnet50_v1", "se_resnet50_v1")
+MODELS = ("se_resnext50_32x4d", "mobilenetv3_large", "densenet121", "densenet121+dense_concat", "resnet50_v1",
+          "se_resnet50_v1")
+ZOO = ("densenet121", "resnet50_v1", "resnet18_v1", "mobilenetv2_1.0")
 SHAPE = (1, 3, 224, 224)
 WATCHED = ("fused_se", "fused_elemwise", "Convolution", "BatchNorm", "Concat", "broadcast_mul",
            "_contrib_AdaptiveAvgPooling2D", "Pooling")
@@ -54,8 +57,10 @@ def counts(symbol) -> collections.Counter:
 
 
 def bench(name: str, repeats: int, rounds: int) -> None:
-    sym, arg, aux = load(name)
-    result = fusion.fuse(sym, arg, aux, input_shapes={"data": SHAPE})
+    model, _, opt_in = name.partition("+")
+    sym, arg, aux = load(model)
+    rules = [opt_in, "default"] if opt_in else None
+    result = fusion.fuse(sym, arg, aux, rules=rules, input_shapes={"data": SHAPE})
     check = fusion.verify((sym, arg, aux), result, input_shapes={"data": SHAPE})
     before, after = counts(sym), counts(result.symbol)
     inputs = random_inputs(sym, arg, {"data": SHAPE})
@@ -86,7 +91,7 @@ def main(argv=None) -> int:
     print("mxnet %s, OMP_NUM_THREADS=%s, batch 1, 224x224; medians of interleaved calls, [p10-p90]"
           % (mx.__version__, os.environ.get("OMP_NUM_THREADS")))
     for name in [m for m in args.models.split(",") if m]:
-        if name not in GLUONCV and name not in ("densenet121", "resnet50_v1", "resnet18_v1", "mobilenetv2_1.0"):
+        if name.partition("+")[0] not in tuple(GLUONCV) + ZOO:
             print("unknown model %r" % name, file=sys.stderr)
             return 2
         bench(name, args.repeats, args.rounds)

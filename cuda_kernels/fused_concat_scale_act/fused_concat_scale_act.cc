@@ -102,7 +102,7 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
     const bool nan_zero = act == Act::relu_dnnl;
     const bool keep_nan = act == Act::relu || act == Act::act_relu;
     const int64_t P = N * C;
-    const int nt = P * inner < (1 << 15) ? 1 : omp_get_max_threads();
+    const int nt = P * inner < (1 << 20) ? 1 : omp_get_max_threads();  // as fused_se: small maps on one thread
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t i = 0; i < P; ++i) {
       const int64_t n = i / C, c = i % C;

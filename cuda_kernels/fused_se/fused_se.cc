@@ -178,9 +178,11 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
     // One parallel region with one barrier: each thread pools a range of planes; after the
     // barrier it computes the (small) hidden layer itself, then the gates of its own planes
     // and scales them -- the planes it pooled, still in its cache when they are small.  A
-    // team that joined and forked between the passes would have to wake its threads again,
-    // which on a loaded machine can cost a scheduler time slice.
-    const int nt = P * HW < (1 << 15) ? 1 : omp_get_max_threads();
+    // team that joined and forked between the passes would have to wake its threads again.
+    // Maps under 4 MiB run on one thread: a two-pass op over them takes ~0.1-0.3 ms alone,
+    // while waking a team (and its barrier) on a loaded machine can cost a scheduler time
+    // slice (measured 7-15 ms medians at 2 threads on the shared 2-core machine).
+    const int nt = P * HW < (1 << 20) ? 1 : omp_get_max_threads();
 #pragma omp parallel num_threads(nt)
     {
       const int T = omp_get_num_threads(), t = omp_get_thread_num();
