@@ -296,22 +296,29 @@ class Builder:
     def value(self, entry: Entry) -> Optional[np.ndarray]:
         return self.ctx.value(entry)
 
-    def _place(self, node: Node) -> Node:
-        node.pos = self.anchor.pos - 0.5 + len(self.created) * 1e-5
+    def _place(self, node: Node, after: Optional[Node] = None) -> Node:
+        if after is not None:
+            node.pos = after.pos + 1e-4 + len(self.created) * 1e-6
+        else:
+            node.pos = self.anchor.pos - 0.5 + len(self.created) * 1e-5
         self.created.append(node)
         return node
 
     def op(self, op: str, inputs: Sequence[Entry], attrs: Union[Attrs, Mapping[str, Any], None] = None,
-           name: Optional[str] = None, num_outputs: int = 1, extra: Optional[Dict[str, Any]] = None):
+           name: Optional[str] = None, num_outputs: int = 1, extra: Optional[Dict[str, Any]] = None,
+           after: Optional[Node] = None):
         """Add an operator node; returns its output Entry (a list of them when ``num_outputs > 1``).
 
         ``name`` is used as given (a rewrite may reuse the name of the node it replaces);
-        without one, a fresh name is derived from the anchor's.
+        without one, a fresh name is derived from the anchor's.  The node goes just before
+        the anchor, or just after ``after``: a replacement of an interior value that readers
+        outside the match take (``Rule.outside_use_ok``) goes where that value was, since
+        those readers may come before the anchor.
         """
         a = attrs.copy() if isinstance(attrs, Attrs) else Attrs.from_values(attrs or {})
         node = Node(op, name or self.ctx.unique_name(self.anchor.name + "_fused"), a,
                     [self._resolve(e) for e in inputs], extra=dict(extra or {}), num_outputs=num_outputs)
-        self._place(node)
+        self._place(node, after)
         outs = [Entry(node, i) for i in range(num_outputs)]
         return outs if num_outputs > 1 else outs[0]
 

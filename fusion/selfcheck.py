@@ -500,9 +500,10 @@ class SelfCheck:
         row_ptr = [0]
         for r in rows:
             row_ptr.append(row_ptr[-1] + r)
-        sym = mx.sym.load_json(json.dumps({"nodes": jnodes, "arg_nodes": [], "node_row_ptr": row_ptr,
-                                           "heads": heads, "attrs": {"mxnet_version": ["int", 10901]}}))
-        args, aux = _arrays(sym, {n: it.values[e] for n, e in names.items()})
+        text = json.dumps({"nodes": jnodes, "arg_nodes": [], "node_row_ptr": row_ptr,
+                           "heads": heads, "attrs": {"mxnet_version": ["int", 10901]}})
+        sym = mx.sym.load_json(text)
+        args, aux = _arrays(sym, {n: it.values[e] for n, e in names.items()}, _written(text))
         with subgraph_backend(False):
             exe = sym.bind(mx.cpu(), args, aux_states=aux, grad_req="null")
         for o in exe.forward(is_train=self.ctx.mode == "training"):
@@ -537,7 +538,7 @@ class SelfCheck:
             if out:
                 return out + (self._run([it for it in items if it.index not in {o[0] for o in out}])
                               if len(out) < len(items) else [])
-        args, aux = _arrays(sym, feed)
+        args, aux = _arrays(sym, feed, _written(text))
         grad_req, args_grad = "null", None
         if training:
             grad_req = {n: ("write" if np.issubdtype(np.dtype(feed[n].dtype), np.floating) else "null") for n in args}
@@ -662,14 +663,32 @@ def _signature(c: Candidate, ctx: Any) -> tuple:
     return old, new, facts
 
 
-def _arrays(sym: Any, feed: Dict[str, Any]):
-    """NDArrays to bind: parameters as they are (bound read-only), NumPy values copied in."""
+# Ops that write some of their inputs when run: BatchNorm sets γ to 1 under fix_gamma (oneDNN's
+# kernel, in place) and updates its moving statistics in training.
+_WRITES_INPUTS = frozenset({"BatchNorm"})
+
+
+def _written(text: str) -> set:
+    """Names of the variables that an op in the Symbol JSON ``text`` may write."""
+    nodes = json.loads(text)["nodes"]
+    return {nodes[i[0]]["name"] for nd in nodes if nd["op"] in _WRITES_INPUTS for i in nd["inputs"]
+            if nodes[i[0]]["op"] == "null"}
+
+
+def _arrays(sym: Any, feed: Dict[str, Any], written: Optional[set] = None):
+    """NDArrays to bind: parameters as they are (bound read-only), copied where an op may write
+    them (``_WRITES_INPUTS``: the caller's arrays must not change), NumPy values copied in."""
     import mxnet as mx
 
-    def nd(v):
-        return v if isinstance(v, mx.nd.NDArray) else mx.nd.array(v, dtype=v.dtype)
+    written = written or set()
 
-    return ({n: nd(feed[n]) for n in sym.list_arguments()}, {n: nd(feed[n]) for n in sym.list_auxiliary_states()})
+    def nd(n):
+        v = feed[n]
+        if isinstance(v, mx.nd.NDArray):
+            return v.copy() if n in written else v
+        return mx.nd.array(v, dtype=v.dtype)
+
+    return ({n: nd(n) for n in sym.list_arguments()}, {n: nd(n) for n in sym.list_auxiliary_states()})
 
 
 def _unique(entries: Sequence[Entry]) -> List[Entry]:

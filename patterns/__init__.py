@@ -16,8 +16,14 @@ import importlib
 from typing import Dict, List, Optional, Tuple
 
 #: The modules of the library, in the order their rules are listed.
-MODULES = ("constant_fold", "attention", "dense_act", "skip_layer_norm", "conv_bn_act", "layer_norm", "gelu",
-           "softmax", "elementwise")
+MODULES = ("constant_fold", "attention", "squeeze_excitation", "dense_act", "skip_layer_norm", "conv_bn_act",
+           "layer_norm", "gelu", "softmax", "elementwise")
+
+#: Modules whose rules run only when asked for by name (``--rules dense_concat``): exact, but
+#: measured slower under MXNet's default bind -- its oneDNN ops keep DenseNet's feature maps in
+#: blocked layouts, and every piece a library op reads is reordered to NCHW for it
+#: (benchmarks/bench_cnn_blocks.py, DenseNet-121).
+OPT_IN = ("concat_bn_act",)
 
 #: Family name -> the module whose rules it groups (modules of a single rule form no family).
 FAMILIES: Dict[str, str] = {
@@ -25,6 +31,8 @@ FAMILIES: Dict[str, str] = {
     "attention_fusion": "attention",
     "bn_folding": "conv_bn_act",
     "gelu": "gelu",
+    "squeeze_excitation": "squeeze_excitation",
+    "dense_concat": "concat_bn_act",
 }
 
 
@@ -38,7 +46,7 @@ def default_rules() -> List:
 
 def rules_by_name() -> Dict[str, List]:
     out: Dict[str, List] = {}
-    for module in MODULES:
+    for module in MODULES + OPT_IN:
         for r in _module_rules(module):
             out[r.name] = [r]
     for family, module in FAMILIES.items():

@@ -9,6 +9,10 @@ fused op                   stock ops
 =========================  ==========================================================
 fused_dense                FullyConnected [→ Activation | LeakyReLU | tanh-GELU ops]
 fused_add_layer_norm       broadcast_add → LayerNorm (the sum is the 2nd output)
+fused_se                   [hard-swish ops] → Pooling(global avg) → Convolution 1×1 | FullyConnected → act
+                           → Convolution 1×1 | FullyConnected → gate ops [→ Reshape] → broadcast_mul
+                           [→ elemwise_add → relu]
+fused_concat_scale_act     Concat(dim=1) → broadcast_mul(scale) → broadcast_add(shift) [→ Activation(relu) | relu]
 fused_elemwise             the program's ops (broadcast_*, scalar ops, where on broadcast_like'd operands)
 fused_attention            head split (Reshape/transpose/slice_axis) → batch_dot(q, k, transpose_b) ·scale
                            [+ mask | where] → softmax [use_length] → batch_dot(·, v) → head merge
@@ -80,4 +84,72 @@ class UnfuseAddLayerNorm(_Unfuse):
         return y
 
 
-RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseElemwise(), UnfuseAttention()]
+# ---------------------------------------------------------------- fused_se
+
+class UnfuseSE(_Unfuse):
+    def __init__(self):
+        super().__init__("fused_se", 6)
+
+    @staticmethod
+    def _layer(b: Builder, f, k: int, x: Entry, w: Entry, bias, units: int) -> Entry:
+        ins = [x, w] + ([bias] if bias is not None else [])
+        name = "%s_fc%d" % (f.name, k)
+        if f.attrs.get("fc%d" % k) == "dense":
+            return b.op("FullyConnected", ins, attrs={"num_hidden": units, "no_bias": bias is None}, name=name)
+        return b.op("Convolution", ins, attrs={"kernel": (1, 1), "num_filter": units, "no_bias": bias is None},
+                    name=name)
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        f = m.node("f")
+        ins = list(self.inputs(m))
+        x, w1 = ins.pop(0), ins.pop(0)
+        b1 = None if f.param("no_bias1", False) else ins.pop(0)
+        w2 = ins.pop(0)
+        b2 = None if f.param("no_bias2", False) else ins.pop(0)
+        residual = ins.pop(0) if f.param("residual", False) else None
+        if "num_hidden" not in f.attrs or "num_channels" not in f.attrs:
+            raise FusionError("fused_se '%s' lacks num_hidden/num_channels: its layers cannot be rebuilt" % f.name)
+        if f.attrs.get("in_act", "none") == "hard_swish":
+            x = ElemwiseProgram(b, [x], f.name + "_hswish").build("mul(x0, div(clip(add(x0, 3.0), 0.0, 6.0), 6.0))")
+        p = b.op("Pooling", [x], attrs={"global_pool": True, "pool_type": "avg", "kernel": (1, 1)},
+                 name=f.name + "_pool")
+        h = self._layer(b, f, 1, p, w1, b1, int(f.attrs["num_hidden"]))
+        h = _activation(b, h, f.attrs.get("act", "relu"), float(f.param("slope", 0.25)), f.name + "_act")
+        g = self._layer(b, f, 2, h, w2, b2, int(f.attrs["num_channels"]))
+        gate = f.attrs.get("gate", "sigmoid")
+        if gate == "sigmoid":
+            g = b.op("Activation", [g], attrs={"act_type": "sigmoid"}, name=f.name + "_gate")
+        elif gate == "hard_sigmoid":
+            g = b.op("hard_sigmoid", [g], attrs={"alpha": float(f.param("alpha", 0.2)),
+                                                 "beta": float(f.param("beta", 0.5))}, name=f.name + "_gate")
+        else:
+            g = ElemwiseProgram(b, [g], f.name + "_gate").build("div(clip(add(x0, %r), %r, %r), %r)" % (
+                float(f.param("gate_add", 3.0)), float(f.param("gate_min", 0.0)), float(f.param("gate_max", 6.0)),
+                float(f.param("gate_div", 6.0))))
+        if f.attrs.get("fc2") == "dense":
+            g = b.op("Reshape", [g], attrs={"shape": (0, 0, 1, 1)}, name=f.name + "_gate_shape")
+        y = b.op("broadcast_mul", [x, g], name=f.name + "_scale")
+        if residual is not None:
+            y = b.op("elemwise_add", [y, residual], name=f.name + "_add")
+            y = _activation(b, y, f.attrs.get("out_act", "none"), 0.0, f.name)
+        return y
+
+
+# ---------------------------------------------------------------- fused_concat_scale_act
+
+class UnfuseConcatScaleAct(_Unfuse):
+    def __init__(self):
+        super().__init__("fused_concat_scale_act", 130)
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        f = m.node("f")
+        ins = self.inputs(m)
+        pieces, s, t = ins[:-2], ins[-2], ins[-1]
+        cat = b.op("Concat", pieces, attrs={"dim": 1, "num_args": len(pieces)}, name=f.name + "_concat")
+        y = b.op("broadcast_mul", [cat, s], name=f.name + "_scale")
+        y = b.op("broadcast_add", [y, t], name=f.name + "_shift")
+        return _activation(b, y, f.attrs.get("act", "none"), 0.0, f.name)
+
+
+RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseConcatScaleAct(), UnfuseElemwise(),
+                     UnfuseAttention()]

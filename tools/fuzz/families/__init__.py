@@ -3,7 +3,7 @@
 ``FAMILIES`` maps a family name to (build function, weight in a mixed run).  A build
 function takes a :class:`~tools.fuzz.case.Builder` and returns the graph's outputs.
 """
-from . import attention, blocks, conv, dense, elemwise, norm, params
+from . import attention, blocks, conv, dense, dense_concat, elemwise, norm, params, se
 
 FAMILIES = {
     "conv": (conv.build, 3),
@@ -13,4 +13,6 @@ FAMILIES = {
     "elemwise": (elemwise.build, 4),
     "params": (params.build, 2),
     "blocks": (blocks.build, 2),
+    "se": (se.build, 3),
+    "dense_concat": (dense_concat.build, 2),
 }

@@ -1,0 +1,102 @@
+"""GluonCV-style CNNs (SE blocks, hard-swish, dense concatenation): fused vs MXNet's default bind.
+
+    python benchmarks/bench_cnn_blocks.py [--models se_resnext50_32x4d,mobilenetv3_large]
+                                          [--repeats 30] [--rounds 1]
+
+Batch 1 at 224×224, random weights and randomized BatchNorm statistics.  The networks
+are written as GluonCV writes them (``fusion/testing_gluoncv.py``; DenseNet-121 and
+ResNet-50 are MXNet's model zoo, which GluonCV's equal).  Original and fused model are
+bound in the same process with MXNet's default bind (its oneDNN subgraph backend on,
+which fuses conv+BN+ReLU(+add) itself) and timed round-robin; per model the median and
+the p10–p90 spread of each, and ``speed-up`` = original median ÷ fused median.  With
+``--rounds R`` the whole comparison is repeated R times and every round printed (the
+machines are shared: look at the spread across rounds).  Every fused model is verified
+against the original first (max relative error, ``fusion.verify``).  ``MODEL+RULES`` fuses
+with opt-in rules besides the default ones (``densenet121+dense_concat``).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)
+
+from fusion._env import configure_threads  # noqa: E402  (must run before mxnet is imported)
+
+configure_threads()
+
+import numpy as np  # noqa: E402
+
+import fusion  # noqa: E402
+from fusion.bench import executor, time_samples  # noqa: E402
+from fusion.testing import zoo_model  # noqa: E402
+from fusion.testing_gluoncv import MODELS as GLUONCV  # noqa: E402
+from fusion.testing_gluoncv import gluoncv_model  # noqa: E402
+from fusion.verify import random_inputs  # noqa: E402
+
+MODELS = ("se_resnext50_32x4d", "mobilenetv3_large", "densenet121", "densenet121+dense_concat", "resnet50_v1",
+          "se_resnet50_v1")
+ZOO = ("densenet121", "resnet50_v1", "resnet18_v1", "mobilenetv2_1.0")
+SHAPE = (1, 3, 224, 224)
+WATCHED = ("fused_se", "fused_elemwise", "Convolution", "BatchNorm", "Concat", "broadcast_mul",
+           "_contrib_AdaptiveAvgPooling2D", "Pooling")
+
+
+def load(name: str):
+    if name in GLUONCV:
+        return gluoncv_model(name, SHAPE)
+    return zoo_model(name, SHAPE)
+
+
+def counts(symbol) -> collections.Counter:
+    import json
+    return collections.Counter(n["op"] for n in json.loads(symbol.tojson())["nodes"] if n["op"] != "null")
+
+
+def bench(name: str, repeats: int, rounds: int) -> None:
+    model, _, opt_in = name.partition("+")
+    sym, arg, aux = load(model)
+    rules = [opt_in, "default"] if opt_in else None
+    result = fusion.fuse(sym, arg, aux, rules=rules, input_shapes={"data": SHAPE})
+    check = fusion.verify((sym, arg, aux), result, input_shapes={"data": SHAPE})
+    before, after = counts(sym), counts(result.symbol)
+    inputs = random_inputs(sym, arg, {"data": SHAPE})
+    systems = {"original": executor(sym, arg, aux, inputs),
+               "fused": executor(result.symbol, result.arg_params, result.aux_params, inputs)}
+    print("\n%s: verified max rel err %.1e; ops %d -> %d" % (name, check.max_rel, sum(before.values()),
+                                                            sum(after.values())))
+    print("  op counts (before -> after): " + ", ".join(
+        "%s %d->%d" % (op, before.get(op, 0), after.get(op, 0)) for op in WATCHED if before.get(op) or after.get(op)))
+    for r in range(rounds):
+        s = time_samples(systems, repeats=repeats)
+        ms = {k: np.asarray(v) * 1e3 for k, v in s.items()}
+        med = {k: float(np.median(v)) for k, v in ms.items()}
+        spread = {k: (float(np.percentile(v, 10)), float(np.percentile(v, 90))) for k, v in ms.items()}
+        print("  round %d: original %.2f ms [%.2f-%.2f]  fused %.2f ms [%.2f-%.2f]  speed-up %.2fx"
+              % (r + 1, med["original"], *spread["original"], med["fused"], *spread["fused"],
+                 med["original"] / med["fused"]))
+        sys.stdout.flush()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--repeats", type=int, default=30, help="timed calls per system per round (default 30)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds per model (default 1)")
+    args = ap.parse_args(argv)
+    import mxnet as mx
+    print("mxnet %s, OMP_NUM_THREADS=%s, batch 1, 224x224; medians of interleaved calls, [p10-p90]"
+          % (mx.__version__, os.environ.get("OMP_NUM_THREADS")))
+    for name in [m for m in args.models.split(",") if m]:
+        if name.partition("+")[0] not in tuple(GLUONCV) + ZOO:
+            print("unknown model %r" % name, file=sys.stderr)
+            return 2
+        bench(name, args.repeats, args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""GluonCV CNN blocks: squeeze-excitation (patterns/squeeze_excitation.py → fused_se).
+
+Every SE form GluonCV writes (SE-ResNeXt's 1×1 convs, SE-ResNet's Dense layers with
+expand_dims, MobileNetV3's hard-sigmoid gate after a hard-swish), the spellings MXNet
+allows besides (sigmoid/hard_sigmoid ops, mean/Pooling, Reshape, operands swapped),
+and the refusals with their reasons.
+"""
+import mxnet as mx
+import numpy as np
+import pytest
+
+import fusion
+from fusion.testing_gluoncv import export, mobilenetv3, se_resnet, se_resnext
+
+from conftest import fuse_and_check, ops, random_params
+
+SE_RULES = ["squeeze_excitation"]
+X = {"data": (2, 8, 5, 6)}
+
+
+def fused_by(res):
+    return {name: len(r.fused) for name, r in res.report.rules.items() if r.fused}
+
+
+def rejections(res, rule):
+    return " | ".join(res.report.rules[rule].rejected.values())
+
+
+def se_sym(pool="adaptive", fc="conv", act="Activation", gate="Activation", reshape=None, swap=False,
+           bias=True, tail=None, hswish=False, hidden=4):
+    """An SE block over ``data`` written with MXNet's ops, in the spelling chosen."""
+    z = mx.sym.var("data")
+    x = z * (mx.sym.clip(z + 3., 0, 6) / 6.) if hswish else z
+    if pool == "adaptive":
+        p = mx.sym.contrib.AdaptiveAvgPooling2D(x, output_size=1)
+    elif pool == "global":
+        p = mx.sym.Pooling(x, global_pool=True, pool_type="avg", kernel=(1, 1))
+    elif pool == "mean":
+        p = mx.sym.mean(x, axis=(2, 3), keepdims=True)
+    elif pool == "window":
+        p = mx.sym.Pooling(x, pool_type="avg", kernel=(5, 6))
+    elif pool == "mean_w":
+        p = mx.sym.mean(x, axis=3, keepdims=True)
+
+    def layer(v, units, k):
+        if fc == "conv":
+            return mx.sym.Convolution(v, kernel=(1, 1), num_filter=units, no_bias=not bias, name="fc%d" % k)
+        if fc == "conv3":
+            return mx.sym.Convolution(v, kernel=(3, 3), pad=(1, 1), num_filter=units, no_bias=not bias,
+                                      name="fc%d" % k)
+        return mx.sym.FullyConnected(v, num_hidden=units, no_bias=not bias, name="fc%d" % k)
+
+    h = layer(p, hidden, 1)
+    h = mx.sym.Activation(h, act_type="relu") if act == "Activation" else mx.sym.relu(h)
+    g = layer(h, 8, 2)
+    g = {"Activation": lambda v: mx.sym.Activation(v, act_type="sigmoid"), "sigmoid": mx.sym.sigmoid,
+         "hard_sigmoid": lambda v: mx.sym.hard_sigmoid(v, alpha=0.25, beta=0.4),
+         "clip": lambda v: mx.sym.clip(v + 3., 0, 6) / 6.}[gate](g)
+    if reshape == "expand":
+        g = g.expand_dims(axis=2).expand_dims(axis=2)
+    elif reshape == "reshape":
+        g = mx.sym.Reshape(g, shape=(0, 0, 1, 1))
+    y = mx.sym.broadcast_mul(g, x) if swap else mx.sym.broadcast_mul(x, g)
+    if tail:
+        y = y + mx.sym.var("res")
+        if tail == "relu":
+            y = mx.sym.Activation(y, act_type="relu")
+    return y
+
+
+@pytest.mark.parametrize("kw,rule", [
+    ({}, "se"),                                                               # SE-ResNeXt's SE
+    ({"fc": "dense", "reshape": "expand"}, "se"),                             # SE-ResNet's SE
+    ({"fc": "dense", "reshape": "reshape", "bias": False, "swap": True}, "se"),
+    ({"pool": "global", "gate": "clip"}, "se"),                               # MobileNetV3's SE after relu
+    ({"pool": "mean", "act": "relu", "gate": "sigmoid"}, "se"),
+    ({"gate": "hard_sigmoid"}, "se"),
+    ({"pool": "global", "gate": "clip", "hswish": True}, "se_hard_swish"),    # ... after hard-swish
+    ({"tail": "relu"}, "se_add"),                                             # relu(SE(x) + residual)
+    ({"fc": "dense", "reshape": "expand", "tail": "plain"}, "se_add"),        # SE-ResNet V2: SE(x) + residual
+])
+def test_se_forms_fuse_exactly(kw, rule):
+    shapes = dict(X, res=X["data"]) if kw.get("tail") else X
+    res = fuse_and_check(se_sym(**kw), shapes, rules=SE_RULES)
+    assert fused_by(res) == {rule: 1}, res.report.to_text(explain=True)
+    assert ops(res) == {"fused_se": 1}, ops(res)
+    # every size the original accepts: another batch and plane size
+    other = {k: (3, 8, 7, 4) for k in shapes}
+    arg, aux = random_params(se_sym(**kw), shapes)
+    v = fusion.verify(se_sym(**kw), fusion.fuse(se_sym(**kw), arg, aux, rules=SE_RULES, input_shapes=shapes),
+                      (arg, aux), other)
+    assert v.max_rel <= 1e-4, v
+
+
+@pytest.mark.parametrize("kw,reason", [
+    ({"pool": "window"}, "is not global"),
+    ({"pool": "mean_w"}, "is not over axes (2, 3)"),
+    ({"fc": "conv3"}, "not 1×1"),
+])
+def test_se_refusals(kw, reason):
+    res = fuse_and_check(se_sym(**kw), X, rules=SE_RULES)
+    assert "fused_se" not in ops(res)
+    assert reason in rejections(res, "se"), res.report.to_text(explain=True)
+
+
+def test_hard_swish_of_other_constants_stays_outside():
+    z = mx.sym.var("data")
+    x = z * (mx.sym.clip(z + 2., 0, 6) / 6.)             # not hard-swish
+    p = mx.sym.Pooling(x, global_pool=True, pool_type="avg", kernel=(1, 1))
+    g = mx.sym.Convolution(mx.sym.relu(mx.sym.Convolution(p, kernel=(1, 1), num_filter=4)), kernel=(1, 1),
+                           num_filter=8)
+    y = mx.sym.broadcast_mul(x, mx.sym.sigmoid(g))
+    res = fuse_and_check(y, X, rules=SE_RULES)
+    assert fused_by(res) == {"se": 1}            # the SE alone: the hard-swish's ops stay
+    assert {"_plus_scalar", "clip", "_div_scalar", "elemwise_mul"} <= set(ops(res)), ops(res)
+
+
+def test_gate_used_elsewhere_is_refused():
+    y = se_sym(gate="sigmoid")
+    gate = y.get_internals()[[n for n in y.get_internals().list_outputs() if n.startswith("sigmoid")][-1]]
+    res = fuse_and_check(mx.sym.Group([y, gate]), X, rules=SE_RULES)
+    assert "fused_se" not in ops(res)
+    assert "used" in rejections(res, "se") or "graph output" in rejections(res, "se")
+
+
+def test_training_mode_is_refused():
+    sym = se_sym()
+    arg, aux = random_params(sym, X)
+    res = fusion.fuse(sym, arg, aux, rules=SE_RULES, mode="training", input_shapes=X)
+    assert "fused_se" not in ops(res)
+    assert "no backward" in res.report.to_text(explain=True)
+
+
+def test_unknown_shapes_refuse_with_reason():
+    sym = se_sym()
+    arg, aux = random_params(sym, X)
+    res = fusion.fuse(sym, arg, aux, rules=SE_RULES)
+    assert "fused_se" not in ops(res)
+    assert "unknown" in rejections(res, "se")
+
+
+@pytest.mark.parametrize("kw", [{"tail": "relu"}, {"fc": "dense", "reshape": "expand", "bias": False},
+                                {"pool": "global", "gate": "clip", "hswish": True},
+                                {"gate": "hard_sigmoid", "act": "relu"}])
+def test_unfuse_restores_stock_ops(kw):
+    shapes = dict(X, res=X["data"]) if kw.get("tail") else X
+    sym = se_sym(**kw)
+    arg, aux = random_params(sym, shapes)
+    res = fusion.fuse(sym, arg, aux, rules=SE_RULES, input_shapes=shapes)
+    assert "fused_se" in ops(res)
+    plain = fusion.unfuse(res.symbol)
+    assert not any(op.startswith("fused_") for op in ops(plain)), ops(plain)
+    v = fusion.verify(sym, (plain, res.arg_params, res.aux_params), (arg, aux), shapes)
+    assert v.max_rel <= 1e-5, v
+    again = fusion.fuse(plain, res.arg_params, res.aux_params, rules=SE_RULES, input_shapes=shapes)
+    assert ops(again).get("fused_se") == 1, again.report.to_text(explain=True)
+
+
+# ------------------------------------------------------------------ whole GluonCV-style networks
+@pytest.mark.parametrize("make,shape,expect", [
+    (lambda: se_resnext(layers=(1, 1), cardinality=4, channels=16, classes=10), (1, 3, 32, 32), {"se_add": 2}),
+    (lambda: se_resnet(layers=(1, 1), channels=(16, 32, 64), classes=10), (1, 3, 32, 32), {"se_add": 2}),
+    (lambda: se_resnet(layers=(1, 1), channels=(16, 32, 64), v2=True, classes=10), (1, 3, 32, 32),
+     {"se_add": 2}),
+    (lambda: mobilenetv3(multiplier=0.25, cls_ch_squeeze=64, cls_ch_expand=32, classes=10), (1, 3, 64, 64),
+     {"se_hard_swish": 5, "se": 3}),
+])
+def test_gluoncv_networks(make, shape, expect):
+    with mx.name.NameManager():
+        sym, arg, aux = export(make(), shape)
+    res = fusion.fuse(sym, arg, aux, input_shapes={"data": shape})
+    got = {k: v for k, v in fused_by(res).items() if k.startswith("se")}
+    assert got == expect, res.report.to_text(explain=True)
+    for s in (shape, (2,) + shape[1:]):
+        v = fusion.verify((sym, arg, aux), res, input_shapes={"data": s})
+        assert v.max_rel <= 1e-4, v
+    assert not {"broadcast_mul", "_contrib_AdaptiveAvgPooling2D"} & set(ops(res))
+
+
+# ------------------------------------------------------------------ the op itself
+def test_fused_se_matches_numpy_and_rejects_bad_shapes():
+    rng = np.random.default_rng(1)
+    N, C, H, W, Cm = 2, 16, 5, 7, 4
+    x, r = (rng.standard_normal((N, C, H, W)).astype(np.float32) for _ in range(2))
+    w1, w2 = rng.standard_normal((Cm, C, 1, 1)).astype(np.float32), rng.standard_normal((C, Cm)).astype(np.float32)
+    b1, b2 = rng.standard_normal(Cm).astype(np.float32), rng.standard_normal(C).astype(np.float32)
+    y = mx.nd.fused_se(*(mx.nd.array(v) for v in (x, w1, b1, w2, b2, r)), act="relu", gate="sigmoid",
+                       residual=True, out_act="relu").asnumpy()
+    h = np.maximum(x.mean((2, 3)) @ w1.reshape(Cm, C).T + b1, 0)
+    g = 1 / (1 + np.exp(-(h @ w2.T + b2)))
+    np.testing.assert_allclose(y, np.maximum(x * g[:, :, None, None] + r, 0), rtol=1e-5, atol=1e-5)
+    with pytest.raises(mx.MXNetError, match="w2 must be"):
+        mx.nd.fused_se(mx.nd.array(x), mx.nd.array(w1), mx.nd.array(w1), no_bias1=True, no_bias2=True).wait_to_read()
+
+
+# ------------------------------------------------------------------ DenseNet: Concat → BatchNorm → relu
+DENSE_RULES = ["dense_concat"]
+
+
+def dense_block(layers=3, act="Activation", x_shape_c=2):
+    """DenseNet's block as HybridConcurrent writes it: concat(x, layer(x)), layer = BN → relu → conv."""
+    x = mx.sym.var("data")
+    c = x
+    for k in range(layers):
+        h = mx.sym.BatchNorm(c, fix_gamma=False, name="bn%d" % k)
+        h = mx.sym.Activation(h, act_type="relu") if act == "Activation" else mx.sym.relu(h)
+        c = mx.sym.Concat(c, mx.sym.Convolution(h, num_filter=2, kernel=(3, 3), pad=(1, 1), name="conv%d" % k),
+                          dim=1, name="cat%d" % k)
+    y = mx.sym.BatchNorm(c, fix_gamma=False, name="bn_last")
+    return mx.sym.Activation(y, act_type="relu") if act == "Activation" else mx.sym.relu(y)
+
+
+@pytest.mark.parametrize("act", ["Activation", "relu"])
+def test_dense_block_writes_no_concatenation(act):
+    res = fuse_and_check(dense_block(act=act), X, rules=DENSE_RULES)
+    assert fused_by(res) == {"concat_flatten": 1, "concat_bn_act": 3}, res.report.to_text(explain=True)
+    assert "Concat" not in ops(res) and ops(res)["fused_concat_scale_act"] == 3
+    assert res.report.passes <= 3
+
+
+def test_concat_read_elsewhere_is_rebuilt_and_kept():
+    x = mx.sym.var("data")
+    c0 = mx.sym.Concat(x, mx.sym.relu(x), dim=1)
+    c1 = mx.sym.Concat(c0, mx.sym.sigmoid(c0), dim=1)
+    y = mx.sym.Group([mx.sym.relu(mx.sym.BatchNorm(c1, fix_gamma=False)), mx.sym.tanh(c0)])
+    res = fuse_and_check(y, {"data": (1, 2, 3, 3)}, rules=DENSE_RULES)
+    assert ops(res)["Concat"] == 1 and ops(res)["fused_concat_scale_act"] == 1, ops(res)
+
+
+def test_concat_read_by_another_op_is_rebuilt_for_it():
+    x = mx.sym.var("data")
+    c0 = mx.sym.Concat(x, mx.sym.relu(x), dim=1)
+    y = mx.sym.Group([mx.sym.relu(mx.sym.BatchNorm(c0, fix_gamma=False)), mx.sym.tanh(c0)])
+    res = fuse_and_check(y, {"data": (1, 2, 3, 3)}, rules=DENSE_RULES)
+    assert ops(res) == {"Concat": 1, "fused_concat_scale_act": 1, "relu": 1, "tanh": 1}, ops(res)
+
+
+@pytest.mark.parametrize("dim,axis,reason", [(2, 2, "not the channel axis 1"), (1, 2, "normalizes axis 2")])
+def test_concat_bn_refusals(dim, axis, reason):
+    x = mx.sym.var("data")
+    y = mx.sym.relu(mx.sym.BatchNorm(mx.sym.Concat(x, mx.sym.relu(x), dim=dim), axis=axis, fix_gamma=False))
+    res = fuse_and_check(y, {"data": (1, 3, 3, 3)}, rules=DENSE_RULES)
+    assert "fused_concat_scale_act" not in ops(res)
+    assert reason in rejections(res, "concat_bn_act"), res.report.to_text(explain=True)
+
+
+def test_concat_bn_training_is_refused():
+    sym = dense_block()
+    arg, aux = random_params(sym, X)
+    res = fusion.fuse(sym, arg, aux, rules=DENSE_RULES, mode="training", input_shapes=X)
+    assert "fused_concat_scale_act" not in ops(res)
+    assert "moving statistics" in res.report.to_text(explain=True)
+
+
+def test_concat_unfuse_restores_stock_ops():
+    sym = dense_block()
+    arg, aux = random_params(sym, X)
+    res = fusion.fuse(sym, arg, aux, rules=DENSE_RULES, input_shapes=X)
+    plain = fusion.unfuse(res.symbol)
+    assert not any(op.startswith("fused_") for op in ops(plain)), ops(plain)
+    v = fusion.verify(sym, (plain, res.arg_params, res.aux_params), (arg, aux), X)
+    assert v.max_rel <= 1e-5, v
+
+
+def test_densenet_like_network():
+    from mxnet.gluon.model_zoo.vision.densenet import DenseNet
+    shape = (1, 3, 224, 224)
+    with mx.name.NameManager():
+        sym, arg, aux = export(DenseNet(8, 4, [3, 2], classes=10), shape)
+    assert "fused_concat_scale_act" not in ops(fusion.fuse(sym, arg, aux, input_shapes={"data": shape}))  # opt-in
+    res = fusion.fuse(sym, arg, aux, rules=DENSE_RULES + ["default"], input_shapes={"data": shape})
+    assert "Concat" not in ops(res) and ops(res)["fused_concat_scale_act"] == 5, ops(res)
+    for s in (shape, (2, 3, 224, 224)):
+        assert fusion.verify((sym, arg, aux), res, input_shapes={"data": s}).max_rel <= 1e-4
