@@ -454,6 +454,34 @@ def _dense_parts(kwargs, nid: int, src) -> Optional[Tuple[str, np.ndarray, np.nd
     return lookup[x_e[0]][x_e[1]].name, w, b.reshape(-1), x_shape
 
 
+def _bias4(kwargs, name: str, cur: str, shape, b: int, h: int, sq: int, sk: int) -> Tuple[List[Any], str]:
+    """``cur`` (aligned with the (B·H, Sq, Sk) or (B, H, Sq, Sk) scores from the last axis) as ONNX
+    Runtime's attention_bias (B|1, H|1, Sq, Sk)."""
+    from onnx import helper
+    ms = list(shape)
+    if len(ms) == 4:
+        shape4 = ms
+    elif len(ms) == 3 and ms[0] == b * h and b * h > 1:
+        shape4 = [b, h] + ms[1:]
+    elif len(ms) < 3 or ms[0] == 1:
+        shape4 = [1] * (4 - len(ms[-2:])) + ms[-2:]
+    else:
+        raise _NeedsUnfuse("mask of shape %s" % (tuple(ms),))
+    if len(shape4) != 4 or shape4[0] not in (1, b) or shape4[1] not in (1, h):
+        raise _NeedsUnfuse("mask of shape %s" % (tuple(ms),))
+    nodes = []
+    if tuple(shape4) != tuple(ms):
+        r = _fresh(name + "_bias4")
+        nodes.append(helper.make_node("Reshape", [cur, _i64(kwargs, name + "_b4", shape4)], [r]))
+        cur = r
+    if shape4[2] != sq or shape4[3] != sk:
+        e = _fresh(name + "_biasx")
+        nodes.append(helper.make_node("Expand", [cur, _i64(kwargs, name + "_bx", [shape4[0], shape4[1], sq, sk])],
+                                      [e]))
+        cur = e
+    return nodes, cur
+
+
 def _attention_bias(kwargs, name: str, mask: str, m_shape, b: int, h: int, sq: int, sk: int, boolean: bool,
                     mask_value: float) -> Tuple[List[Any], str]:
     """The mask as ONNX Runtime's attention_bias (B|1, H|1, Sq, Sk); shared between layers using one mask."""
@@ -469,28 +497,51 @@ def _attention_bias(kwargs, name: str, mask: str, m_shape, b: int, h: int, sq: i
                   helper.make_node("Where", [flag, _f32(kwargs, name + "_mv", mask_value),
                                              _f32(kwargs, name + "_z", 0.0)], [bias])]
         cur = bias
-    ms = list(m_shape)
-    if len(ms) == 4:
-        shape4 = ms
-    elif len(ms) == 3 and ms[0] == b * h and b * h > 1:
-        shape4 = [b, h] + ms[1:]
-    elif len(ms) <= 3 and (len(ms) < 3 or ms[0] == 1):
-        shape4 = [1] * (4 - len(ms[-2:])) + ms[-2:] if len(ms) >= 2 else [1, 1, 1] + ms
-    else:
-        raise _NeedsUnfuse("mask of shape %s" % (tuple(ms),))
-    if len(shape4) != 4 or shape4[0] not in (1, b) or shape4[1] not in (1, h):
-        raise _NeedsUnfuse("mask of shape %s" % (tuple(ms),))
-    if tuple(shape4) != tuple(ms):
-        r = _fresh(name + "_bias4")
-        nodes.append(helper.make_node("Reshape", [cur, _i64(kwargs, name + "_b4", shape4)], [r]))
-        cur = r
-    if shape4[2] != sq or shape4[3] != sk:
-        e = _fresh(name + "_biasx")
-        nodes.append(helper.make_node("Expand", [cur, _i64(kwargs, name + "_bx", [shape4[0], shape4[1], sq, sk])],
-                                      [e]))
-        cur = e
+    more, cur = _bias4(kwargs, name, cur, m_shape, b, h, sq, sk)
     st.cache[key] = cur
-    return nodes, cur
+    return nodes + more, cur
+
+
+_DROPPED = -1e30     # added to the scores of keys beyond a row's length: probability exactly 0
+
+
+def _length_mask(kwargs, name: str, lengths: str, l_shape, b: int, h: int, sq: int, sk: int):
+    """Valid lengths as (mask_index, attention_bias): (B,) lengths shared by the heads as ONNX Runtime's
+    mask_index, other forms (per head, per query row) as a bias dropping the keys at or past the length."""
+    from onnx import TensorProto, helper
+    st = _st()
+    ls = tuple(l_shape)
+    key = ("len", lengths, b, h, sq, sk)
+    if key in st.cache:
+        return st.cache[key]
+    nodes: List[Any] = []
+    if ls == (b,) and b != b * h:
+        idx = _fresh(name + "_lengths")
+        nodes.append(helper.make_node("Cast", [lengths], [idx], to=TensorProto.INT32))
+        st.cache[key] = (nodes, idx, "")
+        return nodes, idx, ""
+    # the form the fused op reads (scores' form first, then N = B·H, then N = B)
+    if ls == (b * h, sq):
+        shape = [b, h, sq, 1]
+    elif ls == (b * h,):
+        shape = [b, h, 1, 1]
+    elif ls == (b, sq):
+        shape = [b, 1, sq, 1]
+    elif ls == (b,):
+        shape = [b, 1, 1, 1]
+    elif ls == (b, h, sq):
+        shape = [b, h, sq, 1]
+    else:
+        raise _NeedsUnfuse("lengths of shape %s" % (ls,))
+    lf, l4, keep, bias = (_fresh(name + t) for t in ("_lenf", "_len4", "_keep", "_lbias"))
+    nodes += [helper.make_node("Cast", [lengths], [lf], to=TensorProto.FLOAT),
+              helper.make_node("Reshape", [lf, _i64(kwargs, name + "_l4", shape)], [l4]),
+              helper.make_node("Less", [_f32(kwargs, name + "_keys", np.arange(sk, dtype=np.float32)), l4], [keep]),
+              helper.make_node("Where", [keep, _f32(kwargs, name + "_z", 0.0), _f32(kwargs, name + "_drop", _DROPPED)],
+                               [bias])]
+    more, cur = _bias4(kwargs, name, bias, [shape[0], shape[1], shape[2], sk], b, h, sq, sk)
+    st.cache[key] = (nodes + more, "", cur)
+    return nodes + more, "", cur
 
 
 def _export_fused_attention(node, **kwargs):
@@ -529,13 +580,11 @@ def _export_fused_attention(node, **kwargs):
     if mask_kind != "none":
         mask, m_shape = inputs[n_data], shapes[n_data]
         if mask_kind == "valid_length":
-            if tuple(m_shape) != (b,):
-                raise _NeedsUnfuse("lengths of shape %s" % (tuple(m_shape),))
-            mask_index = st.cache.get(("len", mask))
-            if mask_index is None:
-                mask_index = _fresh(name + "_lengths")
-                nodes.append(helper.make_node("Cast", [mask], [mask_index], to=TensorProto.INT32))
-                st.cache[("len", mask)] = mask_index
+            if ("len", mask, b, heads, sq, sk) in st.cache:
+                _, mask_index, bias4 = st.cache[("len", mask, b, heads, sq, sk)]
+            else:
+                extra, mask_index, bias4 = _length_mask(kwargs, name, mask, m_shape, b, heads, sq, sk)
+                nodes += extra
         else:
             extra, bias4 = _attention_bias(kwargs, name, mask, m_shape, b, heads, sq, sk, mask_kind == "boolean",
                                            mask_value)
@@ -995,7 +1044,17 @@ def _convert(symbol, params, input_shapes, data_names, opset: int, target: str, 
     if st.unfuse:
         return None, list(st.unfuse)
     heads = _head_names(graph_json)
-    model = _finish(graph, heads, data_names, input_dtypes, opset)
+    known = {}
+    if not dynamic:      # shapes of the values named after their MXNet node (not renamed by MXNet)
+        seen = set()
+        for nid, n in enumerate(graph_json["nodes"]):
+            if n["name"] in seen:
+                continue
+            seen.add(n["name"])
+            for (i, k), shp in shapes.items():
+                if i == nid:
+                    known[n["name"] if k == 0 else n["name"] + str(k)] = list(shp)
+    model = _finish(graph, heads, data_names, input_dtypes, opset, fold=not dynamic, known=known)
     return model, []
 
 
@@ -1021,7 +1080,8 @@ _REDUCE_AXES_18 = ("ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "Reduce
                    "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")
 
 
-def _finish(graph, heads: List[str], data_names: List[str], input_dtypes: Mapping[str, np.dtype], opset: int):
+def _finish(graph, heads: List[str], data_names: List[str], input_dtypes: Mapping[str, np.dtype], opset: int,
+            fold: bool = True, known: Optional[Mapping[str, List[int]]] = None):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -1098,6 +1158,12 @@ def _finish(graph, heads: List[str], data_names: List[str], input_dtypes: Mappin
         imports.append(helper.make_opsetid(MS, 1))
     model = helper.make_model(g, opset_imports=imports, producer_name="mxnet-fusion")
     model.ir_version = 8 if opset <= 15 else (9 if opset <= 19 else 10)
+    if fold:
+        for _ in range(4):
+            before = len(model.graph.node)
+            model = _fold_constants(model, known or {})
+            if len(model.graph.node) == before:
+                break
     if opset <= 19:       # the pinned onnx package knows the schemas up to opset 19
         try:
             onnx.checker.check_model(model)
@@ -1105,6 +1171,89 @@ def _finish(graph, heads: List[str], data_names: List[str], input_dtypes: Mappin
             raise OnnxExportError("the exported ONNX model is invalid at opset %d: %s" % (opset, _first_line(e))) \
                 from None
     return model
+
+
+_MAX_FOLDED = 1 << 22     # elements of one folded value (larger ones stay computed)
+
+
+def _fold_constants(model, known: Mapping[str, List[int]]):
+    """The shapes of a static export are known: ``Shape`` of a tensor of known shape becomes a constant,
+    then every standard node computing on constants alone is evaluated (once, by ONNX Runtime) and
+    replaced by its value.  Values above ``_MAX_FOLDED`` elements stay computed."""
+    import onnx
+    from onnx import helper, numpy_helper
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return model
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:
+        return model
+    static: Dict[str, List[int]] = dict(known)
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+            static[vi.name] = [d.dim_value for d in dims]
+    g = model.graph
+    const = {t.name for t in g.initializer}
+    shape_consts: Dict[str, np.ndarray] = {}
+    folded_nodes = []
+    for n in g.node:
+        std = n.domain in ("", "ai.onnx")
+        if std and n.op_type == "Shape" and n.input[0] in static and not n.attribute:
+            shape_consts[n.output[0]] = np.array(static[n.input[0]], np.int64)
+            const.add(n.output[0])
+        elif std and n.op_type not in ("Shape",) and not n.op_type.startswith("Random") and \
+                all((not x) or x in const for x in n.input) and n.input:
+            folded_nodes.append(n)
+            const.update(o for o in n.output if o)
+    if not folded_nodes and not shape_consts:
+        return model
+    folded_outs = {o for n in folded_nodes for o in n.output if o}
+    needed = set()
+    graph_outs = {o.name for o in g.output}
+    for n in g.node:
+        if n in folded_nodes:
+            continue
+        needed.update(x for x in n.input if x in folded_outs)
+    needed |= graph_outs & folded_outs
+    values: Dict[str, np.ndarray] = dict(shape_consts)
+    if needed:
+        used = {x for n in folded_nodes for x in n.input}
+        inits = [t for t in g.initializer if t.name in used] + \
+            [numpy_helper.from_array(v, k) for k, v in shape_consts.items() if k in used]
+        outs = [helper.make_empty_tensor_value_info(o) for o in sorted(needed)]
+        sub = helper.make_model(helper.make_graph(folded_nodes, "constants", [], outs, inits),
+                                opset_imports=list(model.opset_import))
+        sub.ir_version = model.ir_version
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        try:
+            sess = ort.InferenceSession(sub.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+            got = sess.run(None, {})
+        except Exception:
+            return model
+        for o, v in zip(sorted(needed), got):
+            values[o] = np.asarray(v)
+    big = {k for k, v in values.items() if v.size > _MAX_FOLDED}
+    if big:       # keep the nodes that compute large values: fold nothing (rare; simple and safe)
+        return model
+    keep = [n for n in g.node if n not in folded_nodes and not (n.op_type == "Shape" and n.output[0] in shape_consts)]
+    # values consumed by kept nodes or graph outputs become initializers
+    wanted = {x for n in keep for x in n.input} | graph_outs
+    new_inits = [numpy_helper.from_array(v, k) for k, v in values.items() if k in wanted and k not in graph_outs]
+    for o in graph_outs & set(values):         # an output that is constant: Identity of an initializer
+        name = o + "__const"
+        new_inits.append(numpy_helper.from_array(values[o], name))
+        keep.append(helper.make_node("Identity", [name], [o]))
+    used = {x for n in keep for x in n.input}
+    inits = [t for t in g.initializer if t.name in used] + [t for t in new_inits if t.name in used]
+    graph = helper.make_graph(keep, g.name, list(g.input), list(g.output), inits)
+    out = helper.make_model(graph, opset_imports=list(model.opset_import), producer_name=model.producer_name)
+    out.ir_version = model.ir_version
+    return out
 
 
 def _peephole(nodes: List[Any], inits: Mapping[str, Any], input_types: Mapping[str, int]) -> List[Any]:
