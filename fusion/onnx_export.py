@@ -105,6 +105,7 @@ class _State:
         self.unfuse: List[str] = []          # fused nodes to export through their stock ops
         self.cache: Dict[Any, str] = {}      # shared helper values (masks expanded once)
         self.names: set = set()
+        self.seq_dims: List[Tuple[str, int]] = []   # (tensor, axis) of Sq and Sk of the attention exported
 
 
 _LOCAL = threading.local()
@@ -456,8 +457,10 @@ def _dense_parts(kwargs, nid: int, src) -> Optional[Tuple[str, np.ndarray, np.nd
 
 def _bias4(kwargs, name: str, cur: str, shape, b: int, h: int, sq: int, sk: int) -> Tuple[List[Any], str]:
     """``cur`` (aligned with the (B·H, Sq, Sk) or (B, H, Sq, Sk) scores from the last axis) as ONNX
-    Runtime's attention_bias (B|1, H|1, Sq, Sk)."""
+    Runtime's attention_bias (B|1, H|1, Sq, Sk).  A dynamic export takes Sq and Sk from the shapes
+    of q and k (``_State.seq_dims``)."""
     from onnx import helper
+    st = _st()
     ms = list(shape)
     if len(ms) == 4:
         shape4 = ms
@@ -472,12 +475,28 @@ def _bias4(kwargs, name: str, cur: str, shape, b: int, h: int, sq: int, sk: int)
     nodes = []
     if tuple(shape4) != tuple(ms):
         r = _fresh(name + "_bias4")
-        nodes.append(helper.make_node("Reshape", [cur, _i64(kwargs, name + "_b4", shape4)], [r]))
+        if st.dynamic:
+            if list(shape4[4 - len(ms):]) != ms or any(d != 1 for d in shape4[:4 - len(ms)]):
+                raise _NeedsUnfuse("a mask to reshape in a dynamic export")
+            nodes.append(helper.make_node("Unsqueeze", [cur, _i64(kwargs, name + "_ax", list(range(4 - len(ms))))],
+                                          [r]))
+        else:
+            nodes.append(helper.make_node("Reshape", [cur, _i64(kwargs, name + "_b4", shape4)], [r]))
         cur = r
     if shape4[2] != sq or shape4[3] != sk:
         e = _fresh(name + "_biasx")
-        nodes.append(helper.make_node("Expand", [cur, _i64(kwargs, name + "_bx", [shape4[0], shape4[1], sq, sk])],
-                                      [e]))
+        if st.dynamic:
+            parts = [_i64(kwargs, name + "_ones", [1, 1])]
+            for src, axis in st.seq_dims:
+                sh, g = _fresh(name + "_shp"), _fresh(name + "_len")
+                nodes += [helper.make_node("Shape", [src], [sh]),
+                          helper.make_node("Gather", [sh, _i64(kwargs, name + "_axis", [axis])], [g], axis=0)]
+                parts.append(g)
+            target = _fresh(name + "_bxs")
+            nodes.append(helper.make_node("Concat", parts, [target], axis=0))
+        else:
+            target = _i64(kwargs, name + "_bx", [shape4[0], shape4[1], sq, sk])
+        nodes.append(helper.make_node("Expand", [cur, target], [e]))
         cur = e
     return nodes, cur
 
@@ -515,7 +534,7 @@ def _length_mask(kwargs, name: str, lengths: str, l_shape, b: int, h: int, sq: i
     if key in st.cache:
         return st.cache[key]
     nodes: List[Any] = []
-    if ls == (b,) and b != b * h:
+    if ls == (b,) and (b != b * h or h == 1):
         idx = _fresh(name + "_lengths")
         nodes.append(helper.make_node("Cast", [lengths], [idx], to=TensorProto.INT32))
         st.cache[key] = (nodes, idx, "")
@@ -533,6 +552,8 @@ def _length_mask(kwargs, name: str, lengths: str, l_shape, b: int, h: int, sq: i
         shape = [b, h, sq, 1]
     else:
         raise _NeedsUnfuse("lengths of shape %s" % (ls,))
+    if st.dynamic:
+        raise _NeedsUnfuse("lengths per row in a dynamic export")
     lf, l4, keep, bias = (_fresh(name + t) for t in ("_lenf", "_len4", "_keep", "_lbias"))
     nodes += [helper.make_node("Cast", [lengths], [lf], to=TensorProto.FLOAT),
               helper.make_node("Reshape", [lf, _i64(kwargs, name + "_l4", shape)], [l4]),
@@ -575,6 +596,12 @@ def _export_fused_attention(node, **kwargs):
         sk = shapes[1][1] if layout == "bshd" else sq
     if causal and sq != sk:
         raise _NeedsUnfuse("causal band with Sq != Sk")
+    if layout == "bshd":
+        st.seq_dims = [(inputs[0], 1), (inputs[1], 1)]
+    elif layout == "packed_qkv":
+        st.seq_dims = [(inputs[0], 1), (inputs[0], 1)]
+    else:
+        st.seq_dims = [(inputs[0], 0), (inputs[1 if layout == "interleaved_encdec" else 0], 0)]
     nodes: List[Any] = []
     mask_index, bias4 = "", ""
     if mask_kind != "none":
