@@ -296,6 +296,35 @@ def _export_layer_norm(node, **kwargs):
     return convert_layer_norm(node, **kwargs)
 
 
+def _export_fully_connected(node, **kwargs):
+    """FullyConnected: Gemm on a 2-D input (after Flatten(axis=1) with flatten=True), else MatMul with Wᵀ as
+    an initializer + Add (MXNet's converter writes Shape/Flatten/Gemm/Slice/Concat/Reshape for it)."""
+    from onnx import helper
+    name, inputs, attrs = node_io(node, kwargs)
+    x_shape = _in_shape(node, 0)
+    flatten = _attr_bool(attrs, "flatten", True)
+    no_bias = _attr_bool(attrs, "no_bias", False)
+    w = _param(kwargs, inputs[1])
+    if x_shape is None or w is None:
+        from mxnet.onnx.mx2onnx._op_translations._op_translations_opset12 import convert_fully_connected
+        return convert_fully_connected(node, **kwargs)
+    nodes, x = [], inputs[0]
+    if flatten and len(x_shape) != 2:
+        x = _fresh(name + "_flat")
+        nodes.append(helper.make_node("Flatten", [inputs[0]], [x], axis=1))
+    if flatten or len(x_shape) == 2:
+        ins = [x, inputs[1]] + ([] if no_bias else [inputs[2]])
+        nodes.append(helper.make_node("Gemm", ins, [name], name=name, transB=1))
+        return nodes
+    wt = _const_tensor(kwargs, name + "_weight_T", np.ascontiguousarray(w.T))
+    mm = name if no_bias else _fresh(name + "_mm")
+    nodes.append(helper.make_node("MatMul", [x, wt], [mm]))
+    if not no_bias:
+        nodes.append(helper.make_node("Add", [mm, inputs[2]], [name]))
+    nodes[-1].name = name
+    return nodes
+
+
 # --------------------------------------------------------------------------------------------
 # fused ops
 # --------------------------------------------------------------------------------------------
@@ -877,7 +906,7 @@ _EXTRA_EXPORTERS: Dict[str, Callable[..., list]] = {
     "_rminus_scalar": _scalar_op("Sub", True), "_rdiv_scalar": _scalar_op("Div", True),
     "_rpower_scalar": _scalar_op("Pow", True),
     "_maximum_scalar": _scalar_op("Max", False), "_minimum_scalar": _scalar_op("Min", False),
-    "Reshape": _export_reshape, "LayerNorm": _export_layer_norm,
+    "Reshape": _export_reshape, "LayerNorm": _export_layer_norm, "FullyConnected": _export_fully_connected,
 }
 
 
@@ -1155,7 +1184,9 @@ def _finish(graph, heads: List[str], data_names: List[str], input_dtypes: Mappin
             nodes.insert(0, helper.make_node("Cast", [i.name], [as_float], to=TensorProto.FLOAT))
             i.type.tensor_type.elem_type = elem
         inputs.append(i)
-    nodes = _peephole(nodes, inits, {i.name: i.type.tensor_type.elem_type for i in inputs})
+    nodes = _peephole(nodes, inits, {i.name: i.type.tensor_type.elem_type for i in inputs},
+                      frozenset(o.name for o in outputs))
+    nodes = _drop_identities(nodes, inits, {o.name for o in outputs})
     # opset >= 18 spellings
     new_inits: List[Any] = []
     if opset >= 18:
@@ -1283,10 +1314,48 @@ def _fold_constants(model, known: Mapping[str, List[int]]):
     return out
 
 
-def _peephole(nodes: List[Any], inits: Mapping[str, Any], input_types: Mapping[str, int]) -> List[Any]:
+def _unsqueeze_axes(n, inits) -> Optional[List[int]]:
+    if n.op_type != "Unsqueeze" or len(n.input) != 2 or n.input[1] not in inits:
+        return None
+    from onnx import numpy_helper
+    axes = [int(a) for a in numpy_helper.to_array(inits[n.input[1]]).reshape(-1)]
+    return axes if all(a >= 0 for a in axes) else None
+
+
+def _drop_identities(nodes: List[Any], inits: Mapping[str, Any], graph_outputs: set) -> List[Any]:
+    """Identity nodes removed: readers read the Identity's input (a graph output keeps its name: the
+    node writing the value writes it under the output's name when nothing else reads it)."""
+    producer = {o: n for n in nodes for o in n.output if o}
+    uses: Dict[str, int] = {}
+    for n in nodes:
+        for x in n.input:
+            uses[x] = uses.get(x, 0) + 1
+    rename: Dict[str, str] = {}
+    out = []
+    for n in nodes:
+        if n.op_type == "Identity" and n.domain in ("", "ai.onnx"):
+            src = rename.get(n.input[0], n.input[0])
+            if n.output[0] not in graph_outputs:
+                rename[n.output[0]] = src
+                continue
+            p = producer.get(src)
+            if p is not None and uses.get(n.input[0], 0) == 1 and src not in graph_outputs:
+                for i, o in enumerate(p.output):
+                    if o == src:
+                        p.output[i] = n.output[0]
+                continue
+        for i, x in enumerate(n.input):
+            if x in rename:
+                n.input[i] = rename[x]
+        out.append(n)
+    return out
+
+
+def _peephole(nodes: List[Any], inits: Dict[str, Any], input_types: Mapping[str, int],
+              graph_outputs: frozenset = frozenset()) -> List[Any]:
     """Small exact clean-ups: Cast(int → float → int) of an input back to the input; a matmul's bias
-    add folded into the SkipLayerNormalization that reads it."""
-    from onnx import TensorProto, helper
+    add folded into the SkipLayerNormalization that reads it; Unsqueeze of Unsqueeze as one."""
+    from onnx import TensorProto, helper, numpy_helper
     producer = {o: n for n in nodes for o in n.output if o}
     uses: Dict[str, int] = {}
     for n in nodes:
@@ -1315,6 +1384,21 @@ def _peephole(nodes: List[Any], inits: Mapping[str, Any], input_types: Mapping[s
                     n.input[slot] = mm
                     n.input.append(bias)
                     break
+        if n.op_type == "Unsqueeze" and n.input[0] in producer and uses.get(n.input[0], 0) == 1 and \
+                n.input[0] not in graph_outputs:
+            first, second = producer[n.input[0]], _unsqueeze_axes(n, inits)
+            a1 = _unsqueeze_axes(first, inits)
+            if a1 is not None and second is not None and first in out:
+                dims = ["x"] * 64
+                for a in sorted(a1):
+                    dims.insert(a, 1)
+                for a in sorted(second):
+                    dims.insert(a, 1)
+                axes = [i for i, d in enumerate(dims) if d == 1]
+                name = n.output[0] + "__axes"
+                inits[name] = numpy_helper.from_array(np.array(axes, np.int64), name)
+                out.remove(first)
+                n = helper.make_node("Unsqueeze", [first.input[0], name], list(n.output), name=n.name)
         out.append(n)
     return out
 

@@ -136,7 +136,7 @@ def onnx_bert(layers: int = 2, hidden: int = 64, heads: int = 4, ffn: int = 128,
                      op("Gather", [weight("token_type_embeddings", (2, hidden)), types])])
     emb = op("Add", [emb, op("Gather", [weight("position_embeddings", (max_positions, hidden)), positions])])
     x = layer_norm(emb, "embeddings.LayerNorm")
-    ext = op("Cast", [op("Unsqueeze", [mask, const([1, 2])])], to=TensorProto.FLOAT)
+    ext = op("Cast", [op("Unsqueeze", [op("Unsqueeze", [mask, const([1])]), const([2])])], to=TensorProto.FLOAT)
     ext = op("Mul", [op("Sub", [const(1.0, np.float32), ext]), const(-10000.0, np.float32)])
 
     def dense(y, tag, n_in, n_out):
