@@ -1111,6 +1111,10 @@ def _convert(symbol, params, input_shapes, data_names, opset: int, target: str, 
                 if i == nid:
                     known[n["name"] if k == 0 else n["name"] + str(k)] = list(shp)
     model = _finish(graph, heads, data_names, input_dtypes, opset, fold=not dynamic, known=known)
+    if not dynamic:
+        model = _expand_into_constant(model, known)
+    if target == "ort" and not dynamic:
+        model = _embed_layer_norm(model)
     return model, []
 
 
@@ -1187,6 +1191,7 @@ def _finish(graph, heads: List[str], data_names: List[str], input_dtypes: Mappin
     nodes = _peephole(nodes, inits, {i.name: i.type.tensor_type.elem_type for i in inputs},
                       frozenset(o.name for o in outputs))
     nodes = _drop_identities(nodes, inits, {o.name for o in outputs})
+    nodes = _slice_squeeze(nodes, inits, {o.name for o in outputs})
     # opset >= 18 spellings
     new_inits: List[Any] = []
     if opset >= 18:
@@ -1322,6 +1327,41 @@ def _unsqueeze_axes(n, inits) -> Optional[List[int]]:
     return axes if all(a >= 0 for a in axes) else None
 
 
+def _ints(inits, name) -> Optional[List[int]]:
+    from onnx import numpy_helper
+    if name not in inits:
+        return None
+    return [int(v) for v in numpy_helper.to_array(inits[name]).reshape(-1)]
+
+
+def _slice_squeeze(nodes: List[Any], inits: Dict[str, Any], graph_outputs: set) -> List[Any]:
+    """Slice of one element along an axis then Squeeze of that axis -> Gather of that index."""
+    from onnx import helper, numpy_helper
+    producer = {o: n for n in nodes for o in n.output if o}
+    uses: Dict[str, int] = {}
+    for n in nodes:
+        for x in n.input:
+            uses[x] = uses.get(x, 0) + 1
+    drop = set()
+    out = []
+    for n in nodes:
+        if n.op_type == "Squeeze" and len(n.input) == 2 and n.input[0] in producer and \
+                uses.get(n.input[0], 0) == 1 and n.input[0] not in graph_outputs:
+            sl = producer[n.input[0]]
+            axes = _ints(inits, n.input[1])
+            if sl.op_type == "Slice" and len(sl.input) in (4, 5) and axes is not None and len(axes) == 1:
+                starts, ends, s_axes = (_ints(inits, x) for x in sl.input[1:4])
+                steps = _ints(inits, sl.input[4]) if len(sl.input) == 5 else [1]
+                if starts is not None and ends is not None and s_axes == axes and steps == [1] and \
+                        len(starts) == 1 and starts[0] >= 0 and ends == [starts[0] + 1]:
+                    idx = n.output[0] + "__index"
+                    inits[idx] = numpy_helper.from_array(np.array(starts[0], np.int64), idx)
+                    drop.add(id(sl))
+                    n = helper.make_node("Gather", [sl.input[0], idx], list(n.output), name=n.name, axis=axes[0])
+        out.append(n)
+    return [n for n in out if id(n) not in drop]
+
+
 def _drop_identities(nodes: List[Any], inits: Mapping[str, Any], graph_outputs: set) -> List[Any]:
     """Identity nodes removed: readers read the Identity's input (a graph output keeps its name: the
     node writing the value writes it under the output's name when nothing else reads it)."""
@@ -1349,6 +1389,148 @@ def _drop_identities(nodes: List[Any], inits: Mapping[str, Any], graph_outputs: 
                 n.input[i] = rename[x]
         out.append(n)
     return out
+
+
+def _expand_into_constant(model, known: Mapping[str, List[int]]):
+    """Expand(x·c, shape) with c one constant value and x·c used only there: x·C with C = c broadcast to
+    the dims the Expand adds (each element is the same x·c; the Expand node goes)."""
+    from onnx import numpy_helper
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    producer = {o: n for n in g.node for o in n.output if o}
+    uses: Dict[str, int] = {}
+    for n in g.node:
+        for x in n.input:
+            uses[x] = uses.get(x, 0) + 1
+    outs = {o.name for o in g.output}
+    drop = []
+    for n in g.node:
+        if n.op_type != "Expand" or n.input[1] not in inits or n.input[0] not in known:
+            continue
+        m = producer.get(n.input[0])
+        if m is None or m.op_type != "Mul" or uses.get(n.input[0], 0) != 1 or n.input[0] in outs:
+            continue
+        slot = next((i for i in (1, 0) if m.input[i] in inits and
+                     numpy_helper.to_array(inits[m.input[i]]).size == 1), None)
+        if slot is None:
+            continue
+        c = numpy_helper.to_array(inits[m.input[slot]])
+        x_shape = list(known[n.input[0]])
+        target = [int(v) for v in numpy_helper.to_array(inits[n.input[1]]).reshape(-1)]
+        if len(target) < len(x_shape):
+            continue
+        x_full = [1] * (len(target) - len(x_shape)) + x_shape
+        if any(a != 1 and a != t and t != 1 for a, t in zip(x_full, target)):
+            continue
+        shape = [t if a == 1 else 1 for a, t in zip(x_full, target)]
+        name = n.output[0] + "__scale"
+        g.initializer.append(numpy_helper.from_array(np.full(shape, c.reshape(()), c.dtype), name))
+        m.input[slot] = name
+        m.output[0] = n.output[0]
+        drop.append(n)
+    for n in drop:
+        g.node.remove(n)
+    if drop:
+        used = {x for n in g.node for x in n.input}
+        keep = [t for t in g.initializer if t.name in used]
+        del g.initializer[:]
+        g.initializer.extend(keep)
+    return model
+
+
+def _embed_layer_norm(model):
+    """word[ids] (+ segment[types]) + P -> LayerNorm, P a constant (S, H) block of position rows and ids
+    graph inputs of static shape (B, S): ONNX Runtime's EmbedLayerNormalization, whose default
+    positions 0..S-1 read exactly P."""
+    from onnx import TensorProto, helper, numpy_helper
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    inputs = {i.name: i for i in g.input}
+    producer = {o: n for n in g.node for o in n.output if o}
+    uses: Dict[str, int] = {}
+    for n in g.node:
+        for x in n.input:
+            uses[x] = uses.get(x, 0) + 1
+    outs = {o.name for o in g.output}
+    for ln in g.node:
+        if ln.op_type == "LayerNormalization" and ln.domain in ("", "ai.onnx") and len(ln.output) == 1 and \
+                all(a.name != "axis" or a.i == -1 for a in ln.attribute):
+            roots, gamma, beta = [ln.input[0]], ln.input[1], ln.input[2] if len(ln.input) > 2 else ""
+        elif ln.op_type == "SkipLayerNormalization" and ln.domain == MS and len(ln.input) == 4 and \
+                len(ln.output) == 1:
+            roots, gamma, beta = [ln.input[0], ln.input[1]], ln.input[2], ln.input[3]
+        else:
+            continue
+        eps = next((a.f for a in ln.attribute if a.name == "epsilon"), 1e-5)
+        leaves, inner, ok = [], [], True
+        todo = list(roots)
+        while todo and ok:
+            x = todo.pop()
+            p = producer.get(x)
+            if p is not None and p.op_type == "Add" and uses.get(x, 0) == 1 and x not in outs:
+                inner.append(p)
+                todo += list(p.input)
+            else:
+                leaves.append(x)
+        gathers, consts = [], []
+        for x in leaves:
+            p = producer.get(x)
+            if p is not None and p.op_type == "Gather" and uses.get(x, 0) == 1 and x not in outs and \
+                    p.input[0] in inits and p.input[1] in inputs and \
+                    all(a.name != "axis" or a.i == 0 for a in p.attribute):
+                gathers.append(p)
+            elif x in inits:
+                consts.append(x)
+            else:
+                ok = False
+        if not ok or len(consts) != 1 or len(gathers) not in (1, 2) or gamma not in inits or \
+                (beta and beta not in inits):
+            continue
+        ids = [inputs[p.input[1]] for p in gathers]
+        dims = [[d.dim_value if d.HasField("dim_value") else None for d in i.type.tensor_type.shape.dim] for i in ids]
+        if any(len(d) != 2 or None in d or d != dims[0] for d in dims) or \
+                any(i.type.tensor_type.elem_type not in (TensorProto.INT64, TensorProto.INT32) for i in ids):
+            continue
+        pos = numpy_helper.to_array(inits[consts[0]])
+        tables = [numpy_helper.to_array(inits[p.input[0]]) for p in gathers]
+        hidden = tables[0].shape[-1]
+        if pos.shape not in ((dims[0][1], hidden), (1, dims[0][1], hidden)) or \
+                any(t.ndim != 2 or t.shape[1] != hidden for t in tables):
+            continue
+        new, names = [], []
+        for i in ids:
+            if i.type.tensor_type.elem_type == TensorProto.INT32:
+                names.append(i.name)
+            else:
+                names.append(i.name + "__int32")
+                new.append(helper.make_node("Cast", [i.name], [names[-1]], to=TensorProto.INT32))
+        pname = consts[0] + "__rows"
+        g.initializer.append(numpy_helper.from_array(pos.reshape(dims[0][1], hidden), pname))
+        if not beta:
+            beta = ln.output[0] + "__beta"
+            g.initializer.append(numpy_helper.from_array(np.zeros(hidden, np.float32), beta))
+        ins = [names[0], names[1] if len(names) > 1 else "", gathers[0].input[0], pname,
+               gathers[1].input[0] if len(gathers) > 1 else "", gamma, beta]
+        new.append(helper.make_node("EmbedLayerNormalization", ins, [ln.output[0], ln.output[0] + "__mask_index"],
+                                    name=ln.name, domain=MS,
+                                    epsilon=eps))
+        drop = {id(n) for n in inner + gathers + [ln]}
+        nodes = []
+        for n in g.node:
+            if id(n) == id(ln):
+                nodes += new
+            elif id(n) not in drop:
+                nodes.append(n)
+        del g.node[:]
+        g.node.extend(nodes)
+        used = {x for n in g.node for x in n.input}
+        keep = [t for t in g.initializer if t.name in used]
+        del g.initializer[:]
+        g.initializer.extend(keep)
+        if not any(o.domain == MS for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(MS, 1))
+        return _embed_layer_norm(model)       # the graph changed: look again
+    return model
 
 
 def _peephole(nodes: List[Any], inits: Dict[str, Any], input_types: Mapping[str, int],
