@@ -306,3 +306,32 @@ def test_cli_failed_export_still_writes_the_mxnet_model(tmp_path, capsys):
     # the exit codes are documented in --help
     code, stdout, _ = run_mxfuse(capsys, "--help")
     assert code == 0 and "exit status is 3" in " ".join(stdout.split())
+
+
+def test_op_without_a_contrib_form_is_exported_unfused(tmp_path):
+    """A causal band over unequal query/key lengths (bottom-right aligned) has no ONNX Runtime form: that
+    node alone is un-fused and exported as stock ops; encoder-decoder interleaved attention likewise."""
+    q, k, v = S.var("q"), S.var("k"), S.var("v")
+    sym = S.fused_attention(q, k, v, scale=0.3, layout="bshd", heads=2, causal=True, name="attn")
+    shapes = {"q": (2, 3, 8), "k": (2, 5, 8), "v": (2, 5, 8)}
+    export_checked(sym, {}, {}, shapes, tmp_path / "c.onnx")
+    assert not contrib(tmp_path / "c.onnx")
+    sym = S.fused_attention(q, k, scale=0.3, layout="interleaved_encdec", heads=2, name="encdec")
+    export_checked(sym, {}, {}, {"q": (3, 2, 8), "k": (5, 2, 16)}, tmp_path / "e.onnx")
+
+
+def test_dynamic_export_of_a_fused_layer_runs_at_other_sizes(tmp_path):
+    from test_transformer_models import bert_layer
+    sym = bert_layer(S.var("data"), 0, "plain")
+    shapes = {"data": (2, 6, 32), "mask": (1, 1, 6)}
+    arg, aux = random_params(sym, shapes)
+    fs, fa, fx = fused(sym, arg, aux, shapes)
+    path = str(tmp_path / "d.onnx")
+    export_checked(fs, fa, fx, shapes, path, dynamic=True)
+    rng = np.random.default_rng(0)
+    feed = {"data": rng.standard_normal((3, 9, 32)).astype(np.float32),
+            "mask": rng.standard_normal((1, 1, 9)).astype(np.float32)}
+    from fusion.verify import run
+    ref = run(fs, fa, fx, feed)
+    got = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feed)
+    assert np.max(np.abs(ref[0] - got[0])) / np.max(np.abs(ref[0])) <= RTOL
