@@ -597,7 +597,7 @@ def _length_mask(kwargs, name: str, lengths: str, l_shape, b: int, h: int, sq: i
 def _export_fused_attention(node, **kwargs):
     """fused_attention: ONNX Runtime's Attention / MultiHeadAttention (ort) where they compute it, else
     (and for the standard target) the stock ops of ``fusion.unfuse``; plain layouts as MatMul/Softmax."""
-    from onnx import TensorProto, helper
+    from onnx import helper
     st = _st()
     name, inputs, attrs = node_io(node, kwargs)
     layout, mask_kind = str(attrs.get("layout", "plain")), str(attrs.get("mask_kind", "none"))
@@ -1063,7 +1063,6 @@ def _convert(symbol, params, input_shapes, data_names, opset: int, target: str, 
              input_dtypes: Mapping[str, np.dtype]):
     """(the checked ONNX model, fused nodes that must be un-fused first)."""
     import onnx
-    from onnx import helper
     from mxnet.onnx.mx2onnx._export_onnx import MXNetGraph
 
     graph_json = _json_nodes(symbol)

@@ -62,13 +62,11 @@ import contextlib
 import io
 import os
 import re
-import tempfile
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import FusionError, GraphError, VerificationError
-from .verify import DEFAULT_RTOL, VerifyResult, compare, random_inputs, run
+from .errors import FusionError, GraphError
 
 __all__ = ["import_onnx", "export_onnx", "FUSED_OP_EXPORTERS", "SUPPORTED_OPS", "node_io"]
 

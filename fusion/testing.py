@@ -140,7 +140,8 @@ def onnx_bert(layers: int = 2, hidden: int = 64, heads: int = 4, ffn: int = 128,
     ext = op("Mul", [op("Sub", [const(1.0, np.float32), ext]), const(-10000.0, np.float32)])
 
     def dense(y, tag, n_in, n_out):
-        return op("Add", [weight(tag + ".bias", (n_out,), 0.1), op("MatMul", [y, weight(tag + ".weight_T", (n_in, n_out))])])
+        w = weight(tag + ".weight_T", (n_in, n_out))
+        return op("Add", [weight(tag + ".bias", (n_out,), 0.1), op("MatMul", [y, w])])
 
     def dim(t, i):
         return op("Unsqueeze", [op("Gather", [op("Shape", [t]), const(i)], axis=0), const([0])])
