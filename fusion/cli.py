@@ -296,16 +296,21 @@ def _onnx_options(args, symbol, arg) -> dict:
         model = onnx.load(args.model, load_external_data=False)
         inits = {t.name for t in model.graph.initializer}
         names = set(symbol.list_arguments()) - set(arg)
-        dtypes = {}
+        dtypes, io_names = {}, {}
         for i in model.graph.input:
             if i.name in inits:
                 continue
             name = re.sub(r"[^A-Za-z0-9_]", "_", i.name).strip("_") or "node"
             name = "v" + name if name[0].isdigit() else name
             elem = i.type.tensor_type.elem_type
-            if name in names and elem not in (0, onnx.TensorProto.FLOAT):
-                dtypes[name] = helper.tensor_dtype_to_np_dtype(elem)
+            if name in names:
+                io_names[name] = i.name
+                if elem not in (0, onnx.TensorProto.FLOAT):
+                    dtypes[name] = helper.tensor_dtype_to_np_dtype(elem)
+        if len(model.graph.output) == len(symbol.list_outputs()):     # the file's output names, in order
+            io_names.update(zip(symbol.list_outputs(), (o.name for o in model.graph.output)))
         options["input_dtypes"] = dtypes
+        options["names"] = io_names
     return options
 
 

@@ -918,7 +918,7 @@ def export_onnx(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[
                 input_shapes: Mapping[str, Sequence[int]], path: Any, *, opset: Optional[int] = None,
                 target: str = "ort", input_dtypes: Optional[Mapping[str, Any]] = None,
                 dynamic: bool = False, validate: bool = True, rtol: float = DEFAULT_RTOL,
-                seed: int = 0) -> Optional[VerifyResult]:
+                seed: int = 0, names: Optional[Mapping[str, str]] = None) -> Optional[VerifyResult]:
     """Write ``symbol`` with its params to the ONNX file ``path``; returns ONNX Runtime vs MXNet errors.
 
     ``target``: ``"ort"`` (default) writes ONNX Runtime's contrib ops (``com.microsoft``) for the fused
@@ -928,7 +928,9 @@ def export_onnx(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[
     file is run in ONNX Runtime on random inputs drawn to fit their use and compared with MXNet
     before it is renamed into place; a mismatch beyond ``rtol`` raises VerificationError and leaves
     no file.  ``dynamic=True`` leaves every input and output dimension dynamic (Reshape targets are
-    then computed from ``Shape`` where MXNet's codes copy input dims).  A failure raises
+    then computed from ``Shape`` where MXNet's codes copy input dims).  ``names`` renames graph inputs
+    and outputs in the file (MXNet name -> ONNX name; those of the ONNX file a model came from; an
+    output is named by its MXNet output name, e.g. ``fc1_output``).  A failure raises
     :class:`OnnxExportError` naming the node that stopped the export.
     """
     opset = DEFAULT_OPSET if opset is None else int(opset)
@@ -950,6 +952,8 @@ def export_onnx(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[
     unfused: List[str] = []
     for _ in range(2):
         model, todo = _convert(sym, params, input_shapes, data_names, opset, target, dynamic, input_dtypes)
+        if not todo and names:
+            _rename_io(model, symbol, names)
         if not todo:
             break
         from .api import unfuse
@@ -975,7 +979,7 @@ def export_onnx(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[
             os.fsync(f.fileno())
         result = None
         if validate:
-            result = _validate(tmp, symbol, arg_params, aux_params, input_shapes, seed)
+            result = _validate(tmp, symbol, arg_params, aux_params, input_shapes, seed, names or {})
             if not result.ok(rtol):
                 raise VerificationError("ONNX Runtime disagrees with MXNet on the exported model: %s (rtol %g)"
                                         % (result, rtol))
@@ -1584,7 +1588,29 @@ def _peephole(nodes: List[Any], inits: Dict[str, Any], input_types: Mapping[str,
     return out
 
 
-def _validate(path: str, symbol, arg_params, aux_params, input_shapes, seed: int) -> VerifyResult:
+def _rename_io(model, symbol, names: Mapping[str, str]) -> None:
+    """Graph inputs and outputs renamed as ``names`` says (MXNet input / output name -> ONNX name)."""
+    g = model.graph
+    outputs = symbol.list_outputs()
+    mapping = {i.name: names[i.name] for i in g.input if i.name in names}
+    for o, mx_name in zip(g.output, outputs):
+        if mx_name in names:
+            mapping[o.name] = names[mx_name]
+    taken = {x for n in g.node for x in list(n.input) + list(n.output)} | {t.name for t in g.initializer}
+    mapping = {k: v for k, v in mapping.items() if k != v and (v not in taken or v in mapping)}
+    if len(set(mapping.values())) != len(mapping):
+        return
+    for n in g.node:
+        for i, x in enumerate(n.input):
+            n.input[i] = mapping.get(x, x)
+        for i, x in enumerate(n.output):
+            n.output[i] = mapping.get(x, x)
+    for v in list(g.input) + list(g.output):
+        v.name = mapping.get(v.name, v.name)
+
+
+def _validate(path: str, symbol, arg_params, aux_params, input_shapes, seed: int,
+              names: Mapping[str, str]) -> VerifyResult:
     """ONNX Runtime on the file vs MXNet on the symbol, on inputs drawn to fit their use (token ids in
     range); an input the file takes as integers gets integer values (a 0/1 mask drawn as reals is rounded)."""
     try:
@@ -1601,13 +1627,15 @@ def _validate(path: str, symbol, arg_params, aux_params, input_shapes, seed: int
     except Exception as e:
         raise VerificationError("ONNX Runtime cannot load the exported model: %s" % _first_line(e)) from None
     inputs = random_inputs(symbol, arg_params, input_shapes, seed)
+    mx_name = {names.get(k, k): k for k in inputs}
     feed = {}
     for i in sess.get_inputs():
         dtype = types.get(i.type, np.float32)
-        value = np.asarray(inputs[i.name])
+        key = mx_name.get(i.name, i.name)
+        value = np.asarray(inputs[key])
         if np.issubdtype(dtype, np.integer) and not np.array_equal(value, np.rint(value)):
             value = np.rint(value).astype(value.dtype)
-            inputs[i.name] = value
+            inputs[key] = value
         feed[i.name] = value.astype(dtype)
     reference = run(symbol, arg_params, aux_params, inputs)
     try:

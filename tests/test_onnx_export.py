@@ -174,6 +174,7 @@ def test_onnx_bert_with_integer_ids(tmp_path, capsys):
     assert [(i.name, i.type.tensor_type.elem_type) for i in model.graph.input] == \
         [(n, onnx.TensorProto.INT64) for n in ("input_ids", "token_type_ids", "attention_mask")]
     assert [o.version for o in model.opset_import if o.domain == ""] == [17]
+    assert [o.name for o in model.graph.output] == ["last_hidden_state", "pooler_output"]   # the file's names
     assert {"Attention", "SkipLayerNormalization", "BiasGelu"} <= contrib(out)
     # ORT on our file matches ORT on the original file
     rng = np.random.default_rng(1)
