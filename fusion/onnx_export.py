@@ -96,10 +96,14 @@ class _State:
         self.shapes: Dict[Tuple[int, int], Tuple[int, ...]] = shapes
         self.dtypes: Dict[Tuple[int, int], str] = dtypes
         self.target, self.opset, self.dynamic = target, opset, dynamic
+        from .selfcheck import SHAPE_ONLY
+        # readers of each value, those reading only its shape left out (a projection packed into
+        # Attention still feeds them; static exports fold them away)
         self.uses: Dict[Tuple[int, int], int] = {}
         for node in self.nodes:
-            for e in node.get("inputs", []):
-                self.uses[(e[0], e[1])] = self.uses.get((e[0], e[1]), 0) + 1
+            for slot, e in enumerate(node.get("inputs", [])):
+                if (node["op"], slot) not in SHAPE_ONLY:
+                    self.uses[(e[0], e[1])] = self.uses.get((e[0], e[1]), 0) + 1
         for e in graph_json["heads"]:
             self.uses[(e[0], e[1])] = self.uses.get((e[0], e[1]), 0) + 1
         self.unfuse: List[str] = []          # fused nodes to export through their stock ops
@@ -869,6 +873,15 @@ def _export_rsqrt(node, **kwargs):
             helper.make_node("Reciprocal", [name + "_sqrt"], [name], name=name)]
 
 
+def _export_trunc(node, **kwargs):
+    """trunc(x) = sign(x)·floor(|x|) (ONNX has no Trunc; -0.0, NaN and ±inf come out as trunc gives them)."""
+    from onnx import helper
+    name, inputs, _ = node_io(node, kwargs)
+    a, f, sg = _fresh(name + "_abs"), _fresh(name + "_floor"), _fresh(name + "_sign")
+    return [helper.make_node("Abs", inputs[:1], [a]), helper.make_node("Floor", [a], [f]),
+            helper.make_node("Sign", inputs[:1], [sg]), helper.make_node("Mul", [sg, f], [name], name=name)]
+
+
 def _scalar_input(node, kwargs, name: str) -> str:
     """An initializer holding the node's ``scalar`` attribute in the input's dtype; returns its name."""
     from onnx import helper
@@ -902,7 +915,8 @@ def _export_where(node, **kwargs):
 
 # MXNet ops that MXNet 1.9.1's exporter lacks or exports wrongly (under names it did not generate).
 _EXTRA_EXPORTERS: Dict[str, Callable[..., list]] = {
-    "erf": _basic("Erf"), "rsqrt": _export_rsqrt, "where": _export_where,
+    "erf": _basic("Erf"), "rsqrt": _export_rsqrt, "where": _export_where, "trunc": _export_trunc,
+    "fix": _export_trunc,
     "_rminus_scalar": _scalar_op("Sub", True), "_rdiv_scalar": _scalar_op("Div", True),
     "_rpower_scalar": _scalar_op("Pow", True),
     "_maximum_scalar": _scalar_op("Max", False), "_minimum_scalar": _scalar_op("Min", False),
