@@ -1239,9 +1239,11 @@ def _finish(graph, heads: List[str], data_names: List[str], input_dtypes: Mappin
     model = helper.make_model(g, opset_imports=imports, producer_name="mxnet-fusion")
     model.ir_version = 8 if opset <= 15 else (9 if opset <= 19 else 10)
     if fold:
+        # shapes by MXNet name only for names written once (a name written twice may not be the node's value)
+        known = {k: v for k, v in (known or {}).items() if k not in current}
         for _ in range(4):
             before = len(model.graph.node)
-            model = _fold_constants(model, known or {})
+            model = _fold_constants(model, known)
             if len(model.graph.node) == before:
                 break
     if opset <= 19:       # the pinned onnx package knows the schemas up to opset 19

@@ -362,3 +362,12 @@ def test_ort_optimized_bert_roundtrip(tmp_path, capsys):
 def test_trunc_exports(tmp_path):
     x = S.var("x")
     export_checked(S.trunc(x * 3), {}, {}, {"x": (4, 5)}, tmp_path / "t.onnx")
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+def test_layer_norm_form_by_opset(opset, tmp_path):
+    rng = np.random.default_rng(0)
+    sym = S.LayerNorm(S.var("x"), S.var("g"), S.var("b"), eps=1e-5, name="ln")
+    arg = {"g": mx.nd.array(rng.uniform(0.5, 1.5, 8)), "b": mx.nd.array(rng.normal(0, 0.1, 8))}
+    model = export_checked(sym, arg, {}, {"x": (2, 3, 8)}, tmp_path / "ln.onnx", opset=opset)
+    assert ("LayerNormalization" in {n.op_type for n in model.graph.node}) == (opset >= 17)
