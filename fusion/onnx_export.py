@@ -1128,6 +1128,7 @@ def _convert(symbol, params, input_shapes, data_names, opset: int, target: str, 
                 if i == nid:
                     known[n["name"] if k == 0 else n["name"] + str(k)] = list(shp)
     model = _finish(graph, heads, data_names, input_dtypes, opset, fold=not dynamic, known=known)
+    model = _common_subexpressions(model)
     if not dynamic:
         model = _expand_into_constant(model, known)
     if target == "ort" and not dynamic:
@@ -1408,6 +1409,50 @@ def _drop_identities(nodes: List[Any], inits: Mapping[str, Any], graph_outputs: 
                 n.input[i] = rename[x]
         out.append(n)
     return out
+
+
+def _common_subexpressions(model):
+    """Equal constants kept once, then nodes computing the same op on the same inputs with the same
+    attributes kept once (the masks each layer of a model rebuilds from the same input)."""
+    import hashlib
+
+    from onnx import numpy_helper
+    g = model.graph
+    outs = {o.name for o in g.output}
+    alias: Dict[str, str] = {}
+    seen: Dict[Any, str] = {}
+    keep_inits = []
+    for t in g.initializer:
+        if t.external_data:
+            keep_inits.append(t)
+            continue
+        key = (t.data_type, tuple(t.dims), hashlib.sha1(numpy_helper.to_array(t).tobytes()).digest())
+        if key in seen:
+            alias[t.name] = seen[key]
+        else:
+            seen[key] = t.name
+            keep_inits.append(t)
+    done: Dict[Any, List[str]] = {}
+    nodes = []
+    for n in g.node:
+        for i, x in enumerate(n.input):
+            n.input[i] = alias.get(x, x)
+        key = (n.domain, n.op_type, tuple(n.input), len(n.output),
+               tuple(sorted(a.SerializeToString() for a in n.attribute)))
+        if key in done and not any(o in outs for o in n.output):
+            for o, prev in zip(n.output, done[key]):
+                if o:
+                    alias[o] = prev
+            continue
+        done[key] = list(n.output)
+        nodes.append(n)
+    if len(nodes) == len(g.node) and len(keep_inits) == len(g.initializer):
+        return model
+    del g.node[:]
+    g.node.extend(nodes)
+    del g.initializer[:]
+    g.initializer.extend(keep_inits)
+    return model
 
 
 def _expand_into_constant(model, known: Mapping[str, List[int]]):
