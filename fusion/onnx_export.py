@@ -25,8 +25,10 @@ A fused op with no form for the target (an attention layout or mask the contrib 
 express) is un-fused (``fusion.unfuse(nodes=...)``) and its stock ops exported instead.  Then
 the graph is cleaned: single assignment restored (MXNet's converters can write one name twice),
 weights are initializers only (not graph inputs), dead nodes and initializers dropped, integer
-inputs (token ids) keep their dtype, and ops whose spelling changed after opset 13 (``Reduce*``
-axes, ``Split``) are written in the form of the output opset.
+inputs (token ids) keep their dtype, ops whose spelling changed after opset 13 (``Reduce*`` axes,
+``Split``) are written in the form of the output opset; for static shapes constants are folded,
+equal constants and common subexpressions kept once, and (``ort``) the embedding sum + LayerNorm
+written as ``EmbedLayerNormalization``.  Every clean-up is exact (the same arithmetic per element).
 
 An export that fails raises :class:`OnnxExportError` naming the node that stopped it.
 """
