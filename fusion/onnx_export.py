@@ -28,7 +28,10 @@ weights are initializers only (not graph inputs), dead nodes and initializers dr
 inputs (token ids) keep their dtype, ops whose spelling changed after opset 13 (``Reduce*`` axes,
 ``Split``) are written in the form of the output opset; for static shapes constants are folded,
 equal constants and common subexpressions kept once, and (``ort``) the embedding sum + LayerNorm
-written as ``EmbedLayerNormalization``.  Every clean-up is exact (the same arithmetic per element).
+written as ``EmbedLayerNormalization``.  Every clean-up computes the same function for every input
+(EmbedLayerNormalization and a bias folded into SkipLayerNormalization add the same terms in
+another order); none assumes what an input holds (ONNX Runtime's optimizer reads a 0/1 mask as
+right-padded lengths; an exported additive mask stays ``(1 - m)·c`` for any m).
 
 An export that fails raises :class:`OnnxExportError` naming the node that stopped it.
 """
