@@ -249,6 +249,9 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
             except FusionError as e:
                 onnx_error = str(e)
                 report.notes.append("ONNX export failed: %s" % onnx_error)
+            except Exception as e:      # an exporter's own failure: the verified MXNet model is still written
+                onnx_error = "ONNX export failed: %s: %s" % (type(e).__name__, str(e).strip().split("\n")[0])
+                report.notes.append(onnx_error)
             else:
                 import shutil
                 files.append(("--to-onnx", args.to_onnx, lambda tmp: shutil.copyfile(staged, tmp)))
