@@ -1444,7 +1444,8 @@ def _common_subexpressions(model):
             n.input[i] = alias.get(x, x)
         key = (n.domain, n.op_type, tuple(n.input), len(n.output),
                tuple(sorted(a.SerializeToString() for a in n.attribute)))
-        if key in done and not any(o in outs for o in n.output):
+        if key in done and not any(o in outs for o in n.output) and \
+                not n.op_type.startswith(("Random", "Multinomial", "Bernoulli")):
             for o, prev in zip(n.output, done[key]):
                 if o:
                     alias[o] = prev
