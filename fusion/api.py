@@ -219,7 +219,8 @@ def _new_ndarray(value: np.ndarray, where: Any):
 
 
 def unfuse(symbol: Any, input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
-           arg_params: Optional[Mapping[str, Any]] = None, aux_params: Optional[Mapping[str, Any]] = None):
+           arg_params: Optional[Mapping[str, Any]] = None, aux_params: Optional[Mapping[str, Any]] = None,
+           *, nodes: Optional[Iterable[str]] = None):
     """Rewrite every ``fused_*`` op of ``symbol`` back into stock MXNet ops; returns an ``mx.sym.Symbol``.
 
     ``input_shapes`` (and the params, for their shapes) are needed only where the
@@ -229,21 +230,23 @@ def unfuse(symbol: Any, input_shapes: Optional[Mapping[str, Sequence[int]]] = No
 
     Parameter transforms stay applied (folded convolutions remain folded) and parameter
     names are unchanged, so the fused model's params go with the result: it loads
-    where mxnet-fusion is not installed.
+    where mxnet-fusion is not installed.  ``nodes`` (names of fused nodes) un-fuses only those.
     """
-    from patterns.unfuse import RULES
+    from patterns.unfuse import RULES, only_nodes
 
+    rules = RULES if nodes is None else [only_nodes(r, set(nodes)) for r in RULES]
     graph = _as_graph(symbol)
     report = FusionReport(mode="inference")
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
         ctx = Context(graph, arg_params or {}, aux_params or {}, "inference", input_shapes)
-        run_rules(graph, RULES, ctx, report, SelfCheck(ctx))
+        run_rules(graph, rules, ctx, report, SelfCheck(ctx))
     finally:
         if gc_was_enabled:
             gc.enable()
-    left = sorted({n.op for n in graph.op_nodes() if n.op.startswith("fused_")})
+    left = sorted({n.op for n in graph.op_nodes() if n.op.startswith("fused_")
+                   and (nodes is None or n.name in nodes)})
     if left:
         reasons = "; ".join(r for rr in report.rules.values() for r in rr.rejected.values())
         raise FusionError("cannot unfuse %s: %s" % (", ".join(left), reasons or "no stock form"))

@@ -624,6 +624,8 @@ def build_parser(parser_class: type = _Parser) -> argparse.ArgumentParser:
     p.add_argument("--report", help=argparse.SUPPRESS)
     p.add_argument("--html", help=argparse.SUPPRESS)
     p.add_argument("--to-onnx", help=argparse.SUPPRESS)
+    p.add_argument("--onnx-target", help=argparse.SUPPRESS)
+    p.add_argument("--opset", help=argparse.SUPPRESS)
     p.add_argument("--unfuse", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--explain", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")

@@ -9,8 +9,10 @@
 Writes ``OUT_PREFIX-symbol.json`` and ``OUT_PREFIX-0000.params`` (``-o DIR/``
 keeps the model's name), with the reports, all at once or not at all
 (:mod:`fusion.publish`).  Exit status: 0 done, 1 verification failed (nothing
-written), 2 bad input or usage (one line on stderr, nothing written), 128 + N
-stopped by signal N (SIGINT, SIGTERM, SIGHUP; temporary files removed).
+written), 2 bad input or usage (one line on stderr, nothing written), 3 the
+``--to-onnx`` export failed (the MXNet model and reports were written — they
+were verified —; the ONNX file was not; stderr names the node that stopped the
+export), 128 + N stopped by signal N (SIGINT, SIGTERM, SIGHUP; temporary files removed).
 """
 from __future__ import annotations
 
@@ -57,7 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unfuse", action="store_true",
                    help="rewrite fused_* ops back into stock MXNet ops (the result loads without mxnet-fusion)")
     p.add_argument("--to-onnx", metavar="OUT.onnx",
-                   help="also export the fused model to ONNX, validated in ONNX Runtime (needs --shape)")
+                   help="also export the fused model to ONNX, validated in ONNX Runtime (needs --shape); if "
+                        "only this export fails, the MXNet files are still written and the exit status is 3")
+    p.add_argument("--onnx-target", choices=("ort", "standard"), default="ort",
+                   help="fused ops as ONNX Runtime's contrib ops (ort: Attention, SkipLayerNormalization, "
+                        "BiasGelu, ...; the default) or as standard ONNX ops only (standard)")
+    p.add_argument("--opset", type=int, metavar="N",
+                   help="ONNX opset of --to-onnx, 13-21 (default: the input ONNX file's opset, else 17)")
     p.add_argument("--html", metavar="FILE.html", help="write a readable HTML report with drawings of both graphs")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     p.add_argument("--verbose", action="store_true", help=batch.VERBOSE_HELP)
@@ -193,6 +201,7 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
 
     if args.to_onnx and not shapes:
         raise FusionError("--to-onnx needs the input shapes: add --shape NAME=D1,D2,...")
+    onnx_options = _onnx_options(args, symbol, arg) if args.to_onnx else {}
     rules = [r.strip() for r in args.rules.split(",") if r.strip()] if args.rules else None
     if args.unfuse:
         if args.rules or args.benchmark:
@@ -224,25 +233,88 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
         return status
     onnx_said: List[str] = []
     files = []
-    if args.to_onnx:            # first: a fallback to the un-fused form adds a note to the report
+    staged = None
+    onnx_error = None
+    try:
+        if args.to_onnx:        # first: a fallback to the un-fused form adds a note to the report
+            import tempfile
 
-        def export(tmp):
-            with progress.stage("exporting to ONNX"):
-                onnx_said.append(_export_onnx(result, shapes, tmp))
-        files.append(("--to-onnx", args.to_onnx, export))
-    files += model_files(paths, result.symbol, result.arg_params, result.aux_params)
-    if args.report:
-        files.append(text_file("--report", args.report, report.to_json))
-    if args.html:
-        from .html_report import render_html
-        files.append(text_file("--html", args.html, lambda: render_html(
-            graph, result, title=os.path.basename(args.model), inputs=list(shapes) or None)))
-    publish(files, inputs=protect, published=published)
+            from .publish import temp_prefix
+            fd, staged = tempfile.mkstemp(prefix=temp_prefix(), suffix=".onnx",
+                                          dir=os.path.dirname(os.path.abspath(args.to_onnx)))
+            os.close(fd)
+            try:
+                with progress.stage("exporting to ONNX"):
+                    onnx_said.append(_export_onnx(result, shapes, staged, onnx_options))
+            except FusionError as e:
+                onnx_error = str(e)
+                report.notes.append("ONNX export failed: %s" % onnx_error)
+            except Exception as e:      # an exporter's own failure: the verified MXNet model is still written
+                onnx_error = "ONNX export failed: %s: %s" % (type(e).__name__, str(e).strip().split("\n")[0])
+                report.notes.append(onnx_error)
+            else:
+                import shutil
+                files.append(("--to-onnx", args.to_onnx, lambda tmp: shutil.copyfile(staged, tmp)))
+        files += model_files(paths, result.symbol, result.arg_params, result.aux_params)
+        if args.report:
+            files.append(text_file("--report", args.report, report.to_json))
+        if args.html:
+            from .html_report import render_html
+            files.append(text_file("--html", args.html, lambda: render_html(
+                graph, result, title=os.path.basename(args.model), inputs=list(shapes) or None)))
+        publish(files, inputs=protect, published=published)
+    finally:
+        if staged is not None and os.path.exists(staged):
+            os.unlink(staged)
+    if onnx_error is not None:
+        if not args.quiet:
+            _say("wrote %s and %s" % paths)
+        print("mxfuse: error: %s; %s not written (the MXNet model was written)" % (onnx_error, args.to_onnx),
+              file=sys.stderr)
+        return 3
     if not args.quiet:
         if args.to_onnx:
             _say("wrote %s (ONNX Runtime vs MXNet: %s)" % (args.to_onnx, onnx_said[0]))
         _say("wrote %s and %s" % paths)
     return 0
+
+
+def _onnx_options(args, symbol, arg) -> dict:
+    """export_onnx's target, opset (given, or the input ONNX file's) and input dtypes (those of the input
+    ONNX file: token ids stay int64)."""
+    from .onnx_export import DEFAULT_OPSET, OPSET_RANGE, onnx_opset_of
+
+    lo, hi = OPSET_RANGE
+    if args.opset is not None and not lo <= args.opset <= hi:
+        raise FusionError("--opset %d: the exporter writes opsets %d-%d" % (args.opset, lo, hi))
+    options = {"target": args.onnx_target, "opset": args.opset}
+    if args.model.lower().endswith(".onnx"):
+        if args.opset is None:
+            found = onnx_opset_of(args.model)
+            options["opset"] = min(max(found, lo), hi) if found else DEFAULT_OPSET
+        import re
+
+        import onnx
+        from onnx import helper
+        model = onnx.load(args.model, load_external_data=False)
+        inits = {t.name for t in model.graph.initializer}
+        names = set(symbol.list_arguments()) - set(arg)
+        dtypes, io_names = {}, {}
+        for i in model.graph.input:
+            if i.name in inits:
+                continue
+            name = re.sub(r"[^A-Za-z0-9_]", "_", i.name).strip("_") or "node"
+            name = "v" + name if name[0].isdigit() else name
+            elem = i.type.tensor_type.elem_type
+            if name in names:
+                io_names[name] = i.name
+                if elem not in (0, onnx.TensorProto.FLOAT):
+                    dtypes[name] = helper.tensor_dtype_to_np_dtype(elem)
+        if len(model.graph.output) == len(symbol.list_outputs()):     # the file's output names, in order
+            io_names.update(zip(symbol.list_outputs(), (o.name for o in model.graph.output)))
+        options["input_dtypes"] = dtypes
+        options["names"] = io_names
+    return options
 
 
 def _unfused_result(symbol, arg, aux, shapes) -> FusionResult:
@@ -257,20 +329,22 @@ def _unfused_result(symbol, arg, aux, shapes) -> FusionResult:
     return FusionResult(plain, arg, aux, report, g2)
 
 
-def _export_onnx(result, shapes, path: str) -> str:
+def _export_onnx(result, shapes, path: str, options: dict) -> str:
     """Export ``result`` to the ONNX file ``path``; what ONNX Runtime vs MXNet said."""
-    from .errors import GraphError
-    from .onnx_io import export_onnx
+    from .onnx_export import OnnxExportError, export_onnx
 
     symbol = result.symbol
     try:
-        v = export_onnx(symbol, result.arg_params, result.aux_params, shapes, path)
-    except GraphError as e:
-        if "fused_" not in str(e):
+        v = export_onnx(symbol, result.arg_params, result.aux_params, shapes, path, **options)
+    except OnnxExportError as e:
+        if not str(e.op or "").startswith("fused_"):
             raise
         # a fused op ONNX has no form for: export that model un-fused instead
-        symbol = unfuse(symbol, shapes, result.arg_params, result.aux_params)
-        v = export_onnx(symbol, result.arg_params, result.aux_params, shapes, path)
+        try:
+            symbol = unfuse(symbol, shapes, result.arg_params, result.aux_params)
+        except FusionError:
+            raise e from None
+        v = export_onnx(symbol, result.arg_params, result.aux_params, shapes, path, **options)
         result.report.notes.append("ONNX export: %s; exported the un-fused form" % e)
     return str(v)
 

@@ -51,8 +51,10 @@ GRAD_TOLERANCE = 1e-3       # gradients: backward passes re-associate more sums
 # Inputs read only for their shape: (op, input slot).
 SHAPE_ONLY = frozenset({("_contrib_arange_like", 0), ("ones_like", 0), ("zeros_like", 0), ("shape_array", 0),
                         ("size_array", 0), ("broadcast_like", 1), ("reshape_like", 1), ("slice_like", 1)})
-# Ops that pass a value through unchanged in kind (a mask stays a mask, a length a length).
+# Ops that pass a value through unchanged in kind (a mask stays a mask, a length a length; trunc and fix
+# leave integers as they are: an ONNX Cast to an integer type is imported as trunc).
 _PASS_THROUGH = frozenset({"Reshape", "reshape", "expand_dims", "squeeze", "Cast", "cast", "amp_cast", "_copy",
+                           "trunc", "fix",
                            "identity", "repeat", "tile", "broadcast_to", "broadcast_like", "broadcast_axis",
                            "transpose", "SwapAxis", "slice_axis", "slice", "reshape_like", "Flatten", "flatten"})
 

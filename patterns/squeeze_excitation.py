@@ -38,7 +38,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from fusion.graph import Entry, Node
+from fusion.graph import Entry
 from fusion.matcher import Match
 from fusion.pattern import Chain, Const, OneOf, Pattern, Var, op, scalar
 from fusion.rewrite import Builder

@@ -153,3 +153,35 @@ class UnfuseConcatScaleAct(_Unfuse):
 
 RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseConcatScaleAct(), UnfuseElemwise(),
                      UnfuseAttention()]
+
+
+class _OnlyNodes(Rule):
+    """``rule`` restricted to the fused nodes named in ``names`` (the others are kept)."""
+
+    def __init__(self, rule: Rule, names: set):
+        self._rule, self._names = rule, names
+        self.name, self.family, self.benefit = rule.name, rule.family, rule.benefit
+        self.description = rule.description
+        self.inference_only = rule.inference_only
+
+    def __getattr__(self, key):
+        return getattr(self._rule, key)
+
+    def pattern(self):
+        return self._rule.pattern()
+
+    def check(self, m: Match):
+        if m.node("f").name not in self._names:
+            return "kept fused (not selected)"
+        return self._rule.check(m)
+
+    def outside_use_ok(self, m: Match, entry: Entry, user) -> bool:
+        return self._rule.outside_use_ok(m, entry, user)
+
+    def rewrite(self, m: Match, b: Builder):
+        return self._rule.rewrite(m, b)
+
+
+def only_nodes(rule: Rule, names: set) -> Rule:
+    """``rule`` applied only to the fused nodes named in ``names``."""
+    return _OnlyNodes(rule, names)

@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import fusion  # noqa: E402
 from fusion.errors import FusionError, GraphError  # noqa: E402
-from fusion.onnx_io import export_onnx, import_onnx  # noqa: E402
+from fusion.onnx_io import DEFAULT_OPSET, export_onnx, import_onnx  # noqa: E402
 from fusion.verify import compare, run  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -175,7 +175,7 @@ def check_export(model, feed, reference, tmp_path, name):
     assert check.max_rel <= RTOL, check
     assert compare(reference, ort_run(out_path, feed), ["y"] * len(reference)).max_rel <= RTOL
     exported = onnx.load(out_path)
-    assert [o.version for o in exported.opset_import if o.domain == ""] == [13]
+    assert [o.version for o in exported.opset_import if o.domain == ""] == [DEFAULT_OPSET]
 
 
 def check_roundtrip(model, shapes, tmp_path):
@@ -333,10 +333,10 @@ def test_bad_files(content, tmp_path):
 def test_export_refuses_op_without_exporter(tmp_path):
     import mxnet as mx
 
-    sym = mx.sym.relu(mx.sym.trunc(mx.sym.var("data"), name="chop"))
+    sym = mx.sym.relu(mx.sym.gammaln(mx.sym.var("data"), name="chop"))
     with pytest.raises(GraphError) as e:
         export_onnx(sym, {}, {}, {"data": (2, 3)}, str(tmp_path / "m.onnx"))
-    assert "trunc (node 'chop')" in one_line(e)
+    assert "gammaln (node 'chop')" in one_line(e)
     assert not os.listdir(tmp_path)
 
 
@@ -386,8 +386,8 @@ def test_export_refuses_bad_opset(tmp_path):
     import mxnet as mx
 
     with pytest.raises(FusionError) as e:
-        export_onnx(mx.sym.relu(mx.sym.var("data")), {}, {}, {"data": (2, 3)}, str(tmp_path / "m.onnx"), opset=19)
-    assert "19" in one_line(e)
+        export_onnx(mx.sym.relu(mx.sym.var("data")), {}, {}, {"data": (2, 3)}, str(tmp_path / "m.onnx"), opset=12)
+    assert "12" in one_line(e)
 
 
 @pytest.mark.parametrize("kw, x_shape", [

@@ -3,8 +3,6 @@
 Tolerances (fp32): forward rtol=1e-5, atol=2e-5 vs NumPy (float64 reference);
 backward rtol=1e-4, atol=1e-4 vs MXNet autograd on batch_dot/softmax/batch_dot.
 """
-import os
-
 import mxnet as mx
 import numpy as np
 import pytest

@@ -1,0 +1,1712 @@
+"""ONNX export: ``export_onnx`` writes a (fused) MXNet model as an ONNX file, checked in ONNX Runtime.
+
+Stock MXNet ops go through MXNet 1.9.1's own converters (``mx.onnx``, opset-13 converters)
+except the ones it lacks or writes wrongly, which are written here from the shapes MXNet
+infers for the graph (``facts.infer``): ``Reshape`` with MXNet's special codes (0, -1, -2, -3,
+-4, ``reverse``) gets an explicit target (or, with ``dynamic``, one computed from ``Shape``),
+``LayerNorm`` becomes ``LayerNormalization`` from opset 17.  The fused ops get the best form of
+the target:
+
+=====================  ===========================================  ==========================================
+fused op               ``target="ort"`` (ONNX Runtime contrib ops)   ``target="standard"`` (ai.onnx only)
+=====================  ===========================================  ==========================================
+fused_dense            MatMul (pre-transposed weight) + BiasGelu /  MatMul + Add + Gelu (opset 20) or its erf /
+                       FastGelu, or + Add + activation              tanh form
+fused_add_layer_norm   SkipLayerNormalization (a matmul's bias       Add + LayerNormalization (opset 17) or its
+                       folded into it)                              ops
+fused_attention        Attention (q/k/v projections of one input     the stock ops ``fusion.unfuse`` writes
+                       packed into its weight) or MultiHeadAttention  (batch_dot, softmax [lengths], masks)
+                       (masks as lengths / attention bias, causal
+                       as ``unidirectional``)
+fused_elemwise         the expression's ops                         the same
+=====================  ===========================================  ==========================================
+
+A fused op with no form for the target (an attention layout or mask the contrib ops cannot
+express) is un-fused (``fusion.unfuse(nodes=...)``) and its stock ops exported instead.  Then
+the graph is cleaned: single assignment restored (MXNet's converters can write one name twice),
+weights are initializers only (not graph inputs), dead nodes and initializers dropped, integer
+inputs (token ids) keep their dtype, ops whose spelling changed after opset 13 (``Reduce*`` axes,
+``Split``) are written in the form of the output opset; for static shapes constants are folded,
+equal constants and common subexpressions kept once, and (``ort``) the embedding sum + LayerNorm
+written as ``EmbedLayerNormalization``.  Every clean-up computes the same function for every input
+(EmbedLayerNormalization and a bias folded into SkipLayerNormalization add the same terms in
+another order); none assumes what an input holds (ONNX Runtime's optimizer reads a 0/1 mask as
+right-padded lengths; an exported additive mask stays ``(1 - m)·c`` for any m).
+
+An export that fails raises :class:`OnnxExportError` naming the node that stopped it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .errors import FusionError, GraphError, VerificationError
+from .verify import DEFAULT_RTOL, VerifyResult, compare, random_inputs, run
+
+__all__ = ["export_onnx", "OnnxExportError", "FUSED_OP_EXPORTERS", "node_io", "DEFAULT_OPSET", "OPSET_RANGE",
+           "TARGETS", "onnx_opset_of"]
+
+DEFAULT_OPSET = 17          # LayerNormalization; what torch's exporter writes by default
+OPSET_RANGE = (13, 21)
+TARGETS = ("ort", "standard")
+MS = "com.microsoft"
+_CONVERTER_OPSET = 13       # MXNet's converters are written for opsets 12 and 13
+
+
+class OnnxExportError(GraphError):
+    """The ONNX export stopped at ``node`` (its op ``op``)."""
+
+    def __init__(self, message: str, node: Optional[str] = None, op: Optional[str] = None):
+        self.node, self.op = node, op
+        where = "" if node is None else "at node '%s' (%s): " % (node, op)
+        super().__init__("ONNX export stopped %s%s" % (where, message) if node is not None else message)
+
+
+class _NeedsUnfuse(Exception):
+    """A fused op with no form for the target: exported through its stock ops instead."""
+
+
+def _first_line(e: Any) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def onnx_opset_of(path: str) -> Optional[int]:
+    """The ai.onnx opset an ONNX file imports (None if unreadable)."""
+    try:
+        import onnx
+        model = onnx.load(path, load_external_data=False)
+    except Exception:
+        return None
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            return int(imp.version)
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# conversion state: facts of the graph being exported, read by the converters
+# --------------------------------------------------------------------------------------------
+
+class _State:
+    def __init__(self, graph_json, shapes, dtypes, target: str, opset: int, dynamic: bool):
+        self.nodes = graph_json["nodes"]
+        self.shapes: Dict[Tuple[int, int], Tuple[int, ...]] = shapes
+        self.dtypes: Dict[Tuple[int, int], str] = dtypes
+        self.target, self.opset, self.dynamic = target, opset, dynamic
+        from .selfcheck import SHAPE_ONLY
+        # readers of each value, those reading only its shape left out (a projection packed into
+        # Attention still feeds them; static exports fold them away)
+        self.uses: Dict[Tuple[int, int], int] = {}
+        for node in self.nodes:
+            for slot, e in enumerate(node.get("inputs", [])):
+                if (node["op"], slot) not in SHAPE_ONLY:
+                    self.uses[(e[0], e[1])] = self.uses.get((e[0], e[1]), 0) + 1
+        for e in graph_json["heads"]:
+            self.uses[(e[0], e[1])] = self.uses.get((e[0], e[1]), 0) + 1
+        self.unfuse: List[str] = []          # fused nodes to export through their stock ops
+        self.cache: Dict[Any, str] = {}      # shared helper values (masks expanded once)
+        self.names: set = set()
+        self.seq_dims: List[Tuple[str, int]] = []   # (tensor, axis) of Sq and Sk of the attention exported
+
+
+_LOCAL = threading.local()
+
+
+def _st() -> _State:
+    return _LOCAL.state
+
+
+def _fresh(base: str) -> str:
+    st = _st()
+    name, i = base, 1
+    while name in st.names:
+        name, i = "%s_%d" % (base, i), i + 1
+    st.names.add(name)
+    return name
+
+
+def node_io(node: Dict[str, Any], kwargs: Mapping[str, Any]) -> Tuple[str, List[str], Dict[str, str]]:
+    """(output name, ONNX names of the inputs, MXNet attributes) of ``node``, for an exporter function."""
+    from mxnet.onnx.mx2onnx._op_translations._op_translations_opset12 import get_inputs
+    return get_inputs(node, kwargs)
+
+
+def _in_shape(node, i: int) -> Optional[Tuple[int, ...]]:
+    e = node["inputs"][i]
+    return _st().shapes.get((e[0], e[1]))
+
+
+def _in_node(node, i: int) -> Tuple[int, Dict[str, Any]]:
+    e = node["inputs"][i]
+    return e[0], _st().nodes[e[0]]
+
+
+def _out_shape(kwargs, k: int = 0) -> Optional[Tuple[int, ...]]:
+    return _st().shapes.get((kwargs["idx"], k))
+
+
+def _attr_bool(attrs: Mapping[str, str], key: str, default: bool) -> bool:
+    return str(attrs.get(key, default)).strip().lower() in ("true", "1")
+
+
+def _const_tensor(kwargs, name: str, value) -> str:
+    """Add ``value`` as an initializer (named ``name``, made unique); returns its name."""
+    from onnx import numpy_helper
+    name = _fresh(name)
+    kwargs["initializer"].append(numpy_helper.from_array(np.asarray(value), name))
+    return name
+
+
+def _i64(kwargs, name: str, values) -> str:
+    return _const_tensor(kwargs, name, np.asarray(values, np.int64))
+
+
+def _f32(kwargs, name: str, value) -> str:
+    return _const_tensor(kwargs, name, np.asarray(value, np.float32))
+
+
+def _param(kwargs, name: str) -> Optional[np.ndarray]:
+    w = kwargs.get("weights", {}).get(name)
+    return None if w is None else np.asarray(w)
+
+
+# --------------------------------------------------------------------------------------------
+# Reshape: MXNet's special codes resolved
+# --------------------------------------------------------------------------------------------
+
+def _reshape_plan(codes: Sequence[int], in_rank: int) -> Optional[List[Tuple]]:
+    """Per output dim: ("in", j) input dim j, ("mul", j, j+1), ("const", c), ("infer",), or
+    ("split", j, part, other) — MXNet's Reshape codes (not reversed) read against an input of
+    rank ``in_rank``; None when the codes do not read as MXNet reads them."""
+    plan: List[Tuple] = []
+    j, i = 0, 0
+    codes = list(codes)
+    while i < len(codes):
+        c = codes[i]
+        if c > 0:
+            plan.append(("const", c))
+            j += 1
+        elif c == 0:
+            if j >= in_rank:
+                return None
+            plan.append(("in", j))
+            j += 1
+        elif c == -1:
+            plan.append(("infer",))
+            j += 1
+        elif c == -2:
+            plan += [("in", t) for t in range(j, in_rank)]
+            j = in_rank
+        elif c == -3:
+            if j + 1 >= in_rank:
+                return None
+            plan.append(("mul", j, j + 1))
+            j += 2
+        elif c == -4:
+            if i + 2 >= len(codes) or j >= in_rank:
+                return None
+            a, b = codes[i + 1], codes[i + 2]
+            if a == -1 and b > 0:
+                plan += [("div", j, b), ("const", b)]
+            elif b == -1 and a > 0:
+                plan += [("const", a), ("div", j, a)]
+            elif a > 0 and b > 0:
+                plan += [("const", a), ("const", b)]
+            else:
+                return None
+            j += 1
+            i += 2
+        else:
+            return None
+        i += 1
+    return plan
+
+
+def _export_reshape(node, **kwargs):
+    """MXNet Reshape/reshape: the target its codes give for the inferred shapes (explicit), or with a
+    dynamic export, ONNX codes 0/-1 where they say the same and Shape-computed dims elsewhere."""
+    from onnx import helper
+    name, inputs, attrs = node_io(node, kwargs)
+    out = _out_shape(kwargs)
+    x_shape = _in_shape(node, 0)
+    if out is None:
+        raise GraphError("the output shape of Reshape is unknown (pass the input shapes)")
+    codes = [int(c) for c in re.findall(r"-?\d+", str(attrs.get("shape", "()")))]
+    reverse = _attr_bool(attrs, "reverse", False)
+    st = _st()
+    target: List[Any] = list(out)
+    nodes: List[Any] = []
+    if st.dynamic and x_shape is not None and not reverse:
+        plan = _reshape_plan(codes, len(x_shape))
+        if plan is not None and len(plan) == len(out):
+            infer = sum(1 for p in plan if p[0] == "infer")
+            parts, dynamic_parts = [], False
+            shape_name = None
+            for i, p in enumerate(plan):
+                if p[0] == "in" and p[1] == i:
+                    parts.append(0)
+                elif p[0] == "infer" and infer == 1:
+                    parts.append(-1)
+                elif p[0] == "const":
+                    parts.append(int(p[1]))
+                elif p[0] in ("in", "mul", "div"):
+                    if shape_name is None:
+                        shape_name = _fresh(name + "_inshape")
+                        nodes.append(helper.make_node("Shape", [inputs[0]], [shape_name]))
+                    g = _fresh(name + "_d%d" % i)
+                    nodes.append(helper.make_node("Gather", [shape_name, _i64(kwargs, name + "_ix", [p[1]])], [g],
+                                                  axis=0))
+                    if p[0] == "mul":
+                        g2 = _fresh(name + "_d%db" % i)
+                        nodes.append(helper.make_node("Gather", [shape_name, _i64(kwargs, name + "_ix", [p[2]])],
+                                                      [g2], axis=0))
+                        g3 = _fresh(name + "_d%dm" % i)
+                        nodes.append(helper.make_node("Mul", [g, g2], [g3]))
+                        g = g3
+                    elif p[0] == "div":
+                        g3 = _fresh(name + "_d%dq" % i)
+                        nodes.append(helper.make_node("Div", [g, _i64(kwargs, name + "_dv", [p[2]])], [g3]))
+                        g = g3
+                    parts.append(g)
+                    dynamic_parts = True
+                else:
+                    parts.append(int(out[i]))
+            if dynamic_parts:
+                pieces = [p if isinstance(p, str) else _i64(kwargs, name + "_c", [p]) for p in parts]
+                tgt = _fresh(name + "_target")
+                nodes.append(helper.make_node("Concat", pieces, [tgt], axis=0))
+                nodes.append(helper.make_node("Reshape", [inputs[0], tgt], [name], name=name))
+                return nodes
+            target = parts
+    shape = _i64(kwargs, name + "_shape", target)
+    return nodes + [helper.make_node("Reshape", [inputs[0], shape], [name], name=name)]
+
+
+def _export_layer_norm(node, **kwargs):
+    """LayerNorm over the last axis: LayerNormalization from opset 17, MXNet's own converter before."""
+    from onnx import helper
+    name, inputs, attrs = node_io(node, kwargs)
+    x_shape = _in_shape(node, 0)
+    axis = int(attrs.get("axis", -1))
+    if _st().opset >= 17 and not _attr_bool(attrs, "output_mean_var", False):
+        if x_shape is not None and axis not in (-1, len(x_shape) - 1):
+            raise GraphError("LayerNorm over axis %d (not the last) has no LayerNormalization form" % axis)
+        return [helper.make_node("LayerNormalization", inputs[:3], [name], name=name, axis=-1,
+                                 epsilon=float(attrs.get("eps", 1e-5)))]
+    from mxnet.onnx.mx2onnx._op_translations._op_translations_opset13 import convert_layer_norm
+    return convert_layer_norm(node, **kwargs)
+
+
+def _export_fully_connected(node, **kwargs):
+    """FullyConnected: Gemm on a 2-D input (after Flatten(axis=1) with flatten=True), else MatMul with Wᵀ as
+    an initializer + Add (MXNet's converter writes Shape/Flatten/Gemm/Slice/Concat/Reshape for it)."""
+    from onnx import helper
+    name, inputs, attrs = node_io(node, kwargs)
+    x_shape = _in_shape(node, 0)
+    flatten = _attr_bool(attrs, "flatten", True)
+    no_bias = _attr_bool(attrs, "no_bias", False)
+    w = _param(kwargs, inputs[1])
+    if x_shape is None or w is None:
+        from mxnet.onnx.mx2onnx._op_translations._op_translations_opset12 import convert_fully_connected
+        return convert_fully_connected(node, **kwargs)
+    nodes, x = [], inputs[0]
+    if flatten and len(x_shape) != 2:
+        x = _fresh(name + "_flat")
+        nodes.append(helper.make_node("Flatten", [inputs[0]], [x], axis=1))
+    if flatten or len(x_shape) == 2:
+        ins = [x, inputs[1]] + ([] if no_bias else [inputs[2]])
+        nodes.append(helper.make_node("Gemm", ins, [name], name=name, transB=1))
+        return nodes
+    wt = _const_tensor(kwargs, name + "_weight_T", np.ascontiguousarray(w.T))
+    mm = name if no_bias else _fresh(name + "_mm")
+    nodes.append(helper.make_node("MatMul", [x, wt], [mm]))
+    if not no_bias:
+        nodes.append(helper.make_node("Add", [mm, inputs[2]], [name]))
+    nodes[-1].name = name
+    return nodes
+
+
+# --------------------------------------------------------------------------------------------
+# fused ops
+# --------------------------------------------------------------------------------------------
+
+def _layer_norm_nodes(kwargs, name: str, x: str, gamma: str, beta: str, eps: float, out: str) -> list:
+    """LayerNorm over the last axis in standard ops (LayerNormalization from opset 17)."""
+    from onnx import helper
+    if _st().opset >= 17:
+        return [helper.make_node("LayerNormalization", [x, gamma, beta], [out], axis=-1, epsilon=eps)]
+    ax = dict(axes=[-1], keepdims=1)
+    m, c, sq, var, ve, sd, nrm, sc = (_fresh(name + t) for t in ("_mean", "_cen", "_sq", "_var", "_ve", "_sd",
+                                                                "_norm", "_scaled"))
+    return [helper.make_node("ReduceMean", [x], [m], **ax), helper.make_node("Sub", [x, m], [c]),
+            helper.make_node("Mul", [c, c], [sq]), helper.make_node("ReduceMean", [sq], [var], **ax),
+            helper.make_node("Add", [var, _f32(kwargs, name + "_eps", eps)], [ve]),
+            helper.make_node("Sqrt", [ve], [sd]), helper.make_node("Div", [c, sd], [nrm]),
+            helper.make_node("Mul", [nrm, gamma], [sc]), helper.make_node("Add", [sc, beta], [out])]
+
+
+def _export_fused_add_layer_norm(node, **kwargs):
+    """fused_add_layer_norm(a, b, γ, β) = LayerNorm(a + b) [, a + b]: SkipLayerNormalization (ort, a and b of
+    one shape), else Add + LayerNormalization."""
+    from onnx import helper
+    name, inputs, attrs = node_io(node, kwargs)
+    eps = float(attrs.get("eps", 1e-5))
+    output_sum = _attr_bool(attrs, "output_sum", False)
+    sa, sb = _in_shape(node, 0), _in_shape(node, 1)
+    if _st().target == "ort" and sa is not None and sa == sb and len(sa) in (2, 3):
+        outputs = [name, "", "", name + "1"] if output_sum else [name]
+        return [helper.make_node("SkipLayerNormalization", inputs[:4], outputs, name=name, domain=MS,
+                                 epsilon=eps)]
+    total = name + "1" if output_sum else _fresh(name + "_sum")
+    nodes = [helper.make_node("Add", inputs[:2], [total])]
+    nodes += _layer_norm_nodes(kwargs, name, total, inputs[2], inputs[3], eps, name)
+    nodes[-1].name = name
+    return nodes
+
+
+_GELU_ERF = ("gelu_erf",)
+_SIMPLE_ACTS = {"relu": "Relu", "act_relu": "Relu", "sigmoid": "Sigmoid", "tanh": "Tanh", "softrelu": "Softplus"}
+
+
+def _gelu_nodes(kwargs, name: str, y: str, out: str, tanh: bool) -> list:
+    """GELU in standard ops: opset-20 Gelu, or 0.5·y·(1 + erf(y/√2)) / its tanh form written out."""
+    from onnx import helper
+    if _st().opset >= 20:
+        return [helper.make_node("Gelu", [y], [out], approximate="tanh" if tanh else "none")]
+    half, one = _f32(kwargs, name + "_half", 0.5), _f32(kwargs, name + "_one", 1.0)
+    t = [_fresh(name + "_g%d" % i) for i in range(6)]
+    if tanh:   # 0.5·y·(1 + tanh(√(2/π)·(y + 0.044715·y³)))
+        return [helper.make_node("Mul", [y, y], [t[0]]), helper.make_node("Mul", [t[0], y], [t[1]]),
+                helper.make_node("Mul", [t[1], _f32(kwargs, name + "_c", 0.044715)], [t[2]]),
+                helper.make_node("Add", [y, t[2]], [t[3]]),
+                helper.make_node("Mul", [t[3], _f32(kwargs, name + "_k", 0.7978845608028654)], [t[4]]),
+                helper.make_node("Tanh", [t[4]], [t[5]]),
+                helper.make_node("Add", [t[5], one], [name + "_g1p"]),
+                helper.make_node("Mul", [y, half], [name + "_gh"]),
+                helper.make_node("Mul", [name + "_gh", name + "_g1p"], [out])]
+    return [helper.make_node("Mul", [y, _f32(kwargs, name + "_r2", 0.7071067811865476)], [t[0]]),
+            helper.make_node("Erf", [t[0]], [t[1]]), helper.make_node("Add", [t[1], one], [t[2]]),
+            helper.make_node("Mul", [y, half], [t[3]]), helper.make_node("Mul", [t[3], t[2]], [out])]
+
+
+def _export_fused_dense(node, **kwargs):
+    """fused_dense(x, W[, b]) = act(x·Wᵀ + b) [-> (B, H, S, D)]: MatMul with Wᵀ as an initializer, then
+    bias + GELU as BiasGelu / FastGelu (ort) or Add + Gelu / its ops (standard), other acts as ONNX ops."""
+    from onnx import helper
+    st = _st()
+    name, inputs, attrs = node_io(node, kwargs)
+    act = str(attrs.get("act", "none"))
+    heads_out = str(attrs.get("out_layout", "plain")) == "heads_bhsd"
+    x_shape = _in_shape(node, 0)
+    nodes, x = [], inputs[0]
+    if _attr_bool(attrs, "flatten", True) and (x_shape is None or len(x_shape) != 2):
+        x = _fresh(name + "_flat")
+        nodes.append(helper.make_node("Flatten", [inputs[0]], [x], axis=1))
+    w = _param(kwargs, inputs[1])
+    if w is not None:
+        wt = _const_tensor(kwargs, name + "_weight_T", np.ascontiguousarray(w.T))
+    else:
+        wt = _fresh(name + "_wT")
+        nodes.append(helper.make_node("Transpose", [inputs[1]], [wt], perm=[1, 0]))
+    y = _fresh(name + "_mm")
+    nodes.append(helper.make_node("MatMul", [x, wt], [y]))
+    bias = None if _attr_bool(attrs, "no_bias", False) else inputs[2]
+    final = _fresh(name + "_act") if heads_out else name
+    if act in ("gelu_erf", "gelu_tanh") and st.target == "ort":
+        if act == "gelu_erf":
+            nodes.append(helper.make_node("BiasGelu", [y, bias], [final], domain=MS) if bias else
+                         helper.make_node("Gelu", [y], [final], domain=MS))
+        else:
+            nodes.append(helper.make_node("FastGelu", [y] + ([bias] if bias else []), [final], domain=MS))
+    else:
+        if bias:
+            yb = _fresh(name + "_biased")
+            nodes.append(helper.make_node("Add", [y, bias], [yb]))
+            y = yb
+        if act in _SIMPLE_ACTS:
+            nodes.append(helper.make_node(_SIMPLE_ACTS[act], [y], [final]))
+        elif act == "leaky":
+            nodes.append(helper.make_node("LeakyRelu", [y], [final], alpha=float(attrs.get("slope", 0.25))))
+        elif act in ("gelu_erf", "gelu_tanh"):
+            nodes += _gelu_nodes(kwargs, name, y, final, act == "gelu_tanh")
+        elif act == "none":
+            if nodes[-1].output[0] == y:
+                nodes[-1].output[0] = final
+            else:
+                nodes.append(helper.make_node("Identity", [y], [final]))
+        else:
+            raise GraphError("no ONNX form for act=%s" % act)
+    if heads_out:
+        out = _out_shape(kwargs)
+        heads = int(attrs["heads"])
+        shape = _i64(kwargs, name + "_heads_shape", [0, 0, heads, -1])
+        split = _fresh(name + "_split")
+        nodes.append(helper.make_node("Reshape", [final, shape], [split]))
+        nodes.append(helper.make_node("Transpose", [split], [name], perm=[0, 2, 1, 3]))
+        del out
+    nodes[-1].name = name
+    return nodes
+
+
+# ---- fused_attention ----
+
+def _dense_producer(node, i: int):
+    """(json node, index) of a fused_dense without activation, flatten=False, plain output, with its
+    weight (and bias) params, feeding input ``i`` of ``node`` and used only there; else None."""
+    st = _st()
+    e = node["inputs"][i]
+    nid, src = e[0], st.nodes[e[0]]
+    if src.get("op") != "fused_dense" or st.uses.get((e[0], e[1]), 0) != 1 or e[1] != 0:
+        return None
+    a = src.get("attrs", {})
+    if str(a.get("act", "none")) != "none" or _attr_bool(a, "flatten", True) or \
+            str(a.get("out_layout", "plain")) != "plain":
+        return None
+    return nid, src
+
+
+def _dense_parts(kwargs, nid: int, src) -> Optional[Tuple[str, np.ndarray, np.ndarray, Tuple[int, ...]]]:
+    """(ONNX name of x, W (N, K), b (N,), x shape) of a fused_dense json node, when W and b are params."""
+    st = _st()
+    lookup = kwargs["outputs_lookup"]
+    x_e, w_e = src["inputs"][0], src["inputs"][1]
+    w = _param(kwargs, st.nodes[w_e[0]]["name"])
+    if w is None or w.ndim != 2:
+        return None
+    if _attr_bool(src.get("attrs", {}), "no_bias", False):
+        b = np.zeros(w.shape[0], w.dtype)
+    else:
+        b = _param(kwargs, st.nodes[src["inputs"][2][0]]["name"])
+        if b is None:
+            return None
+    x_shape = st.shapes.get((x_e[0], x_e[1]))
+    if x_shape is None:
+        return None
+    return lookup[x_e[0]][x_e[1]].name, w, b.reshape(-1), x_shape
+
+
+def _bias4(kwargs, name: str, cur: str, shape, b: int, h: int, sq: int, sk: int) -> Tuple[List[Any], str]:
+    """``cur`` (aligned with the (B·H, Sq, Sk) or (B, H, Sq, Sk) scores from the last axis) as ONNX
+    Runtime's attention_bias (B|1, H|1, Sq, Sk).  A dynamic export takes Sq and Sk from the shapes
+    of q and k (``_State.seq_dims``)."""
+    from onnx import helper
+    st = _st()
+    ms = list(shape)
+    if len(ms) == 4:
+        shape4 = ms
+    elif len(ms) == 3 and ms[0] == b * h and b * h > 1:
+        shape4 = [b, h] + ms[1:]
+    elif len(ms) < 3 or ms[0] == 1:
+        shape4 = [1] * (4 - len(ms[-2:])) + ms[-2:]
+    else:
+        raise _NeedsUnfuse("mask of shape %s" % (tuple(ms),))
+    if len(shape4) != 4 or shape4[0] not in (1, b) or shape4[1] not in (1, h):
+        raise _NeedsUnfuse("mask of shape %s" % (tuple(ms),))
+    nodes = []
+    if tuple(shape4) != tuple(ms):
+        r = _fresh(name + "_bias4")
+        if st.dynamic:
+            if list(shape4[4 - len(ms):]) != ms or any(d != 1 for d in shape4[:4 - len(ms)]):
+                raise _NeedsUnfuse("a mask to reshape in a dynamic export")
+            nodes.append(helper.make_node("Unsqueeze", [cur, _i64(kwargs, name + "_ax", list(range(4 - len(ms))))],
+                                          [r]))
+        else:
+            nodes.append(helper.make_node("Reshape", [cur, _i64(kwargs, name + "_b4", shape4)], [r]))
+        cur = r
+    if shape4[2] != sq or shape4[3] != sk:
+        e = _fresh(name + "_biasx")
+        if st.dynamic:
+            parts = [_i64(kwargs, name + "_ones", [1, 1])]
+            for src, axis in st.seq_dims:
+                sh, g = _fresh(name + "_shp"), _fresh(name + "_len")
+                nodes += [helper.make_node("Shape", [src], [sh]),
+                          helper.make_node("Gather", [sh, _i64(kwargs, name + "_axis", [axis])], [g], axis=0)]
+                parts.append(g)
+            target = _fresh(name + "_bxs")
+            nodes.append(helper.make_node("Concat", parts, [target], axis=0))
+        else:
+            target = _i64(kwargs, name + "_bx", [shape4[0], shape4[1], sq, sk])
+        nodes.append(helper.make_node("Expand", [cur, target], [e]))
+        cur = e
+    return nodes, cur
+
+
+def _attention_bias(kwargs, name: str, mask: str, m_shape, b: int, h: int, sq: int, sk: int, boolean: bool,
+                    mask_value: float) -> Tuple[List[Any], str]:
+    """The mask as ONNX Runtime's attention_bias (B|1, H|1, Sq, Sk); shared between layers using one mask."""
+    from onnx import helper
+    st = _st()
+    key = (mask, boolean, mask_value, b, h, sq, sk)
+    if key in st.cache:
+        return [], st.cache[key]
+    nodes, cur = [], mask
+    if boolean:      # kept where ≠ 0, else the mask value
+        flag, bias = _fresh(name + "_keep"), _fresh(name + "_bias")
+        nodes += [helper.make_node("Equal", [mask, _f32(kwargs, name + "_zero", 0.0)], [flag]),
+                  helper.make_node("Where", [flag, _f32(kwargs, name + "_mv", mask_value),
+                                             _f32(kwargs, name + "_z", 0.0)], [bias])]
+        cur = bias
+    more, cur = _bias4(kwargs, name, cur, m_shape, b, h, sq, sk)
+    st.cache[key] = cur
+    return nodes + more, cur
+
+
+_DROPPED = -1e30     # added to the scores of keys beyond a row's length: probability exactly 0
+
+
+def _length_mask(kwargs, name: str, lengths: str, l_shape, b: int, h: int, sq: int, sk: int):
+    """Valid lengths as (mask_index, attention_bias): (B,) lengths shared by the heads as ONNX Runtime's
+    mask_index, other forms (per head, per query row) as a bias dropping the keys at or past the length."""
+    from onnx import TensorProto, helper
+    st = _st()
+    ls = tuple(l_shape)
+    key = ("len", lengths, b, h, sq, sk)
+    if key in st.cache:
+        return st.cache[key]
+    nodes: List[Any] = []
+    if ls == (b,) and (b != b * h or h == 1):
+        idx = _fresh(name + "_lengths")
+        nodes.append(helper.make_node("Cast", [lengths], [idx], to=TensorProto.INT32))
+        st.cache[key] = (nodes, idx, "")
+        return nodes, idx, ""
+    # the form the fused op reads (scores' form first, then N = B·H, then N = B)
+    if ls == (b * h, sq):
+        shape = [b, h, sq, 1]
+    elif ls == (b * h,):
+        shape = [b, h, 1, 1]
+    elif ls == (b, sq):
+        shape = [b, 1, sq, 1]
+    elif ls == (b,):
+        shape = [b, 1, 1, 1]
+    elif ls == (b, h, sq):
+        shape = [b, h, sq, 1]
+    else:
+        raise _NeedsUnfuse("lengths of shape %s" % (ls,))
+    if st.dynamic:
+        raise _NeedsUnfuse("lengths per row in a dynamic export")
+    lf, l4, keep, bias = (_fresh(name + t) for t in ("_lenf", "_len4", "_keep", "_lbias"))
+    nodes += [helper.make_node("Cast", [lengths], [lf], to=TensorProto.FLOAT),
+              helper.make_node("Reshape", [lf, _i64(kwargs, name + "_l4", shape)], [l4]),
+              helper.make_node("Less", [_f32(kwargs, name + "_keys", np.arange(sk, dtype=np.float32)), l4], [keep]),
+              helper.make_node("Where", [keep, _f32(kwargs, name + "_z", 0.0), _f32(kwargs, name + "_drop", _DROPPED)],
+                               [bias])]
+    more, cur = _bias4(kwargs, name, bias, [shape[0], shape[1], shape[2], sk], b, h, sq, sk)
+    st.cache[key] = (nodes + more, "", cur)
+    return nodes + more, "", cur
+
+
+def _export_fused_attention(node, **kwargs):
+    """fused_attention: ONNX Runtime's Attention / MultiHeadAttention (ort) where they compute it, else
+    (and for the standard target) the stock ops of ``fusion.unfuse``; plain layouts as MatMul/Softmax."""
+    from onnx import helper
+    st = _st()
+    name, inputs, attrs = node_io(node, kwargs)
+    layout, mask_kind = str(attrs.get("layout", "plain")), str(attrs.get("mask_kind", "none"))
+    causal = _attr_bool(attrs, "causal", False)
+    causal_mode = str(attrs.get("causal_mode", "exclude"))
+    scale = float(attrs["scale"])
+    mask_value = float(attrs.get("mask_value", -1e18))
+    heads = int(attrs.get("heads", 1))
+    if layout == "plain":
+        if mask_kind in ("none", "additive") and not causal:
+            return _plain_attention(kwargs, node, name, inputs, scale, mask_kind)
+        raise _NeedsUnfuse("plain layout with mask %s, causal=%s" % (mask_kind, causal))
+    if st.target != "ort":
+        raise _NeedsUnfuse("standard target")
+    n_data = {"bshd": 3, "packed_qkv": 1, "interleaved": 1, "interleaved_encdec": 2}[layout]
+    shapes = [_in_shape(node, i) for i in range(len(node["inputs"]))]
+    if any(s is None for s in shapes):
+        raise _NeedsUnfuse("shapes unknown")
+    out = _out_shape(kwargs)
+    if layout in ("interleaved", "interleaved_encdec"):
+        sq, b = shapes[0][0], shapes[0][1]
+        sk = shapes[1][0] if layout == "interleaved_encdec" else sq
+    else:
+        b, sq = shapes[0][0], shapes[0][1]
+        sk = shapes[1][1] if layout == "bshd" else sq
+    if causal and sq != sk:
+        raise _NeedsUnfuse("causal band with Sq != Sk")
+    if layout == "bshd":
+        st.seq_dims = [(inputs[0], 1), (inputs[1], 1)]
+    elif layout == "packed_qkv":
+        st.seq_dims = [(inputs[0], 1), (inputs[0], 1)]
+    else:
+        st.seq_dims = [(inputs[0], 0), (inputs[1 if layout == "interleaved_encdec" else 0], 0)]
+    nodes: List[Any] = []
+    mask_index, bias4 = "", ""
+    if mask_kind != "none":
+        mask, m_shape = inputs[n_data], shapes[n_data]
+        if mask_kind == "valid_length":
+            if ("len", mask, b, heads, sq, sk) in st.cache:
+                _, mask_index, bias4 = st.cache[("len", mask, b, heads, sq, sk)]
+            else:
+                extra, mask_index, bias4 = _length_mask(kwargs, name, mask, m_shape, b, heads, sq, sk)
+                nodes += extra
+        else:
+            extra, bias4 = _attention_bias(kwargs, name, mask, m_shape, b, heads, sq, sk, mask_kind == "boolean",
+                                           mask_value)
+            nodes += extra
+    common = dict(num_heads=heads, scale=scale)
+    if causal:
+        common["unidirectional"] = 1
+        del causal_mode
+    # q/k/v projections of one input: Attention with their weights packed
+    packed = _packed_projection(kwargs, node, layout, heads)
+    if packed is not None:
+        x, x_shape, w, bias, transpose = packed
+        if transpose:
+            xt = _fresh(name + "_bsc")
+            nodes.append(helper.make_node("Transpose", [x], [xt], perm=[1, 0, 2]))
+            x = xt
+        wname = _const_tensor(kwargs, name + "_qkv_weight", w)
+        bname = _const_tensor(kwargs, name + "_qkv_bias", bias)
+        ins = [x, wname, bname, mask_index, "", bias4]
+        while ins and ins[-1] == "":
+            ins.pop()
+        o = _fresh(name + "_bsh") if transpose else name
+        nodes.append(helper.make_node("Attention", ins, [o], domain=MS, **common))
+        if transpose:
+            nodes.append(helper.make_node("Transpose", [o], [name], perm=[1, 0, 2]))
+        nodes[-1].name = name
+        return nodes
+    # MultiHeadAttention on (B, S, H·D) query, key, value
+    if layout == "bshd":
+        q, k, v = inputs[:3]
+    elif layout == "packed_qkv":
+        hd = shapes[0][2] // 3
+        q, k, v = (_fresh(name + t) for t in ("_q", "_k", "_v"))
+        nodes.append(helper.make_node("Split", [inputs[0], _i64(kwargs, name + "_parts", [hd] * 3)], [q, k, v],
+                                      axis=2))
+    else:
+        raise _NeedsUnfuse("layout %s without its projection" % layout)
+    ins = [q, k, v, "", mask_index, bias4]
+    while ins and ins[-1] == "":
+        ins.pop()
+    nodes.append(helper.make_node("MultiHeadAttention", ins, [name], name=name, domain=MS, **common))
+    del out
+    return nodes
+
+
+def _packed_projection(kwargs, node, layout: str, heads: int):
+    """(x, x shape, W (K, 3·H·D) q|k|v blocks, bias, whether x is (S, B, K)) when the attention's q, k, v are
+    fused_dense projections of one input x used only here; else None."""
+    st = _st()
+    if layout == "bshd":
+        prods = [_dense_producer(node, i) for i in range(3)]
+        if any(p is None for p in prods):
+            return None
+        parts = [_dense_parts(kwargs, *p) for p in prods]
+        if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+            return None
+        if len({p[1].shape for p in parts}) != 1 or len(parts[0][3]) != 3:
+            return None
+        w = np.concatenate([p[1] for p in parts], axis=0).T
+        bias = np.concatenate([p[2] for p in parts])
+        return parts[0][0], parts[0][3], np.ascontiguousarray(w), bias, False
+    if layout in ("packed_qkv", "interleaved"):
+        p = _dense_producer(node, 0)
+        if p is None:
+            return None
+        got = _dense_parts(kwargs, *p)
+        if got is None or len(got[3]) != 3:
+            return None
+        x, w, bias, x_shape = got
+        if layout == "interleaved":    # rows per head h: q (D), k (D), v (D)  ->  q | k | v blocks of H·D
+            n = w.shape[0]
+            d = n // (3 * heads)
+            order = np.arange(n).reshape(heads, 3, d).transpose(1, 0, 2).reshape(-1)
+            w, bias = w[order], bias[order]
+        del st
+        return x, x_shape, np.ascontiguousarray(w.T), bias, layout == "interleaved"
+    return None
+
+
+def _plain_attention(kwargs, node, name, inputs, scale, mask_kind):
+    """softmax(scale·q·kᵀ [+ mask])·v over the last two axes, at any rank ≥ 2."""
+    from onnx import helper
+    q_shape = _in_shape(node, 1)
+    rank = len(q_shape) if q_shape is not None else None
+    nodes = []
+    if rank is not None:
+        perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+        kt = _fresh(name + "_kT")
+        nodes.append(helper.make_node("Transpose", [inputs[1]], [kt], perm=perm))
+        qk = _fresh(name + "_qk")
+        nodes.append(helper.make_node("MatMul", [inputs[0], kt], [qk]))
+    else:
+        qk = _fresh(name + "_qk")
+        nodes.append(helper.make_node("Einsum", inputs[:2], [qk], equation="...id,...jd->...ij"))
+    s = _fresh(name + "_scores")
+    nodes.append(helper.make_node("Mul", [qk, _f32(kwargs, name + "_scale", scale)], [s]))
+    if mask_kind == "additive":
+        s2 = _fresh(name + "_masked")
+        nodes.append(helper.make_node("Add", [s, inputs[3]], [s2]))
+        s = s2
+    p = _fresh(name + "_probs")
+    nodes.append(helper.make_node("Softmax", [s], [p], axis=-1))
+    nodes.append(helper.make_node("MatMul", [p, inputs[2]], [name], name=name))
+    return nodes
+
+
+# ---- fused_elemwise ----
+
+_EXPR_TOKEN = re.compile(r"\s*(?:(?P<num>[-+]?(?:inf|nan|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?))"
+                         r"|(?P<name>[A-Za-z_][A-Za-z_0-9]*)|(?P<punct>[(),]))")
+_EXPR_UNARY = {"neg": "Neg", "abs": "Abs", "exp": "Exp", "log": "Log", "sqrt": "Sqrt", "tanh": "Tanh",
+               "sigmoid": "Sigmoid", "relu": "Relu", "act_relu": "Relu", "erf": "Erf", "softrelu": "Softplus",
+               "softsign": "Softsign"}
+_EXPR_BINARY = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "pow": "Pow", "max": "Max", "min": "Min"}
+_EXPR_COMPARE = {"lt": "Less", "le": "LessOrEqual", "gt": "Greater", "ge": "GreaterOrEqual", "eq": "Equal"}
+
+
+def _export_fused_elemwise(node, **kwargs):
+    """fused_elemwise(x0, x1, ..., expr=...): the expression program written out as ONNX nodes."""
+    from onnx import TensorProto, helper
+    name, inputs, attrs = node_io(node, kwargs)
+    text = str(attrs.get("expr", ""))
+    tokens, pos = [], 0
+    while pos < len(text.rstrip()):
+        m = _EXPR_TOKEN.match(text, pos)
+        if m is None or m.end() == pos:
+            raise GraphError("fused_elemwise '%s': cannot export expression %r (at %d)" % (name, text, pos))
+        tokens.append((m.lastgroup, m.group(m.lastgroup)))
+        pos = m.end()
+    nodes: List[Any] = []
+
+    def emit(op_type, args, **kw):
+        out = _fresh("%s_e%d" % (name, len(nodes)))
+        nodes.append(helper.make_node(op_type, args, [out], **kw))
+        return out
+
+    def const(tag, value):
+        return _f32(kwargs, "%s_%s" % (name, tag), value)
+
+    def parse(i):
+        kind, tok = tokens[i]
+        if kind == "num":
+            return const("c%d" % i, float(tok)), i + 1
+        if kind != "name":
+            raise GraphError("fused_elemwise '%s': unexpected %r in %r" % (name, tok, text))
+        if re.fullmatch(r"x\d+", tok):
+            return inputs[int(tok[1:])], i + 1
+        if i + 1 >= len(tokens) or tokens[i + 1][1] != "(":
+            raise GraphError("fused_elemwise '%s': %r is not an input or a call in %r" % (name, tok, text))
+        args, i = [], i + 2
+        while True:
+            arg, i = parse(i)
+            args.append(arg)
+            if tokens[i][1] == ")":
+                break
+            i += 1   # ','
+        i += 1
+        if tok in _EXPR_UNARY:
+            return emit(_EXPR_UNARY[tok], args), i
+        if tok in _EXPR_BINARY:
+            return emit(_EXPR_BINARY[tok], args), i
+        if tok == "square":
+            return emit("Mul", [args[0], args[0]]), i
+        if tok == "rsqrt":
+            return emit("Reciprocal", [emit("Sqrt", args)]), i
+        if tok in _EXPR_COMPARE or tok == "ne":
+            flag = emit(_EXPR_COMPARE.get(tok, "Equal"), args)
+            flag = emit("Not", [flag]) if tok == "ne" else flag
+            return emit("Cast", [flag], to=TensorProto.FLOAT), i
+        if tok == "where":
+            cond = emit("Cast", [args[0]], to=TensorProto.BOOL)
+            return emit("Where", [cond, args[1], args[2]]), i
+        if tok == "clip":
+            return emit("Min", [emit("Max", args[:2]), args[2]]), i
+        if tok == "gelu":       # 0.5·x·(1 + erf(x/√2))
+            e = emit("Add", [emit("Erf", [emit("Mul", [args[0], const("r2_%d" % i, 0.7071067811865476)])]),
+                             const("one%d" % i, 1.0)])
+            return emit("Mul", [emit("Mul", [args[0], const("half%d" % i, 0.5)]), e]), i
+        if tok == "leaky":      # x > 0 ? x : x·s
+            pos_ = emit("Greater", [args[0], const("zero%d" % i, 0.0)])
+            return emit("Where", [pos_, args[0], emit("Mul", [args[0], args[1]])]), i
+        if tok == "hard_sigmoid":   # clip(α·x + β, 0, 1)
+            r = emit("Add", [emit("Mul", [args[0], args[1]]), args[2]])
+            return emit("Min", [emit("Max", [r, const("lo%d" % i, 0.0)]), const("hi%d" % i, 1.0)]), i
+        raise GraphError("fused_elemwise '%s': no ONNX export for function %r" % (name, tok))
+
+    try:
+        root, end = parse(0)
+    except IndexError:
+        raise GraphError("fused_elemwise '%s': truncated expression %r" % (name, text)) from None
+    if end != len(tokens):
+        raise GraphError("fused_elemwise '%s': trailing text in expression %r" % (name, text))
+    if nodes and nodes[-1].output[0] == root:
+        nodes[-1].output[0] = name
+    else:
+        nodes.append(helper.make_node("Identity", [root], [name]))
+    nodes[-1].name = name
+    return nodes
+
+
+# MXNet op name -> exporter, called like MXNet's own converters: fn(node, **kwargs) -> [onnx.NodeProto, ...],
+# node being the op's entry of the Symbol JSON ("name", "inputs", "attrs") and kwargs MXNet's exporter
+# state (use node_io() for names; kwargs["initializer"] collects constant tensors).  Nodes in the
+# "com.microsoft" domain make the file import that domain (ONNX Runtime's contrib ops).  The node
+# writing the op's output names it node["name"] (a second output: node["name"] + "1").
+FUSED_OP_EXPORTERS: Dict[str, Callable[..., list]] = {
+    "fused_add_layer_norm": _export_fused_add_layer_norm,
+    "fused_dense": _export_fused_dense,
+    "fused_attention": _export_fused_attention,
+    "fused_elemwise": _export_fused_elemwise,
+}
+
+
+def _basic(onnx_op: str):
+    def conv(node, **kwargs):
+        from onnx import helper
+        name, inputs, _ = node_io(node, kwargs)
+        return [helper.make_node(onnx_op, inputs, [name], name=name)]
+    return conv
+
+
+def _export_rsqrt(node, **kwargs):
+    from onnx import helper
+    name, inputs, _ = node_io(node, kwargs)
+    return [helper.make_node("Sqrt", inputs, [name + "_sqrt"], name=name + "_sqrt"),
+            helper.make_node("Reciprocal", [name + "_sqrt"], [name], name=name)]
+
+
+def _export_trunc(node, **kwargs):
+    """trunc(x) = sign(x)·floor(|x|) (ONNX has no Trunc; -0.0, NaN and ±inf come out as trunc gives them)."""
+    from onnx import helper
+    name, inputs, _ = node_io(node, kwargs)
+    a, f, sg = _fresh(name + "_abs"), _fresh(name + "_floor"), _fresh(name + "_sign")
+    return [helper.make_node("Abs", inputs[:1], [a]), helper.make_node("Floor", [a], [f]),
+            helper.make_node("Sign", inputs[:1], [sg]), helper.make_node("Mul", [sg, f], [name], name=name)]
+
+
+def _scalar_input(node, kwargs, name: str) -> str:
+    """An initializer holding the node's ``scalar`` attribute in the input's dtype; returns its name."""
+    from onnx import helper
+    from mxnet.onnx.mx2onnx._op_translations._op_translations_opset12 import get_input_dtypes
+    dtype = np.dtype(get_input_dtypes(node, kwargs)[0])
+    value = np.array(float(node.get("attrs", {}).get("scalar", "1")), dtype=dtype)
+    name = _fresh(name)
+    kwargs["initializer"].append(helper.make_tensor(name, helper.np_dtype_to_tensor_dtype(dtype), [],
+                                                    [value.item()]))
+    return name
+
+
+def _scalar_op(onnx_op: str, reverse: bool):
+    """x OP scalar, or scalar OP x.  MXNet's own converters decide "reversed" from the node's *name*
+    (``_rminusscalar0``), so they export a renamed ``_rminus_scalar`` as x - s: we replace them."""
+    def conv(node, **kwargs):
+        from onnx import helper
+        name, inputs, _ = node_io(node, kwargs)
+        scalar = _scalar_input(node, kwargs, name + "_scalar")
+        operands = [scalar, inputs[0]] if reverse else [inputs[0], scalar]
+        return [helper.make_node(onnx_op, operands, [name], name=name)]
+    return conv
+
+
+def _export_where(node, **kwargs):
+    from onnx import TensorProto, helper
+    name, inputs, _ = node_io(node, kwargs)
+    return [helper.make_node("Cast", [inputs[0]], [name + "_cond"], name=name + "_cond", to=TensorProto.BOOL),
+            helper.make_node("Where", [name + "_cond", inputs[1], inputs[2]], [name], name=name)]
+
+
+# MXNet ops that MXNet 1.9.1's exporter lacks or exports wrongly (under names it did not generate).
+_EXTRA_EXPORTERS: Dict[str, Callable[..., list]] = {
+    "erf": _basic("Erf"), "rsqrt": _export_rsqrt, "where": _export_where, "trunc": _export_trunc,
+    "fix": _export_trunc,
+    "_rminus_scalar": _scalar_op("Sub", True), "_rdiv_scalar": _scalar_op("Div", True),
+    "_rpower_scalar": _scalar_op("Pow", True),
+    "_maximum_scalar": _scalar_op("Max", False), "_minimum_scalar": _scalar_op("Min", False),
+    "Reshape": _export_reshape, "LayerNorm": _export_layer_norm, "FullyConnected": _export_fully_connected,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------------------------
+
+def export_onnx(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any],
+                input_shapes: Mapping[str, Sequence[int]], path: Any, *, opset: Optional[int] = None,
+                target: str = "ort", input_dtypes: Optional[Mapping[str, Any]] = None,
+                dynamic: bool = False, validate: bool = True, rtol: float = DEFAULT_RTOL,
+                seed: int = 0, names: Optional[Mapping[str, str]] = None) -> Optional[VerifyResult]:
+    """Write ``symbol`` with its params to the ONNX file ``path``; returns ONNX Runtime vs MXNet errors.
+
+    ``target``: ``"ort"`` (default) writes ONNX Runtime's contrib ops (``com.microsoft``) for the fused
+    ops, ``"standard"`` only ai.onnx ops.  ``opset`` (13–21, default ``DEFAULT_OPSET``) is the ai.onnx
+    opset of the file.  ``input_dtypes`` gives inputs another dtype in the file than float32 (token
+    ids as int64, as the ONNX file a model came from had them).  With ``validate`` (the default) the
+    file is run in ONNX Runtime on random inputs drawn to fit their use and compared with MXNet
+    before it is renamed into place; a mismatch beyond ``rtol`` raises VerificationError and leaves
+    no file.  ``dynamic=True`` leaves every input and output dimension dynamic (Reshape targets are
+    then computed from ``Shape`` where MXNet's codes copy input dims).  ``names`` renames graph inputs
+    and outputs in the file (MXNet name -> ONNX name; those of the ONNX file a model came from; an
+    output is named by its MXNet output name, e.g. ``fc1_output``).  A failure raises
+    :class:`OnnxExportError` naming the node that stopped the export.
+    """
+    opset = DEFAULT_OPSET if opset is None else int(opset)
+    lo, hi = OPSET_RANGE
+    if not lo <= opset <= hi:
+        raise FusionError("opset %d is not supported for export (opsets %d-%d)" % (opset, lo, hi))
+    if target not in TARGETS:
+        raise FusionError("unknown ONNX target %r (one of %s)" % (target, ", ".join(TARGETS)))
+    params = {**{k: _nd(v) for k, v in arg_params.items()}, **{k: _nd(v) for k, v in aux_params.items()}}
+    graph_json = _json_nodes(symbol)
+    _check_exportable(graph_json)
+    data_names = [n["name"] for n in graph_json["nodes"] if n["op"] == "null" and n["name"] not in params]
+    missing = [n for n in data_names if n not in input_shapes]
+    if missing:
+        raise FusionError("no shape given for input(s) %s" % ", ".join(missing))
+    input_dtypes = {k: np.dtype(v) for k, v in (input_dtypes or {}).items()}
+
+    sym = symbol
+    unfused: List[str] = []
+    for _ in range(2):
+        model, todo = _convert(sym, params, input_shapes, data_names, opset, target, dynamic, input_dtypes)
+        if not todo and names:
+            _rename_io(model, symbol, names)
+        if not todo:
+            break
+        from .api import unfuse
+        try:
+            sym = unfuse(sym, input_shapes, arg_params, aux_params, nodes=todo)
+        except FusionError as e:
+            raise OnnxExportError("no ONNX form, and no stock form: %s" % _first_line(e), node=todo[0],
+                                  op="fused_attention") from None
+        unfused += todo
+    else:
+        raise OnnxExportError("no ONNX form for %s" % ", ".join(todo), node=todo[0], op="fused_attention")
+
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    except OSError as e:
+        raise FusionError("cannot write ONNX file '%s': %s" % (path, e.strerror or e)) from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(model.SerializeToString())
+            f.flush()
+            os.fsync(f.fileno())
+        result = None
+        if validate:
+            result = _validate(tmp, symbol, arg_params, aux_params, input_shapes, seed, names or {})
+            if not result.ok(rtol):
+                raise VerificationError("ONNX Runtime disagrees with MXNet on the exported model: %s (rtol %g)"
+                                        % (result, rtol))
+        os.replace(tmp, path)
+        return result
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _nd(v):
+    import mxnet as mx
+    return v if isinstance(v, mx.nd.NDArray) else mx.nd.array(np.asarray(v), dtype=np.asarray(v).dtype)
+
+
+def _json_nodes(symbol) -> Dict[str, Any]:
+    return json.loads(symbol.tojson())
+
+
+def _registry_known() -> set:
+    from mxnet.onnx.mx2onnx._export_onnx import MXNetGraph
+    import mxnet.onnx  # noqa: F401  (registers MXNet's converters)
+
+    known = set(FUSED_OP_EXPORTERS) | set(_EXTRA_EXPORTERS)
+    for version in range(_CONVERTER_OPSET, 11, -1):
+        known |= set(MXNetGraph.registry_.get(version, {}))
+    return known
+
+
+def _check_exportable(graph_json) -> None:
+    known = _registry_known()
+    missing: Dict[str, str] = {}
+    for node in graph_json["nodes"]:
+        if node["op"] != "null" and node["op"] not in known:
+            missing.setdefault(node["op"], node["name"])
+    if missing:
+        op, name = sorted(missing.items())[0]
+        ops = ", ".join("%s (node '%s')" % kv for kv in sorted(missing.items()))
+        hint = "; call fusion.unfuse first" if any(o.startswith("fused_") for o in missing) else ""
+        raise OnnxExportError("no ONNX exporter for op(s) %s%s, or add one to fusion.onnx_io.FUSED_OP_EXPORTERS"
+                              % (ops, hint), node=name, op=op)
+
+
+def _facts(symbol, params, input_shapes, input_dtypes):
+    """(shape, dtype) of every node output by (json node index, output index)."""
+    from .facts import infer
+    from .graph import Graph
+
+    graph = Graph.from_symbol(symbol)
+    given = {k: tuple(int(d) for d in v) for k, v in input_shapes.items()}
+    given.update({k: tuple(v.shape) for k, v in params.items()})
+    dt = {k: str(v.dtype.name if hasattr(v.dtype, "name") else np.dtype(v.dtype).name) for k, v in params.items()}
+    shapes, dtypes = infer(graph, given, dt)
+    index = {id(n): i for i, n in enumerate(graph.nodes)}
+    names = [n["name"] for n in _json_nodes(symbol)["nodes"]]
+    if [n.name for n in graph.nodes] != names:   # the graph reordered: map by unique names only
+        by_name = {}
+        for i, n in enumerate(names):
+            by_name.setdefault(n, []).append(i)
+        index = {id(n): by_name[n.name][0] for n in graph.nodes if len(by_name.get(n.name, [])) == 1}
+    s_out = {(index[id(e.node)], e.index): tuple(s) for e, s in shapes.items() if id(e.node) in index}
+    t_out = {(index[id(e.node)], e.index): t for e, t in dtypes.items() if id(e.node) in index}
+    return s_out, t_out
+
+
+def _wrap(op: str, fn: Callable[..., list]) -> Callable[..., list]:
+    """``fn`` with its failures naming the node (and fused ops without a form put aside for un-fusing)."""
+    def conv(node, **kwargs):
+        from onnx import helper
+        try:
+            return fn(node, **kwargs)
+        except _NeedsUnfuse:
+            st = _st()
+            st.unfuse.append(node["name"])
+            name, inputs, _ = node_io(node, kwargs)
+            return [helper.make_node("Identity", inputs[:1], [name], name=name)]
+        except OnnxExportError:
+            raise
+        except Exception as e:
+            raise OnnxExportError("%s" % _first_line(e), node=node.get("name"), op=op) from None
+    return conv
+
+
+def _convert(symbol, params, input_shapes, data_names, opset: int, target: str, dynamic: bool,
+             input_dtypes: Mapping[str, np.dtype]):
+    """(the checked ONNX model, fused nodes that must be un-fused first)."""
+    import onnx
+    from mxnet.onnx.mx2onnx._export_onnx import MXNetGraph
+
+    graph_json = _json_nodes(symbol)
+    shapes, dtypes = _facts(symbol, params, input_shapes, input_dtypes)
+    st = _State(graph_json, shapes, dtypes, target, opset, dynamic)
+    st.names.update(n["name"] for n in graph_json["nodes"])
+    registry = MXNetGraph.registry_.setdefault(_CONVERTER_OPSET, {})
+    saved = dict(registry)
+    own = {**_EXTRA_EXPORTERS, **FUSED_OP_EXPORTERS}
+    merged = {**MXNetGraph.registry_.get(12, {}), **saved, **own}
+    for k, v in merged.items():
+        registry[k] = _wrap(k, v)
+    level = logging.getLogger().level
+    logging.getLogger().setLevel(max(level, logging.WARNING))   # MXNet's exporter logs every node at INFO
+    check_graph = onnx.checker.check_graph
+    onnx.checker.check_graph = lambda *a, **k: None            # checked below, at the opset stamped
+    _LOCAL.state = st
+    try:
+        in_shapes = [tuple(int(d) for d in input_shapes[n]) for n in data_names]
+        in_types = [onnx.TensorProto.FLOAT] * len(in_shapes)
+        graph = MXNetGraph().create_onnx_graph_proto(symbol, params, in_shapes, in_types,
+                                                     opset_version=_CONVERTER_OPSET, dynamic=dynamic)
+    except FusionError:
+        raise
+    except Exception as e:
+        raise OnnxExportError("MXNet's ONNX exporter failed: %s: %s" % (type(e).__name__, _first_line(e))) \
+            from None
+    finally:
+        _LOCAL.state = None
+        onnx.checker.check_graph = check_graph
+        logging.getLogger().setLevel(level)
+        registry.clear()
+        registry.update(saved)
+    if st.unfuse:
+        return None, list(st.unfuse)
+    heads = _head_names(graph_json)
+    known = {}
+    if not dynamic:      # shapes of the values named after their MXNet node (not renamed by MXNet)
+        seen = set()
+        for nid, n in enumerate(graph_json["nodes"]):
+            if n["name"] in seen:
+                continue
+            seen.add(n["name"])
+            for (i, k), shp in shapes.items():
+                if i == nid:
+                    known[n["name"] if k == 0 else n["name"] + str(k)] = list(shp)
+    model = _finish(graph, heads, data_names, input_dtypes, opset, fold=not dynamic, known=known)
+    model = _common_subexpressions(model)
+    if not dynamic:
+        model = _expand_into_constant(model, known)
+    if target == "ort" and not dynamic:
+        model = _embed_layer_norm(model)
+    return model, []
+
+
+def _head_names(graph_json) -> List[str]:
+    """ONNX output names MXNet's exporter gives the symbol's outputs, in the symbol's order."""
+    names, seen = [], set()
+    nodes = graph_json["nodes"]
+    renamed = {}
+    for idx, n in enumerate(nodes):      # MXNet's exporter renames repeated node names
+        renamed[idx] = n["name"] if n["name"] not in seen else "idx_%d_%s" % (idx, n["name"])
+        seen.add(n["name"])
+    for nid, index, _ in graph_json["heads"]:
+        name = renamed[nid]
+        names.append(name if index == 0 else name + str(index))
+    return names
+
+
+# --------------------------------------------------------------------------------------------
+# the graph cleaned after conversion
+# --------------------------------------------------------------------------------------------
+
+_REDUCE_AXES_18 = ("ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+                   "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")
+
+
+def _finish(graph, heads: List[str], data_names: List[str], input_dtypes: Mapping[str, np.dtype], opset: int,
+            fold: bool = True, known: Optional[Mapping[str, List[int]]] = None):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = list(graph.node)
+    inits = {t.name: t for t in graph.initializer}
+    # single assignment: a name written twice gets a new name from its second writer on
+    current: Dict[str, str] = {}
+    written: set = set(inits) | {i.name for i in graph.input}
+    for n in nodes:
+        for i, name in enumerate(n.input):
+            if name in current:
+                n.input[i] = current[name]
+        for i, name in enumerate(n.output):
+            if not name:
+                continue
+            if name in written:
+                k = 1
+                while "%s__%d" % (name, k) in written:
+                    k += 1
+                current[name] = n.output[i] = "%s__%d" % (name, k)
+            written.add(n.output[i])
+    outputs = []
+    by_name = {o.name: o for o in graph.output}
+    for h in heads:
+        o = onnx.ValueInfoProto()
+        o.CopyFrom(by_name[h]) if h in by_name else o.CopyFrom(helper.make_empty_tensor_value_info(h))
+        if h in current:      # the graph output is the last value written under its name
+            nodes.append(helper.make_node("Identity", [current[h]], [h + "__out"]))
+            o.name = h + "__out"
+        outputs.append(o)
+    # inputs: data only (weights are initializers), in their dtypes
+    inputs = []
+    for i in graph.input:
+        if i.name in inits or i.name not in data_names:
+            continue
+        dt = input_dtypes.get(i.name)
+        if dt is not None and dt != np.float32:
+            elem = helper.np_dtype_to_tensor_dtype(dt)
+            as_float = i.name + "__float"
+            for n in nodes:
+                for k, name in enumerate(n.input):
+                    if name == i.name:
+                        n.input[k] = as_float
+            nodes.insert(0, helper.make_node("Cast", [i.name], [as_float], to=TensorProto.FLOAT))
+            i.type.tensor_type.elem_type = elem
+        inputs.append(i)
+    nodes = _peephole(nodes, inits, {i.name: i.type.tensor_type.elem_type for i in inputs},
+                      frozenset(o.name for o in outputs))
+    nodes = _drop_identities(nodes, inits, {o.name for o in outputs})
+    nodes = _slice_squeeze(nodes, inits, {o.name for o in outputs})
+    # opset >= 18 spellings
+    new_inits: List[Any] = []
+    if opset >= 18:
+        for n in nodes:
+            if n.op_type in _REDUCE_AXES_18 and n.domain in ("", "ai.onnx"):
+                axes = [a for a in n.attribute if a.name == "axes"]
+                if axes:
+                    name = "%s__axes" % (n.output[0])
+                    new_inits.append(numpy_helper.from_array(np.array(list(axes[0].ints), np.int64), name))
+                    n.attribute.remove(axes[0])
+                    n.input.append(name)
+            if n.op_type == "Split" and n.domain in ("", "ai.onnx") and len(n.input) < 2 and \
+                    not any(a.name == "num_outputs" for a in n.attribute):
+                n.attribute.append(helper.make_attribute("num_outputs", len(n.output)))
+    # dead nodes and unused initializers
+    used = {o.name for o in outputs}
+    keep = []
+    for n in reversed(nodes):
+        if any(o and o in used for o in n.output):
+            keep.append(n)
+            used.update(x for x in n.input if x)
+    keep.reverse()
+    all_inits = [t for t in list(inits.values()) + new_inits if t.name in used]
+    g = helper.make_graph(keep, "mxnet_fusion_export", inputs, outputs, all_inits)
+    imports = [helper.make_opsetid("", opset)]
+    if any(n.domain == MS for n in keep):
+        imports.append(helper.make_opsetid(MS, 1))
+    model = helper.make_model(g, opset_imports=imports, producer_name="mxnet-fusion")
+    model.ir_version = 8 if opset <= 15 else (9 if opset <= 19 else 10)
+    if fold:
+        # shapes by MXNet name only for names written once (a name written twice may not be the node's value)
+        known = {k: v for k, v in (known or {}).items() if k not in current}
+        for _ in range(4):
+            before = len(model.graph.node)
+            model = _fold_constants(model, known)
+            if len(model.graph.node) == before:
+                break
+    if opset <= 19:       # the pinned onnx package knows the schemas up to opset 19
+        try:
+            onnx.checker.check_model(model)
+        except Exception as e:
+            raise OnnxExportError("the exported ONNX model is invalid at opset %d: %s" % (opset, _first_line(e))) \
+                from None
+    return model
+
+
+_MAX_FOLDED = 1 << 22     # elements of one folded value (larger ones stay computed)
+
+
+def _fold_constants(model, known: Mapping[str, List[int]]):
+    """The shapes of a static export are known: ``Shape`` of a tensor of known shape becomes a constant,
+    then every standard node computing on constants alone is evaluated (once, by ONNX Runtime) and
+    replaced by its value.  Values above ``_MAX_FOLDED`` elements stay computed."""
+    import onnx
+    from onnx import helper, numpy_helper
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return model
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:
+        return model
+    static: Dict[str, List[int]] = dict(known)
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+            static[vi.name] = [d.dim_value for d in dims]
+    g = model.graph
+    const = {t.name for t in g.initializer}
+    shape_consts: Dict[str, np.ndarray] = {}
+    folded_nodes = []
+    for n in g.node:
+        std = n.domain in ("", "ai.onnx")
+        if std and n.op_type == "Shape" and n.input[0] in static and not n.attribute:
+            shape_consts[n.output[0]] = np.array(static[n.input[0]], np.int64)
+            const.add(n.output[0])
+        elif std and n.op_type not in ("Shape",) and not n.op_type.startswith("Random") and \
+                all((not x) or x in const for x in n.input) and n.input:
+            folded_nodes.append(n)
+            const.update(o for o in n.output if o)
+    if not folded_nodes and not shape_consts:
+        return model
+    folded_outs = {o for n in folded_nodes for o in n.output if o}
+    needed = set()
+    graph_outs = {o.name for o in g.output}
+    for n in g.node:
+        if n in folded_nodes:
+            continue
+        needed.update(x for x in n.input if x in folded_outs)
+    needed |= graph_outs & folded_outs
+    values: Dict[str, np.ndarray] = dict(shape_consts)
+    if needed:
+        used = {x for n in folded_nodes for x in n.input}
+        inits = [t for t in g.initializer if t.name in used] + \
+            [numpy_helper.from_array(v, k) for k, v in shape_consts.items() if k in used]
+        outs = [helper.make_empty_tensor_value_info(o) for o in sorted(needed)]
+        sub = helper.make_model(helper.make_graph(folded_nodes, "constants", [], outs, inits),
+                                opset_imports=list(model.opset_import))
+        sub.ir_version = model.ir_version
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        try:
+            sess = ort.InferenceSession(sub.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+            got = sess.run(None, {})
+        except Exception:
+            return model
+        for o, v in zip(sorted(needed), got):
+            values[o] = np.asarray(v)
+    big = {k for k, v in values.items() if v.size > _MAX_FOLDED}
+    if big:       # keep the nodes that compute large values: fold nothing (rare; simple and safe)
+        return model
+    keep = [n for n in g.node if n not in folded_nodes and not (n.op_type == "Shape" and n.output[0] in shape_consts)]
+    # values consumed by kept nodes or graph outputs become initializers
+    wanted = {x for n in keep for x in n.input} | graph_outs
+    new_inits = [numpy_helper.from_array(v, k) for k, v in values.items() if k in wanted and k not in graph_outs]
+    for o in graph_outs & set(values):         # an output that is constant: Identity of an initializer
+        name = o + "__const"
+        new_inits.append(numpy_helper.from_array(values[o], name))
+        keep.append(helper.make_node("Identity", [name], [o]))
+    used = {x for n in keep for x in n.input}
+    inits = [t for t in g.initializer if t.name in used] + [t for t in new_inits if t.name in used]
+    graph = helper.make_graph(keep, g.name, list(g.input), list(g.output), inits)
+    out = helper.make_model(graph, opset_imports=list(model.opset_import), producer_name=model.producer_name)
+    out.ir_version = model.ir_version
+    return out
+
+
+def _unsqueeze_axes(n, inits) -> Optional[List[int]]:
+    if n.op_type != "Unsqueeze" or len(n.input) != 2 or n.input[1] not in inits:
+        return None
+    from onnx import numpy_helper
+    axes = [int(a) for a in numpy_helper.to_array(inits[n.input[1]]).reshape(-1)]
+    return axes if all(a >= 0 for a in axes) else None
+
+
+def _ints(inits, name) -> Optional[List[int]]:
+    from onnx import numpy_helper
+    if name not in inits:
+        return None
+    return [int(v) for v in numpy_helper.to_array(inits[name]).reshape(-1)]
+
+
+def _slice_squeeze(nodes: List[Any], inits: Dict[str, Any], graph_outputs: set) -> List[Any]:
+    """Slice of one element along an axis then Squeeze of that axis -> Gather of that index."""
+    from onnx import helper, numpy_helper
+    producer = {o: n for n in nodes for o in n.output if o}
+    uses: Dict[str, int] = {}
+    for n in nodes:
+        for x in n.input:
+            uses[x] = uses.get(x, 0) + 1
+    drop = set()
+    out = []
+    for n in nodes:
+        if n.op_type == "Squeeze" and len(n.input) == 2 and n.input[0] in producer and \
+                uses.get(n.input[0], 0) == 1 and n.input[0] not in graph_outputs:
+            sl = producer[n.input[0]]
+            axes = _ints(inits, n.input[1])
+            if sl.op_type == "Slice" and len(sl.input) in (4, 5) and axes is not None and len(axes) == 1:
+                starts, ends, s_axes = (_ints(inits, x) for x in sl.input[1:4])
+                steps = _ints(inits, sl.input[4]) if len(sl.input) == 5 else [1]
+                if starts is not None and ends is not None and s_axes == axes and steps == [1] and \
+                        len(starts) == 1 and starts[0] >= 0 and ends == [starts[0] + 1]:
+                    idx = n.output[0] + "__index"
+                    inits[idx] = numpy_helper.from_array(np.array(starts[0], np.int64), idx)
+                    drop.add(id(sl))
+                    n = helper.make_node("Gather", [sl.input[0], idx], list(n.output), name=n.name, axis=axes[0])
+        out.append(n)
+    return [n for n in out if id(n) not in drop]
+
+
+def _drop_identities(nodes: List[Any], inits: Mapping[str, Any], graph_outputs: set) -> List[Any]:
+    """Identity nodes removed: readers read the Identity's input (a graph output keeps its name: the
+    node writing the value writes it under the output's name when nothing else reads it)."""
+    producer = {o: n for n in nodes for o in n.output if o}
+    uses: Dict[str, int] = {}
+    for n in nodes:
+        for x in n.input:
+            uses[x] = uses.get(x, 0) + 1
+    rename: Dict[str, str] = {}
+    out = []
+    for n in nodes:
+        if n.op_type == "Identity" and n.domain in ("", "ai.onnx"):
+            src = rename.get(n.input[0], n.input[0])
+            if n.output[0] not in graph_outputs:
+                rename[n.output[0]] = src
+                continue
+            p = producer.get(src)
+            if p is not None and uses.get(n.input[0], 0) == 1 and src not in graph_outputs:
+                for i, o in enumerate(p.output):
+                    if o == src:
+                        p.output[i] = n.output[0]
+                continue
+        for i, x in enumerate(n.input):
+            if x in rename:
+                n.input[i] = rename[x]
+        out.append(n)
+    return out
+
+
+def _common_subexpressions(model):
+    """Equal constants kept once, then nodes computing the same op on the same inputs with the same
+    attributes kept once (the masks each layer of a model rebuilds from the same input)."""
+    import hashlib
+
+    from onnx import numpy_helper
+    g = model.graph
+    outs = {o.name for o in g.output}
+    alias: Dict[str, str] = {}
+    seen: Dict[Any, str] = {}
+    keep_inits = []
+    for t in g.initializer:
+        if t.external_data:
+            keep_inits.append(t)
+            continue
+        key = (t.data_type, tuple(t.dims), hashlib.sha1(numpy_helper.to_array(t).tobytes()).digest())
+        if key in seen:
+            alias[t.name] = seen[key]
+        else:
+            seen[key] = t.name
+            keep_inits.append(t)
+    done: Dict[Any, List[str]] = {}
+    nodes = []
+    for n in g.node:
+        for i, x in enumerate(n.input):
+            n.input[i] = alias.get(x, x)
+        key = (n.domain, n.op_type, tuple(n.input), len(n.output),
+               tuple(sorted(a.SerializeToString() for a in n.attribute)))
+        if key in done and not any(o in outs for o in n.output) and \
+                not n.op_type.startswith(("Random", "Multinomial", "Bernoulli")):
+            for o, prev in zip(n.output, done[key]):
+                if o:
+                    alias[o] = prev
+            continue
+        done[key] = list(n.output)
+        nodes.append(n)
+    if len(nodes) == len(g.node) and len(keep_inits) == len(g.initializer):
+        return model
+    del g.node[:]
+    g.node.extend(nodes)
+    del g.initializer[:]
+    g.initializer.extend(keep_inits)
+    return model
+
+
+def _expand_into_constant(model, known: Mapping[str, List[int]]):
+    """Expand(x·c, shape) with c one constant value and x·c used only there: x·C with C = c broadcast to
+    the dims the Expand adds (each element is the same x·c; the Expand node goes)."""
+    from onnx import numpy_helper
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    producer = {o: n for n in g.node for o in n.output if o}
+    uses: Dict[str, int] = {}
+    for n in g.node:
+        for x in n.input:
+            uses[x] = uses.get(x, 0) + 1
+    outs = {o.name for o in g.output}
+    drop = []
+    for n in g.node:
+        if n.op_type != "Expand" or n.input[1] not in inits or n.input[0] not in known:
+            continue
+        m = producer.get(n.input[0])
+        if m is None or m.op_type != "Mul" or uses.get(n.input[0], 0) != 1 or n.input[0] in outs:
+            continue
+        slot = next((i for i in (1, 0) if m.input[i] in inits and
+                     numpy_helper.to_array(inits[m.input[i]]).size == 1), None)
+        if slot is None:
+            continue
+        c = numpy_helper.to_array(inits[m.input[slot]])
+        x_shape = list(known[n.input[0]])
+        target = [int(v) for v in numpy_helper.to_array(inits[n.input[1]]).reshape(-1)]
+        if len(target) < len(x_shape):
+            continue
+        x_full = [1] * (len(target) - len(x_shape)) + x_shape
+        if any(a != 1 and a != t and t != 1 for a, t in zip(x_full, target)):
+            continue
+        shape = [t if a == 1 else 1 for a, t in zip(x_full, target)]
+        name = n.output[0] + "__scale"
+        g.initializer.append(numpy_helper.from_array(np.full(shape, c.reshape(()), c.dtype), name))
+        m.input[slot] = name
+        m.output[0] = n.output[0]
+        drop.append(n)
+    for n in drop:
+        g.node.remove(n)
+    if drop:
+        used = {x for n in g.node for x in n.input}
+        keep = [t for t in g.initializer if t.name in used]
+        del g.initializer[:]
+        g.initializer.extend(keep)
+    return model
+
+
+def _embed_layer_norm(model):
+    """word[ids] (+ segment[types]) + P -> LayerNorm, P a constant (S, H) block of position rows and ids
+    graph inputs of static shape (B, S): ONNX Runtime's EmbedLayerNormalization, whose default
+    positions 0..S-1 read exactly P."""
+    from onnx import TensorProto, helper, numpy_helper
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    inputs = {i.name: i for i in g.input}
+    producer = {o: n for n in g.node for o in n.output if o}
+    uses: Dict[str, int] = {}
+    for n in g.node:
+        for x in n.input:
+            uses[x] = uses.get(x, 0) + 1
+    outs = {o.name for o in g.output}
+    for ln in g.node:
+        if ln.op_type == "LayerNormalization" and ln.domain in ("", "ai.onnx") and len(ln.output) == 1 and \
+                all(a.name != "axis" or a.i == -1 for a in ln.attribute):
+            roots, gamma, beta = [ln.input[0]], ln.input[1], ln.input[2] if len(ln.input) > 2 else ""
+        elif ln.op_type == "SkipLayerNormalization" and ln.domain == MS and len(ln.input) == 4 and \
+                len(ln.output) == 1:
+            roots, gamma, beta = [ln.input[0], ln.input[1]], ln.input[2], ln.input[3]
+        else:
+            continue
+        eps = next((a.f for a in ln.attribute if a.name == "epsilon"), 1e-5)
+        leaves, inner, ok = [], [], True
+        todo = list(roots)
+        while todo and ok:
+            x = todo.pop()
+            p = producer.get(x)
+            if p is not None and p.op_type == "Add" and uses.get(x, 0) == 1 and x not in outs:
+                inner.append(p)
+                todo += list(p.input)
+            else:
+                leaves.append(x)
+        gathers, consts = [], []
+        for x in leaves:
+            p = producer.get(x)
+            if p is not None and p.op_type == "Gather" and uses.get(x, 0) == 1 and x not in outs and \
+                    p.input[0] in inits and p.input[1] in inputs and \
+                    all(a.name != "axis" or a.i == 0 for a in p.attribute):
+                gathers.append(p)
+            elif x in inits:
+                consts.append(x)
+            else:
+                ok = False
+        if not ok or len(consts) != 1 or len(gathers) not in (1, 2) or gamma not in inits or \
+                (beta and beta not in inits):
+            continue
+        ids = [inputs[p.input[1]] for p in gathers]
+        dims = [[d.dim_value if d.HasField("dim_value") else None for d in i.type.tensor_type.shape.dim] for i in ids]
+        if any(len(d) != 2 or None in d or d != dims[0] for d in dims) or \
+                any(i.type.tensor_type.elem_type not in (TensorProto.INT64, TensorProto.INT32) for i in ids):
+            continue
+        pos = numpy_helper.to_array(inits[consts[0]])
+        tables = [numpy_helper.to_array(inits[p.input[0]]) for p in gathers]
+        hidden = tables[0].shape[-1]
+        if pos.shape not in ((dims[0][1], hidden), (1, dims[0][1], hidden)) or \
+                any(t.ndim != 2 or t.shape[1] != hidden for t in tables):
+            continue
+        new, names = [], []
+        for i in ids:
+            if i.type.tensor_type.elem_type == TensorProto.INT32:
+                names.append(i.name)
+            else:
+                names.append(i.name + "__int32")
+                new.append(helper.make_node("Cast", [i.name], [names[-1]], to=TensorProto.INT32))
+        pname = consts[0] + "__rows"
+        g.initializer.append(numpy_helper.from_array(pos.reshape(dims[0][1], hidden), pname))
+        if not beta:
+            beta = ln.output[0] + "__beta"
+            g.initializer.append(numpy_helper.from_array(np.zeros(hidden, np.float32), beta))
+        ins = [names[0], names[1] if len(names) > 1 else "", gathers[0].input[0], pname,
+               gathers[1].input[0] if len(gathers) > 1 else "", gamma, beta]
+        new.append(helper.make_node("EmbedLayerNormalization", ins, [ln.output[0], ln.output[0] + "__mask_index"],
+                                    name=ln.name, domain=MS,
+                                    epsilon=eps))
+        drop = {id(n) for n in inner + gathers + [ln]}
+        nodes = []
+        for n in g.node:
+            if id(n) == id(ln):
+                nodes += new
+            elif id(n) not in drop:
+                nodes.append(n)
+        del g.node[:]
+        g.node.extend(nodes)
+        used = {x for n in g.node for x in n.input}
+        keep = [t for t in g.initializer if t.name in used]
+        del g.initializer[:]
+        g.initializer.extend(keep)
+        if not any(o.domain == MS for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(MS, 1))
+        return _embed_layer_norm(model)       # the graph changed: look again
+    return model
+
+
+def _peephole(nodes: List[Any], inits: Dict[str, Any], input_types: Mapping[str, int],
+              graph_outputs: frozenset = frozenset()) -> List[Any]:
+    """Small exact clean-ups: Cast(int → float → int) of an input back to the input; a matmul's bias
+    add folded into the SkipLayerNormalization that reads it; Unsqueeze of Unsqueeze as one."""
+    from onnx import TensorProto, helper, numpy_helper
+    producer = {o: n for n in nodes for o in n.output if o}
+    uses: Dict[str, int] = {}
+    for n in nodes:
+        for x in n.input:
+            uses[x] = uses.get(x, 0) + 1
+    ints = {TensorProto.INT64, TensorProto.INT32}
+    out = []
+    for n in nodes:
+        if n.op_type == "Cast" and n.input[0] in producer:
+            p = producer[n.input[0]]
+            to = next((a.i for a in n.attribute if a.name == "to"), None)
+            if p.op_type == "Cast" and input_types.get(p.input[0]) in ints and to in ints:
+                n = helper.make_node("Identity" if to == input_types[p.input[0]] else "Cast", [p.input[0]],
+                                     list(n.output), name=n.name, **({} if to == input_types[p.input[0]]
+                                                                     else {"to": to}))
+        if n.op_type == "SkipLayerNormalization" and n.domain == MS and len(n.input) == 4:
+            for slot in (0, 1):
+                a = producer.get(n.input[slot])
+                if a is None or a.op_type != "Add" or uses.get(n.input[slot], 0) != 1:
+                    continue
+                mm, bias = a.input
+                if bias not in inits or mm not in producer or producer[mm].op_type != "MatMul":
+                    mm, bias = bias, mm
+                if bias in inits and mm in producer and producer[mm].op_type == "MatMul" and \
+                        len(inits[bias].dims) == 1:
+                    n.input[slot] = mm
+                    n.input.append(bias)
+                    break
+        if n.op_type == "Unsqueeze" and n.input[0] in producer and uses.get(n.input[0], 0) == 1 and \
+                n.input[0] not in graph_outputs:
+            first, second = producer[n.input[0]], _unsqueeze_axes(n, inits)
+            a1 = _unsqueeze_axes(first, inits)
+            if a1 is not None and second is not None and first in out:
+                dims = ["x"] * 64
+                for a in sorted(a1):
+                    dims.insert(a, 1)
+                for a in sorted(second):
+                    dims.insert(a, 1)
+                axes = [i for i, d in enumerate(dims) if d == 1]
+                name = n.output[0] + "__axes"
+                inits[name] = numpy_helper.from_array(np.array(axes, np.int64), name)
+                out.remove(first)
+                n = helper.make_node("Unsqueeze", [first.input[0], name], list(n.output), name=n.name)
+        out.append(n)
+    return out
+
+
+def _rename_io(model, symbol, names: Mapping[str, str]) -> None:
+    """Graph inputs and outputs renamed as ``names`` says (MXNet input / output name -> ONNX name)."""
+    g = model.graph
+    outputs = symbol.list_outputs()
+    mapping = {i.name: names[i.name] for i in g.input if i.name in names}
+    for o, mx_name in zip(g.output, outputs):
+        if mx_name in names:
+            mapping[o.name] = names[mx_name]
+    taken = {x for n in g.node for x in list(n.input) + list(n.output)} | {t.name for t in g.initializer}
+    mapping = {k: v for k, v in mapping.items() if k != v and (v not in taken or v in mapping)}
+    if len(set(mapping.values())) != len(mapping):
+        return
+    for n in g.node:
+        for i, x in enumerate(n.input):
+            n.input[i] = mapping.get(x, x)
+        for i, x in enumerate(n.output):
+            n.output[i] = mapping.get(x, x)
+    for v in list(g.input) + list(g.output):
+        v.name = mapping.get(v.name, v.name)
+
+
+def _validate(path: str, symbol, arg_params, aux_params, input_shapes, seed: int,
+              names: Mapping[str, str]) -> VerifyResult:
+    """ONNX Runtime on the file vs MXNet on the symbol, on inputs drawn to fit their use (token ids in
+    range); an input the file takes as integers gets integer values (a 0/1 mask drawn as reals is rounded)."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise FusionError("onnxruntime is needed to validate the exported model "
+                          "(pip install onnxruntime, or pass validate=False)") from None
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    types = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
+             "tensor(double)": np.float64, "tensor(bool)": np.bool_, "tensor(uint8)": np.uint8}
+    try:
+        sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise VerificationError("ONNX Runtime cannot load the exported model: %s" % _first_line(e)) from None
+    inputs = random_inputs(symbol, arg_params, input_shapes, seed)
+    mx_name = {names.get(k, k): k for k in inputs}
+    feed = {}
+    for i in sess.get_inputs():
+        dtype = types.get(i.type, np.float32)
+        key = mx_name.get(i.name, i.name)
+        value = np.asarray(inputs[key])
+        if np.issubdtype(dtype, np.integer) and not np.array_equal(value, np.rint(value)):
+            value = np.rint(value).astype(value.dtype)
+            inputs[key] = value
+        feed[i.name] = value.astype(dtype)
+    reference = run(symbol, arg_params, aux_params, inputs)
+    try:
+        got = sess.run(None, feed)
+    except Exception as e:
+        raise VerificationError("ONNX Runtime cannot run the exported model: %s" % _first_line(e)) from None
+    return compare(reference, got, symbol.list_outputs())
