@@ -277,7 +277,9 @@ def make_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: M
                 ) -> List[Tuple[ShapeDict, Optional[Dict[Entry, Shape]]]]:
     """The user's input shapes, then up to three alternates the original graph accepts (see module
     docs), each with the graph's shapes there when they were inferred to accept it."""
-    data_names = [nd.name for nd in graph.variables() if nd.name not in param_shapes and nd.name in input_shapes]
+    # in name order, not graph order: a rewrite reorders the variables, and fuse(fuse(g)) must
+    # decide at the same probes as fuse(g)
+    data_names = sorted(nd.name for nd in graph.variables() if nd.name not in param_shapes and nd.name in input_shapes)
     if not data_names:
         return [(dict(input_shapes), None)]
     base = {n: tuple(input_shapes[n]) for n in data_names}

@@ -772,14 +772,13 @@ def _export_fused_elemwise(node, **kwargs):
     from onnx import TensorProto, helper
     name, inputs, attrs = node_io(node, kwargs)
     text = str(attrs.get("expr", ""))
-    tokens, pos = [], 0
-    while pos < len(text.rstrip()):
-        m = _EXPR_TOKEN.match(text, pos)
-        if m is None or m.end() == pos:
-            raise GraphError("fused_elemwise '%s': cannot export expression %r (at %d)" % (name, text, pos))
-        tokens.append((m.lastgroup, m.group(m.lastgroup)))
-        pos = m.end()
+    from patterns.unfuse_elemwise import _parse      # the program as a tree, read without recursion
+    try:
+        tree = _parse(text)
+    except (AssertionError, IndexError, ValueError):
+        raise GraphError("fused_elemwise '%s': cannot export expression %r" % (name, text)) from None
     nodes: List[Any] = []
+    count = [0]
 
     def emit(op_type, args, **kw):
         out = _fresh("%s_e%d" % (name, len(nodes)))
@@ -787,61 +786,58 @@ def _export_fused_elemwise(node, **kwargs):
         return out
 
     def const(tag, value):
-        return _f32(kwargs, "%s_%s" % (name, tag), value)
+        count[0] += 1
+        return _f32(kwargs, "%s_%s%d" % (name, tag, count[0]), value)
 
-    def parse(i):
-        kind, tok = tokens[i]
-        if kind == "num":
-            return const("c%d" % i, float(tok)), i + 1
-        if kind != "name":
-            raise GraphError("fused_elemwise '%s': unexpected %r in %r" % (name, tok, text))
-        if re.fullmatch(r"x\d+", tok):
-            return inputs[int(tok[1:])], i + 1
-        if i + 1 >= len(tokens) or tokens[i + 1][1] != "(":
-            raise GraphError("fused_elemwise '%s': %r is not an input or a call in %r" % (name, tok, text))
-        args, i = [], i + 2
-        while True:
-            arg, i = parse(i)
-            args.append(arg)
-            if tokens[i][1] == ")":
-                break
-            i += 1   # ','
-        i += 1
+    def call(tok, args):
         if tok in _EXPR_UNARY:
-            return emit(_EXPR_UNARY[tok], args), i
+            return emit(_EXPR_UNARY[tok], args)
         if tok in _EXPR_BINARY:
-            return emit(_EXPR_BINARY[tok], args), i
+            return emit(_EXPR_BINARY[tok], args)
         if tok == "square":
-            return emit("Mul", [args[0], args[0]]), i
+            return emit("Mul", [args[0], args[0]])
         if tok == "rsqrt":
-            return emit("Reciprocal", [emit("Sqrt", args)]), i
+            return emit("Reciprocal", [emit("Sqrt", args)])
         if tok in _EXPR_COMPARE or tok == "ne":
             flag = emit(_EXPR_COMPARE.get(tok, "Equal"), args)
             flag = emit("Not", [flag]) if tok == "ne" else flag
-            return emit("Cast", [flag], to=TensorProto.FLOAT), i
+            return emit("Cast", [flag], to=TensorProto.FLOAT)
         if tok == "where":
             cond = emit("Cast", [args[0]], to=TensorProto.BOOL)
-            return emit("Where", [cond, args[1], args[2]]), i
+            return emit("Where", [cond, args[1], args[2]])
         if tok == "clip":
-            return emit("Min", [emit("Max", args[:2]), args[2]]), i
+            return emit("Min", [emit("Max", args[:2]), args[2]])
         if tok == "gelu":       # 0.5·x·(1 + erf(x/√2))
-            e = emit("Add", [emit("Erf", [emit("Mul", [args[0], const("r2_%d" % i, 0.7071067811865476)])]),
-                             const("one%d" % i, 1.0)])
-            return emit("Mul", [emit("Mul", [args[0], const("half%d" % i, 0.5)]), e]), i
+            e = emit("Add", [emit("Erf", [emit("Mul", [args[0], const("r2_", 0.7071067811865476)])]),
+                             const("one", 1.0)])
+            return emit("Mul", [emit("Mul", [args[0], const("half", 0.5)]), e])
         if tok == "leaky":      # x > 0 ? x : x·s
-            pos_ = emit("Greater", [args[0], const("zero%d" % i, 0.0)])
-            return emit("Where", [pos_, args[0], emit("Mul", [args[0], args[1]])]), i
+            pos_ = emit("Greater", [args[0], const("zero", 0.0)])
+            return emit("Where", [pos_, args[0], emit("Mul", [args[0], args[1]])])
         if tok == "hard_sigmoid":   # clip(α·x + β, 0, 1)
             r = emit("Add", [emit("Mul", [args[0], args[1]]), args[2]])
-            return emit("Min", [emit("Max", [r, const("lo%d" % i, 0.0)]), const("hi%d" % i, 1.0)]), i
+            return emit("Min", [emit("Max", [r, const("lo", 0.0)]), const("hi", 1.0)])
         raise GraphError("fused_elemwise '%s': no ONNX export for function %r" % (name, tok))
 
-    try:
-        root, end = parse(0)
-    except IndexError:
-        raise GraphError("fused_elemwise '%s': truncated expression %r" % (name, text)) from None
-    if end != len(tokens):
-        raise GraphError("fused_elemwise '%s': trailing text in expression %r" % (name, text))
+    # post-order without recursion: programs nest as deep as MXNet loads (fusion/graph.py)
+    values: Dict[int, str] = {}
+    todo = [(tree, False)]
+    while todo:
+        t, ready = todo.pop()
+        if id(t) in values:
+            continue
+        if t[0] == "num":
+            values[id(t)] = const("c", t[1])
+        elif t[0] == "in":
+            if t[1] >= len(inputs):
+                raise GraphError("fused_elemwise '%s': x%d is not an input in %r" % (name, t[1], text))
+            values[id(t)] = inputs[t[1]]
+        elif not ready:
+            todo.append((t, True))
+            todo.extend((a, False) for a in reversed(t[1]))
+        else:
+            values[id(t)] = call(t[0], [values[id(a)] for a in t[1]])
+    root = values[id(tree)]
     if nodes and nodes[-1].output[0] == root:
         nodes[-1].output[0] = name
     else:

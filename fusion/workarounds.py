@@ -114,14 +114,16 @@ ZERO_GRADIENT = frozenset({
 
 def zero_gradient(graph: Graph) -> set:
     """Ids of the nodes whose outputs get only zero gradients: read by nothing but ops of
-    ``ZERO_GRADIENT`` or by such nodes, and no graph output.  MXNet's gradient pass gives them
+    ``ZERO_GRADIENT``, as a where's condition, or by such nodes, and no graph output.  MXNet's gradient pass gives them
     zeros without running their backward; a library op there would run its own, where a
     gradient of 0 still meets a NaN or inf (0 · NaN is NaN)."""
     users = graph.consumers()
     heads = {id(e.node) for e in graph.heads}
     zero: set = set()
     for nd in reversed(graph.nodes):          # readers before what they read
-        readers = [u for u, _ in users.get(nd, ())]
-        if readers and id(nd) not in heads and all(u.op in ZERO_GRADIENT or id(u) in zero for u in readers):
+        readers = users.get(nd, ())
+        if readers and id(nd) not in heads and all(
+                u.op in ZERO_GRADIENT or id(u) in zero or (u.op == "where" and slot == 0)   # a condition
+                for u, slot in readers):
             zero.add(id(nd))
     return zero

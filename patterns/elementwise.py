@@ -209,8 +209,23 @@ def _reads_concat(node: Node) -> bool:
     return node.op == "BatchNorm" and bool(node.inputs) and node.inputs[0].node.op == "Concat"
 
 
+def _training_comparison(node: Node, ctx) -> bool:
+    """A comparison in training.  MXNet gives what a comparison reads a zero gradient, and the ops
+    below it then either skip their backward (sigmoid, tanh, the broadcast_* ops: their gradient
+    functions check for an all-zero gradient) or run it on zeros (Activation, LeakyReLU: 0 · NaN is
+    NaN where their derivative is); a program's backward cannot tell which op a value came from,
+    so in training the comparison stays a stock op."""
+    from fusion.workarounds import ZERO_GRADIENT
+
+    return ctx.mode == "training" and node.op in ZERO_GRADIENT
+
+
 def why_not(node: Node, ctx) -> Optional[str]:
     """The reportable reasons an elementwise op stays out of every region."""
+    if _training_comparison(node, ctx):
+        return ("%s '%s' is a comparison: in training, whether MXNet runs the backward of what it reads "
+                "on its zero gradient depends on each op's gradient function; it stays a stock op"
+                % (node.op, node.name))
     if _reads_concat(node):
         return ("BatchNorm '%s' reads a Concat: left to MXNet's oneDNN backend, which keeps the "
                 "concatenation in its own layout" % node.name)
@@ -231,7 +246,7 @@ def why_not(node: Node, ctx) -> Optional[str]:
 
 
 def member(node: Node, ctx) -> bool:
-    if _conv_tail(node) or _reads_concat(node):
+    if _conv_tail(node) or _reads_concat(node) or _training_comparison(node, ctx):
         return False
     if any(_not_float32(e, ctx) for e in node.inputs):
         return False

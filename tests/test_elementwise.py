@@ -290,12 +290,12 @@ def test_fused_op_with_an_unread_input_is_not_inlined():
 
 
 def test_training_two_nodes_computing_the_same_value_are_not_merged():
-    """Two nodes computing x / (x < 6): MXNet backpropagates each (g / 0 + 0 / 0 = NaN where x >= 6);
-    the fused program would compute them once and sum first (inf). In training the region is
-    refused with that reason; at inference (no gradient) it fuses."""
+    """Two nodes computing x / relu(6 - x): MXNet backpropagates each (g / 0 + 0 / 0 = NaN where
+    x >= 6); the fused program would compute them once and sum first (inf). In training the region
+    is refused with that reason; at inference (no gradient) it fuses."""
     x = mx.sym.var("x")
-    d1 = mx.sym.broadcast_div(x, x < 6)
-    d2 = mx.sym.broadcast_div(x, x < 6)
+    d1 = mx.sym.broadcast_div(x, mx.sym.relu(6 - x))
+    d2 = mx.sym.broadcast_div(x, mx.sym.relu(6 - x))
     y = mx.sym.broadcast_maximum(d1, d2)
     train = fusion.fuse(y, input_shapes={"x": (2, 3)}, mode="training")
     assert "fused_elemwise" not in train.graph.count_ops()

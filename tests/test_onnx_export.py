@@ -371,3 +371,16 @@ def test_layer_norm_form_by_opset(opset, tmp_path):
     arg = {"g": mx.nd.array(rng.uniform(0.5, 1.5, 8)), "b": mx.nd.array(rng.normal(0, 0.1, 8))}
     model = export_checked(sym, arg, {}, {"x": (2, 3, 8)}, tmp_path / "ln.onnx", opset=opset)
     assert ("LayerNormalization" in {n.op_type for n in model.graph.node}) == (opset >= 17)
+
+
+def test_fused_elemwise_program_nested_as_deep_as_mxnet_loads(tmp_path):
+    """A program nested 4095 deep (written by hand or by another tool) exports and matches: the
+    program is read and written out without recursion."""
+    from fusion.graph import MAX_EXPR_DEPTH
+
+    expr = "x0"
+    for i in range(MAX_EXPR_DEPTH - 1):
+        expr = ("add(%s, x1)" if i % 2 else "mul(%s, 0.999)") % expr
+    sym = S.fused_elemwise(S.var("x0"), S.var("x1"), expr=expr, num_args=2)
+    model = export_checked(sym, {}, {}, {"x0": (2, 3), "x1": (2, 3)}, tmp_path / "deep.onnx")
+    assert len(model.graph.node) >= MAX_EXPR_DEPTH - 1

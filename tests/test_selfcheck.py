@@ -283,17 +283,17 @@ def test_training_no_library_op_where_mxnet_skips_the_backward():
 
 
 def test_training_no_library_op_reads_what_mxnet_gives_no_gradient():
-    """gt(tanh(x mod m) + 0.5, 0.5): the comparison makes every gradient below it zero, and MXNet
-    runs no backward there (mod's gradient w.r.t. m at m = 0 would be 0 · inf).  A fused op of the
-    chain above mod would hand mod zeros through its own backward, and mod's would run: NaN.
-    In training that rewrite is refused with the reason; the gradients stay MXNet's."""
+    """where(x mod m, x, 2x): the condition gets a zero gradient, and MXNet runs no backward for
+    what computes it (mod's gradient w.r.t. m at m = 0 would be 0 · inf).  A fused op reading the
+    condition would hand mod zeros through its own backward, and mod's would run: NaN.  In
+    training that rewrite is refused with the reason; the gradients stay MXNet's."""
     x, m = S.var("x"), S.var("m")
-    y = S.broadcast_mod(x, m).tanh() + 0.5 > 0.5
+    y = S.where(S.broadcast_mod(x, m), x, x * 2.0)
     shapes = {"x": (2, 4), "m": (2, 4)}
     train = fusion.fuse(y, input_shapes=shapes, mode="training")
     assert "fused_elemwise" not in train.graph.count_ops()
-    assert "'broadcast_mod" in train.report.to_text(explain=True) and "gets no gradient" in \
-        train.report.to_text(explain=True)
+    text = train.report.to_text(explain=True)
+    assert "'broadcast_mod" in text and "gets no gradient" in text, text
     inputs = {"x": np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32),
               "m": np.array([[1, 1, 1, 1], [1, 1, 1, 0]], np.float32)}
     want, got = (grads_of(s, inputs) for s in (y, train.symbol))
@@ -313,3 +313,21 @@ def grads_of(sym, inputs):
     outs = exe.forward(is_train=True)
     exe.backward([mx.nd.ones(o.shape) for o in outs])
     return {k: v.asnumpy() for k, v in g.items()}
+
+
+@pytest.mark.parametrize("act", ["Activation", "sigmoid"])
+def test_training_comparisons_stay_stock_ops(act):
+    """Below a comparison MXNet's gradient is zero, and whether an op there runs its backward on it
+    depends on the op: sigmoid skips it (0), Activation(sigmoid) runs it (0 · NaN = NaN at a NaN
+    input).  A program cannot tell them apart, so in training comparisons are not fused, and the
+    gradients are MXNet's either way."""
+    x = S.var("x")
+    s = S.Activation(x, act_type="sigmoid") if act == "Activation" else S.sigmoid(x)
+    y = S.broadcast_greater(s, s * 0.5) * 2.0
+    train = fusion.fuse(y, input_shapes={"x": (2,)}, mode="training")
+    assert train.graph.count_ops().get("broadcast_greater") == 1
+    assert "is a comparison: in training" in train.report.to_text(explain=True)
+    inputs = {"x": np.array([1.76, np.nan], np.float32)}
+    want, got = grads_of(y, inputs), grads_of(train.symbol, inputs)
+    np.testing.assert_array_equal(np.isnan(got["x"]), np.isnan(want["x"]))
+    np.testing.assert_array_equal(np.nan_to_num(got["x"]), np.nan_to_num(want["x"]))
