@@ -31,6 +31,7 @@ from .graph import Entry, Graph, Node
 from .matcher import Match, Trace, _State, match_pattern
 from .modelio import PARAM_DTYPES
 from .pattern import required_ops
+from .precision import FLOAT32, BF16_CODE, cast_slots, dtype_name, is_bf16, to_bf16
 from .report import FusionReport
 from .selfcheck import Candidate, SelfCheck
 
@@ -38,13 +39,18 @@ MAX_PASSES = 32
 
 
 class Context:
-    """What rules may read besides the graph: the mode and parameter values."""
+    """What rules may read besides the graph: the mode, the precision and parameter values."""
 
     def __init__(self, graph: Graph, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any], mode: str,
                  input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
-                 input_dtypes: Optional[Mapping[str, Any]] = None):
+                 input_dtypes: Optional[Mapping[str, Any]] = None, precision: str = FLOAT32):
         self.graph = graph
         self.mode = mode
+        #: 'float32' or 'bfloat16' (fusion/precision.py's policy decides what that changes)
+        self.precision = precision
+        #: under reduced precision: weights cast, and fused ops whose weight stayed float32 (with why)
+        self.precision_cast: List[str] = []
+        self.precision_kept: Dict[str, str] = {}
         self.input_dtypes = {k: str(v) for k, v in (input_dtypes or {}).items()}
         self.memo: Dict[Any, Any] = {}      # rules' derived facts about values (they never change)
         self.input_shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
@@ -156,9 +162,11 @@ class Context:
         return getattr(raw, "context", None)
 
     def _param_dtype(self, name: str) -> Optional[str]:
+        """The dtype of parameter ``name`` as MXNet's type inference takes it by name (None for
+        bfloat16, which MXNet's Python API cannot pass: such variables declare it, ``__dtype__``)."""
         for store in (self.new_args, self.new_aux, self.arg_params, self.aux_params):
             if name in store:
-                return np.dtype(store[name].dtype).name
+                return None if is_bf16(store[name].dtype) else np.dtype(store[name].dtype).name
         return None
 
     @property
@@ -308,11 +316,33 @@ class Builder:
         without one, a fresh name is derived from the anchor's.
         """
         a = attrs.copy() if isinstance(attrs, Attrs) else Attrs.from_values(attrs or {})
+        slots = cast_slots(op, self.ctx.precision)
+        if slots:
+            inputs = [self._reduced(e, op) if k in slots else e for k, e in enumerate(inputs)]
         node = Node(op, name or self.ctx.unique_name(self.anchor.name + "_fused"), a,
                     [self._resolve(e) for e in inputs], extra=dict(extra or {}), num_outputs=num_outputs)
         self._place(node)
         outs = [Entry(node, i) for i in range(num_outputs)]
         return outs if num_outputs > 1 else outs[0]
+
+    def _reduced(self, entry: Entry, op: str) -> Entry:
+        """The weight ``entry`` of a new ``op`` as the precision policy wants it: a bfloat16 copy
+        (a new parameter, cast once) of a known float32 parameter; else ``entry`` as it is."""
+        value = self.ctx.value(entry)
+        where = "%s '%s'" % (op, self.anchor.name)
+        if value is None:
+            self.ctx.precision_kept[where] = "its weight '%s' is not a known parameter" % entry.node.name
+            return entry
+        if is_bf16(value.dtype):
+            return entry
+        if value.dtype != np.float32:
+            self.ctx.precision_kept[where] = "its weight '%s' is %s" % (entry.node.name, dtype_name(value.dtype))
+            return entry
+        self.ctx.precision_kept.pop(where, None)
+        cast = self.param(entry.node.name + "_bf16", to_bf16(value))
+        cast.node.attrs = Attrs.from_values({"__dtype__": str(BF16_CODE)})
+        self.ctx.precision_cast.append(cast.node.name)
+        return cast
 
     def param(self, name: str, value: np.ndarray, aux: bool = False) -> Entry:
         """Add a new parameter variable (a fresh name, never one the caller already has).
@@ -323,7 +353,7 @@ class Builder:
             raise FusionError("it would add parameter '%s'; in training every parameter must stay the one "
                               "the optimizer updates" % name)
         value = np.ascontiguousarray(value)
-        if value.dtype.name not in PARAM_DTYPES:
+        if value.dtype.name not in PARAM_DTYPES and not is_bf16(value.dtype):
             raise FusionError("it would add parameter '%s' of dtype %s, which MXNet has no arrays of"
                               % (name, value.dtype.name))
         unique = self.ctx.unique_name(name)
@@ -354,6 +384,8 @@ class Builder:
         """Forget this replacement (refused): the parameters it added go too."""
         for name, aux in self._params:
             (self.ctx.new_aux if aux else self.ctx.new_args).pop(name, None)
+            if name in self.ctx.precision_cast:
+                self.ctx.precision_cast.remove(name)
             self.ctx.new_contexts.pop(name, None)
         self._params.clear()
         self.created.clear()
