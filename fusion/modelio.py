@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 import numpy as np
 
 from .errors import FusionError, GraphError, ParamsError
-from .graph import Graph, _first_line
+from .graph import Graph, _first_line, symbol_json
 from .publish import TEMP_PREFIX, publish  # noqa: F401  (TEMP_PREFIX: batch.py reads it here)
 
 
@@ -263,7 +263,8 @@ def fitting_input_dtypes(symbol: Any, dtypes: Mapping[str, str],
     for t in ["float32"] + [t for t in floats if t != "float32"]:
         got = infer(dict(dtypes), t)
         if not isinstance(got, str):
-            return {n: np.dtype(x).name if x is not None else t
+            from .precision import dtype_name
+            return {n: dtype_name(x) if x is not None else t
                     for n, x in zip(symbol.list_arguments(), got[0])}
     return None
 
@@ -338,7 +339,7 @@ def model_files(prefix_paths: Tuple[str, str], symbol: Any, arg: Mapping[str, An
     sym_path, params_path = prefix_paths
     payload = {"arg:" + k: v for k, v in arg.items()}
     payload.update({"aux:" + k: v for k, v in aux.items()})
-    return [("the model's symbol file", sym_path, lambda tmp: _write_text(tmp, symbol.tojson())),
+    return [("the model's symbol file", sym_path, lambda tmp: _write_text(tmp, symbol_json(symbol))),
             ("the model's params file", params_path, lambda tmp: mx.nd.save(tmp, payload))]
 
 
