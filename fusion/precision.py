@@ -136,3 +136,38 @@ def cast_slots(op: str, precision: str) -> Tuple[int, ...]:
 
 def tolerance(precision: str) -> float:
     return TOLERANCE.get(precision, TOLERANCE[FLOAT32])
+
+
+def guard_amp() -> None:
+    """Make MXNet's AMP (``mx.contrib.amp.convert_symbol``/``convert_model``/``convert_hybrid_block``)
+    refuse a graph with fused ops, with the reason, instead of failing deep in its type inference:
+    AMP's op lists do not know them (they take float32 activations), so AMP goes first, or
+    ``fuse(..., precision="bf16")`` is used instead."""
+    import functools
+    import json
+
+    try:
+        from mxnet.contrib.amp import amp
+    except ImportError:         # an MXNet without AMP: nothing to guard
+        return
+    convert = amp.convert_symbol
+    if getattr(convert, "_fusion_guard", False):
+        return
+
+    @functools.wraps(convert)
+    def convert_symbol(sym, *args, **kwargs):
+        try:
+            fused = sorted({n["op"] for n in json.loads(sym.tojson())["nodes"] if n["op"].startswith("fused_")})
+        except Exception:       # not a symbol we can read: AMP says what is wrong with it
+            fused = []
+        if fused:
+            raise FusionError("AMP cannot convert a fused graph (%s: mxnet-fusion's ops, which AMP's op lists do "
+                              "not know and which take float32 activations); convert the original model with AMP "
+                              "first and fuse after, or fuse the float32 model with precision='bf16'"
+                              % ", ".join(fused))
+        return convert(sym, *args, **kwargs)
+
+    convert_symbol._fusion_guard = True
+    amp.convert_symbol = convert_symbol        # convert_model / convert_hybrid_block call it from here
+    import mxnet.contrib.amp as package
+    package.convert_symbol = convert_symbol

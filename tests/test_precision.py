@@ -298,3 +298,16 @@ def test_fuse_on_amp_converted_graph_says_so_and_keeps_outputs():
     assert "converted by MXNet's AMP" in text and "precision='bf16'" in text, text
     v = fusion.verify((asym, aarg, aaux), res, input_shapes=shapes)
     assert v.max_rel <= 1e-4, v
+
+
+def test_amp_after_fuse_refused_with_reason():
+    from mxnet.contrib import amp
+    sym = _dense_model("relu")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(sym, shapes)
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+    with pytest.raises(FusionError, match="AMP cannot convert a fused graph.*fused_dense.*AMP first"):
+        amp.convert_model(res.symbol, dict(res.arg_params), {}, target_dtype="bfloat16", cast_optional_params=True)
+    with pytest.raises(FusionError, match="AMP cannot convert a fused graph"):
+        mx.contrib.amp.convert_symbol(res.symbol, target_dtype="bfloat16")
+    amp.convert_symbol(sym, target_dtype="bfloat16")      # unfused graphs convert as before
