@@ -268,12 +268,17 @@ def unfuse(symbol: Any, input_shapes: Optional[Mapping[str, Sequence[int]]] = No
     """
     from patterns.unfuse import RULES
 
+    from .precision import BF16_CODE, BFLOAT16, FLOAT32
+
     graph = _as_graph(symbol)
     report = FusionReport(mode="inference")
+    # a model fused with precision="bf16": its stock form is checked against it at the bf16 tolerance
+    reduced = any(str(nd.attrs.get("__dtype__")) == str(BF16_CODE) for nd in graph.variables())
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        ctx = Context(graph, arg_params or {}, aux_params or {}, "inference", input_shapes)
+        ctx = Context(graph, arg_params or {}, aux_params or {}, "inference", input_shapes,
+                      precision=BFLOAT16 if reduced else FLOAT32)
         run_rules(graph, RULES, ctx, report, SelfCheck(ctx))
     finally:
         if gc_was_enabled:

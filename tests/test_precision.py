@@ -311,3 +311,15 @@ def test_amp_after_fuse_refused_with_reason():
     with pytest.raises(FusionError, match="AMP cannot convert a fused graph"):
         mx.contrib.amp.convert_symbol(res.symbol, target_dtype="bfloat16")
     amp.convert_symbol(sym, target_dtype="bfloat16")      # unfused graphs convert as before
+
+
+@needs_bf16
+def test_unfuse_bf16_model_gives_stock_ops_with_the_bf16_weights():
+    sym = _dense_model("gelu")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(sym, shapes)
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    plain = fusion.unfuse(res.symbol, shapes, res.arg_params, res.aux_params)
+    assert not any(op.startswith("fused_") for op in ops(plain)) and ops(plain).get("amp_cast") == 1
+    v = fusion.verify((sym, arg, aux), (plain, res.arg_params, res.aux_params), input_shapes=shapes)
+    assert v.max_rel <= BF16_TOL, v
