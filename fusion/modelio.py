@@ -257,6 +257,8 @@ def fitting_input_dtypes(symbol: Any, dtypes: Mapping[str, str],
     get one float dtype that MXNet's type inference accepts with the parameters' ``dtypes``:
     float32 (what bind gives an input) or else one of the parameters' float dtypes, the most common
     first.  None when none fits."""
+    # bfloat16 cannot be given to MXNet's Python type inference (its variables declare it in the graph)
+    dtypes = {k: t for k, t in dtypes.items() if t != "bfloat16"}
     infer = _type_inference(symbol, dtypes, dict(input_dtypes or {}))
     counts = _dtype_counts(dtypes)
     floats = sorted((t for t in counts if np.dtype(t).kind == "f"), key=lambda t: -counts[t])
