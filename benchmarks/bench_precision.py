@@ -10,7 +10,9 @@ random weights, batch 1) is timed in one process, round-robin:
   cast_optional_params=True)``, default bind;
 * ``fused fp32``: ``fusion.fuse(sym, args, aux)``;
 * ``fused bf16``: ``fusion.fuse(sym, args, aux, precision="bf16")`` (``force=True`` on a CPU
-  without native bfloat16, where the figures then say so).
+  without native bfloat16, where the figures then say so);
+* ``amp+fused`` (``--amp-then-fuse``): the AMP model passed through ``fusion.fuse`` (its float32
+  parts fuse, its bfloat16 parts stay MXNet's).
 
 Printed per system: the median of ``blocks × repeats`` timed runs, the p10–p90 spread, the
 speed-up over MXNet fp32 and over AMP bf16, and the max relative error of its output
@@ -33,7 +35,7 @@ import numpy as np  # noqa: E402
 
 import fusion  # noqa: E402
 from fusion.bench import executor, time_samples  # noqa: E402
-from fusion.precision import native_bf16_reason  # noqa: E402
+from fusion.precision import BF16, native_bf16_reason, to_bf16  # noqa: E402
 from fusion.verify import run as run_model  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -61,6 +63,9 @@ def run(seq, args):
         r = fusion.fuse(sym, arg, {}, input_shapes={"data": x.shape}, precision=precision, force=True)
         fuse_s[name] = time.perf_counter() - t0
         models[name] = (r.symbol, r.arg_params, r.aux_params)
+    if args.amp_then_fuse:
+        r = fusion.fuse(*models["mx amp bf16"], input_shapes={"data": x.shape})
+        models["amp+fused"] = (r.symbol, r.arg_params, r.aux_params)
     ref = run_model(sym, arg, {}, inputs, subgraph=True)[0]
     errs = {}
     for name, (s, a, x_aux) in models.items():
@@ -74,18 +79,46 @@ def run(seq, args):
     return samples, errs, fuse_s
 
 
+def gemms(args):
+    """fused_dense alone, float32 vs bfloat16 weight, on BERT-base's layer shapes (M = seq rows)."""
+    rng = np.random.default_rng(0)
+    print("\nfused_dense alone (bias, no activation), executor, medians of %d×%d interleaved runs"
+          % (args.blocks, args.repeats))
+    print("%-18s %10s %10s %10s %10s %8s" % ("M x K -> N", "fp32 ms", "bf16 ms", "fp32 GF/s", "bf16 GF/s", "speedup"))
+    for m in (int(s) for s in args.seqs.split(",")):
+        for k, n in ((768, 768), (768, 3072), (3072, 768)):
+            x = mx.nd.array(rng.standard_normal((m, k)).astype(np.float32))
+            w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+            b = mx.nd.array(rng.standard_normal(n).astype(np.float32))
+            runs = {}
+            for name, wv, dt in (("fp32", mx.nd.array(w), np.float32), ("bf16", mx.nd.array(to_bf16(w), dtype=BF16), BF16)):
+                s = mx.sym.fused_dense(mx.sym.var("x"), mx.sym.var("w", dtype=dt), mx.sym.var("b"), num_hidden=n)
+                runs[name] = executor(s, {"w": wv, "b": b}, {}, {"x": x})
+            samples = {k2: [] for k2 in runs}
+            for _ in range(args.blocks):
+                for k2, v in time_samples(runs, repeats=args.repeats * 5, warmup=2).items():
+                    samples[k2] += v
+            med = {k2: statistics.median(v) for k2, v in samples.items()}
+            flop = 2.0 * m * k * n
+            print("%-18s %10.3f %10.3f %10.0f %10.0f %7.2fx" % (
+                "%d x %d -> %d" % (m, k, n), 1e3 * med["fp32"], 1e3 * med["bf16"], flop / med["fp32"] / 1e9,
+                flop / med["bf16"] / 1e9, med["fp32"] / med["bf16"]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--layers", type=int, default=12, help="encoder layers (0: only --gemm)")
     ap.add_argument("--seqs", default="128")
     ap.add_argument("--repeats", type=int, default=7, help="timed runs per block and system")
     ap.add_argument("--blocks", type=int, default=3)
+    ap.add_argument("--gemm", action="store_true", help="also time fused_dense alone on BERT's layer shapes")
+    ap.add_argument("--amp-then-fuse", action="store_true", help="also time the AMP model after fusion.fuse")
     args = ap.parse_args()
     why = native_bf16_reason()
     print("mxnet %s, OMP_NUM_THREADS=%s, %d layers, batch 1, hidden 768, 12 heads; bf16 %s"
           % (mx.__version__, os.environ.get("OMP_NUM_THREADS"), args.layers,
              "native" if why is None else "EMULATED (%s)" % why))
-    for seq in (int(s) for s in args.seqs.split(",")):
+    for seq in (int(s) for s in args.seqs.split(",")) if args.layers > 0 else ():
         samples, errs, fuse_s = run(seq, args)
         med = {k: 1e3 * statistics.median(v) for k, v in samples.items()}
         print("\nseq %d (medians of %d×%d runs, interleaved)" % (seq, args.blocks, args.repeats))
@@ -95,6 +128,8 @@ def main():
             print("%-12s %9.1f %8.1f-%-8.1f %8.2fx %8.2fx %9.1e" % (
                 k, med[k], q[0], q[1], med["mx fp32"] / med[k], med["mx amp bf16"] / med[k], errs[k]))
         print("fuse time: %s" % ", ".join("%s %.1f s" % kv for kv in fuse_s.items()))
+    if args.gemm:
+        gemms(args)
     print("vs X: time of X / time of the system (higher is faster); rel err: max|Δ|/max|ref| against mx fp32")
 
 
