@@ -277,8 +277,11 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
     const Act act = this->act(xT.shape);
     const float* X = xT.data<float>();
     const uint16_t* W = static_cast<const uint16_t*>(wT.data_ptr);
+    // Small passes run on the calling thread: an OpenMP region costs more than they do (and,
+    // on a busy machine, a whole time slice whenever a team member is descheduled).
+    constexpr int64_t kParallelMin = int64_t(1) << 20;
     std::vector<uint16_t> xb(M * K);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (M * K >= kParallelMin)
     for (int64_t i = 0; i < M; ++i) to_bf16(X + i * K, xb.data() + i * K, K);
     std::vector<float> tmp;
     float* Z = Y;  // the (M, N) product: Y itself, or a buffer for the head-split layout
@@ -298,7 +301,8 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
     }
     const float* extra = bias_added ? nullptr : bias;
     if (!p_.heads_out) {
-#pragma omp parallel for schedule(dynamic, 4)
+      if (!extra && act == Act::none) return;
+#pragma omp parallel for schedule(dynamic, 4) if (M * N >= kParallelMin)
       for (int64_t i = 0; i < M; ++i) {
         float* row = Y + i * N;
         if (extra)
@@ -309,7 +313,7 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
     }
     const auto& xs = xT.shape;
     const int64_t B = xs[0], S = xs[1], H = p_.heads, D = N / H;
-#pragma omp parallel for schedule(dynamic, 1) collapse(2)
+#pragma omp parallel for schedule(dynamic, 1) collapse(2) if (M * N >= kParallelMin)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < H; ++h)
         for (int64_t s = 0; s < S; ++s) {
