@@ -51,6 +51,9 @@ class Context:
         #: under reduced precision: weights cast, and fused ops whose weight stayed float32 (with why)
         self.precision_cast: List[str] = []
         self.precision_kept: Dict[str, str] = {}
+        #: parameter variables shared by the replacements of a batch (bfloat16 weights): they join
+        #: the graph when a batch commits (compact() drops those no committed node reads)
+        self.pending_params: List[Node] = []
         self.input_dtypes = {k: str(v) for k, v in (input_dtypes or {}).items()}
         self.memo: Dict[Any, Any] = {}      # rules' derived facts about values (they never change)
         self.input_shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
@@ -339,10 +342,24 @@ class Builder:
             self.ctx.precision_kept[where] = "its weight '%s' is %s" % (entry.node.name, dtype_name(value.dtype))
             return entry
         self.ctx.precision_kept.pop(where, None)
-        cast = self.param(entry.node.name + "_bf16", to_bf16(value))
-        cast.node.attrs = Attrs.from_values({"__dtype__": str(BF16_CODE)})
-        self.ctx.precision_cast.append(cast.node.name)
-        return cast
+        # one copy per weight, however many fused ops read it (ALBERT shares every layer's)
+        key = ("bf16_cast", entry.node.name)
+        node = self.ctx.memo.get(key)
+        if node is None or node.dead:
+            if self.ctx.mode == "training":
+                raise FusionError("precision='bf16' adds parameters; it is for inference")
+            unique = self.ctx.unique_name(entry.node.name + "_bf16")
+            self.ctx.new_args[unique] = to_bf16(value)
+            where_ctx = self.ctx.param_context(entry.node.name)
+            if where_ctx is not None:
+                self.ctx.new_contexts[unique] = where_ctx
+            # placed first (a variable): any fused op of this or a later pass may read it
+            node = Node("null", unique, Attrs.from_values({"__dtype__": str(BF16_CODE)}), pos=-1.0)
+            self.ctx.memo[key] = node
+            self.ctx.pending_params.append(node)
+            self.ctx.precision_cast.append(unique)
+            self.params_added += 1
+        return Entry(node)
 
     def param(self, name: str, value: np.ndarray, aux: bool = False) -> Entry:
         """Add a new parameter variable (a fresh name, never one the caller already has).
@@ -384,8 +401,6 @@ class Builder:
         """Forget this replacement (refused): the parameters it added go too."""
         for name, aux in self._params:
             (self.ctx.new_aux if aux else self.ctx.new_args).pop(name, None)
-            if name in self.ctx.precision_cast:
-                self.ctx.precision_cast.remove(name)
             self.ctx.new_contexts.pop(name, None)
         self._params.clear()
         self.created.clear()
@@ -563,6 +578,8 @@ class _Pass:
 
         graph = self.graph
         graph.nodes.extend(created)
+        graph.nodes.extend(self.ctx.pending_params)
+        self.ctx.pending_params.clear()
         for nd in graph.nodes:
             nd.inputs = [resolve(e) for e in nd.inputs]
         graph.heads = [resolve(e) for e in graph.heads]

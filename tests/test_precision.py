@@ -323,3 +323,17 @@ def test_unfuse_bf16_model_gives_stock_ops_with_the_bf16_weights():
     assert not any(op.startswith("fused_") for op in ops(plain)) and ops(plain).get("amp_cast") == 1
     v = fusion.verify((sym, arg, aux), (plain, res.arg_params, res.aux_params), input_shapes=shapes)
     assert v.max_rel <= BF16_TOL, v
+
+
+@needs_bf16
+def test_shared_weight_cast_once():
+    """Layers sharing a weight (ALBERT) share its bfloat16 copy too."""
+    w, b = S.var("w"), S.var("b")
+    h = S.Activation(S.FullyConnected(S.var("x"), w, b, num_hidden=16, flatten=False, name="fc1"), act_type="relu")
+    y = S.FullyConnected(h, w, b, num_hidden=16, flatten=False, name="fc2")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(y, shapes)
+    res = fusion.fuse(y, arg, aux, input_shapes=shapes, precision="bf16")
+    assert ops(res) == {"fused_dense": 2}, res.report.to_text()
+    assert sorted(res.arg_params) == ["b", "w_bf16"]
+    assert fusion.verify((y, arg, aux), res, input_shapes=shapes).max_rel <= BF16_TOL

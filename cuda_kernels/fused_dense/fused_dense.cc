@@ -279,7 +279,7 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
     const uint16_t* W = static_cast<const uint16_t*>(wT.data_ptr);
     // Small passes run on the calling thread: an OpenMP region costs more than they do (and,
     // on a busy machine, a whole time slice whenever a team member is descheduled).
-    constexpr int64_t kParallelMin = int64_t(1) << 20;
+    constexpr int64_t kParallelMin = int64_t(1) << 18;
     std::vector<uint16_t> xb(M * K);
 #pragma omp parallel for schedule(static) if (M * K >= kParallelMin)
     for (int64_t i = 0; i < M; ++i) to_bf16(X + i * K, xb.data() + i * K, K);
