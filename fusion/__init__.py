@@ -27,6 +27,10 @@ from .verify import VerifyResult, verify  # noqa: E402
 
 _install_backend()
 
+from .precision import guard_amp as _guard_amp  # noqa: E402
+
+_guard_amp()
+
 
 def _load_native_ops() -> None:
     import os

@@ -33,6 +33,14 @@ CXXFLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp",
 # lib_api.cc's error entry points are renamed out of the way: the library exports its own
 # (cuda_kernels/common/errors.cc), which hand each message to MXNet once.
 LIB_API_FLAGS = ["-D_msgSize=mxf_lib_api_msgSize", "-D_msgGet=mxf_lib_api_msgGet"]
+# lib_api.cc builds an MXTensor only for the dtypes its MXDType names; bfloat16 (mshadow's code
+# 12, which MXNet hands library ops as any other dtype) is added to that switch, so that the
+# fused ops can take bfloat16 weights (fuse(..., precision="bf16")).  Compiled from a copy.
+LIB_API_BF16_ANCHOR = "  default:\n    dltensor.dtype.code = 0;"
+LIB_API_BF16_CASE = ("  case 12:  // bfloat16 (added by mxnet-fusion's build)\n"
+                     "    dltensor.dtype.code = 4;  // kDLBfloat\n"
+                     "    dltensor.dtype.bits = 16;\n"
+                     "    break;\n")
 NVCCFLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-cudart", "static",
              "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
 
@@ -69,7 +77,7 @@ def source_hash(cuda=False):
     """Hash of every kernel source, header and compile flag for one library."""
     srcs, deps = _sources(cuda)
     h = hashlib.sha256()
-    h.update(" ".join(NVCCFLAGS if cuda else CXXFLAGS + LIB_API_FLAGS).encode())
+    h.update(" ".join(NVCCFLAGS if cuda else CXXFLAGS + LIB_API_FLAGS + [LIB_API_BF16_CASE]).encode())
     for f in srcs + deps:
         h.update(os.path.relpath(f, KERNEL_DIR).encode())
         with open(f, "rb") as fh:
@@ -144,7 +152,7 @@ def _compile(cuda, lib, verbose, jobs):
             objs.append(o)
         link = [nvcc] + NVCCFLAGS + ["-shared", "-o", tmp] + objs
     else:
-        srcs = srcs + [os.path.join(mxdir, "src", "lib_api.cc")]
+        srcs = srcs + [_lib_api_source(mxdir, objdir)]
         cmds, objs = [], []
         for s in srcs:
             o = os.path.join(objdir, os.path.basename(os.path.dirname(s)) + "_" +
@@ -161,6 +169,21 @@ def _compile(cuda, lib, verbose, jobs):
     os.replace(tmp, lib)  # atomic: a process loading the library never sees half a file
     os.replace(tmp + ".sha256", _hash_file(lib))
     return lib
+
+
+def _lib_api_source(mxdir, objdir):
+    """MXNet's lib_api.cc with bfloat16 added to the dtypes it builds MXTensors for (a copy in
+    ``objdir``); the file itself when its switch is not where 1.9.1 has it."""
+    src = os.path.join(mxdir, "src", "lib_api.cc")
+    with open(src) as fh:
+        text = fh.read()
+    if LIB_API_BF16_ANCHOR not in text or "case 12:" in text:
+        return src
+    out = os.path.join(objdir, "lib_api.cc")
+    with open(out + ".tmp", "w") as fh:
+        fh.write(text.replace(LIB_API_BF16_ANCHOR, LIB_API_BF16_CASE + LIB_API_BF16_ANCHOR, 1))
+    os.replace(out + ".tmp", out)
+    return out
 
 
 def build(verbose=False, cuda=None, lib_dir=None, jobs=None, cpu=True):

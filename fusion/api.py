@@ -105,7 +105,8 @@ def resolve_rules(rules: Optional[Iterable[Any]]) -> list:
 def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
          aux_params: Optional[Mapping[str, Any]] = None, *, rules: Optional[Iterable[Any]] = None,
          mode: str = "inference", input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
-         input_dtypes: Optional[Mapping[str, Any]] = None, self_check: bool = True) -> FusionResult:
+         input_dtypes: Optional[Mapping[str, Any]] = None, self_check: bool = True,
+         precision: str = "float32", force: bool = False) -> FusionResult:
     """Fuse ``symbol`` with ``rules`` (default: the whole rule library) and return a FusionResult.
 
     ``arg_params``/``aux_params`` map names to NDArrays (or NumPy arrays); they
@@ -128,10 +129,19 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     sequence length), outputs and — in training — gradients compared; a rewrite that
     does not match is refused with the mismatch as its reason (``report.self_check``
     counts what was checked).  It needs ``input_shapes``: without them nothing is checked.
+
+    ``precision="bf16"`` (inference only): the fused ops' matrix products run in bfloat16
+    with float32 accumulation — their weights cast once into new parameters (``<w>_bf16``),
+    everything else float32 as ``fusion/precision.py``'s policy says; the self-check then
+    accepts the bfloat16 tolerance against the float32 original.  Refused (FusionError, with
+    the reason) on a CPU without native bfloat16 unless ``force=True``.
     """
     if mode not in MODES:
         raise ValueError("mode must be one of %s, not %r" % (", ".join(MODES), mode))
-    return _fuse_gc_off(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check)
+    from .precision import resolve
+    precision = resolve(precision, force, mode)
+    return _fuse_gc_off(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
+                        precision=precision)
 
 
 def _fuse_gc_off(*args, **kwargs) -> FusionResult:
@@ -147,7 +157,7 @@ def _fuse_gc_off(*args, **kwargs) -> FusionResult:
 
 
 def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
-          copy_params: bool = True) -> FusionResult:
+          copy_params: bool = True, precision: str = "float32") -> FusionResult:
     """``fuse`` itself; ``copy_params=False`` returns the caller's arrays themselves (the backend,
     which hands only the new ones on)."""
     from .modelio import check_param_values
@@ -159,13 +169,15 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     if arg_params or aux_params:
         check_param_values(graph, None, arg_params or {}, aux_params or {}, input_dtypes)
     report = FusionReport(mode=mode)
+    report.precision = precision
     graph.compact()
     report.nodes_before, report.ops_before = len(graph.nodes), len(graph.op_nodes())
     strip_guards(graph)
-    ctx = Context(graph, arg_params or {}, aux_params or {}, mode, input_shapes, input_dtypes)
+    ctx = Context(graph, arg_params or {}, aux_params or {}, mode, input_shapes, input_dtypes, precision)
     checker = SelfCheck(ctx, enabled=self_check)
     run_rules(graph, rule_list, ctx, report, checker)
     report.self_check = checker.stats if self_check else None
+    _precision_notes(graph, ctx, report)
     guarded = guard_layer_outputs(graph)
     if guarded:
         report.notes.append("%d layer output(s) read more than once pass through an identity Reshape before an "
@@ -179,6 +191,29 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
         1 for n in list(arg_out) + list(aux_out) if n in ctx.arg_params or n in ctx.aux_params)
     report.seconds = time.perf_counter() - start
     return FusionResult(sym, arg_out, aux_out, report, graph)
+
+
+def _precision_notes(graph: Graph, ctx: Context, report: FusionReport) -> None:
+    """What reduced precision changed, and what it could not (AMP-converted graphs included)."""
+    from .precision import BFLOAT16, FLOAT32_KEPT, tolerance
+
+    amp = sorted({n.op for n in graph.op_nodes() if n.op in ("amp_cast", "amp_multicast")})
+    if amp:
+        report.notes.append("the graph was converted by MXNet's AMP (%s): the fused ops compute in float32 and "
+                            "take no bfloat16/float16 values, so the reduced-precision parts stay MXNet's own "
+                            "ops; for fused bfloat16 fuse the float32 model with precision='bf16' instead"
+                            % ", ".join(amp))
+    if ctx.precision != BFLOAT16:
+        return
+    used = {nd.name for nd in graph.variables()}
+    cast = [n for n in ctx.precision_cast if n in used]
+    report.notes.append("precision bf16: %d weight(s) cast once to bfloat16 (new parameters *_bf16; matrix "
+                        "products accumulate in float32); float32 kept for: %s; self-check tolerance %g"
+                        % (len(cast), "; ".join(FLOAT32_KEPT), tolerance(BFLOAT16)))
+    kept = {k: v for k, v in ctx.precision_kept.items() if k.split("'")[1] in {n.name for n in graph.op_nodes()}}
+    if kept:
+        report.notes.append("precision bf16: %d fused op(s) stay float32: %s" % (
+            len(kept), "; ".join("%s: %s" % kv for kv in list(kept.items())[:5]) + (" …" if len(kept) > 5 else "")))
 
 
 def _collect_params(graph: Graph, ctx: Context, aux_names: set, copy_params: bool = True):
@@ -234,13 +269,18 @@ def unfuse(symbol: Any, input_shapes: Optional[Mapping[str, Sequence[int]]] = No
     """
     from patterns.unfuse import RULES, only_nodes
 
+    from .precision import BF16_CODE, BFLOAT16, FLOAT32
+
     rules = RULES if nodes is None else [only_nodes(r, set(nodes)) for r in RULES]
     graph = _as_graph(symbol)
     report = FusionReport(mode="inference")
+    # a model fused with precision="bf16": its stock form is checked against it at the bf16 tolerance
+    reduced = any(str(nd.attrs.get("__dtype__")) == str(BF16_CODE) for nd in graph.variables())
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        ctx = Context(graph, arg_params or {}, aux_params or {}, "inference", input_shapes)
+        ctx = Context(graph, arg_params or {}, aux_params or {}, "inference", input_shapes,
+                      precision=BFLOAT16 if reduced else FLOAT32)
         run_rules(graph, rules, ctx, report, SelfCheck(ctx))
     finally:
         if gc_was_enabled:

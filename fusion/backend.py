@@ -18,7 +18,8 @@ refuses) leave its graph unfused, with a warning.
 Backend options (keyword arguments of ``hybridize``/``optimize_for`` in
 MXNet 1.9, e.g. ``hybridize(backend="fusion", mode="inference")``; a
 ``backend_opts={...}`` dict as in MXNet 2.0 is accepted too): ``mode`` (``"inference"`` or
-``"training"``) and ``rules`` (names, comma-separated or a list).  Without
+``"training"``), ``rules`` (names, comma-separated or a list), ``precision`` (``"float32"``
+or ``"bf16"``, see ``fusion.fuse``) and ``force`` (bf16 on a CPU without it).  Without
 ``mode``, a Gluon block is fused for training when its graph is built under
 ``autograd.record()`` in training mode — then only rewrites with a backward
 apply — and for inference otherwise; switching between the two rebuilds
@@ -47,7 +48,7 @@ def _mode_now() -> str:
 
 def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Optional[Dict[str, Any]] = None,
                     mode: Optional[str] = None, rules: Any = None, shape_dict: Optional[Dict[str, Any]] = None,
-                    **unused: Any):
+                    precision: Optional[str] = None, force: Any = False, **unused: Any):
     """Fuse ``symbol``; add the new parameters to ``args``/``aux`` like MXNet's partitioners (the
     caller's entries stay); return the new symbol."""
     from .api import _fuse_gc_off
@@ -55,9 +56,11 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
 
     nested = unused.pop("backend_opts", None) or {}   # MXNet 2.0 spelling: hybridize(backend_opts={...})
     mode, rules = nested.pop("mode", mode), nested.pop("rules", rules)
+    precision, force = nested.pop("precision", precision), nested.pop("force", force)
     unused.update(nested)
     if unused:
-        raise ValueError("unknown option(s) for backend '%s': %s (known: mode, rules)" % (BACKEND, ", ".join(sorted(unused))))
+        raise ValueError("unknown option(s) for backend '%s': %s (known: mode, rules, precision, force)"
+                         % (BACKEND, ", ".join(sorted(unused))))
     if isinstance(rules, str):
         rules = [r.strip() for r in rules.split(",") if r.strip()]
     block = _building_block.get()
@@ -74,8 +77,11 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
               for k, v in (args or {}).items() if k in data_names}
     if mode not in ("inference", "training"):
         raise ValueError("mode must be inference or training, not %r" % (mode,))
+    from .precision import resolve
+    precision = resolve(precision, str(force).lower() in ("true", "1"), mode)
     try:
-        result = _fuse_gc_off(symbol, params, aux or {}, rules, mode, shapes, dtypes, True, copy_params=False)
+        result = _fuse_gc_off(symbol, params, aux or {}, rules, mode, shapes, dtypes, True, copy_params=False,
+                              precision=precision)
     except ParamsError as e:
         if block is None:
             raise

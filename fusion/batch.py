@@ -619,6 +619,8 @@ def build_parser(parser_class: type = _Parser) -> argparse.ArgumentParser:
     p.add_argument("--rtol", type=positive_float if strict else str)
     p.add_argument("--benchmark", action="store_true")
     p.add_argument("--repeats", type=positive_int if strict else str)
+    p.add_argument("--precision")
+    p.add_argument("--force-precision", action="store_true")
     # single-model options: known here so that is_batch() reads their values right; refused in a batch
     p.add_argument("--params", help=argparse.SUPPRESS)
     p.add_argument("--report", help=argparse.SUPPRESS)
@@ -649,10 +651,11 @@ def main_batch(argv: Optional[List[str]] = None, stdout: Optional[IO[str]] = Non
     options: List[str] = []
     for s in args.shape:
         options += ["--shape", s]
-    for flag in ("rules", "mode", "rtol", "repeats"):
+    for flag in ("rules", "mode", "rtol", "repeats", "precision"):
         if getattr(args, flag) is not None:
             options += ["--" + flag, str(getattr(args, flag))]
-    options += [f for f in ("--verify", "--benchmark", "--unfuse") if getattr(args, f[2:])]
+    options += [f for f in ("--verify", "--benchmark", "--unfuse", "--force-precision")
+                if getattr(args, f[2:].replace("-", "_"))]
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         stderr.write("mxfuse: error: -o '%s' is a file; with several models it must be a folder\n" % args.output)
         return 2

@@ -48,7 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("inference", "training"), default="inference")
     p.add_argument("--verify", action="store_true", help="compare outputs on random inputs; refuse to write on mismatch")
     p.add_argument("--inputs", metavar="FILE.npz", help="verify on these inputs (arrays named like the model's inputs)")
-    p.add_argument("--rtol", type=positive_float, default=1e-4, help="tolerance of --verify: max|Δ|/max|orig| (default 1e-4)")
+    p.add_argument("--rtol", type=positive_float, default=None,
+                   help="tolerance of --verify: max|Δ|/max|orig| (default 1e-4; 2e-2 with --precision bf16)")
+    p.add_argument("--precision", default="float32", metavar="{float32,bf16}",
+                   help="bf16: the fused ops' matrix products in bfloat16 (weights cast once, float32 "
+                        "accumulation; inference only; needs a CPU with avx512_bf16/amx_bf16)")
+    p.add_argument("--force-precision", action="store_true",
+                   help="--precision bf16 even on a CPU without native bfloat16 (emulated: slower)")
     p.add_argument("--benchmark", action="store_true", help="time the original and the fused model (medians)")
     p.add_argument("--repeats", type=positive_int, default=20, help="timed rounds of --benchmark (default 20)")
     p.add_argument("--no-self-check", dest="self_check", action="store_false",
@@ -203,6 +209,13 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
         raise FusionError("--to-onnx needs the input shapes: add --shape NAME=D1,D2,...")
     onnx_options = _onnx_options(args, symbol, arg) if args.to_onnx else {}
     rules = [r.strip() for r in args.rules.split(",") if r.strip()] if args.rules else None
+    from .precision import FLOAT32, resolve, tolerance
+    precision = resolve(args.precision, args.force_precision, args.mode)
+    if args.rtol is None:
+        args.rtol = tolerance(precision)
+    if precision != FLOAT32 and (args.unfuse or args.to_onnx):
+        raise FusionError("--precision %s takes no %s (stock MXNet ops and ONNX get the float32 model)"
+                          % (args.precision, "--unfuse" if args.unfuse else "--to-onnx"))
     if args.unfuse:
         if args.rules or args.benchmark:
             raise FusionError("--unfuse takes no --rules or --benchmark")
@@ -211,7 +224,7 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
     else:
         with progress.stage("fusing"):
             result = fuse(symbol, arg, aux, rules=rules, mode=args.mode, input_shapes=shapes,
-                          self_check=args.self_check)
+                          self_check=args.self_check, precision=precision, force=True)
     report = result.report
     report.extra.update(about.run_info(getattr(args, "command_line", None), shapes))
     serving.add_note(report, result.graph, paths[0][: -len("-symbol.json")])

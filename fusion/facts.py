@@ -35,6 +35,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .graph import Entry, Graph, Node
+from .precision import dtype_name
 
 Shape = Tuple[int, ...]
 ShapeDict = Dict[str, Shape]
@@ -154,7 +155,7 @@ def infer(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[st
             _, out_types, _ = view.internals.infer_type_partial(**known_t)
             for e, t in zip(entries, out_types):
                 if t is not None:
-                    types[e] = np.dtype(t).name
+                    types[e] = dtype_name(t)
         except Exception:   # a dtype MXNet cannot infer: leave dtypes unknown
             types = {}
     return result, types
@@ -182,7 +183,7 @@ def infer_dtypes(graph: Graph, dtypes: Mapping[str, str]) -> Dict[Entry, str]:
         _, out_types, _ = view.internals.infer_type_partial(**known)
     except Exception:
         return {}
-    return {e: np.dtype(t).name for e, t in zip(view.entries, out_types) if t is not None}
+    return {e: dtype_name(t) for e, t in zip(view.entries, out_types) if t is not None}
 
 
 def infer_nodes(nodes: Sequence[Node], known: Mapping[Entry, Shape], dtypes: Optional[Mapping[Entry, str]] = None,
@@ -258,7 +259,7 @@ def infer_nodes(nodes: Sequence[Node], known: Mapping[Entry, Shape], dtypes: Opt
         return None
     entries = [Entry(nd, k) for nd in outs for k in range(nd.num_outputs)]
     result = {e: tuple(s) for e, s in zip(entries, out_shapes) if s and 0 not in s}
-    rtypes = {e: np.dtype(t).name for e, t in zip(entries, out_types or ()) if t is not None}
+    rtypes = {e: dtype_name(t) for e, t in zip(entries, out_types or ()) if t is not None}
     return result, rtypes
 
 

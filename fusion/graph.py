@@ -29,6 +29,16 @@ from .errors import GraphError
 _NODE_KEYS = ("op", "name", "attrs", "attr", "param", "inputs")
 
 
+def symbol_json(symbol: Any) -> str:
+    """``symbol.tojson()`` with every node kept: MXNet 1.9's ``tojson``/``save`` drop the
+    ``amp_cast`` nodes of an AMP-converted graph unless told not to, which leaves a graph that
+    no longer binds (a bfloat16 weight meets a float32 input)."""
+    try:
+        return symbol.tojson(remove_amp_cast=False)
+    except TypeError:       # a symbol-like object without that option
+        return symbol.tojson()
+
+
 class Node:
     """One operator (or, with ``op == "null"``, one variable) of the graph."""
 
@@ -196,7 +206,7 @@ class Graph:
 
     @classmethod
     def from_symbol(cls, symbol: Any) -> "Graph":
-        return cls.from_json(symbol.tojson())
+        return cls.from_json(symbol_json(symbol))
 
     # ------------------------------------------------------------------ saving
     def to_json(self) -> Dict[str, Any]:

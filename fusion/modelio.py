@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 import numpy as np
 
 from .errors import FusionError, GraphError, ParamsError
-from .graph import Graph, _first_line
+from .graph import Graph, _first_line, symbol_json
 from .publish import TEMP_PREFIX, publish  # noqa: F401  (TEMP_PREFIX: batch.py reads it here)
 
 
@@ -159,7 +159,7 @@ def validate_params(graph: Graph, symbol: Any, arg: Mapping[str, Any], aux: Mapp
 
 
 # The dtypes MXNet 1.9 has NDArrays of (see mxnet.ndarray.ndarray._DTYPE_NP_TO_MX).
-PARAM_DTYPES = ("float32", "float64", "float16", "uint8", "int8", "int32", "int64", "bool")
+PARAM_DTYPES = ("float32", "float64", "float16", "uint8", "int8", "int32", "int64", "bool", "bfloat16")
 
 
 def _numpy(value: Any) -> np.ndarray:
@@ -170,11 +170,13 @@ _DTYPE_NAMES: Dict[Any, str] = {}
 
 
 def dtype_name(dtype: Any) -> str:
-    """``np.dtype(dtype).name``, remembered (it is slow, and asked once per parameter)."""
+    """``fusion.precision.dtype_name`` (NumPy's name; MXNet's bfloat16 named so), remembered: it is
+    slow, and asked once per parameter."""
     try:
         return _DTYPE_NAMES[dtype]
     except (KeyError, TypeError):
-        name = np.dtype(dtype).name
+        from .precision import dtype_name as name_of
+        name = name_of(dtype)
         try:
             _DTYPE_NAMES[dtype] = name
         except TypeError:
@@ -256,6 +258,8 @@ def _check_param_dtypes(graph: Graph, symbol: Any, dtypes: Dict[str, str], input
     input_dtypes = {k: t for k, t in input_dtypes.items() if k in read}
     if not dtypes or any(nd.op.startswith("fused_") for nd in graph.op_nodes()):
         return      # library ops: MXNet 1.9.1's wrappers are not safe to infer from partial facts
+    if "bfloat16" in dtypes.values():
+        return      # MXNet's Python type inference cannot be given bfloat16 (AMP's params): bind checks them
     infer = _type_inference(symbol, dtypes, input_dtypes, names)
     if _first_fit(infer, dtypes) is not None:
         return
@@ -313,6 +317,8 @@ def fitting_input_dtypes(symbol: Any, dtypes: Mapping[str, str],
     float32 (what bind gives an input) or else one of the parameters' float dtypes, the most common
     first.  None when none fits."""
     arguments = symbol.list_arguments()
+    # bfloat16 cannot be given to MXNet's Python type inference (its variables declare it in the graph)
+    dtypes = {k: t for k, t in dtypes.items() if t != "bfloat16"}
     fit = _first_fit(_type_inference(symbol, dtypes, dict(input_dtypes or {}), arguments), dtypes)
     if fit is None:
         return None
@@ -402,7 +408,7 @@ def model_files(prefix_paths: Tuple[str, str], symbol: Any, arg: Mapping[str, An
     sym_path, params_path = prefix_paths
     payload = {"arg:" + k: v for k, v in arg.items()}
     payload.update({"aux:" + k: v for k, v in aux.items()})
-    return [("the model's symbol file", sym_path, lambda tmp: _write_text(tmp, symbol.tojson())),
+    return [("the model's symbol file", sym_path, lambda tmp: _write_text(tmp, symbol_json(symbol))),
             ("the model's params file", params_path, lambda tmp: mx.nd.save(tmp, payload))]
 
 

@@ -67,6 +67,7 @@ class RuleReport:
 @dataclass
 class FusionReport:
     mode: str = "inference"
+    precision: str = "float32"
     rules: Dict[str, RuleReport] = field(default_factory=dict)
     ops_before: int = 0
     ops_after: int = 0
@@ -124,7 +125,7 @@ class FusionReport:
 
         return {
             "versions": versions(),
-            "mode": self.mode, "passes": self.passes, "seconds": round(self.seconds, 4),
+            "mode": self.mode, "precision": self.precision, "passes": self.passes, "seconds": round(self.seconds, 4),
             "ops_before": self.ops_before, "ops_after": self.ops_after,
             "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
             "params_removed": self.params_removed, "fused": self.fused_count,
@@ -137,9 +138,9 @@ class FusionReport:
         return json.dumps(self.to_dict(), indent=indent)
 
     def to_text(self, explain: bool = False) -> str:
-        lines = ["mxnet-fusion report (mode=%s): %d fused, ops %d -> %d, nodes %d -> %d, %d pass(es), %.3f s"
-                 % (self.mode, self.fused_count, self.ops_before, self.ops_after,
-                    self.nodes_before, self.nodes_after, self.passes, self.seconds)]
+        lines = ["mxnet-fusion report (mode=%s%s): %d fused, ops %d -> %d, nodes %d -> %d, %d pass(es), %.3f s"
+                 % (self.mode, "" if self.precision == "float32" else ", precision=" + self.precision,
+                    self.fused_count, self.ops_before, self.ops_after, self.nodes_before, self.nodes_after, self.passes, self.seconds)]
         width = max([len(r.name) for r in self.rules.values()] + [4])
         lines.append("  %-*s  %6s  %8s  %13s  %6s" % (width, "rule", "fused", "rejected", "nodes removed", "params"))
         quiet = []

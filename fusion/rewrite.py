@@ -31,6 +31,7 @@ from .graph import Entry, Graph, Node
 from .matcher import Match, Trace, _State, match_pattern
 from .modelio import PARAM_DTYPES, dtype_name
 from .pattern import required_ops
+from .precision import FLOAT32, BF16_CODE, cast_slots, is_bf16, to_bf16
 from .report import FusionReport
 from .selfcheck import Candidate, SelfCheck
 
@@ -38,13 +39,21 @@ MAX_PASSES = 32
 
 
 class Context:
-    """What rules may read besides the graph: the mode and parameter values."""
+    """What rules may read besides the graph: the mode, the precision and parameter values."""
 
     def __init__(self, graph: Graph, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any], mode: str,
                  input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
-                 input_dtypes: Optional[Mapping[str, Any]] = None):
+                 input_dtypes: Optional[Mapping[str, Any]] = None, precision: str = FLOAT32):
         self.graph = graph
         self.mode = mode
+        #: 'float32' or 'bfloat16' (fusion/precision.py's policy decides what that changes)
+        self.precision = precision
+        #: under reduced precision: weights cast, and fused ops whose weight stayed float32 (with why)
+        self.precision_cast: List[str] = []
+        self.precision_kept: Dict[str, str] = {}
+        #: parameter variables shared by the replacements of a batch (bfloat16 weights): they join
+        #: the graph when a batch commits (compact() drops those no committed node reads)
+        self.pending_params: List[Node] = []
         self.input_dtypes = {k: str(v) for k, v in (input_dtypes or {}).items()}
         self.memo: Dict[Any, Any] = {}      # rules' derived facts about values (they never change)
         self.input_shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
@@ -156,9 +165,11 @@ class Context:
         return getattr(raw, "context", None)
 
     def _param_dtype(self, name: str) -> Optional[str]:
+        """The dtype of parameter ``name`` as MXNet's type inference takes it by name (None for
+        bfloat16, which MXNet's Python API cannot pass: such variables declare it, ``__dtype__``)."""
         for store in (self.new_args, self.new_aux, self.arg_params, self.aux_params):
             if name in store:
-                return dtype_name(store[name].dtype)
+                return None if is_bf16(store[name].dtype) else dtype_name(store[name].dtype)
         return None
 
     @property
@@ -316,11 +327,47 @@ class Builder:
         those readers may come before the anchor.
         """
         a = attrs.copy() if isinstance(attrs, Attrs) else Attrs.from_values(attrs or {})
+        slots = cast_slots(op, self.ctx.precision)
+        if slots:
+            inputs = [self._reduced(e, op) if k in slots else e for k, e in enumerate(inputs)]
         node = Node(op, name or self.ctx.unique_name(self.anchor.name + "_fused"), a,
                     [self._resolve(e) for e in inputs], extra=dict(extra or {}), num_outputs=num_outputs)
         self._place(node, after)
         outs = [Entry(node, i) for i in range(num_outputs)]
         return outs if num_outputs > 1 else outs[0]
+
+    def _reduced(self, entry: Entry, op: str) -> Entry:
+        """The weight ``entry`` of a new ``op`` as the precision policy wants it: a bfloat16 copy
+        (a new parameter, cast once) of a known float32 parameter; else ``entry`` as it is."""
+        value = self.ctx.value(entry)
+        where = "%s '%s'" % (op, self.anchor.name)
+        if value is None:
+            self.ctx.precision_kept[where] = "its weight '%s' is not a known parameter" % entry.node.name
+            return entry
+        if is_bf16(value.dtype):
+            return entry
+        if value.dtype != np.float32:
+            self.ctx.precision_kept[where] = "its weight '%s' is %s" % (entry.node.name, dtype_name(value.dtype))
+            return entry
+        self.ctx.precision_kept.pop(where, None)
+        # one copy per weight, however many fused ops read it (ALBERT shares every layer's)
+        key = ("bf16_cast", entry.node.name)
+        node = self.ctx.memo.get(key)
+        if node is None or node.dead:
+            if self.ctx.mode == "training":
+                raise FusionError("precision='bf16' adds parameters; it is for inference")
+            unique = self.ctx.unique_name(entry.node.name + "_bf16")
+            self.ctx.new_args[unique] = to_bf16(value)
+            where_ctx = self.ctx.param_context(entry.node.name)
+            if where_ctx is not None:
+                self.ctx.new_contexts[unique] = where_ctx
+            # placed first (a variable): any fused op of this or a later pass may read it
+            node = Node("null", unique, Attrs.from_values({"__dtype__": str(BF16_CODE)}), pos=-1.0)
+            self.ctx.memo[key] = node
+            self.ctx.pending_params.append(node)
+            self.ctx.precision_cast.append(unique)
+            self.params_added += 1
+        return Entry(node)
 
     def param(self, name: str, value: np.ndarray, aux: bool = False) -> Entry:
         """Add a new parameter variable (a fresh name, never one the caller already has).
@@ -331,7 +378,7 @@ class Builder:
             raise FusionError("it would add parameter '%s'; in training every parameter must stay the one "
                               "the optimizer updates" % name)
         value = np.ascontiguousarray(value)
-        if dtype_name(value.dtype) not in PARAM_DTYPES:
+        if dtype_name(value.dtype) not in PARAM_DTYPES and not is_bf16(value.dtype):
             raise FusionError("it would add parameter '%s' of dtype %s, which MXNet has no arrays of"
                               % (name, value.dtype.name))
         unique = self.ctx.unique_name(name)
@@ -541,6 +588,8 @@ class _Pass:
 
         graph = self.graph
         graph.nodes.extend(created)
+        graph.nodes.extend(self.ctx.pending_params)
+        self.ctx.pending_params.clear()
         for nd in graph.nodes:
             nd.inputs = [resolve(e) for e in nd.inputs]
         graph.heads = [resolve(e) for e in graph.heads]

@@ -516,7 +516,11 @@ class SelfCheck:
 
         from .bench import subgraph_backend
 
+        from .precision import tolerance
+
         training = self.ctx.mode == "training"
+        # reduced precision: the bfloat16 tolerance against the float32 subgraph (fusion/precision.py)
+        tol = max(TOLERANCE, tolerance(getattr(self.ctx, "precision", "float32")))
         text, layout = _build(items)
         sym = mx.sym.load_json(text)
         feed: Dict[str, np.ndarray] = {}
@@ -557,8 +561,8 @@ class SelfCheck:
             for k in range(n_out):
                 a, b = outs[head + k].asnumpy(), outs[head + n_out + k].asnumpy()
                 rel, why = compare(a, b)
-                if why is None and rel > TOLERANCE:
-                    why = "output differs by %.3g (relative to its scale; tolerance %g)" % (rel, TOLERANCE)
+                if why is None and rel > tol:
+                    why = "output differs by %.3g (relative to its scale; tolerance %g)" % (rel, tol)
                 if why is not None and reason is None:
                     reason = ("output %d: %s" % (k, why)) if n_out > 1 else why
                 worst = max(worst, rel if np.isfinite(rel) else worst)

@@ -224,8 +224,12 @@ def input_dtypes(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping
     """The dtype MXNet's type inference gives each data input with the parameters' dtypes
     (float32, or the float dtype the parameters need; see ``modelio.fitting_input_dtypes``)."""
     from .modelio import fitting_input_dtypes
+    from .precision import is_bf16
 
-    given = {k: np.dtype(v.dtype).name for k, v in list(arg_params.items()) + list(aux_params.items())}
+    # bfloat16 parameters (AMP's, or precision="bf16") cannot be given to MXNet's Python type
+    # inference by name; their variables declare it in the graph
+    given = {k: np.dtype(v.dtype).name for k, v in list(arg_params.items()) + list(aux_params.items())
+             if not is_bf16(v.dtype)}
     types = fitting_input_dtypes(symbol, given) or {}
     return {n: types.get(n, "float32") for n in symbol.list_arguments() if n not in arg_params}
 

@@ -6,6 +6,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from fusion.graph import Entry
+from fusion.precision import is_bf16
 
 # MXNet's dtype codes (mshadow): 0 float32, 1 float64, 2 float16, 3 uint8, 4 int32, 5 int8, 6 int64, ...
 _FLOAT32_NAMES = {"float32", "0", None}
@@ -57,7 +58,8 @@ def _types_without_shapes(ctx) -> dict:
         for nd in graph.variables():
             for store in stores:
                 if nd.name in store:
-                    given[nd.name] = np.dtype(store[nd.name].dtype).name
+                    if not is_bf16(store[nd.name].dtype):     # bfloat16: declared by the variable itself
+                        given[nd.name] = np.dtype(store[nd.name].dtype).name
                     break
         ctx.memo[key] = infer_dtypes(graph, given)
     return ctx.memo[key]

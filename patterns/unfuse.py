@@ -54,6 +54,16 @@ def _activation(b: Builder, x: Entry, act: str, slope: float, name: str) -> Entr
     raise FusionError("fused_dense activation %r has no stock equivalent" % act)
 
 
+def _is_bf16_weight(m: Match, w: Entry) -> bool:
+    from fusion.precision import BF16_CODE, is_bf16
+    if m.ctx.dtype(w) == "bfloat16":
+        return True
+    value = m.ctx.value(w)
+    if value is not None:
+        return is_bf16(value.dtype)
+    return w.node.is_variable and str(w.node.attrs.get("__dtype__")) == str(BF16_CODE)
+
+
 class UnfuseDense(_Unfuse):
     def __init__(self):
         super().__init__("fused_dense", 3)
@@ -64,6 +74,8 @@ class UnfuseDense(_Unfuse):
         no_bias = bool(f.param("no_bias", False))
         attrs = {"num_hidden": int(f.attrs["num_hidden"]), "flatten": bool(f.param("flatten", True)),
                  "no_bias": no_bias}
+        if _is_bf16_weight(m, ins[1]):   # precision="bf16": FullyConnected takes it widened back to float32
+            ins = [ins[0], b.op("amp_cast", [ins[1]], attrs={"dtype": "float32"}, name=f.name + "_weight_fp32")] + ins[2:]
         fc = b.op("FullyConnected", ins[:2] if no_bias else ins[:3], attrs=attrs, name=f.name + "_fc")
         return _activation(b, fc, f.attrs.get("act", "none"), float(f.param("slope", 0.25)), f.name)
 

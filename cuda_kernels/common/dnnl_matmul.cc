@@ -4,6 +4,7 @@
 #include "dnnl_matmul.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "mxf_common.h"
@@ -14,6 +15,7 @@ namespace {
 using status = int;  // dnnl_status_t: 0 = dnnl_success
 using dims12 = int64_t[12];  // dnnl_dims_t
 constexpr int kF32 = 3;            // dnnl_f32
+constexpr int kBF16 = 2;           // dnnl_bf16
 constexpr int kTagAny = 1;         // dnnl_format_tag_any
 constexpr int kCpu = 1;            // dnnl_cpu
 constexpr int kInOrder = 1;        // dnnl_stream_default_flags
@@ -104,9 +106,9 @@ const Api& api() {
 struct Md {
   void* p = nullptr;
   ~Md() { if (p) api().md_destroy(p); }
-  bool strided(int64_t d0, int64_t d1, int64_t s0, int64_t s1) {
+  bool strided(int64_t d0, int64_t d1, int64_t s0, int64_t s1, int dt = kF32) {
     const dims12 d = {d0, d1}, s = {s0, s1};
-    return api().md_with_strides(&p, 2, d, kF32, s) == 0;
+    return api().md_with_strides(&p, 2, d, dt, s) == 0;
   }
 };
 
@@ -133,9 +135,9 @@ struct MatmulPrim {
     if (prim) api().prim_destroy(prim);
     if (pd) api().pd_destroy(pd);
   }
-  bool create(int64_t M, int64_t N, int64_t K, const void* wmd, bool has_bias) {
+  bool create(int64_t M, int64_t N, int64_t K, const void* wmd, bool has_bias, int src_dt = kF32) {
     const Api& a = api();
-    return src.strided(M, K, K, 1) && dst.strided(M, N, N, 1) &&
+    return src.strided(M, K, K, 1, src_dt) && dst.strided(M, N, N, 1) &&
            (!has_bias || bias.strided(1, N, N, 1)) &&
            a.matmul_pd_create(&pd, a.engine, src.p, wmd, has_bias ? bias.p : nullptr, dst.p,
                               nullptr) == 0 &&
@@ -160,21 +162,22 @@ struct PackedMatmul::Shape {
   }
 };
 
-PackedMatmul::PackedMatmul(int64_t N, int64_t K, bool bias) : N_(N), K_(K), bias_(bias) {}
+PackedMatmul::PackedMatmul(int64_t N, int64_t K, bool bias, bool bf16)
+    : N_(N), K_(K), bias_(bias), bf16_(bf16) {}
 
 std::unique_ptr<PackedMatmul> PackedMatmul::create(int64_t N, int64_t K, bool bias,
-                                                   std::string* why) {
+                                                   std::string* why, bool bf16) {
   const Api& a = api();
   if (!a.engine) {
     if (why) *why = a.error;
     return nullptr;
   }
-  return std::unique_ptr<PackedMatmul>(new PackedMatmul(N, K, bias));
+  return std::unique_ptr<PackedMatmul>(new PackedMatmul(N, K, bias, bf16));
 }
 
 PackedMatmul::~PackedMatmul() = default;
 
-PackedMatmul::Packed* PackedMatmul::packed_for(const void* wmd, const float* W) {
+PackedMatmul::Packed* PackedMatmul::packed_for(const void* wmd, const void* W) {
   const Api& a = api();
   for (auto& p : packed_)
     if (a.md_equal(p->md.p, wmd)) return p.get();
@@ -185,9 +188,9 @@ PackedMatmul::Packed* PackedMatmul::packed_for(const void* wmd, const float* W) 
   void* rpd = nullptr;
   void* rprim = nullptr;
   void* umem = nullptr;
-  bool ok = a.md_clone(&p->md.p, wmd) == 0 && user.strided(K_, N_, 1, K_) &&
+  bool ok = a.md_clone(&p->md.p, wmd) == 0 && user.strided(K_, N_, 1, K_, bf16_ ? kBF16 : kF32) &&
             a.mem_create(&p->mem, p->md.p, a.engine, kAllocate) == 0 &&
-            a.mem_create(&umem, user.p, a.engine, const_cast<float*>(W)) == 0 &&
+            a.mem_create(&umem, user.p, a.engine, const_cast<void*>(W)) == 0 &&
             a.reorder_pd_create(&rpd, user.p, a.engine, p->md.p, a.engine, nullptr) == 0 &&
             a.prim_create(&rprim, rpd) == 0;
   if (ok) {
@@ -202,17 +205,18 @@ PackedMatmul::Packed* PackedMatmul::packed_for(const void* wmd, const float* W) 
   return packed_.back().get();
 }
 
-bool matmul_unpacked(const float* X, int64_t M, const float* W, int64_t N, int64_t K,
-                     const float* bias, float* Y) {
+namespace {
+bool unpacked(const void* X, int64_t M, const void* W, int64_t N, int64_t K, const float* bias,
+              float* Y, int dt) {
   const Api& a = api();
   void* stream = thread_stream();
   if (!stream) return false;
   Md wmd;  // W (N, K) row-major read in place as the (K, N) weights
   MatmulPrim mm;
   void *ms = nullptr, *mw = nullptr, *mb = nullptr, *md = nullptr;
-  bool ok = wmd.strided(K, N, 1, K) && mm.create(M, N, K, wmd.p, bias != nullptr) &&
-            a.mem_create(&ms, mm.src.p, a.engine, const_cast<float*>(X)) == 0 &&
-            a.mem_create(&mw, wmd.p, a.engine, const_cast<float*>(W)) == 0 &&
+  bool ok = wmd.strided(K, N, 1, K, dt) && mm.create(M, N, K, wmd.p, bias != nullptr, dt) &&
+            a.mem_create(&ms, mm.src.p, a.engine, const_cast<void*>(X)) == 0 &&
+            a.mem_create(&mw, wmd.p, a.engine, const_cast<void*>(W)) == 0 &&
             a.mem_create(&md, mm.dst.p, a.engine, Y) == 0 &&
             (!bias || a.mem_create(&mb, mm.bias.p, a.engine, const_cast<float*>(bias)) == 0);
   if (ok) {
@@ -223,8 +227,36 @@ bool matmul_unpacked(const float* X, int64_t M, const float* W, int64_t N, int64
     if (m) a.mem_destroy(m);
   return ok;
 }
+}  // namespace
 
-bool PackedMatmul::run(const float* X, int64_t M, const float* W, const float* bias, float* Y) {
+bool matmul_unpacked(const float* X, int64_t M, const float* W, int64_t N, int64_t K,
+                     const float* bias, float* Y) {
+  return unpacked(X, M, W, N, K, bias, Y, kF32);
+}
+
+bool matmul_unpacked_bf16(const uint16_t* X, int64_t M, const uint16_t* W, int64_t N, int64_t K,
+                          const float* bias, float* Y) {
+  return unpacked(X, M, W, N, K, bias, Y, kBF16);
+}
+
+void to_bf16(const float* x, uint16_t* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {  // vectorizes: integer ops and a select
+    uint32_t u;
+    std::memcpy(&u, x + i, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+    y[i] = static_cast<uint16_t>(nan ? ((u >> 16) | 0x40u) : rounded);
+  }
+}
+
+void from_bf16(const uint16_t* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(x[i]) << 16;
+    std::memcpy(y + i, &u, 4);
+  }
+}
+
+bool PackedMatmul::run(const void* X, int64_t M, const void* W, const float* bias, float* Y) {
   const Api& a = api();
   void* stream = thread_stream();
   if (!stream) return false;
@@ -236,8 +268,9 @@ bool PackedMatmul::run(const float* X, int64_t M, const float* W, const float* b
     auto s = std::make_unique<Shape>();
     Md wany;  // "any": oneDNN picks the blocked layout, packed_for() reorders W into it
     const dims12 wd = {K_, N_};
-    bool ok = a.md_with_tag(&wany.p, 2, wd, kF32, kTagAny) == 0 &&
-              s->mm.create(M, N_, K_, wany.p, bias_);
+    const int dt = bf16_ ? kBF16 : kF32;
+    bool ok = a.md_with_tag(&wany.p, 2, wd, dt, kTagAny) == 0 &&
+              s->mm.create(M, N_, K_, wany.p, bias_, dt);
     if (ok) {
       const void* wmd = a.pd_query_md(s->mm.pd, kQueryWeightsMd, 0);
       s->w = wmd ? packed_for(wmd, W) : nullptr;
@@ -252,7 +285,7 @@ bool PackedMatmul::run(const float* X, int64_t M, const float* W, const float* b
     it = shapes_.emplace(M, std::move(s)).first;
   }
   Shape& s = *it->second;
-  if (a.mem_set_handle(s.src, const_cast<float*>(X)) != 0 || a.mem_set_handle(s.dst, Y) != 0 ||
+  if (a.mem_set_handle(s.src, const_cast<void*>(X)) != 0 || a.mem_set_handle(s.dst, Y) != 0 ||
       (bias_ && a.mem_set_handle(s.bias, const_cast<float*>(bias)) != 0))
     return false;
   ExecArg args[4] = {{kArgSrc, s.src}, {kArgWeights, s.w->mem}, {kArgDst, s.dst}, {kArgBias, s.bias}};

@@ -12,6 +12,12 @@
 // fails: one multi-threaded sgemm, then bias + activation over rows in parallel.
 // Head-split output: one OpenMP task per (batch, head) tile, a single-threaded sgemm
 // writing straight into (B, H, S, D), epilogue applied while the tile is in cache.
+//
+// bfloat16 weight (fuse(..., precision="bf16") casts it once): x is rounded to bfloat16
+// per call, the product runs through oneDNN's bf16 matmul (float32 accumulation, weight
+// packed once as above, bias added in float32), and the output and the activation stay
+// float32; a head-split output is written through a (M, N) buffer.  Inference only (no
+// backward).  Without oneDNN's matmul the weight is widened to float32 for sgemm.
 #include <omp.h>
 
 #include <algorithm>
@@ -94,11 +100,20 @@ MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
   });
 }
 
+// mshadow's code for bfloat16 (lib_api's MXDType does not name it)
+constexpr int kBfloat16 = 12;
+
 MXReturnValue infer_type(const Attrs& a, std::vector<int>* in, std::vector<int>* out) {
   return guarded("fused_dense", [&] {
-    for (size_t i = 0; i < in->size(); ++i)
-      if ((*in)[i] != mxnet::ext::kFloat32)
-        throw OpError("input " + std::to_string(i) + " must be float32");
+    for (size_t i = 0; i < in->size(); ++i) {
+      const int t = (*in)[i];
+      if (i == 1 && t == kBfloat16) continue;  // reduced precision: the weight alone
+      if (t != mxnet::ext::kFloat32)
+        throw OpError(i == 1 ? "input 1 (weight) must be float32 or bfloat16, got dtype code " +
+                                   std::to_string(t)
+                             : "input " + std::to_string(i) + " must be float32, got dtype code " +
+                                   std::to_string(t));
+    }
     (*out)[0] = mxnet::ext::kFloat32;
   });
 }
@@ -163,6 +178,14 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
   MXReturnValue Forward(std::vector<MXTensor>* in, std::vector<MXTensor>* out,
                         const OpResource&) override {
     return guarded("fused_dense", [&] {
+      if ((*in)[1].dtype == kBfloat16) {
+        require_f32((*in)[0], "fused_dense data");
+        if (!p_.no_bias) require_f32((*in)[2], "fused_dense bias");
+        Dims d = dims(p_, (*in)[0].shape, (*in)[1].shape);
+        forward_bf16(d, (*in)[0], (*in)[1], p_.no_bias ? nullptr : (*in)[2].data<float>(),
+                     (*out)[0].data<float>());
+        return;
+      }
       for (auto& t : *in) require_f32(t, "fused_dense input");
       Dims d = dims(p_, (*in)[0].shape, (*in)[1].shape);
       const float* X = (*in)[0].data<float>();
@@ -228,12 +251,87 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
     if (!err.empty()) throw OpError(err);
   }
 
+  // The bfloat16 weight's packed form (second call with the same weight version, as for
+  // float32); null on a first call or without oneDNN's matmul.
+  PackedMatmul* weight_bf16(MXTensor& w, int64_t N, int64_t K, bool has_bias) {
+    std::lock_guard<std::mutex> lk(mu_);
+    const bool same = w.data_ptr == w_ptr_ && w.verID == w_ver_;
+    if (same && mm_) return mm_.get();
+    if (same && !mm_failed_) {
+      std::string why;
+      mm_ = PackedMatmul::create(N, K, has_bias, &why, /*bf16=*/true);
+      if (!mm_) mm_failed_ = true;
+      return mm_.get();
+    }
+    if (!same) {
+      w_ptr_ = w.data_ptr;
+      w_ver_ = w.verID;
+      mm_.reset();
+    }
+    return nullptr;
+  }
+
+  void forward_bf16(const Dims& d, MXTensor& xT, MXTensor& wT, const float* bias, float* Y) {
+    const int64_t M = d.M, N = d.N, K = d.K;
+    if (M == 0 || N == 0) return;
+    const Act act = this->act(xT.shape);
+    const float* X = xT.data<float>();
+    const uint16_t* W = static_cast<const uint16_t*>(wT.data_ptr);
+    // Small passes run on the calling thread: an OpenMP region costs more than they do (and,
+    // on a busy machine, a whole time slice whenever a team member is descheduled).
+    constexpr int64_t kParallelMin = int64_t(1) << 18;
+    std::vector<uint16_t> xb(M * K);
+#pragma omp parallel for schedule(static) if (M * K >= kParallelMin)
+    for (int64_t i = 0; i < M; ++i) to_bf16(X + i * K, xb.data() + i * K, K);
+    std::vector<float> tmp;
+    float* Z = Y;  // the (M, N) product: Y itself, or a buffer for the head-split layout
+    if (p_.heads_out) {
+      tmp.resize(M * N);
+      Z = tmp.data();
+    }
+    PackedMatmul* mm = weight_bf16(wT, N, K, bias != nullptr);
+    bool bias_added = true;
+    if (!(mm && mm->run(xb.data(), M, W, bias, Z)) &&
+        !matmul_unpacked_bf16(xb.data(), M, W, N, K, bias, Z)) {
+      std::vector<float> wf(N * K), xf(M * K);  // no oneDNN matmul: widen, then sgemm
+      from_bf16(W, wf.data(), N * K);
+      from_bf16(xb.data(), xf.data(), M * K);
+      sgemm('N', 'T', M, N, K, 1.f, xf.data(), K, wf.data(), K, 0.f, Z, N);
+      bias_added = false;
+    }
+    const float* extra = bias_added ? nullptr : bias;
+    if (!p_.heads_out) {
+      if (!extra && act == Act::none) return;
+#pragma omp parallel for schedule(dynamic, 4) if (M * N >= kParallelMin)
+      for (int64_t i = 0; i < M; ++i) {
+        float* row = Y + i * N;
+        if (extra)
+          for (int64_t j = 0; j < N; ++j) row[j] += extra[j];
+        act_forward(act, p_.slope, row, N);
+      }
+      return;
+    }
+    const auto& xs = xT.shape;
+    const int64_t B = xs[0], S = xs[1], H = p_.heads, D = N / H;
+#pragma omp parallel for schedule(dynamic, 1) collapse(2) if (M * N >= kParallelMin)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t s = 0; s < S; ++s) {
+          float* row = Y + ((b * H + h) * S + s) * D;
+          const float* src = Z + (b * S + s) * N + h * D;
+          for (int64_t j = 0; j < D; ++j) row[j] = src[j] + (extra ? extra[h * D + j] : 0.f);
+          act_forward(act, p_.slope, row, D);
+        }
+  }
+
   // inputs: [dy, x, w, (b), y]; outputs: [dx, dw, (db)]
   MXReturnValue Backward(std::vector<MXTensor>* in, std::vector<MXTensor>* out,
                          const OpResource&) override {
     return guarded("fused_dense backward", [&] {
       MXTensor& xT = (*in)[1];
       MXTensor& wT = (*in)[2];
+      if (wT.dtype == kBfloat16)
+        throw OpError("a bfloat16 weight has no backward (reduced precision is for inference)");
       Dims d = dims(p_, xT.shape, wT.shape);
       const int64_t M = d.M, N = d.N, K = d.K;
       const float* X = xT.data<float>();

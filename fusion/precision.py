@@ -1,0 +1,185 @@
+"""Reduced precision: the one policy of ``fuse(..., precision="bf16")``.
+
+Like MXNet's AMP lists (``mx.contrib.amp.lists``), one table says what runs in bfloat16
+and what stays float32:
+
+* **bfloat16**: the operands of the matrix products of the fused ops listed in
+  ``BF16_WEIGHTS`` — their weights are cast once at fuse time into new parameters
+  (``<weight>_bf16``; the caller's arrays are never touched) and the activations are
+  rounded to bfloat16 inside the kernel, per call.  Products accumulate in float32
+  (oneDNN's bf16 matmul: ``vdpbf16ps`` / AMX).
+* **float32**: everything else — the values between ops (every fused op reads and writes
+  float32, so model inputs and outputs keep their dtype), bias and activation epilogues,
+  softmax statistics and attention (``fused_attention``), LayerNorm statistics
+  (``fused_add_layer_norm``, ``LayerNorm``), reductions and elementwise chains
+  (``fused_elemwise``), and every op MXNet keeps (a classifier head left to MXNet stays float32).
+
+bfloat16 keeps float32's exponent range with an 8-bit significand (relative rounding
+error 2⁻⁹ ≈ 2e-3 per operand): ``TOLERANCE`` is what ``fusion.verify``/``mxfuse
+--verify`` and the per-rewrite self-check accept against the float32 original.
+
+Native bfloat16 needs a CPU with ``avx512_bf16`` or ``amx_bf16`` (oneDNN dispatches to
+them); elsewhere oneDNN emulates bf16, slower than float32, so ``precision="bf16"`` is
+refused there unless forced.  ``ONEDNN_MAX_CPU_ISA`` (or ``DNNL_MAX_CPU_ISA``) set below
+``AVX512_CORE_BF16`` hides the feature from oneDNN, and from this check.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from .errors import FusionError
+
+#: MXNet's NumPy spelling of bfloat16 (``mxnet.ndarray.ndarray._DTYPE_NP_TO_MX``), code 12.
+BF16 = np.dtype([("bfloat16", np.uint16)])
+BF16_CODE = 12
+
+FLOAT32 = "float32"
+BFLOAT16 = "bfloat16"
+#: Accepted spellings of ``precision``.
+PRECISIONS = {"float32": FLOAT32, "fp32": FLOAT32, "bf16": BFLOAT16, "bfloat16": BFLOAT16}
+
+#: Fused op -> input slots holding a weight that is cast to bfloat16 (only a known float32 parameter).
+BF16_WEIGHTS: Dict[str, Tuple[int, ...]] = {"fused_dense": (1,)}
+
+#: What stays float32 under precision="bf16" (for reports and docs; the kernels implement it).
+FLOAT32_KEPT = ("values between ops, model inputs and outputs", "bias and activation epilogues",
+                "fused_attention (softmax statistics, q·kᵀ and p·v)", "LayerNorm statistics",
+                "fused_elemwise chains and reductions", "ops left to MXNet")
+
+#: max|fused − original| / max|original| accepted by verify and the self-check, per precision.
+TOLERANCE = {FLOAT32: 1e-4, BFLOAT16: 2e-2}
+
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) that stop below avx512_core_bf16
+_ISA_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
+def is_bf16(dtype) -> bool:
+    try:
+        return np.dtype(dtype) == BF16
+    except TypeError:
+        return str(dtype) == BFLOAT16
+
+
+_NAMES: Dict = {}
+
+
+def dtype_name(dtype) -> str:
+    """NumPy's name of a dtype, with MXNet's bfloat16 called 'bfloat16' (NumPy says 'void16');
+    remembered (asked for every value of a large graph)."""
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):
+        name = BFLOAT16 if is_bf16(dtype) else np.dtype(dtype).name
+        try:
+            _NAMES[dtype] = name
+        except TypeError:
+            pass
+        return name
+
+
+def cpu_flags() -> set:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_bf16_reason() -> Optional[str]:
+    """None when this CPU computes bfloat16 products natively, else why not."""
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        cap = os.environ.get(var, "").strip().upper()
+        if cap in _ISA_WITHOUT_BF16:
+            return "%s=%s hides bfloat16 instructions from oneDNN" % (var, cap)
+    flags = cpu_flags()
+    if not flags & {"avx512_bf16", "amx_bf16"}:
+        return "this CPU has no native bfloat16 dot products (neither avx512_bf16 nor amx_bf16 among its flags)"
+    return None
+
+
+def resolve(precision: Optional[str], force: bool = False, mode: str = "inference") -> str:
+    """The canonical precision ('float32' or 'bfloat16'), or a one-line FusionError saying why not."""
+    if precision is None:
+        return FLOAT32
+    key = str(precision).lower()
+    if key not in PRECISIONS:
+        raise FusionError("precision must be float32 or bf16 (fp32/bfloat16 also accepted), not %r: the fused "
+                          "ops compute in float32, or in bfloat16 with float32 accumulation" % (precision,))
+    canon = PRECISIONS[key]
+    if canon == BFLOAT16:
+        if mode == "training":
+            raise FusionError("precision='bf16' is for inference: it adds bfloat16 copies of the weights, "
+                              "which training would not update")
+        why = None if force else native_bf16_reason()
+        if why:
+            raise FusionError("precision='bf16' refused: %s; oneDNN would emulate bfloat16, slower than "
+                              "float32 (force=True / mxfuse --force-precision fuses in bf16 anyway)" % why)
+    return canon
+
+
+def to_bf16(value: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 (MXNet's dtype), rounded to nearest even; NaN stays NaN."""
+    f = np.ascontiguousarray(value, dtype=np.float32)
+    u = f.view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(f)
+    if nan.any():
+        rounded[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    return rounded.view(BF16)
+
+
+def from_bf16(value: np.ndarray) -> np.ndarray:
+    """bfloat16 (MXNet's dtype, or its uint16 bits) -> float32, exactly."""
+    bits = np.ascontiguousarray(value).view(np.uint16).astype(np.uint32) << np.uint32(16)
+    return bits.view(np.float32)
+
+
+def cast_slots(op: str, precision: str) -> Tuple[int, ...]:
+    """Input slots of a new ``op`` whose float32 weight the policy casts at ``precision``."""
+    return BF16_WEIGHTS.get(op, ()) if precision == BFLOAT16 else ()
+
+
+def tolerance(precision: str) -> float:
+    return TOLERANCE.get(precision, TOLERANCE[FLOAT32])
+
+
+def guard_amp() -> None:
+    """Make MXNet's AMP (``mx.contrib.amp.convert_symbol``/``convert_model``/``convert_hybrid_block``)
+    refuse a graph with fused ops, with the reason, instead of failing deep in its type inference:
+    AMP's op lists do not know them (they take float32 activations), so AMP goes first, or
+    ``fuse(..., precision="bf16")`` is used instead."""
+    import functools
+    import json
+
+    try:
+        from mxnet.contrib.amp import amp
+    except ImportError:         # an MXNet without AMP: nothing to guard
+        return
+    convert = amp.convert_symbol
+    if getattr(convert, "_fusion_guard", False):
+        return
+
+    @functools.wraps(convert)
+    def convert_symbol(sym, *args, **kwargs):
+        try:
+            fused = sorted({n["op"] for n in json.loads(sym.tojson())["nodes"] if n["op"].startswith("fused_")})
+        except Exception:       # not a symbol we can read: AMP says what is wrong with it
+            fused = []
+        if fused:
+            raise FusionError("AMP cannot convert a fused graph (%s: mxnet-fusion's ops, which AMP's op lists do "
+                              "not know and which take float32 activations); convert the original model with AMP "
+                              "first and fuse after, or fuse the float32 model with precision='bf16'"
+                              % ", ".join(fused))
+        return convert(sym, *args, **kwargs)
+
+    convert_symbol._fusion_guard = True
+    amp.convert_symbol = convert_symbol        # convert_model / convert_hybrid_block call it from here
+    import mxnet.contrib.amp as package
+    package.convert_symbol = convert_symbol

@@ -1,0 +1,359 @@
+"""Reduced precision (fusion/precision.py): fuse(..., precision="bf16"), mxfuse --precision, hybridize.
+
+Tolerances: against the float32 original, ``max|Δ|/max|orig|`` ≤ 2e-2 (the policy's bf16
+tolerance; bf16 rounds each operand by up to 2⁻⁹); against a NumPy reference that rounds
+the matrix product's operands to bfloat16 as the kernel does, 1e-5 (only the summation
+order differs).
+"""
+import json
+import math
+import os
+import sys
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+import fusion
+from fusion import precision as P
+from fusion.errors import FusionError
+
+from conftest import ops, random_params, run_mxfuse
+
+S = mx.sym
+BF16_TOL = P.TOLERANCE[P.BFLOAT16]
+
+needs_bf16 = pytest.mark.skipif(P.native_bf16_reason() is not None,
+                                reason="CPU without native bfloat16 (fuse refuses precision='bf16' there)")
+
+
+def bf16_round(a):
+    return P.from_bf16(P.to_bf16(a))
+
+
+def _dense_model(act=None, flatten=False, n=24):
+    y = S.FullyConnected(S.var("x"), num_hidden=n, flatten=flatten, name="fc")
+    if act == "relu":
+        y = S.Activation(y, act_type="relu")
+    elif act == "gelu":
+        y = S.LeakyReLU(y, act_type="gelu")
+    elif act == "tanh_gelu":
+        y = (y * 0.5) * (1 + S.tanh((y + 0.044715 * y ** 3) * math.sqrt(2 / math.pi)))
+    return y
+
+
+def _run(sym, arg, aux, feed):
+    exe = sym.bind(mx.cpu(), {**arg, **{k: mx.nd.array(v) for k, v in feed.items()}}, aux_states=aux,
+                   grad_req="null")
+    outs = [o.asnumpy() for o in exe.forward(is_train=False)]
+    return outs, exe
+
+
+# -- conversions ---------------------------------------------------------------------------
+
+def test_to_bf16_rounds_to_nearest_even_and_keeps_specials():
+    x = np.array([1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, -2.5, np.inf, -np.inf, np.nan, 3.4e38, 1e-40], np.float32)
+    y = P.from_bf16(P.to_bf16(x))
+    assert y[0] == 1.0 and y[1] == 1.0                   # tie: to even
+    assert y[2] == np.float32(1 + 4 * 2 ** -8)          # tie: up to even
+    assert y[3] == -2.5 and np.isposinf(y[4]) and np.isneginf(y[5]) and np.isnan(y[6])
+    assert np.isfinite(y[7]) or y[7] == np.inf          # rounds within range or to inf, never NaN
+    assert P.to_bf16(x).dtype == P.BF16 and P.dtype_name(P.to_bf16(x).dtype) == "bfloat16"
+    # MXNet's own cast agrees
+    z = mx.nd.amp_cast(mx.nd.array(x[:6]), dtype=P.BF16).asnumpy()
+    assert (z.view(np.uint16) == P.to_bf16(x[:6]).view(np.uint16)).all()
+
+
+# -- fused_dense in bf16 --------------------------------------------------------------------
+
+@needs_bf16
+@pytest.mark.parametrize("act,flatten", [(None, False), ("relu", False), ("gelu", False),
+                                         ("tanh_gelu", False), ("relu", True)])
+def test_dense_bf16_matches_fp32_and_the_bf16_reference(act, flatten):
+    sym = _dense_model(act, flatten)
+    shapes = {"x": (10, 5, 16)}     # ≥ 8 GEMM rows either way
+    arg, aux = random_params(sym, shapes)
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    assert ops(res) == {"fused_dense": 1}, res.report.to_text(explain=True)
+    assert res.arg_params["fc_weight_bf16"].dtype == P.BF16 and "fc_weight" not in res.arg_params
+    v = fusion.verify((sym, arg, aux), res, input_shapes=shapes)
+    assert v.max_rel <= BF16_TOL, v
+    assert v.max_rel > 1e-6          # it did run in bf16
+    # the kernel's arithmetic: bf16(x) · bf16(W)ᵀ in float32, then bias and activation in float32
+    x = np.random.default_rng(3).standard_normal(shapes["x"]).astype(np.float32)
+    w, b = arg["fc_weight"].asnumpy(), arg["fc_bias"].asnumpy()
+    ref_sym = _dense_model(act, flatten)
+    want, _ = _run(ref_sym, {"fc_weight": mx.nd.array(bf16_round(w)), "fc_bias": mx.nd.array(b)}, {},
+                   {"x": bf16_round(x)})
+    got, exe = _run(res.symbol, res.arg_params, res.aux_params, {"x": x})
+    assert np.abs(got[0] - want[0]).max() <= 1e-5 * np.abs(want[0]).max()
+    again = exe.forward(is_train=False)[0].asnumpy()       # second call: the weight prepacked
+    assert np.abs(again - want[0]).max() <= 1e-5 * np.abs(want[0]).max()
+
+
+@needs_bf16
+def test_small_transformer_block_bf16():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from bench_bert import encoder
+    sym = encoder(layers=2, hidden=32, heads=4, ffn=64, written=False)
+    shapes = {"data": (2, 16, 32)}
+    arg, aux = random_params(sym, shapes)
+    arg = {k: mx.nd.array(v.asnumpy() * (0.2 if k.endswith("weight") else 1)) for k, v in arg.items()}
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    counts = ops(res)
+    assert counts.get("fused_attention") == 2 and counts.get("fused_dense") == 12, res.report.to_text()
+    dense = [n for n in res.graph.op_nodes() if n.op == "fused_dense"]
+    assert all(n.inputs[1].node.name.endswith("_bf16") for n in dense)
+    v = fusion.verify((sym, arg, aux), res, input_shapes=shapes)
+    assert v.max_rel <= BF16_TOL, v
+    fp32 = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+    assert fusion.verify((sym, arg, aux), fp32, input_shapes=shapes).max_rel <= 1e-4
+    assert "precision bf16: 12 weight(s) cast" in res.report.to_text()
+
+
+@needs_bf16
+@pytest.mark.parametrize("act", ["none", "gelu_erf"])
+def test_fused_dense_bf16_head_split_output(act):
+    """out_layout='heads_bhsd': the (M, N) product is written as (B, H, S, D)."""
+    rng = np.random.default_rng(0)
+    B, Sq, K, H, D = 2, 9, 16, 3, 8
+    x = rng.standard_normal((B, Sq, K)).astype(np.float32)
+    w = rng.standard_normal((H * D, K)).astype(np.float32) * 0.3
+    b = rng.standard_normal(H * D).astype(np.float32)
+    sym = S.fused_dense(S.var("x"), S.var("w", dtype=P.BF16), S.var("b"), num_hidden=H * D, flatten=False,
+                        act=act, out_layout="heads_bhsd", heads=H)
+    exe = sym.bind(mx.cpu(), {"x": mx.nd.array(x), "w": mx.nd.array(P.to_bf16(w), dtype=P.BF16),
+                              "b": mx.nd.array(b)}, grad_req="null")
+    z = bf16_round(x) @ bf16_round(w).T + b
+    if act == "gelu_erf":
+        z = 0.5 * z * (1 + np.vectorize(math.erf)(z / math.sqrt(2)))
+    want = z.reshape(B, Sq, H, D).transpose(0, 2, 1, 3)
+    for _ in range(3):      # first call (weight read in place), then prepacked
+        got = exe.forward(is_train=False)[0].asnumpy()
+        assert got.shape == (B, H, Sq, D)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@needs_bf16
+def test_small_bert_bf16_self_check_uses_bf16_tolerance():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from bench_bert import encoder, random_weights
+    sym = encoder(layers=2, hidden=64, heads=4, ffn=128, written=True)
+    arg = {k: mx.nd.array(v) for k, v in random_weights(sym, 16, 64).items()}
+    res = fusion.fuse(sym, arg, {}, input_shapes={"data": (1, 16, 64)}, precision="bf16")
+    stats = res.report.self_check
+    assert stats.checked > 0 and stats.refused == 0, res.report.to_text()
+    assert 1e-4 < stats.worst_rel <= BF16_TOL       # accepted under the bf16 tolerance, not fp32's
+    v = fusion.verify((sym, arg, {}), res, input_shapes={"data": (1, 16, 64)})
+    assert v.max_rel <= BF16_TOL, v
+    assert json.loads(res.report.to_json())["precision"] == "bfloat16"
+
+
+@needs_bf16
+def test_caller_arrays_untouched_and_new_names():
+    sym = _dense_model("relu")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(sym, shapes)
+    before = {k: (v.dtype, v.asnumpy().copy()) for k, v in arg.items()}
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    for k, (dt, val) in before.items():
+        assert arg[k].dtype == dt and (arg[k].asnumpy() == val).all()
+    assert set(res.arg_params) == {"fc_weight_bf16", "fc_bias"}
+    assert res.arg_params["fc_bias"].dtype == np.float32      # epilogue stays float32
+    # inputs and outputs keep their dtype
+    # (the weight declares its dtype in the graph; MXNet's Python API cannot pass bfloat16)
+    assert res.symbol.infer_type(x="float32", fc_bias="float32")[1] == [np.float32]
+
+
+@needs_bf16
+def test_fuse_again_and_save_load_roundtrip(tmp_path):
+    sym = _dense_model("relu")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(sym, shapes)
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    again = fusion.fuse(res.symbol, res.arg_params, res.aux_params, input_shapes=shapes, precision="bf16")
+    assert ops(again) == {"fused_dense": 1} and again.arg_params["fc_weight_bf16"].dtype == P.BF16
+    mx.model.save_checkpoint(str(tmp_path / "m"), 0, res.symbol, res.arg_params, res.aux_params)
+    s2, a2, x2 = fusion.load_model(str(tmp_path / "m"))
+    assert a2["fc_weight_bf16"].dtype == P.BF16
+    x = np.random.default_rng(0).standard_normal(shapes["x"]).astype(np.float32)
+    assert np.array_equal(_run(s2, a2, x2, {"x": x})[0][0], _run(res.symbol, res.arg_params, {}, {"x": x})[0][0])
+
+
+def test_fused_dense_bf16_refuses_other_dtypes_and_backward():
+    x = mx.nd.array(np.ones((4, 8), np.float32))
+    w = mx.nd.array(np.ones((3, 8), np.float32))
+    b = mx.nd.zeros((3,))
+    with pytest.raises(mx.base.MXNetError, match="input 0 must be float32"):
+        mx.nd.fused_dense(mx.nd.amp_cast(x, dtype=P.BF16), w, b, num_hidden=3).asnumpy()
+    with pytest.raises(mx.base.MXNetError, match="weight.*float32 or bfloat16"):
+        mx.nd.fused_dense(x, w.astype("float16"), b, num_hidden=3).asnumpy()
+    wb = mx.nd.amp_cast(w, dtype=P.BF16)
+    sym = S.fused_dense(S.var("x"), S.var("w", dtype=P.BF16), S.var("b"), num_hidden=3)
+    exe = sym.bind(mx.cpu(), {"x": x, "w": wb, "b": b}, args_grad={"x": mx.nd.zeros((4, 8))},
+                   grad_req={"x": "write", "w": "null", "b": "null"})
+    exe.forward(is_train=True)
+    with pytest.raises(mx.base.MXNetError, match="bfloat16 weight has no backward"):
+        exe.backward([mx.nd.ones((4, 3))])
+        mx.nd.waitall()
+
+
+# -- refusals ---------------------------------------------------------------------------------
+
+def test_unknown_precision_refused_with_reason():
+    sym = _dense_model("relu")
+    with pytest.raises(FusionError, match="precision must be float32 or bf16.*not 'fp16'"):
+        fusion.fuse(sym, precision="fp16")
+
+
+def test_bf16_refused_in_training():
+    with pytest.raises(FusionError, match="precision='bf16' is for inference"):
+        fusion.fuse(_dense_model("relu"), mode="training", precision="bf16", force=True)
+
+
+def test_cpu_without_bf16_refused_unless_forced(monkeypatch):
+    monkeypatch.setattr(P, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    sym = _dense_model("relu")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(sym, shapes)
+    with pytest.raises(FusionError, match="no native bfloat16.*avx512_bf16.*force=True"):
+        fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16", force=True)
+    assert res.arg_params["fc_weight_bf16"].dtype == P.BF16
+    assert fusion.verify((sym, arg, aux), res, input_shapes=shapes).max_rel <= BF16_TOL
+    # float32 needs nothing of the CPU
+    assert ops(fusion.fuse(sym, arg, aux, input_shapes=shapes)) == {"fused_dense": 1}
+
+
+def test_onednn_isa_cap_hides_bf16(monkeypatch):
+    monkeypatch.setattr(P, "cpu_flags", lambda: {"avx512_bf16"})
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    assert "ONEDNN_MAX_CPU_ISA=AVX512_CORE" in P.native_bf16_reason()
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert P.native_bf16_reason() is None
+
+
+@needs_bf16
+def test_weight_not_a_known_parameter_stays_float32():
+    sym = _dense_model("relu")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(sym, shapes)
+    arg.pop("fc_weight")        # an input, not a parameter: the policy has nothing to cast once
+    res = fusion.fuse(sym, arg, aux, input_shapes=dict(shapes, fc_weight=(24, 16)), precision="bf16")
+    text = res.report.to_text()
+    if ops(res).get("fused_dense"):
+        assert "stay float32" in text and "'fc_weight' is not a known parameter" in text, text
+        assert all(n.inputs[1].node.name == "fc_weight" for n in res.graph.op_nodes() if n.op == "fused_dense")
+
+
+# -- surfaces ----------------------------------------------------------------------------------
+
+@needs_bf16
+def test_mxfuse_precision_bf16_verify_and_report(tmp_path, capsys):
+    sym = _dense_model("gelu")
+    arg, aux = random_params(sym, {"x": (2, 8, 16)})
+    sym.save(str(tmp_path / "m-symbol.json"))
+    mx.nd.save(str(tmp_path / "m-0000.params"), {"arg:" + k: v for k, v in arg.items()})
+    code, out, err = run_mxfuse(capsys, tmp_path / "m-symbol.json", "--params", tmp_path / "m-0000.params",
+                                "-o", tmp_path / "out", "--shape", "x=2,8,16", "--precision", "bf16", "--verify",
+                                "--report", tmp_path / "r.json")
+    assert code == 0, err
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["precision"] == "bfloat16" and rep["verify"]["rtol"] == BF16_TOL and rep["verify"]["ok"]
+    _, a2, _ = mx.model.load_checkpoint(str(tmp_path / "out"), 0)
+    assert a2["fc_weight_bf16"].dtype == P.BF16
+    # --rtol overrides the bf16 default
+    code, out, err = run_mxfuse(capsys, tmp_path / "m-symbol.json", "--params", tmp_path / "m-0000.params",
+                                "-o", tmp_path / "out2", "--shape", "x=2,8,16", "--precision", "bf16", "--verify",
+                                "--rtol", "1e-7")
+    assert code == 1 and "max rel error" in err and not (tmp_path / "out2-symbol.json").exists()
+
+
+def test_mxfuse_precision_refusals(tmp_path, capsys, monkeypatch):
+    sym = _dense_model("relu")
+    arg, aux = random_params(sym, {"x": (2, 8, 16)})
+    sym.save(str(tmp_path / "m-symbol.json"))
+    mx.nd.save(str(tmp_path / "m-0000.params"), {"arg:" + k: v for k, v in arg.items()})
+    base = [tmp_path / "m-symbol.json", "--params", tmp_path / "m-0000.params", "-o", tmp_path / "o",
+            "--shape", "x=2,8,16"]
+    code, out, err = run_mxfuse(capsys, *base, "--precision", "fp16")
+    assert code == 2 and err.count("\n") == 1 and "precision must be float32 or bf16" in err
+    monkeypatch.setattr(P, "cpu_flags", lambda: {"avx2"})
+    code, out, err = run_mxfuse(capsys, *base, "--precision", "bf16")
+    assert code == 2 and "no native bfloat16" in err and "--force-precision" in err
+    assert not (tmp_path / "o-symbol.json").exists()
+    code, out, err = run_mxfuse(capsys, *base, "--precision", "bf16", "--force-precision", "--verify")
+    assert code == 0, err
+    code, out, err = run_mxfuse(capsys, *base, "--precision", "bf16", "--force-precision", "--unfuse")
+    assert code == 2 and "takes no --unfuse" in err
+
+
+@needs_bf16
+def test_gluon_hybridize_precision_bf16():
+    from mxnet.gluon import nn
+    net = nn.HybridSequential()
+    net.add(nn.Dense(32, activation="relu", flatten=False), nn.Dense(8, flatten=False))
+    net.initialize(mx.init.Normal(0.1))
+    x = mx.nd.random.normal(shape=(2, 8, 16))
+    ref = net(x).asnumpy()
+    net.hybridize(backend="fusion", precision="bf16")
+    y = net(x).asnumpy()
+    assert net.fusion_report.precision == "bfloat16"
+    assert np.abs(y - ref).max() / np.abs(ref).max() <= BF16_TOL
+    assert all(np.dtype(p.dtype) == np.float32 for p in net.collect_params().values())   # the block's own
+
+
+# -- MXNet's AMP ---------------------------------------------------------------------------------
+
+def test_fuse_on_amp_converted_graph_says_so_and_keeps_outputs():
+    from mxnet.contrib import amp
+    # (a FullyConnected reading the model's input directly would make AMP expect a bfloat16 input)
+    sym = S.Activation(S.FullyConnected(S.tanh(S.var("x")), num_hidden=24, flatten=False, name="fc"), act_type="relu")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(sym, shapes)
+    asym, aarg, aaux = amp.convert_model(sym, {k: v.copy() for k, v in arg.items()}, {}, target_dtype="bfloat16",
+                                         cast_optional_params=True)
+    res = fusion.fuse(asym, aarg, aaux, input_shapes=shapes)
+    text = res.report.to_text()
+    assert "converted by MXNet's AMP" in text and "precision='bf16'" in text, text
+    v = fusion.verify((asym, aarg, aaux), res, input_shapes=shapes)
+    assert v.max_rel <= 1e-4, v
+
+
+def test_amp_after_fuse_refused_with_reason():
+    from mxnet.contrib import amp
+    sym = _dense_model("relu")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(sym, shapes)
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+    with pytest.raises(FusionError, match="AMP cannot convert a fused graph.*fused_dense.*AMP first"):
+        amp.convert_model(res.symbol, dict(res.arg_params), {}, target_dtype="bfloat16", cast_optional_params=True)
+    with pytest.raises(FusionError, match="AMP cannot convert a fused graph"):
+        mx.contrib.amp.convert_symbol(res.symbol, target_dtype="bfloat16")
+    amp.convert_symbol(sym, target_dtype="bfloat16")      # unfused graphs convert as before
+
+
+@needs_bf16
+def test_unfuse_bf16_model_gives_stock_ops_with_the_bf16_weights():
+    sym = _dense_model("gelu")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(sym, shapes)
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    plain = fusion.unfuse(res.symbol, shapes, res.arg_params, res.aux_params)
+    assert not any(op.startswith("fused_") for op in ops(plain)) and ops(plain).get("amp_cast") == 1
+    v = fusion.verify((sym, arg, aux), (plain, res.arg_params, res.aux_params), input_shapes=shapes)
+    assert v.max_rel <= BF16_TOL, v
+
+
+@needs_bf16
+def test_shared_weight_cast_once():
+    """Layers sharing a weight (ALBERT) share its bfloat16 copy too."""
+    w, b = S.var("w"), S.var("b")
+    h = S.Activation(S.FullyConnected(S.var("x"), w, b, num_hidden=16, flatten=False, name="fc1"), act_type="relu")
+    y = S.FullyConnected(h, w, b, num_hidden=16, flatten=False, name="fc2")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(y, shapes)
+    res = fusion.fuse(y, arg, aux, input_shapes=shapes, precision="bf16")
+    assert ops(res) == {"fused_dense": 2}, res.report.to_text()
+    assert sorted(res.arg_params) == ["b", "w_bf16"]
+    assert fusion.verify((y, arg, aux), res, input_shapes=shapes).max_rel <= BF16_TOL
