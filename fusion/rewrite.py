@@ -658,8 +658,12 @@ def _training_reason(m: Match, b: "Builder", mapping: Dict[Entry, Entry], ctx: "
         if any(id(e.node) in ctx.memo[key] for e in mapping):
             return ("its result gets no gradient (what reads it ends in BlockGrad or the like): MXNet skips "
                     "the backward of what it replaces, a library op's would run (0 · NaN is NaN)")
-        quiet = next((e for e in m.external_inputs() if not e.node.is_variable and id(e.node) in ctx.memo[key]),
-                     None)
+        from .workarounds import ZERO_GRADIENT
+        # what a library op reads and MXNet gives no gradient: harmless where its backward gives
+        # zeros anyway (a comparison, positions) or there is none (a variable)
+        quiet = next((e for n in b.created if n.op.startswith("fused_") for e in n.inputs
+                      if not e.node.is_variable and e.node.op not in ZERO_GRADIENT
+                      and id(e.node) in ctx.memo[key]), None)
         if quiet is not None:
             return ("%s '%s' gets no gradient (what reads it ends in a comparison, BlockGrad or the like): "
                     "MXNet skips its backward; the library op's backward would hand it zeros and run it "
