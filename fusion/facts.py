@@ -136,21 +136,29 @@ def infer(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[st
             known_t["__n%d" % i] = dtypes[name]
     if missing and (complete or view.has_library_ops):
         return {}, {}
-    try:
-        _, out_shapes, _ = view.internals.infer_shape_partial(**known)
-    except Exception:       # an op without shape inference, or shapes that do not fit: no facts
-        return {}, {}
     entries = view.entries
-    result: Dict[Entry, Shape] = {}
-    for e, s in zip(entries, out_shapes):
-        if s and 0 not in s:        # MXNet reports an unknown shape as () (and unknown dims as 0)
-            result[e] = tuple(s)
+    if view.has_library_ops:
+        staged = _infer_staged(graph, shapes, dtypes)
+        if staged is None:
+            return {}, {}
+        result, staged_types = staged
+    else:
+        try:
+            _, out_shapes, _ = view.internals.infer_shape_partial(**known)
+        except Exception:       # an op without shape inference, or shapes that do not fit: no facts
+            return {}, {}
+        result = {}
+        for e, s in zip(entries, out_shapes):
+            if s and 0 not in s:        # MXNet reports an unknown shape as () (and unknown dims as 0)
+                result[e] = tuple(s)
     if complete and (len(result) < len(entries) or any(
             e.node.is_variable and e.node.name in shapes and result[e] != tuple(shapes[e.node.name])
             for e in result) or not _sizes_kept(result)):
         return {}, {}       # partial inference does not report shapes that contradict the given ones
     types: Dict[Entry, str] = {}
-    if dtypes is not None:
+    if dtypes is not None and view.has_library_ops:
+        types = staged_types
+    elif dtypes is not None:
         try:
             _, out_types, _ = view.internals.infer_type_partial(**known_t)
             for e, t in zip(entries, out_types):
@@ -158,6 +166,50 @@ def infer(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[st
                     types[e] = dtype_name(t)
         except Exception:   # a dtype MXNet cannot infer: leave dtypes unknown
             types = {}
+    return result, types
+
+
+def _infer_staged(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[str, str]]
+                  ) -> Optional[Tuple[Dict[Entry, Shape], Dict[Entry, str]]]:
+    """``infer`` of a graph holding library ops, in stages: the stock ops before a library op, then
+    the library op alone once each input's shape is known.  MXNet 1.9.1's wrapper around a library
+    op's shape function overruns a buffer (SIGSEGV, or bad_alloc) when an input's shape is
+    unknown, which a stock op may leave so without an error (a where of branches of two shapes).
+    None when some value cannot be inferred: no facts."""
+    result: Dict[Entry, Shape] = {}
+    types: Dict[Entry, str] = {}
+    variable_dtypes = dict(dtypes or {})
+    batch: List[Node] = []
+
+    def run(nodes: List[Node]) -> bool:
+        if not nodes:
+            return True
+        got = infer_nodes(nodes, result, types if dtypes is not None else None, shapes,
+                          variable_dtypes if dtypes is not None else None)
+        if got is None:
+            return False
+        result.update(got[0])
+        types.update(got[1])
+        for nd in nodes:
+            if nd.is_variable:
+                result[Entry(nd, 0)] = tuple(shapes[nd.name])
+                if nd.name in variable_dtypes:
+                    types[Entry(nd, 0)] = variable_dtypes[nd.name]
+        return True
+
+    for nd in graph.nodes:
+        if not nd.op.startswith("fused_"):
+            batch.append(nd)
+            continue
+        if not run(batch):
+            return None
+        batch = []
+        if any(e not in result for e in nd.inputs) or not _sizes_kept(result):
+            return None         # an input of unknown shape would crash MXNet's wrapper
+        if not run([nd]):
+            return None
+    if not run(batch):
+        return None
     return result, types
 
 

@@ -1,5 +1,6 @@
 """A fused model binds and runs like the original at every input shape the original accepts,
 not only at the shapes it was fused at (probe shapes in fusion/facts.py, checked per rewrite)."""
+import json
 import math
 
 import mxnet as mx
@@ -292,3 +293,23 @@ def test_probe_sizes_never_shrink(tmp_path):
             "print('ok')\n" % root)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+
+
+def test_library_op_never_gets_an_unknown_shape_from_inference():
+    """MXNet 1.9.1's wrapper around a library op's shape function overruns a buffer (SIGSEGV) when an
+    input's shape is unknown, and a where of branches of two shapes leaves its output unknown
+    without an error.  Facts of a graph holding library ops are inferred in stages, each library
+    op only once its inputs are known: here no facts, and no crash (a probe of unfuse met this)."""
+    from fusion.facts import infer
+    from fusion.graph import Graph
+
+    c, x, y, b = (mx.sym.var(n) for n in "cxyb")
+    sym = mx.sym.fused_elemwise(mx.sym.softsign(mx.sym.where(c, x / 3, y)), b, expr="ge(exp(x0), x1)",
+                                num_args=2)
+    graph = Graph.from_symbol(sym)
+    assert infer(graph, {"c": (2,), "x": (9,), "y": (2,), "b": (2,)}) == ({}, {})
+    shapes, _ = infer(graph, {"c": (2,), "x": (2,), "y": (2,), "b": (2,)}, {"c": "float32", "x": "float32",
+                                                                       "y": "float32", "b": "float32"})
+    assert shapes[graph.heads[0]] == (2,)
+    plain = fusion.unfuse(sym, {"c": (2,), "x": (2,), "y": (2,), "b": (2,)})
+    assert not any(n["op"].startswith("fused_") for n in json.loads(plain.tojson())["nodes"])
