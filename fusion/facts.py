@@ -180,12 +180,17 @@ def _infer_staged(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Ma
     types: Dict[Entry, str] = {}
     variable_dtypes = dict(dtypes or {})
     batch: List[Node] = []
+    with_types = [dtypes is not None]
 
     def run(nodes: List[Node]) -> bool:
         if not nodes:
             return True
-        got = infer_nodes(nodes, result, types if dtypes is not None else None, shapes,
-                          variable_dtypes if dtypes is not None else None)
+        got = infer_nodes(nodes, result, types if with_types[0] else None, shapes,
+                          variable_dtypes if with_types[0] else None)
+        if got is None and with_types[0]:     # dtypes MXNet cannot infer here: shapes without them
+            with_types[0] = False
+            types.clear()
+            got = infer_nodes(nodes, result, None, shapes, None)
         if got is None:
             return False
         result.update(got[0])
@@ -193,7 +198,7 @@ def _infer_staged(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Ma
         for nd in nodes:
             if nd.is_variable:
                 result[Entry(nd, 0)] = tuple(shapes[nd.name])
-                if nd.name in variable_dtypes:
+                if with_types[0] and nd.name in variable_dtypes:
                     types[Entry(nd, 0)] = variable_dtypes[nd.name]
         return True
 
@@ -210,7 +215,7 @@ def _infer_staged(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Ma
             return None
     if not run(batch):
         return None
-    return result, types
+    return result, (types if with_types[0] else {})
 
 
 def infer_dtypes(graph: Graph, dtypes: Mapping[str, str]) -> Dict[Entry, str]:

@@ -1457,6 +1457,15 @@ def _common_subexpressions(model):
     return model
 
 
+def _use_counts(g) -> Dict[str, int]:
+    """How many node inputs of ONNX graph ``g`` read each value."""
+    uses: Dict[str, int] = {}
+    for n in g.node:
+        for x in n.input:
+            uses[x] = uses.get(x, 0) + 1
+    return uses
+
+
 def _expand_into_constant(model, known: Mapping[str, List[int]]):
     """Expand(x·c, shape) with c one constant value and x·c used only there: x·C with C = c broadcast to
     the dims the Expand adds (each element is the same x·c; the Expand node goes)."""
@@ -1464,10 +1473,7 @@ def _expand_into_constant(model, known: Mapping[str, List[int]]):
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     producer = {o: n for n in g.node for o in n.output if o}
-    uses: Dict[str, int] = {}
-    for n in g.node:
-        for x in n.input:
-            uses[x] = uses.get(x, 0) + 1
+    uses = _use_counts(g)
     outs = {o.name for o in g.output}
     drop = []
     for n in g.node:
@@ -1513,10 +1519,7 @@ def _embed_layer_norm(model):
     inits = {t.name: t for t in g.initializer}
     inputs = {i.name: i for i in g.input}
     producer = {o: n for n in g.node for o in n.output if o}
-    uses: Dict[str, int] = {}
-    for n in g.node:
-        for x in n.input:
-            uses[x] = uses.get(x, 0) + 1
+    uses = _use_counts(g)
     outs = {o.name for o in g.output}
     for ln in g.node:
         if ln.op_type == "LayerNormalization" and ln.domain in ("", "ai.onnx") and len(ln.output) == 1 and \

@@ -35,7 +35,14 @@ def zoo_model(name: str, input_shape: Tuple[int, ...] = (1, 3, 224, 224), seed: 
     from mxnet.gluon.model_zoo import vision
 
     mx.random.seed(seed)
-    net = vision.get_model(name, **kwargs)
+    return gluon_export(vision.get_model(name, **kwargs), input_shape, seed)
+
+
+def gluon_export(net, input_shape: Tuple[int, ...], seed: int = 0):
+    """(symbol, arg_params, aux_params) of a Gluon block (the global MXNet seed set by the caller):
+    Xavier weights, randomized BatchNorm statistics."""
+    import mxnet as mx
+
     net.initialize(mx.init.Xavier(magnitude=2.0))
     net.hybridize()
     net(mx.nd.zeros(input_shape))

@@ -281,18 +281,10 @@ def export(net, input_shape: Tuple[int, ...], seed: int = 0):
     """(symbol, arg_params, aux_params) of a Gluon block: random weights, randomized BatchNorm statistics."""
     import mxnet as mx
 
-    from .testing import randomize_batchnorm
+    from .testing import gluon_export
 
     mx.random.seed(seed)
-    net.initialize(mx.init.Xavier(magnitude=2.0))
-    net.hybridize()
-    net(mx.nd.zeros(input_shape))
-    sym = net._cached_graph[1]
-    params = {p.var().name: p.data() for p in net.collect_params().values()}
-    aux_names = set(sym.list_auxiliary_states())
-    arg = {k: v for k, v in params.items() if k not in aux_names}
-    aux = {k: v for k, v in params.items() if k in aux_names}
-    randomize_batchnorm(arg, aux, seed)
+    sym, arg, aux = gluon_export(net, input_shape, seed)
     rng = np.random.default_rng(seed + 1)
     for name in sorted(arg):        # biases too (Gluon starts them at zero)
         if name.endswith("_bias"):
