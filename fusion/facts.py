@@ -101,9 +101,10 @@ def misread(op: str, ins: Sequence[Optional[Shape]], out: Optional[Shape]) -> bo
     return False
 
 
-def _sizes_kept(shapes: Mapping[Entry, Shape]) -> bool:
-    """Whether MXNet runs every op as the shapes say (see ``misread``)."""
-    for e, out in shapes.items():
+def _sizes_kept(shapes: Mapping[Entry, Shape], among: Optional[Mapping[Entry, Shape]] = None) -> bool:
+    """Whether MXNet runs every op as the shapes say (see ``misread``); only the values ``among``
+    when given (their inputs' shapes read from ``shapes``)."""
+    for e, out in (shapes if among is None else among).items():
         nd = e.node
         if (nd.op in _SIZE_KEEPING or nd.op == "where") and nd.inputs and \
                 misread(nd.op, [shapes.get(i) for i in nd.inputs], out):
@@ -182,7 +183,7 @@ def _infer_staged(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Ma
     batch: List[Node] = []
     with_types = [dtypes is not None]
 
-    def run(nodes: List[Node]) -> bool:
+    def run(nodes: List[Node], before_library_op: bool = False) -> bool:
         if not nodes:
             return True
         got = infer_nodes(nodes, result, types if with_types[0] else None, shapes,
@@ -194,6 +195,8 @@ def _infer_staged(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Ma
         if got is None:
             return False
         result.update(got[0])
+        if before_library_op and not _sizes_kept(result, got[0]):
+            return False        # a library op would read values MXNet does not compute as inferred
         types.update(got[1])
         for nd in nodes:
             if nd.is_variable:
@@ -206,10 +209,10 @@ def _infer_staged(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Ma
         if not nd.op.startswith("fused_"):
             batch.append(nd)
             continue
-        if not run(batch):
+        if not run(batch, before_library_op=True):
             return None
         batch = []
-        if any(e not in result for e in nd.inputs) or not _sizes_kept(result):
+        if any(e not in result for e in nd.inputs):
             return None         # an input of unknown shape would crash MXNet's wrapper
         if not run([nd]):
             return None

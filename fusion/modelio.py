@@ -18,6 +18,7 @@ import numpy as np
 
 from .errors import FusionError, GraphError, ParamsError
 from .graph import Graph, _first_line, symbol_json
+from .precision import dtype_name
 from .publish import TEMP_PREFIX, publish  # noqa: F401  (TEMP_PREFIX: batch.py reads it here)
 
 
@@ -164,24 +165,6 @@ PARAM_DTYPES = ("float32", "float64", "float16", "uint8", "int8", "int32", "int6
 
 def _numpy(value: Any) -> np.ndarray:
     return value.asnumpy() if hasattr(value, "asnumpy") else np.asarray(value)
-
-
-_DTYPE_NAMES: Dict[Any, str] = {}
-
-
-def dtype_name(dtype: Any) -> str:
-    """``fusion.precision.dtype_name`` (NumPy's name; MXNet's bfloat16 named so), remembered: it is
-    slow, and asked once per parameter."""
-    try:
-        return _DTYPE_NAMES[dtype]
-    except (KeyError, TypeError):
-        from .precision import dtype_name as name_of
-        name = name_of(dtype)
-        try:
-            _DTYPE_NAMES[dtype] = name
-        except TypeError:
-            pass
-        return name
 
 
 class _FiniteCheck:

@@ -29,9 +29,9 @@ from .attrs import Attrs
 from .errors import FusionError
 from .graph import Entry, Graph, Node
 from .matcher import Match, Trace, _State, match_pattern
-from .modelio import PARAM_DTYPES, dtype_name
+from .modelio import PARAM_DTYPES
 from .pattern import required_ops
-from .precision import FLOAT32, BF16_CODE, cast_slots, is_bf16, to_bf16
+from .precision import FLOAT32, BF16_CODE, cast_slots, dtype_name, is_bf16, to_bf16
 from .report import FusionReport
 from .selfcheck import Candidate, SelfCheck
 
@@ -378,7 +378,7 @@ class Builder:
             raise FusionError("it would add parameter '%s'; in training every parameter must stay the one "
                               "the optimizer updates" % name)
         value = np.ascontiguousarray(value)
-        if dtype_name(value.dtype) not in PARAM_DTYPES and not is_bf16(value.dtype):
+        if dtype_name(value.dtype) not in PARAM_DTYPES:
             raise FusionError("it would add parameter '%s' of dtype %s, which MXNet has no arrays of"
                               % (name, value.dtype.name))
         unique = self.ctx.unique_name(name)

@@ -114,8 +114,8 @@ ZERO_GRADIENT = frozenset({
 
 def zero_gradient(graph: Graph) -> set:
     """Ids of the nodes whose outputs get only zero gradients: read by nothing but ops of
-    ``ZERO_GRADIENT``, as a where's condition, or by such nodes, and no graph output.  MXNet's gradient pass gives them
-    zeros without running their backward; a library op there would run its own, where a
+    ``ZERO_GRADIENT``, as a where's condition, or by such nodes, and no graph output.  MXNet's
+    gradient pass gives them zeros without running their backward; a library op there would run its own, where a
     gradient of 0 still meets a NaN or inf (0 · NaN is NaN)."""
     users = graph.consumers()
     heads = {id(e.node) for e in graph.heads}
