@@ -27,8 +27,8 @@ from .graph import Entry, Graph, Node
 
 # (layer op) -> ops MXNet 1.9.1's oneDNN backend fuses after it (measured with the pip wheel).
 FUSED_AFTER: Dict[str, frozenset] = {
-    "FullyConnected": frozenset({"Activation", "LeakyReLU", "square", "sqrt", "exp", "abs"}),
-    "Convolution": frozenset({"Activation", "LeakyReLU", "elemwise_add", "BatchNorm"}),
+    "FullyConnected": frozenset({"Activation", "LeakyReLU", "square", "sqrt", "exp", "abs", "clip"}),
+    "Convolution": frozenset({"Activation", "LeakyReLU", "clip", "elemwise_add", "BatchNorm"}),
 }
 
 
