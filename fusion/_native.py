@@ -331,6 +331,12 @@ def capabilities():
     return _capabilities
 
 
+def built_with_gpu():
+    """Whether the loaded op library has its "gpu" registrations (built where nvcc was)."""
+    import ctypes
+    return bool(ctypes.CDLL(load()).mxf_built_with_cuda())
+
+
 def load_cuda():
     """ctypes handle on the CUDA C-interface library (for tests/benchmarks)."""
     import ctypes

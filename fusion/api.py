@@ -16,6 +16,7 @@ from .selfcheck import SelfCheck
 from .workarounds import guard_layer_outputs, strip_guards
 
 MODES = ("inference", "training")
+DEVICES = ("cpu", "gpu")
 
 
 @dataclass
@@ -106,7 +107,7 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
          aux_params: Optional[Mapping[str, Any]] = None, *, rules: Optional[Iterable[Any]] = None,
          mode: str = "inference", input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
          input_dtypes: Optional[Mapping[str, Any]] = None, self_check: bool = True,
-         precision: str = "float32", force: bool = False) -> FusionResult:
+         precision: str = "float32", force: bool = False, device: str = "cpu") -> FusionResult:
     """Fuse ``symbol`` with ``rules`` (default: the whole rule library) and return a FusionResult.
 
     ``arg_params``/``aux_params`` map names to NDArrays (or NumPy arrays); they
@@ -135,13 +136,30 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     everything else float32 as ``fusion/precision.py``'s policy says; the self-check then
     accepts the bfloat16 tolerance against the float32 original.  Refused (FusionError, with
     the reason) on a CPU without native bfloat16 unless ``force=True``.
+
+    ``device`` ("cpu" or "gpu"): where the fused graph will run.  A library op is emitted only
+    if the loaded op library implements it on that device (its capability query; in training,
+    its backward too): other candidates are refused with that reason.  On "gpu" the choices
+    that only serve MXNet's CPU (oneDNN) backend -- leaving convolution tails and BatchNorm
+    after a Concat to it -- do not apply.  The self-check still runs on the CPU.
     """
     if mode not in MODES:
         raise ValueError("mode must be one of %s, not %r" % (", ".join(MODES), mode))
+    device = check_device(device)
     from .precision import resolve
     precision = resolve(precision, force, mode)
     return _fuse_gc_off(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
-                        precision=precision)
+                        precision=precision, device=device)
+
+
+def check_device(device: Any) -> str:
+    """``device`` as fuse() takes it ("cpu" or "gpu"; an mx.Context's device type works too)."""
+    name = getattr(device, "device_type", device)
+    if name == "cpu_pinned":
+        name = "cpu"
+    if name not in DEVICES:
+        raise ValueError("device must be one of %s, not %r" % (", ".join(DEVICES), device))
+    return name
 
 
 def _fuse_gc_off(*args, **kwargs) -> FusionResult:
@@ -157,7 +175,7 @@ def _fuse_gc_off(*args, **kwargs) -> FusionResult:
 
 
 def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
-          copy_params: bool = True, precision: str = "float32") -> FusionResult:
+          copy_params: bool = True, precision: str = "float32", device: str = "cpu") -> FusionResult:
     """``fuse`` itself; ``copy_params=False`` returns the caller's arrays themselves (the backend,
     which hands only the new ones on)."""
     from .modelio import check_param_values
@@ -170,10 +188,11 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
         check_param_values(graph, None, arg_params or {}, aux_params or {}, input_dtypes)
     report = FusionReport(mode=mode)
     report.precision = precision
+    report.device = device
     graph.compact()
     report.nodes_before, report.ops_before = len(graph.nodes), len(graph.op_nodes())
     strip_guards(graph)
-    ctx = Context(graph, arg_params or {}, aux_params or {}, mode, input_shapes, input_dtypes, precision)
+    ctx = Context(graph, arg_params or {}, aux_params or {}, mode, input_shapes, input_dtypes, precision, device)
     checker = SelfCheck(ctx, enabled=self_check)
     run_rules(graph, rule_list, ctx, report, checker)
     report.self_check = checker.stats if self_check else None
