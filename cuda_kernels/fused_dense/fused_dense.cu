@@ -7,12 +7,28 @@
 // or for gelu from the pre-activation recomputed by cuBLASLt), dx = dz W and dW = dz^T x on
 // cuBLASLt, dbias in the dW product's CUBLASLT_EPILOGUE_BGRADB (or a column reduction where
 // cuBLASLt offers no algorithm for it, or where it is added to).
+#include "cuda_common.cuh"
+#include "fused_dense.h"
+
+#if !__has_include(<cublasLt.h>)
+// Built without cuBLAS headers (pass the nvidia-cublas wheel's include folder, see
+// cuda_iface.cublas_flags()): every dense entry point answers MXF_ERR_UNSUPPORTED.
+extern "C" size_t mxf_cublaslt_version(void) { return 0; }
+extern "C" size_t mxf_dense_forward_workspace_size(int, int64_t, int64_t, int64_t, int, int64_t) { return 0; }
+extern "C" int mxf_dense_forward(int, const void*, const void*, const void*, void*, int64_t, int64_t, int64_t,
+                                 int, float, int64_t, int64_t, void*, size_t, void*) {
+  return MXF_ERR_UNSUPPORTED;
+}
+extern "C" size_t mxf_dense_backward_workspace_size(int, int64_t, int64_t, int64_t, int, int64_t) { return 0; }
+extern "C" int mxf_dense_backward(int, const void*, const void*, const void*, const void*, const void*, void*,
+                                  void*, void*, int, int, int, int64_t, int64_t, int64_t, int, float, int64_t,
+                                  int64_t, void*, size_t, void*) {
+  return MXF_ERR_UNSUPPORTED;
+}
+#else
 #include <cublasLt.h>
 
 #include <mutex>
-
-#include "cuda_common.cuh"
-#include "fused_dense.h"
 
 namespace {
 
@@ -432,3 +448,4 @@ extern "C" int mxf_dense_backward(int dtype, const void* dy, const void* x, cons
   }
   return 0;
 }
+#endif  // __has_include(<cublasLt.h>)
