@@ -594,16 +594,17 @@ template <typename T>
 __global__ void attention_delta_kernel(const mxf_attention_args a, const T* __restrict__ dout,
                                        float* __restrict__ delta) {
   const int lane = threadIdx.x & 31;
-  const int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (row >= a.B * a.H * a.Sq) return;
-  const int64_t n = row / a.Sq, i = row % a.Sq, b = n / a.H, h = n % a.H;
-  const int64_t off = b * a.o_bs + h * a.o_hs + i * a.o_rs;
-  const T* O = static_cast<const T*>(a.o) + off;
-  const T* dO = dout + off;
-  float s = 0.f;
-  for (int64_t d = lane; d < a.Dv; d += 32) s += to_f(dO[d]) * to_f(O[d]);
-  s = mxf_cuda::warp_sum(s);
-  if (lane == 0) delta[row] = s;
+  const int64_t rows = a.B * a.H * a.Sq, wpb = blockDim.x >> 5;
+  for (int64_t row = blockIdx.x * wpb + (threadIdx.x >> 5); row < rows; row += gridDim.x * wpb) {
+    const int64_t n = row / a.Sq, i = row % a.Sq, b = n / a.H, h = n % a.H;
+    const int64_t off = b * a.o_bs + h * a.o_hs + i * a.o_rs;
+    const T* O = static_cast<const T*>(a.o) + off;
+    const T* dO = dout + off;
+    float s = 0.f;
+    for (int64_t d = lane; d < a.Dv; d += 32) s += to_f(dO[d]) * to_f(O[d]);
+    s = mxf_cuda::warp_sum(s);
+    if (lane == 0) delta[row] = s;
+  }
 }
 
 struct BwdParams {
