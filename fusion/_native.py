@@ -2,10 +2,10 @@
 
 The op library is compiled from ``cuda_kernels/*/*.cc`` plus MXNet's ``lib_api.cc``
 and loaded with ``mx.library.load``; it registers the ``fused_*`` operators.  When
-``nvcc`` is found (and ``MXFUSION_NO_CUDA=1`` is not set), ``build()`` also compiles
-``cuda_kernels/*/*.cu`` into ``fusion/_lib/libmxfusion_cuda.so`` -- a plain C interface
-(device pointers + ``cudaStream_t``) with the CUDA runtime linked statically -- and builds
-the op library with its MXNet "gpu" registrations (``cuda_kernels/common/gpu_glue.cu``,
+``nvcc`` is found (and ``MXFUSION_NO_CUDA=1`` is not set), ``build()`` also puts the CUDA
+kernels' library beside it, ``fusion/_lib/libmxfusion_cuda.so`` (``cuda_kernels/cuda_iface.py``
+builds it: a plain C interface, CUDA runtime static, cuBLASLt dynamic), and builds the op
+library with its MXNet "gpu" registrations (``cuda_kernels/common/mxnet_gpu/gpu_glue.cu``,
 compiled by nvcc against MXNet's ``lib_api.h``), which open the CUDA library on their
 first call.  Loading the op library needs no CUDA library either way.
 ``capabilities()`` asks the loaded library which devices each op runs on.
@@ -49,7 +49,8 @@ NVCCFLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-cudart", "static",
              "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
 # The op library's MXNet "gpu" registrations: compiled by nvcc (lib_api.h types the CUDA stream
 # as cudaStream_t there), linked with the op library; not part of the CUDA C-interface library.
-GPU_GLUE = os.path.join("common", "gpu_glue.cu")
+# (one folder down, out of the kernels' */*.cu, which cuda_iface.py compiles without MXNet's headers)
+GPU_GLUE = os.path.join("common", "mxnet_gpu", "gpu_glue.cu")
 GPU_DEFINE = "-DMXF_WITH_CUDA=1"
 
 _loaded = None
@@ -83,8 +84,8 @@ def gpu_enabled():
 
 
 def _sources(cuda, gpu=False):
-    """(sources, headers) of the CUDA C-interface library (``cuda``), or of the op library
-    (with its "gpu" registrations when ``gpu``)."""
+    """(sources, headers) of the CUDA kernels (``cuda``; cuda_iface.py builds them), or of the op
+    library (with its "gpu" registrations when ``gpu``)."""
     glue = os.path.join(KERNEL_DIR, GPU_GLUE)
     pats = ["*/*.cu"] if cuda else ["*/*.cc"]
     srcs = sorted(f for p in pats for f in glob.glob(os.path.join(KERNEL_DIR, p)) if f != glue)
@@ -100,8 +101,11 @@ def _sources(cuda, gpu=False):
 def source_hash(cuda=False, gpu=None):
     """Hash of every kernel source, header and compile flag for one library (the op library
     with its "gpu" registrations when ``gpu``; default: as a build here makes it)."""
+    if cuda:    # the CUDA library is cuda_iface.py's build (one compile for it and its tests)
+        iface = _cuda_iface()
+        return iface._hash(iface.ARCHS)
     if gpu is None:
-        gpu = not cuda and gpu_enabled()
+        gpu = gpu_enabled()
     srcs, deps = _sources(cuda, gpu)
     h = hashlib.sha256()
     h.update(" ".join(NVCCFLAGS if cuda else CXXFLAGS + LIB_API_FLAGS + [LIB_API_BF16_CASE]).encode())
@@ -159,45 +163,54 @@ def _build_one(cuda, lib_dir, verbose, jobs, gpu=False):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _compile(cuda, lib, verbose, jobs, gpu=False):
-    # the CUDA library uses no MXNet header, so it builds where MXNet is not installed
-    mxdir = None if cuda else _mxnet_dir()
-    inc = (["-I" + os.path.join(mxdir, "include")] if mxdir else []) + [
-        "-I" + KERNEL_DIR, "-I" + os.path.join(KERNEL_DIR, "common")]
-    srcs, _ = _sources(cuda, gpu)
-    tag = "cuda" if cuda else ("gpu" if gpu else "cpu")
-    objdir = os.path.join(_REPO_DIR, "build", "mxfusion_" + tag)
+def _cuda_iface():
+    """cuda_kernels/cuda_iface.py: the CUDA kernels' own build (nvcc, cuBLASLt flags) and ctypes mirror."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mxfusion_cuda_iface", os.path.join(KERNEL_DIR, "cuda_iface.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _copy_cuda_library(lib, jobs):
+    """The CUDA library as cuda_iface.build() makes it (cached in build/), copied beside the op library."""
+    iface = _cuda_iface()
+    built = iface.build(jobs=jobs)
     tmp = "%s.%d.tmp" % (lib, os.getpid())
-    digest = source_hash(cuda, gpu)  # of the sources as they were when the compile started
-    os.makedirs(objdir, exist_ok=True)
+    shutil.copy2(built, tmp)
+    with open(tmp + ".sha256", "w") as fh:
+        fh.write(iface._hash(iface.ARCHS) + "\n")
+    os.replace(tmp, lib)
+    os.replace(tmp + ".sha256", _hash_file(lib))
+    return lib
+
+
+def _compile(cuda, lib, verbose, jobs, gpu=False):
     if cuda:
-        nvcc = nvcc_path()
-        cmds, objs = [], []
-        for s in srcs:
-            o = os.path.join(objdir, os.path.basename(os.path.dirname(s)) + "_" +
-                             os.path.basename(s) + ".o")
-            cmds.append([nvcc] + NVCCFLAGS + inc + ["-x", "cu" if s.endswith(".cu") else "c++",
-                                                     "-c", s, "-o", o])
-            objs.append(o)
-        link = [nvcc] + NVCCFLAGS + ["-shared", "-o", tmp] + objs
-    else:
-        srcs = srcs + [_lib_api_source(mxdir, objdir)]
-        cmds, objs = [], []
-        for s in srcs:
-            o = os.path.join(objdir, os.path.basename(os.path.dirname(s)) + "_" +
-                             os.path.basename(s) + ".o")
-            if s.endswith(".cu"):   # the "gpu" registrations: nvcc, host code against lib_api.h
-                cmds.append([nvcc_path()] + NVCCFLAGS + [GPU_DEFINE] + inc + _curand_include(objdir)
-                            + ["-x", "cu", "-c", s, "-o", o])
-            else:
-                cmds.append(["g++"] + CXXFLAGS + (LIB_API_FLAGS if s.endswith("lib_api.cc") else [])
-                            + ([GPU_DEFINE] if gpu else []) + inc + ["-c", s, "-o", o])
-            objs.append(o)
-        if gpu:   # nvcc links the CUDA runtime statically (it opens libcuda itself, on first use)
-            link = [nvcc_path()] + NVCCFLAGS + ["-shared", "-Xcompiler", "-fopenmp", "-o", tmp] + objs + [
-                "-lgomp", "-ldl"]
+        return _copy_cuda_library(lib, jobs)
+    mxdir = _mxnet_dir()
+    inc = ["-I" + os.path.join(mxdir, "include"), "-I" + KERNEL_DIR, "-I" + os.path.join(KERNEL_DIR, "common")]
+    srcs, _ = _sources(False, gpu)
+    objdir = os.path.join(_REPO_DIR, "build", "mxfusion_" + ("gpu" if gpu else "cpu"))
+    tmp = "%s.%d.tmp" % (lib, os.getpid())
+    digest = source_hash(False, gpu)  # of the sources as they were when the compile started
+    os.makedirs(objdir, exist_ok=True)
+    srcs = srcs + [_lib_api_source(mxdir, objdir)]
+    cmds, objs = [], []
+    for s in srcs:
+        o = os.path.join(objdir, os.path.basename(os.path.dirname(s)) + "_" + os.path.basename(s) + ".o")
+        if s.endswith(".cu"):   # the "gpu" registrations: nvcc, host code against lib_api.h
+            cmds.append([nvcc_path()] + NVCCFLAGS + [GPU_DEFINE] + inc + _curand_include(objdir)
+                        + ["-x", "cu", "-c", s, "-o", o])
         else:
-            link = ["g++", "-shared", "-fopenmp", "-o", tmp] + objs + ["-ldl"]
+            cmds.append(["g++"] + CXXFLAGS + (LIB_API_FLAGS if s.endswith("lib_api.cc") else [])
+                        + ([GPU_DEFINE] if gpu else []) + inc + ["-c", s, "-o", o])
+        objs.append(o)
+    if gpu:   # nvcc links the CUDA runtime statically (it opens libcuda itself, on first use)
+        link = [nvcc_path()] + NVCCFLAGS + ["-shared", "-Xcompiler", "-fopenmp", "-o", tmp] + objs + [
+            "-lgomp", "-ldl"]
+    else:
+        link = ["g++", "-shared", "-fopenmp", "-o", tmp] + objs + ["-ldl"]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as ex:
         list(ex.map(lambda c: _run(c, verbose), cmds))
     _run(link, verbose)
@@ -253,7 +266,7 @@ def _lib_api_source(mxdir, objdir):
 
 
 def build(verbose=False, cuda=None, lib_dir=None, jobs=None, cpu=True, gpu=None):
-    """Compile the op library (and the CUDA one when nvcc exists, or cuda=True).
+    """Compile the op library (and the CUDA one when nvcc and cuBLASLt exist, or cuda=True).
 
     Skips a library whose stored source hash is current.  Returns the paths built.
     ``cpu=False`` builds only the CUDA library, which needs no MXNet (GPU machines
@@ -265,8 +278,8 @@ def build(verbose=False, cuda=None, lib_dir=None, jobs=None, cpu=True, gpu=None)
     if gpu is None:
         gpu = gpu_enabled()
     out = [_build_one(False, lib_dir, verbose, jobs, gpu)] if cpu else []
-    if cuda is None:
-        cuda = gpu_enabled()
+    if cuda is None:    # the kernels need cuBLASLt too (the nvidia-cublas wheel); the op library does not
+        cuda = gpu_enabled() and _cuda_iface().cublas_dirs() is not None
     if cuda:
         out.append(_build_one(True, lib_dir, verbose, jobs))
     return out

@@ -16,7 +16,7 @@
 namespace {
 
 // Stateful ops' backward: the CPU states of this library all have one (fused_dense);
-// a GPU state says so itself (gpu_glue.cu).
+// a GPU state says so itself (mxnet_gpu/gpu_glue.cu).
 bool stateful_backward(const std::string& op, const std::string& dev) {
   if (dev == "cpu") return true;
 #if MXF_WITH_CUDA

@@ -1,4 +1,4 @@
-// The "gpu" implementations of the fused ops that have a CUDA kernel (gpu_glue.cu).
+// The "gpu" implementations of the fused ops that have a CUDA kernel (mxnet_gpu/gpu_glue.cu).
 //
 // Declared only in a library built with nvcc (MXF_WITH_CUDA=1, see fusion/_native.py);
 // each op's registration adds them under `#if MXF_WITH_CUDA`.  Plain C++: no CUDA type
@@ -18,8 +18,12 @@ using mxnet::ext::CustomStatefulOp;
 
 MXReturnValue add_layer_norm_forward(const Attrs& a, std::vector<MXTensor>* in,
                                      std::vector<MXTensor>* out, const OpResource& res);
+MXReturnValue add_layer_norm_backward(const Attrs& a, std::vector<MXTensor>* in,
+                                      std::vector<MXTensor>* out, const OpResource& res);
 MXReturnValue attention_forward(const Attrs& a, std::vector<MXTensor>* in,
                                 std::vector<MXTensor>* out, const OpResource& res);
+MXReturnValue attention_backward(const Attrs& a, std::vector<MXTensor>* in,
+                                 std::vector<MXTensor>* out, const OpResource& res);
 MXReturnValue elemwise_forward(const Attrs& a, std::vector<MXTensor>* in,
                                std::vector<MXTensor>* out, const OpResource& res);
 MXReturnValue dense_create_state(const Attrs& a, const MXContext& ctx,

@@ -199,5 +199,6 @@ REGISTER_OP(fused_add_layer_norm)
     .setBackward(backward, "cpu")
 #if MXF_WITH_CUDA
     .setForward(mxf::gpu::add_layer_norm_forward, "gpu")
+    .setBackward(mxf::gpu::add_layer_norm_backward, "gpu")
 #endif
     ;

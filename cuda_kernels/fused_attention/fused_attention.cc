@@ -449,5 +449,6 @@ REGISTER_OP(fused_attention)
     .setBackward(backward_cpu, "cpu")
 #if MXF_WITH_CUDA
     .setForward(mxf::gpu::attention_forward, "gpu")
+    .setBackward(mxf::gpu::attention_backward, "gpu")
 #endif
     ;
