@@ -147,9 +147,18 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
         raise ValueError("mode must be one of %s, not %r" % (", ".join(MODES), mode))
     device = check_device(device)
     from .precision import resolve
-    precision = resolve(precision, force, mode)
+    precision = resolve(precision, True if device == "gpu" else force, mode)
+    _check_device_precision(device, precision)
     return _fuse_gc_off(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
                         precision=precision, device=device)
+
+
+def _check_device_precision(device: str, precision: str) -> None:
+    from .precision import FLOAT32
+    if device == "gpu" and precision != FLOAT32:
+        raise FusionError("precision='bf16' is the CPU's policy (a float32 op reading bfloat16 weights through "
+                          "oneDNN); the GPU kernels take one dtype for all their tensors: fuse for "
+                          "device='gpu' in float32")
 
 
 def check_device(device: Any) -> str:

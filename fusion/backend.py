@@ -87,7 +87,9 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
     if mode not in ("inference", "training"):
         raise ValueError("mode must be inference or training, not %r" % (mode,))
     from .precision import resolve
-    precision = resolve(precision, str(force).lower() in ("true", "1"), mode)
+    precision = resolve(precision, str(force).lower() in ("true", "1") or device == "gpu", mode)
+    from .api import _check_device_precision
+    _check_device_precision(device, precision)
     try:
         result = _fuse_gc_off(symbol, params, aux or {}, rules, mode, shapes, dtypes, True, copy_params=False,
                               precision=precision, device=device)

@@ -213,7 +213,9 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
     onnx_options = _onnx_options(args, symbol, arg) if args.to_onnx else {}
     rules = [r.strip() for r in args.rules.split(",") if r.strip()] if args.rules else None
     from .precision import FLOAT32, resolve, tolerance
-    precision = resolve(args.precision, args.force_precision, args.mode)
+    precision = resolve(args.precision, args.force_precision or args.device == "gpu", args.mode)
+    from .api import _check_device_precision
+    _check_device_precision(args.device, precision)
     if args.rtol is None:
         args.rtol = tolerance(precision)
     if precision != FLOAT32 and (args.unfuse or args.to_onnx):

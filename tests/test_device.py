@@ -60,10 +60,12 @@ def test_capability_query_reads_the_library():
     assert GPU_KERNELS | CPU_ONLY <= set(caps)
     assert all("cpu" in c["forward"] for c in caps.values())
     gpu_ops = {op for op, c in caps.items() if "gpu" in c["forward"]}
+    gpu_backward = {op for op, c in caps.items() if "gpu" in c["backward"]}
     if _native.built_with_gpu():        # built with nvcc: the four ops with a CUDA kernel
         assert gpu_ops == GPU_KERNELS
+        assert gpu_backward == GPU_KERNELS - {"fused_elemwise"}    # its backward is CPU-only
     else:
-        assert gpu_ops == set()
+        assert gpu_ops == gpu_backward == set()
     assert not gpu_ops & CPU_ONLY
 
 
@@ -210,3 +212,13 @@ def test_gluon_block_device_from_its_inputs_and_options(gpu_caps):
         if device == "gpu":
             assert "rewrite failed: fused_dense has no gpu implementation in this build" in [
                 r for rr in report.rules.values() for r in rr.rejected.values()]
+
+
+def test_bf16_precision_is_refused_for_gpu(tmp_path, capsys):
+    with pytest.raises(fusion.FusionError, match="fuse for device='gpu' in float32"):
+        fusion.fuse(S.relu(S.var("x")), device="gpu", precision="bf16")
+    sp = tmp_path / "m-symbol.json"
+    S.relu(S.var("x")).save(str(sp))
+    code = cli.main([str(sp), "-o", str(tmp_path / "out"), "--device", "gpu", "--precision", "bf16"])
+    err = capsys.readouterr().err
+    assert code == 2 and "device='gpu' in float32" in err and err.count("\n") == 1, err

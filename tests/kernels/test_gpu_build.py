@@ -63,15 +63,15 @@ def test_no_gpu_driver_needed_to_load(fused_ops):
     assert fused_ops.built_with_gpu() in (True, False)     # the library is loaded and answering
 
 
-def test_gpu_call_without_a_kernel_library_is_one_clear_error(fused_ops, tmp_path):
-    """On a GPU machine whose kernel library is missing, the op fails with a message naming it;
-    here (no GPU) the lookup itself is what can be checked: the library is opened lazily."""
+def test_kernel_library_is_opened_lazily(fused_ops):
+    """The op library opens the CUDA kernels' library on its first GPU call, not at load."""
     if not fused_ops.built_with_gpu():
         pytest.skip("the op library has no gpu registrations in this run")
     lib = ctypes.CDLL(fused_ops.library_path())
     assert lib.mxf_built_with_cuda() == 1
+    beside = fused_ops.library_path(cuda=True)
     assert not [p for p in glob.glob("/proc/%d/maps" % os.getpid())
-                if "libmxfusion_cuda.so" in open(p).read()], "the kernel library was opened at load"
+                if beside in open(p).read()], "the kernel library was opened at load"
 
 
 def test_no_cuda_switch_builds_the_cpu_only_library(fused_ops, tmp_path):

@@ -230,3 +230,40 @@ def test_gpu_backward_where_registered(oplib, torch_cuda):
     torch.cuda.synchronize()
     for g_, t in zip(got, (a, b, gamma, beta)):
         torch.testing.assert_close(g_, t.grad, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_dense_backward(oplib, torch_cuda):
+    torch = torch_cuda
+    need_gpu(oplib, "fused_dense")
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(64, 96, device="cuda", generator=g, requires_grad=True)
+    w = torch.randn(48, 96, device="cuda", generator=g, requires_grad=True)
+    b = torch.randn(48, device="cuda", generator=g, requires_grad=True)
+    y = torch.nn.functional.gelu(torch.addmm(b, x, w.t()))
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    attrs = {"num_hidden": 48, "act": "gelu"}
+    ins = [t.detach() for t in (x, w, b)]
+    got = oplib.backward("fused_dense", attrs, [dy], ins, [y.detach()], device="gpu", stream=_stream(torch))
+    torch.cuda.synchronize()
+    for g_, t in zip(got, (x, w, b)):
+        torch.testing.assert_close(g_, t.grad, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_attention_backward(oplib, torch_cuda, causal):
+    torch = torch_cuda
+    need_gpu(oplib, "fused_attention", "backward")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(4, 96, 64, device="cuda", generator=g, requires_grad=True) for _ in range(3))
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.125)
+    do = torch.randn_like(o)
+    o.backward(do)
+    attrs = {"scale": 0.125, "layout": "plain", "causal": causal}
+    ins = [t.detach() for t in (q, k, v)]
+    got = oplib.backward("fused_attention", attrs, [do], ins, [o.detach()], device="gpu", stream=_stream(torch))
+    torch.cuda.synchronize()
+    for g_, t in zip(got, (q, k, v)):
+        torch.testing.assert_close(g_, t.grad, rtol=1e-3, atol=1e-3)
