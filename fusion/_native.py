@@ -211,9 +211,15 @@ def _compile(cuda, lib, verbose, jobs, gpu=False):
             "-lgomp", "-ldl"]
     else:
         link = ["g++", "-shared", "-fopenmp", "-o", tmp] + objs + ["-ldl"]
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as ex:
-        list(ex.map(lambda c: _run(c, verbose), cmds))
-    _run(link, verbose)
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as ex:
+            list(ex.map(lambda c: _run(c, verbose), cmds))
+        _run(link, verbose)
+    except RuntimeError as e:
+        if gpu:     # nvcc is there but the GPU part does not build: the CPU-only library still can
+            raise RuntimeError("%s\n(MXFUSION_NO_CUDA=1 builds the op library without its GPU registrations)"
+                               % e) from None
+        raise
     with open(tmp + ".sha256", "w") as fh:
         fh.write(digest + "\n")
     os.replace(tmp, lib)  # atomic: a process loading the library never sees half a file
