@@ -100,7 +100,8 @@ class OpLibrary:
         return ops
 
     def devices(self, op):
-        """{"forward": devices, "backward": devices} as registered (stateful: its create devices)."""
+        """{"forward": devices, "backward": devices} as registered: a stateful op's forward devices are
+        its create devices, and its backward (a method of the state) is not listed here."""
         r = self.ops[op]
         return {"forward": set(r.forward) | set(r.create), "backward": set(r.backward)}
 
