@@ -724,12 +724,19 @@ __global__ void __launch_bounds__(kBwdThreads) attention_bwd_kernel(const BwdPar
         for (int64_t d = 0; d < Dv; ++d) dp += dOs[r * Dv + d] * Vs[c * VS + d];
         ds = p * (dp - s_delta[r]);
         ds_qk = from_qk ? ds : 0.f;
-        if (P.dmask_acc && a.mask_kind == MXF_MASK_ADDITIVE) atomicAdd(P.dmask_acc + moff, ds);
+        // a mask shared by the query rows gets its gradient summed over the step's rows below
+        if (P.dmask_acc && a.mask_kind == MXF_MASK_ADDITIVE && a.m_sq != 0) atomicAdd(P.dmask_acc + moff, ds);
       }
       Ps[r * (BK + 1) + c] = p;
       dSs[r * (BK + 1) + c] = ds_qk;
     }
     __syncthreads();
+    if (P.dmask_acc && a.mask_kind == MXF_MASK_ADDITIVE && a.m_sq == 0)  // (dSs = dS for additive masks)
+      for (int c = tid; c < BK && j0 + c < a.Sk; c += blockDim.x) {
+        float acc = 0.f;
+        for (int r = 0; r < rows; ++r) acc += dSs[r * (BK + 1) + c];
+        atomicAdd(P.dmask_acc + b * a.m_sb + h * a.m_sh + (j0 + c) * a.m_sk, acc);
+      }
     // dv += P^T dO, dk += scale dS^T q
     for (int64_t e = tid; e < BK * Dv; e += blockDim.x) {
       const int64_t c = e / Dv, d = e % Dv;
