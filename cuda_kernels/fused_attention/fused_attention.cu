@@ -2,7 +2,8 @@
 //
 // Forward, fp16 / bf16: flash-attention style on tensor cores.  A block of 4 warps owns 64
 // query rows of one (b, h), 16 per warp; key / value tiles of 64 keys (32 for head dims
-// above 128) are staged in shared memory; each warp computes its 16 x 64 scores with
+// above 128) are staged in shared memory in two stages (cp.async copies of the next tile in
+// flight while the current one is computed); each warp computes its 16 x 64 scores with
 // mma.sync m16n8k16 (fp32 accumulation), keeps a running max and sum per row (online softmax,
 // exp2 of log2e-scaled scores), turns the probabilities into the A operand of the next
 // mma.sync straight from the score accumulators, and accumulates O in registers.  Key tiles
@@ -283,7 +284,17 @@ struct MmaParams {
 };
 
 // rows [0, rows) x cols [0, DMAX) of dst (row stride STR) from rows row0.. of src (row stride rs),
-// zero past nvalid rows and D columns; 16-byte copies where vec (aligned, strides % 8 == 0).
+// zero past nvalid rows and D columns.  vec (16-byte aligned rows, strides % 8 == 0): 16-byte
+// cp.async copies (zero-filled past the data), completed by the caller's cp_async_wait +
+// __syncthreads; otherwise plain element loads and stores.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 template <typename T, int DMAX>
 __device__ __forceinline__ void load_tile(T* dst, const T* __restrict__ src, int64_t rs, int64_t row0,
                                           int rows, int64_t nvalid, int64_t D, bool vec) {
@@ -293,8 +304,10 @@ __device__ __forceinline__ void load_tile(T* dst, const T* __restrict__ src, int
     const int r = t / CH, c = (t % CH) * 8;
     const int64_t gr = row0 + r;
     T* d = dst + r * STR + c;
-    if (vec && gr < nvalid && c + 8 <= D) {
-      *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(src + gr * rs + c);
+    if (vec) {
+      const int64_t left = gr < nvalid ? D - c : 0;
+      const int bytes = left <= 0 ? 0 : (left >= 8 ? 16 : static_cast<int>(left) * 2);
+      cp_async16(d, bytes > 0 ? src + gr * rs + c : src, bytes);
     } else {
 #pragma unroll
       for (int e = 0; e < 8; ++e) d[e] = (gr < nvalid && c + e < D) ? src[gr * rs + c + e] : zero;
@@ -398,8 +411,7 @@ attention_fwd_mma_kernel(const MmaParams P) {
   const mxf_attention_args& a = P.a;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);
-  T* Ks = Qs + kBR * STR;
-  T* Vs = Ks + BC * STR;
+  T* KV = Qs + kBR * STR;  // two stages of [K tile | V tile], each BC x STR
   __shared__ int64_t s_lim[kBR], s_band[kBR];
   __shared__ unsigned long long s_emin;
   __shared__ float s_knmax;
@@ -417,6 +429,11 @@ attention_fwd_mma_kernel(const MmaParams P) {
   int64_t kmax = 0;
   for (int r = 0; r < kBR; ++r) kmax = s_lim[r] > kmax ? s_lim[r] : kmax;
   load_tile<T, DMAX>(Qs, Qg, a.q_rs, row0, kBR, a.Sq, a.D, P.vec_q);
+  if (kmax > 0) {  // stage 0: the first key tile, in flight with Q
+    load_tile<T, DMAX>(KV, Kg, a.k_rs, 0, BC, a.Sk, a.D, P.vec_k);
+    load_tile<T, DMAX>(KV + BC * STR, Vg, a.v_rs, 0, BC, a.Sk, a.Dv, P.vec_v);
+  }
+  cp_async_commit();
 
   const int rl = warp * 16 + g;  // this thread's rows in the block: rl and rl + 8
   const int64_t i_lo = row0 + rl, i_hi = i_lo + 8;
@@ -431,11 +448,22 @@ attention_fwd_mma_kernel(const MmaParams P) {
   float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
   bool bad_lo = false, bad_hi = false;
 
-  for (int64_t j0 = 0; j0 < kmax; j0 += BC) {
-    __syncthreads();  // the previous tile's readers are done (and Qs is written, first time)
-    load_tile<T, DMAX>(Ks, Kg, a.k_rs, j0, BC, a.Sk, a.D, P.vec_k);
-    load_tile<T, DMAX>(Vs, Vg, a.v_rs, j0, BC, a.Sk, a.Dv, P.vec_v);
-    __syncthreads();
+  int stage = 0;
+  for (int64_t j0 = 0; j0 < kmax; j0 += BC, stage ^= 1) {
+    // the next tile's copies go to the other stage (its readers finished at the end of the
+    // previous step) while this one is computed
+    if (j0 + BC < kmax) {
+      T* nxt = KV + (stage ^ 1) * 2 * BC * STR;
+      load_tile<T, DMAX>(nxt, Kg, a.k_rs, j0 + BC, BC, a.Sk, a.D, P.vec_k);
+      load_tile<T, DMAX>(nxt + BC * STR, Vg, a.v_rs, j0 + BC, BC, a.Sk, a.Dv, P.vec_v);
+      cp_async_commit();
+      cp_async_wait<1>();  // this thread's copies of the current tile (and Q) are done
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // everyone's copies are visible
+    const T* Ks = KV + stage * 2 * BC * STR;
+    const T* Vs = Ks + BC * STR;
     // S = Q K^T for the warp's 16 rows x BC keys
     float sacc[BC / 8][4];
 #pragma unroll
@@ -535,7 +563,9 @@ attention_fwd_mma_kernel(const MmaParams P) {
         }
       }
     }
+    __syncthreads();  // this stage's readers are done before the next step refills it
   }
+  cp_async_wait<0>();  // nothing left in flight (no key tile at all: Q's copies)
 
   l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
   l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
@@ -820,7 +850,7 @@ bool vec_ok(const void* p, int64_t bs, int64_t hs, int64_t rs) {
 template <typename T, int DMAX, int BC>
 int launch_mma(const MmaParams& P, cudaStream_t st) {
   const mxf_attention_args& a = P.a;
-  const size_t smem = sizeof(T) * (kBR + 2 * BC) * (DMAX + 8);
+  const size_t smem = sizeof(T) * (kBR + 4 * BC) * (DMAX + 8);  // Q + two stages of K, V
   auto kernel = attention_fwd_mma_kernel<T, DMAX, BC>;
   if (smem > 48 * 1024)
     MXF_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
