@@ -272,9 +272,19 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi, bf16) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
-template <typename T>
-__device__ __forceinline__ uint32_t raw16(const T& x) {
-  return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&x));
+
+// Four 8x8 b16 matrices from shared memory: lanes 8i..8i+7 give the row addresses of matrix i;
+// register i holds matrix i's (row lane/4, cols 2(lane%4), +1), or with .trans its
+// (rows 2(lane%4), +1, col lane/4) -- the B operand of mma.m16n8k16 from a row-major k x n tile.
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const void* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 
 struct MmaParams {
@@ -477,13 +487,14 @@ attention_fwd_mma_kernel(const MmaParams P) {
         af[1] = *reinterpret_cast<const uint32_t*>(q0 + 8 * STR);
         af[2] = *reinterpret_cast<const uint32_t*>(q0 + 8);
         af[3] = *reinterpret_cast<const uint32_t*>(q0 + 8 * STR + 8);
+        // B operands of n-tiles nt, nt+1: K rows (keys) x 16 columns (d), as stored
+        const int mi = lane >> 3, mr = lane & 7;
 #pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt) {
-          const T* k0 = Ks + (nt * 8 + g) * STR + ks * 16 + 2 * t;
-          uint32_t bfr[2];
-          bfr[0] = *reinterpret_cast<const uint32_t*>(k0);
-          bfr[1] = *reinterpret_cast<const uint32_t*>(k0 + 8);
+        for (int nt = 0; nt < BC / 8; nt += 2) {
+          uint32_t bfr[4];
+          ldsm_x4(bfr, Ks + ((nt + (mi >> 1)) * 8 + mr) * STR + ks * 16 + (mi & 1) * 8);
           mma16816(sacc[nt], af, bfr, T{});
+          mma16816(sacc[nt + 1], af, bfr + 2, T{});
         }
       }
     }
@@ -551,15 +562,16 @@ attention_fwd_mma_kernel(const MmaParams P) {
       pa[1] = pack2(sacc[2 * kk][2], sacc[2 * kk][3], T{});
       pa[2] = pack2(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1], T{});
       pa[3] = pack2(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3], T{});
-      const T* v0 = Vs + (kk * 16 + 2 * t) * STR + g;
+      // B operands of n-tiles nd, nd+1: V rows (keys kk*16..+15) x 16 columns, transposed
+      const int mi = lane >> 3, mr = lane & 7;
+      const T* v0 = Vs + (kk * 16 + (mi & 1) * 8 + mr) * STR + (mi >> 1) * 8;
 #pragma unroll
-      for (int nd = 0; nd < DMAX / 8; ++nd) {
+      for (int nd = 0; nd < DMAX / 8; nd += 2) {
         if (nd < dsteps) {
-          const T* vp = v0 + nd * 8;
-          uint32_t bfr[2];
-          bfr[0] = raw16(vp[0]) | (raw16(vp[STR]) << 16);
-          bfr[1] = raw16(vp[8 * STR]) | (raw16(vp[9 * STR]) << 16);
+          uint32_t bfr[4];
+          ldsm_x4_trans(bfr, v0 + nd * 8);
           mma16816(oacc[nd], pa, bfr, T{});
+          if (nd + 1 < dsteps) mma16816(oacc[nd + 1], pa, bfr + 2, T{});
         }
       }
     }
