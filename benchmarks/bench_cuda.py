@@ -8,6 +8,7 @@ Medians of CUDA-event timings, the fused op and its baselines alternating each r
 
 * fused_attention (fp16, bf16) vs torch scaled_dot_product_attention, S = 1024..4096,
   batch 4 (2 with --quick), 16 heads, D = 64 and 128, causal and not; target: within 1.5x;
+* fused_attention backward (fp16, from the saved lse) vs SDPA's backward (no target);
 * fused_dense + GELU (fp16) vs torch.addmm then gelu; target: within 1.1x;
 * fused_add_layer_norm (fp16) vs (a + b) then torch layer_norm; target: at least as fast;
 * fused_elemwise 6-op chain (fp32, fp16) over 256 MiB of output vs a device-to-device copy
@@ -82,6 +83,33 @@ def bench_attention(lib, torch, ws, seqs, batch, reps):
                         t[0], t[1], "sdpa", 1.5, "%.0f TFLOP/s, max|diff| %.1e" % (fl / t[0] / 1e9, diff))
 
 
+def bench_attention_backward(lib, torch, ws, seqs, batch, reps):
+    """Backward only: ours from the saved lse vs SDPA's backward (autograd.grad on a kept graph)."""
+    F = torch.nn.functional
+    H = 16
+    for D in (64, 128):
+        for causal in (False, True):
+            for S in seqs:
+                dt = torch.float16
+                q, k, v = (torch.randn(batch, H, S, D, device="cuda", dtype=dt) for _ in range(3))
+                o, dout = torch.empty_like(q), torch.randn_like(q)
+                lse = torch.empty(batch * H * S, device="cuda")
+                args = ci.attention_args(q, k, v, o, D ** -0.5, causal="exclude" if causal else "none", lse=lse)
+                check(lib, ci.attention(lib, ws, args), "attention")
+                dq, dk, dv = (torch.empty_like(q) for _ in range(3))
+                g = ci.AttnGrads(dout=dout.data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(),
+                                 req_dq=ci.REQ_WRITE, req_dk=ci.REQ_WRITE, req_dv=ci.REQ_WRITE)
+                qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
+                out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+                fused = lambda: check(lib, ci.attention_backward(lib, ws, args, g), "attention backward")  # noqa: E731
+                ref = lambda: torch.autograd.grad(out, (qr, kr, vr), dout, retain_graph=True)  # noqa: E731
+                t = timed(torch, [fused, ref], max(3, reps // 2))
+                fused()
+                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip((dq, dk, dv), ref()))
+                row("attention bwd", "fp16 D=%d S=%d%s" % (D, S, " causal" if causal else ""), t[0], t[1],
+                    "sdpa bwd", None, "max|diff| %.1e" % diff)
+
+
 def bench_dense(lib, torch, ws, shapes, reps):
     F = torch.nn.functional
     for M, K, N in shapes:
@@ -154,6 +182,7 @@ def main():
     reps = 10 if a.quick else 30
     seqs = [1024, 2048, 4096]
     bench_attention(lib, torch, ws, seqs, 2 if a.quick else 4, reps)
+    bench_attention_backward(lib, torch, ws, [2048] if a.quick else seqs, 2 if a.quick else 4, reps)
     dense_shapes = [(8192, 4096, 4096), (4096, 1024, 4096)] if a.quick else \
         [(8192, 4096, 4096), (4096, 1024, 4096), (4096, 4096, 1024), (16384, 8192, 8192)]
     bench_dense(lib, torch, ws, dense_shapes, reps)

@@ -60,7 +60,7 @@ template <typename T>
 __device__ __forceinline__ void store_vec(T* p, const Vec<T>& v) {
   *reinterpret_cast<uint4*>(p) = v.u.raw;
 }
-inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+__host__ __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // ---- reductions ----
 __device__ __forceinline__ float warp_sum(float v) {

@@ -2,17 +2,19 @@
 //
 // Forward, fp16 / bf16: flash-attention style on tensor cores.  A block of 4 warps owns 64
 // query rows of one (b, h), 16 per warp; key / value tiles of 64 keys (32 for head dims
-// above 128) are staged in shared memory; each warp computes its 16 x 64 scores with
+// above 128) are staged in shared memory in two stages (cp.async copies of the next tile in
+// flight while the current one is computed); each warp computes its 16 x 64 scores with
 // mma.sync m16n8k16 (fp32 accumulation), keeps a running max and sum per row (online softmax,
 // exp2 of log2e-scaled scores), turns the probabilities into the A operand of the next
 // mma.sync straight from the score accumulators, and accumulates O in registers.  Key tiles
 // after every row's band / valid length are never read (causal tile skipping).  Memory: the
 // tiles, O(S d); the S x S matrix never exists.
 // Forward, fp32: one warp per query row pair with fp32 FMAs (lane j holds columns j, j+32, ...).
-// Backward (every dtype): flash-attention style with recomputation from the saved log-sum-exp:
-// a block owns a tile of keys of one (b, h), walks the query tiles that see them, recomputes
-// P = exp(s - lse), dP = dO v^T, dS = P (dP - delta) (delta = rowsum(dO o)), accumulates dk,
-// dv in shared memory and adds dq (and an additive mask's gradient) to float32 workspaces.
+// Backward: flash-attention style with recomputation from the saved log-sum-exp: a block owns a
+// tile of keys of one (b, h), walks the query tiles that see them, recomputes P = exp(s - lse),
+// dP = dO v^T, dS = P (dP - delta) (delta = rowsum(dO o)), accumulates dk, dv and adds dq (and
+// an additive mask's gradient) to float32 workspaces.  fp16 / bf16 with D, Dv <= 128 on tensor
+// cores (attention_bwd_mma_kernel); otherwise fp32 FMAs with dk, dv in shared memory.
 // Float32 math throughout.
 // Same results as the CPU op (attention_cpu.cc): fully masked rows, causal modes and
 // non-finite values follow the unfused MXNet graph.
@@ -271,9 +273,19 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi, bf16) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
-template <typename T>
-__device__ __forceinline__ uint32_t raw16(const T& x) {
-  return static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&x));
+
+// Four 8x8 b16 matrices from shared memory: lanes 8i..8i+7 give the row addresses of matrix i;
+// register i holds matrix i's (row lane/4, cols 2(lane%4), +1), or with .trans its
+// (rows 2(lane%4), +1, col lane/4) -- the B operand of mma.m16n8k16 from a row-major k x n tile.
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const void* p) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 
 struct MmaParams {
@@ -283,7 +295,17 @@ struct MmaParams {
 };
 
 // rows [0, rows) x cols [0, DMAX) of dst (row stride STR) from rows row0.. of src (row stride rs),
-// zero past nvalid rows and D columns; 16-byte copies where vec (aligned, strides % 8 == 0).
+// zero past nvalid rows and D columns.  vec (16-byte aligned rows, strides % 8 == 0): 16-byte
+// cp.async copies (zero-filled past the data), completed by the caller's cp_async_wait +
+// __syncthreads; otherwise plain element loads and stores.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 template <typename T, int DMAX>
 __device__ __forceinline__ void load_tile(T* dst, const T* __restrict__ src, int64_t rs, int64_t row0,
                                           int rows, int64_t nvalid, int64_t D, bool vec) {
@@ -293,8 +315,10 @@ __device__ __forceinline__ void load_tile(T* dst, const T* __restrict__ src, int
     const int r = t / CH, c = (t % CH) * 8;
     const int64_t gr = row0 + r;
     T* d = dst + r * STR + c;
-    if (vec && gr < nvalid && c + 8 <= D) {
-      *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(src + gr * rs + c);
+    if (vec) {
+      const int64_t left = gr < nvalid ? D - c : 0;
+      const int bytes = left <= 0 ? 0 : (left >= 8 ? 16 : static_cast<int>(left) * 2);
+      cp_async16(d, bytes > 0 ? src + gr * rs + c : src, bytes);
     } else {
 #pragma unroll
       for (int e = 0; e < 8; ++e) d[e] = (gr < nvalid && c + e < D) ? src[gr * rs + c + e] : zero;
@@ -398,8 +422,7 @@ attention_fwd_mma_kernel(const MmaParams P) {
   const mxf_attention_args& a = P.a;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);
-  T* Ks = Qs + kBR * STR;
-  T* Vs = Ks + BC * STR;
+  T* KV = Qs + kBR * STR;  // two stages of [K tile | V tile], each BC x STR
   __shared__ int64_t s_lim[kBR], s_band[kBR];
   __shared__ unsigned long long s_emin;
   __shared__ float s_knmax;
@@ -417,6 +440,11 @@ attention_fwd_mma_kernel(const MmaParams P) {
   int64_t kmax = 0;
   for (int r = 0; r < kBR; ++r) kmax = s_lim[r] > kmax ? s_lim[r] : kmax;
   load_tile<T, DMAX>(Qs, Qg, a.q_rs, row0, kBR, a.Sq, a.D, P.vec_q);
+  if (kmax > 0) {  // stage 0: the first key tile, in flight with Q
+    load_tile<T, DMAX>(KV, Kg, a.k_rs, 0, BC, a.Sk, a.D, P.vec_k);
+    load_tile<T, DMAX>(KV + BC * STR, Vg, a.v_rs, 0, BC, a.Sk, a.Dv, P.vec_v);
+  }
+  cp_async_commit();
 
   const int rl = warp * 16 + g;  // this thread's rows in the block: rl and rl + 8
   const int64_t i_lo = row0 + rl, i_hi = i_lo + 8;
@@ -431,11 +459,22 @@ attention_fwd_mma_kernel(const MmaParams P) {
   float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
   bool bad_lo = false, bad_hi = false;
 
-  for (int64_t j0 = 0; j0 < kmax; j0 += BC) {
-    __syncthreads();  // the previous tile's readers are done (and Qs is written, first time)
-    load_tile<T, DMAX>(Ks, Kg, a.k_rs, j0, BC, a.Sk, a.D, P.vec_k);
-    load_tile<T, DMAX>(Vs, Vg, a.v_rs, j0, BC, a.Sk, a.Dv, P.vec_v);
-    __syncthreads();
+  int stage = 0;
+  for (int64_t j0 = 0; j0 < kmax; j0 += BC, stage ^= 1) {
+    // the next tile's copies go to the other stage (its readers finished at the end of the
+    // previous step) while this one is computed
+    if (j0 + BC < kmax) {
+      T* nxt = KV + (stage ^ 1) * 2 * BC * STR;
+      load_tile<T, DMAX>(nxt, Kg, a.k_rs, j0 + BC, BC, a.Sk, a.D, P.vec_k);
+      load_tile<T, DMAX>(nxt + BC * STR, Vg, a.v_rs, j0 + BC, BC, a.Sk, a.Dv, P.vec_v);
+      cp_async_commit();
+      cp_async_wait<1>();  // this thread's copies of the current tile (and Q) are done
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // everyone's copies are visible
+    const T* Ks = KV + stage * 2 * BC * STR;
+    const T* Vs = Ks + BC * STR;
     // S = Q K^T for the warp's 16 rows x BC keys
     float sacc[BC / 8][4];
 #pragma unroll
@@ -449,13 +488,14 @@ attention_fwd_mma_kernel(const MmaParams P) {
         af[1] = *reinterpret_cast<const uint32_t*>(q0 + 8 * STR);
         af[2] = *reinterpret_cast<const uint32_t*>(q0 + 8);
         af[3] = *reinterpret_cast<const uint32_t*>(q0 + 8 * STR + 8);
+        // B operands of n-tiles nt, nt+1: K rows (keys) x 16 columns (d), as stored
+        const int mi = lane >> 3, mr = lane & 7;
 #pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt) {
-          const T* k0 = Ks + (nt * 8 + g) * STR + ks * 16 + 2 * t;
-          uint32_t bfr[2];
-          bfr[0] = *reinterpret_cast<const uint32_t*>(k0);
-          bfr[1] = *reinterpret_cast<const uint32_t*>(k0 + 8);
+        for (int nt = 0; nt < BC / 8; nt += 2) {
+          uint32_t bfr[4];
+          ldsm_x4(bfr, Ks + ((nt + (mi >> 1)) * 8 + mr) * STR + ks * 16 + (mi & 1) * 8);
           mma16816(sacc[nt], af, bfr, T{});
+          mma16816(sacc[nt + 1], af, bfr + 2, T{});
         }
       }
     }
@@ -523,19 +563,22 @@ attention_fwd_mma_kernel(const MmaParams P) {
       pa[1] = pack2(sacc[2 * kk][2], sacc[2 * kk][3], T{});
       pa[2] = pack2(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1], T{});
       pa[3] = pack2(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3], T{});
-      const T* v0 = Vs + (kk * 16 + 2 * t) * STR + g;
+      // B operands of n-tiles nd, nd+1: V rows (keys kk*16..+15) x 16 columns, transposed
+      const int mi = lane >> 3, mr = lane & 7;
+      const T* v0 = Vs + (kk * 16 + (mi & 1) * 8 + mr) * STR + (mi >> 1) * 8;
 #pragma unroll
-      for (int nd = 0; nd < DMAX / 8; ++nd) {
+      for (int nd = 0; nd < DMAX / 8; nd += 2) {
         if (nd < dsteps) {
-          const T* vp = v0 + nd * 8;
-          uint32_t bfr[2];
-          bfr[0] = raw16(vp[0]) | (raw16(vp[STR]) << 16);
-          bfr[1] = raw16(vp[8 * STR]) | (raw16(vp[9 * STR]) << 16);
+          uint32_t bfr[4];
+          ldsm_x4_trans(bfr, v0 + nd * 8);
           mma16816(oacc[nd], pa, bfr, T{});
+          if (nd + 1 < dsteps) mma16816(oacc[nd + 1], pa, bfr + 2, T{});
         }
       }
     }
+    __syncthreads();  // this stage's readers are done before the next step refills it
   }
+  cp_async_wait<0>();  // nothing left in flight (no key tile at all: Q's copies)
 
   l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
   l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
@@ -724,12 +767,19 @@ __global__ void __launch_bounds__(kBwdThreads) attention_bwd_kernel(const BwdPar
         for (int64_t d = 0; d < Dv; ++d) dp += dOs[r * Dv + d] * Vs[c * VS + d];
         ds = p * (dp - s_delta[r]);
         ds_qk = from_qk ? ds : 0.f;
-        if (P.dmask_acc && a.mask_kind == MXF_MASK_ADDITIVE) atomicAdd(P.dmask_acc + moff, ds);
+        // a mask shared by the query rows gets its gradient summed over the step's rows below
+        if (P.dmask_acc && a.mask_kind == MXF_MASK_ADDITIVE && a.m_sq != 0) atomicAdd(P.dmask_acc + moff, ds);
       }
       Ps[r * (BK + 1) + c] = p;
       dSs[r * (BK + 1) + c] = ds_qk;
     }
     __syncthreads();
+    if (P.dmask_acc && a.mask_kind == MXF_MASK_ADDITIVE && a.m_sq == 0)  // (dSs = dS for additive masks)
+      for (int c = tid; c < BK && j0 + c < a.Sk; c += blockDim.x) {
+        float acc = 0.f;
+        for (int r = 0; r < rows; ++r) acc += dSs[r * (BK + 1) + c];
+        atomicAdd(P.dmask_acc + b * a.m_sb + h * a.m_sh + (j0 + c) * a.m_sk, acc);
+      }
     // dv += P^T dO, dk += scale dS^T q
     for (int64_t e = tid; e < BK * Dv; e += blockDim.x) {
       const int64_t c = e / Dv, d = e % Dv;
@@ -806,14 +856,287 @@ bool skipping(const mxf_attention_args* a) {
   return a->causal != MXF_CAUSAL_NONE || a->mask_kind == MXF_MASK_VALID_LENGTH;
 }
 
-bool vec_ok(const void* p, int64_t bs, int64_t hs, int64_t rs) {
+__host__ __device__ bool vec_ok(const void* p, int64_t bs, int64_t hs, int64_t rs) {
   return mxf_cuda::aligned16(p) && bs % 8 == 0 && hs % 8 == 0 && rs % 8 == 0;
+}
+
+// fp16 / bf16 backward on tensor cores (D, Dv <= 128).  A block of 4 warps owns 64 keys of one
+// (b, h), 16 per warp, and walks the query tiles of BR rows that see them.  Per tile each warp
+// computes, for its keys, S^T = K Q^T and dP^T = V dO^T (mma.sync, fp32), turns them into
+// P^T = exp(s - lse) and dS^T = P^T (dP^T - delta) in registers, accumulates dV += P^T dO and
+// dK += dS^T Q in registers (the accumulators become A operands directly), and leaves dS^T in
+// shared memory, from which the block computes dQ = dS K and adds it to the float32 workspace.
+template <typename T, int DMAX, int BR>
+__global__ void __launch_bounds__(kMmaWarps * 32) attention_bwd_mma_kernel(const BwdParams P) {
+  constexpr int BC = 16 * kMmaWarps;  // keys per block
+  constexpr int STR = DMAX + 8, SSTR = BR + 8;
+  constexpr int MT = BR / 16, NT = DMAX / 8;             // dQ tiles: MT x NT over 4 warps
+  constexpr int WN = NT * MT / kMmaWarps;                 // n-tiles per warp in dQ
+  static_assert(WN >= 2 && WN % 2 == 0 && (kMmaWarps % MT == 0), "dQ tiling");
+  const mxf_attention_args& a = P.a;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Ks = reinterpret_cast<T*>(smem_raw);
+  T* Vs = Ks + BC * STR;
+  T* Qs = Vs + BC * STR;
+  T* dOs = Qs + BR * STR;
+  T* dSt = dOs + BR * STR;  // BC x SSTR: dS^T of the step, as T
+  __shared__ float s_lse[BR], s_delta[BR];
+  __shared__ int64_t s_lim[BR], s_band[BR];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3, mi = lane >> 3, mr = lane & 7;
+  const int64_t n = blockIdx.y, b = n / a.H, h = n % a.H;
+  const int64_t j0 = static_cast<int64_t>(blockIdx.x) * BC;
+  const T* Qg = static_cast<const T*>(a.q) + b * a.q_bs + h * a.q_hs;
+  const T* Kg = static_cast<const T*>(a.k) + b * a.k_bs + h * a.k_hs;
+  const T* Vg = static_cast<const T*>(a.v) + b * a.v_bs + h * a.v_hs;
+  const T* dOg = static_cast<const T*>(P.g.dout) + b * a.o_bs + h * a.o_hs;
+  const T* Mg = static_cast<const T*>(a.mask);
+  const bool transform = a.causal == MXF_CAUSAL_ADD || a.causal == MXF_CAUSAL_FILL;
+  const bool vec_q = vec_ok(a.q, a.q_bs, a.q_hs, a.q_rs), vec_o = vec_ok(P.g.dout, a.o_bs, a.o_hs, a.o_rs);
+  const int ksteps = static_cast<int>((a.D + 15) / 16), vsteps = static_cast<int>((a.Dv + 15) / 16);
+  const int dsteps = static_cast<int>((a.D + 7) / 8), dvsteps = static_cast<int>((a.Dv + 7) / 8);
+  const float scale = a.scale;
+
+  load_tile<T, DMAX>(Ks, Kg, a.k_rs, j0, BC, a.Sk, a.D, vec_ok(a.k, a.k_bs, a.k_hs, a.k_rs));
+  load_tile<T, DMAX>(Vs, Vg, a.v_rs, j0, BC, a.Sk, a.Dv, vec_ok(a.v, a.v_bs, a.v_hs, a.v_rs));
+  cp_async_commit();
+
+  const int kw = warp * 16;  // the warp's keys in the block: kw + g, kw + g + 8
+  const int64_t jlo = j0 + kw + g, jhi = jlo + 8;
+  float dv[DMAX / 8][4], dk[DMAX / 8][4];
+#pragma unroll
+  for (int i = 0; i < DMAX / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dv[i][e] = dk[i][e] = 0.f;
+
+  int64_t i0 = 0;
+  if (a.causal == MXF_CAUSAL_EXCLUDE) {  // rows before j0 - (Sk - Sq) see none of these keys
+    const int64_t first = j0 - (a.Sk - a.Sq);
+    i0 = first > 0 ? first : 0;
+  }
+  for (; i0 < a.Sq; i0 += BR) {
+    __syncthreads();  // the previous step's readers of Qs, dOs, dSt are done
+    const int rows = static_cast<int>(a.Sq - i0 < BR ? a.Sq - i0 : BR);
+    load_tile<T, DMAX>(Qs, Qg, a.q_rs, i0, BR, a.Sq, a.D, vec_q);
+    load_tile<T, DMAX>(dOs, dOg, a.o_rs, i0, BR, a.Sq, a.Dv, vec_o);
+    cp_async_commit();
+    if (threadIdx.x < BR) {
+      const int r = threadIdx.x;
+      const int64_t i = i0 + r;
+      int64_t L = 0, band = 0;
+      if (r < rows) {
+        L = a.Sk;
+        if (a.mask_kind == MXF_MASK_VALID_LENGTH) {
+          const int64_t len = a.lengths[n * a.len_sn + i * a.len_sq];
+          L = len < 0 ? 0 : (len > a.Sk ? a.Sk : len);
+        }
+        band = L;
+        if (a.causal != MXF_CAUSAL_NONE) {
+          const int64_t c = i + (a.Sk - a.Sq) + 1;
+          band = c < L ? (c < 0 ? 0 : c) : L;
+        }
+        s_lse[r] = a.lse[n * a.Sq + i];
+        s_delta[r] = P.delta[n * a.Sq + i];
+      }
+      s_band[r] = band;
+      s_lim[r] = transform ? L : band;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // S^T (16 keys x BR queries) = K_w Q^T and dP^T = V_w dO^T
+    float st[BR / 8][4], dpt[BR / 8][4];
+#pragma unroll
+    for (int i = 0; i < BR / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < DMAX / 16; ++ks) {
+      if (ks < ksteps) {
+        const T* k0 = Ks + (kw + g) * STR + ks * 16 + 2 * t;
+        uint32_t af[4];
+        af[0] = *reinterpret_cast<const uint32_t*>(k0);
+        af[1] = *reinterpret_cast<const uint32_t*>(k0 + 8 * STR);
+        af[2] = *reinterpret_cast<const uint32_t*>(k0 + 8);
+        af[3] = *reinterpret_cast<const uint32_t*>(k0 + 8 * STR + 8);
+#pragma unroll
+        for (int nt = 0; nt < BR / 8; nt += 2) {
+          uint32_t bfr[4];
+          ldsm_x4(bfr, Qs + ((nt + (mi >> 1)) * 8 + mr) * STR + ks * 16 + (mi & 1) * 8);
+          mma16816(st[nt], af, bfr, T{});
+          mma16816(st[nt + 1], af, bfr + 2, T{});
+        }
+      }
+      if (ks < vsteps) {
+        const T* v0 = Vs + (kw + g) * STR + ks * 16 + 2 * t;
+        uint32_t af[4];
+        af[0] = *reinterpret_cast<const uint32_t*>(v0);
+        af[1] = *reinterpret_cast<const uint32_t*>(v0 + 8 * STR);
+        af[2] = *reinterpret_cast<const uint32_t*>(v0 + 8);
+        af[3] = *reinterpret_cast<const uint32_t*>(v0 + 8 * STR + 8);
+#pragma unroll
+        for (int nt = 0; nt < BR / 8; nt += 2) {
+          uint32_t bfr[4];
+          ldsm_x4(bfr, dOs + ((nt + (mi >> 1)) * 8 + mr) * STR + ks * 16 + (mi & 1) * 8);
+          mma16816(dpt[nt], af, bfr, T{});
+          mma16816(dpt[nt + 1], af, bfr + 2, T{});
+        }
+      }
+    }
+    // P^T, dS^T (the part reaching q k^T in dpt), the additive mask's gradient
+    float dm_lo = 0.f, dm_hi = 0.f;
+    const bool dmask = P.dmask_acc && a.mask_kind == MXF_MASK_ADDITIVE;
+#pragma unroll
+    for (int nt = 0; nt < BR / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = nt * 8 + 2 * t + (e & 1);
+        const int64_t i = i0 + r, j = e >= 2 ? jhi : jlo;
+        float p = 0.f, ds = 0.f, dsq = 0.f;
+        if (r < rows && j < s_lim[r]) {
+          float s = st[nt][e] * scale;
+          bool from_qk = true;
+          int64_t moff = 0;
+          if (a.mask_kind == MXF_MASK_ADDITIVE) {
+            moff = b * a.m_sb + h * a.m_sh + i * a.m_sq + j * a.m_sk;
+            s += to_f(Mg[moff]);
+          } else if (a.mask_kind == MXF_MASK_BOOLEAN) {
+            if (to_f(Mg[b * a.m_sb + h * a.m_sh + i * a.m_sq + j * a.m_sk]) == 0.f) {
+              s = a.mask_value;
+              from_qk = false;
+            }
+          }
+          if (transform && j >= s_band[r]) {
+            if (a.causal == MXF_CAUSAL_ADD) {
+              s += a.mask_value;
+            } else {
+              s = a.mask_value;
+              from_qk = false;
+            }
+          }
+          p = expf(s - s_lse[r]);
+          ds = p * (dpt[nt][e] - s_delta[r]);
+          dsq = from_qk ? ds : 0.f;
+          if (dmask) {
+            if (a.m_sq != 0) atomicAdd(P.dmask_acc + moff, ds);
+            else if (e >= 2) dm_hi += ds;
+            else dm_lo += ds;
+          }
+        }
+        st[nt][e] = p;
+        dpt[nt][e] = dsq;
+      }
+    }
+    if (dmask && a.m_sq == 0) {  // a mask shared by the query rows: one add per key and step
+      dm_lo += __shfl_xor_sync(0xffffffffu, dm_lo, 1);
+      dm_lo += __shfl_xor_sync(0xffffffffu, dm_lo, 2);
+      dm_hi += __shfl_xor_sync(0xffffffffu, dm_hi, 1);
+      dm_hi += __shfl_xor_sync(0xffffffffu, dm_hi, 2);
+      if (t == 0 && jlo < a.Sk) atomicAdd(P.dmask_acc + b * a.m_sb + h * a.m_sh + jlo * a.m_sk, dm_lo);
+      if (t == 0 && jhi < a.Sk) atomicAdd(P.dmask_acc + b * a.m_sb + h * a.m_sh + jhi * a.m_sk, dm_hi);
+    }
+    // dV += P^T dO, dK += dS^T Q: the accumulators of n-tiles 2kk, 2kk+1 are the A operand of k-step kk
+#pragma unroll
+    for (int kk = 0; kk < BR / 16; ++kk) {
+      uint32_t pa[4], sa[4];
+      pa[0] = pack2(st[2 * kk][0], st[2 * kk][1], T{});
+      pa[1] = pack2(st[2 * kk][2], st[2 * kk][3], T{});
+      pa[2] = pack2(st[2 * kk + 1][0], st[2 * kk + 1][1], T{});
+      pa[3] = pack2(st[2 * kk + 1][2], st[2 * kk + 1][3], T{});
+      sa[0] = pack2(dpt[2 * kk][0], dpt[2 * kk][1], T{});
+      sa[1] = pack2(dpt[2 * kk][2], dpt[2 * kk][3], T{});
+      sa[2] = pack2(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1], T{});
+      sa[3] = pack2(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3], T{});
+      const int row = kk * 16 + (mi & 1) * 8 + mr, col = (mi >> 1) * 8;
+#pragma unroll
+      for (int nd = 0; nd < DMAX / 8; nd += 2) {
+        uint32_t bfr[4];
+        if (nd < dvsteps) {
+          ldsm_x4_trans(bfr, dOs + row * STR + col + nd * 8);
+          mma16816(dv[nd], pa, bfr, T{});
+          mma16816(dv[nd + 1], pa, bfr + 2, T{});
+        }
+        if (nd < dsteps) {
+          ldsm_x4_trans(bfr, Qs + row * STR + col + nd * 8);
+          mma16816(dk[nd], sa, bfr, T{});
+          mma16816(dk[nd + 1], sa, bfr + 2, T{});
+        }
+      }
+    }
+    // dS^T to shared memory (rows: the block's keys; columns: the step's queries)
+#pragma unroll
+    for (int nt = 0; nt < BR / 8; ++nt) {
+      T* d0 = dSt + (kw + g) * SSTR + nt * 8 + 2 * t;
+      *reinterpret_cast<uint32_t*>(d0) = pack2(dpt[nt][0], dpt[nt][1], T{});
+      *reinterpret_cast<uint32_t*>(d0 + 8 * SSTR) = pack2(dpt[nt][2], dpt[nt][3], T{});
+    }
+    __syncthreads();
+    // dQ (BR x D) = dS (BR x BC) K (BC x D): warp -> m-tile warp % MT, n-tiles [n0, n0 + WN)
+    {
+      const int mq = warp % MT, n0 = (warp / MT) * WN;
+      float dq[WN][4];
+#pragma unroll
+      for (int i = 0; i < WN; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < BC / 16; ++kk) {
+        uint32_t af[4];  // A = dS (queries x keys) from dS^T, transposed by ldmatrix
+        ldsm_x4_trans(af, dSt + (kk * 16 + (mi >> 1) * 8 + mr) * SSTR + mq * 16 + (mi & 1) * 8);
+        const int row = kk * 16 + (mi & 1) * 8 + mr, col = (mi >> 1) * 8;
+#pragma unroll
+        for (int q = 0; q < WN; q += 2) {
+          if (n0 + q < dsteps) {
+            uint32_t bfr[4];
+            ldsm_x4_trans(bfr, Ks + row * STR + col + (n0 + q) * 8);
+            mma16816(dq[q], af, bfr, T{});
+            mma16816(dq[q + 1], af, bfr + 2, T{});
+          }
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < WN; ++q) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = mq * 16 + g + (e >= 2 ? 8 : 0);
+          const int64_t d = (n0 + q) * 8 + 2 * t + (e & 1);
+          const float v = dq[q][e] * scale;
+          if (r < rows && d < a.D && v != 0.f) atomicAdd(P.dq_acc + (n * a.Sq + i0 + r) * a.D + d, v);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // no query step at all: K / V copies
+  __syncthreads();
+  T* dK = static_cast<T*>(P.g.dk) + b * a.k_bs + h * a.k_hs;
+  T* dV = static_cast<T*>(P.g.dv) + b * a.v_bs + h * a.v_hs;
+#pragma unroll
+  for (int nd = 0; nd < DMAX / 8; ++nd) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t j = e >= 2 ? jhi : jlo, d = nd * 8 + 2 * t + (e & 1);
+      if (j >= a.Sk) continue;
+      if (P.g.req_dk != MXF_REQ_NULL && d < a.D)
+        mxf_cuda::store_req(dK + j * a.k_rs + d, dk[nd][e] * scale, P.g.req_dk);
+      if (P.g.req_dv != MXF_REQ_NULL && d < a.Dv) mxf_cuda::store_req(dV + j * a.v_rs + d, dv[nd][e], P.g.req_dv);
+    }
+  }
+}
+
+template <typename T, int DMAX, int BR>
+int launch_bwd_mma(const BwdParams& P, cudaStream_t st) {
+  constexpr int BC = 16 * kMmaWarps;
+  const size_t smem = sizeof(T) * ((2 * BC + 2 * BR) * (DMAX + 8) + BC * (BR + 8));
+  auto kernel = attention_bwd_mma_kernel<T, DMAX, BR>;
+  if (smem > 48 * 1024)
+    MXF_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  dim3 grid(static_cast<unsigned>((P.a.Sk + BC - 1) / BC), static_cast<unsigned>(P.a.B * P.a.H));
+  kernel<<<grid, kMmaWarps * 32, smem, st>>>(P);
+  MXF_CUDA_RETURN_LAST();
 }
 
 template <typename T, int DMAX, int BC>
 int launch_mma(const MmaParams& P, cudaStream_t st) {
   const mxf_attention_args& a = P.a;
-  const size_t smem = sizeof(T) * (kBR + 2 * BC) * (DMAX + 8);
+  const size_t smem = sizeof(T) * (kBR + 4 * BC) * (DMAX + 8);  // Q + two stages of K, V
   auto kernel = attention_fwd_mma_kernel<T, DMAX, BC>;
   if (smem > 48 * 1024)
     MXF_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -940,13 +1263,22 @@ extern "C" int mxf_attention_backward(const mxf_attention_args* args, const mxf_
     }
     if (args->Sk > 0 && (grads->req_dq != MXF_REQ_NULL || grads->req_dk != MXF_REQ_NULL ||
                          grads->req_dv != MXF_REQ_NULL || P.dmask_acc)) {
-      auto kernel = attention_bwd_kernel<T>;
-      if (pl.smem > 48 * 1024)
-        MXF_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(pl.smem)));
-      dim3 grid(static_cast<unsigned>((args->Sk + pl.bkc - 1) / pl.bkc), static_cast<unsigned>(N));
-      kernel<<<grid, kBwdThreads, pl.smem, st>>>(P);
-      MXF_CUDA_TRY(cudaGetLastError());
+      const int64_t dmax = args->D > args->Dv ? args->D : args->Dv;
+      int rc = -1;
+      if constexpr (!std::is_same<T, float>::value) {  // tensor cores for fp16 / bf16, D, Dv <= 128
+        if (dmax <= 64) rc = launch_bwd_mma<T, 64, 64>(P, st);
+        else if (dmax <= 128) rc = launch_bwd_mma<T, 128, 32>(P, st);
+        if (rc > 0) return rc;
+      }
+      if (rc != 0) {
+        auto kernel = attention_bwd_kernel<T>;
+        if (pl.smem > 48 * 1024)
+          MXF_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(pl.smem)));
+        dim3 grid(static_cast<unsigned>((args->Sk + pl.bkc - 1) / pl.bkc), static_cast<unsigned>(N));
+        kernel<<<grid, kBwdThreads, pl.smem, st>>>(P);
+        MXF_CUDA_TRY(cudaGetLastError());
+      }
     }
     if (grads->req_dq != MXF_REQ_NULL && args->Sq > 0)
       dq_finish_kernel<T><<<grid_1d(N * args->Sq * args->D, 256), 256, 0, st>>>(

@@ -28,7 +28,9 @@ extern "C" int mxf_dense_backward(int, const void*, const void*, const void*, co
 #else
 #include <cublasLt.h>
 
+#include <map>
 #include <mutex>
+#include <vector>
 
 namespace {
 
@@ -89,6 +91,19 @@ __global__ void act_inplace_kernel(T* __restrict__ y, int64_t n, int act, float 
     }
   for (int64_t i = nv * V::N + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride)
     y[i] = from_f<T>(act_fwd(act, to_f(y[i]), slope));
+}
+
+// y = act(y + bias) in the output layout: the bias of a product whose per-batch bias pointers
+// cuBLASLt's epilogue cannot take (not 16-byte aligned).
+template <typename T>
+__global__ void bias_act_kernel(T* __restrict__ y, const T* __restrict__ bias, int64_t M, int64_t N, int act,
+                                float slope, int64_t heads, int64_t S) {
+  const int64_t total = M * N, D = heads > 0 ? N / heads : N;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = heads > 0 ? ((e / (S * D)) % heads) * D + e % D : e % N;
+    y[e] = from_f<T>(act_fwd(act, to_f(y[e]) + to_f(bias[n]), slope));
+  }
 }
 
 // y = act(bias or 0) in the output layout: the product of an empty K.
@@ -170,18 +185,13 @@ cudaDataType_t lt_type(int dtype) {
   return dtype == MXF_F16 ? CUDA_R_16F : dtype == MXF_BF16 ? CUDA_R_16BF : CUDA_R_32F;
 }
 
-// Owns the descriptors of one product.
-struct LtProduct {
+// The descriptors and chosen algorithm of one product shape, kept for the process (the
+// heuristic query costs tens of microseconds of host time a call).
+struct LtPlan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  cublasLtMatmulPreference_t pref = nullptr;
-  ~LtProduct() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (c) cublasLtMatrixLayoutDestroy(c);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
+  cublasLtMatmulAlgo_t algo{};
+  bool found = false;
 };
 
 int make_layout(cublasLtMatrixLayout_t* l, cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld,
@@ -211,35 +221,103 @@ struct Gemm {
   int64_t bias_stride = 0;
 };
 
-// Runs g; returns MXF_ERR_CUBLAS - CUBLAS_STATUS_NOT_SUPPORTED when cuBLASLt has no algorithm.
-int run_gemm(const Gemm& g, void* ws, size_t ws_size, cudaStream_t stream) {
-  cublasLtHandle_t h;
-  MXF_TRY(lt_handle(&h));
-  LtProduct p;
-  LT_TRY(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t ta = g.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = g.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
-  LT_TRY(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-  LT_TRY(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-  if (g.epi != CUBLASLT_EPILOGUE_DEFAULT) {
-    LT_TRY(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &g.epi, sizeof(g.epi)));
-    LT_TRY(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
-    if (g.batch > 1)
-      LT_TRY(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, &g.bias_stride,
-                                            sizeof(g.bias_stride)));
+// Largest power of two <= 256 dividing the address of every batch's matrix.
+uint32_t alignment(const void* p, int64_t stride_bytes, int batch) {
+  uintptr_t v = reinterpret_cast<uintptr_t>(p);
+  if (batch > 1) v |= static_cast<uintptr_t>(stride_bytes);
+  uint32_t a = 256;
+  while (a > 1 && (v % a) != 0) a >>= 1;
+  return a;
+}
+
+int plan_for(cublasLtHandle_t h, const Gemm& g, size_t ws_size, LtPlan** out) {
+  static std::mutex mu;  // guards the map; plans are never freed
+  static std::map<std::vector<int64_t>, LtPlan*> plans;
+  int dev = 0;
+  MXF_CUDA_TRY(cudaGetDevice(&dev));
+  const int64_t es = static_cast<int64_t>(mxf_cuda::dtype_bytes(g.in_dtype));
+  const int64_t os = g.out_type == CUDA_R_32F ? 4 : 2;
+  const uint32_t al_a = alignment(g.A, g.sA * es, g.batch), al_b = alignment(g.B, g.sB * es, g.batch),
+                 al_c = alignment(g.C, g.sC * os, g.batch);
+  const std::vector<int64_t> key = {dev, g.in_dtype, static_cast<int64_t>(g.out_type), g.ta, g.tb, g.m, g.n, g.k,
+                                    g.lda, g.sA, g.ldb, g.sB, g.ldc, g.sC, g.batch, g.beta != 0.f,
+                                    static_cast<int64_t>(g.epi), g.bias_stride, static_cast<int64_t>(ws_size),
+                                    al_a, al_b, al_c};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = plans.find(key);
+  if (it != plans.end()) {
+    *out = it->second;
+    return 0;
   }
-  const cudaDataType_t it = lt_type(g.in_dtype);
-  MXF_TRY(make_layout(&p.a, it, g.ta ? g.k : g.m, g.ta ? g.m : g.k, g.lda, g.batch, g.sA));
-  MXF_TRY(make_layout(&p.b, it, g.tb ? g.n : g.k, g.tb ? g.k : g.n, g.ldb, g.batch, g.sB));
-  MXF_TRY(make_layout(&p.c, g.out_type, g.m, g.n, g.ldc, g.batch, g.sC));
-  LT_TRY(cublasLtMatmulPreferenceCreate(&p.pref));
-  LT_TRY(cublasLtMatmulPreferenceSetAttribute(p.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_size,
-                                              sizeof(ws_size)));
+  LtPlan* p = new LtPlan();
+  cublasLtMatmulPreference_t pref = nullptr;
+  auto fail = [&](int rc) {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (p->c) cublasLtMatrixLayoutDestroy(p->c);
+    if (p->b) cublasLtMatrixLayoutDestroy(p->b);
+    if (p->a) cublasLtMatrixLayoutDestroy(p->a);
+    if (p->op) cublasLtMatmulDescDestroy(p->op);
+    delete p;
+    return rc;
+  };
+#define PLAN_TRY(expr)                          \
+  do {                                          \
+    const int rc_ = (expr);                     \
+    if (rc_ != 0) return fail(rc_);             \
+  } while (0)
+  PLAN_TRY(lt_status(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F)));
+  const cublasOperation_t ta = g.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = g.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  PLAN_TRY(lt_status(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta))));
+  PLAN_TRY(lt_status(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb))));
+  if (g.epi != CUBLASLT_EPILOGUE_DEFAULT) {
+    PLAN_TRY(lt_status(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &g.epi, sizeof(g.epi))));
+    PLAN_TRY(lt_status(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias,
+                                                      sizeof(g.bias))));
+    if (g.batch > 1)
+      PLAN_TRY(lt_status(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE,
+                                                        &g.bias_stride, sizeof(g.bias_stride))));
+  }
+  const cudaDataType_t it_ = lt_type(g.in_dtype);
+  PLAN_TRY(make_layout(&p->a, it_, g.ta ? g.k : g.m, g.ta ? g.m : g.k, g.lda, g.batch, g.sA));
+  PLAN_TRY(make_layout(&p->b, it_, g.tb ? g.n : g.k, g.tb ? g.k : g.n, g.ldb, g.batch, g.sB));
+  PLAN_TRY(make_layout(&p->c, g.out_type, g.m, g.n, g.ldc, g.batch, g.sC));
+  PLAN_TRY(lt_status(cublasLtMatmulPreferenceCreate(&pref)));
+  PLAN_TRY(lt_status(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_size,
+                                                          sizeof(ws_size))));
+  // the heuristic assumes 256-byte aligned matrices unless told otherwise
+  PLAN_TRY(lt_status(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a,
+                                                          sizeof(al_a))));
+  PLAN_TRY(lt_status(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b,
+                                                          sizeof(al_b))));
+  PLAN_TRY(lt_status(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c,
+                                                          sizeof(al_c))));
+  PLAN_TRY(lt_status(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c,
+                                                          sizeof(al_c))));
   cublasLtMatmulHeuristicResult_t res{};
   int found = 0;
-  LT_TRY(cublasLtMatmulAlgoGetHeuristic(h, p.op, p.a, p.b, p.c, p.c, p.pref, 1, &res, &found));
-  if (found == 0) return MXF_ERR_CUBLAS - static_cast<int>(CUBLAS_STATUS_NOT_SUPPORTED);
+  PLAN_TRY(lt_status(cublasLtMatmulAlgoGetHeuristic(h, p->op, p->a, p->b, p->c, p->c, pref, 1, &res, &found)));
+#undef PLAN_TRY
+  cublasLtMatmulPreferenceDestroy(pref);
+  p->found = found > 0;
+  if (p->found) p->algo = res.algo;
+  plans[key] = p;
+  *out = p;
+  return 0;
+}
+
+// Runs g; returns MXF_ERR_CUBLAS - CUBLAS_STATUS_NOT_SUPPORTED when cuBLASLt has no algorithm.
+int run_gemm(const Gemm& g, void* ws, size_t ws_size, cudaStream_t stream) {
+  static std::mutex run_mu;  // a plan's descriptor gets this call's bias pointer
+  cublasLtHandle_t h;
+  MXF_TRY(lt_handle(&h));
+  LtPlan* p = nullptr;
+  MXF_TRY(plan_for(h, g, ws_size, &p));
+  if (!p->found) return MXF_ERR_CUBLAS - static_cast<int>(CUBLAS_STATUS_NOT_SUPPORTED);
   const float alpha = 1.f, beta = g.beta;
-  LT_TRY(cublasLtMatmul(h, p.op, &alpha, g.A, p.a, g.B, p.b, &beta, g.C, p.c, g.C, p.c, &res.algo, ws,
+  std::lock_guard<std::mutex> lock(run_mu);
+  if (g.epi != CUBLASLT_EPILOGUE_DEFAULT)
+    LT_TRY(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
+  LT_TRY(cublasLtMatmul(h, p->op, &alpha, g.A, p->a, g.B, p->b, &beta, g.C, p->c, g.C, p->c, &p->algo, ws,
                         ws_size, stream));
   return 0;
 }
@@ -269,7 +347,7 @@ int forward_product(int dtype, const void* x, const void* w, const void* bias, v
   g.k = K;
   g.lda = K;
   g.ldb = K;
-  g.epi = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  g.epi = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;  // bias: 16-byte aligned per batch
   if (heads <= 0) {  // D^T (N x M, ld N) = W (K x N)^T x^T (K x M)
     g.m = N; g.n = M; g.A = w; g.B = x; g.C = y; g.ldc = N; g.bias = bias;
     g.sA = g.sB = g.sC = 0;
@@ -332,7 +410,18 @@ extern "C" int mxf_dense_forward(int dtype, const void* x, const void* w, const 
                                                                  static_cast<T*>(y), M, N, act, slope, heads, S);
       MXF_CUDA_RETURN_LAST();
     });
-  MXF_TRY(forward_product(dtype, x, w, bias, y, M, N, K, heads, S, workspace, workspace_size, st));
+  // the epilogue's bias pointers (one per head slice in the head-split layout) must be 16-byte aligned
+  const size_t es = mxf_cuda::dtype_bytes(dtype);
+  const bool epi_bias = bias && mxf_cuda::aligned16(bias) && (heads <= 0 || (N / heads) * es % 16 == 0);
+  MXF_TRY(forward_product(dtype, x, w, epi_bias ? bias : nullptr, y, M, N, K, heads, S, workspace,
+                          workspace_size, st));
+  if (bias && !epi_bias)
+    return mxf_cuda::dispatch_dtype(dtype, [&](auto t) {
+      using T = decltype(t);
+      bias_act_kernel<T><<<grid_for(M * N, 256), 256, 0, st>>>(static_cast<T*>(y), static_cast<const T*>(bias), M,
+                                                                N, act, slope, heads, S);
+      MXF_CUDA_RETURN_LAST();
+    });
   if (act == MXF_ACT_NONE) return 0;
   return mxf_cuda::dispatch_dtype(dtype, [&](auto t) {
     return launch_act<decltype(t)>(y, M * N, act, slope, st);
@@ -421,7 +510,7 @@ extern "C" int mxf_dense_backward(int dtype, const void* dy, const void* x, cons
     g.m = K; g.n = N; g.k = M; g.A = x; g.lda = K; g.B = dz; g.ldb = N; g.C = dw; g.ldc = K;
     g.beta = req_dw == MXF_REQ_ADD ? 1.f : 0.f;
     int rc = -1;
-    if (!dbias_done && req_dbias != MXF_REQ_ADD) {  // dbias from the same product
+    if (!dbias_done && req_dbias != MXF_REQ_ADD && mxf_cuda::aligned16(dbias)) {  // dbias from the same product
       g.epi = CUBLASLT_EPILOGUE_BGRADB;
       g.bias = dbias;
       rc = run_gemm(g, ws, kLtWorkspace, st);

@@ -30,6 +30,7 @@ struct EwParams {
   const void* in[kMaxIn];
   int64_t stride[kMaxIn][kMaxDim];
   int kind[kMaxIn];
+  bool keep[kMaxInstr];  // vector path: the value is read by an instruction other than the next
   int64_t row_len;  // kRow inputs: element e reads e % row_len
   int64_t oshape[kMaxDim];
   int64_t total;
@@ -139,6 +140,9 @@ __global__ void elemwise_kernel(const EwParams p) {
 }
 
 // 16 bytes of output per step; inputs kFull / kScalar / kRow (row_len a multiple of kN).
+// The previous instruction's values stay in registers (cur); a value is stored to the
+// (local-memory) value array only when an instruction other than the next one reads it
+// (p.keep), so a chain of ops runs in registers.
 template <typename T>
 __global__ void elemwise_vec_kernel(const EwParams p) {
   using namespace mxf::expr;
@@ -150,36 +154,49 @@ __global__ void elemwise_vec_kernel(const EwParams p) {
   for (int64_t q = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; q < nv;
        q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t e0 = q * kN;
+    float cur[kN];
+#pragma unroll
+    for (int j = 0; j < kN; ++j) cur[j] = 0.f;
     for (int i = 0; i < p.ninstr; ++i) {
       const Instr& c = p.code[i];
+      float res[kN];
+      // operands: the previous instruction's from registers, older ones from the value array
+      const bool ap = c.a == i - 1, bp = c.b == i - 1, cp = c.c == i - 1;
       if (c.op == LOAD) {
         const int k = p.kind[c.input];
         if (k == kScalar) {
           const float x = mxf_cuda::to_f(in[c.input][0]);
 #pragma unroll
-          for (int j = 0; j < kN; ++j) v[i][j] = x;
+          for (int j = 0; j < kN; ++j) res[j] = x;
         } else {
           const V x = mxf_cuda::load_vec(in[c.input] + (k == kRow ? e0 % p.row_len : e0));
 #pragma unroll
-          for (int j = 0; j < kN; ++j) v[i][j] = mxf_cuda::to_f(x.u.e[j]);
+          for (int j = 0; j < kN; ++j) res[j] = mxf_cuda::to_f(x.u.e[j]);
         }
       } else if (c.op == CONST) {
 #pragma unroll
-        for (int j = 0; j < kN; ++j) v[i][j] = c.imm;
+        for (int j = 0; j < kN; ++j) res[j] = c.imm;
       } else if (c.c >= 0) {
 #pragma unroll
-        for (int j = 0; j < kN; ++j) v[i][j] = ternary(c.op, v[c.a][j], v[c.b][j], v[c.c][j]);
+        for (int j = 0; j < kN; ++j)
+          res[j] = ternary(c.op, ap ? cur[j] : v[c.a][j], bp ? cur[j] : v[c.b][j], cp ? cur[j] : v[c.c][j]);
       } else if (c.b < 0) {
 #pragma unroll
-        for (int j = 0; j < kN; ++j) v[i][j] = unary(c.op, v[c.a][j]);
+        for (int j = 0; j < kN; ++j) res[j] = unary(c.op, ap ? cur[j] : v[c.a][j]);
       } else {
 #pragma unroll
-        for (int j = 0; j < kN; ++j) v[i][j] = binary(c.op, v[c.a][j], v[c.b][j]);
+        for (int j = 0; j < kN; ++j) res[j] = binary(c.op, ap ? cur[j] : v[c.a][j], bp ? cur[j] : v[c.b][j]);
+      }
+#pragma unroll
+      for (int j = 0; j < kN; ++j) cur[j] = res[j];
+      if (p.keep[i]) {
+#pragma unroll
+        for (int j = 0; j < kN; ++j) v[i][j] = res[j];
       }
     }
     V o;
 #pragma unroll
-    for (int j = 0; j < kN; ++j) o.u.e[j] = mxf_cuda::from_f<T>(v[p.ninstr - 1][j]);
+    for (int j = 0; j < kN; ++j) o.u.e[j] = mxf_cuda::from_f<T>(cur[j]);
     mxf_cuda::store_vec(static_cast<T*>(p.out) + e0, o);
   }
 }
@@ -260,6 +277,11 @@ extern "C" int mxf_elemwise_forward(int dtype, const char* expr, int num_args, c
     p.code[i].op = mxf::expr::resolve(c.op, rank[i], /*dnnl=*/false);
   }
   p.ninstr = static_cast<int>(prog.code.size());
+  for (int i = 0; i < p.ninstr; ++i) {
+    const Instr& c = p.code[i];
+    for (int k : {c.a, c.b, c.c})
+      if (k >= 0 && k != i - 1) p.keep[k] = true;
+  }
   p.nin = prog.num_inputs;
   p.out = out;
   if (p.total == 0) return 0;
