@@ -206,6 +206,8 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     run_rules(graph, rule_list, ctx, report, checker)
     report.self_check = checker.stats if self_check else None
     _precision_notes(graph, ctx, report)
+    if device != "cpu":
+        _device_note(device, mode, report)
     guarded = guard_layer_outputs(graph)
     if guarded:
         report.notes.append("%d layer output(s) read more than once pass through an identity Reshape before an "
@@ -219,6 +221,18 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
         1 for n in list(arg_out) + list(aux_out) if n in ctx.arg_params or n in ctx.aux_params)
     report.seconds = time.perf_counter() - start
     return FusionResult(sym, arg_out, aux_out, report, graph)
+
+
+def _device_note(device: str, mode: str, report: FusionReport) -> None:
+    from . import _native
+
+    kind = "backward" if mode == "training" else "forward"
+    ops = sorted(op for op, c in _native.capabilities().items()
+                 if device in c["forward"] and (kind == "forward" or device in c["backward"]))
+    report.notes.append("device %s: library ops with a %s %s in this op library: %s; the self-check runs on "
+                        "the CPU" % (device, device, "forward and backward" if kind == "backward"
+                                                 else "implementation",
+                                                 ", ".join(ops) or "none (built without nvcc)"))
 
 
 def _precision_notes(graph: Graph, ctx: Context, report: FusionReport) -> None:

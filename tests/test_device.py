@@ -85,6 +85,8 @@ def test_gpu_emits_only_ops_with_a_gpu_implementation(gpu_caps):
     gpu_caps(gpu_forward={"fused_dense"})
     res = fuse_and_check(se_dense_model(), SHAPES, device="gpu")
     assert ops(res).get("fused_dense") == 1 and "fused_se" not in ops(res), ops(res)
+    assert ("device gpu: library ops with a gpu implementation in this op library: fused_dense; the "
+            "self-check runs on the CPU") in res.report.notes, res.report.notes
     assert "rewrite failed: fused_se has no gpu implementation in this build" in rejected(res)
     cpu = fuse_and_check(se_dense_model(), SHAPES)          # the same library, device cpu: both
     assert ops(cpu).get("fused_se") == 1 and ops(cpu).get("fused_dense") == 1, ops(cpu)
@@ -94,6 +96,7 @@ def test_no_gpu_implementations_no_library_ops(gpu_caps):
     gpu_caps()
     res = fuse_and_check(se_dense_model(), SHAPES, device="gpu")
     assert not [op for op in ops(res) if op.startswith("fused_")], ops(res)
+    assert any("implementation in this op library: none (built without nvcc)" in n for n in res.report.notes)
     reasons = set(rejected(res))
     assert {"rewrite failed: fused_se has no gpu implementation in this build",
             "rewrite failed: fused_dense has no gpu implementation in this build"} <= reasons, reasons
