@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml $(wildcard cuda_kernels/*/*.cc cuda_kernels/*/*.h cuda_kernels/*/*.cu)
+$(STAMP): pyproject.toml $(wildcard cuda_kernels/*/*.cc cuda_kernels/*/*.h cuda_kernels/*/*.cu cuda_kernels/common/mxnet_gpu/*.cu)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[test]"
