@@ -133,6 +133,22 @@ def test_tensors_on_another_device_are_refused(oplib):
         oplib.compute("fused_add_layer_norm", {}, [a, a[0], a[0], a[0]], [a], "gpu")
 
 
+@pytest.mark.parametrize("op,attrs,shapes", [
+    ("fused_add_layer_norm", {}, [(2, 4), (4,), (4,), (4,)]),
+    ("fused_elemwise", {"expr": "exp(x0)"}, [(2, 4)]),
+    ("fused_attention", {"scale": 0.5}, [(2, 3, 4)] * 3),
+    ("fused_dense", {"num_hidden": 3}, [(2, 4), (3, 4), (3,)]),    # stateful: its gpu state
+])
+def test_gpu_functions_refuse_host_tensors(oplib, op, attrs, shapes):
+    """The "gpu" functions run here up to their checks (no CUDA call is reached): arrays in host
+    memory are refused with the op's name, through lib_api's error path."""
+    need_gpu(oplib, op)
+    ins = [np.zeros(s, np.float32) for s in shapes]
+    outs = [np.zeros(s, np.float32) for s in oplib.infer_shape(op, attrs, shapes)]
+    with pytest.raises(LibError, match=r"%s \(gpu\).*input 0 is on cpu, not on the GPU" % op):
+        oplib.compute(op, attrs, ins, outs, "gpu", check_devices=False)
+
+
 # ---- GPU path ----------------------------------------------------------------------------------
 
 def _stream(torch):
