@@ -6,11 +6,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test bench gpu-check clean
+.PHONY: setup demo test bench gpu-check gpu-bundle clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml $(wildcard cuda_kernels/*/*.cc cuda_kernels/*/*.h cuda_kernels/*/*.cu)
+$(STAMP): pyproject.toml $(wildcard cuda_kernels/*/*.cc cuda_kernels/*/*.h cuda_kernels/*/*.cu cuda_kernels/common/mxnet_gpu/*.cu)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[test]"
@@ -28,11 +28,16 @@ test: setup
 bench: setup
 	$(BIN)/python benchmarks/bench_cnn.py
 
-# On a GPU machine with PyTorch and nvcc (no MXNet or venv needed): the CUDA kernels'
-# tests and their benchmark against PyTorch, in one command.
+# On a GPU machine with PyTorch and nvcc (no MXNet or venv needed): build, the CUDA kernels'
+# tests, the op library through MXNet's lib_api entry points (tests/kernels/libapi_harness.py),
+# then the benchmark against PyTorch; a summary at the end (tools/gpu_check.py, < 8 minutes).
 gpu-check:
-	$(PY) -m pytest --noconftest -q tests/kernels/test_cuda_kernels.py
-	$(PY) benchmarks/bench_cuda.py --quick
+	$(PY) tools/gpu_check.py
+
+# Here (MXNet installed): copy MXNet's lib_api sources to build/mxnet_lib_api, which gpu-check
+# compiles the op library against on a GPU machine where MXNet is not installed.
+gpu-bundle: setup
+	$(BIN)/python tools/gpu_check.py --bundle
 
 clean:
 	rm -rf $(VENV) out build *.egg-info

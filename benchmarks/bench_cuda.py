@@ -1,19 +1,22 @@
-"""GPU benchmark of the CUDA kernels (C interface) against PyTorch, fp32, in one run.
+"""GPU benchmark of the CUDA kernels (C interface) against PyTorch, side by side in one run.
 
     python3 benchmarks/bench_cuda.py [--quick]
 
-Needs an NVIDIA GPU, PyTorch with CUDA and nvcc; imports no MXNet (the library is built
-from cuda_kernels/ alone, see cuda_kernels/cuda_iface.py).  Prints, with medians of
-CUDA-event timings (fused and baselines alternate each repetition):
+Needs an NVIDIA GPU, PyTorch with CUDA, nvcc and cuBLASLt (the nvidia-cublas wheel); imports
+no MXNet (the library is built from cuda_kernels/ alone, see cuda_kernels/cuda_iface.py).
+Medians of CUDA-event timings, the fused op and its baselines alternating each repetition:
 
-* fused_attention vs torch scaled_dot_product_attention and the unfused
-  matmul -> scale -> softmax -> matmul sequence (12 heads, D=64), with max |diff|;
-* fused_dense (+GELU) vs torch.addmm (+gelu), TFLOP/s (TF32 off);
-* fused_elemwise 6-op chain over 64 MiB vs PyTorch's separate ops, and as a fraction
-  of a device-to-device copy's bandwidth;
-* fused_add_layer_norm vs (a + b) then torch layer_norm.
+* fused_attention (fp16, bf16) vs torch scaled_dot_product_attention, S = 1024..4096,
+  batch 4 (2 with --quick), 16 heads, D = 64 and 128, causal and not; target: within 1.5x;
+* fused_attention backward (fp16, from the saved lse) vs SDPA's backward (no target);
+* fused_dense + GELU (fp16) vs torch.addmm then gelu; target: within 1.1x;
+* fused_add_layer_norm (fp16) vs (a + b) then torch layer_norm; target: at least as fast;
+* fused_elemwise 6-op chain (fp32, fp16) over 256 MiB of output vs a device-to-device copy
+  of the same bytes (read + write); target: >= 80 % of the copy's bandwidth.
 
-A GPU machine without these prints why and exits 0 (so scripts can call it anywhere).
+"ratio" is baseline time / fused time (> 1: the fused op is faster); "ok" says whether the
+target is met.  --quick fits in about 3 minutes on an H200 (build excluded).
+A machine without a GPU or PyTorch prints why and exits 0 (so scripts can call it anywhere).
 """
 import argparse
 import os
@@ -23,7 +26,9 @@ import sys
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(_REPO, "cuda_kernels"))
 
-import cuda_iface  # noqa: E402
+import cuda_iface as ci  # noqa: E402
+
+ROWS = []
 
 
 def timed(torch, fns, reps, warmup=3):
@@ -44,92 +49,120 @@ def timed(torch, fns, reps, warmup=3):
     return [statistics.median(t) for t in ts]
 
 
-def check(rc, what):
+def check(lib, rc, what):
     if rc != 0:
-        raise RuntimeError("%s failed with status %s" % (what, rc))
+        raise RuntimeError("%s failed: %s" % (what, ci.error(lib, rc)))
 
 
-def bench_attention(lib, torch, seqs, reps):
-    import ctypes
+def row(op, case, fused_ms, base_ms, base_name, target, extra=""):
+    ratio = base_ms / fused_ms
+    ok = ratio >= 1 / target if target else None
+    ROWS.append((op, case, fused_ms, base_ms, base_name, ratio, ok, extra))
+    print("| %s | %s | %.3f | %.3f (%s) | %.2f | %s | %s |" % (
+        op, case, fused_ms, base_ms, base_name, ratio, "-" if ok is None else ("yes" if ok else "NO"), extra),
+        flush=True)
+
+
+def bench_attention(lib, torch, ws, seqs, batch, reps):
     F = torch.nn.functional
-    H, D = 12, 64
-    print("\n## fused_attention vs PyTorch, batch 1, %d heads, D=%d, fp32" % (H, D))
-    print("| S | fused ms | SDPA ms | unfused ms | vs SDPA | vs unfused | max abs diff |")
-    print("|---|---|---|---|---|---|---|")
-    for S in seqs:
-        q, k, v = (torch.randn(H, S, D, device="cuda") for _ in range(3))
-        o = torch.empty_like(q)
-        scale = D ** -0.5
-        args = cuda_iface.attention_args(1, H, S, S, D, D, q, k, v, o, scale)
-        fused = lambda: check(lib.mxf_attention_forward(ctypes.byref(args), None), "attention")
-        sdpa = lambda: F.scaled_dot_product_attention(q[None], k[None], v[None])
-        unfused = lambda: torch.softmax((q @ k.transpose(1, 2)) * scale, -1) @ v
-        t = timed(torch, [fused, sdpa, unfused], reps if S <= 2048 else max(3, reps // 4))
+    H = 16
+    for dtype in (torch.float16, torch.bfloat16):
+        for D in (64, 128):
+            for causal in (False, True):
+                for S in seqs:
+                    q, k, v = (torch.randn(batch, H, S, D, device="cuda", dtype=dtype) for _ in range(3))
+                    o = torch.empty_like(q)
+                    args = ci.attention_args(q, k, v, o, D ** -0.5, causal="exclude" if causal else "none")
+                    fused = lambda: check(lib, ci.attention(lib, ws, args), "attention")  # noqa: E731
+                    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+                    t = timed(torch, [fused, sdpa], reps if S <= 2048 else max(3, reps // 2))
+                    fused()
+                    diff = (o.float() - sdpa().float()).abs().max().item()
+                    fl = 4 * batch * H * S * S * D / (2 if causal else 1)
+                    row("attention", "%s D=%d S=%d%s" % (str(dtype)[6:], D, S, " causal" if causal else ""),
+                        t[0], t[1], "sdpa", 1.5, "%.0f TFLOP/s, max|diff| %.1e" % (fl / t[0] / 1e9, diff))
+
+
+def bench_attention_backward(lib, torch, ws, seqs, batch, reps):
+    """Backward only: ours from the saved lse vs SDPA's backward (autograd.grad on a kept graph)."""
+    F = torch.nn.functional
+    H = 16
+    for D in (64, 128):
+        for causal in (False, True):
+            for S in seqs:
+                dt = torch.float16
+                q, k, v = (torch.randn(batch, H, S, D, device="cuda", dtype=dt) for _ in range(3))
+                o, dout = torch.empty_like(q), torch.randn_like(q)
+                lse = torch.empty(batch * H * S, device="cuda")
+                args = ci.attention_args(q, k, v, o, D ** -0.5, causal="exclude" if causal else "none", lse=lse)
+                check(lib, ci.attention(lib, ws, args), "attention")
+                dq, dk, dv = (torch.empty_like(q) for _ in range(3))
+                g = ci.AttnGrads(dout=dout.data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(),
+                                 req_dq=ci.REQ_WRITE, req_dk=ci.REQ_WRITE, req_dv=ci.REQ_WRITE)
+                qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
+                out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+                fused = lambda: check(lib, ci.attention_backward(lib, ws, args, g), "attention backward")  # noqa: E731
+                ref = lambda: torch.autograd.grad(out, (qr, kr, vr), dout, retain_graph=True)  # noqa: E731
+                t = timed(torch, [fused, ref], max(3, reps // 2))
+                fused()
+                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip((dq, dk, dv), ref()))
+                row("attention bwd", "fp16 D=%d S=%d%s" % (D, S, " causal" if causal else ""), t[0], t[1],
+                    "sdpa bwd", None, "max|diff| %.1e" % diff)
+
+
+def bench_dense(lib, torch, ws, shapes, reps):
+    F = torch.nn.functional
+    for M, K, N in shapes:
+        x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        w = torch.randn(N, K, device="cuda", dtype=torch.float16) * K ** -0.5
+        b = torch.randn(N, device="cuda", dtype=torch.float16)
+        y = torch.empty(M, N, device="cuda", dtype=torch.float16)
+        fused = lambda: check(lib, ci.dense(lib, ws, x, w, b, y, M, N, K, "gelu_erf"), "dense")  # noqa: E731
+        ref = lambda: F.gelu(torch.addmm(b, x, w.t()))  # noqa: E731
+        t = timed(torch, [fused, ref], reps)
         fused()
-        diff = (o - sdpa()[0]).abs().max().item()
-        print("| %d | %.3f | %.3f | %.3f | %.2fx | %.2fx | %.1e |" % (
-            S, t[0], t[1], t[2], t[1] / t[0], t[2] / t[0], diff))
+        diff = (y.float() - ref().float()).abs().max().item()
+        row("dense+gelu", "fp16 %dx%d->%d" % (M, K, N), t[0], t[1], "addmm+gelu", 1.1,
+            "%.0f TFLOP/s, max|diff| %.1e" % (2 * M * N * K / t[0] / 1e9, diff))
 
 
-def bench_dense(lib, torch, reps):
+def bench_layer_norm(lib, torch, shapes, reps):
     F = torch.nn.functional
-    torch.backends.cuda.matmul.allow_tf32 = False
-    print("\n## fused_dense vs torch.addmm (+gelu), fp32 (TF32 off)")
-    print("| M | K -> N | act | fused TFLOP/s | torch TFLOP/s | ratio |")
-    print("|---|---|---|---|---|---|")
-    for M in (128, 512):
-        for K, N in [(768, 2304), (768, 768), (768, 3072), (3072, 768)]:
-            x, w, b = torch.randn(M, K, device="cuda"), torch.randn(N, K, device="cuda"), torch.randn(N, device="cuda")
-            y = torch.empty(M, N, device="cuda")
-            for act in ("none", "gelu_erf"):
-                fused = lambda: check(cuda_iface.dense(lib, x, w, b, y, M, N, K, act), "dense")
-                if act == "none":
-                    ref = lambda: torch.addmm(b, x, w.t())
-                else:
-                    ref = lambda: F.gelu(torch.addmm(b, x, w.t()))
-                t = timed(torch, [fused, ref], reps)
-                fl = 2 * M * N * K / 1e9
-                print("| %d | %d -> %d | %s | %.1f | %.1f | %.2fx |" % (
-                    M, K, N, act, fl / t[0], fl / t[1], t[1] / t[0]))
+    for R, C in shapes:
+        a, b = (torch.randn(R, C, device="cuda", dtype=torch.float16) for _ in range(2))
+        g, be = (torch.randn(C, device="cuda", dtype=torch.float16) for _ in range(2))
+        y = torch.empty_like(a)
+        fused = lambda: check(lib, ci.add_layer_norm(lib, a, b, g, be, y, None, R, C, R), "layer norm")  # noqa: E731
+        ref = lambda: F.layer_norm(a + b, (C,), g, be, 1e-5)  # noqa: E731
+        t = timed(torch, [fused, ref], reps)
+        fused()
+        diff = (y.float() - ref().float()).abs().max().item()
+        gbs = 3 * R * C * 2 / t[0] / 1e6
+        row("add+layer_norm", "fp16 %dx%d" % (R, C), t[0], t[1], "add+layer_norm", 1.0,
+            "%.0f GB/s, max|diff| %.1e" % (gbs, diff))
 
 
 def bench_elemwise(lib, torch, reps):
-    n = 16 * 2 ** 20
     expr = "mul(sigmoid(add(mul(x0, 1.5), 0.5)), tanh(sub(x0, 0.25)))"
-    x = torch.randn(n, device="cuda")
-    out, dst = torch.empty_like(x), torch.empty_like(x)
-    fused = lambda: check(cuda_iface.elemwise(lib, expr, [x], out)[0], "elemwise")
-    sep = lambda: torch.sigmoid(x * 1.5 + 0.5) * torch.tanh(x - 0.25)
-    copy = lambda: dst.copy_(x)
-    t = timed(torch, [fused, sep, copy], reps)
-    gbs = lambda ms: 2 * n * 4 / ms / 1e6
-    print("\n## fused_elemwise: 6-op chain over 64 MiB: %s" % expr)
-    print("| variant | ms | GB/s (read+write) | vs copy |")
-    print("|---|---|---|---|")
-    for name, ms in [("fused_elemwise", t[0]), ("PyTorch separate ops", t[1]), ("copy", t[2])]:
-        print("| %s | %.3f | %.0f | %.0f%% |" % (name, ms, gbs(ms), 100 * t[2] / ms))
-    fused()
-    print("max abs diff vs PyTorch: %.1e" % (out - sep()).abs().max().item())
-
-
-def bench_layer_norm(lib, torch, reps):
-    F = torch.nn.functional
-    print("\n## fused_add_layer_norm vs (a + b) -> layer_norm")
-    print("| rows x C | fused ms | torch ms | ratio |")
-    print("|---|---|---|---|")
-    for R, C in [(512, 768), (4096, 1024)]:
-        a, b = torch.randn(R, C, device="cuda"), torch.randn(R, C, device="cuda")
-        g, be = torch.randn(C, device="cuda"), torch.randn(C, device="cuda")
-        y, s = torch.empty_like(a), torch.empty_like(a)
-        fused = lambda: check(cuda_iface.add_layer_norm(lib, a, b, g, be, y, s, R, C, R), "layer norm")
-        ref = lambda: F.layer_norm(a + b, (C,), g, be, 1e-5)
-        t = timed(torch, [fused, ref], reps)
-        print("| %d x %d | %.4f | %.4f | %.2fx |" % (R, C, t[0], t[1], t[1] / t[0]))
+    for dtype in (torch.float32, torch.float16):
+        n = (256 << 20) // (4 if dtype == torch.float32 else 2)
+        x = torch.randn(n, device="cuda", dtype=dtype)
+        out, dst = torch.empty_like(x), torch.empty_like(x)
+        fused = lambda: check(lib, ci.elemwise(lib, expr, [x], out)[0], "elemwise")  # noqa: E731
+        copy = lambda: dst.copy_(x)  # noqa: E731
+        sep = lambda: torch.sigmoid(x * 1.5 + 0.5) * torch.tanh(x - 0.25)  # noqa: E731
+        t = timed(torch, [fused, copy, sep], reps)
+        fused()
+        diff = (out.float() - sep().float()).abs().max().item()
+        gbs = 2 * n * x.element_size() / t[0] / 1e6
+        # target: >= 80 % of the copy's bandwidth, i.e. copy / fused >= 0.8
+        row("elemwise", "%s 6 ops, 256 MiB" % str(dtype)[6:], t[0], t[1], "d2d copy", 1.25,
+            "%.0f GB/s = %.0f%% of copy; PyTorch ops %.3f ms; max|diff| %.1e" % (gbs, 100 * t[1] / t[0], t[2], diff))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions, S <= 1024")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (about 3 minutes)")
     a = ap.parse_args()
     try:
         import torch
@@ -139,13 +172,27 @@ def main():
     if not torch.cuda.is_available():
         print("no CUDA GPU available")
         return
-    lib = cuda_iface.load()
-    print("device: %s, torch %s" % (torch.cuda.get_device_name(), torch.__version__))
+    lib = ci.load()
+    ws = ci.Workspace(torch)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print("device: %s, torch %s, cuBLASLt %d" % (torch.cuda.get_device_name(), torch.__version__,
+                                                  lib.mxf_cublaslt_version()))
+    print("| op | case | fused ms | baseline ms | ratio | ok | notes |")
+    print("|---|---|---|---|---|---|---|")
     reps = 10 if a.quick else 30
-    bench_attention(lib, torch, [128, 512, 1024] if a.quick else [128, 512, 1024, 2048, 4096], reps)
-    bench_dense(lib, torch, reps)
+    seqs = [1024, 2048, 4096]
+    bench_attention(lib, torch, ws, seqs, 2 if a.quick else 4, reps)
+    bench_attention_backward(lib, torch, ws, [2048] if a.quick else seqs, 2 if a.quick else 4, reps)
+    dense_shapes = [(8192, 4096, 4096), (4096, 1024, 4096)] if a.quick else \
+        [(8192, 4096, 4096), (4096, 1024, 4096), (4096, 4096, 1024), (16384, 8192, 8192)]
+    bench_dense(lib, torch, ws, dense_shapes, reps)
+    bench_layer_norm(lib, torch, [(16384, 1024), (8192, 4096)] if a.quick else
+                     [(4096, 768), (16384, 1024), (8192, 4096), (32768, 8192)], reps)
     bench_elemwise(lib, torch, reps)
-    bench_layer_norm(lib, torch, reps)
+    missed = [r for r in ROWS if r[6] is False]
+    print("\n%d of %d rows meet their target" % (sum(1 for r in ROWS if r[6]), len(ROWS)))
+    for r in missed:
+        print("target missed: %s %s (ratio %.2f)" % (r[0], r[1], r[5]))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
 """Build and load the fused-operator library (``fusion/_lib/libmxfusion_ops.so``).
 
-The CPU library is compiled from ``cuda_kernels/*/*.cc`` plus MXNet's ``lib_api.cc``
+The op library is compiled from ``cuda_kernels/*/*.cc`` plus MXNet's ``lib_api.cc``
 and loaded with ``mx.library.load``; it registers the ``fused_*`` operators.  When
-``nvcc`` is found, ``build()`` also compiles ``cuda_kernels/*/*.cu`` into
-``fusion/_lib/libmxfusion_cuda.so``: a plain C interface (device pointers +
-``cudaStream_t``) with the CUDA runtime linked statically.
+``nvcc`` is found (and ``MXFUSION_NO_CUDA=1`` is not set), ``build()`` also puts the CUDA
+kernels' library beside it, ``fusion/_lib/libmxfusion_cuda.so`` (``cuda_kernels/cuda_iface.py``
+builds it: a plain C interface, CUDA runtime static, cuBLASLt dynamic), and builds the op
+library with its MXNet "gpu" registrations (``cuda_kernels/common/mxnet_gpu/gpu_glue.cu``,
+compiled by nvcc against MXNet's ``lib_api.h``), which open the CUDA library on their
+first call.  Loading the op library needs no CUDA library either way.
+``capabilities()`` asks the loaded library which devices each op runs on.
 
 A hash of the sources and flags is stored beside each library; ``load()`` refuses a
 library built from other sources, naming the rebuild command ``python -m fusion.build``.
@@ -43,11 +47,21 @@ LIB_API_BF16_CASE = ("  case 12:  // bfloat16 (added by mxnet-fusion's build)\n"
                      "    break;\n")
 NVCCFLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-cudart", "static",
              "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
+# The op library's MXNet "gpu" registrations: compiled by nvcc (lib_api.h types the CUDA stream
+# as cudaStream_t there), linked with the op library; not part of the CUDA C-interface library.
+# (one folder down, out of the kernels' */*.cu, which cuda_iface.py compiles without MXNet's headers)
+GPU_GLUE = os.path.join("common", "mxnet_gpu", "gpu_glue.cu")
+GPU_DEFINE = "-DMXF_WITH_CUDA=1"
 
 _loaded = None
 
 
 def _mxnet_dir():
+    env = os.environ.get("MXFUSION_MXNET_DIR")   # MXNet's include/ and src/lib_api.cc, copied
+    if env:                                      # where MXNet is not installed (a GPU machine)
+        if not os.path.exists(os.path.join(env, "include", "mxnet", "lib_api.h")):
+            raise RuntimeError("MXFUSION_MXNET_DIR=%s holds no include/mxnet/lib_api.h" % env)
+        return env
     import importlib.util
     spec = importlib.util.find_spec("mxnet")
     if spec is None or spec.origin is None:
@@ -63,21 +77,40 @@ def library_path(cuda=False, lib_dir=None):
     return os.path.join(lib_dir or LIB_DIR, CUDA_LIB if cuda else CPU_LIB)
 
 
-def _sources(cuda):
+def gpu_enabled():
+    """Whether a build here gives the op library its "gpu" registrations: nvcc is found and
+    ``MXFUSION_NO_CUDA=1`` is not set."""
+    return nvcc_path() is not None and os.environ.get("MXFUSION_NO_CUDA", "") != "1"
+
+
+def _sources(cuda, gpu=False):
+    """(sources, headers) of the CUDA kernels (``cuda``; cuda_iface.py builds them), or of the op
+    library (with its "gpu" registrations when ``gpu``)."""
+    glue = os.path.join(KERNEL_DIR, GPU_GLUE)
     pats = ["*/*.cu"] if cuda else ["*/*.cc"]
-    srcs = sorted(f for p in pats for f in glob.glob(os.path.join(KERNEL_DIR, p)))
+    srcs = sorted(f for p in pats for f in glob.glob(os.path.join(KERNEL_DIR, p)) if f != glue)
     deps = sorted(glob.glob(os.path.join(KERNEL_DIR, "*", "*.h")) +
                   (glob.glob(os.path.join(KERNEL_DIR, "*", "*.cuh")) if cuda else []))
     if cuda:  # the CUDA library reuses the expression parser
         srcs.append(os.path.join(KERNEL_DIR, "fused_elemwise", "expr_program.cc"))
+    elif gpu:
+        srcs.append(glue)
     return srcs, deps
 
 
-def source_hash(cuda=False):
-    """Hash of every kernel source, header and compile flag for one library."""
-    srcs, deps = _sources(cuda)
+def source_hash(cuda=False, gpu=None):
+    """Hash of every kernel source, header and compile flag for one library (the op library
+    with its "gpu" registrations when ``gpu``; default: as a build here makes it)."""
+    if cuda:    # the CUDA library is cuda_iface.py's build (one compile for it and its tests)
+        iface = _cuda_iface()
+        return iface._hash(iface.ARCHS)
+    if gpu is None:
+        gpu = gpu_enabled()
+    srcs, deps = _sources(cuda, gpu)
     h = hashlib.sha256()
     h.update(" ".join(NVCCFLAGS if cuda else CXXFLAGS + LIB_API_FLAGS + [LIB_API_BF16_CASE]).encode())
+    if gpu:
+        h.update((" gpu " + " ".join(NVCCFLAGS)).encode())
     for f in srcs + deps:
         h.update(os.path.relpath(f, KERNEL_DIR).encode())
         with open(f, "rb") as fh:
@@ -89,13 +122,13 @@ def _hash_file(lib):
     return lib + ".sha256"
 
 
-def _is_current(lib, cuda):
+def _is_current(lib, cuda, gpu=None):
     if not os.path.exists(lib) or not os.path.exists(_hash_file(lib)):
         return False
     if not os.path.isdir(KERNEL_DIR):  # installed package: no sources to compare with
         return True
     with open(_hash_file(lib)) as fh:
-        return fh.read().strip() == source_hash(cuda)
+        return fh.read().strip() == source_hash(cuda, gpu)
 
 
 def _run(cmd, verbose):
@@ -113,9 +146,9 @@ def nvcc_path():
                                     "/usr/local/cuda/bin/nvcc") or None
 
 
-def _build_one(cuda, lib_dir, verbose, jobs):
+def _build_one(cuda, lib_dir, verbose, jobs, gpu=False):
     lib = library_path(cuda, lib_dir)
-    if _is_current(lib, cuda):
+    if _is_current(lib, cuda, gpu):
         return lib
     os.makedirs(lib_dir, exist_ok=True)
     # several processes (parallel test runs) may build at once: one builds, the rest wait
@@ -123,52 +156,104 @@ def _build_one(cuda, lib_dir, verbose, jobs):
     with open(lib + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if _is_current(lib, cuda):
+            if _is_current(lib, cuda, gpu):
                 return lib
-            return _compile(cuda, lib, verbose, jobs)
+            return _compile(cuda, lib, verbose, jobs, gpu)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _compile(cuda, lib, verbose, jobs):
-    # the CUDA library uses no MXNet header, so it builds where MXNet is not installed
-    mxdir = None if cuda else _mxnet_dir()
-    inc = (["-I" + os.path.join(mxdir, "include")] if mxdir else []) + [
-        "-I" + KERNEL_DIR, "-I" + os.path.join(KERNEL_DIR, "common")]
-    srcs, _ = _sources(cuda)
-    tag = "cuda" if cuda else "cpu"
-    objdir = os.path.join(_REPO_DIR, "build", "mxfusion_" + tag)
+def _cuda_iface():
+    """cuda_kernels/cuda_iface.py: the CUDA kernels' own build (nvcc, cuBLASLt flags) and ctypes mirror."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mxfusion_cuda_iface", os.path.join(KERNEL_DIR, "cuda_iface.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _copy_cuda_library(lib, jobs):
+    """The CUDA library as cuda_iface.build() makes it (cached in build/), copied beside the op library."""
+    iface = _cuda_iface()
+    built = iface.build(jobs=jobs)
     tmp = "%s.%d.tmp" % (lib, os.getpid())
-    digest = source_hash(cuda)  # of the sources as they were when the compile started
-    os.makedirs(objdir, exist_ok=True)
+    shutil.copy2(built, tmp)
+    with open(tmp + ".sha256", "w") as fh:
+        fh.write(iface._hash(iface.ARCHS) + "\n")
+    os.replace(tmp, lib)
+    os.replace(tmp + ".sha256", _hash_file(lib))
+    return lib
+
+
+def _compile(cuda, lib, verbose, jobs, gpu=False):
     if cuda:
-        nvcc = nvcc_path()
-        cmds, objs = [], []
-        for s in srcs:
-            o = os.path.join(objdir, os.path.basename(os.path.dirname(s)) + "_" +
-                             os.path.basename(s) + ".o")
-            cmds.append([nvcc] + NVCCFLAGS + inc + ["-x", "cu" if s.endswith(".cu") else "c++",
-                                                     "-c", s, "-o", o])
-            objs.append(o)
-        link = [nvcc] + NVCCFLAGS + ["-shared", "-o", tmp] + objs
-    else:
-        srcs = srcs + [_lib_api_source(mxdir, objdir)]
-        cmds, objs = [], []
-        for s in srcs:
-            o = os.path.join(objdir, os.path.basename(os.path.dirname(s)) + "_" +
-                             os.path.basename(s) + ".o")
+        return _copy_cuda_library(lib, jobs)
+    mxdir = _mxnet_dir()
+    inc = ["-I" + os.path.join(mxdir, "include"), "-I" + KERNEL_DIR, "-I" + os.path.join(KERNEL_DIR, "common")]
+    srcs, _ = _sources(False, gpu)
+    objdir = os.path.join(_REPO_DIR, "build", "mxfusion_" + ("gpu" if gpu else "cpu"))
+    tmp = "%s.%d.tmp" % (lib, os.getpid())
+    digest = source_hash(False, gpu)  # of the sources as they were when the compile started
+    os.makedirs(objdir, exist_ok=True)
+    srcs = srcs + [_lib_api_source(mxdir, objdir)]
+    cmds, objs = [], []
+    for s in srcs:
+        o = os.path.join(objdir, os.path.basename(os.path.dirname(s)) + "_" + os.path.basename(s) + ".o")
+        if s.endswith(".cu"):   # the "gpu" registrations: nvcc, host code against lib_api.h
+            cmds.append([nvcc_path()] + NVCCFLAGS + [GPU_DEFINE] + inc + _curand_include(objdir)
+                        + ["-x", "cu", "-c", s, "-o", o])
+        else:
             cmds.append(["g++"] + CXXFLAGS + (LIB_API_FLAGS if s.endswith("lib_api.cc") else [])
-                        + inc + ["-c", s, "-o", o])
-            objs.append(o)
+                        + ([GPU_DEFINE] if gpu else []) + inc + ["-c", s, "-o", o])
+        objs.append(o)
+    if gpu:   # nvcc links the CUDA runtime statically (it opens libcuda itself, on first use)
+        link = [nvcc_path()] + NVCCFLAGS + ["-shared", "-Xcompiler", "-fopenmp", "-o", tmp] + objs + [
+            "-lgomp", "-ldl"]
+    else:
         link = ["g++", "-shared", "-fopenmp", "-o", tmp] + objs + ["-ldl"]
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as ex:
-        list(ex.map(lambda c: _run(c, verbose), cmds))
-    _run(link, verbose)
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as ex:
+            list(ex.map(lambda c: _run(c, verbose), cmds))
+        _run(link, verbose)
+    except RuntimeError as e:
+        if gpu:     # nvcc is there but the GPU part does not build: the CPU-only library still can
+            raise RuntimeError("%s\n(MXFUSION_NO_CUDA=1 builds the op library without its GPU registrations)"
+                               % e) from None
+        raise
     with open(tmp + ".sha256", "w") as fh:
         fh.write(digest + "\n")
     os.replace(tmp, lib)  # atomic: a process loading the library never sees half a file
     os.replace(tmp + ".sha256", _hash_file(lib))
     return lib
+
+
+# Under nvcc lib_api.h includes <curand_kernel.h> for one typedef (the type of the GPU random
+# states it hands ops; the glue uses none).  CUDA toolkits without cuRAND (a minimal install)
+# get a header declaring just that type, incomplete, which is all lib_api.h needs of it.
+CURAND_DECL = ("// Written by mxnet-fusion's build: no cuRAND headers were found.  lib_api.h needs\n"
+               "// only this type's name (a pointer to it); nothing here creates or reads one.\n"
+               "#pragma once\n"
+               "struct curandStatePhilox4_32_10;\n"
+               "typedef struct curandStatePhilox4_32_10 curandStatePhilox4_32_10_t;\n")
+
+
+def _curand_include(objdir):
+    """-I flags that make <curand_kernel.h> resolvable: none when the CUDA toolkit or an
+    nvidia-curand wheel has it, else a folder with CURAND_DECL."""
+    nvcc = nvcc_path()
+    roots = [os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "include")] if nvcc else []
+    roots.append("/usr/local/cuda/include")
+    if any(os.path.exists(os.path.join(r, "curand_kernel.h")) for r in roots):
+        return []
+    for site in sys.path:
+        for sub in ("nvidia/curand/include", "nvidia/cu13/include", "nvidia/cu12/include"):
+            if os.path.exists(os.path.join(site, sub, "curand_kernel.h")):
+                return ["-I" + os.path.join(site, sub)]
+    stub = os.path.join(objdir, "curand_decl")
+    os.makedirs(stub, exist_ok=True)
+    with open(os.path.join(stub, "curand_kernel.h"), "w") as fh:
+        fh.write(CURAND_DECL)
+    return ["-I" + stub]
 
 
 def _lib_api_source(mxdir, objdir):
@@ -186,18 +271,21 @@ def _lib_api_source(mxdir, objdir):
     return out
 
 
-def build(verbose=False, cuda=None, lib_dir=None, jobs=None, cpu=True):
-    """Compile the CPU library (and the CUDA one when nvcc exists, or cuda=True).
+def build(verbose=False, cuda=None, lib_dir=None, jobs=None, cpu=True, gpu=None):
+    """Compile the op library (and the CUDA one when nvcc and cuBLASLt exist, or cuda=True).
 
     Skips a library whose stored source hash is current.  Returns the paths built.
     ``cpu=False`` builds only the CUDA library, which needs no MXNet (GPU machines
-    without an MXNet install).
+    without an MXNet install).  ``gpu`` (default: nvcc found and ``MXFUSION_NO_CUDA=1``
+    not set) gives the op library its MXNet "gpu" registrations.
     """
     lib_dir = lib_dir or LIB_DIR
     jobs = jobs or int(os.environ.get("MXFUSION_BUILD_JOBS", "2"))
-    out = [_build_one(False, lib_dir, verbose, jobs)] if cpu else []
-    if cuda is None:
-        cuda = nvcc_path() is not None and os.environ.get("MXFUSION_NO_CUDA", "") != "1"
+    if gpu is None:
+        gpu = gpu_enabled()
+    out = [_build_one(False, lib_dir, verbose, jobs, gpu)] if cpu else []
+    if cuda is None:    # the kernels need cuBLASLt too (the nvidia-cublas wheel); the op library does not
+        cuda = gpu_enabled() and _cuda_iface().cublas_dirs() is not None
     if cuda:
         out.append(_build_one(True, lib_dir, verbose, jobs))
     return out
@@ -242,6 +330,30 @@ def load():
     mx.library.load(os.path.abspath(lib), verbose=False)
     _loaded = lib
     return lib
+
+
+_capabilities = None
+
+
+def capabilities():
+    """Op name -> {"forward": set of devices, "backward": set of devices}, as the loaded op
+    library registered them (its ``mxf_capabilities()``; loads the library if needed)."""
+    global _capabilities
+    if _capabilities is None:
+        import ctypes
+        import json
+        lib = ctypes.CDLL(load())     # the handle MXNet's dlopen holds: same file, same library
+        fn = lib.mxf_capabilities
+        fn.restype = ctypes.c_char_p
+        _capabilities = {op: {k: frozenset(v) for k, v in kinds.items()}
+                         for op, kinds in json.loads(fn().decode()).items()}
+    return _capabilities
+
+
+def built_with_gpu():
+    """Whether the loaded op library has its "gpu" registrations (built where nvcc was)."""
+    import ctypes
+    return bool(ctypes.CDLL(load()).mxf_built_with_cuda())
 
 
 def load_cuda():

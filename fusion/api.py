@@ -16,6 +16,7 @@ from .selfcheck import SelfCheck
 from .workarounds import guard_layer_outputs, strip_guards
 
 MODES = ("inference", "training")
+DEVICES = ("cpu", "gpu")
 
 
 @dataclass
@@ -106,7 +107,7 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
          aux_params: Optional[Mapping[str, Any]] = None, *, rules: Optional[Iterable[Any]] = None,
          mode: str = "inference", input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
          input_dtypes: Optional[Mapping[str, Any]] = None, self_check: bool = True,
-         precision: str = "float32", force: bool = False) -> FusionResult:
+         precision: str = "float32", force: bool = False, device: str = "cpu") -> FusionResult:
     """Fuse ``symbol`` with ``rules`` (default: the whole rule library) and return a FusionResult.
 
     ``arg_params``/``aux_params`` map names to NDArrays (or NumPy arrays); they
@@ -135,13 +136,39 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     everything else float32 as ``fusion/precision.py``'s policy says; the self-check then
     accepts the bfloat16 tolerance against the float32 original.  Refused (FusionError, with
     the reason) on a CPU without native bfloat16 unless ``force=True``.
+
+    ``device`` ("cpu" or "gpu"): where the fused graph will run.  A library op is emitted only
+    if the loaded op library implements it on that device (its capability query; in training,
+    its backward too): other candidates are refused with that reason.  On "gpu" the choices
+    that only serve MXNet's CPU (oneDNN) backend -- leaving convolution tails and BatchNorm
+    after a Concat to it -- do not apply.  The self-check still runs on the CPU.
     """
     if mode not in MODES:
         raise ValueError("mode must be one of %s, not %r" % (", ".join(MODES), mode))
+    device = check_device(device)
     from .precision import resolve
-    precision = resolve(precision, force, mode)
+    precision = resolve(precision, True if device == "gpu" else force, mode)
+    _check_device_precision(device, precision)
     return _fuse_gc_off(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
-                        precision=precision)
+                        precision=precision, device=device)
+
+
+def _check_device_precision(device: str, precision: str) -> None:
+    from .precision import FLOAT32
+    if device == "gpu" and precision != FLOAT32:
+        raise FusionError("precision='bf16' is the CPU's policy (a float32 op reading bfloat16 weights through "
+                          "oneDNN); the GPU kernels take one dtype for all their tensors: fuse for "
+                          "device='gpu' in float32")
+
+
+def check_device(device: Any) -> str:
+    """``device`` as fuse() takes it ("cpu" or "gpu"; an mx.Context's device type works too)."""
+    name = getattr(device, "device_type", device)
+    if name == "cpu_pinned":
+        name = "cpu"
+    if name not in DEVICES:
+        raise ValueError("device must be one of %s, not %r" % (", ".join(DEVICES), device))
+    return name
 
 
 def _fuse_gc_off(*args, **kwargs) -> FusionResult:
@@ -157,7 +184,7 @@ def _fuse_gc_off(*args, **kwargs) -> FusionResult:
 
 
 def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
-          copy_params: bool = True, precision: str = "float32") -> FusionResult:
+          copy_params: bool = True, precision: str = "float32", device: str = "cpu") -> FusionResult:
     """``fuse`` itself; ``copy_params=False`` returns the caller's arrays themselves (the backend,
     which hands only the new ones on)."""
     from .modelio import check_param_values
@@ -170,14 +197,17 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
         check_param_values(graph, None, arg_params or {}, aux_params or {}, input_dtypes)
     report = FusionReport(mode=mode)
     report.precision = precision
+    report.device = device
     graph.compact()
     report.nodes_before, report.ops_before = len(graph.nodes), len(graph.op_nodes())
     strip_guards(graph)
-    ctx = Context(graph, arg_params or {}, aux_params or {}, mode, input_shapes, input_dtypes, precision)
+    ctx = Context(graph, arg_params or {}, aux_params or {}, mode, input_shapes, input_dtypes, precision, device)
     checker = SelfCheck(ctx, enabled=self_check)
     run_rules(graph, rule_list, ctx, report, checker)
     report.self_check = checker.stats if self_check else None
     _precision_notes(graph, ctx, report)
+    if device != "cpu":
+        _device_note(device, mode, report)
     guarded = guard_layer_outputs(graph)
     if guarded:
         report.notes.append("%d layer output(s) read more than once pass through an identity Reshape before an "
@@ -191,6 +221,18 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
         1 for n in list(arg_out) + list(aux_out) if n in ctx.arg_params or n in ctx.aux_params)
     report.seconds = time.perf_counter() - start
     return FusionResult(sym, arg_out, aux_out, report, graph)
+
+
+def _device_note(device: str, mode: str, report: FusionReport) -> None:
+    from . import _native
+
+    kind = "backward" if mode == "training" else "forward"
+    ops = sorted(op for op, c in _native.capabilities().items()
+                 if device in c["forward"] and (kind == "forward" or device in c["backward"]))
+    report.notes.append("device %s: library ops with a %s %s in this op library: %s; the self-check runs on "
+                        "the CPU" % (device, device, "forward and backward" if kind == "backward"
+                                                 else "implementation",
+                                                 ", ".join(ops) or "none (built without nvcc)"))
 
 
 def _precision_notes(graph: Graph, ctx: Context, report: FusionReport) -> None:

@@ -19,7 +19,10 @@ Backend options (keyword arguments of ``hybridize``/``optimize_for`` in
 MXNet 1.9, e.g. ``hybridize(backend="fusion", mode="inference")``; a
 ``backend_opts={...}`` dict as in MXNet 2.0 is accepted too): ``mode`` (``"inference"`` or
 ``"training"``), ``rules`` (names, comma-separated or a list), ``precision`` (``"float32"``
-or ``"bf16"``, see ``fusion.fuse``) and ``force`` (bf16 on a CPU without it).  Without
+or ``"bf16"``, see ``fusion.fuse``), ``force`` (bf16 on a CPU without it) and ``device``
+(``"cpu"`` or ``"gpu"``; by default the device of the context MXNet passes to
+``optimize_for`` -- a Gluon block's inputs' context -- so a block run on ``mx.gpu()``
+gets only library ops the op library implements on the GPU).  Without
 ``mode``, a Gluon block is fused for training when its graph is built under
 ``autograd.record()`` in training mode — then only rewrites with a backward
 apply — and for inference otherwise; switching between the two rebuilds
@@ -48,7 +51,8 @@ def _mode_now() -> str:
 
 def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Optional[Dict[str, Any]] = None,
                     mode: Optional[str] = None, rules: Any = None, shape_dict: Optional[Dict[str, Any]] = None,
-                    precision: Optional[str] = None, force: Any = False, **unused: Any):
+                    precision: Optional[str] = None, force: Any = False, device: Any = None,
+                    ctx: Any = None, **unused: Any):
     """Fuse ``symbol``; add the new parameters to ``args``/``aux`` like MXNet's partitioners (the
     caller's entries stay); return the new symbol."""
     from .api import _fuse_gc_off
@@ -57,10 +61,15 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
     nested = unused.pop("backend_opts", None) or {}   # MXNet 2.0 spelling: hybridize(backend_opts={...})
     mode, rules = nested.pop("mode", mode), nested.pop("rules", rules)
     precision, force = nested.pop("precision", precision), nested.pop("force", force)
+    device = nested.pop("device", device)
     unused.update(nested)
     if unused:
-        raise ValueError("unknown option(s) for backend '%s': %s (known: mode, rules, precision, force)"
+        raise ValueError("unknown option(s) for backend '%s': %s (known: mode, rules, precision, force, device)"
                          % (BACKEND, ", ".join(sorted(unused))))
+    from .api import check_device
+    if device is None:      # the context MXNet partitions for (a Gluon block: its inputs')
+        device = "cpu" if ctx is None or str(getattr(ctx, "device_type", "cpu")).startswith("cpu") else ctx
+    device = check_device(device)
     if isinstance(rules, str):
         rules = [r.strip() for r in rules.split(",") if r.strip()]
     block = _building_block.get()
@@ -78,10 +87,12 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
     if mode not in ("inference", "training"):
         raise ValueError("mode must be inference or training, not %r" % (mode,))
     from .precision import resolve
-    precision = resolve(precision, str(force).lower() in ("true", "1"), mode)
+    precision = resolve(precision, str(force).lower() in ("true", "1") or device == "gpu", mode)
+    from .api import _check_device_precision
+    _check_device_precision(device, precision)
     try:
         result = _fuse_gc_off(symbol, params, aux or {}, rules, mode, shapes, dtypes, True, copy_params=False,
-                              precision=precision)
+                              precision=precision, device=device)
     except ParamsError as e:
         if block is None:
             raise
@@ -122,7 +133,7 @@ def install() -> None:
         if backend != BACKEND:
             return original_optimize_for(self, backend, args, aux, ctx, shape_dict, type_dict,
                                          stype_dict, skip_infer, **kwargs)
-        return optimize_symbol(self, args, aux, shape_dict=shape_dict, **kwargs)
+        return optimize_symbol(self, args, aux, shape_dict=shape_dict, ctx=ctx, **kwargs)
 
     optimize_for.__doc__ = original_optimize_for.__doc__
     mx.sym.Symbol.optimize_for = optimize_for

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="input shape, e.g. data=1,3,224,224 (repeatable; needed by --verify and --benchmark)")
     p.add_argument("--rules", help="comma-separated rule or family names (default: all)")
     p.add_argument("--mode", choices=("inference", "training"), default="inference")
+    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                   help="where the fused model will run: only ops the op library implements there are "
+                        "emitted (default cpu; --verify and the self-check still run on this machine's CPU)")
     p.add_argument("--verify", action="store_true", help="compare outputs on random inputs; refuse to write on mismatch")
     p.add_argument("--inputs", metavar="FILE.npz", help="verify on these inputs (arrays named like the model's inputs)")
     p.add_argument("--rtol", type=positive_float, default=None,
@@ -210,7 +213,9 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
     onnx_options = _onnx_options(args, symbol, arg) if args.to_onnx else {}
     rules = [r.strip() for r in args.rules.split(",") if r.strip()] if args.rules else None
     from .precision import FLOAT32, resolve, tolerance
-    precision = resolve(args.precision, args.force_precision, args.mode)
+    precision = resolve(args.precision, args.force_precision or args.device == "gpu", args.mode)
+    from .api import _check_device_precision
+    _check_device_precision(args.device, precision)
     if args.rtol is None:
         args.rtol = tolerance(precision)
     if precision != FLOAT32 and (args.unfuse or args.to_onnx):
@@ -224,7 +229,7 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
     else:
         with progress.stage("fusing"):
             result = fuse(symbol, arg, aux, rules=rules, mode=args.mode, input_shapes=shapes,
-                          self_check=args.self_check, precision=precision, force=True)
+                          self_check=args.self_check, precision=precision, force=True, device=args.device)
     report = result.report
     report.extra.update(about.run_info(getattr(args, "command_line", None), shapes))
     serving.add_note(report, result.graph, paths[0][: -len("-symbol.json")])

@@ -68,6 +68,7 @@ class RuleReport:
 class FusionReport:
     mode: str = "inference"
     precision: str = "float32"
+    device: str = "cpu"          # where the fused graph runs: library ops emitted only where implemented
     rules: Dict[str, RuleReport] = field(default_factory=dict)
     ops_before: int = 0
     ops_after: int = 0
@@ -125,7 +126,7 @@ class FusionReport:
 
         return {
             "versions": versions(),
-            "mode": self.mode, "precision": self.precision, "passes": self.passes, "seconds": round(self.seconds, 4),
+            "mode": self.mode, "precision": self.precision, "device": self.device, "passes": self.passes, "seconds": round(self.seconds, 4),
             "ops_before": self.ops_before, "ops_after": self.ops_after,
             "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
             "params_removed": self.params_removed, "fused": self.fused_count,
@@ -139,7 +140,8 @@ class FusionReport:
 
     def to_text(self, explain: bool = False) -> str:
         lines = ["mxnet-fusion report (mode=%s%s): %d fused, ops %d -> %d, nodes %d -> %d, %d pass(es), %.3f s"
-                 % (self.mode, "" if self.precision == "float32" else ", precision=" + self.precision,
+                 % (self.mode, ("" if self.precision == "float32" else ", precision=" + self.precision)
+                    + ("" if self.device == "cpu" else ", device=" + self.device),
                     self.fused_count, self.ops_before, self.ops_after, self.nodes_before, self.nodes_after, self.passes, self.seconds)]
         width = max([len(r.name) for r in self.rules.values()] + [4])
         lines.append("  %-*s  %6s  %8s  %13s  %6s" % (width, "rule", "fused", "rejected", "nodes removed", "params"))

@@ -43,9 +43,13 @@ class Context:
 
     def __init__(self, graph: Graph, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any], mode: str,
                  input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
-                 input_dtypes: Optional[Mapping[str, Any]] = None, precision: str = FLOAT32):
+                 input_dtypes: Optional[Mapping[str, Any]] = None, precision: str = FLOAT32,
+                 device: str = "cpu"):
         self.graph = graph
         self.mode = mode
+        #: where the fused graph will run, 'cpu' or 'gpu': a library op is emitted only if the
+        #: loaded op library implements it there (fusion._native.capabilities())
+        self.device = device
         #: 'float32' or 'bfloat16' (fusion/precision.py's policy decides what that changes)
         self.precision = precision
         #: under reduced precision: weights cast, and fused ops whose weight stayed float32 (with why)
@@ -287,6 +291,21 @@ class Context:
         return name
 
 
+def device_refusal(op: str, device: str, mode: str) -> Optional[str]:
+    """Why ``op`` cannot be emitted for ``device`` (None: it can): a library op the loaded op
+    library does not implement there, forward (and backward in training).  Stock MXNet ops pass."""
+    from . import _native
+
+    caps = _native.capabilities().get(op)
+    if caps is None:
+        return None
+    if device not in caps["forward"]:
+        return "%s has no %s implementation in this build" % (op, device)
+    if mode == "training" and device not in caps["backward"]:
+        return "%s has no %s backward in this build (training needs one)" % (op, device)
+    return None
+
+
 class Builder:
     """Creates the replacement of one match; its nodes go just before the anchor."""
 
@@ -326,6 +345,9 @@ class Builder:
         outside the match take (``Rule.outside_use_ok``) goes where that value was, since
         those readers may come before the anchor.
         """
+        reason = device_refusal(op, self.ctx.device, self.ctx.mode)
+        if reason:
+            raise FusionError(reason)
         a = attrs.copy() if isinstance(attrs, Attrs) else Attrs.from_values(attrs or {})
         slots = cast_slots(op, self.ctx.precision)
         if slots:

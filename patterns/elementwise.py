@@ -220,16 +220,22 @@ def _training_comparison(node: Node, ctx) -> bool:
     return ctx.mode == "training" and node.op in ZERO_GRADIENT
 
 
+def _onednn_bind(ctx) -> bool:
+    """Whether the fused graph binds on the CPU, where MXNet's oneDNN backend takes convolution
+    tails and BatchNorm after a Concat itself (``fuse(..., device="gpu")``: no oneDNN there)."""
+    return getattr(ctx, "device", "cpu") == "cpu"
+
+
 def why_not(node: Node, ctx) -> Optional[str]:
     """The reportable reasons an elementwise op stays out of every region."""
     if _training_comparison(node, ctx):
         return ("%s '%s' is a comparison: in training, whether MXNet runs the backward of what it reads "
                 "on its zero gradient depends on each op's gradient function; it stays a stock op"
                 % (node.op, node.name))
-    if _reads_concat(node):
+    if _onednn_bind(ctx) and _reads_concat(node):
         return ("BatchNorm '%s' reads a Concat: left to MXNet's oneDNN backend, which keeps the "
                 "concatenation in its own layout" % node.name)
-    if _conv_tail(node):
+    if _onednn_bind(ctx) and _conv_tail(node):
         return ("%s '%s' is in the tail of a convolution or dense layer: left to MXNet's oneDNN "
                 "backend, which fuses it there" % (node.op, node.name))
     bad = next((e for e in node.inputs if _not_float32(e, ctx)), None)
@@ -246,7 +252,7 @@ def why_not(node: Node, ctx) -> Optional[str]:
 
 
 def member(node: Node, ctx) -> bool:
-    if _conv_tail(node) or _reads_concat(node) or _training_comparison(node, ctx):
+    if (_onednn_bind(ctx) and (_conv_tail(node) or _reads_concat(node))) or _training_comparison(node, ctx):
         return False
     if any(_not_float32(e, ctx) for e in node.inputs):
         return False

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "mxf_common.h"
+#include "gpu_glue.h"  // the "gpu" implementations (a build with nvcc)
 
 using namespace mxf;
 
@@ -195,4 +196,9 @@ REGISTER_OP(fused_add_layer_norm)
     .setInferType(infer_type)
     .setInferShape(infer_shape)
     .setForward(forward, "cpu")
-    .setBackward(backward, "cpu");
+    .setBackward(backward, "cpu")
+#if MXF_WITH_CUDA
+    .setForward(mxf::gpu::add_layer_norm_forward, "gpu")
+    .setBackward(mxf::gpu::add_layer_norm_backward, "gpu")
+#endif
+    ;

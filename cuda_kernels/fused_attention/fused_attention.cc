@@ -4,6 +4,7 @@
 
 #include "act.h"
 #include "attention_geom.h"
+#include "gpu_glue.h"  // the "gpu" implementations (a build with nvcc)
 
 namespace mxf {
 namespace attn {
@@ -445,4 +446,9 @@ REGISTER_OP(fused_attention)
     .setInferType(infer_type)
     .setInferShape(infer_shape)
     .setForward(forward_cpu, "cpu")
-    .setBackward(backward_cpu, "cpu");
+    .setBackward(backward_cpu, "cpu")
+#if MXF_WITH_CUDA
+    .setForward(mxf::gpu::attention_forward, "gpu")
+    .setBackward(mxf::gpu::attention_backward, "gpu")
+#endif
+    ;

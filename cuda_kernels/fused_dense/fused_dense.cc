@@ -27,6 +27,7 @@
 #include "act.h"
 #include "dnnl_matmul.h"
 #include "mxf_common.h"
+#include "gpu_glue.h"  // the "gpu" implementations (a build with nvcc)
 
 using namespace mxf;
 
@@ -417,4 +418,8 @@ REGISTER_OP(fused_dense)
     .setParseAttrs(parse_attrs)
     .setInferType(infer_type)
     .setInferShape(infer_shape)
-    .setCreateOpState(create_state, "cpu");
+    .setCreateOpState(create_state, "cpu")
+#if MXF_WITH_CUDA
+    .setCreateOpState(mxf::gpu::dense_create_state, "gpu")
+#endif
+    ;

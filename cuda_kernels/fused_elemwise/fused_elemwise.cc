@@ -20,6 +20,7 @@
 #include "elemwise_avx512.h"
 #include "elemwise_eval.h"
 #include "mxf_common.h"
+#include "gpu_glue.h"  // the "gpu" implementations (a build with nvcc)
 
 using namespace mxf;
 using namespace mxf::expr;
@@ -519,4 +520,8 @@ REGISTER_OP(fused_elemwise)
     .setInferType(infer_type)
     .setInferShape(infer_shape)
     .setForward(forward, "cpu")
-    .setBackward(backward, "cpu");
+    .setBackward(backward, "cpu")
+#if MXF_WITH_CUDA
+    .setForward(mxf::gpu::elemwise_forward, "gpu")
+#endif
+    ;

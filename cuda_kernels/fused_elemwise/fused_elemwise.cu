@@ -1,6 +1,12 @@
 // CUDA fused elementwise: the expression is parsed on the host (the same parser as the
-// CPU op) and interpreted by one kernel; each thread evaluates the whole program for
-// its elements (grid-stride loop), so every input is read once and the output written once.
+// CPU op) and interpreted by one kernel; each thread evaluates the whole program for its
+// elements (grid-stride loop), so every input is read once and the output written once.
+// Storage fp32 / fp16 / bf16, math float32.  Where every input is the output's shape, a
+// single element, or a row broadcast over the last dim (bias-like), and the pointers are
+// 16-byte aligned, a thread takes 16 bytes of elements (4 floats, 8 halves) per step with
+// 128-bit loads and stores, and runs each instruction over all of them (the interpreter's
+// dispatch paid once per 4-8 elements); otherwise one element a step with NumPy-broadcast
+// index arithmetic.
 // Each function computes what MXNet's op computes on the GPU (README.md), NaN and inf
 // included, with CUDA's libdevice math (expf, tanhf, erff: <= 2 ulp).
 #include <algorithm>
@@ -17,13 +23,18 @@ namespace {
 using mxf::expr::Instr;
 constexpr int kMaxInstr = 64, kMaxIn = 8, kMaxDim = 6;
 
+enum { kFull = 0, kScalar = 1, kRow = 2 };  // how an input maps onto the output (vector path)
+
 struct EwParams {
   Instr code[kMaxInstr];
-  const float* in[kMaxIn];
+  const void* in[kMaxIn];
   int64_t stride[kMaxIn][kMaxDim];
+  int kind[kMaxIn];
+  bool keep[kMaxInstr];  // vector path: the value is read by an instruction other than the next
+  int64_t row_len;  // kRow inputs: element e reads e % row_len
   int64_t oshape[kMaxDim];
   int64_t total;
-  float* out;
+  void* out;
   int ninstr, nin, ndim;
 };
 
@@ -96,9 +107,17 @@ __device__ float ternary(int op, float x, float b, float c) {
   return x;
 }
 
+__device__ __forceinline__ float apply(const Instr& c, float a, float b, float x) {
+  if (c.c >= 0) return ternary(c.op, a, b, x);
+  if (c.b < 0) return unary(c.op, a);
+  return binary(c.op, a, b);
+}
+
+template <typename T>
 __global__ void elemwise_kernel(const EwParams p) {
   using namespace mxf::expr;
   float v[kMaxInstr];
+  const T* const* in = reinterpret_cast<const T* const*>(p.in);
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < p.total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     for (int i = 0; i < p.ninstr; ++i) {
@@ -109,18 +128,76 @@ __global__ void elemwise_kernel(const EwParams p) {
           off += (rem % p.oshape[d]) * p.stride[c.input][d];
           rem /= p.oshape[d];
         }
-        v[i] = p.in[c.input][off];
+        v[i] = mxf_cuda::to_f(in[c.input][off]);
       } else if (c.op == CONST) {
         v[i] = c.imm;
-      } else if (c.c >= 0) {
-        v[i] = ternary(c.op, v[c.a], v[c.b], v[c.c]);
-      } else if (c.b < 0) {
-        v[i] = unary(c.op, v[c.a]);
       } else {
-        v[i] = binary(c.op, v[c.a], v[c.b]);
+        v[i] = apply(c, v[c.a], c.b >= 0 ? v[c.b] : 0.f, c.c >= 0 ? v[c.c] : 0.f);
       }
     }
-    p.out[e] = v[p.ninstr - 1];
+    static_cast<T*>(p.out)[e] = mxf_cuda::from_f<T>(v[p.ninstr - 1]);
+  }
+}
+
+// 16 bytes of output per step; inputs kFull / kScalar / kRow (row_len a multiple of kN).
+// The previous instruction's values stay in registers (cur); a value is stored to the
+// (local-memory) value array only when an instruction other than the next one reads it
+// (p.keep), so a chain of ops runs in registers.
+template <typename T>
+__global__ void elemwise_vec_kernel(const EwParams p) {
+  using namespace mxf::expr;
+  using V = mxf_cuda::Vec<T>;
+  constexpr int kN = V::N;
+  float v[kMaxInstr][kN];
+  const T* const* in = reinterpret_cast<const T* const*>(p.in);
+  const int64_t nv = p.total / kN;
+  for (int64_t q = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; q < nv;
+       q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t e0 = q * kN;
+    float cur[kN];
+#pragma unroll
+    for (int j = 0; j < kN; ++j) cur[j] = 0.f;
+    for (int i = 0; i < p.ninstr; ++i) {
+      const Instr& c = p.code[i];
+      float res[kN];
+      // operands: the previous instruction's from registers, older ones from the value array
+      const bool ap = c.a == i - 1, bp = c.b == i - 1, cp = c.c == i - 1;
+      if (c.op == LOAD) {
+        const int k = p.kind[c.input];
+        if (k == kScalar) {
+          const float x = mxf_cuda::to_f(in[c.input][0]);
+#pragma unroll
+          for (int j = 0; j < kN; ++j) res[j] = x;
+        } else {
+          const V x = mxf_cuda::load_vec(in[c.input] + (k == kRow ? e0 % p.row_len : e0));
+#pragma unroll
+          for (int j = 0; j < kN; ++j) res[j] = mxf_cuda::to_f(x.u.e[j]);
+        }
+      } else if (c.op == CONST) {
+#pragma unroll
+        for (int j = 0; j < kN; ++j) res[j] = c.imm;
+      } else if (c.c >= 0) {
+#pragma unroll
+        for (int j = 0; j < kN; ++j)
+          res[j] = ternary(c.op, ap ? cur[j] : v[c.a][j], bp ? cur[j] : v[c.b][j], cp ? cur[j] : v[c.c][j]);
+      } else if (c.b < 0) {
+#pragma unroll
+        for (int j = 0; j < kN; ++j) res[j] = unary(c.op, ap ? cur[j] : v[c.a][j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kN; ++j) res[j] = binary(c.op, ap ? cur[j] : v[c.a][j], bp ? cur[j] : v[c.b][j]);
+      }
+#pragma unroll
+      for (int j = 0; j < kN; ++j) cur[j] = res[j];
+      if (p.keep[i]) {
+#pragma unroll
+        for (int j = 0; j < kN; ++j) v[i][j] = res[j];
+      }
+    }
+    V o;
+#pragma unroll
+    for (int j = 0; j < kN; ++j) o.u.e[j] = mxf_cuda::from_f<T>(cur[j]);
+    mxf_cuda::store_vec(static_cast<T*>(p.out) + e0, o);
   }
 }
 
@@ -129,14 +206,16 @@ int fail(char* err, int errlen, const std::string& msg) {
     std::strncpy(err, msg.c_str(), errlen - 1);
     err[errlen - 1] = 0;
   }
-  return -1;
+  return MXF_ERR_BAD_ARGS;
 }
 
 }  // namespace
 
-extern "C" int mxf_elemwise_forward(const char* expr, int num_args, const float* const* inputs,
-                                    const int64_t* const* shapes, const int* ndims, float* out,
+extern "C" int mxf_elemwise_forward(int dtype, const char* expr, int num_args, const void* const* inputs,
+                                    const int64_t* const* shapes, const int* ndims, void* out,
                                     char* err, int errlen, void* stream) {
+  const size_t es = mxf_cuda::dtype_bytes(dtype);
+  if (es == 0) return fail(err, errlen, "unknown dtype code");
   mxf::expr::Program prog;
   try {
     prog = mxf::expr::compile(expr ? expr : "", num_args);
@@ -161,15 +240,30 @@ extern "C" int mxf_elemwise_forward(const char* expr, int num_args, const float*
     }
   p.total = 1;
   for (int d = 0; d < ndim; ++d) p.total *= p.oshape[d];
+  const int64_t last = ndim > 0 ? p.oshape[ndim - 1] : 1;
+  const int vn = static_cast<int>(16 / es);
+  bool vec = p.total % vn == 0 && mxf_cuda::aligned16(out);
+  p.row_len = last;
   for (int k = 0; k < prog.num_inputs; ++k) {
-    int64_t acc = 1;
+    int64_t acc = 1, size = 1;
     for (int d = ndim - 1; d >= 0; --d) {
       const int kd = d - (ndim - ndims[k]);
       const int64_t s = kd >= 0 ? shapes[k][kd] : 1;
       p.stride[k][d] = s == 1 ? 0 : acc;
       acc *= s;
+      size *= s;
     }
     p.in[k] = inputs[k];
+    if (size == 1) {
+      p.kind[k] = kScalar;
+    } else if (size == p.total) {
+      p.kind[k] = kFull;
+    } else if (size == last && ndims[k] >= 1 && shapes[k][ndims[k] - 1] == last && last % vn == 0) {
+      p.kind[k] = kRow;
+    } else {
+      vec = false;
+    }
+    if (size != 1 && !mxf_cuda::aligned16(inputs[k])) vec = false;
   }
   // each value's rank (its operands' largest, as MXNet's ops give it) resolves the ops
   // MXNet would run through oneDNN on a CPU; the GPU has none
@@ -183,11 +277,22 @@ extern "C" int mxf_elemwise_forward(const char* expr, int num_args, const float*
     p.code[i].op = mxf::expr::resolve(c.op, rank[i], /*dnnl=*/false);
   }
   p.ninstr = static_cast<int>(prog.code.size());
+  for (int i = 0; i < p.ninstr; ++i) {
+    const Instr& c = p.code[i];
+    for (int k : {c.a, c.b, c.c})
+      if (k >= 0 && k != i - 1) p.keep[k] = true;
+  }
   p.nin = prog.num_inputs;
   p.out = out;
   if (p.total == 0) return 0;
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int threads = 256;
-  const int64_t blocks = std::min<int64_t>((p.total + threads - 1) / threads, 65535 * 8);
-  elemwise_kernel<<<static_cast<unsigned>(blocks), threads, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  MXF_CUDA_RETURN_LAST();
+  const int64_t work = vec ? p.total / vn : p.total;
+  const int64_t blocks = std::min<int64_t>((work + threads - 1) / threads, 65535 * 8);
+  return mxf_cuda::dispatch_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    if (vec) elemwise_vec_kernel<T><<<static_cast<unsigned>(blocks), threads, 0, st>>>(p);
+    else elemwise_kernel<T><<<static_cast<unsigned>(blocks), threads, 0, st>>>(p);
+    MXF_CUDA_RETURN_LAST();
+  });
 }

@@ -1,13 +1,16 @@
-"""CUDA C interface (libmxfusion_cuda.so) vs the NumPy references of the CPU tests.
+"""CUDA C interface (the standalone build of cuda_kernels/*.cu, see cuda_kernels/cuda_iface.py)
+against float64 references: PyTorch autograd for the gradients, the NumPy references of the CPU
+tests for the forward semantics.  Every op in fp32, fp16 and bf16, forward and backward
+(fused_elemwise: forward only, its backward runs on the CPU).
 
-Runs only with an NVIDIA GPU and PyTorch with CUDA (tensors are allocated with torch and
-handed to the launchers as device pointers through ctypes); otherwise skipped.
-Imports no MXNet, so on a GPU machine without MXNet it runs as
+Runs only with an NVIDIA GPU, PyTorch with CUDA, nvcc and cuBLASLt (the nvidia-cublas wheel);
+otherwise skipped with the reason.  Imports no MXNet, so on a GPU machine without MXNet it runs as
 
     python3 -m pytest --noconftest -q tests/kernels/test_cuda_kernels.py
 
-(the library is built from cuda_kernels/ with nvcc on first use).
-Tolerances (fp32): rtol=1e-4, atol=1e-4 (GPU transcendental functions differ by ulps).
+(the library is built with nvcc on first use, into build/mxfusion_cuda_iface/).
+Tolerances: max |got - want| <= tol * (1 + max |want|), tol 1e-4 (fp32), 5e-3 (fp16), 4e-2 (bf16);
+the references take the inputs as rounded to the dtype.
 """
 import ctypes
 import os
@@ -19,11 +22,11 @@ import pytest
 from references import np_act, ref_attention
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "cuda_kernels"))
-import cuda_iface  # noqa: E402
-from cuda_iface import ACTS, AttnArgs, ptr  # noqa: E402
+import cuda_iface as ci  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-TOL = dict(rtol=1e-4, atol=1e-4)
+DTYPES = ["float32", "float16", "bfloat16"]
+TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}
 
 
 @pytest.fixture(scope="module")
@@ -31,102 +34,432 @@ def cuda():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU available")
-    nat = cuda_iface.native()
-    if nat.nvcc_path() is None and not os.path.exists(nat.library_path(cuda=True)):
+    if ci.nvcc_path() is None and not os.path.exists(ci.library_path()):
         pytest.skip("CUDA library not built (no nvcc)")
-    return cuda_iface.load(), torch
+    if ci.cublas_dirs() is None and not os.path.exists(ci.library_path()):
+        pytest.skip("cuBLASLt not found (pip install nvidia-cublas)")
+    lib = ci.load()
+    return lib, torch, ci.Workspace(torch)
 
 
-def dev(torch, a):
-    return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+def tdt(torch, name):
+    return getattr(torch, name)
 
 
-@pytest.mark.parametrize("N,Sq,Sk,D", [(1, 1, 1, 8), (2, 17, 70, 40), (3, 65, 129, 128), (1, 5, 33, 96)])
-@pytest.mark.parametrize("mode", ["none", "additive", "boolean", "valid_length", "causal"])
-def test_attention_plain(cuda, N, Sq, Sk, D, mode):
-    lib, torch = cuda
-    rs = np.random.RandomState(0)
-    q, k, v = (rs.uniform(-1, 1, s).astype(np.float32) for s in ((N, Sq, D), (N, Sk, D), (N, Sk, D)))
-    tq, tk, tv = dev(torch, q), dev(torch, k), dev(torch, v)
-    to = torch.empty((N, Sq, D), device="cuda")
-    a = AttnArgs(B=N, H=1, Sq=Sq, Sk=Sk, D=D, Dv=D, q=ptr(tq), k=ptr(tk), v=ptr(tv), o=ptr(to),
-                 q_bs=Sq * D, q_rs=D, k_bs=Sk * D, k_rs=D, v_bs=Sk * D, v_rs=D, o_bs=Sq * D,
-                 o_rs=D, scale=0.3, mask_value=-1e18)
-    mask, kind, keep = None, "none", []
+def rand(torch, shape, dtype, lo=-1.0, hi=1.0, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.rand(shape, generator=g, dtype=torch.float64) * (hi - lo) + lo
+    return x.to(tdt(torch, dtype)).cuda()
+
+
+def f64(t):
+    return t.detach().double().cpu().numpy()
+
+
+def close(got, want, dtype, what=""):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    nw = np.isnan(want)
+    assert (np.isnan(got) == nw).all(), "%s: NaN pattern differs" % what
+    iw = np.isinf(want)
+    assert (got[iw] == want[iw]).all(), "%s: infinities differ" % what
+    fin = ~nw & ~iw
+    if fin.any():
+        err = np.abs(got[fin] - want[fin]).max()
+        scale = 1 + np.abs(want[fin]).max()
+        assert err <= TOL[dtype] * scale, "%s: max abs error %g > %g" % (what, err, TOL[dtype] * scale)
+
+
+def ok(lib, rc):
+    assert rc == 0, ci.error(lib, rc)
+
+
+def test_library_reports_itself(cuda):
+    lib, _, _ = cuda
+    assert lib.mxf_cublaslt_version() > 0
+    assert [lib.mxf_dtype_size(c) for c in (0, 1, 2, 7)] == [4, 2, 2, 0]
+    assert b"workspace" in lib.mxf_cuda_error_string(ci.ERR_WORKSPACE)
+
+
+# ----------------------------------------------------------------------------- attention
+
+MODES = ["none", "additive", "boolean", "valid_length", "causal", "causal_add", "causal_fill",
+         "causal_add_far"]
+SHAPES = [(1, 1, 1, 1, 8), (2, 3, 17, 70, 40), (1, 2, 65, 129, 128), (1, 1, 5, 33, 96),
+          (1, 2, 70, 64, 256), (2, 1, 130, 90, 64)]
+
+
+def attn_case(torch, dtype, B, H, Sq, Sk, D, mode, layout, seed=0):
+    """Inputs, args and the NumPy reference of one forward case."""
+    rs = np.random.RandomState(seed)
+    if layout == "bhsd":
+        q, k, v = (rand(torch, s, dtype, seed=seed + i) for i, s in
+                   enumerate(((B, H, Sq, D), (B, H, Sk, D), (B, H, Sk, D))))
+    else:  # bshd views of one packed buffer: strides of the op's interleaved layouts
+        buf = rand(torch, (B, max(Sq, Sk), 3, H, D), dtype, seed=seed)
+        q, k, v = buf[:, :Sq, 0], buf[:, :Sk, 1], buf[:, :Sk, 2]
+    o = torch.empty((B, H, Sq, D) if layout == "bhsd" else (B, Sq, H, D), dtype=q.dtype, device="cuda")
+    lse = torch.empty((B * H * Sq,), dtype=torch.float32, device="cuda")
+    causal = {"causal": "exclude", "causal_add": "add", "causal_fill": "fill", "causal_add_far": "add"}.get(mode, "none")
+    mv = -1e18 if mode in ("none", "boolean", "causal", "causal_add_far") else -3.0
+    a = ci.attention_args(q, k, v, o, 0.3, layout=layout, causal=causal, mask_value=mv, lse=lse)
+    keep, mask, kind = [], None, "none"
     if mode in ("additive", "boolean"):
-        bm = (rs.rand(N, 1, Sk) > 0.3).astype(np.float32)
-        mask = bm if mode == "boolean" else np.where(bm > 0, 0, -1e9).astype(np.float32)
-        tm = dev(torch, mask)
+        bm = (rs.rand(B, 1, Sk) > 0.3).astype(np.float32)
+        mask = bm if mode == "boolean" else np.where(bm > 0, rs.uniform(-1, 1, bm.shape), -1e9).astype(np.float32)
+        tm = torch.from_numpy(mask).to(q.dtype).cuda()
         keep.append(tm)
-        a.mask_kind, a.mask, a.m_sb, a.m_sq, a.m_sk = (2 if mode == "boolean" else 1), ptr(tm), Sk, 0, 1
+        a.mask_kind, a.mask, a.m_sb, a.m_sh, a.m_sq, a.m_sk = ci.MASK_KINDS[mode], tm.data_ptr(), Sk, 0, 0, 1
+        mask = f64(tm)
         kind = mode
     elif mode == "valid_length":
-        mask = rs.randint(0, Sk + 1, N).astype(np.int32)
-        tl = dev(torch, mask)
+        lens = rs.randint(0, Sk + 1, B * H).astype(np.int32)
+        tl = torch.from_numpy(lens).cuda()
         keep.append(tl)
-        a.mask_kind, a.lengths, a.len_sn, a.len_sq = 3, ptr(tl), 1, 0
-        kind = mode
-    a.causal = int(mode == "causal")
-    assert lib.mxf_attention_forward(ctypes.byref(a), None) == 0
-    torch.cuda.synchronize()
-    want = ref_attention(q, k, v, 0.3, mask, kind, causal=mode == "causal")
-    np.testing.assert_allclose(to.cpu().numpy(), want, **TOL)
+        a.mask_kind, a.lengths, a.len_sn, a.len_sq = 3, tl.data_ptr(), 1, 0
+        mask, kind = lens, mode
+
+    def nsd(t, S, Dx):  # (B*H, S, D) float64
+        x = f64(t)
+        x = x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
+        return x.reshape(B * H, S, Dx)
+
+    rmask = mask
+    if kind in ("additive", "boolean"):
+        rmask = np.repeat(mask, H, axis=0)
+    want = ref_attention(nsd(q, Sq, D), nsd(k, Sk, D), nsd(v, Sk, D), 0.3, rmask, kind,
+                         causal=causal != "none", mask_value=mv,
+                         causal_mode=causal if causal != "none" else "exclude")
+    return dict(q=q, k=k, v=v, o=o, lse=lse, args=a, keep=keep, want=want, mask=mask, kind=kind,
+                causal=causal, mv=mv, nsd=nsd)
 
 
-@pytest.mark.parametrize("act", ACTS)
-@pytest.mark.parametrize("M,N,K,heads", [(1, 1, 1, 0), (37, 70, 50, 0), (130, 96, 768, 0), (2 * 9, 24, 33, 3)])
-def test_dense(cuda, act, M, N, K, heads):
-    lib, torch = cuda
-    rs = np.random.RandomState(1)
-    x, w, b = (rs.uniform(-1, 1, s).astype(np.float32) for s in ((M, K), (N, K), (N,)))
-    ty = torch.empty((M * N,), device="cuda")
-    tx, tw, tb = dev(torch, x), dev(torch, w), dev(torch, b)
-    S = M // 2 if heads else 0
-    rc = cuda_iface.dense(lib, tx, tw, tb, ty, M, N, K, act, heads=heads, S=S)
-    assert rc == 0
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H,Sq,Sk,D", SHAPES)
+@pytest.mark.parametrize("mode", MODES)
+def test_attention_forward(cuda, dtype, B, H, Sq, Sk, D, mode):
+    lib, torch, ws = cuda
+    c = attn_case(torch, dtype, B, H, Sq, Sk, D, mode, "bhsd")
+    ok(lib, ci.attention(lib, ws, c["args"]))
     torch.cuda.synchronize()
-    want = np_act(x.astype(np.float64) @ w.T + b, act)
+    close(c["nsd"](c["o"], Sq, D), c["want"], dtype, "out")
+    if mode in ("none", "causal"):  # the log-sum-exp of each row's (visible) scores
+        s = np.einsum("nqd,nkd->nqk", c["nsd"](c["q"], Sq, D), c["nsd"](c["k"], Sk, D)) * 0.3
+        if mode == "causal":
+            band = np.arange(Sk)[None, :] <= np.arange(Sq)[:, None] + (Sk - Sq)
+            s = np.where(band[None], s, -np.inf)
+        with np.errstate(divide="ignore"):
+            m = s.max(-1, keepdims=True)
+            want = np.where(np.isfinite(m[..., 0]), (m + np.log(np.exp(s - np.where(np.isfinite(m), m, 0)).sum(-1,
+                            keepdims=True)))[..., 0], np.inf)
+        close(f64(c["lse"]).reshape(want.shape), want, dtype, "lse")
+def test_attention_forward_strided_layout(cuda, dtype, mode):
+    lib, torch, ws = cuda
+    c = attn_case(torch, dtype, 2, 3, 40, 40, 64, mode, "bshd")
+    ok(lib, ci.attention(lib, ws, c["args"]))
+    torch.cuda.synchronize()
+    close(c["nsd"](c["o"], 40, 64), c["want"], dtype, "out")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_nonfinite_rows(cuda, dtype):
+    """A NaN / +inf score or an all -inf row gives NaN; valid length 0 gives 0; a row that skips
+    a key whose v is inf gives NaN in that column (the CPU op's semantics)."""
+    lib, torch, ws = cuda
+    B, H, S, D = 1, 1, 6, 16
+    q, k, v = (rand(torch, (B, H, S, D), dtype, seed=i) for i in range(3))
+    q[0, 0, 1, 0] = float("nan")
+    mask = torch.zeros((B, 1, 1, S), dtype=q.dtype, device="cuda")
+    o = torch.empty_like(q)
+    a = ci.attention_args(q, k, v, o, 0.5)
+    a.mask_kind, a.mask, a.m_sb, a.m_sk = 1, mask.data_ptr(), S, 1
+    ok(lib, ci.attention(lib, ws, a))
+    torch.cuda.synchronize()
+    got = f64(o)[0, 0]
+    assert np.isnan(got[1]).all() and np.isfinite(np.delete(got, 1, 0)).all()
+    mask.fill_(float("-inf"))
+    ok(lib, ci.attention(lib, ws, a))
+    torch.cuda.synchronize()
+    assert np.isnan(f64(o)).all()
+    # valid lengths 0 and 3 with v[5] = inf: row with length 0 -> 0 unless a skipped v is inf
+    v2 = v.clone()
+    v2[0, 0, 5, 2] = float("inf")
+    lens = torch.tensor([3], dtype=torch.int32, device="cuda")
+    a = ci.attention_args(q, k, v2, o, 0.5)
+    a.mask_kind, a.lengths, a.len_sn = 3, lens.data_ptr(), 1
+    ok(lib, ci.attention(lib, ws, a))
+    torch.cuda.synchronize()
+    got = f64(o)[0, 0]
+    rows = [0, 2, 3, 4, 5]
+    assert np.isnan(got[rows, 2]).all() and np.isfinite(got[rows][:, [0, 1, 3]]).all()
+
+
+def torch_attention(torch, q, k, v, scale, mask=None, kind="none", causal="none", mv=-1e18):
+    """Float64 autograd reference on (N, S, D) tensors (rows with no visible key give 0)."""
+    s = q @ k.transpose(-1, -2) * scale
+    N, Sq, Sk = s.shape
+    keep = torch.ones_like(s, dtype=torch.bool)
+    if kind == "additive":
+        s = s + mask
+    elif kind == "boolean":
+        s = torch.where(mask != 0, s, torch.full_like(s, mv))
+    elif kind == "valid_length":
+        keep = keep & (torch.arange(Sk, device=s.device)[None, None, :] < mask[:, None, None])
+    if causal != "none":
+        band = torch.arange(Sk, device=s.device)[None, :] <= torch.arange(Sq, device=s.device)[:, None] + (Sk - Sq)
+        band = band[None].expand_as(s)
+        if causal == "add":
+            s = torch.where(band, s, s + mv)
+        elif causal == "fill":
+            s = torch.where(band, s, torch.full_like(s, mv))
+        else:
+            keep = keep & band
+    s = s.masked_fill(~keep, float("-inf"))
+    any_ = keep.any(-1, keepdim=True)
+    s = torch.where(any_, s, torch.zeros_like(s))
+    p = torch.softmax(s, -1) * any_
+    return p @ v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H,Sq,Sk,D", [(1, 1, 1, 1, 8), (2, 3, 17, 70, 40), (1, 2, 65, 129, 128),
+                                         (1, 1, 33, 20, 256)])
+@pytest.mark.parametrize("mode", ["none", "additive", "boolean", "valid_length", "causal", "causal_add",
+                                  "causal_fill"])
+def test_attention_backward(cuda, dtype, B, H, Sq, Sk, D, mode):
+    lib, torch, ws = cuda
+    c = attn_case(torch, dtype, B, H, Sq, Sk, D, mode, "bhsd", seed=3)
+    a = c["args"]
+    ok(lib, ci.attention(lib, ws, a))
+    dout = rand(torch, c["o"].shape, dtype, seed=9)
+    dq, dk, dv = (torch.full_like(t, 7.0) for t in (c["q"], c["k"], c["v"]))
+    g = ci.AttnGrads(dout=dout.data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(),
+                     req_dq=ci.REQ_WRITE, req_dk=ci.REQ_WRITE, req_dv=ci.REQ_ADD)
+    dmask = None
+    if c["kind"] == "additive":
+        dmask = torch.zeros((B, 1, Sk), dtype=c["q"].dtype, device="cuda")
+        g.dmask, g.dmask_numel, g.req_dmask = dmask.data_ptr(), B * Sk, ci.REQ_WRITE
+    ok(lib, ci.attention_backward(lib, ws, a, g))
+    torch.cuda.synchronize()
+    # reference
+    nsd = c["nsd"]
+    Q, K, V = (torch.tensor(nsd(t, S, D), requires_grad=True) for t, S in ((c["q"], Sq), (c["k"], Sk), (c["v"], Sk)))
+    m = None
+    if c["kind"] in ("additive", "boolean"):
+        m = torch.tensor(np.repeat(c["mask"], H, axis=0), requires_grad=c["kind"] == "additive")
+    elif c["kind"] == "valid_length":
+        m = torch.tensor(c["mask"].astype(np.int64))
+    out = torch_attention(torch, Q, K, V, 0.3, m, c["kind"], c["causal"], c["mv"])
+    out.backward(torch.tensor(nsd(dout, Sq, D)))
+    close(nsd(dq, Sq, D), Q.grad.numpy(), dtype, "dq")
+    close(nsd(dk, Sk, D), K.grad.numpy(), dtype, "dk")
+    close(nsd(dv, Sk, D) - 7.0, V.grad.numpy(), dtype, "dv (added)")
+    if dmask is not None:
+        close(f64(dmask), m.grad.numpy().reshape(B, H, 1, Sk).sum(1), dtype, "dmask")
+
+
+def test_attention_rejects_bad_arguments(cuda):
+    lib, torch, ws = cuda
+    q = torch.zeros((1, 1, 4, 8), device="cuda")
+    a = ci.attention_args(q, q, q, q, 1.0)
+    a.dtype = 5
+    assert ci.attention(lib, ws, a) == ci.ERR_BAD_ARGS
+    a = ci.attention_args(q, q, q, q, 1.0)
+    a.D = 300
+    assert ci.attention(lib, ws, a) == ci.ERR_BAD_ARGS
+    a = ci.attention_args(q, q, q, q, 1.0)
+    g = ci.AttnGrads(dout=q.data_ptr(), dq=q.data_ptr(), req_dq=1)
+    assert ci.attention_backward(lib, ws, a, g) == ci.ERR_BAD_ARGS  # no lse
+
+
+# ----------------------------------------------------------------------------- dense
+
+DENSE_SHAPES = [(1, 1, 1, 0, 0), (37, 70, 50, 0, 0), (130, 96, 768, 0, 0), (2 * 9, 24, 33, 3, 9),
+                (4 * 16, 64, 64, 4, 16), (2 * 8, 48, 40, 6, 8), (12 * 5, 36, 24, 3, 5)]
+
+
+def dense_ref(x, w, b, act):
+    return np_act(x @ w.T + (b if b is not None else 0), act)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ci.ACTS)
+@pytest.mark.parametrize("M,N,K,heads,S", DENSE_SHAPES)
+def test_dense_forward(cuda, dtype, act, M, N, K, heads, S):
+    lib, torch, ws = cuda
+    x, w, b = (rand(torch, s, dtype, seed=i) for i, s in enumerate(((M, K), (N, K), (N,))))
+    y = torch.empty((M * N,), dtype=x.dtype, device="cuda")
+    ok(lib, ci.dense(lib, ws, x, w, b, y, M, N, K, act, heads=heads, S=S))
+    torch.cuda.synchronize()
+    want = dense_ref(f64(x), f64(w), f64(b), act)
     if heads:
-        want = want.reshape(2, S, heads, N // heads).transpose(0, 2, 1, 3)
-    np.testing.assert_allclose(ty.cpu().numpy().reshape(want.shape), want, **TOL)
+        want = want.reshape(M // S, S, heads, N // heads).transpose(0, 2, 1, 3)
+    close(f64(y).reshape(want.shape), want, dtype, "y")
 
 
-@pytest.mark.parametrize("R,C,b_rows", [(1, 1, 1), (6, 768, 6), (12, 33, 3)])
-def test_add_layer_norm(cuda, R, C, b_rows):
-    lib, torch = cuda
-    rs = np.random.RandomState(2)
-    a, b, g, be = (rs.uniform(-1, 1, s).astype(np.float32) for s in ((R, C), (b_rows, C), (C,), (C,)))
-    ty, ts = torch.empty((R, C), device="cuda"), torch.empty((R, C), device="cuda")
-    args = [dev(torch, x) for x in (a, b, g, be)]
-    rc = cuda_iface.add_layer_norm(lib, *args, ty, ts, R, C, b_rows)
-    assert rc == 0
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_no_bias_and_empty_k(cuda, dtype):
+    lib, torch, ws = cuda
+    x, w = rand(torch, (9, 20), dtype), rand(torch, (12, 20), dtype, seed=1)
+    y = torch.empty((9, 12), dtype=x.dtype, device="cuda")
+    ok(lib, ci.dense(lib, ws, x, w, None, y, 9, 12, 20, "tanh"))
     torch.cuda.synchronize()
-    s = a.astype(np.float64) + np.tile(b, (R // b_rows, 1))
+    close(f64(y), np.tanh(f64(x) @ f64(w).T), dtype, "no bias")
+    b = rand(torch, (12,), dtype, seed=2)
+    e = torch.empty((9, 0), dtype=x.dtype, device="cuda")
+    ok(lib, ci.dense(lib, ws, e, e, b, y, 9, 12, 0, "relu"))
+    torch.cuda.synchronize()
+    close(f64(y), np.broadcast_to(np.maximum(f64(b), 0), (9, 12)), dtype, "K = 0")
+
+
+def torch_act(torch, z, act, slope=0.25):
+    F = torch.nn.functional
+    return {"none": lambda: z, "relu": lambda: torch.relu(z), "act_relu": lambda: torch.relu(z),
+            "sigmoid": lambda: torch.sigmoid(z), "tanh": lambda: torch.tanh(z),
+            "softrelu": lambda: F.softplus(z, threshold=20), "leaky": lambda: F.leaky_relu(z, slope),
+            "gelu_erf": lambda: F.gelu(z), "gelu_tanh": lambda: F.gelu(z, approximate="tanh")}[act]()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["none", "relu", "sigmoid", "tanh", "softrelu", "leaky", "gelu_erf", "gelu_tanh"])
+@pytest.mark.parametrize("M,N,K,heads", [(37, 70, 50, 0), (130, 96, 256, 0), (2 * 9, 24, 33, 3), (1, 1, 1, 0)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_dense_backward(cuda, dtype, act, M, N, K, heads, bias):
+    lib, torch, ws = cuda
+    x, w, b = (rand(torch, s, dtype, seed=i) for i, s in enumerate(((M, K), (N, K), (N,))))
+    b = b if bias else None
+    S = 9 if heads else 0
+    y = torch.empty((M * N,), dtype=x.dtype, device="cuda")
+    ok(lib, ci.dense(lib, ws, x, w, b, y, M, N, K, act, heads=heads, S=S))
+    dy = rand(torch, (M * N,), dtype, seed=5)
+    dx, dw = torch.empty_like(x), torch.full_like(w, 2.0)
+    db = torch.empty_like(b) if bias else None
+    ok(lib, ci.dense_backward(lib, ws, dy, x, w, b, y, dx, dw, db, M, N, K, act, heads=heads, S=S,
+                              req=(ci.REQ_WRITE, ci.REQ_ADD, ci.REQ_WRITE)))
+    torch.cuda.synchronize()
+    X, W = torch.tensor(f64(x), requires_grad=True), torch.tensor(f64(w), requires_grad=True)
+    Bv = torch.tensor(f64(b), requires_grad=True) if bias else None
+    Y = torch_act(torch, X @ W.T + (Bv if bias else 0), act)
+    dY = torch.tensor(f64(dy))
+    if heads:  # dy is in the (B, heads, S, D) layout
+        dY = dY.reshape(M // S, heads, S, N // heads).permute(0, 2, 1, 3).reshape(M, N)
+    Y.backward(dY.reshape(M, N))
+    close(f64(dx), X.grad.numpy(), dtype, "dx")
+    close(f64(dw) - 2.0, W.grad.numpy(), dtype, "dw (added)")
+    if bias:
+        close(f64(db), Bv.grad.numpy(), dtype, "dbias")
+
+
+def test_dense_rejects_bad_arguments(cuda):
+    lib, torch, ws = cuda
+    x = torch.zeros((6, 4), device="cuda")
+    assert lib.mxf_dense_forward(9, x.data_ptr(), x.data_ptr(), None, x.data_ptr(), 6, 4, 4, 0, 0.0, 0, 0,
+                                 None, 0, None) == ci.ERR_BAD_ARGS
+    assert lib.mxf_dense_forward(0, x.data_ptr(), x.data_ptr(), None, x.data_ptr(), 6, 4, 4, 0, 0.0, 3, 2,
+                                 None, 0, None) == ci.ERR_BAD_ARGS  # N % heads
+    assert lib.mxf_dense_forward(0, x.data_ptr(), x.data_ptr(), None, x.data_ptr(), 6, 4, 4, 0, 0.0, 0, 0,
+                                 None, 0, None) == ci.ERR_WORKSPACE
+
+
+# ----------------------------------------------------------------------------- add + layer norm
+
+LN_SHAPES = [(1, 1, 1), (6, 768, 6), (12, 33, 3), (64, 1024, 1), (8, 4096, 8), (300, 80, 300)]
+
+
+def ln_ref(a, b, g, be, R, b_rows, eps=1e-5):
+    s = a + np.tile(b, (R // b_rows, 1))
     mu, var = s.mean(-1, keepdims=True), s.var(-1, keepdims=True)
-    np.testing.assert_allclose(ty.cpu().numpy(), (s - mu) / np.sqrt(var + 1e-5) * g + be, **TOL)
-    np.testing.assert_allclose(ts.cpu().numpy(), s, **TOL)
+    return s, (s - mu) / np.sqrt(var + eps) * g + be, mu[:, 0], 1 / np.sqrt(var[:, 0] + eps)
 
 
-@pytest.mark.parametrize("expr,shapes,fn", [
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,C,b_rows", LN_SHAPES)
+def test_add_layer_norm_forward(cuda, dtype, R, C, b_rows):
+    lib, torch, ws = cuda
+    a, b, g, be = (rand(torch, s, dtype, seed=i) for i, s in enumerate(((R, C), (b_rows, C), (C,), (C,))))
+    y, s = torch.empty((R, C), dtype=a.dtype, device="cuda"), torch.empty((R, C), dtype=a.dtype, device="cuda")
+    mean, rstd = (torch.empty((R,), device="cuda") for _ in range(2))
+    ok(lib, ci.add_layer_norm(lib, a, b, g, be, y, s, R, C, b_rows, mean=mean, rstd=rstd))
+    torch.cuda.synchronize()
+    # the sum is rounded to the dtype before the normalization, as the unfused graph has it
+    s_want = f64((a.double() + b.double().repeat(R // b_rows, 1)).to(a.dtype))
+    _, y_want, mu, rs_ = ln_ref(s_want, np.zeros((b_rows, C)), f64(g), f64(be), R, b_rows)
+    close(f64(s), s_want, dtype, "sum")
+    close(f64(y), y_want, dtype, "y")
+    close(f64(mean), mu, "float32", "mean")
+    close(f64(rstd) / 100, rs_ / 100, "float32", "rstd")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,C,b_rows", LN_SHAPES)
+@pytest.mark.parametrize("saved_stats", [False, True])
+def test_add_layer_norm_backward(cuda, dtype, R, C, b_rows, saved_stats):
+    lib, torch, ws = cuda
+    a, b, g, be = (rand(torch, s, dtype, seed=i) for i, s in enumerate(((R, C), (b_rows, C), (C,), (C,))))
+    y, s = torch.empty((R, C), dtype=a.dtype, device="cuda"), torch.empty((R, C), dtype=a.dtype, device="cuda")
+    mean, rstd = (torch.empty((R,), device="cuda") for _ in range(2))
+    ok(lib, ci.add_layer_norm(lib, a, b, g, be, y, s, R, C, b_rows, mean=mean, rstd=rstd))
+    dy, dsum = rand(torch, (R, C), dtype, seed=7), rand(torch, (R, C), dtype, seed=8)
+    da, db, dg, dbe = (torch.full_like(t, 1.0) for t in (a, b, g, be))
+    ok(lib, ci.add_layer_norm_backward(lib, ws, dy, dsum, a, b, g, da, db, dg, dbe, R, C, b_rows,
+                                       mean=mean if saved_stats else None, rstd=rstd if saved_stats else None,
+                                       req=(ci.REQ_WRITE, ci.REQ_WRITE, ci.REQ_ADD, ci.REQ_WRITE)))
+    torch.cuda.synchronize()
+    A, Bt, G, BE = (torch.tensor(f64(t), requires_grad=True) for t in (a, b, g, be))
+    S = A + Bt.repeat(R // b_rows, 1)
+    Y = torch.nn.functional.layer_norm(S, (C,), G, BE, 1e-5)
+    (Y * torch.tensor(f64(dy))).sum().add_((S * torch.tensor(f64(dsum))).sum()).backward()
+    close(f64(da), A.grad.numpy(), dtype, "da")
+    close(f64(db), Bt.grad.numpy(), dtype, "db")
+    close(f64(dg) - 1.0, G.grad.numpy(), dtype, "dgamma (added)")
+    close(f64(dbe), BE.grad.numpy(), dtype, "dbeta")
+
+
+def test_add_layer_norm_rejects_bad_arguments(cuda):
+    lib, torch, ws = cuda
+    a = torch.zeros((4, 8), device="cuda")
+    assert ci.add_layer_norm(lib, a, a, a, a, a, None, 4, 8, 3) == ci.ERR_BAD_ARGS  # R % b_rows
+    assert ci.add_layer_norm(lib, a, a, a, a, a, None, 4, 40000, 4) == ci.ERR_BAD_ARGS  # C too large
+    assert lib.mxf_add_layer_norm_backward(0, *([a.data_ptr()] * 5), None, None, *([a.data_ptr()] * 4),
+                                           1, 1, 1, 1, 4, 8, 4, 1e-5, None, 0, None) == ci.ERR_WORKSPACE
+
+
+# ----------------------------------------------------------------------------- elemwise
+
+EW_CASES = [
     ("mul(x0, sigmoid(add(x1, 3.0)))", [(7, 300), (300,)], lambda a, b: a / (1 + np.exp(-(b + 3)))),
+    ("mul(x0, sigmoid(add(x1, 3.0)))", [(8, 256), (256,)], lambda a, b: a / (1 + np.exp(-(b + 3)))),
     ("where(gt(x0, 0), exp(x1), neg(x0))", [(2, 3, 4), (3, 1)], lambda a, b: np.where(a > 0, np.exp(b), -a)),
     ("clip(tanh(x0), -0.5, 0.25)", [(5000,)], lambda a: np.clip(np.tanh(a), -0.5, 0.25)),
-])
-def test_elemwise(cuda, expr, shapes, fn):
-    lib, torch = cuda
-    rs = np.random.RandomState(3)
-    xs = [rs.uniform(-2, 2, s).astype(np.float32) for s in shapes]
-    ts = [dev(torch, x) for x in xs]
-    out_shape = np.broadcast_shapes(*shapes)
-    to = torch.empty(out_shape, device="cuda")
-    rc, err = cuda_iface.elemwise(lib, expr, ts, to)
+    ("add(mul(x0, x1), x2)", [(4096,), (4096,), (1,)], lambda a, b, c: a * b + c),
+    ("relu(add(x0, x1))", [(3, 64, 32), (3, 64, 32)], lambda a, b: np.maximum(a + b, 0)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("expr,shapes,fn", EW_CASES)
+def test_elemwise(cuda, dtype, expr, shapes, fn):
+    lib, torch, _ = cuda
+    xs = [rand(torch, s, dtype, -2, 2, seed=i) for i, s in enumerate(shapes)]
+    out = torch.empty(np.broadcast_shapes(*shapes), dtype=xs[0].dtype, device="cuda")
+    rc, err = ci.elemwise(lib, expr, xs, out)
     assert rc == 0, err
     torch.cuda.synchronize()
-    np.testing.assert_allclose(to.cpu().numpy(), fn(*[x.astype(np.float64) for x in xs]), **TOL)
+    close(f64(out), fn(*[f64(x) for x in xs]), dtype, expr)
+
+
+def test_elemwise_unaligned_input_takes_the_scalar_path(cuda):
+    lib, torch, _ = cuda
+    x = rand(torch, (1025,), "float16")[1:]  # 2-byte offset: no 16-byte loads
+    out = torch.empty((1024,), dtype=torch.float16, device="cuda")
+    rc, err = ci.elemwise(lib, "exp(x0)", [x], out)
+    assert rc == 0, err
+    torch.cuda.synchronize()
+    close(f64(out), np.exp(f64(x)), "float16", "exp")
 
 
 def test_elemwise_bad_program_reports(cuda):
-    lib, _ = cuda
+    lib, _, _ = cuda
     err = ctypes.create_string_buffer(512)
-    rc = lib.mxf_elemwise_forward(b"foo(x0)", 1, None, None, None, None, err, 512, None)
-    assert rc == -1 and b"unknown function 'foo'" in err.value
+    rc = lib.mxf_elemwise_forward(0, b"foo(x0)", 1, None, None, None, None, err, 512, None)
+    assert rc == ci.ERR_BAD_ARGS and b"unknown function 'foo'" in err.value

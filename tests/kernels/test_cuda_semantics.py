@@ -88,8 +88,7 @@ def cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU available")
     import cuda_iface
-    nat = cuda_iface.native()
-    if nat.nvcc_path() is None and not os.path.exists(nat.library_path(cuda=True)):
+    if cuda_iface.nvcc_path() is None and not os.path.exists(cuda_iface.library_path()):
         pytest.skip("CUDA library not built (no nvcc)")
     return cuda_iface, cuda_iface.load(), torch
 
