@@ -258,6 +258,46 @@ def test_attention_backward(cuda, dtype, B, H, Sq, Sk, D, mode):
         close(f64(dmask), m.grad.numpy().reshape(B, H, 1, Sk).sum(1), dtype, "dmask")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 128, 200])
+def test_attention_backward_full_mask_strided_layout(cuda, dtype, D):
+    """(B, S, H, D) views of a packed buffer, an additive mask of the scores' full shape (its
+    gradient without broadcasting), gradients added to what is there."""
+    lib, torch, ws = cuda
+    B, H, Sq, Sk = 2, 3, 37, 45
+    buf = rand(torch, (B, Sk, 3, H, D), dtype, seed=4)
+    q, k, v = buf[:, :Sq, 0], buf[:, :, 1], buf[:, :, 2]
+    o = torch.empty((B, Sq, H, D), dtype=q.dtype, device="cuda")
+    lse = torch.empty((B * H * Sq,), dtype=torch.float32, device="cuda")
+    mask = rand(torch, (B, H, Sq, Sk), dtype, -2, 2, seed=5)
+    a = ci.attention_args(q, k, v, o, 0.2, layout="bshd", lse=lse)
+    a.mask_kind, a.mask = 1, mask.data_ptr()
+    a.m_sb, a.m_sh, a.m_sq, a.m_sk = H * Sq * Sk, Sq * Sk, Sk, 1
+    ok(lib, ci.attention(lib, ws, a))
+    dout = rand(torch, o.shape, dtype, seed=6)
+    gbuf = torch.ones_like(buf)
+    dq, dk, dv = gbuf[:, :Sq, 0], gbuf[:, :, 1], gbuf[:, :, 2]
+    dmask = torch.ones_like(mask)
+    g = ci.AttnGrads(dout=dout.data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(),
+                     dmask=dmask.data_ptr(), dmask_numel=mask.numel(),
+                     req_dq=ci.REQ_ADD, req_dk=ci.REQ_ADD, req_dv=ci.REQ_ADD, req_dmask=ci.REQ_ADD)
+    ok(lib, ci.attention_backward(lib, ws, a, g))
+    torch.cuda.synchronize()
+
+    def nsd(t, S):
+        return f64(t).transpose(0, 2, 1, 3).reshape(B * H, S, D)
+
+    Q, K, V = (torch.tensor(nsd(t, S), requires_grad=True) for t, S in ((q, Sq), (k, Sk), (v, Sk)))
+    M = torch.tensor(f64(mask).reshape(B * H, Sq, Sk), requires_grad=True)
+    out = torch_attention(torch, Q, K, V, 0.2, M, "additive")
+    close(nsd(o, Sq), out.detach().numpy(), dtype, "out")
+    out.backward(torch.tensor(nsd(dout, Sq)))
+    close(nsd(dq, Sq) - 1.0, Q.grad.numpy(), dtype, "dq")
+    close(nsd(dk, Sk) - 1.0, K.grad.numpy(), dtype, "dk")
+    close(nsd(dv, Sk) - 1.0, V.grad.numpy(), dtype, "dv")
+    close(f64(dmask).reshape(B * H, Sq, Sk) - 1.0, M.grad.numpy(), dtype, "dmask")
+
+
 def test_attention_rejects_bad_arguments(cuda):
     lib, torch, ws = cuda
     q = torch.zeros((1, 1, 4, 8), device="cuda")
