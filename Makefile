@@ -13,6 +13,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml $(wildcard cuda_kernels/*/*.cc cuda_kernels/*/*.h cuda_kernels/*/*.cu cuda_kernels/common/mxnet_gpu/*.cu)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	# With nvcc, the CUDA library's fused_dense is built on cuBLASLt from this wheel (else as stubs)
+	if command -v nvcc >/dev/null 2>&1; then $(BIN)/python -m pip install -q nvidia-cublas || \
+	    echo "note: nvidia-cublas could not be installed: the CUDA fused_dense is built as stubs"; fi
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python -m fusion.build
 	touch $@
