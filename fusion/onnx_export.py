@@ -115,6 +115,7 @@ class _State:
         self.cache: Dict[Any, str] = {}      # shared helper values (masks expanded once)
         self.names: set = set()
         self.seq_dims: List[Tuple[str, int]] = []   # (tensor, axis) of Sq and Sk of the attention exported
+        self.int_inputs: set = set()         # graph inputs the file holds as integers
 
 
 _LOCAL = threading.local()
@@ -875,9 +876,14 @@ def _export_rsqrt(node, **kwargs):
 
 
 def _export_trunc(node, **kwargs):
-    """trunc(x) = sign(x)·floor(|x|) (ONNX has no Trunc; -0.0, NaN and ±inf come out as trunc gives them)."""
+    """trunc(x) = sign(x)·floor(|x|) (ONNX has no Trunc; -0.0, NaN and ±inf come out as trunc gives them);
+    of a graph input the file holds as integers (token ids read back from an int64 -> int32 Cast) the
+    input itself: every value it can take is whole already."""
     from onnx import helper
     name, inputs, _ = node_io(node, kwargs)
+    src = _st().nodes[node["inputs"][0][0]]
+    if src["op"] == "null" and src["name"] in _st().int_inputs:
+        return [helper.make_node("Identity", inputs[:1], [name], name=name)]
     a, f, sg = _fresh(name + "_abs"), _fresh(name + "_floor"), _fresh(name + "_sign")
     return [helper.make_node("Abs", inputs[:1], [a]), helper.make_node("Floor", [a], [f]),
             helper.make_node("Sign", inputs[:1], [sg]), helper.make_node("Mul", [sg, f], [name], name=name)]
@@ -1088,6 +1094,7 @@ def _convert(symbol, params, input_shapes, data_names, opset: int, target: str, 
     shapes, dtypes = _facts(symbol, params, input_shapes, input_dtypes)
     st = _State(graph_json, shapes, dtypes, target, opset, dynamic)
     st.names.update(n["name"] for n in graph_json["nodes"])
+    st.int_inputs = {k for k, v in input_dtypes.items() if np.issubdtype(v, np.integer)}
     registry = MXNetGraph.registry_.setdefault(_CONVERTER_OPSET, {})
     saved = dict(registry)
     own = {**_EXTRA_EXPORTERS, **FUSED_OP_EXPORTERS}
@@ -1132,9 +1139,34 @@ def _convert(symbol, params, input_shapes, data_names, opset: int, target: str, 
     model = _common_subexpressions(model)
     if not dynamic:
         model = _expand_into_constant(model, known)
+    if not dynamic:
+        model = _drop_leading_unsqueeze(model)
+    if target == "ort":
+        model = _fused_gemm(model)
     if target == "ort" and not dynamic:
         model = _embed_layer_norm(model)
-    return model, []
+    return _drop_dead(model), []
+
+
+def _drop_dead(model):
+    """Nodes whose values nothing reads (left by the clean-ups: a projection's value that only a folded
+    ``Shape`` read) and initializers no node reads, dropped."""
+    g = model.graph
+    used = {o.name for o in g.output}
+    keep = []
+    for n in reversed(list(g.node)):
+        if any(o and o in used for o in n.output):
+            keep.append(n)
+            used.update(x for x in n.input if x)
+    if len(keep) != len(g.node):
+        keep.reverse()
+        del g.node[:]
+        g.node.extend(keep)
+    inits = [t for t in g.initializer if t.name in used]
+    if len(inits) != len(g.initializer):
+        del g.initializer[:]
+        g.initializer.extend(inits)
+    return model
 
 
 def _head_names(graph_json) -> List[str]:
@@ -1510,6 +1542,129 @@ def _expand_into_constant(model, known: Mapping[str, List[int]]):
     return model
 
 
+_BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "LessOrEqual",
+                 "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Mod"}
+_ELEMENTWISE = {"Cast", "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Floor", "Ceil", "Sign", "Not", "Relu",
+                "Sigmoid", "Tanh", "Erf", "Identity"}
+
+
+def _drop_leading_unsqueeze(model):
+    """Unsqueeze(x) that only puts 1s before x's dims (a (1, S) mask as (1, 1, 1, S)), read by one chain of
+    elementwise ops that ends at a broadcasting op with another operand of at least the Unsqueeze's rank:
+    the chain reads x itself.  Broadcasting aligns dims from the last, so every element gets the same
+    value, and the chain's last op the same shape."""
+    import onnx
+    from onnx import numpy_helper
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:
+        return model
+    g = model.graph
+    ranks: Dict[str, int] = {}
+    static: Dict[str, List[int]] = {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+        if vi.type.tensor_type.HasField("shape"):
+            dims = vi.type.tensor_type.shape.dim
+            ranks[vi.name] = len(dims)
+            if all(d.HasField("dim_value") for d in dims):
+                static[vi.name] = [d.dim_value for d in dims]
+    inits = {t.name: t for t in g.initializer}
+    for t in g.initializer:
+        ranks[t.name] = len(t.dims)
+    readers: Dict[str, List[Any]] = {}
+    for n in g.node:
+        for x in n.input:
+            readers.setdefault(x, []).append(n)
+    outs = {o.name for o in g.output}
+    drop = []
+    for u in g.node:
+        if u.op_type != "Unsqueeze" or u.domain not in ("", "ai.onnx") or len(u.input) != 2 or \
+                u.input[1] not in inits or u.input[0] not in static:
+            continue
+        x_shape = static[u.input[0]]
+        r = len(x_shape) + int(numpy_helper.to_array(inits[u.input[1]]).size)
+        axes = sorted(int(a) % r for a in numpy_helper.to_array(inits[u.input[1]]).reshape(-1))
+        dims = list(x_shape)
+        for a in axes:
+            dims.insert(a, 1)
+        if dims[r - len(x_shape):] != x_shape:
+            continue
+        cur, ok = u.output[0], False
+        while True:
+            rs = readers.get(cur, [])
+            if len(rs) != 1 or cur in outs or list(rs[0].input).count(cur) != 1 or rs[0].domain not in ("", "ai.onnx"):
+                break
+            n = rs[0]
+            if n.op_type in _ELEMENTWISE:
+                cur = n.output[0]
+                continue
+            if n.op_type not in _BROADCASTING:
+                break
+            others = [ranks.get(x) for x in n.input if x != cur]
+            if any(k is None for k in others):
+                break
+            if any(k >= r for k in others):
+                ok = True
+                break
+            cur = n.output[0]
+        if ok:
+            reader = readers[u.output[0]][0]
+            reader.input[list(reader.input).index(u.output[0])] = u.input[0]
+            drop.append(u)
+    for u in drop:
+        g.node.remove(u)
+    if drop:
+        used = {x for n in g.node for x in n.input}
+        keep = [t for t in g.initializer if t.name in used]
+        del g.initializer[:]
+        g.initializer.extend(keep)
+    return model
+
+
+_GEMM_ACTIVATIONS = {"Relu": (), "Tanh": (), "Sigmoid": (), "LeakyRelu": (("alpha", 0.01),),
+                     "HardSigmoid": (("alpha", 0.2), ("beta", 0.5))}
+
+
+def _fused_gemm(model):
+    """Gemm then an activation (Tanh of BERT's pooler), the Gemm's result read only there: ONNX Runtime's
+    FusedGemm (the activation applied to the Gemm's result by the same kernels)."""
+    from onnx import TensorProto, helper
+    g = model.graph
+    readers: Dict[str, List[Any]] = {}
+    for n in g.node:
+        for x in n.input:
+            readers.setdefault(x, []).append(n)
+    outs = {o.name for o in g.output}
+    floats = {t.name for t in g.initializer if t.data_type == TensorProto.FLOAT}
+    drop, changed = [], False
+    for i, n in enumerate(list(g.node)):
+        if n.op_type != "Gemm" or n.domain not in ("", "ai.onnx") or n.output[0] in outs or \
+                not all(x in floats for x in n.input[1:] if x):
+            continue
+        rs = readers.get(n.output[0], [])
+        if len(rs) != 1 or rs[0].op_type not in _GEMM_ACTIVATIONS or rs[0].domain not in ("", "ai.onnx"):
+            continue
+        act = rs[0]
+        got = {a.name: helper.get_attribute_value(a) for a in act.attribute}
+        extra = {"activation": act.op_type}
+        params = [float(got.get(k, d)) for k, d in _GEMM_ACTIVATIONS[act.op_type]]
+        if params:
+            extra["activation_alpha"] = params[0]
+        if len(params) > 1:
+            extra["activation_beta"] = params[1]
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        fused = helper.make_node("FusedGemm", list(n.input), list(act.output), name=n.name or act.name, domain=MS,
+                                 **attrs, **extra)
+        g.node[i].CopyFrom(fused)
+        drop.append(act)
+        changed = True
+    for a in drop:
+        g.node.remove(a)
+    if changed and not any(o.domain == MS for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS, 1))
+    return model
+
+
 def _embed_layer_norm(model):
     """word[ids] (+ segment[types]) + P -> LayerNorm, P a constant (S, H) block of position rows and ids
     graph inputs of static shape (B, S): ONNX Runtime's EmbedLayerNormalization, whose default
@@ -1617,6 +1772,8 @@ def _peephole(nodes: List[Any], inits: Dict[str, Any], input_types: Mapping[str,
     for n in nodes:
         if n.op_type == "Cast" and n.input[0] in producer:
             p = producer[n.input[0]]
+            while p.op_type == "Identity" and p.input[0] in producer:     # (trunc of whole numbers)
+                p = producer[p.input[0]]
             to = next((a.i for a in n.attribute if a.name == "to"), None)
             if p.op_type == "Cast" and input_types.get(p.input[0]) in ints and to in ints:
                 n = helper.make_node("Identity" if to == input_types[p.input[0]] else "Cast", [p.input[0]],
