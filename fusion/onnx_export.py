@@ -1145,6 +1145,7 @@ def _convert(symbol, params, input_shapes, data_names, opset: int, target: str, 
         model = _fused_gemm(model)
     if target == "ort" and not dynamic:
         model = _embed_layer_norm(model)
+        model = _mask_index_from_embedding(model)
     return _drop_dead(model), []
 
 
@@ -1755,6 +1756,146 @@ def _embed_layer_norm(model):
             model.opset_import.append(helper.make_opsetid(MS, 1))
         return _embed_layer_norm(model)       # the graph changed: look again
     return model
+
+
+def _const_value(g, name: str, inits) -> Optional[np.ndarray]:
+    from onnx import numpy_helper
+    if name in inits:
+        return numpy_helper.to_array(inits[name])
+    for n in g.node:
+        if n.op_type == "Constant" and n.output[0] == name:
+            a = next((a for a in n.attribute if a.name == "value"), None)
+            return None if a is None else numpy_helper.to_array(a.t)
+    return None
+
+
+def _mask_index_from_embedding(model):
+    """ONNX Runtime's own mask: an attention bias c·[key j ≥ L_b], L_b the number of ones in row b of an
+    integer graph input m (what our importer reads ORT's EmbedLayerNormalization mask_index as), becomes
+    that mask_index again: m (as int32, as the file's other ids) into the EmbedLayerNormalization, its
+    mask_index output into each Attention (keys at or past the end position get ``mask_filter_value``
+    c added, the same as the bias)."""
+    import onnx
+    from onnx import TensorProto, helper
+    g = model.graph
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:
+        return model
+    static: Dict[str, List[int]] = {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+            static[vi.name] = [d.dim_value for d in dims]
+    inits = {t.name: t for t in g.initializer}
+    inputs = {i.name: i for i in g.input}
+    producer = {o: n for n in g.node for o in n.output if o}
+    ints = (TensorProto.INT64, TensorProto.INT32)
+
+    def prod(x, op):
+        p = producer.get(x)
+        return p if p is not None and p.op_type == op and p.domain in ("", "ai.onnx") else None
+
+    def to(n):
+        return next((a.i for a in n.attribute if a.name == "to"), None)
+
+    def mask_of(bias):
+        """(graph input m, c, B, Sk) when ``bias`` is c·[j ≥ count(m_b == 1)] of shape (B, 1, Sq, Sk)."""
+        mul = prod(bias, "Mul")
+        if mul is None or bias not in static or len(static[bias]) != 4:
+            return None
+        b, one, sq, sk = static[bias]
+        for slot in (0, 1):
+            cv = _const_value(g, mul.input[1 - slot], inits)
+            if cv is not None and cv.size and np.all(cv == cv.reshape(-1)[0]) and cv.ndim <= 4:
+                break
+        else:
+            return None
+        pe = mul.input[slot]
+        if pe not in static or (static[pe] not in ([b, sk], [b, 1, 1, sk]) or (static[pe] == [b, sk] and b != 1)):
+            return None
+        if list(cv.shape[-4:]) not in ([1, 1, sq, 1], [1, 1, 1, 1], [sq, 1], [1], []) or one != 1:
+            return None
+        if prod(pe, "Unsqueeze") is not None:
+            pe = prod(pe, "Unsqueeze").input[0]
+        cast = prod(pe, "Cast")
+        ge = prod(cast.input[0], "GreaterOrEqual") if cast is not None and to(cast) == TensorProto.FLOAT else None
+        if ge is None:
+            return None
+        keys = _const_value(g, ge.input[0], inits)
+        if keys is None or keys.reshape(-1).tolist() != list(range(sk)) or keys.ndim > 2:
+            return None
+        rs = prod(ge.input[1], "Reshape")
+        if rs is None or static.get(ge.input[1]) != [b, 1]:
+            return None
+        red = prod(rs.input[0], "ReduceSum")
+        if red is None or static.get(rs.input[0]) != [b]:
+            return None
+        axes = [a.ints for a in red.attribute if a.name == "axes"]
+        axes = list(axes[0]) if axes else (_const_value(g, red.input[1], inits).reshape(-1).tolist()
+                                           if len(red.input) > 1 and red.input[1] else None)
+        if axes not in ([1], [-1]):
+            return None
+        c2 = prod(red.input[0], "Cast")
+        eq = prod(c2.input[0], "Equal") if c2 is not None and to(c2) == TensorProto.FLOAT else None
+        if eq is None:
+            return None
+        for k in (0, 1):
+            ov = _const_value(g, eq.input[1 - k], inits)
+            if ov is not None and ov.size == 1 and float(ov.reshape(-1)[0]) == 1.0:
+                break
+        else:
+            return None
+        mf = prod(eq.input[k], "Cast")
+        if mf is None or mf.input[0] not in inputs:
+            return None
+        m = inputs[mf.input[0]]
+        if m.type.tensor_type.elem_type not in ints or static.get(m.name) != [b, sk]:
+            return None
+        return m.name, float(cv.reshape(-1)[0]), b, sk
+
+    elns = [n for n in g.node if n.op_type == "EmbedLayerNormalization" and n.domain == MS]
+    if len(elns) != 1:
+        return model
+    eln = elns[0]
+    ids = producer.get(eln.input[0])
+    ids_name = ids.input[0] if ids is not None and ids.op_type == "Cast" else eln.input[0]
+    done: Dict[str, Any] = {}
+    changed = False
+    for att in g.node:
+        if att.op_type != "Attention" or att.domain != MS or len(att.input) != 6 or any(att.input[3:5]) or \
+                any(a.name in ("mask_filter_value", "past_present_share_buffer") for a in att.attribute):
+            continue
+        got = mask_of(att.input[5])
+        if got is None or static.get(ids_name) != [got[2], got[3]]:
+            continue
+        m, c, _, _ = got
+        if len(eln.input) > 7 and eln.input[7]:
+            if done.get("mask") != m:
+                continue
+        else:
+            m32 = m
+            if inputs[m].type.tensor_type.elem_type != TensorProto.INT32:
+                m32 = _fresh_in(g, m + "__int32")
+                g.node.insert(list(g.node).index(eln), helper.make_node("Cast", [m], [m32], to=TensorProto.INT32))
+            while len(eln.input) < 7:
+                eln.input.append("")
+            eln.input.append(m32)
+            done["mask"] = m
+        del att.input[3:]
+        att.input.append(eln.output[1])
+        att.attribute.append(helper.make_attribute("mask_filter_value", c))
+        changed = True
+    return _drop_dead(model) if changed else model
+
+
+def _fresh_in(g, base: str) -> str:
+    names = {x for n in g.node for x in list(n.input) + list(n.output)} | {t.name for t in g.initializer} | \
+        {i.name for i in g.input}
+    name, i = base, 1
+    while name in names:
+        name, i = "%s_%d" % (base, i), i + 1
+    return name
 
 
 def _peephole(nodes: List[Any], inits: Dict[str, Any], input_types: Mapping[str, int],

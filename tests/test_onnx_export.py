@@ -341,22 +341,95 @@ def test_dynamic_export_of_a_fused_layer_runs_at_other_sizes(tmp_path):
 def test_ort_optimized_bert_roundtrip(tmp_path, capsys):
     """A BERT optimized by ONNX Runtime's transformers optimizer (EmbedLayerNormalization, Attention,
     SkipLayerNormalization, BiasGelu; its int64 -> int32 Casts read back as trunc) in, fused, and out."""
-    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer")
-    from onnxruntime.transformers.fusion_options import FusionOptions
-
     from fusion.testing import onnx_bert
     src, opt = str(tmp_path / "bert.onnx"), str(tmp_path / "opt.onnx")
     onnx.save(onnx_bert(layers=1, hidden=32, heads=4, ffn=64, vocab_size=50, max_positions=16), src)
-    options = FusionOptions("bert")
-    options.enable_shape_inference = False
-    optimizer.optimize_model(src, model_type="bert", num_heads=4, hidden_size=32, opt_level=0,
-                             optimization_options=options, use_gpu=False).save_model_to_file(opt)
+    _ort_optimize(src, opt, 4, 32)
     assert "EmbedLayerNormalization" in contrib(opt)
     out = str(tmp_path / "out.onnx")
     shapes = [a for n in ("input_ids", "token_type_ids", "attention_mask") for a in ("--shape", n + "=2,8")]
     code, _, err = run_mxfuse(capsys, opt, "-o", tmp_path / "b", *shapes, "--to-onnx", out, "--no-self-check")
     assert code == 0, err
-    assert {"Attention", "SkipLayerNormalization", "BiasGelu"} <= contrib(out)
+    assert {"Attention", "SkipLayerNormalization", "BiasGelu", "EmbedLayerNormalization"} <= contrib(out)
+    model = onnx.load(out)
+    types = collections.Counter(n.op_type for n in model.graph.node)
+    # ORT's own mask again: the count of ones as EmbedLayerNormalization's mask_index read by Attention
+    # (not rebuilt from Equal / ReduceSum / a key range); the int64 -> int32 Casts read back as trunc are
+    # no Abs / Floor / Sign of the ids
+    assert not {"ReduceSum", "Equal", "GreaterOrEqual", "Floor", "Sign"} & set(types), types
+    eln = next(n for n in model.graph.node if n.op_type == "EmbedLayerNormalization")
+    att = next(n for n in model.graph.node if n.op_type == "Attention")
+    assert list(att.input[3:]) == [eln.output[1]]
+    assert len(model.graph.node) <= len(onnx.load(opt).graph.node)
+    rng = np.random.default_rng(3)
+    mask = np.array([[1, 1, 1, 1, 1, 0, 0, 0], [1, 0, 1, 1, 2, 1, 0, 1]], np.int64)    # not only right-padded
+    feed = {"input_ids": rng.integers(0, 50, (2, 8)), "token_type_ids": rng.integers(0, 2, (2, 8)),
+            "attention_mask": mask}
+    a = ort.InferenceSession(opt, providers=["CPUExecutionProvider"]).run(None, feed)
+    b = ort.InferenceSession(out, providers=["CPUExecutionProvider"]).run(None, feed)
+    for x, y in zip(a, b):
+        assert np.max(np.abs(x - y)) / np.max(np.abs(x)) <= RTOL
+
+
+def _ort_optimize(src, dst, heads, hidden):
+    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer")
+    from onnxruntime.transformers.fusion_options import FusionOptions
+    options = FusionOptions("bert")
+    options.enable_shape_inference = False
+    optimizer.optimize_model(src, model_type="bert", num_heads=heads, hidden_size=hidden, opt_level=0,
+                             optimization_options=options, use_gpu=False).save_model_to_file(dst)
+
+
+def test_fewer_nodes_than_ort_optimizer(tmp_path, capsys):
+    """A torch-style ONNX BERT (2 layers, batch 1) through import -> fuse -> export has fewer nodes than
+    ONNX Runtime's transformers optimizer writes for it, and so has the optimizer's file read back: the
+    (1, S) mask is not unsqueezed (broadcasting puts its 1s in front), the pooler's Gemm and Tanh are one
+    FusedGemm, the optimizer's mask_index is kept."""
+    from fusion.testing import onnx_bert
+    src, opt = str(tmp_path / "bert.onnx"), str(tmp_path / "opt.onnx")
+    onnx.save(onnx_bert(layers=2, hidden=32, heads=4, ffn=64, vocab_size=50, max_positions=16, opset=17), src)
+    _ort_optimize(src, opt, 4, 32)
+    shapes = [a for n in ("input_ids", "token_type_ids", "attention_mask") for a in ("--shape", n + "=1,8")]
+    counts = {}
+    for name, path in (("ours", src), ("again", opt)):
+        out = str(tmp_path / (name + ".onnx"))
+        code, _, err = run_mxfuse(capsys, path, "-o", tmp_path / name, *shapes, "--to-onnx", out, "--no-self-check")
+        assert code == 0, err
+        counts[name] = op_counts(out)
+        assert ("", "Unsqueeze") not in counts[name] and ("", "Tanh") not in counts[name]
+        assert counts[name][(MS, "FusedGemm")] == 1 and counts[name][(MS, "Attention")] == 2
+    n_opt = len(onnx.load(opt).graph.node)
+    assert sum(counts["ours"].values()) < n_opt and sum(counts["again"].values()) < n_opt, (counts, n_opt)
+
+
+@pytest.mark.parametrize("act", ["tanh", "relu", "sigmoid"])
+def test_gemm_and_activation_as_fused_gemm(act, tmp_path):
+    rng = np.random.default_rng(0)
+    y = S.Activation(S.FullyConnected(S.var("x"), num_hidden=6, name="fc"), act_type=act, name="act")
+    arg = {"fc_weight": mx.nd.array(rng.normal(0, 0.5, (6, 5))), "fc_bias": mx.nd.array(rng.normal(0, 0.5, 6))}
+    for target in ("ort", "standard"):
+        model = export_checked(y, arg, {}, {"x": (3, 5)}, tmp_path / "g.onnx", target=target)
+        types = [n.op_type for n in model.graph.node]
+        assert types == (["FusedGemm"] if target == "ort" else ["Gemm", act.capitalize()]), types
+    # a Gemm whose result is read elsewhere too stays a Gemm
+    fc = S.FullyConnected(S.var("x"), num_hidden=6, name="fc")
+    model = export_checked(S.Group([S.tanh(fc), fc]), arg, {}, {"x": (3, 5)}, tmp_path / "h.onnx")
+    assert "FusedGemm" not in {n.op_type for n in model.graph.node}
+
+
+def test_unsqueeze_kept_where_broadcasting_would_not_restore_it(tmp_path):
+    """(2, 8) -> (2, 1, 1, 8) puts the batch in front of inserted dims: kept; (1, 8) -> (1, 1, 1, 8) read by
+    a sum with a rank-4 value: dropped; one read by an op whose output rank follows it alone: kept."""
+    m, w = S.var("m"), S.var("w")
+    arg = {"w": mx.nd.array(np.random.default_rng(0).normal(0, 1, (1, 1, 8, 1)))}
+    sym = S.broadcast_add(S.expand_dims(S.expand_dims(1 - m, axis=1), axis=1), w)
+    for shape, kept in (((2, 8), True), ((1, 8), False)):
+        model = export_checked(sym, arg, {}, {"m": shape}, tmp_path / "u.onnx")
+        assert ("Unsqueeze" in {n.op_type for n in model.graph.node}) == kept
+    alone = S.exp(S.expand_dims(S.expand_dims(m, axis=1), axis=1))
+    model = export_checked(alone, {}, {}, {"m": (1, 8)}, tmp_path / "v.onnx")
+    assert "Unsqueeze" in {n.op_type for n in model.graph.node}
+    assert [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim] in ([1, 1, 1, 8], [])
 
 
 def test_trunc_exports(tmp_path):
