@@ -1139,6 +1139,7 @@ def _convert(symbol, params, input_shapes, data_names, opset: int, target: str, 
     model = _common_subexpressions(model)
     if not dynamic:
         model = _expand_into_constant(model, known)
+    model = _flip_swapped_regions(model)
     if not dynamic:
         model = _drop_leading_unsqueeze(model)
     if target == "ort":
@@ -1313,6 +1314,8 @@ def _fold_constants(model, known: Mapping[str, List[int]]):
         if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
             static[vi.name] = [d.dim_value for d in dims]
     g = model.graph
+    for t in g.initializer:
+        static.setdefault(t.name, list(t.dims))
     const = {t.name for t in g.initializer}
     shape_consts: Dict[str, np.ndarray] = {}
     folded_nodes = []
@@ -1620,6 +1623,256 @@ def _drop_leading_unsqueeze(model):
         del g.initializer[:]
         g.initializer.extend(keep)
     return model
+
+
+_SWAP = [1, 0, 2]
+_UNARY_SWAP = {"Cast", "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Floor", "Ceil", "Sign", "Not", "Relu",
+               "Sigmoid", "Tanh", "Erf", "Identity", "Gelu"}
+_BINARY_SWAP = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "LessOrEqual", "Greater",
+                "GreaterOrEqual", "And", "Or"}
+_LAST_AXIS_SWAP = {("", "LayerNormalization"): 1, (MS, "SkipLayerNormalization"): 2, (MS, "BiasGelu"): 1,
+                   (MS, "FastGelu"): 1, (MS, "Gelu"): 1, ("", "MatMul"): 1, ("", "Softmax"): 1}
+
+
+def _flip_swapped_regions(model):
+    """GluonNLP's models run in (S, B, C) and transpose to (B, S, C) around each attention: a region of ops
+    that each compute every (s, b) row on its own (MatMul by a weight, SkipLayerNormalization, BiasGelu,
+    elementwise ops) is computed in the swapped layout instead wherever that takes away more Transposes
+    (perm 1, 0, 2) at its edges than it adds: its constants are swapped alike, a value read outside
+    the region (a graph output, another op) is swapped back once.  Each element is computed by the
+    same ops from the same operands."""
+    from onnx import helper, numpy_helper
+    g = model.graph
+    for _ in range(8):
+        inits = {t.name: t for t in g.initializer}
+        const = set(inits) | {n.output[0] for n in g.node if n.op_type == "Constant"}
+        rank = _ranks(model)
+        producer = {o: n for n in g.node for o in n.output if o}
+        readers: Dict[str, List[Any]] = {}
+        for n in g.node:
+            for x in n.input:
+                if x:
+                    readers.setdefault(x, []).append(n)
+        outs = {o.name for o in g.output}
+
+        def is_swap(n):
+            return n.op_type == "Transpose" and n.domain in ("", "ai.onnx") and \
+                [list(a.ints) for a in n.attribute if a.name == "perm"] == [_SWAP]
+
+        def acts(n):
+            """The inputs of n that swap with its output, when n computes each (s, b) row on its own."""
+            key = (n.domain if n.domain != "ai.onnx" else "", n.op_type)
+            if key[0] == "" and n.op_type in _UNARY_SWAP and len(n.input) == 1:
+                ins = [n.input[0]]
+            elif key[0] == "" and n.op_type in _BINARY_SWAP:
+                ins = [x for x in n.input if x not in const]
+                for x in n.input:
+                    if x in const and (x not in inits or len(inits[x].dims) > 3):
+                        return None
+            elif key in _LAST_AXIS_SWAP:
+                k = _LAST_AXIS_SWAP[key]
+                ins = list(n.input[:k])
+                if any(x in const or not x for x in ins) or any(x and x not in inits for x in n.input[k:]):
+                    return None
+                if n.op_type == "MatMul" and len(inits[n.input[1]].dims) != 2:
+                    return None
+                attrs = {a.name: a for a in n.attribute}
+                if n.op_type in ("LayerNormalization", "Softmax") and attrs.get("axis") is not None and \
+                        attrs["axis"].i not in (-1, 2):
+                    return None
+                if n.op_type == "Softmax" and "axis" not in attrs:     # default -1 from opset 13
+                    pass
+                if any(o for o in n.output[1:]):
+                    return None
+            else:
+                return None
+            if not ins or any(rank.get(x) != 3 for x in ins) or rank.get(n.output[0]) != 3:
+                return None
+            return ins
+
+        done = set()
+        best = None
+        for seed in g.node:
+            if not is_swap(seed) or seed.output[0] in done:
+                continue
+            region, todo, inner = set(), [seed.output[0]], {}
+            while todo:
+                v = todo.pop()
+                if v in region:
+                    continue
+                region.add(v)
+                around = [producer[v]] if v in producer else []
+                around += readers.get(v, [])
+                for n in around:
+                    if id(n) in inner or is_swap(n):
+                        continue
+                    ins = acts(n)
+                    if ins is None:
+                        continue
+                    inner[id(n)] = n
+                    todo += [x for x in ins if x not in region] + [n.output[0]]
+            done |= region
+            gain = 0
+            for v in region:
+                p = producer.get(v)
+                if p is None or id(p) not in inner:
+                    gain += 1 if p is not None and is_swap(p) else -1
+                back = v in outs
+                for r in readers.get(v, []):
+                    if id(r) in inner:
+                        continue
+                    if is_swap(r):
+                        gain += 0 if r.output[0] in outs else 1
+                    else:
+                        back = True
+                gain -= 1 if back else 0
+            if gain > 0 and (best is None or gain > best[0]):
+                best = (gain, region, inner)
+        if best is None:
+            break
+        _, region, inner = best
+        taken = {x for n in g.node for x in list(n.input) + list(n.output)} | set(inits) | \
+            {i.name for i in g.input} | outs
+        flip = {}
+        for v in sorted(region):
+            name, k = v + "__sw", 1
+            while name in taken:
+                name, k = "%s__sw%d" % (v, k), k + 1
+            taken.add(name)
+            flip[v] = name
+        nodes: List[Any] = []
+        swapped_consts: Dict[str, str] = {}
+
+        def swap_const(x):
+            if x in swapped_consts:
+                return swapped_consts[x]
+            a = numpy_helper.to_array(inits[x])
+            if a.ndim <= 1:
+                swapped_consts[x] = x
+                return x
+            a = a.reshape((1,) * (3 - a.ndim) + a.shape).transpose(_SWAP)
+            name = _fresh_in(g, x + "__sw")
+            g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(a), name))
+            swapped_consts[x] = name
+            return name
+
+        alias: Dict[str, str] = {}
+        for n in g.node:
+            if id(n) in inner:
+                new = helper.make_node(n.op_type, [], [], name=n.name, domain=n.domain)
+                new.CopyFrom(n)
+                k = _LAST_AXIS_SWAP.get((n.domain if n.domain != "ai.onnx" else "", n.op_type))
+                for i, x in enumerate(n.input):
+                    if x in flip:
+                        new.input[i] = flip[x]
+                    elif x and k is None and x in inits:
+                        new.input[i] = swap_const(x)
+                new.output[0] = flip[n.output[0]]
+                nodes.append(new)
+                continue
+            if is_swap(n) and n.output[0] in region and n.input[0] not in region:
+                alias[flip[n.output[0]]] = n.input[0]        # T(x) swapped back is x
+                continue
+            if is_swap(n) and n.input[0] in region and n.output[0] not in region:
+                if n.output[0] in outs:                     # a graph output: v swapped under its name
+                    nodes.append(helper.make_node("Identity", [flip[n.input[0]]], [n.output[0]]))
+                else:
+                    alias[n.output[0]] = flip[n.input[0]]    # T(v) is v swapped
+                continue
+            nodes.append(n)
+            for o in n.output:
+                if o in region:        # produced outside the region: swapped once
+                    nodes.append(helper.make_node("Transpose", [o], [flip[o]], perm=_SWAP))
+        # values read outside the region: swapped back once, under their own name
+        final = []
+        for n in nodes:
+            final.append(n)
+            if n.output and n.output[0] in flip.values():
+                v = next(k for k, f in flip.items() if f == n.output[0])
+                if v in outs or any(id(r) not in inner and not is_swap(r) for r in readers.get(v, [])):
+                    final.append(helper.make_node("Transpose", [n.output[0]], [v], perm=_SWAP))
+        for n in final:
+            for i, x in enumerate(n.input):
+                seen = set()
+                while x in alias and x not in seen:
+                    seen.add(x)
+                    x = alias[x]
+                n.input[i] = x
+        final = _drop_identities(final, inits, outs)
+        del g.node[:]
+        g.node.extend(final)
+        model = _drop_dead(model)
+    return _swap_as_reshape(model)
+
+
+def _swap_as_reshape(model):
+    """Transpose (1, 0, 2) of Reshape(y) read only there, the swapped dims one of them 1 (the order of the
+    elements unchanged): one Reshape of y to the swapped shape."""
+    import onnx
+    from onnx import numpy_helper
+    g = model.graph
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:
+        return model
+    static = {vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim]
+              for vi in list(inferred.graph.value_info) + list(inferred.graph.input)
+              if vi.type.tensor_type.HasField("shape") and
+              all(d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim)}
+    producer = {o: n for n in g.node for o in n.output if o}
+    uses = _use_counts(g)
+    outs = {o.name for o in g.output}
+    drop = []
+    for n in g.node:
+        if n.op_type != "Transpose" or n.domain not in ("", "ai.onnx") or \
+                [list(a.ints) for a in n.attribute if a.name == "perm"] != [_SWAP]:
+            continue
+        r = producer.get(n.input[0])
+        shape = static.get(n.input[0])
+        if r is None or r.op_type != "Reshape" or shape is None or len(shape) != 3 or 1 not in shape[:2] or \
+                uses.get(n.input[0], 0) != 1 or n.input[0] in outs:
+            continue
+        name = _fresh_in(g, n.output[0] + "__shape")
+        g.initializer.append(numpy_helper.from_array(np.array([shape[1], shape[0], shape[2]], np.int64), name))
+        del n.attribute[:]
+        n.op_type = "Reshape"
+        n.input[0] = r.input[0]
+        n.input.append(name)
+        drop.append(r)
+    for r in drop:
+        g.node.remove(r)
+    return _drop_dead(model) if drop else model
+
+
+def _ranks(model) -> Dict[str, int]:
+    """The rank of each value ONNX's shape inference knows, then through the ops ONNX Runtime's contrib
+    ops that keep their first input's shape."""
+    import onnx
+    g = model.graph
+    rank: Dict[str, int] = {}
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+        for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+            if vi.type.tensor_type.HasField("shape"):
+                rank[vi.name] = len(vi.type.tensor_type.shape.dim)
+    except Exception:
+        pass
+    for t in g.initializer:
+        rank[t.name] = len(t.dims)
+    for n in g.node:
+        if n.output and n.output[0] and n.output[0] not in rank and n.input and n.input[0] in rank:
+            if n.domain == MS and n.op_type in ("SkipLayerNormalization", "BiasGelu", "FastGelu", "Gelu",
+                                                "Attention", "MultiHeadAttention", "EmbedLayerNormalization"):
+                rank[n.output[0]] = rank[n.input[0]] if n.op_type != "EmbedLayerNormalization" else 3
+            elif n.op_type == "Transpose":
+                rank[n.output[0]] = rank[n.input[0]]
+            elif n.op_type == "MatMul" and n.input[1] in rank:
+                rank[n.output[0]] = max(rank[n.input[0]], rank[n.input[1]])
+            elif n.op_type in _UNARY_SWAP:
+                rank[n.output[0]] = rank[n.input[0]]
+            elif n.op_type in _BINARY_SWAP and all(x in rank for x in n.input):
+                rank[n.output[0]] = max(rank[x] for x in n.input)
+    return rank
 
 
 _GEMM_ACTIVATIONS = {"Relu": (), "Tanh": (), "Sigmoid": (), "LeakyRelu": (("alpha", 0.01),),

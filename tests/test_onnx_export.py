@@ -75,6 +75,8 @@ def test_gluonnlp_bert(gluonnlp_bert, target, tmp_path):
     found = contrib(tmp_path / "bert.onnx")
     if target == "ort":     # the interleaved QKV projection packed into Attention's weight
         assert {"Attention", "SkipLayerNormalization", "BiasGelu"} <= found, found
+        # GluonNLP's (S, B, C) layers computed in (B, S, C): no Transpose around Attention nor anywhere
+        assert ("", "Transpose") not in op_counts(tmp_path / "bert.onnx")
     else:
         assert not found
     # the un-fused model exports too (Reshape codes -3/-4, reverse, arange_like, softmax lengths)
