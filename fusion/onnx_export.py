@@ -1721,8 +1721,8 @@ def _flip_swapped_regions(model):
                 for r in readers.get(v, []):
                     if id(r) in inner:
                         continue
-                    if is_swap(r):
-                        gain += 0 if r.output[0] in outs else 1
+                    if is_swap(r):     # a graph output: v swapped written under its name when only it reads v
+                        gain += 1 if r.output[0] not in outs or (len(readers[v]) == 1 and v not in outs) else 0
                     else:
                         back = True
                 gain -= 1 if back else 0
@@ -1757,6 +1757,9 @@ def _flip_swapped_regions(model):
             return name
 
         alias: Dict[str, str] = {}
+        for i in g.input:       # graph inputs in the region: swapped once
+            if i.name in region:
+                nodes.append(helper.make_node("Transpose", [i.name], [flip[i.name]], perm=_SWAP))
         for n in g.node:
             if id(n) in inner:
                 new = helper.make_node(n.op_type, [], [], name=n.name, domain=n.domain)

@@ -434,6 +434,23 @@ def test_unsqueeze_kept_where_broadcasting_would_not_restore_it(tmp_path):
     assert [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim] in ([1, 1, 1, 8], [])
 
 
+def test_swapped_regions(tmp_path):
+    """Row-wise ops between (1, 0, 2) transposes run in the other layout when that takes Transposes away (a
+    graph input read inside the region is swapped once); when it would not, the graph stays as it is."""
+    rng = np.random.default_rng(0)
+    arg = {"fc_weight": mx.nd.array(rng.normal(0, 0.5, (8, 8))), "fc_bias": mx.nd.array(rng.normal(0, 0.5, 8))}
+    x, y = S.var("x"), S.var("y")
+    fc = S.FullyConnected(x + S.transpose(y, axes=(1, 0, 2)), num_hidden=8, flatten=False, name="fc")
+    model = export_checked(S.transpose(fc, axes=(1, 0, 2)), arg, {}, {"x": (4, 2, 8), "y": (2, 4, 8)},
+                           tmp_path / "s.onnx")
+    assert [n.op_type for n in model.graph.node] == ["Transpose", "Add", "MatMul", "Add"]
+    assert model.graph.node[0].input[0] == "x"
+    # one Transpose in, none out: left alone
+    fc = S.FullyConnected(S.transpose(y, axes=(1, 0, 2)), num_hidden=8, flatten=False, name="fc")
+    model = export_checked(fc, arg, {}, {"y": (2, 4, 8)}, tmp_path / "t.onnx")
+    assert [n.op_type for n in model.graph.node] == ["Transpose", "MatMul", "Add"]
+
+
 def test_trunc_exports(tmp_path):
     x = S.var("x")
     export_checked(S.trunc(x * 3), {}, {}, {"x": (4, 5)}, tmp_path / "t.onnx")
