@@ -526,11 +526,14 @@ def _bias4(kwargs, name: str, cur: str, shape, b: int, h: int, sq: int, sk: int)
         e = _fresh(name + "_biasx")
         if st.dynamic:
             parts = [_i64(kwargs, name + "_ones", [1, 1])]
+            lens: Dict[Tuple[str, int], str] = {}
             for src, axis in st.seq_dims:
-                sh, g = _fresh(name + "_shp"), _fresh(name + "_len")
-                nodes += [helper.make_node("Shape", [src], [sh]),
-                          helper.make_node("Gather", [sh, _i64(kwargs, name + "_axis", [axis])], [g], axis=0)]
-                parts.append(g)
+                if (src, axis) not in lens:
+                    sh, lens[(src, axis)] = _fresh(name + "_shp"), _fresh(name + "_len")
+                    nodes += [helper.make_node("Shape", [src], [sh]),
+                              helper.make_node("Gather", [sh, _i64(kwargs, name + "_axis", [axis])],
+                                               [lens[(src, axis)]], axis=0)]
+                parts.append(lens[(src, axis)])
             target = _fresh(name + "_bxs")
             nodes.append(helper.make_node("Concat", parts, [target], axis=0))
         else:
@@ -641,6 +644,11 @@ def _export_fused_attention(node, **kwargs):
         st.seq_dims = [(inputs[0], 1), (inputs[0], 1)]
     else:
         st.seq_dims = [(inputs[0], 0), (inputs[1 if layout == "interleaved_encdec" else 0], 0)]
+    # q/k/v projections of one input: Attention with their weights packed
+    packed = _packed_projection(kwargs, node, layout, heads)
+    if packed is not None:      # Sq and Sk of a dynamic export from the input, not from the projections
+        axis = 0 if packed[4] else 1
+        st.seq_dims = [(packed[0], axis), (packed[0], axis)]
     nodes: List[Any] = []
     mask_index, bias4 = "", ""
     if mask_kind != "none":
@@ -659,8 +667,6 @@ def _export_fused_attention(node, **kwargs):
     if causal:
         common["unidirectional"] = 1
         del causal_mode
-    # q/k/v projections of one input: Attention with their weights packed
-    packed = _packed_projection(kwargs, node, layout, heads)
     if packed is not None:
         x, x_shape, w, bias, transpose = packed
         if transpose:

@@ -340,6 +340,30 @@ def test_dynamic_export_of_a_fused_layer_runs_at_other_sizes(tmp_path):
     assert np.max(np.abs(ref[0] - got[0])) / np.max(np.abs(ref[0])) <= RTOL
 
 
+def test_dynamic_bert_export_reads_lengths_from_the_packed_input(tmp_path):
+    """A dynamic export takes the sequence length the attention bias is expanded to from Attention's own
+    input (no q / k projection kept alive only for its Shape), and runs at another batch size."""
+    from fusion.onnx_io import import_onnx
+    from fusion.testing import onnx_bert
+    src = str(tmp_path / "bert.onnx")
+    onnx.save(onnx_bert(layers=2, hidden=32, heads=4, ffn=64, vocab_size=50, max_positions=16, opset=17), src)
+    shapes = {n: (2, 8) for n in ("input_ids", "token_type_ids", "attention_mask")}
+    sym, arg, aux = import_onnx(src, input_shapes=shapes)
+    out = str(tmp_path / "dyn.onnx")
+    export_checked(*fused(sym, arg, aux, shapes), shapes, out, dynamic=True, input_dtypes={k: np.int64 for k in shapes})
+    counts = op_counts(out)
+    assert counts[("", "MatMul")] == 6 and counts[("", "Shape")] == 1 and counts[(MS, "Attention")] == 2, counts
+    rng = np.random.default_rng(2)
+    mask = np.ones((3, 8), np.int64)
+    mask[1, 6:] = 0
+    feed = {"input_ids": rng.integers(0, 50, (3, 8)), "token_type_ids": rng.integers(0, 2, (3, 8)),
+            "attention_mask": mask}
+    a = ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feed)
+    b = ort.InferenceSession(out, providers=["CPUExecutionProvider"]).run(None, feed)
+    for x, y in zip(a, b):
+        assert np.max(np.abs(x - y)) / np.max(np.abs(x)) <= RTOL
+
+
 def test_ort_optimized_bert_roundtrip(tmp_path, capsys):
     """A BERT optimized by ONNX Runtime's transformers optimizer (EmbedLayerNormalization, Attention,
     SkipLayerNormalization, BiasGelu; its int64 -> int32 Casts read back as trunc) in, fused, and out."""
