@@ -26,12 +26,17 @@ express) is un-fused (``fusion.unfuse(nodes=...)``) and its stock ops exported i
 the graph is cleaned: single assignment restored (MXNet's converters can write one name twice),
 weights are initializers only (not graph inputs), dead nodes and initializers dropped, integer
 inputs (token ids) keep their dtype, ops whose spelling changed after opset 13 (``Reduce*`` axes,
-``Split``) are written in the form of the output opset; for static shapes constants are folded,
-equal constants and common subexpressions kept once, and (``ort``) the embedding sum + LayerNorm
-written as ``EmbedLayerNormalization``.  Every clean-up computes the same function for every input
-(EmbedLayerNormalization and a bias folded into SkipLayerNormalization add the same terms in
+``Split``) are written in the form of the output opset; regions of row-wise ops between (1, 0, 2)
+Transposes (GluonNLP's (S, B, C) layers) computed in the other layout where that takes Transposes
+away; for static shapes constants are folded, equal constants and common subexpressions kept once,
+an Unsqueeze that only puts leading 1s before a value dropped where broadcasting restores the rank,
+and (``ort``) the embedding sum + LayerNorm written as ``EmbedLayerNormalization``, an attention bias
+built from the count of ones of an integer mask (ORT's own mask_index, read back) as that mask_index,
+a Gemm and its activation as ``FusedGemm``.  Every clean-up computes the same function for every
+input (EmbedLayerNormalization and a bias folded into SkipLayerNormalization add the same terms in
 another order); none assumes what an input holds (ONNX Runtime's optimizer reads a 0/1 mask as
-right-padded lengths; an exported additive mask stays ``(1 - m)·c`` for any m).
+right-padded lengths; an exported additive mask stays ``(1 - m)·c`` for any m).  Integer inputs are
+read as int32 where ONNX Runtime's embedding ops need it, as ORT's optimizer casts them.
 
 An export that fails raises :class:`OnnxExportError` naming the node that stopped it.
 """
@@ -1686,8 +1691,6 @@ def _flip_swapped_regions(model):
                 if n.op_type in ("LayerNormalization", "Softmax") and attrs.get("axis") is not None and \
                         attrs["axis"].i not in (-1, 2):
                     return None
-                if n.op_type == "Softmax" and "axis" not in attrs:     # default -1 from opset 13
-                    pass
                 if any(o for o in n.output[1:]):
                     return None
             else:
