@@ -1158,6 +1158,7 @@ def _convert(symbol, params, input_shapes, data_names, opset: int, target: str, 
     if target == "ort" and not dynamic:
         model = _embed_layer_norm(model)
         model = _mask_index_from_embedding(model)
+        model = _repeated_lengths_as_mask_index(model)
     return _drop_dead(model), []
 
 
@@ -2150,6 +2151,85 @@ def _mask_index_from_embedding(model):
         del att.input[3:]
         att.input.append(eln.output[1])
         att.attribute.append(helper.make_attribute("mask_filter_value", c))
+        changed = True
+    return _drop_dead(model) if changed else model
+
+
+def _repeated_lengths_as_mask_index(model):
+    """An attention bias d·[key k ≥ L] whose lengths L (B, H, Sq, 1) repeat one length per batch element,
+    built as GluonNLP builds them (valid_length (B,) reshaped to (B, 1), plus zeros (1, Sq), to int32,
+    repeated over the heads): that length as ONNX Runtime's mask_index (B,), d as its mask_filter_value
+    (keys at or past the length get d added to their scores, the others nothing)."""
+    from onnx import TensorProto, helper
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    producer = {o: n for n in g.node for o in n.output if o}
+
+    def prod(x, op):
+        p = producer.get(x)
+        return p if p is not None and p.op_type == op and p.domain in ("", "ai.onnx") else None
+
+    def ints(x):
+        v = _const_value(g, x, inits)
+        return None if v is None else [int(a) for a in v.reshape(-1)]
+
+    def lengths(bias):
+        """(length value (B,), d) when ``bias`` is d·[k ≥ L] as described; else None."""
+        w = prod(bias, "Where")
+        if w is None:
+            return None
+        zero, d = (_const_value(g, x, inits) for x in w.input[1:])
+        if zero is None or d is None or zero.size != 1 or d.size != 1 or float(zero.reshape(-1)[0]) != 0.0:
+            return None
+        less = prod(w.input[0], "Less")
+        keys = None if less is None else _const_value(g, less.input[0], inits)
+        r4 = None if less is None else prod(less.input[1], "Reshape")
+        if keys is None or keys.ndim != 1 or keys.tolist() != list(range(keys.size)) or r4 is None:
+            return None
+        shape4 = ints(r4.input[1])
+        if shape4 is None or len(shape4) != 4 or shape4[3] != 1 or min(shape4) < 1:
+            return None
+        b, h, sq, _ = shape4
+        cf = prod(r4.input[0], "Cast")
+        r2 = prod(cf.input[0], "Reshape") if cf is not None else None
+        if r2 is None or ints(r2.input[1]) != [b * h, sq]:
+            return None
+        ex = prod(r2.input[0], "Expand")
+        if ex is None or ints(ex.input[1]) != [b, h, sq]:
+            return None
+        un = prod(ex.input[0], "Unsqueeze")
+        if un is None or ints(un.input[1]) != [1]:
+            return None
+        ci = prod(un.input[0], "Cast")
+        if ci is None or next((a.i for a in ci.attribute if a.name == "to"), None) != TensorProto.INT32:
+            return None
+        add = prod(ci.input[0], "Add")
+        if add is None:
+            return None
+        for k in (0, 1):
+            z = _const_value(g, add.input[1 - k], inits)
+            r1 = prod(add.input[k], "Reshape")
+            if z is not None and z.shape == (1, sq) and not np.any(z) and r1 is not None and \
+                    ints(r1.input[1]) in ([b, 1], [-1, 1]):
+                return r1.input[0], float(d.reshape(-1)[0]), b
+        return None
+
+    changed, done = False, {}
+    for att in g.node:
+        if att.op_type != "Attention" or att.domain != MS or len(att.input) != 6 or any(att.input[3:5]) or \
+                any(a.name == "mask_filter_value" for a in att.attribute):
+            continue
+        got = lengths(att.input[5])
+        if got is None:
+            continue
+        vl, d, b = got
+        if vl not in done:
+            done[vl] = _fresh_in(g, vl + "__mask_index")
+            at = list(g.node).index(producer[att.input[5]]) if att.input[5] in producer else 0
+            g.node.insert(at, helper.make_node("Cast", [vl], [done[vl]], to=TensorProto.INT32))
+        del att.input[3:]
+        att.input.append(done[vl])
+        att.attribute.append(helper.make_attribute("mask_filter_value", d))
         changed = True
     return _drop_dead(model) if changed else model
 

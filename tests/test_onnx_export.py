@@ -77,10 +77,70 @@ def test_gluonnlp_bert(gluonnlp_bert, target, tmp_path):
         assert {"Attention", "SkipLayerNormalization", "BiasGelu"} <= found, found
         # GluonNLP's (S, B, C) layers computed in (B, S, C): no Transpose around Attention nor anywhere
         assert ("", "Transpose") not in op_counts(tmp_path / "bert.onnx")
+        assert_valid_length_as_mask_index(tmp_path / "bert.onnx")
     else:
         assert not found
     # the un-fused model exports too (Reshape codes -3/-4, reverse, arange_like, softmax lengths)
     export_checked(sym, arg, aux, shapes, tmp_path / "plain.onnx", target=target)
+
+
+def assert_valid_length_as_mask_index(path):
+    """Every Attention reads the valid lengths (data2) as ONNX Runtime's mask_index (B,) lengths."""
+    model = onnx.load(str(path))
+    producer = {o: n for n in model.graph.node for o in n.output}
+    for att in (n for n in model.graph.node if n.op_type == "Attention"):
+        assert len(att.input) == 4 and producer[att.input[3]].op_type == "Cast", att
+        assert producer[att.input[3]].input[0] == "data2"
+        assert any(a.name == "mask_filter_value" for a in att.attribute)
+
+
+def test_gluonnlp_bert_batch_of_two(tmp_path):
+    """Batch 2, valid lengths 5 and 8 (one row padded): lengths as mask_index, Transposes only where a
+    (B, 1) mask meets the swapped layout."""
+    pytest.importorskip("gluonnlp")
+    from fusion.testing import gluonnlp_bert as build
+
+    sym, arg, aux, shapes = build(seq=8, batch=2, layers=2, units=32, heads=4)
+    fs, fa, fx = fused(sym, arg, aux, shapes)
+    path = tmp_path / "bert2.onnx"
+    export_checked(fs, fa, fx, shapes, path)
+    assert_valid_length_as_mask_index(path)
+    counts = op_counts(path)
+    assert counts[("", "Transpose")] <= 1, counts
+    rng = np.random.default_rng(4)
+    feed = {"data0": rng.integers(0, 100, (2, 8)).astype(np.float32),
+            "data1": rng.integers(0, 2, (2, 8)).astype(np.float32), "data2": np.array([5, 8], np.float32)}
+    from fusion.verify import run
+    ref = run(fs, fa, fx, feed)
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feed)
+    for x, y in zip(ref, got):
+        assert np.max(np.abs(x - y)) / np.max(np.abs(x)) <= RTOL
+
+
+def test_lengths_read_as_mask_index_only_when_they_repeat_one_length(gluonnlp_bert, tmp_path, monkeypatch):
+    """The (B, 1) valid lengths plus a (1, S) constant are one length per row only when the constant is
+    zeros: with a nonzero constant the attention bias stays a bias."""
+    from onnx import numpy_helper
+
+    from fusion import onnx_export
+    (_, _, _, shapes), (fs, fa, fx) = gluonnlp_bert
+    monkeypatch.setattr(onnx_export, "_repeated_lengths_as_mask_index", lambda m: m)
+    path = tmp_path / "bias.onnx"
+    export_checked(fs, fa, fx, shapes, path)
+    monkeypatch.undo()
+    model = onnx.load(str(path))
+    assert all(len(n.input) == 6 for n in model.graph.node if n.op_type == "Attention")
+    producer = {o: n for n in model.graph.node for o in n.output}
+    add = next(n for n in model.graph.node if n.op_type == "Add" and n.input[0] in producer and
+               producer[n.input[0]].op_type == "Reshape" and producer[n.input[0]].input[0] == "data2")
+    zeros = next(t for t in model.graph.initializer if t.name in add.input)
+    again = onnx_export._repeated_lengths_as_mask_index(onnx.load(str(path)))
+    assert all(len(n.input) == 4 for n in again.graph.node if n.op_type == "Attention")
+    z = numpy_helper.to_array(zeros).copy()
+    z[0, 3] = 1.0
+    zeros.CopyFrom(numpy_helper.from_array(z, zeros.name))
+    kept = onnx_export._repeated_lengths_as_mask_index(model)
+    assert all(len(n.input) == 6 for n in kept.graph.node if n.op_type == "Attention")
 
 
 def test_bundled_mobilenet(tmp_path):
