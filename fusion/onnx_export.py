@@ -26,12 +26,17 @@ express) is un-fused (``fusion.unfuse(nodes=...)``) and its stock ops exported i
 the graph is cleaned: single assignment restored (MXNet's converters can write one name twice),
 weights are initializers only (not graph inputs), dead nodes and initializers dropped, integer
 inputs (token ids) keep their dtype, ops whose spelling changed after opset 13 (``Reduce*`` axes,
-``Split``) are written in the form of the output opset; for static shapes constants are folded,
-equal constants and common subexpressions kept once, and (``ort``) the embedding sum + LayerNorm
-written as ``EmbedLayerNormalization``.  Every clean-up computes the same function for every input
-(EmbedLayerNormalization and a bias folded into SkipLayerNormalization add the same terms in
+``Split``) are written in the form of the output opset; regions of row-wise ops between (1, 0, 2)
+Transposes (GluonNLP's (S, B, C) layers) computed in the other layout where that takes Transposes
+away; for static shapes constants are folded, equal constants and common subexpressions kept once,
+an Unsqueeze that only puts leading 1s before a value dropped where broadcasting restores the rank,
+and (``ort``) the embedding sum + LayerNorm written as ``EmbedLayerNormalization``, an attention bias
+built from the count of ones of an integer mask (ORT's own mask_index, read back) as that mask_index,
+a Gemm and its activation as ``FusedGemm``.  Every clean-up computes the same function for every
+input (EmbedLayerNormalization and a bias folded into SkipLayerNormalization add the same terms in
 another order); none assumes what an input holds (ONNX Runtime's optimizer reads a 0/1 mask as
-right-padded lengths; an exported additive mask stays ``(1 - m)·c`` for any m).
+right-padded lengths; an exported additive mask stays ``(1 - m)·c`` for any m).  Integer inputs are
+read as int32 where ONNX Runtime's embedding ops need it, as ORT's optimizer casts them.
 
 An export that fails raises :class:`OnnxExportError` naming the node that stopped it.
 """
@@ -115,6 +120,7 @@ class _State:
         self.cache: Dict[Any, str] = {}      # shared helper values (masks expanded once)
         self.names: set = set()
         self.seq_dims: List[Tuple[str, int]] = []   # (tensor, axis) of Sq and Sk of the attention exported
+        self.int_inputs: set = set()         # graph inputs the file holds as integers
 
 
 _LOCAL = threading.local()
@@ -525,11 +531,14 @@ def _bias4(kwargs, name: str, cur: str, shape, b: int, h: int, sq: int, sk: int)
         e = _fresh(name + "_biasx")
         if st.dynamic:
             parts = [_i64(kwargs, name + "_ones", [1, 1])]
+            lens: Dict[Tuple[str, int], str] = {}
             for src, axis in st.seq_dims:
-                sh, g = _fresh(name + "_shp"), _fresh(name + "_len")
-                nodes += [helper.make_node("Shape", [src], [sh]),
-                          helper.make_node("Gather", [sh, _i64(kwargs, name + "_axis", [axis])], [g], axis=0)]
-                parts.append(g)
+                if (src, axis) not in lens:
+                    sh, lens[(src, axis)] = _fresh(name + "_shp"), _fresh(name + "_len")
+                    nodes += [helper.make_node("Shape", [src], [sh]),
+                              helper.make_node("Gather", [sh, _i64(kwargs, name + "_axis", [axis])],
+                                               [lens[(src, axis)]], axis=0)]
+                parts.append(lens[(src, axis)])
             target = _fresh(name + "_bxs")
             nodes.append(helper.make_node("Concat", parts, [target], axis=0))
         else:
@@ -640,6 +649,11 @@ def _export_fused_attention(node, **kwargs):
         st.seq_dims = [(inputs[0], 1), (inputs[0], 1)]
     else:
         st.seq_dims = [(inputs[0], 0), (inputs[1 if layout == "interleaved_encdec" else 0], 0)]
+    # q/k/v projections of one input: Attention with their weights packed
+    packed = _packed_projection(kwargs, node, layout, heads)
+    if packed is not None:      # Sq and Sk of a dynamic export from the input, not from the projections
+        axis = 0 if packed[4] else 1
+        st.seq_dims = [(packed[0], axis), (packed[0], axis)]
     nodes: List[Any] = []
     mask_index, bias4 = "", ""
     if mask_kind != "none":
@@ -658,8 +672,6 @@ def _export_fused_attention(node, **kwargs):
     if causal:
         common["unidirectional"] = 1
         del causal_mode
-    # q/k/v projections of one input: Attention with their weights packed
-    packed = _packed_projection(kwargs, node, layout, heads)
     if packed is not None:
         x, x_shape, w, bias, transpose = packed
         if transpose:
@@ -875,9 +887,14 @@ def _export_rsqrt(node, **kwargs):
 
 
 def _export_trunc(node, **kwargs):
-    """trunc(x) = sign(x)·floor(|x|) (ONNX has no Trunc; -0.0, NaN and ±inf come out as trunc gives them)."""
+    """trunc(x) = sign(x)·floor(|x|) (ONNX has no Trunc; -0.0, NaN and ±inf come out as trunc gives them);
+    of a graph input the file holds as integers (token ids read back from an int64 -> int32 Cast) the
+    input itself: every value it can take is whole already."""
     from onnx import helper
     name, inputs, _ = node_io(node, kwargs)
+    src = _st().nodes[node["inputs"][0][0]]
+    if src["op"] == "null" and src["name"] in _st().int_inputs:
+        return [helper.make_node("Identity", inputs[:1], [name], name=name)]
     a, f, sg = _fresh(name + "_abs"), _fresh(name + "_floor"), _fresh(name + "_sign")
     return [helper.make_node("Abs", inputs[:1], [a]), helper.make_node("Floor", [a], [f]),
             helper.make_node("Sign", inputs[:1], [sg]), helper.make_node("Mul", [sg, f], [name], name=name)]
@@ -1088,6 +1105,7 @@ def _convert(symbol, params, input_shapes, data_names, opset: int, target: str, 
     shapes, dtypes = _facts(symbol, params, input_shapes, input_dtypes)
     st = _State(graph_json, shapes, dtypes, target, opset, dynamic)
     st.names.update(n["name"] for n in graph_json["nodes"])
+    st.int_inputs = {k for k, v in input_dtypes.items() if np.issubdtype(v, np.integer)}
     registry = MXNetGraph.registry_.setdefault(_CONVERTER_OPSET, {})
     saved = dict(registry)
     own = {**_EXTRA_EXPORTERS, **FUSED_OP_EXPORTERS}
@@ -1132,9 +1150,37 @@ def _convert(symbol, params, input_shapes, data_names, opset: int, target: str, 
     model = _common_subexpressions(model)
     if not dynamic:
         model = _expand_into_constant(model, known)
+    model = _flip_swapped_regions(model)
+    if not dynamic:
+        model = _drop_leading_unsqueeze(model)
+    if target == "ort":
+        model = _fused_gemm(model)
     if target == "ort" and not dynamic:
         model = _embed_layer_norm(model)
-    return model, []
+        model = _mask_index_from_embedding(model)
+        model = _repeated_lengths_as_mask_index(model)
+    return _drop_dead(model), []
+
+
+def _drop_dead(model):
+    """Nodes whose values nothing reads (left by the clean-ups: a projection's value that only a folded
+    ``Shape`` read) and initializers no node reads, dropped."""
+    g = model.graph
+    used = {o.name for o in g.output}
+    keep = []
+    for n in reversed(list(g.node)):
+        if any(o and o in used for o in n.output):
+            keep.append(n)
+            used.update(x for x in n.input if x)
+    if len(keep) != len(g.node):
+        keep.reverse()
+        del g.node[:]
+        g.node.extend(keep)
+    inits = [t for t in g.initializer if t.name in used]
+    if len(inits) != len(g.initializer):
+        del g.initializer[:]
+        g.initializer.extend(inits)
+    return model
 
 
 def _head_names(graph_json) -> List[str]:
@@ -1280,6 +1326,8 @@ def _fold_constants(model, known: Mapping[str, List[int]]):
         if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
             static[vi.name] = [d.dim_value for d in dims]
     g = model.graph
+    for t in g.initializer:
+        static.setdefault(t.name, list(t.dims))
     const = {t.name for t in g.initializer}
     shape_consts: Dict[str, np.ndarray] = {}
     folded_nodes = []
@@ -1510,6 +1558,380 @@ def _expand_into_constant(model, known: Mapping[str, List[int]]):
     return model
 
 
+_BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "LessOrEqual",
+                 "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Mod"}
+_ELEMENTWISE = {"Cast", "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Floor", "Ceil", "Sign", "Not", "Relu",
+                "Sigmoid", "Tanh", "Erf", "Identity"}
+
+
+def _drop_leading_unsqueeze(model):
+    """Unsqueeze(x) that only puts 1s before x's dims (a (1, S) mask as (1, 1, 1, S)), read by one chain of
+    elementwise ops that ends at a broadcasting op with another operand of at least the Unsqueeze's rank:
+    the chain reads x itself.  Broadcasting aligns dims from the last, so every element gets the same
+    value, and the chain's last op the same shape."""
+    import onnx
+    from onnx import numpy_helper
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:
+        return model
+    g = model.graph
+    ranks: Dict[str, int] = {}
+    static: Dict[str, List[int]] = {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+        if vi.type.tensor_type.HasField("shape"):
+            dims = vi.type.tensor_type.shape.dim
+            ranks[vi.name] = len(dims)
+            if all(d.HasField("dim_value") for d in dims):
+                static[vi.name] = [d.dim_value for d in dims]
+    inits = {t.name: t for t in g.initializer}
+    for t in g.initializer:
+        ranks[t.name] = len(t.dims)
+    readers: Dict[str, List[Any]] = {}
+    for n in g.node:
+        for x in n.input:
+            readers.setdefault(x, []).append(n)
+    outs = {o.name for o in g.output}
+    drop = []
+    for u in g.node:
+        if u.op_type != "Unsqueeze" or u.domain not in ("", "ai.onnx") or len(u.input) != 2 or \
+                u.input[1] not in inits or u.input[0] not in static:
+            continue
+        x_shape = static[u.input[0]]
+        r = len(x_shape) + int(numpy_helper.to_array(inits[u.input[1]]).size)
+        axes = sorted(int(a) % r for a in numpy_helper.to_array(inits[u.input[1]]).reshape(-1))
+        dims = list(x_shape)
+        for a in axes:
+            dims.insert(a, 1)
+        if dims[r - len(x_shape):] != x_shape:
+            continue
+        cur, ok = u.output[0], False
+        while True:
+            rs = readers.get(cur, [])
+            if len(rs) != 1 or cur in outs or list(rs[0].input).count(cur) != 1 or rs[0].domain not in ("", "ai.onnx"):
+                break
+            n = rs[0]
+            if n.op_type in _ELEMENTWISE:
+                cur = n.output[0]
+                continue
+            if n.op_type not in _BROADCASTING:
+                break
+            others = [ranks.get(x) for x in n.input if x != cur]
+            if any(k is None for k in others):
+                break
+            if any(k >= r for k in others):
+                ok = True
+                break
+            cur = n.output[0]
+        if ok:
+            reader = readers[u.output[0]][0]
+            reader.input[list(reader.input).index(u.output[0])] = u.input[0]
+            drop.append(u)
+    for u in drop:
+        g.node.remove(u)
+    if drop:
+        used = {x for n in g.node for x in n.input}
+        keep = [t for t in g.initializer if t.name in used]
+        del g.initializer[:]
+        g.initializer.extend(keep)
+    return model
+
+
+_SWAP = [1, 0, 2]
+_UNARY_SWAP = {"Cast", "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Floor", "Ceil", "Sign", "Not", "Relu",
+               "Sigmoid", "Tanh", "Erf", "Identity", "Gelu"}
+_BINARY_SWAP = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "LessOrEqual", "Greater",
+                "GreaterOrEqual", "And", "Or"}
+_LAST_AXIS_SWAP = {("", "LayerNormalization"): 1, (MS, "SkipLayerNormalization"): 2, (MS, "BiasGelu"): 1,
+                   (MS, "FastGelu"): 1, (MS, "Gelu"): 1, ("", "MatMul"): 1, ("", "Softmax"): 1}
+
+
+def _flip_swapped_regions(model):
+    """GluonNLP's models run in (S, B, C) and transpose to (B, S, C) around each attention: a region of ops
+    that each compute every (s, b) row on its own (MatMul by a weight, SkipLayerNormalization, BiasGelu,
+    elementwise ops) is computed in the swapped layout instead wherever that takes away more Transposes
+    (perm 1, 0, 2) at its edges than it adds: its constants are swapped alike, a value read outside
+    the region (a graph output, another op) is swapped back once.  Each element is computed by the
+    same ops from the same operands."""
+    from onnx import helper, numpy_helper
+    g = model.graph
+    for _ in range(8):
+        inits = {t.name: t for t in g.initializer}
+        const = set(inits) | {n.output[0] for n in g.node if n.op_type == "Constant"}
+        rank = _ranks(model)
+        producer = {o: n for n in g.node for o in n.output if o}
+        readers: Dict[str, List[Any]] = {}
+        for n in g.node:
+            for x in n.input:
+                if x:
+                    readers.setdefault(x, []).append(n)
+        outs = {o.name for o in g.output}
+
+        def is_swap(n):
+            return n.op_type == "Transpose" and n.domain in ("", "ai.onnx") and \
+                [list(a.ints) for a in n.attribute if a.name == "perm"] == [_SWAP]
+
+        def acts(n):
+            """The inputs of n that swap with its output, when n computes each (s, b) row on its own."""
+            key = (n.domain if n.domain != "ai.onnx" else "", n.op_type)
+            if key[0] == "" and n.op_type in _UNARY_SWAP and len(n.input) == 1:
+                ins = [n.input[0]]
+            elif key[0] == "" and n.op_type in _BINARY_SWAP:
+                ins = [x for x in n.input if x not in const]
+                for x in n.input:
+                    if x in const and (x not in inits or len(inits[x].dims) > 3):
+                        return None
+            elif key in _LAST_AXIS_SWAP:
+                k = _LAST_AXIS_SWAP[key]
+                ins = list(n.input[:k])
+                if any(x in const or not x for x in ins) or any(x and x not in inits for x in n.input[k:]):
+                    return None
+                if n.op_type == "MatMul" and len(inits[n.input[1]].dims) != 2:
+                    return None
+                attrs = {a.name: a for a in n.attribute}
+                if n.op_type in ("LayerNormalization", "Softmax") and attrs.get("axis") is not None and \
+                        attrs["axis"].i not in (-1, 2):
+                    return None
+                if any(o for o in n.output[1:]):
+                    return None
+            else:
+                return None
+            if not ins or any(rank.get(x) != 3 for x in ins) or rank.get(n.output[0]) != 3:
+                return None
+            return ins
+
+        done = set()
+        best = None
+        for seed in g.node:
+            if not is_swap(seed) or seed.output[0] in done:
+                continue
+            region, todo, inner = set(), [seed.output[0]], {}
+            while todo:
+                v = todo.pop()
+                if v in region:
+                    continue
+                region.add(v)
+                around = [producer[v]] if v in producer else []
+                around += readers.get(v, [])
+                for n in around:
+                    if id(n) in inner or is_swap(n):
+                        continue
+                    ins = acts(n)
+                    if ins is None:
+                        continue
+                    inner[id(n)] = n
+                    todo += [x for x in ins if x not in region] + [n.output[0]]
+            done |= region
+            gain = 0
+            for v in region:
+                p = producer.get(v)
+                if p is None or id(p) not in inner:
+                    gain += 1 if p is not None and is_swap(p) else -1
+                back = v in outs
+                for r in readers.get(v, []):
+                    if id(r) in inner:
+                        continue
+                    if is_swap(r):     # a graph output: v swapped written under its name when only it reads v
+                        gain += 1 if r.output[0] not in outs or (len(readers[v]) == 1 and v not in outs) else 0
+                    else:
+                        back = True
+                gain -= 1 if back else 0
+            if gain > 0 and (best is None or gain > best[0]):
+                best = (gain, region, inner)
+        if best is None:
+            break
+        _, region, inner = best
+        taken = {x for n in g.node for x in list(n.input) + list(n.output)} | set(inits) | \
+            {i.name for i in g.input} | outs
+        flip = {}
+        for v in sorted(region):
+            name, k = v + "__sw", 1
+            while name in taken:
+                name, k = "%s__sw%d" % (v, k), k + 1
+            taken.add(name)
+            flip[v] = name
+        nodes: List[Any] = []
+        swapped_consts: Dict[str, str] = {}
+
+        def swap_const(x):
+            if x in swapped_consts:
+                return swapped_consts[x]
+            a = numpy_helper.to_array(inits[x])
+            if a.ndim <= 1:
+                swapped_consts[x] = x
+                return x
+            a = a.reshape((1,) * (3 - a.ndim) + a.shape).transpose(_SWAP)
+            name = _fresh_in(g, x + "__sw")
+            g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(a), name))
+            swapped_consts[x] = name
+            return name
+
+        alias: Dict[str, str] = {}
+        for i in g.input:       # graph inputs in the region: swapped once
+            if i.name in region:
+                nodes.append(helper.make_node("Transpose", [i.name], [flip[i.name]], perm=_SWAP))
+        for n in g.node:
+            if id(n) in inner:
+                new = helper.make_node(n.op_type, [], [], name=n.name, domain=n.domain)
+                new.CopyFrom(n)
+                k = _LAST_AXIS_SWAP.get((n.domain if n.domain != "ai.onnx" else "", n.op_type))
+                for i, x in enumerate(n.input):
+                    if x in flip:
+                        new.input[i] = flip[x]
+                    elif x and k is None and x in inits:
+                        new.input[i] = swap_const(x)
+                new.output[0] = flip[n.output[0]]
+                nodes.append(new)
+                continue
+            if is_swap(n) and n.output[0] in region and n.input[0] not in region:
+                alias[flip[n.output[0]]] = n.input[0]        # T(x) swapped back is x
+                continue
+            if is_swap(n) and n.input[0] in region and n.output[0] not in region:
+                if n.output[0] in outs:                     # a graph output: v swapped under its name
+                    nodes.append(helper.make_node("Identity", [flip[n.input[0]]], [n.output[0]]))
+                else:
+                    alias[n.output[0]] = flip[n.input[0]]    # T(v) is v swapped
+                continue
+            nodes.append(n)
+            for o in n.output:
+                if o in region:        # produced outside the region: swapped once
+                    nodes.append(helper.make_node("Transpose", [o], [flip[o]], perm=_SWAP))
+        # values read outside the region: swapped back once, under their own name
+        final = []
+        for n in nodes:
+            final.append(n)
+            if n.output and n.output[0] in flip.values():
+                v = next(k for k, f in flip.items() if f == n.output[0])
+                if v in outs or any(id(r) not in inner and not is_swap(r) for r in readers.get(v, [])):
+                    final.append(helper.make_node("Transpose", [n.output[0]], [v], perm=_SWAP))
+        for n in final:
+            for i, x in enumerate(n.input):
+                seen = set()
+                while x in alias and x not in seen:
+                    seen.add(x)
+                    x = alias[x]
+                n.input[i] = x
+        final = _drop_identities(final, inits, outs)
+        del g.node[:]
+        g.node.extend(final)
+        model = _drop_dead(model)
+    return _swap_as_reshape(model)
+
+
+def _swap_as_reshape(model):
+    """Transpose (1, 0, 2) of Reshape(y) read only there, the swapped dims one of them 1 (the order of the
+    elements unchanged): one Reshape of y to the swapped shape."""
+    import onnx
+    from onnx import numpy_helper
+    g = model.graph
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:
+        return model
+    static = {vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim]
+              for vi in list(inferred.graph.value_info) + list(inferred.graph.input)
+              if vi.type.tensor_type.HasField("shape") and
+              all(d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim)}
+    producer = {o: n for n in g.node for o in n.output if o}
+    uses = _use_counts(g)
+    outs = {o.name for o in g.output}
+    drop = []
+    for n in g.node:
+        if n.op_type != "Transpose" or n.domain not in ("", "ai.onnx") or \
+                [list(a.ints) for a in n.attribute if a.name == "perm"] != [_SWAP]:
+            continue
+        r = producer.get(n.input[0])
+        shape = static.get(n.input[0])
+        if r is None or r.op_type != "Reshape" or shape is None or len(shape) != 3 or 1 not in shape[:2] or \
+                uses.get(n.input[0], 0) != 1 or n.input[0] in outs:
+            continue
+        name = _fresh_in(g, n.output[0] + "__shape")
+        g.initializer.append(numpy_helper.from_array(np.array([shape[1], shape[0], shape[2]], np.int64), name))
+        del n.attribute[:]
+        n.op_type = "Reshape"
+        n.input[0] = r.input[0]
+        n.input.append(name)
+        drop.append(r)
+    for r in drop:
+        g.node.remove(r)
+    return _drop_dead(model) if drop else model
+
+
+def _ranks(model) -> Dict[str, int]:
+    """The rank of each value ONNX's shape inference knows, then through the ops ONNX Runtime's contrib
+    ops that keep their first input's shape."""
+    import onnx
+    g = model.graph
+    rank: Dict[str, int] = {}
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+        for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+            if vi.type.tensor_type.HasField("shape"):
+                rank[vi.name] = len(vi.type.tensor_type.shape.dim)
+    except Exception:
+        pass
+    for t in g.initializer:
+        rank[t.name] = len(t.dims)
+    for n in g.node:
+        if n.output and n.output[0] and n.output[0] not in rank and n.input and n.input[0] in rank:
+            if n.domain == MS and n.op_type in ("SkipLayerNormalization", "BiasGelu", "FastGelu", "Gelu",
+                                                "Attention", "MultiHeadAttention", "EmbedLayerNormalization"):
+                rank[n.output[0]] = rank[n.input[0]] if n.op_type != "EmbedLayerNormalization" else 3
+            elif n.op_type == "Transpose":
+                rank[n.output[0]] = rank[n.input[0]]
+            elif n.op_type == "MatMul" and n.input[1] in rank:
+                rank[n.output[0]] = max(rank[n.input[0]], rank[n.input[1]])
+            elif n.op_type in _UNARY_SWAP:
+                rank[n.output[0]] = rank[n.input[0]]
+            elif n.op_type in _BINARY_SWAP and all(x in rank for x in n.input):
+                rank[n.output[0]] = max(rank[x] for x in n.input)
+    return rank
+
+
+_GEMM_ACTIVATIONS = {"Relu": (), "Tanh": (), "Sigmoid": (), "LeakyRelu": (("alpha", 0.01),),
+                     "HardSigmoid": (("alpha", 0.2), ("beta", 0.5))}
+
+
+def _fused_gemm(model):
+    """Gemm then an activation (Tanh of BERT's pooler), the Gemm's result read only there: ONNX Runtime's
+    FusedGemm (the activation applied to the Gemm's result by the same kernels)."""
+    from onnx import TensorProto, helper
+    g = model.graph
+    readers: Dict[str, List[Any]] = {}
+    for n in g.node:
+        for x in n.input:
+            readers.setdefault(x, []).append(n)
+    outs = {o.name for o in g.output}
+    floats = {t.name for t in g.initializer if t.data_type == TensorProto.FLOAT}
+    drop, changed = [], False
+    for i, n in enumerate(list(g.node)):
+        if n.op_type != "Gemm" or n.domain not in ("", "ai.onnx") or n.output[0] in outs or \
+                not all(x in floats for x in n.input[1:] if x):
+            continue
+        rs = readers.get(n.output[0], [])
+        if len(rs) != 1 or rs[0].op_type not in _GEMM_ACTIVATIONS or rs[0].domain not in ("", "ai.onnx"):
+            continue
+        act = rs[0]
+        got = {a.name: helper.get_attribute_value(a) for a in act.attribute}
+        extra = {"activation": act.op_type}
+        params = [float(got.get(k, d)) for k, d in _GEMM_ACTIVATIONS[act.op_type]]
+        if params:
+            extra["activation_alpha"] = params[0]
+        if len(params) > 1:
+            extra["activation_beta"] = params[1]
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        fused = helper.make_node("FusedGemm", list(n.input), list(act.output), name=n.name or act.name, domain=MS,
+                                 **attrs, **extra)
+        g.node[i].CopyFrom(fused)
+        drop.append(act)
+        changed = True
+    for a in drop:
+        g.node.remove(a)
+    if changed and not any(o.domain == MS for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS, 1))
+    return model
+
+
 def _embed_layer_norm(model):
     """word[ids] (+ segment[types]) + P -> LayerNorm, P a constant (S, H) block of position rows and ids
     graph inputs of static shape (B, S): ONNX Runtime's EmbedLayerNormalization, whose default
@@ -1602,6 +2024,225 @@ def _embed_layer_norm(model):
     return model
 
 
+def _const_value(g, name: str, inits) -> Optional[np.ndarray]:
+    from onnx import numpy_helper
+    if name in inits:
+        return numpy_helper.to_array(inits[name])
+    for n in g.node:
+        if n.op_type == "Constant" and n.output[0] == name:
+            a = next((a for a in n.attribute if a.name == "value"), None)
+            return None if a is None else numpy_helper.to_array(a.t)
+    return None
+
+
+def _mask_index_from_embedding(model):
+    """ONNX Runtime's own mask: an attention bias c·[key j ≥ L_b], L_b the number of ones in row b of an
+    integer graph input m (what our importer reads ORT's EmbedLayerNormalization mask_index as), becomes
+    that mask_index again: m (as int32, as the file's other ids) into the EmbedLayerNormalization, its
+    mask_index output into each Attention (keys at or past the end position get ``mask_filter_value``
+    c added, the same as the bias)."""
+    import onnx
+    from onnx import TensorProto, helper
+    g = model.graph
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:
+        return model
+    static: Dict[str, List[int]] = {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+            static[vi.name] = [d.dim_value for d in dims]
+    inits = {t.name: t for t in g.initializer}
+    inputs = {i.name: i for i in g.input}
+    producer = {o: n for n in g.node for o in n.output if o}
+    ints = (TensorProto.INT64, TensorProto.INT32)
+
+    def prod(x, op):
+        p = producer.get(x)
+        return p if p is not None and p.op_type == op and p.domain in ("", "ai.onnx") else None
+
+    def to(n):
+        return next((a.i for a in n.attribute if a.name == "to"), None)
+
+    def mask_of(bias):
+        """(graph input m, c, B, Sk) when ``bias`` is c·[j ≥ count(m_b == 1)] of shape (B, 1, Sq, Sk)."""
+        mul = prod(bias, "Mul")
+        if mul is None or bias not in static or len(static[bias]) != 4:
+            return None
+        b, one, sq, sk = static[bias]
+        for slot in (0, 1):
+            cv = _const_value(g, mul.input[1 - slot], inits)
+            if cv is not None and cv.size and np.all(cv == cv.reshape(-1)[0]) and cv.ndim <= 4:
+                break
+        else:
+            return None
+        pe = mul.input[slot]
+        if pe not in static or (static[pe] not in ([b, sk], [b, 1, 1, sk]) or (static[pe] == [b, sk] and b != 1)):
+            return None
+        if list(cv.shape[-4:]) not in ([1, 1, sq, 1], [1, 1, 1, 1], [sq, 1], [1], []) or one != 1:
+            return None
+        if prod(pe, "Unsqueeze") is not None:
+            pe = prod(pe, "Unsqueeze").input[0]
+        cast = prod(pe, "Cast")
+        ge = prod(cast.input[0], "GreaterOrEqual") if cast is not None and to(cast) == TensorProto.FLOAT else None
+        if ge is None:
+            return None
+        keys = _const_value(g, ge.input[0], inits)
+        if keys is None or keys.reshape(-1).tolist() != list(range(sk)) or keys.ndim > 2:
+            return None
+        rs = prod(ge.input[1], "Reshape")
+        if rs is None or static.get(ge.input[1]) != [b, 1]:
+            return None
+        red = prod(rs.input[0], "ReduceSum")
+        if red is None or static.get(rs.input[0]) != [b]:
+            return None
+        axes = [a.ints for a in red.attribute if a.name == "axes"]
+        axes = list(axes[0]) if axes else (_const_value(g, red.input[1], inits).reshape(-1).tolist()
+                                           if len(red.input) > 1 and red.input[1] else None)
+        if axes not in ([1], [-1]):
+            return None
+        c2 = prod(red.input[0], "Cast")
+        eq = prod(c2.input[0], "Equal") if c2 is not None and to(c2) == TensorProto.FLOAT else None
+        if eq is None:
+            return None
+        for k in (0, 1):
+            ov = _const_value(g, eq.input[1 - k], inits)
+            if ov is not None and ov.size == 1 and float(ov.reshape(-1)[0]) == 1.0:
+                break
+        else:
+            return None
+        mf = prod(eq.input[k], "Cast")
+        if mf is None or mf.input[0] not in inputs:
+            return None
+        m = inputs[mf.input[0]]
+        if m.type.tensor_type.elem_type not in ints or static.get(m.name) != [b, sk]:
+            return None
+        return m.name, float(cv.reshape(-1)[0]), b, sk
+
+    elns = [n for n in g.node if n.op_type == "EmbedLayerNormalization" and n.domain == MS]
+    if len(elns) != 1:
+        return model
+    eln = elns[0]
+    ids = producer.get(eln.input[0])
+    ids_name = ids.input[0] if ids is not None and ids.op_type == "Cast" else eln.input[0]
+    done: Dict[str, Any] = {}
+    changed = False
+    for att in g.node:
+        if att.op_type != "Attention" or att.domain != MS or len(att.input) != 6 or any(att.input[3:5]) or \
+                any(a.name in ("mask_filter_value", "past_present_share_buffer") for a in att.attribute):
+            continue
+        got = mask_of(att.input[5])
+        if got is None or static.get(ids_name) != [got[2], got[3]]:
+            continue
+        m, c, _, _ = got
+        if len(eln.input) > 7 and eln.input[7]:
+            if done.get("mask") != m:
+                continue
+        else:
+            m32 = m
+            if inputs[m].type.tensor_type.elem_type != TensorProto.INT32:
+                m32 = _fresh_in(g, m + "__int32")
+                g.node.insert(list(g.node).index(eln), helper.make_node("Cast", [m], [m32], to=TensorProto.INT32))
+            while len(eln.input) < 7:
+                eln.input.append("")
+            eln.input.append(m32)
+            done["mask"] = m
+        del att.input[3:]
+        att.input.append(eln.output[1])
+        att.attribute.append(helper.make_attribute("mask_filter_value", c))
+        changed = True
+    return _drop_dead(model) if changed else model
+
+
+def _repeated_lengths_as_mask_index(model):
+    """An attention bias d·[key k ≥ L] whose lengths L (B, H, Sq, 1) repeat one length per batch element,
+    built as GluonNLP builds them (valid_length (B,) reshaped to (B, 1), plus zeros (1, Sq), to int32,
+    repeated over the heads): that length as ONNX Runtime's mask_index (B,), d as its mask_filter_value
+    (keys at or past the length get d added to their scores, the others nothing)."""
+    from onnx import TensorProto, helper
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    producer = {o: n for n in g.node for o in n.output if o}
+
+    def prod(x, op):
+        p = producer.get(x)
+        return p if p is not None and p.op_type == op and p.domain in ("", "ai.onnx") else None
+
+    def ints(x):
+        v = _const_value(g, x, inits)
+        return None if v is None else [int(a) for a in v.reshape(-1)]
+
+    def lengths(bias):
+        """(length value (B,), d) when ``bias`` is d·[k ≥ L] as described; else None."""
+        w = prod(bias, "Where")
+        if w is None:
+            return None
+        zero, d = (_const_value(g, x, inits) for x in w.input[1:])
+        if zero is None or d is None or zero.size != 1 or d.size != 1 or float(zero.reshape(-1)[0]) != 0.0:
+            return None
+        less = prod(w.input[0], "Less")
+        keys = None if less is None else _const_value(g, less.input[0], inits)
+        r4 = None if less is None else prod(less.input[1], "Reshape")
+        if keys is None or keys.ndim != 1 or keys.tolist() != list(range(keys.size)) or r4 is None:
+            return None
+        shape4 = ints(r4.input[1])
+        if shape4 is None or len(shape4) != 4 or shape4[3] != 1 or min(shape4) < 1:
+            return None
+        b, h, sq, _ = shape4
+        cf = prod(r4.input[0], "Cast")
+        r2 = prod(cf.input[0], "Reshape") if cf is not None else None
+        if r2 is None or ints(r2.input[1]) != [b * h, sq]:
+            return None
+        ex = prod(r2.input[0], "Expand")
+        if ex is None or ints(ex.input[1]) != [b, h, sq]:
+            return None
+        un = prod(ex.input[0], "Unsqueeze")
+        if un is None or ints(un.input[1]) != [1]:
+            return None
+        ci = prod(un.input[0], "Cast")
+        if ci is None or next((a.i for a in ci.attribute if a.name == "to"), None) != TensorProto.INT32:
+            return None
+        add = prod(ci.input[0], "Add")
+        if add is None:
+            return None
+        for k in (0, 1):
+            z = _const_value(g, add.input[1 - k], inits)
+            r1 = prod(add.input[k], "Reshape")
+            if z is not None and z.shape == (1, sq) and not np.any(z) and r1 is not None and \
+                    ints(r1.input[1]) in ([b, 1], [-1, 1]):
+                return r1.input[0], float(d.reshape(-1)[0]), b
+        return None
+
+    changed, done = False, {}
+    for att in g.node:
+        if att.op_type != "Attention" or att.domain != MS or len(att.input) != 6 or any(att.input[3:5]) or \
+                any(a.name == "mask_filter_value" for a in att.attribute):
+            continue
+        got = lengths(att.input[5])
+        if got is None:
+            continue
+        vl, d, b = got
+        if vl not in done:
+            done[vl] = _fresh_in(g, vl + "__mask_index")
+            at = list(g.node).index(producer[att.input[5]]) if att.input[5] in producer else 0
+            g.node.insert(at, helper.make_node("Cast", [vl], [done[vl]], to=TensorProto.INT32))
+        del att.input[3:]
+        att.input.append(done[vl])
+        att.attribute.append(helper.make_attribute("mask_filter_value", d))
+        changed = True
+    return _drop_dead(model) if changed else model
+
+
+def _fresh_in(g, base: str) -> str:
+    names = {x for n in g.node for x in list(n.input) + list(n.output)} | {t.name for t in g.initializer} | \
+        {i.name for i in g.input}
+    name, i = base, 1
+    while name in names:
+        name, i = "%s_%d" % (base, i), i + 1
+    return name
+
+
 def _peephole(nodes: List[Any], inits: Dict[str, Any], input_types: Mapping[str, int],
               graph_outputs: frozenset = frozenset()) -> List[Any]:
     """Small exact clean-ups: Cast(int → float → int) of an input back to the input; a matmul's bias
@@ -1617,6 +2258,8 @@ def _peephole(nodes: List[Any], inits: Dict[str, Any], input_types: Mapping[str,
     for n in nodes:
         if n.op_type == "Cast" and n.input[0] in producer:
             p = producer[n.input[0]]
+            while p.op_type == "Identity" and p.input[0] in producer:     # (trunc of whole numbers)
+                p = producer[p.input[0]]
             to = next((a.i for a in n.attribute if a.name == "to"), None)
             if p.op_type == "Cast" and input_types.get(p.input[0]) in ints and to in ints:
                 n = helper.make_node("Identity" if to == input_types[p.input[0]] else "Cast", [p.input[0]],

@@ -75,10 +75,72 @@ def test_gluonnlp_bert(gluonnlp_bert, target, tmp_path):
     found = contrib(tmp_path / "bert.onnx")
     if target == "ort":     # the interleaved QKV projection packed into Attention's weight
         assert {"Attention", "SkipLayerNormalization", "BiasGelu"} <= found, found
+        # GluonNLP's (S, B, C) layers computed in (B, S, C): no Transpose around Attention nor anywhere
+        assert ("", "Transpose") not in op_counts(tmp_path / "bert.onnx")
+        assert_valid_length_as_mask_index(tmp_path / "bert.onnx")
     else:
         assert not found
     # the un-fused model exports too (Reshape codes -3/-4, reverse, arange_like, softmax lengths)
     export_checked(sym, arg, aux, shapes, tmp_path / "plain.onnx", target=target)
+
+
+def assert_valid_length_as_mask_index(path):
+    """Every Attention reads the valid lengths (data2) as ONNX Runtime's mask_index (B,) lengths."""
+    model = onnx.load(str(path))
+    producer = {o: n for n in model.graph.node for o in n.output}
+    for att in (n for n in model.graph.node if n.op_type == "Attention"):
+        assert len(att.input) == 4 and producer[att.input[3]].op_type == "Cast", att
+        assert producer[att.input[3]].input[0] == "data2"
+        assert any(a.name == "mask_filter_value" for a in att.attribute)
+
+
+def test_gluonnlp_bert_batch_of_two(tmp_path):
+    """Batch 2, valid lengths 5 and 8 (one row padded): lengths as mask_index, Transposes only where a
+    (B, 1) mask meets the swapped layout."""
+    pytest.importorskip("gluonnlp")
+    from fusion.testing import gluonnlp_bert as build
+
+    sym, arg, aux, shapes = build(seq=8, batch=2, layers=2, units=32, heads=4)
+    fs, fa, fx = fused(sym, arg, aux, shapes)
+    path = tmp_path / "bert2.onnx"
+    export_checked(fs, fa, fx, shapes, path)
+    assert_valid_length_as_mask_index(path)
+    counts = op_counts(path)
+    assert counts[("", "Transpose")] <= 1, counts
+    rng = np.random.default_rng(4)
+    feed = {"data0": rng.integers(0, 100, (2, 8)).astype(np.float32),
+            "data1": rng.integers(0, 2, (2, 8)).astype(np.float32), "data2": np.array([5, 8], np.float32)}
+    from fusion.verify import run
+    ref = run(fs, fa, fx, feed)
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feed)
+    for x, y in zip(ref, got):
+        assert np.max(np.abs(x - y)) / np.max(np.abs(x)) <= RTOL
+
+
+def test_lengths_read_as_mask_index_only_when_they_repeat_one_length(gluonnlp_bert, tmp_path, monkeypatch):
+    """The (B, 1) valid lengths plus a (1, S) constant are one length per row only when the constant is
+    zeros: with a nonzero constant the attention bias stays a bias."""
+    from onnx import numpy_helper
+
+    from fusion import onnx_export
+    (_, _, _, shapes), (fs, fa, fx) = gluonnlp_bert
+    monkeypatch.setattr(onnx_export, "_repeated_lengths_as_mask_index", lambda m: m)
+    path = tmp_path / "bias.onnx"
+    export_checked(fs, fa, fx, shapes, path)
+    monkeypatch.undo()
+    model = onnx.load(str(path))
+    assert all(len(n.input) == 6 for n in model.graph.node if n.op_type == "Attention")
+    producer = {o: n for n in model.graph.node for o in n.output}
+    add = next(n for n in model.graph.node if n.op_type == "Add" and n.input[0] in producer and
+               producer[n.input[0]].op_type == "Reshape" and producer[n.input[0]].input[0] == "data2")
+    zeros = next(t for t in model.graph.initializer if t.name in add.input)
+    again = onnx_export._repeated_lengths_as_mask_index(onnx.load(str(path)))
+    assert all(len(n.input) == 4 for n in again.graph.node if n.op_type == "Attention")
+    z = numpy_helper.to_array(zeros).copy()
+    z[0, 3] = 1.0
+    zeros.CopyFrom(numpy_helper.from_array(z, zeros.name))
+    kept = onnx_export._repeated_lengths_as_mask_index(model)
+    assert all(len(n.input) == 6 for n in kept.graph.node if n.op_type == "Attention")
 
 
 def test_bundled_mobilenet(tmp_path):
@@ -338,25 +400,139 @@ def test_dynamic_export_of_a_fused_layer_runs_at_other_sizes(tmp_path):
     assert np.max(np.abs(ref[0] - got[0])) / np.max(np.abs(ref[0])) <= RTOL
 
 
+def test_dynamic_bert_export_reads_lengths_from_the_packed_input(tmp_path):
+    """A dynamic export takes the sequence length the attention bias is expanded to from Attention's own
+    input (no q / k projection kept alive only for its Shape), and runs at another batch size."""
+    from fusion.onnx_io import import_onnx
+    from fusion.testing import onnx_bert
+    src = str(tmp_path / "bert.onnx")
+    onnx.save(onnx_bert(layers=2, hidden=32, heads=4, ffn=64, vocab_size=50, max_positions=16, opset=17), src)
+    shapes = {n: (2, 8) for n in ("input_ids", "token_type_ids", "attention_mask")}
+    sym, arg, aux = import_onnx(src, input_shapes=shapes)
+    out = str(tmp_path / "dyn.onnx")
+    export_checked(*fused(sym, arg, aux, shapes), shapes, out, dynamic=True, input_dtypes={k: np.int64 for k in shapes})
+    counts = op_counts(out)
+    assert counts[("", "MatMul")] == 6 and counts[("", "Shape")] == 1 and counts[(MS, "Attention")] == 2, counts
+    rng = np.random.default_rng(2)
+    mask = np.ones((3, 8), np.int64)
+    mask[1, 6:] = 0
+    feed = {"input_ids": rng.integers(0, 50, (3, 8)), "token_type_ids": rng.integers(0, 2, (3, 8)),
+            "attention_mask": mask}
+    a = ort.InferenceSession(src, providers=["CPUExecutionProvider"]).run(None, feed)
+    b = ort.InferenceSession(out, providers=["CPUExecutionProvider"]).run(None, feed)
+    for x, y in zip(a, b):
+        assert np.max(np.abs(x - y)) / np.max(np.abs(x)) <= RTOL
+
+
 def test_ort_optimized_bert_roundtrip(tmp_path, capsys):
     """A BERT optimized by ONNX Runtime's transformers optimizer (EmbedLayerNormalization, Attention,
     SkipLayerNormalization, BiasGelu; its int64 -> int32 Casts read back as trunc) in, fused, and out."""
-    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer")
-    from onnxruntime.transformers.fusion_options import FusionOptions
-
     from fusion.testing import onnx_bert
     src, opt = str(tmp_path / "bert.onnx"), str(tmp_path / "opt.onnx")
     onnx.save(onnx_bert(layers=1, hidden=32, heads=4, ffn=64, vocab_size=50, max_positions=16), src)
-    options = FusionOptions("bert")
-    options.enable_shape_inference = False
-    optimizer.optimize_model(src, model_type="bert", num_heads=4, hidden_size=32, opt_level=0,
-                             optimization_options=options, use_gpu=False).save_model_to_file(opt)
+    _ort_optimize(src, opt, 4, 32)
     assert "EmbedLayerNormalization" in contrib(opt)
     out = str(tmp_path / "out.onnx")
     shapes = [a for n in ("input_ids", "token_type_ids", "attention_mask") for a in ("--shape", n + "=2,8")]
     code, _, err = run_mxfuse(capsys, opt, "-o", tmp_path / "b", *shapes, "--to-onnx", out, "--no-self-check")
     assert code == 0, err
-    assert {"Attention", "SkipLayerNormalization", "BiasGelu"} <= contrib(out)
+    assert {"Attention", "SkipLayerNormalization", "BiasGelu", "EmbedLayerNormalization"} <= contrib(out)
+    model = onnx.load(out)
+    types = collections.Counter(n.op_type for n in model.graph.node)
+    # ORT's own mask again: the count of ones as EmbedLayerNormalization's mask_index read by Attention
+    # (not rebuilt from Equal / ReduceSum / a key range); the int64 -> int32 Casts read back as trunc are
+    # no Abs / Floor / Sign of the ids
+    assert not {"ReduceSum", "Equal", "GreaterOrEqual", "Floor", "Sign"} & set(types), types
+    eln = next(n for n in model.graph.node if n.op_type == "EmbedLayerNormalization")
+    att = next(n for n in model.graph.node if n.op_type == "Attention")
+    assert list(att.input[3:]) == [eln.output[1]]
+    assert len(model.graph.node) <= len(onnx.load(opt).graph.node)
+    rng = np.random.default_rng(3)
+    mask = np.array([[1, 1, 1, 1, 1, 0, 0, 0], [1, 0, 1, 1, 2, 1, 0, 1]], np.int64)    # not only right-padded
+    feed = {"input_ids": rng.integers(0, 50, (2, 8)), "token_type_ids": rng.integers(0, 2, (2, 8)),
+            "attention_mask": mask}
+    a = ort.InferenceSession(opt, providers=["CPUExecutionProvider"]).run(None, feed)
+    b = ort.InferenceSession(out, providers=["CPUExecutionProvider"]).run(None, feed)
+    for x, y in zip(a, b):
+        assert np.max(np.abs(x - y)) / np.max(np.abs(x)) <= RTOL
+
+
+def _ort_optimize(src, dst, heads, hidden):
+    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer")
+    from onnxruntime.transformers.fusion_options import FusionOptions
+    options = FusionOptions("bert")
+    options.enable_shape_inference = False
+    optimizer.optimize_model(src, model_type="bert", num_heads=heads, hidden_size=hidden, opt_level=0,
+                             optimization_options=options, use_gpu=False).save_model_to_file(dst)
+
+
+def test_fewer_nodes_than_ort_optimizer(tmp_path, capsys):
+    """A torch-style ONNX BERT (2 layers, batch 1) through import -> fuse -> export has fewer nodes than
+    ONNX Runtime's transformers optimizer writes for it, and so has the optimizer's file read back: the
+    (1, S) mask is not unsqueezed (broadcasting puts its 1s in front), the pooler's Gemm and Tanh are one
+    FusedGemm, the optimizer's mask_index is kept."""
+    from fusion.testing import onnx_bert
+    src, opt = str(tmp_path / "bert.onnx"), str(tmp_path / "opt.onnx")
+    onnx.save(onnx_bert(layers=2, hidden=32, heads=4, ffn=64, vocab_size=50, max_positions=16, opset=17), src)
+    _ort_optimize(src, opt, 4, 32)
+    shapes = [a for n in ("input_ids", "token_type_ids", "attention_mask") for a in ("--shape", n + "=1,8")]
+    counts = {}
+    for name, path in (("ours", src), ("again", opt)):
+        out = str(tmp_path / (name + ".onnx"))
+        code, _, err = run_mxfuse(capsys, path, "-o", tmp_path / name, *shapes, "--to-onnx", out, "--no-self-check")
+        assert code == 0, err
+        counts[name] = op_counts(out)
+        assert ("", "Unsqueeze") not in counts[name] and ("", "Tanh") not in counts[name]
+        assert counts[name][(MS, "FusedGemm")] == 1 and counts[name][(MS, "Attention")] == 2
+    n_opt = len(onnx.load(opt).graph.node)
+    assert sum(counts["ours"].values()) < n_opt and sum(counts["again"].values()) < n_opt, (counts, n_opt)
+
+
+@pytest.mark.parametrize("act", ["tanh", "relu", "sigmoid"])
+def test_gemm_and_activation_as_fused_gemm(act, tmp_path):
+    rng = np.random.default_rng(0)
+    y = S.Activation(S.FullyConnected(S.var("x"), num_hidden=6, name="fc"), act_type=act, name="act")
+    arg = {"fc_weight": mx.nd.array(rng.normal(0, 0.5, (6, 5))), "fc_bias": mx.nd.array(rng.normal(0, 0.5, 6))}
+    for target in ("ort", "standard"):
+        model = export_checked(y, arg, {}, {"x": (3, 5)}, tmp_path / "g.onnx", target=target)
+        types = [n.op_type for n in model.graph.node]
+        assert types == (["FusedGemm"] if target == "ort" else ["Gemm", act.capitalize()]), types
+    # a Gemm whose result is read elsewhere too stays a Gemm
+    fc = S.FullyConnected(S.var("x"), num_hidden=6, name="fc")
+    model = export_checked(S.Group([S.tanh(fc), fc]), arg, {}, {"x": (3, 5)}, tmp_path / "h.onnx")
+    assert "FusedGemm" not in {n.op_type for n in model.graph.node}
+
+
+def test_unsqueeze_kept_where_broadcasting_would_not_restore_it(tmp_path):
+    """(2, 8) -> (2, 1, 1, 8) puts the batch in front of inserted dims: kept; (1, 8) -> (1, 1, 1, 8) read by
+    a sum with a rank-4 value: dropped; one read by an op whose output rank follows it alone: kept."""
+    m, w = S.var("m"), S.var("w")
+    arg = {"w": mx.nd.array(np.random.default_rng(0).normal(0, 1, (1, 1, 8, 1)))}
+    sym = S.broadcast_add(S.expand_dims(S.expand_dims(1 - m, axis=1), axis=1), w)
+    for shape, kept in (((2, 8), True), ((1, 8), False)):
+        model = export_checked(sym, arg, {}, {"m": shape}, tmp_path / "u.onnx")
+        assert ("Unsqueeze" in {n.op_type for n in model.graph.node}) == kept
+    alone = S.exp(S.expand_dims(S.expand_dims(m, axis=1), axis=1))
+    model = export_checked(alone, {}, {}, {"m": (1, 8)}, tmp_path / "v.onnx")
+    assert "Unsqueeze" in {n.op_type for n in model.graph.node}
+    assert [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim] in ([1, 1, 1, 8], [])
+
+
+def test_swapped_regions(tmp_path):
+    """Row-wise ops between (1, 0, 2) transposes run in the other layout when that takes Transposes away (a
+    graph input read inside the region is swapped once); when it would not, the graph stays as it is."""
+    rng = np.random.default_rng(0)
+    arg = {"fc_weight": mx.nd.array(rng.normal(0, 0.5, (8, 8))), "fc_bias": mx.nd.array(rng.normal(0, 0.5, 8))}
+    x, y = S.var("x"), S.var("y")
+    fc = S.FullyConnected(x + S.transpose(y, axes=(1, 0, 2)), num_hidden=8, flatten=False, name="fc")
+    model = export_checked(S.transpose(fc, axes=(1, 0, 2)), arg, {}, {"x": (4, 2, 8), "y": (2, 4, 8)},
+                           tmp_path / "s.onnx")
+    assert [n.op_type for n in model.graph.node] == ["Transpose", "Add", "MatMul", "Add"]
+    assert model.graph.node[0].input[0] == "x"
+    # one Transpose in, none out: left alone
+    fc = S.FullyConnected(S.transpose(y, axes=(1, 0, 2)), num_hidden=8, flatten=False, name="fc")
+    model = export_checked(fc, arg, {}, {"y": (2, 4, 8)}, tmp_path / "t.onnx")
+    assert [n.op_type for n in model.graph.node] == ["Transpose", "MatMul", "Add"]
 
 
 def test_trunc_exports(tmp_path):
