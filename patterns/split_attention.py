@@ -248,7 +248,7 @@ class SplitAttention(Rule):
                  "num_group1": int(fc1.param("num_group")), "num_group2": int(fc2.param("num_group")),
                  "act": "act_relu" if (act.op == "Activation" and kind == "relu") else kind,
                  "gate": "softmax" if self.radix else "sigmoid",
-                 "num_hidden": int(m.ctx.shape(m["w1"])[0])}
+                 "num_hidden": int(m.ctx.shape(m["w1"])[0]), "num_channels": int(view[1] * view[3])}
         has_b1 = m.has("b1") and not fc1.param("no_bias")
         w1 = m["w1"]
         b1 = m["b1"] if has_b1 else None

@@ -108,8 +108,10 @@ MXReturnValue infer_shape(const Attrs& a, std::vector<Shape>* in, std::vector<Sh
       throw OpError("b1 must hold " + std::to_string(Cm) + " values, got " + shape_str((*in)[s.b1]));
     if (p.bias2 && numel((*in)[s.b2]) != RC)
       throw OpError("b2 must hold " + std::to_string(RC) + " values, got " + shape_str((*in)[s.b2]));
-    if (attr_int(a, "num_hidden", Cm) != Cm)
-      throw OpError("num_hidden does not match w1's " + std::to_string(Cm));
+    if (attr_int(a, "num_hidden", Cm) != Cm || attr_int(a, "num_channels", C) != C)
+      throw OpError("num_hidden/num_channels (" + std::to_string(attr_int(a, "num_hidden", Cm)) + ", " +
+                    std::to_string(attr_int(a, "num_channels", C)) + ") do not match the weights and x (" +
+                    std::to_string(Cm) + ", " + std::to_string(C) + ")");
     (*out)[0] = Shape{x[0], static_cast<unsigned>(C), x[2], x[3]};
   });
 }
