@@ -110,8 +110,8 @@ class SplitAttention(Rule):
         reason = float32_reason(ins, m.ctx)
         if reason:
             return reason
-        for check in (SqueezeExcitation._pool_reason, self._layers_reason, self._bn_reason, self._reduce_reason,
-                      self._gate_reason, self._shapes_reason):
+        for check in (SqueezeExcitation._pool_reason, self._layers_reason, self._reduce_reason, self._gate_reason,
+                      self._shapes_reason, self._bn_reason):
             reason = check(m)
             if reason:
                 return reason
