@@ -1,5 +1,6 @@
-"""``fused_split_attention`` → the stock ops GluonCV's ``SplitAttentionConv`` writes (see
-``patterns/split_attention.py``; a folded BatchNorm stays folded into the first layer)."""
+"""Un-fusing the CNN ops: ``fused_split_attention`` → the stock ops GluonCV's ``SplitAttentionConv``
+writes (see ``patterns/split_attention.py``; a folded BatchNorm stays folded into the first layer);
+``fused_grouped_conv`` → ``Convolution`` [→ ``Activation(relu)``]."""
 from __future__ import annotations
 
 from fusion.errors import FusionError
@@ -51,3 +52,18 @@ class UnfuseSplitAttention(_Unfuse):
         a = b.op("sigmoid", [a], name=name + "_gate")
         a = b.op("Reshape", [a], attrs={"shape": (0, -1, 1, 1)}, name=name + "_att_view")
         return b.op("broadcast_mul", [a, x], name=name)
+
+
+class UnfuseGroupedConv(_Unfuse):
+    def __init__(self):
+        super().__init__("fused_grouped_conv", 3)
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        f = m.node("f")
+        attrs = {k: f.attrs[k] for k in ("kernel", "stride", "pad", "dilate", "num_group", "num_filter")
+                 if k in f.attrs}
+        attrs["no_bias"] = bool(f.param("no_bias", False))
+        y = b.op("Convolution", list(self.inputs(m)), attrs=attrs, name=f.name + "_conv")
+        if f.attrs.get("act", "none") != "none":
+            y = b.op("Activation", [y], attrs={"act_type": "relu"}, name=f.name)
+        return y
