@@ -14,6 +14,10 @@ ResNeXt's 32 groups of 4–16 channels).  A BatchNorm after the convolution is f
 oneDNN backend fuses it (NaN gives 0, as ``Activation(relu)`` through oneDNN).  The sums run in
 another order (float32 error ~1e-7 relative).
 
+Opt-in (``--rules grouped_convolution``): in ResNeXt's block (benchmarks/bench_grouped_conv.py)
+the reorders from and to MXNet's layouts cost what the kernel saves — measured 0.76–0.92× of
+MXNet's default bind at 2 threads and 0.96–0.99× at 1 thread on a shared, loaded 2-core machine.
+
 Refused: channels per group outside 4–16 (not measured: depthwise convolutions, wide groups),
 kernels other than 2-D, layouts other than NCHW, values other than float32, unknown input
 shapes, and ``mode='training'`` (the op has no backward).  A ``relu`` op (NaN stays NaN) is

@@ -48,7 +48,7 @@ def test_grouped_convolutions_fuse_exactly(kw):
 
 def test_batchnorm_folded_first_then_relu_fused():
     shapes = {"data": (1, 32, 8, 8)}
-    res = fuse_and_check(gconv(bn=True, act="Activation", bias=False), shapes)
+    res = fuse_and_check(gconv(bn=True, act="Activation", bias=False), shapes, rules=RULES + ["default"])
     assert fused_by(res).get("conv_bn_act") == 1 and fused_by(res).get("grouped_conv_relu") == 1, \
         res.report.to_text(explain=True)
     assert ops(res) == {"fused_grouped_conv": 1}, ops(res)
@@ -102,7 +102,8 @@ def test_se_resnext_network():
     shape = (1, 3, 32, 32)
     with mx.name.NameManager():
         sym, arg, aux = export(se_resnext(layers=(1, 1), cardinality=4, channels=64, classes=10), shape)
-    res = fusion.fuse(sym, arg, aux, input_shapes={"data": shape})
+    assert "fused_grouped_conv" not in ops(fusion.fuse(sym, arg, aux, input_shapes={"data": shape}))  # opt-in
+    res = fusion.fuse(sym, arg, aux, rules=RULES + ["default"], input_shapes={"data": shape})
     assert fused_by(res).get("grouped_conv_relu") == 2, res.report.to_text(explain=True)
     for s in (shape, (2, 3, 32, 32)):
         assert fusion.verify((sym, arg, aux), res, input_shapes={"data": s}).max_rel <= 1e-4
