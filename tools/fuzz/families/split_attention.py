@@ -24,7 +24,7 @@ from .pieces import S
 def build(b):
     d = b.d
     b.dim("B", [1, 2])
-    R = d.choice([2, 1, 4], [5, 2, 2], label="radix")
+    R = d.choice([2, 1, 4], [3, 4, 2], label="radix")
     G = d.choice([1, 2], label="groups")
     A = d.choice([G, 1, 2], [4, 1, 1], label="attention groups")
     C = d.choice([4, 8], label="channels")
