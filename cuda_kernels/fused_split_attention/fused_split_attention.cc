@@ -136,7 +136,7 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
     const Act hidden = resolve_act(p.act, 4, dnnl_enabled());
 
     const int64_t P = N * C;  // output planes
-    std::vector<float> pooled(P), att(N * R * C);
+    std::vector<float> pooled(P);
     // As fused_se: one parallel region with one barrier; maps under 4 MiB on one thread.
     const int nt = P * R * HW < (1 << 20) ? 1 : omp_get_max_threads();
 #pragma omp parallel num_threads(nt)
