@@ -22,9 +22,9 @@ MODULES = ("constant_fold", "attention", "squeeze_excitation", "split_attention"
 #: Modules whose rules run only when asked for by name (``--rules dense_concat``): exact, but
 #: measured slower under MXNet's default bind -- its oneDNN ops keep DenseNet's feature maps in
 #: blocked layouts, and every piece a library op reads is reordered to NCHW for it
-#: (benchmarks/bench_cnn_blocks.py, DenseNet-121).  ``grouped_convolution`` likewise: oneDNN 3.x's
-#: grouped kernels are 2-4x faster alone, but in ResNeXt's block, with the reorders from and to
-#: MXNet's layouts, it measured 0.76-0.99x of MXNet's own (benchmarks/bench_grouped_conv.py).
+#: (benchmarks/bench_cnn_blocks.py, DenseNet-121).  ``grouped_convolution`` likewise: in ResNeXt's block,
+#: with the reorders from and to MXNet's layouts, oneDNN 3.x's grouped convolution measured
+#: 0.76-0.99x of MXNet's own (benchmarks/bench_grouped_conv.py).
 OPT_IN = ("concat_bn_act", "grouped_conv")
 
 #: Family name -> the module whose rules it groups (modules of a single rule form no family).

@@ -8,15 +8,15 @@ Matched (anchor at the bottom)::
 
 Rewrite: ``fused_grouped_conv(x, W, [b], act=…)`` with the convolution's own attributes:
 the same convolution computed by the oneDNN 3.x this project ships, whose blocked kernels
-for these shapes measured 2–4× faster than MXNet 1.9.1's own (benchmarks/grouped_conv_dnnl.cc;
-ResNeXt's 32 groups of 4–16 channels).  A BatchNorm after the convolution is folded first
+for these shapes run at 49–128 GFLOP/s alone (benchmarks/grouped_conv_dnnl.cc; ResNeXt's 32 groups
+of 4–16 channels).  A BatchNorm after the convolution is folded first
 (``conv_bn_act``, which runs before this rule); the relu is oneDNN's post-op, as MXNet's own
 oneDNN backend fuses it (NaN gives 0, as ``Activation(relu)`` through oneDNN).  The sums run in
 another order (float32 error ~1e-7 relative).
 
 Opt-in (``--rules grouped_convolution``): in ResNeXt's block (benchmarks/bench_grouped_conv.py)
-the reorders from and to MXNet's layouts cost what the kernel saves — measured 0.76–0.92× of
-MXNet's default bind at 2 threads and 0.96–0.99× at 1 thread on a shared, loaded 2-core machine.
+the reorders from and to MXNet's layouts cost more than the kernel saves — measured 0.83–0.88× of
+MXNet's default bind at 2 threads (0.76–0.99× at 1–2 threads under heavy load) on a shared 2-core machine.
 
 Refused: channels per group outside 4–16 (not measured: depthwise convolutions, wide groups),
 kernels other than 2-D, layouts other than NCHW, values other than float32, unknown input

@@ -1,9 +1,10 @@
 // fused_grouped_conv: a grouped 2-D convolution [+ bias] [-> relu] through oneDNN 3.x.
 //
-// MXNet 1.9.1's own oneDNN runs grouped convolutions of few channels per group (ResNeXt's
-// 32 groups of 4-16) at 14-45 GFLOP/s on one core; the oneDNN 3.x shipped with this project
-// runs the same ones at 49-128 GFLOP/s in its blocked layout, 31-98 with the reorders from
-// and to NCHW included (benchmarks/grouped_conv_dnnl.cc).  The op reads and writes NCHW:
+// The oneDNN 3.x shipped with this project runs ResNeXt's grouped convolutions (32 groups of
+// 4-16 channels) at 49-128 GFLOP/s on one core in its blocked layout, 31-98 with the reorders
+// from and to NCHW included (benchmarks/grouped_conv_dnnl.cc); in the network's block, next to
+// MXNet's own oneDNN ops, the op measured slower than MXNet's (benchmarks/bench_grouped_conv.py),
+// so its rule is opt-in.  The op reads and writes NCHW:
 // the input is reordered into the convolution's layout, the weight into its own (small),
 // and the result back.  The primitive and its buffers are cached per shape.  Without
 // oneDNN's convolution API a direct loop computes the same (slowly).  See README.md.
