@@ -37,12 +37,12 @@ from fusion.testing_gluoncv import MODELS as GLUONCV  # noqa: E402
 from fusion.testing_gluoncv import gluoncv_model  # noqa: E402
 from fusion.verify import random_inputs  # noqa: E402
 
-MODELS = ("se_resnext50_32x4d", "mobilenetv3_large", "densenet121", "densenet121+dense_concat", "resnet50_v1",
+MODELS = ("se_resnext50_32x4d", "resnest50", "mobilenetv3_large", "densenet121", "densenet121+dense_concat", "resnet50_v1",
           "se_resnet50_v1")
 ZOO = ("densenet121", "resnet50_v1", "resnet18_v1", "mobilenetv2_1.0")
 SHAPE = (1, 3, 224, 224)
-WATCHED = ("fused_se", "fused_elemwise", "Convolution", "BatchNorm", "Concat", "broadcast_mul",
-           "_contrib_AdaptiveAvgPooling2D", "Pooling")
+WATCHED = ("fused_se", "fused_split_attention", "fused_grouped_conv", "fused_elemwise", "Convolution", "BatchNorm", "Concat", "broadcast_mul",
+           "_contrib_AdaptiveAvgPooling2D", "Pooling", "sum", "expand_dims", "softmax")
 
 
 def load(name: str):

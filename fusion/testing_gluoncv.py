@@ -1,7 +1,8 @@
 """GluonCV's CNN blocks written as GluonCV writes them (the same ops in the same order), for
 tests and benchmarks without GluonCV installed: SE-ResNeXt (``resnext.py``), SE-ResNet V1/V2
 (``se_resnet.py``), MobileNetV3 (``mobilenetv3.py`` with ``nn/block.py``'s HardSigmoid /
-HardSwish).  DenseNet is MXNet's model-zoo ``densenet121``, which GluonCV's equals.
+HardSwish), ResNeSt (``resnest.py`` with ``nn/splat.py``'s SplitAttentionConv; DropBlock left out,
+an identity at inference).  DenseNet is MXNet's model-zoo ``densenet121``, which GluonCV's equals.
 
 ``gluoncv_model(name)`` gives (symbol, arg_params, aux_params) with random weights and
 randomized BatchNorm statistics, like ``fusion.testing.zoo_model``; widths and depths are
@@ -187,7 +188,77 @@ def _blocks():
             out = self.conv2(out)
             return x + out if self.short_cut else out
 
+    class SplitAttentionConv(HybridBlock):
+        """splat.py's SplitAttentionConv: grouped conv of radix × channels, BN, relu, radix sum, pool,
+        two grouped 1×1 convs (BN and relu between), r-softmax (sigmoid at radix 1), weighted sum."""
+
+        def __init__(self, channels, kernel_size, strides=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1,
+                     radix=2, in_channels=None, r=2, **kw):
+            super().__init__()
+            inter_channels = max(in_channels * radix // 2 // r, 32)
+            self.radix, self.cardinality, self.channels = radix, groups, channels
+            self.conv = nn.Conv2D(channels * radix, kernel_size, strides, padding, dilation, groups=groups * radix,
+                                  in_channels=in_channels, **kw)
+            self.bn = nn.BatchNorm(in_channels=channels * radix)
+            self.relu = nn.Activation("relu")
+            self.fc1 = nn.Conv2D(inter_channels, 1, in_channels=channels, groups=self.cardinality)
+            self.bn1 = nn.BatchNorm(in_channels=inter_channels)
+            self.relu1 = nn.Activation("relu")
+            self.fc2 = nn.Conv2D(channels * radix, 1, in_channels=inter_channels, groups=self.cardinality)
+
+        def hybrid_forward(self, F, x):
+            x = self.relu(self.bn(self.conv(x)))
+            if self.radix > 1:
+                splited = F.reshape(x.expand_dims(1), (0, self.radix, self.channels, 0, 0))
+                gap = F.sum(splited, axis=1)
+            else:
+                gap = x
+            gap = F.contrib.AdaptiveAvgPooling2D(gap, 1)
+            atten = self.relu1(self.bn1(self.fc1(gap)))
+            atten = self.fc2(atten).reshape((0, self.cardinality, self.radix, -1)).swapaxes(1, 2)
+            if self.radix > 1:
+                atten = F.softmax(atten, axis=1).reshape((0, self.radix, -1, 1, 1))
+                return F.sum(F.broadcast_mul(atten, splited), axis=1)
+            atten = F.sigmoid(atten).reshape((0, -1, 1, 1))
+            return F.broadcast_mul(atten, x)
+
+    class ResNeStBottleneck(HybridBlock):
+        """resnest.py's Bottleneck with use_splat=True (avd: 3×3 average pool after the split attention)."""
+
+        def __init__(self, channels, cardinality=1, bottleneck_width=64, strides=1, downsample=None, radix=2,
+                     avd=False, avd_first=False, in_channels=None, **kw):
+            super().__init__(**kw)
+            group_width = int(channels * (bottleneck_width / 64.)) * cardinality
+            self.avd = avd and strides > 1
+            self.avd_first = avd_first
+            self.conv1 = nn.Conv2D(group_width, kernel_size=1, use_bias=False, in_channels=in_channels)
+            self.bn1 = nn.BatchNorm(in_channels=group_width)
+            self.relu1 = nn.Activation("relu")
+            self.conv2 = SplitAttentionConv(group_width, 3, strides=1 if self.avd else strides, padding=1,
+                                            groups=cardinality, use_bias=False, in_channels=group_width,
+                                            radix=radix)
+            self.conv3 = nn.Conv2D(channels * 4, kernel_size=1, use_bias=False, in_channels=group_width)
+            self.bn3 = nn.BatchNorm(in_channels=channels * 4)
+            if self.avd:
+                self.avd_layer = nn.AvgPool2D(3, strides, padding=1)
+            self.relu3 = nn.Activation("relu")
+            self.downsample = downsample
+
+        def hybrid_forward(self, F, x):
+            residual = x
+            out = self.relu1(self.bn1(self.conv1(x)))
+            if self.avd and self.avd_first:
+                out = self.avd_layer(out)
+            out = self.conv2(out)
+            if self.avd and not self.avd_first:
+                out = self.avd_layer(out)
+            out = self.bn3(self.conv3(out))
+            if self.downsample is not None:
+                residual = self.downsample(x)
+            return self.relu3(out + residual)
+
     return dict(ResNeXtBlock=ResNeXtBlock, SEBottleneck=SEBottleneck, ResUnit=ResUnit, HardSwish=HardSwish,
+                ResNeStBottleneck=ResNeStBottleneck, SplitAttentionConv=SplitAttentionConv,
                 make_divisible=make_divisible)
 
 
@@ -270,7 +341,43 @@ def mobilenetv3(cfg=MOBILENETV3_LARGE, multiplier: float = 1.0, cls_ch_squeeze: 
     return net
 
 
+def resnest(layers: Sequence[int] = (3, 4, 6, 3), radix: int = 2, cardinality: int = 1,
+            bottleneck_width: int = 64, stem_width: int = 32, avd_first: bool = False, classes: int = 1000):
+    """resnest.py's ResNeSt with deep stem, avg_down, avd and split attention (ResNeSt-50 by default;
+    ``radix`` 1/2/4 and ``cardinality`` as its variants write them)."""
+    nn = _nn()
+    B = _blocks()
+    net = nn.HybridSequential(prefix="")
+    with net.name_scope():
+        stem = nn.HybridSequential(prefix="conv1")
+        stem.add(nn.Conv2D(stem_width, 3, 2, 1, use_bias=False, in_channels=3), nn.BatchNorm(),
+                 nn.Activation("relu"), nn.Conv2D(stem_width, 3, 1, 1, use_bias=False), nn.BatchNorm(),
+                 nn.Activation("relu"), nn.Conv2D(stem_width * 2, 3, 1, 1, use_bias=False))
+        net.add(stem, nn.BatchNorm(), nn.Activation("relu"), nn.MaxPool2D(3, 2, 1))
+        inplanes = stem_width * 2
+        for i, n in enumerate(layers):
+            planes, strides = 64 * 2 ** i, 1 if i == 0 else 2
+            downsample = None
+            if strides != 1 or inplanes != planes * 4:
+                downsample = nn.HybridSequential(prefix="down%d_" % (i + 1))
+                with downsample.name_scope():
+                    downsample.add(nn.AvgPool2D(strides, strides, ceil_mode=True, count_include_pad=False),
+                                   nn.Conv2D(planes * 4, 1, 1, use_bias=False, in_channels=inplanes),
+                                   nn.BatchNorm())
+            stage = nn.HybridSequential(prefix="layers%d_" % (i + 1))
+            with stage.name_scope():
+                for k in range(n):
+                    stage.add(B["ResNeStBottleneck"](planes, cardinality, bottleneck_width, strides if k == 0 else 1,
+                                                     downsample if k == 0 else None, radix, avd=True,
+                                                     avd_first=avd_first, in_channels=inplanes))
+                    inplanes = planes * 4
+            net.add(stage)
+        net.add(nn.GlobalAvgPool2D(), nn.Flatten(), nn.Dense(classes))
+    return net
+
+
 MODELS = {
+    "resnest50": lambda: resnest(),
     "se_resnext50_32x4d": lambda: se_resnext(),
     "se_resnet50_v1": lambda: se_resnet(),
     "mobilenetv3_large": lambda: mobilenetv3(),

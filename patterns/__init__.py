@@ -16,14 +16,16 @@ import importlib
 from typing import Dict, List, Optional, Tuple
 
 #: The modules of the library, in the order their rules are listed.
-MODULES = ("constant_fold", "attention", "squeeze_excitation", "dense_act", "skip_layer_norm", "conv_bn_act",
-           "layer_norm", "gelu", "softmax", "elementwise")
+MODULES = ("constant_fold", "attention", "squeeze_excitation", "split_attention", "dense_act", "skip_layer_norm",
+           "conv_bn_act", "layer_norm", "gelu", "softmax", "elementwise")
 
 #: Modules whose rules run only when asked for by name (``--rules dense_concat``): exact, but
 #: measured slower under MXNet's default bind -- its oneDNN ops keep DenseNet's feature maps in
 #: blocked layouts, and every piece a library op reads is reordered to NCHW for it
-#: (benchmarks/bench_cnn_blocks.py, DenseNet-121).
-OPT_IN = ("concat_bn_act",)
+#: (benchmarks/bench_cnn_blocks.py, DenseNet-121).  ``grouped_convolution`` likewise: in ResNeXt's block,
+#: with the reorders from and to MXNet's layouts, oneDNN 3.x's grouped convolution measured
+#: 0.76-0.99x of MXNet's own (benchmarks/bench_grouped_conv.py).
+OPT_IN = ("concat_bn_act", "grouped_conv")
 
 #: Family name -> the module whose rules it groups (modules of a single rule form no family).
 FAMILIES: Dict[str, str] = {
@@ -32,6 +34,8 @@ FAMILIES: Dict[str, str] = {
     "bn_folding": "conv_bn_act",
     "gelu": "gelu",
     "squeeze_excitation": "squeeze_excitation",
+    "split_attention": "split_attention",
+    "grouped_convolution": "grouped_conv",
     "dense_concat": "concat_bn_act",
 }
 

@@ -12,6 +12,10 @@ fused_add_layer_norm       broadcast_add → LayerNorm (the sum is the 2nd outpu
 fused_se                   [hard-swish ops] → Pooling(global avg) → Convolution 1×1 | FullyConnected → act
                            → Convolution 1×1 | FullyConnected → gate ops [→ Reshape] → broadcast_mul
                            [→ elemwise_add → relu]
+fused_split_attention      [expand_dims → Reshape → sum] → Pooling(global avg) → Convolution 1×1 → act
+                           → Convolution 1×1 → Reshape → SwapAxis → softmax | sigmoid → Reshape
+                           → broadcast_mul [→ sum]
+fused_grouped_conv         Convolution [→ Activation(relu)]
 fused_concat_scale_act     Concat(dim=1) → broadcast_mul(scale) → broadcast_add(shift) [→ Activation(relu) | relu]
 fused_elemwise             the program's ops (broadcast_*, scalar ops, where on broadcast_like'd operands)
 fused_attention            head split (Reshape/transpose/slice_axis) → batch_dot(q, k, transpose_b) ·scale
@@ -31,6 +35,7 @@ from fusion.rule import Rule
 from ._unfuse_base import _Unfuse
 from .unfuse_elemwise import ElemwiseProgram, UnfuseElemwise
 from .unfuse_attention import UnfuseAttention
+from .unfuse_cnn import UnfuseGroupedConv, UnfuseSplitAttention
 
 
 # ---------------------------------------------------------------- fused_dense
@@ -163,8 +168,8 @@ class UnfuseConcatScaleAct(_Unfuse):
         return _activation(b, y, f.attrs.get("act", "none"), 0.0, f.name)
 
 
-RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseConcatScaleAct(), UnfuseElemwise(),
-                     UnfuseAttention()]
+RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseSplitAttention(), UnfuseGroupedConv(),
+                     UnfuseConcatScaleAct(), UnfuseElemwise(), UnfuseAttention()]
 
 
 class _OnlyNodes(Rule):

@@ -1,0 +1,69 @@
+"""Un-fusing the CNN ops: ``fused_split_attention`` → the stock ops GluonCV's ``SplitAttentionConv``
+writes (see ``patterns/split_attention.py``; a folded BatchNorm stays folded into the first layer);
+``fused_grouped_conv`` → ``Convolution`` [→ ``Activation(relu)``]."""
+from __future__ import annotations
+
+from fusion.errors import FusionError
+from fusion.graph import Entry
+from fusion.matcher import Match
+from fusion.rewrite import Builder
+
+from ._unfuse_base import _Unfuse
+
+
+class UnfuseSplitAttention(_Unfuse):
+    def __init__(self):
+        super().__init__("fused_split_attention", 5)
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        from .unfuse import _activation
+        f = m.node("f")
+        ins = list(self.inputs(m))
+        x, w1 = ins.pop(0), ins.pop(0)
+        b1 = None if f.param("no_bias1", False) else ins.pop(0)
+        w2 = ins.pop(0)
+        b2 = None if f.param("no_bias2", False) else ins.pop(0)
+        if "num_hidden" not in f.attrs or "num_channels" not in f.attrs:
+            raise FusionError("fused_split_attention '%s' lacks num_hidden/num_channels: its layers cannot be "
+                              "rebuilt" % f.name)
+        R, A, C = int(f.param("radix", 2)), int(f.param("att_groups", 1)), int(f.attrs["num_channels"])
+        name = f.name
+        gap = x
+        if R > 1:
+            split = b.op("Reshape", [b.op("expand_dims", [x], attrs={"axis": 1}, name=name + "_expand")],
+                         attrs={"shape": (0, R, C, 0, 0)}, name=name + "_split")
+            gap = b.op("sum", [split], attrs={"axis": 1}, name=name + "_radix_sum")
+        p = b.op("Pooling", [gap], attrs={"global_pool": True, "pool_type": "avg", "kernel": (1, 1)},
+                 name=name + "_pool")
+        h = b.op("Convolution", [p, w1] + ([b1] if b1 is not None else []),
+                 attrs={"kernel": (1, 1), "num_filter": int(f.attrs["num_hidden"]), "no_bias": b1 is None,
+                        "num_group": int(f.param("num_group1", 1))}, name=name + "_fc1")
+        h = _activation(b, h, f.attrs.get("act", "relu"), float(f.param("slope", 0.25)), name + "_act")
+        a = b.op("Convolution", [h, w2] + ([b2] if b2 is not None else []),
+                 attrs={"kernel": (1, 1), "num_filter": R * C, "no_bias": b2 is None,
+                        "num_group": int(f.param("num_group2", 1))}, name=name + "_fc2")
+        a = b.op("Reshape", [a], attrs={"shape": (0, A, R, -1)}, name=name + "_att_shape")
+        a = b.op("SwapAxis", [a], attrs={"dim1": 1, "dim2": 2}, name=name + "_swap")
+        if R > 1:
+            a = b.op("softmax", [a], attrs={"axis": 1}, name=name + "_gate")
+            a = b.op("Reshape", [a], attrs={"shape": (0, R, -1, 1, 1)}, name=name + "_att_view")
+            return b.op("sum", [b.op("broadcast_mul", [a, split], name=name + "_mul")], attrs={"axis": 1},
+                        name=name)
+        a = b.op("sigmoid", [a], name=name + "_gate")
+        a = b.op("Reshape", [a], attrs={"shape": (0, -1, 1, 1)}, name=name + "_att_view")
+        return b.op("broadcast_mul", [a, x], name=name)
+
+
+class UnfuseGroupedConv(_Unfuse):
+    def __init__(self):
+        super().__init__("fused_grouped_conv", 3)
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        f = m.node("f")
+        attrs = {k: f.attrs[k] for k in ("kernel", "stride", "pad", "dilate", "num_group", "num_filter")
+                 if k in f.attrs}
+        attrs["no_bias"] = bool(f.param("no_bias", False))
+        y = b.op("Convolution", list(self.inputs(m)), attrs=attrs, name=f.name + "_conv")
+        if f.attrs.get("act", "none") != "none":
+            y = b.op("Activation", [y], attrs={"act_type": "relu"}, name=f.name)
+        return y
