@@ -7,12 +7,14 @@ and what stays float32:
   ``BF16_WEIGHTS`` — their weights are cast once at fuse time into new parameters
   (``<weight>_bf16``; the caller's arrays are never touched) and the activations are
   rounded to bfloat16 inside the kernel, per call.  Products accumulate in float32
-  (oneDNN's bf16 matmul: ``vdpbf16ps`` / AMX).
+  (oneDNN's bf16 matmul: ``vdpbf16ps`` / AMX).  The ops listed in ``BF16_ATTRS`` are given
+  those attributes: ``fused_attention`` computes q·kᵀ and p·v from bfloat16 operands
+  (``vdpbf16ps``, float32 accumulation) while its softmax statistics stay float32.
 * **float32**: everything else — the values between ops (every fused op reads and writes
   float32, so model inputs and outputs keep their dtype), bias and activation epilogues,
-  softmax statistics and attention (``fused_attention``), LayerNorm statistics
-  (``fused_add_layer_norm``, ``LayerNorm``), reductions and elementwise chains
-  (``fused_elemwise``), and every op MXNet keeps (a classifier head left to MXNet stays float32).
+  softmax statistics, masks and scaling, LayerNorm statistics (``fused_add_layer_norm``,
+  ``LayerNorm``), reductions and elementwise chains (``fused_elemwise``), and every op MXNet
+  keeps (a classifier head left to MXNet stays float32).
 
 bfloat16 keeps float32's exponent range with an 8-bit significand (relative rounding
 error 2⁻⁹ ≈ 2e-3 per operand): ``TOLERANCE`` is what ``fusion.verify``/``mxfuse
@@ -44,10 +46,14 @@ PRECISIONS = {"float32": FLOAT32, "fp32": FLOAT32, "bf16": BFLOAT16, "bfloat16":
 #: Fused op -> input slots holding a weight that is cast to bfloat16 (only a known float32 parameter).
 BF16_WEIGHTS: Dict[str, Tuple[int, ...]] = {"fused_dense": (1,)}
 
+#: Fused op -> attributes it is given under precision="bf16" (inference only; the CPU kernels
+#: compute in float32 where the CPU has no avx512_bf16, and the backward always does).
+BF16_ATTRS: Dict[str, Dict[str, str]] = {"fused_attention": {"precision": "bfloat16"}}
+
 #: What stays float32 under precision="bf16" (for reports and docs; the kernels implement it).
 FLOAT32_KEPT = ("values between ops, model inputs and outputs", "bias and activation epilogues",
-                "fused_attention (softmax statistics, q·kᵀ and p·v)", "LayerNorm statistics",
-                "fused_elemwise chains and reductions", "ops left to MXNet")
+                "fused_attention's softmax statistics, mask and scaling (its q·kᵀ and p·v run in bfloat16)",
+                "LayerNorm statistics", "fused_elemwise chains and reductions", "ops left to MXNet")
 
 #: max|fused − original| / max|original| accepted by verify and the self-check, per precision.
 TOLERANCE = {FLOAT32: 1e-4, BFLOAT16: 2e-2}
@@ -144,6 +150,11 @@ def from_bf16(value: np.ndarray) -> np.ndarray:
 def cast_slots(op: str, precision: str) -> Tuple[int, ...]:
     """Input slots of a new ``op`` whose float32 weight the policy casts at ``precision``."""
     return BF16_WEIGHTS.get(op, ()) if precision == BFLOAT16 else ()
+
+
+def reduced_attrs(op: str, precision: str) -> Dict[str, str]:
+    """Attributes the policy gives a new ``op`` at ``precision`` (none at float32)."""
+    return BF16_ATTRS.get(op, {}) if precision == BFLOAT16 else {}
 
 
 def tolerance(precision: str) -> float:
