@@ -104,11 +104,71 @@ def test_small_transformer_block_bf16():
     assert counts.get("fused_attention") == 2 and counts.get("fused_dense") == 12, res.report.to_text()
     dense = [n for n in res.graph.op_nodes() if n.op == "fused_dense"]
     assert all(n.inputs[1].node.name.endswith("_bf16") for n in dense)
+    attn = [n for n in res.graph.op_nodes() if n.op == "fused_attention"]
+    assert all(n.attrs.get("precision") == "bfloat16" for n in attn)
     v = fusion.verify((sym, arg, aux), res, input_shapes=shapes)
     assert v.max_rel <= BF16_TOL, v
     fp32 = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+    assert not any("precision" in n.attrs for n in fp32.graph.op_nodes())
     assert fusion.verify((sym, arg, aux), fp32, input_shapes=shapes).max_rel <= 1e-4
     assert "precision bf16: 12 weight(s) cast" in res.report.to_text()
+
+
+def _attention_reference(q, k, v, scale, mask=None, causal=False, rounded=False):
+    """softmax(scale·q·kᵀ + mask)·v in float64; rounded: q, k, v and the unnormalized
+    probabilities rounded to bfloat16 first, as the bf16 kernel's products read them."""
+    r = bf16_round if rounded else (lambda a: a)
+    s = np.einsum("...id,...jd->...ij", r(q).astype(np.float64), r(k)) * scale
+    if mask is not None:
+        s = s + mask
+    if causal:
+        sq, sk = s.shape[-2:]
+        s = np.where(np.arange(sk)[None, :] <= np.arange(sq)[:, None] + sk - sq, s, -np.inf)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    if rounded:
+        e = r(e.astype(np.float32)).astype(np.float64)
+    return np.einsum("...ij,...jd->...id", e, r(v)) / e.sum(-1, keepdims=True)
+
+
+@needs_bf16
+@pytest.mark.parametrize("shape,masked,causal", [((2, 3, 37, 33), False, False), ((1, 4, 128, 64), True, False),
+                                                 ((2, 2, 300, 16), False, True), ((1, 1, 5, 7), True, True)])
+def test_attention_bf16_products_forward_and_backward(shape, masked, causal):
+    """precision='bfloat16': q·kᵀ and p·v from bfloat16 operands, float32 softmax statistics; the
+    backward computes in float32 (from the forward's output, so within the bf16 tolerance)."""
+    rng = np.random.default_rng(1)
+    B, H, S_, D = shape
+    q, k, v = (rng.standard_normal((B * H, S_, D)).astype(np.float32) for _ in range(3))
+    mask = (rng.standard_normal((S_, S_)) * 2).astype(np.float32) if masked else None
+    scale = 1 / math.sqrt(D)
+    feed = {"q": q, "k": k, "v": v, **({"mask": mask} if masked else {})}
+    kw = dict(scale=scale, causal=causal, mask_kind="additive" if masked else "none")
+    outs, grads = {}, {}
+    for prec in ("float32", "bfloat16"):
+        sym = S.fused_attention(S.var("q"), S.var("k"), S.var("v"), *([S.var("mask")] if masked else []),
+                                precision=prec, **kw)
+        args = {n: mx.nd.array(a) for n, a in feed.items()}
+        exe = sym.bind(mx.cpu(), args, args_grad={n: mx.nd.zeros(a.shape) for n, a in feed.items()})
+        outs[prec] = exe.forward(is_train=True)[0].asnumpy()
+        dy = np.random.default_rng(2).standard_normal(outs[prec].shape).astype(np.float32)
+        exe.backward(mx.nd.array(dy))
+        grads[prec] = {n: g.asnumpy() for n, g in exe.grad_dict.items()}
+    ref = _attention_reference(q, k, v, scale, mask, causal)
+    scale_ref = np.abs(ref).max()
+    assert np.abs(outs["float32"] - ref).max() <= 1e-5 * scale_ref
+    assert np.abs(outs["bfloat16"] - ref).max() <= BF16_TOL * scale_ref
+    assert np.abs(outs["bfloat16"] - ref).max() > 1e-5 * scale_ref       # the products did run in bf16
+    near = _attention_reference(q, k, v, scale, mask, causal, rounded=True)
+    assert np.abs(outs["bfloat16"] - near).max() <= 2e-3 * scale_ref    # and as the bf16 reference says
+    for n in feed:          # backward: float32 products, reading the forward's (bf16-product) output
+        g32, g16 = grads["float32"][n], grads["bfloat16"][n]
+        assert np.abs(g16 - g32).max() <= BF16_TOL * max(np.abs(g32).max(), 1e-6), n
+
+
+def test_attention_precision_attribute_checked():
+    x = mx.nd.ones((1, 4, 8))
+    with pytest.raises(mx.base.MXNetError, match="precision"):
+        mx.nd.fused_attention(x, x, x, scale=1.0, precision="float16").asnumpy()
 
 
 @needs_bf16
