@@ -194,3 +194,98 @@ def guard_amp() -> None:
     amp.convert_symbol = convert_symbol        # convert_model / convert_hybrid_block call it from here
     import mxnet.contrib.amp as package
     package.convert_symbol = convert_symbol
+
+
+# -- graphs converted by MXNet's AMP --------------------------------------------------------------
+
+AMP_OPS = ("amp_cast", "amp_multicast")
+
+
+def read_amp(graph, arg_params: Dict, aux_params: Dict):
+    """Read a graph converted by MXNet's AMP (``amp.convert_model(..., target_dtype="bfloat16")``)
+    as its float32 model fused under this policy (in place): every ``amp_cast`` / ``amp_multicast``
+    is removed (its readers take its input), every bfloat16 parameter is widened to float32 —
+    exactly: a bfloat16 value is a float32 value — and the fused ops then cast the weights of
+    their products back to the same bfloat16 bits (``BF16_WEIGHTS``).  A graph output AMP
+    gave in bfloat16 is cast back to bfloat16 (model outputs keep their dtype).
+
+    Returns ``(arg_params, aux_params, what)`` — the params with the widened arrays, and a
+    summary for the report (casts removed, the ops AMP ran in bfloat16) — or ``None`` where the
+    graph is not read so, with nothing changed: no AMP casts, a cast to another dtype (float16),
+    or a data input that AMP made bfloat16 (the model's input dtype would change).
+    """
+    from .attrs import Attrs
+    from .graph import Entry, Node
+
+    casts = [nd for nd in graph.op_nodes() if nd.op in AMP_OPS]
+    if not casts:
+        return None
+    for nd in casts:
+        if nd.op == "amp_cast" and str(nd.attrs.raw("dtype")) not in (BFLOAT16, FLOAT32):
+            return None
+    params = set(arg_params) | set(aux_params)
+    for nd in graph.variables():
+        if nd.name not in params and is_bf16_code(nd.attrs.raw("__dtype__")):
+            return None
+    head_bf16 = _bf16_heads(graph, arg_params, aux_params)
+    # the ops AMP ran in bfloat16: those reading a cast to bfloat16 or a bfloat16 parameter
+    bf16_params = {k for store in (arg_params, aux_params) for k, v in store.items() if is_bf16(v.dtype)}
+    ran_bf16 = {(nd.name, nd.op) for nd in graph.op_nodes() if nd.op not in AMP_OPS and any(
+        (e.node.op == "amp_cast" and e.node.attrs.raw("dtype") == BFLOAT16) or e.node.name in bf16_params
+        for e in nd.inputs)}
+    target = {}
+    for nd in casts:            # in topological order: a cast of a cast reads through both
+        for i in range(nd.num_outputs if nd.op == "amp_multicast" else 1):
+            src = nd.inputs[i]
+            target[Entry(nd, i)] = target.get(src, src)
+    for nd in graph.nodes:
+        nd.inputs = [target.get(e, e) for e in nd.inputs]
+    heads = []
+    for k, e in enumerate(graph.heads):
+        if e in target and head_bf16[k]:
+            e = e                       # the cast itself stays: the output's dtype and name
+        elif e in target:
+            e = target[e]
+        elif head_bf16[k]:
+            cast = Node("amp_cast", graph.unique_name(e.node.name + "_amp_cast_bfloat16"),
+                        Attrs.from_values({"dtype": BFLOAT16}), [e], pos=e.node.pos + 0.5)
+            graph.nodes.append(cast)
+            e = Entry(cast)
+        heads.append(e)
+    graph.heads = heads
+    for nd in graph.variables():
+        if is_bf16_code(nd.attrs.raw("__dtype__")):
+            del nd.attrs["__dtype__"]
+    widened = []
+
+    def widen(store):
+        out = {}
+        for k, v in store.items():
+            if is_bf16(v.dtype):
+                v = from_bf16(v.asnumpy() if hasattr(v, "asnumpy") else np.asarray(v))
+                widened.append(k)
+            out[k] = v
+        return out
+
+    arg_out, aux_out = widen(arg_params), widen(aux_params)
+    graph.mark_changed()
+    graph.compact()
+    what = {"casts": sum(1 for nd in casts if not any(h.node is nd for h in graph.heads)),
+            "widened": len(widened), "ran_bf16": ran_bf16}
+    return arg_out, aux_out, what
+
+
+def is_bf16_code(raw) -> bool:
+    return raw is not None and str(raw) == str(BF16_CODE)
+
+
+def _bf16_heads(graph, arg_params, aux_params):
+    """Per graph output: whether AMP's graph gives it in bfloat16 (False where MXNet cannot tell)."""
+    try:
+        sym = graph.to_symbol()
+        known = {k: v.dtype for store in (arg_params, aux_params) for k, v in store.items()}
+        names = sym.list_arguments() + sym.list_auxiliary_states()
+        _, out_types, _ = sym.infer_type_partial(**{k: known[k] for k in names if k in known})
+        return [t is not None and is_bf16(t) for t in out_types]
+    except Exception:           # noqa: BLE001 -- unknown dtypes: the outputs are taken as float32
+        return [False] * len(graph.heads)

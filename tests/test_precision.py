@@ -365,17 +365,91 @@ def test_gluon_hybridize_precision_bf16():
 
 # -- MXNet's AMP ---------------------------------------------------------------------------------
 
-def test_fuse_on_amp_converted_graph_says_so_and_keeps_outputs():
+def _amp(sym, arg):
     from mxnet.contrib import amp
+    # on copies: convert_model replaces entries of the dict it is given with their bf16 casts
+    return amp.convert_model(sym, {k: v.copy() for k, v in arg.items()}, {}, target_dtype="bfloat16",
+                             cast_optional_params=True)
+
+
+@needs_bf16
+def test_amp_then_fuse_reads_the_casts_as_precision_bf16():
+    """AMP's casts removed, its bfloat16 parameters widened exactly: the fused ops compute as
+    precision='bf16' with the same weight bits; a classifier head left to MXNet runs float32."""
     # (a FullyConnected reading the model's input directly would make AMP expect a bfloat16 input)
+    h = S.Activation(S.FullyConnected(S.tanh(S.var("x")), num_hidden=24, flatten=False, name="fc"), act_type="relu")
+    sym = S.FullyConnected(h, num_hidden=3, name="head")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(sym, shapes)
+    asym, aarg, aaux = _amp(sym, arg)
+    res = fusion.fuse(asym, aarg, aaux, input_shapes=shapes)
+    assert ops(res) == {"tanh": 1, "fused_dense": 1, "FullyConnected": 1}, res.report.to_text()
+    assert res.report.precision == P.BFLOAT16
+    assert (res.arg_params["fc_weight_bf16"].asnumpy().view(np.uint16)
+            == aarg["fc_weight"].asnumpy().view(np.uint16)).all()            # AMP's bits, cast back
+    assert res.arg_params["head_weight"].dtype == np.float32
+    text = res.report.to_text()
+    assert "converted by MXNet's AMP" in text and "now run in float32: head" in text, text
+    for ref in ((asym, aarg, aaux), (sym, arg, aux)):
+        v = fusion.verify(ref, res, input_shapes=shapes)
+        assert v.max_rel <= BF16_TOL, v
+    feed = {"x": np.ones(shapes["x"], np.float32)}
+    assert _run(res.symbol, res.arg_params, res.aux_params, feed)[0][0].dtype == _run(asym, aarg, aaux, feed)[0][0].dtype
+
+
+@needs_bf16
+def test_amp_then_fuse_transformer_block():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from bench_bert import encoder, random_weights
+    sym = encoder(layers=2, hidden=64, heads=4, ffn=128, written=False)
+    shapes = {"data": (1, 16, 64)}
+    arg = {k: mx.nd.array(v) for k, v in random_weights(sym, 16, 64).items()}
+    asym, aarg, aaux = _amp(sym, arg)
+    assert any(op.startswith("amp_") for op in ops(asym))
+    res = fusion.fuse(asym, aarg, aaux, input_shapes=shapes)
+    assert ops(res) == {"fused_dense": 12, "fused_add_layer_norm": 4, "fused_attention": 2}, res.report.to_text()
+    assert all(n.attrs.get("precision") == "bfloat16" for n in res.graph.op_nodes() if n.op == "fused_attention")
+    assert res.report.self_check.refused == 0
+    amp_err = fusion.verify((sym, arg, {}), (asym, aarg, aaux), input_shapes=shapes).max_rel
+    ours = fusion.verify((sym, arg, {}), res, input_shapes=shapes).max_rel
+    assert ours <= max(amp_err, 1e-3), (ours, amp_err)      # no worse than AMP's own error
+    assert fusion.verify((asym, aarg, aaux), res, input_shapes=shapes).max_rel <= BF16_TOL
+    # the same as fusing the float32 model with precision="bf16", but for AMP's biases (rounded to bfloat16)
+    direct = fusion.fuse(sym, arg, {}, input_shapes=shapes, precision="bf16")
+    assert ops(direct) == ops(res)
+    assert fusion.verify((direct.symbol, direct.arg_params, direct.aux_params), res, input_shapes=shapes).max_rel <= 1e-3
+    arg_b = {k: mx.nd.array(bf16_round(v.asnumpy())) if k.endswith("bias") else v for k, v in arg.items()}
+    direct = fusion.fuse(sym, arg_b, {}, input_shapes=shapes, precision="bf16")
+    assert fusion.verify((direct.symbol, direct.arg_params, direct.aux_params), res, input_shapes=shapes).max_rel <= 1e-5
+
+
+@needs_bf16
+def test_mxfuse_on_an_amp_model_verifies_at_the_bf16_tolerance(tmp_path, capsys):
+    sym = S.Activation(S.FullyConnected(S.tanh(S.var("x")), num_hidden=24, flatten=False, name="fc"), act_type="relu")
+    arg, aux = random_params(sym, {"x": (2, 8, 16)})
+    asym, aarg, _ = _amp(sym, arg)
+    (tmp_path / "m-symbol.json").write_text(asym.tojson(remove_amp_cast=False))
+    mx.nd.save(str(tmp_path / "m-0000.params"), {"arg:" + k: v for k, v in aarg.items()})
+    code, out, err = run_mxfuse(capsys, tmp_path / "m-symbol.json", "--params", tmp_path / "m-0000.params",
+                                "-o", tmp_path / "out", "--shape", "x=2,8,16", "--verify", "--report", tmp_path / "r.json")
+    assert code == 0, err
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["precision"] == "bfloat16" and rep["verify"]["rtol"] == BF16_TOL and rep["verify"]["ok"]
+    s2, a2, _ = mx.model.load_checkpoint(str(tmp_path / "out"), 0)
+    assert a2["fc_weight_bf16"].dtype == P.BF16 and "amp_cast" not in s2.tojson()
+
+
+def test_amp_converted_block_in_the_backend_stays_amp():
+    """The Gluon backend hands on only new params, so it does not widen AMP's: the AMP graph's
+    float32 parts fuse and its bfloat16 parts stay MXNet's, as the report says."""
+    from fusion.api import _fuse
     sym = S.Activation(S.FullyConnected(S.tanh(S.var("x")), num_hidden=24, flatten=False, name="fc"), act_type="relu")
     shapes = {"x": (2, 8, 16)}
     arg, aux = random_params(sym, shapes)
-    asym, aarg, aaux = amp.convert_model(sym, {k: v.copy() for k, v in arg.items()}, {}, target_dtype="bfloat16",
-                                         cast_optional_params=True)
-    res = fusion.fuse(asym, aarg, aaux, input_shapes=shapes)
+    asym, aarg, aaux = _amp(sym, arg)
+    res = _fuse(asym, aarg, aaux, None, "inference", shapes, None, True, copy_params=False)
     text = res.report.to_text()
-    assert "converted by MXNet's AMP" in text and "precision='bf16'" in text, text
+    assert "converted by MXNet's AMP" in text and "stay MXNet's own ops" in text, text
     v = fusion.verify((asym, aarg, aaux), res, input_shapes=shapes)
     assert v.max_rel <= 1e-4, v
 
