@@ -212,7 +212,9 @@ def read_amp(graph, arg_params: Dict, aux_params: Dict):
     Returns ``(arg_params, aux_params, what)`` — the params with the widened arrays, and a
     summary for the report (casts removed, the ops AMP ran in bfloat16) — or ``None`` where the
     graph is not read so, with nothing changed: no AMP casts, a cast to another dtype (float16),
-    or a data input that AMP made bfloat16 (the model's input dtype would change).
+    a data input that AMP made bfloat16 (the model's input dtype would change), or a convolution
+    AMP runs in bfloat16 (the fused ops have no bfloat16 convolution: read so, a CNN would lose
+    AMP's bfloat16 convolutions; its float32 parts fuse around them as they are).
     """
     from .attrs import Attrs
     from .graph import Entry, Node
@@ -227,12 +229,14 @@ def read_amp(graph, arg_params: Dict, aux_params: Dict):
     for nd in graph.variables():
         if nd.name not in params and is_bf16_code(nd.attrs.raw("__dtype__")):
             return None
-    head_bf16 = _bf16_heads(graph, arg_params, aux_params)
     # the ops AMP ran in bfloat16: those reading a cast to bfloat16 or a bfloat16 parameter
     bf16_params = {k for store in (arg_params, aux_params) for k, v in store.items() if is_bf16(v.dtype)}
     ran_bf16 = {(nd.name, nd.op) for nd in graph.op_nodes() if nd.op not in AMP_OPS and any(
         (e.node.op == "amp_cast" and e.node.attrs.raw("dtype") == BFLOAT16) or e.node.name in bf16_params
         for e in nd.inputs)}
+    if any(op in ("Convolution", "Deconvolution") for _, op in ran_bf16):
+        return None
+    head_bf16 = _bf16_heads(graph, arg_params, aux_params)
     target = {}
     for nd in casts:            # in topological order: a cast of a cast reads through both
         for i in range(nd.num_outputs if nd.op == "amp_multicast" else 1):

@@ -439,6 +439,27 @@ def test_mxfuse_on_an_amp_model_verifies_at_the_bf16_tolerance(tmp_path, capsys)
     assert a2["fc_weight_bf16"].dtype == P.BF16 and "amp_cast" not in s2.tojson()
 
 
+def test_amp_cnn_keeps_its_bf16_convolutions():
+    """A convolution AMP runs in bfloat16 has no fused bfloat16 form: the AMP graph is not read as
+    precision='bf16' (its convolutions would turn float32); the self-check draws bfloat16 values."""
+    x = S.Convolution(S.var("data"), num_filter=8, kernel=(3, 3), pad=(1, 1), name="c1")
+    x = S.Activation(S.BatchNorm(x, name="bn1"), act_type="relu")
+    x = S.Convolution(x, num_filter=8, kernel=(3, 3), pad=(1, 1), name="c2")
+    sym = S.Activation(S.BatchNorm(x, name="bn2") + S.var("data"), act_type="relu")
+    shapes = {"data": (1, 8, 6, 6)}
+    arg, aux = random_params(sym, shapes)
+    from mxnet.contrib import amp
+    asym, aarg, aaux = amp.convert_model(sym, {k: v.copy() for k, v in arg.items()},
+                                         {k: v.copy() for k, v in aux.items()}, target_dtype="bfloat16",
+                                         cast_optional_params=True)
+    res = fusion.fuse(asym, aarg, aaux, input_shapes=shapes)
+    assert res.report.precision == P.FLOAT32
+    assert "converted by MXNet's AMP" in res.report.to_text()
+    assert all(P.is_bf16(res.arg_params[n].dtype) for n in ("c1_weight", "c2_weight") if n in res.arg_params)
+    v = fusion.verify((asym, aarg, aaux), res, input_shapes=shapes)
+    assert v.max_rel <= 1e-4, v
+
+
 def test_amp_converted_block_in_the_backend_stays_amp():
     """The Gluon backend hands on only new params, so it does not widen AMP's: the AMP graph's
     float32 parts fuse and its bfloat16 parts stay MXNet's, as the report says."""
