@@ -14,7 +14,12 @@ and what stays float32:
   float32, so model inputs and outputs keep their dtype), bias and activation epilogues,
   softmax statistics, masks and scaling, LayerNorm statistics (``fused_add_layer_norm``,
   ``LayerNorm``), reductions and elementwise chains (``fused_elemwise``), and every op MXNet
-  keeps (a classifier head left to MXNet stays float32).
+  keeps (a classifier head left to MXNet stays float32).  (``fused_add_layer_norm`` also reads and
+  writes bfloat16 — float32 statistics inside — for graphs that hand it bfloat16; this policy
+  does not yet make the values between ops bfloat16.)
+
+An AMP-converted graph (``amp.convert_model(..., target_dtype="bfloat16")``) is read as its
+float32 model under this policy (``read_amp``).
 
 bfloat16 keeps float32's exponent range with an 8-bit significand (relative rounding
 error 2⁻⁹ ≈ 2e-3 per operand): ``TOLERANCE`` is what ``fusion.verify``/``mxfuse

@@ -165,6 +165,42 @@ def test_attention_bf16_products_forward_and_backward(shape, masked, causal):
         assert np.abs(g16 - g32).max() <= BF16_TOL * max(np.abs(g32).max(), 1e-6), n
 
 
+@pytest.mark.parametrize("b_dtype,output_sum,b_shape", [("bfloat16", False, (3, 5, 40)),
+                                                       ("float32", True, (3, 5, 40)),
+                                                       ("bfloat16", True, (5, 40))])
+def test_add_layer_norm_reads_and_writes_bf16(b_dtype, output_sum, b_shape):
+    """bfloat16 a (and b): float32 statistics inside, y (and s) in bfloat16 rounded to nearest even."""
+    rng = np.random.default_rng(3)
+    a = P.to_bf16(rng.standard_normal((3, 5, 40)).astype(np.float32) * 3 + 1)
+    b32 = rng.standard_normal(b_shape).astype(np.float32)
+    b = P.to_bf16(b32) if b_dtype == "bfloat16" else b32
+    g = rng.uniform(0.5, 1.5, 40).astype(np.float32)
+    beta = rng.standard_normal(40).astype(np.float32)
+    sym = S.fused_add_layer_norm(S.var("a", dtype=P.BF16), S.var("b", dtype=P.BF16 if b_dtype == "bfloat16" else None),
+                                 S.var("g"), S.var("beta"), eps=1e-5, output_sum=output_sum)
+    args = {"a": mx.nd.array(a, dtype=P.BF16), "b": mx.nd.array(b, dtype=b.dtype), "g": mx.nd.array(g),
+            "beta": mx.nd.array(beta)}
+    exe = sym.bind(mx.cpu(), args, grad_req="null")
+    outs = exe.forward(is_train=False)
+    assert all(P.is_bf16(o.dtype) for o in outs)
+    s_ = P.from_bf16(a).astype(np.float64) + (P.from_bf16(b) if b_dtype == "bfloat16" else b32)
+    mean, var = s_.mean(-1, keepdims=True), s_.var(-1, keepdims=True)
+    want = [(s_ - mean) / np.sqrt(var + 1e-5) * g + beta] + ([s_] if output_sum else [])
+    for got, ref in zip(outs, want):
+        got = P.from_bf16(got.asnumpy())
+        assert np.all(np.abs(got - ref) <= 2 ** -8 * np.abs(ref) + 1e-6)   # one bfloat16 rounding
+        assert (P.to_bf16(ref.astype(np.float32)).view(np.uint16) != got.view(np.uint32) >> 16).mean() < 0.02
+    exe = sym.bind(mx.cpu(), args, args_grad={"g": mx.nd.zeros(40)}, grad_req={"a": "null", "b": "null",
+                                                                              "g": "write", "beta": "null"})
+    exe.forward(is_train=True)
+    with pytest.raises(mx.base.MXNetError, match="bfloat16 inputs have no backward"):
+        exe.backward([mx.nd.ones(o.shape, dtype=P.BF16) for o in exe.outputs])
+        mx.nd.waitall()
+    with pytest.raises(mx.base.MXNetError, match="gamma/beta.*must be float32"):
+        mx.nd.fused_add_layer_norm(mx.nd.ones((2, 4)), mx.nd.ones((2, 4)), mx.nd.ones(4, dtype="float16"),
+                                   mx.nd.ones(4)).asnumpy()
+
+
 def test_attention_precision_attribute_checked():
     x = mx.nd.ones((1, 4, 8))
     with pytest.raises(mx.base.MXNetError, match="precision"):
