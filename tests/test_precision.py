@@ -201,6 +201,37 @@ def test_add_layer_norm_reads_and_writes_bf16(b_dtype, output_sum, b_shape):
                                    mx.nd.ones(4)).asnumpy()
 
 
+@pytest.mark.parametrize("dtypes,shapes", [(("bfloat16", "bfloat16"), ((4, 3000), (4, 3000))),
+                                           (("bfloat16", "float32"), ((4, 3000), (4, 3000))),
+                                           (("bfloat16", "bfloat16"), ((4, 3000), (3000,))),
+                                           (("float32", "bfloat16"), ((2, 5, 7), (5, 1)))])
+def test_elemwise_reads_and_writes_bf16(dtypes, shapes):
+    """bfloat16 inputs widened, the program in float32, output bfloat16 when every input is (else float32)."""
+    rng = np.random.default_rng(4)
+    x32 = [rng.standard_normal(sh).astype(np.float32) for sh in shapes]
+    xs = [P.to_bf16(x) if dt == "bfloat16" else x for x, dt in zip(x32, dtypes)]
+    expr = "add(mul(tanh(x0), x1), 0.5)"
+    sym = S.fused_elemwise(*[S.var("x%d" % i, dtype=P.BF16 if dt == "bfloat16" else None)
+                             for i, dt in enumerate(dtypes)], expr=expr, num_args=2)
+    args = {"x%d" % i: mx.nd.array(x, dtype=x.dtype) for i, x in enumerate(xs)}
+    exe = sym.bind(mx.cpu(), args, grad_req="null")
+    out = exe.forward(is_train=False)[0]
+    wide = [P.from_bf16(x) if dt == "bfloat16" else x for x, dt in zip(xs, dtypes)]
+    want = np.tanh(wide[0].astype(np.float64)) * wide[1] + 0.5
+    if all(dt == "bfloat16" for dt in dtypes):
+        assert P.is_bf16(out.dtype)
+        got = P.from_bf16(out.asnumpy())
+        assert np.all(np.abs(got - want) <= 2 ** -8 * np.abs(want) + 1e-6)     # one bfloat16 rounding
+    else:
+        assert out.dtype == np.float32
+        assert np.abs(out.asnumpy() - want).max() <= 1e-5 * np.abs(want).max()
+    exe = sym.bind(mx.cpu(), args, args_grad={k: mx.nd.zeros(v.shape, dtype=v.dtype) for k, v in args.items()})
+    exe.forward(is_train=True)
+    with pytest.raises(mx.base.MXNetError, match="bfloat16 values have no backward"):
+        exe.backward([mx.nd.ones(exe.outputs[0].shape, dtype=exe.outputs[0].dtype)])
+        mx.nd.waitall()
+
+
 def test_attention_precision_attribute_checked():
     x = mx.nd.ones((1, 4, 8))
     with pytest.raises(mx.base.MXNetError, match="precision"):
