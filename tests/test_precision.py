@@ -506,6 +506,24 @@ def test_mxfuse_on_an_amp_model_verifies_at_the_bf16_tolerance(tmp_path, capsys)
     assert a2["fc_weight_bf16"].dtype == P.BF16 and "amp_cast" not in s2.tojson()
 
 
+@needs_bf16
+def test_amp_multicast_read_through():
+    """amp_multicast's outputs read as its inputs (a graph written the way AMP writes a widest-type cast)."""
+    x = S.tanh(S.var("x"))
+    fc = S.FullyConnected(S.amp_cast(x, dtype=P.BF16), S.var("w", dtype=P.BF16), S.var("b", dtype=P.BF16),
+                          num_hidden=16, flatten=False, name="fc")
+    m = S.amp_multicast(fc, S.sigmoid(x), num_outputs=2)
+    sym = S.LayerNorm(S.elemwise_add(m[0], m[1]), S.var("g"), S.var("beta"), name="ln")
+    rng = np.random.default_rng(0)
+    arg = {"w": mx.nd.array(P.to_bf16(rng.standard_normal((16, 16)).astype(np.float32) * 0.3), dtype=P.BF16),
+           "b": mx.nd.array(P.to_bf16(rng.standard_normal(16).astype(np.float32)), dtype=P.BF16),
+           "g": mx.nd.array(rng.uniform(0.5, 1.5, 16)), "beta": mx.nd.array(rng.standard_normal(16))}
+    shapes = {"x": (2, 8, 16)}
+    res = fusion.fuse(sym, arg, {}, input_shapes=shapes)
+    assert ops(res) == {"tanh": 1, "sigmoid": 1, "fused_dense": 1, "fused_add_layer_norm": 1}, res.report.to_text()
+    assert fusion.verify((sym, arg, {}), res, input_shapes=shapes).max_rel <= BF16_TOL
+
+
 def test_amp_cnn_keeps_its_bf16_convolutions():
     """A convolution AMP runs in bfloat16 has no fused bfloat16 form: the AMP graph is not read as
     precision='bf16' (its convolutions would turn float32); the self-check draws bfloat16 values."""
