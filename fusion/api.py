@@ -195,6 +195,14 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     rule_list = resolve_rules(rules)
     if arg_params or aux_params:
         check_param_values(graph, None, arg_params or {}, aux_params or {}, input_dtypes)
+    amp = None
+    if copy_params and mode == "inference" and device == "cpu":   # (the backend hands on only new
+        # params: not there; the GPU kernels take float32 only: an AMP graph keeps AMP's casts there)
+        from .precision import BFLOAT16, read_amp
+        amp = read_amp(graph, arg_params or {}, aux_params or {})
+        if amp is not None:
+            arg_params, aux_params, amp = amp
+            precision = BFLOAT16
     report = FusionReport(mode=mode)
     report.precision = precision
     report.device = device
@@ -205,7 +213,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     checker = SelfCheck(ctx, enabled=self_check)
     run_rules(graph, rule_list, ctx, report, checker)
     report.self_check = checker.stats if self_check else None
-    _precision_notes(graph, ctx, report)
+    _precision_notes(graph, ctx, report, amp)
     if device != "cpu":
         _device_note(device, mode, report)
     guarded = guard_layer_outputs(graph)
@@ -235,12 +243,20 @@ def _device_note(device: str, mode: str, report: FusionReport) -> None:
                                                  ", ".join(ops) or "none (built without nvcc)"))
 
 
-def _precision_notes(graph: Graph, ctx: Context, report: FusionReport) -> None:
+def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read: Optional[dict] = None) -> None:
     """What reduced precision changed, and what it could not (AMP-converted graphs included)."""
     from .precision import BFLOAT16, FLOAT32_KEPT, tolerance
 
+    if amp_read is not None:
+        left = sorted(n.name for n in graph.op_nodes() if (n.name, n.op) in amp_read["ran_bf16"])
+        report.notes.append("the graph was converted by MXNet's AMP (bfloat16): read as its float32 model under "
+                            "precision='bf16' -- %d amp_cast/amp_multicast removed, %d bfloat16 parameter(s) "
+                            "widened exactly to float32 (the fused ops' weights cast back to the same bits)%s"
+                            % (amp_read["casts"], amp_read["widened"],
+                               "; %d op(s) AMP ran in bfloat16 stay MXNet's and now run in float32: %s"
+                               % (len(left), ", ".join(left[:5]) + (" …" if len(left) > 5 else "")) if left else ""))
     amp = sorted({n.op for n in graph.op_nodes() if n.op in ("amp_cast", "amp_multicast")})
-    if amp:
+    if amp and amp_read is None:
         report.notes.append("the graph was converted by MXNet's AMP (%s): the fused ops compute in float32 and "
                             "take no bfloat16/float16 values, so the reduced-precision parts stay MXNet's own "
                             "ops; for fused bfloat16 fuse the float32 model with precision='bf16' instead"

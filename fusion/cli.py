@@ -216,6 +216,7 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
     precision = resolve(args.precision, args.force_precision or args.device == "gpu", args.mode)
     from .api import _check_device_precision
     _check_device_precision(args.device, precision)
+    rtol_given = args.rtol is not None
     if args.rtol is None:
         args.rtol = tolerance(precision)
     if precision != FLOAT32 and (args.unfuse or args.to_onnx):
@@ -231,6 +232,8 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
             result = fuse(symbol, arg, aux, rules=rules, mode=args.mode, input_shapes=shapes,
                           self_check=args.self_check, precision=precision, force=True, device=args.device)
     report = result.report
+    if not rtol_given:          # an AMP-converted model is fused as precision='bf16' (fusion/precision.py)
+        args.rtol = tolerance(report.precision)
     report.extra.update(about.run_info(getattr(args, "command_line", None), shapes))
     serving.add_note(report, result.graph, paths[0][: -len("-symbol.json")])
     status = 0

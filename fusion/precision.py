@@ -7,12 +7,19 @@ and what stays float32:
   ``BF16_WEIGHTS`` — their weights are cast once at fuse time into new parameters
   (``<weight>_bf16``; the caller's arrays are never touched) and the activations are
   rounded to bfloat16 inside the kernel, per call.  Products accumulate in float32
-  (oneDNN's bf16 matmul: ``vdpbf16ps`` / AMX).
+  (oneDNN's bf16 matmul: ``vdpbf16ps`` / AMX).  The ops listed in ``BF16_ATTRS`` are given
+  those attributes: ``fused_attention`` computes q·kᵀ and p·v from bfloat16 operands
+  (``vdpbf16ps``, float32 accumulation) while its softmax statistics stay float32.
 * **float32**: everything else — the values between ops (every fused op reads and writes
   float32, so model inputs and outputs keep their dtype), bias and activation epilogues,
-  softmax statistics and attention (``fused_attention``), LayerNorm statistics
-  (``fused_add_layer_norm``, ``LayerNorm``), reductions and elementwise chains
-  (``fused_elemwise``), and every op MXNet keeps (a classifier head left to MXNet stays float32).
+  softmax statistics, masks and scaling, LayerNorm statistics (``fused_add_layer_norm``,
+  ``LayerNorm``), reductions and elementwise chains (``fused_elemwise``), and every op MXNet
+  keeps (a classifier head left to MXNet stays float32).  (``fused_add_layer_norm`` also reads and
+  writes bfloat16 — float32 statistics inside — for graphs that hand it bfloat16; this policy
+  does not yet make the values between ops bfloat16.)
+
+An AMP-converted graph (``amp.convert_model(..., target_dtype="bfloat16")``) is read as its
+float32 model under this policy (``read_amp``).
 
 bfloat16 keeps float32's exponent range with an 8-bit significand (relative rounding
 error 2⁻⁹ ≈ 2e-3 per operand): ``TOLERANCE`` is what ``fusion.verify``/``mxfuse
@@ -44,10 +51,14 @@ PRECISIONS = {"float32": FLOAT32, "fp32": FLOAT32, "bf16": BFLOAT16, "bfloat16":
 #: Fused op -> input slots holding a weight that is cast to bfloat16 (only a known float32 parameter).
 BF16_WEIGHTS: Dict[str, Tuple[int, ...]] = {"fused_dense": (1,)}
 
+#: Fused op -> attributes it is given under precision="bf16" (inference only; the CPU kernels
+#: compute in float32 where the CPU has no avx512_bf16, and the backward always does).
+BF16_ATTRS: Dict[str, Dict[str, str]] = {"fused_attention": {"precision": "bfloat16"}}
+
 #: What stays float32 under precision="bf16" (for reports and docs; the kernels implement it).
 FLOAT32_KEPT = ("values between ops, model inputs and outputs", "bias and activation epilogues",
-                "fused_attention (softmax statistics, q·kᵀ and p·v)", "LayerNorm statistics",
-                "fused_elemwise chains and reductions", "ops left to MXNet")
+                "fused_attention's softmax statistics, mask and scaling (its q·kᵀ and p·v run in bfloat16)",
+                "LayerNorm statistics", "fused_elemwise chains and reductions", "ops left to MXNet")
 
 #: max|fused − original| / max|original| accepted by verify and the self-check, per precision.
 TOLERANCE = {FLOAT32: 1e-4, BFLOAT16: 2e-2}
@@ -146,6 +157,11 @@ def cast_slots(op: str, precision: str) -> Tuple[int, ...]:
     return BF16_WEIGHTS.get(op, ()) if precision == BFLOAT16 else ()
 
 
+def reduced_attrs(op: str, precision: str) -> Dict[str, str]:
+    """Attributes the policy gives a new ``op`` at ``precision`` (none at float32)."""
+    return BF16_ATTRS.get(op, {}) if precision == BFLOAT16 else {}
+
+
 def tolerance(precision: str) -> float:
     return TOLERANCE.get(precision, TOLERANCE[FLOAT32])
 
@@ -183,3 +199,102 @@ def guard_amp() -> None:
     amp.convert_symbol = convert_symbol        # convert_model / convert_hybrid_block call it from here
     import mxnet.contrib.amp as package
     package.convert_symbol = convert_symbol
+
+
+# -- graphs converted by MXNet's AMP --------------------------------------------------------------
+
+AMP_OPS = ("amp_cast", "amp_multicast")
+
+
+def read_amp(graph, arg_params: Dict, aux_params: Dict):
+    """Read a graph converted by MXNet's AMP (``amp.convert_model(..., target_dtype="bfloat16")``)
+    as its float32 model fused under this policy (in place): every ``amp_cast`` / ``amp_multicast``
+    is removed (its readers take its input), every bfloat16 parameter is widened to float32 —
+    exactly: a bfloat16 value is a float32 value — and the fused ops then cast the weights of
+    their products back to the same bfloat16 bits (``BF16_WEIGHTS``).  A graph output AMP
+    gave in bfloat16 is cast back to bfloat16 (model outputs keep their dtype).
+
+    Returns ``(arg_params, aux_params, what)`` — the params with the widened arrays, and a
+    summary for the report (casts removed, the ops AMP ran in bfloat16) — or ``None`` where the
+    graph is not read so, with nothing changed: no AMP casts, a cast to another dtype (float16),
+    a data input that AMP made bfloat16 (the model's input dtype would change), or a convolution
+    AMP runs in bfloat16 (the fused ops have no bfloat16 convolution: read so, a CNN would lose
+    AMP's bfloat16 convolutions; its float32 parts fuse around them as they are).
+    """
+    from .attrs import Attrs
+    from .graph import Entry, Node
+
+    casts = [nd for nd in graph.op_nodes() if nd.op in AMP_OPS]
+    if not casts:
+        return None
+    for nd in casts:
+        if nd.op == "amp_cast" and str(nd.attrs.raw("dtype")) not in (BFLOAT16, FLOAT32):
+            return None
+    params = set(arg_params) | set(aux_params)
+    for nd in graph.variables():
+        if nd.name not in params and is_bf16_code(nd.attrs.raw("__dtype__")):
+            return None
+    # the ops AMP ran in bfloat16: those reading a cast to bfloat16 or a bfloat16 parameter
+    bf16_params = {k for store in (arg_params, aux_params) for k, v in store.items() if is_bf16(v.dtype)}
+    ran_bf16 = {(nd.name, nd.op) for nd in graph.op_nodes() if nd.op not in AMP_OPS and any(
+        (e.node.op == "amp_cast" and e.node.attrs.raw("dtype") == BFLOAT16) or e.node.name in bf16_params
+        for e in nd.inputs)}
+    if any(op in ("Convolution", "Deconvolution") for _, op in ran_bf16):
+        return None
+    head_bf16 = _bf16_heads(graph, arg_params, aux_params)
+    target = {}
+    for nd in casts:            # in topological order: a cast of a cast reads through both
+        for i in range(nd.num_outputs if nd.op == "amp_multicast" else 1):
+            src = nd.inputs[i]
+            target[Entry(nd, i)] = target.get(src, src)
+    for nd in graph.nodes:
+        nd.inputs = [target.get(e, e) for e in nd.inputs]
+    heads = []
+    for k, e in enumerate(graph.heads):
+        if e in target and head_bf16[k]:
+            e = e                       # the cast itself stays: the output's dtype and name
+        elif e in target:
+            e = target[e]
+        elif head_bf16[k]:
+            cast = Node("amp_cast", graph.unique_name(e.node.name + "_amp_cast_bfloat16"),
+                        Attrs.from_values({"dtype": BFLOAT16}), [e], pos=e.node.pos + 0.5)
+            graph.nodes.append(cast)
+            e = Entry(cast)
+        heads.append(e)
+    graph.heads = heads
+    for nd in graph.variables():
+        if is_bf16_code(nd.attrs.raw("__dtype__")):
+            del nd.attrs["__dtype__"]
+    widened = []
+
+    def widen(store):
+        out = {}
+        for k, v in store.items():
+            if is_bf16(v.dtype):
+                v = from_bf16(v.asnumpy() if hasattr(v, "asnumpy") else np.asarray(v))
+                widened.append(k)
+            out[k] = v
+        return out
+
+    arg_out, aux_out = widen(arg_params), widen(aux_params)
+    graph.mark_changed()
+    graph.compact()
+    what = {"casts": sum(1 for nd in casts if not any(h.node is nd for h in graph.heads)),
+            "widened": len(widened), "ran_bf16": ran_bf16}
+    return arg_out, aux_out, what
+
+
+def is_bf16_code(raw) -> bool:
+    return raw is not None and str(raw) == str(BF16_CODE)
+
+
+def _bf16_heads(graph, arg_params, aux_params):
+    """Per graph output: whether AMP's graph gives it in bfloat16 (False where MXNet cannot tell)."""
+    try:
+        sym = graph.to_symbol()
+        known = {k: v.dtype for store in (arg_params, aux_params) for k, v in store.items()}
+        names = sym.list_arguments() + sym.list_auxiliary_states()
+        _, out_types, _ = sym.infer_type_partial(**{k: known[k] for k in names if k in known})
+        return [t is not None and is_bf16(t) for t in out_types]
+    except Exception:           # noqa: BLE001 -- unknown dtypes: the outputs are taken as float32
+        return [False] * len(graph.heads)

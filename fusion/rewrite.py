@@ -31,7 +31,7 @@ from .graph import Entry, Graph, Node
 from .matcher import Match, Trace, _State, match_pattern
 from .modelio import PARAM_DTYPES
 from .pattern import required_ops
-from .precision import FLOAT32, BF16_CODE, cast_slots, dtype_name, is_bf16, to_bf16
+from .precision import FLOAT32, BF16_CODE, cast_slots, dtype_name, is_bf16, reduced_attrs, to_bf16
 from .report import FusionReport
 from .selfcheck import Candidate, SelfCheck
 
@@ -349,6 +349,8 @@ class Builder:
         if reason:
             raise FusionError(reason)
         a = attrs.copy() if isinstance(attrs, Attrs) else Attrs.from_values(attrs or {})
+        if self.ctx.mode != "training":
+            a.update(reduced_attrs(op, self.ctx.precision))
         slots = cast_slots(op, self.ctx.precision)
         if slots:
             inputs = [self._reduced(e, op) if k in slots else e for k, e in enumerate(inputs)]

@@ -168,6 +168,9 @@ def _draw(rng: np.random.Generator, shape: tuple, dtype: str, domain: Optional[T
     if domain is not None and domain[0] == "int":
         lo, hi = domain[1], max(domain[1], domain[2])
         return rng.integers(lo, hi + 1, shape).astype(dtype)
+    if dtype == "bfloat16":     # MXNet's bfloat16 (an AMP-converted graph): NumPy has no name for it
+        from .precision import to_bf16
+        return to_bf16(rng.standard_normal(shape, dtype=np.float32))
     if np.issubdtype(np.dtype(dtype), np.integer):
         return rng.integers(0, 4, shape).astype(dtype)
     if np.dtype(dtype) == np.float32:

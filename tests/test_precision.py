@@ -104,11 +104,138 @@ def test_small_transformer_block_bf16():
     assert counts.get("fused_attention") == 2 and counts.get("fused_dense") == 12, res.report.to_text()
     dense = [n for n in res.graph.op_nodes() if n.op == "fused_dense"]
     assert all(n.inputs[1].node.name.endswith("_bf16") for n in dense)
+    attn = [n for n in res.graph.op_nodes() if n.op == "fused_attention"]
+    assert all(n.attrs.get("precision") == "bfloat16" for n in attn)
     v = fusion.verify((sym, arg, aux), res, input_shapes=shapes)
     assert v.max_rel <= BF16_TOL, v
     fp32 = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+    assert not any("precision" in n.attrs for n in fp32.graph.op_nodes())
     assert fusion.verify((sym, arg, aux), fp32, input_shapes=shapes).max_rel <= 1e-4
     assert "precision bf16: 12 weight(s) cast" in res.report.to_text()
+
+
+def _attention_reference(q, k, v, scale, mask=None, causal=False, rounded=False):
+    """softmax(scale·q·kᵀ + mask)·v in float64; rounded: q, k, v and the unnormalized
+    probabilities rounded to bfloat16 first, as the bf16 kernel's products read them."""
+    r = bf16_round if rounded else (lambda a: a)
+    s = np.einsum("...id,...jd->...ij", r(q).astype(np.float64), r(k)) * scale
+    if mask is not None:
+        s = s + mask
+    if causal:
+        sq, sk = s.shape[-2:]
+        s = np.where(np.arange(sk)[None, :] <= np.arange(sq)[:, None] + sk - sq, s, -np.inf)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    if rounded:
+        e = r(e.astype(np.float32)).astype(np.float64)
+    return np.einsum("...ij,...jd->...id", e, r(v)) / e.sum(-1, keepdims=True)
+
+
+@needs_bf16
+@pytest.mark.parametrize("shape,masked,causal", [((2, 3, 37, 33), False, False), ((1, 4, 128, 64), True, False),
+                                                 ((2, 2, 300, 16), False, True), ((1, 1, 5, 7), True, True)])
+def test_attention_bf16_products_forward_and_backward(shape, masked, causal):
+    """precision='bfloat16': q·kᵀ and p·v from bfloat16 operands, float32 softmax statistics; the
+    backward computes in float32 (from the forward's output, so within the bf16 tolerance)."""
+    rng = np.random.default_rng(1)
+    B, H, S_, D = shape
+    q, k, v = (rng.standard_normal((B * H, S_, D)).astype(np.float32) for _ in range(3))
+    mask = (rng.standard_normal((S_, S_)) * 2).astype(np.float32) if masked else None
+    scale = 1 / math.sqrt(D)
+    feed = {"q": q, "k": k, "v": v, **({"mask": mask} if masked else {})}
+    kw = dict(scale=scale, causal=causal, mask_kind="additive" if masked else "none")
+    outs, grads = {}, {}
+    for prec in ("float32", "bfloat16"):
+        sym = S.fused_attention(S.var("q"), S.var("k"), S.var("v"), *([S.var("mask")] if masked else []),
+                                precision=prec, **kw)
+        args = {n: mx.nd.array(a) for n, a in feed.items()}
+        exe = sym.bind(mx.cpu(), args, args_grad={n: mx.nd.zeros(a.shape) for n, a in feed.items()})
+        outs[prec] = exe.forward(is_train=True)[0].asnumpy()
+        dy = np.random.default_rng(2).standard_normal(outs[prec].shape).astype(np.float32)
+        exe.backward(mx.nd.array(dy))
+        grads[prec] = {n: g.asnumpy() for n, g in exe.grad_dict.items()}
+    ref = _attention_reference(q, k, v, scale, mask, causal)
+    scale_ref = np.abs(ref).max()
+    assert np.abs(outs["float32"] - ref).max() <= 1e-5 * scale_ref
+    assert np.abs(outs["bfloat16"] - ref).max() <= BF16_TOL * scale_ref
+    assert np.abs(outs["bfloat16"] - ref).max() > 1e-5 * scale_ref       # the products did run in bf16
+    near = _attention_reference(q, k, v, scale, mask, causal, rounded=True)
+    assert np.abs(outs["bfloat16"] - near).max() <= 2e-3 * scale_ref    # and as the bf16 reference says
+    for n in feed:          # backward: float32 products, reading the forward's (bf16-product) output
+        g32, g16 = grads["float32"][n], grads["bfloat16"][n]
+        assert np.abs(g16 - g32).max() <= BF16_TOL * max(np.abs(g32).max(), 1e-6), n
+
+
+@pytest.mark.parametrize("b_dtype,output_sum,b_shape", [("bfloat16", False, (3, 5, 40)),
+                                                       ("float32", True, (3, 5, 40)),
+                                                       ("bfloat16", True, (5, 40))])
+def test_add_layer_norm_reads_and_writes_bf16(b_dtype, output_sum, b_shape):
+    """bfloat16 a (and b): float32 statistics inside, y (and s) in bfloat16 rounded to nearest even."""
+    rng = np.random.default_rng(3)
+    a = P.to_bf16(rng.standard_normal((3, 5, 40)).astype(np.float32) * 3 + 1)
+    b32 = rng.standard_normal(b_shape).astype(np.float32)
+    b = P.to_bf16(b32) if b_dtype == "bfloat16" else b32
+    g = rng.uniform(0.5, 1.5, 40).astype(np.float32)
+    beta = rng.standard_normal(40).astype(np.float32)
+    sym = S.fused_add_layer_norm(S.var("a", dtype=P.BF16), S.var("b", dtype=P.BF16 if b_dtype == "bfloat16" else None),
+                                 S.var("g"), S.var("beta"), eps=1e-5, output_sum=output_sum)
+    args = {"a": mx.nd.array(a, dtype=P.BF16), "b": mx.nd.array(b, dtype=b.dtype), "g": mx.nd.array(g),
+            "beta": mx.nd.array(beta)}
+    exe = sym.bind(mx.cpu(), args, grad_req="null")
+    outs = exe.forward(is_train=False)
+    assert all(P.is_bf16(o.dtype) for o in outs)
+    s_ = P.from_bf16(a).astype(np.float64) + (P.from_bf16(b) if b_dtype == "bfloat16" else b32)
+    mean, var = s_.mean(-1, keepdims=True), s_.var(-1, keepdims=True)
+    want = [(s_ - mean) / np.sqrt(var + 1e-5) * g + beta] + ([s_] if output_sum else [])
+    for got, ref in zip(outs, want):
+        got = P.from_bf16(got.asnumpy())
+        assert np.all(np.abs(got - ref) <= 2 ** -8 * np.abs(ref) + 1e-6)   # one bfloat16 rounding
+        assert (P.to_bf16(ref.astype(np.float32)).view(np.uint16) != got.view(np.uint32) >> 16).mean() < 0.02
+    exe = sym.bind(mx.cpu(), args, args_grad={"g": mx.nd.zeros(40)}, grad_req={"a": "null", "b": "null",
+                                                                              "g": "write", "beta": "null"})
+    exe.forward(is_train=True)
+    with pytest.raises(mx.base.MXNetError, match="bfloat16 inputs have no backward"):
+        exe.backward([mx.nd.ones(o.shape, dtype=P.BF16) for o in exe.outputs])
+        mx.nd.waitall()
+    with pytest.raises(mx.base.MXNetError, match="gamma/beta.*must be float32"):
+        mx.nd.fused_add_layer_norm(mx.nd.ones((2, 4)), mx.nd.ones((2, 4)), mx.nd.ones(4, dtype="float16"),
+                                   mx.nd.ones(4)).asnumpy()
+
+
+@pytest.mark.parametrize("dtypes,shapes", [(("bfloat16", "bfloat16"), ((4, 3000), (4, 3000))),
+                                           (("bfloat16", "float32"), ((4, 3000), (4, 3000))),
+                                           (("bfloat16", "bfloat16"), ((4, 3000), (3000,))),
+                                           (("float32", "bfloat16"), ((2, 5, 7), (5, 1)))])
+def test_elemwise_reads_and_writes_bf16(dtypes, shapes):
+    """bfloat16 inputs widened, the program in float32, output bfloat16 when every input is (else float32)."""
+    rng = np.random.default_rng(4)
+    x32 = [rng.standard_normal(sh).astype(np.float32) for sh in shapes]
+    xs = [P.to_bf16(x) if dt == "bfloat16" else x for x, dt in zip(x32, dtypes)]
+    expr = "add(mul(tanh(x0), x1), 0.5)"
+    sym = S.fused_elemwise(*[S.var("x%d" % i, dtype=P.BF16 if dt == "bfloat16" else None)
+                             for i, dt in enumerate(dtypes)], expr=expr, num_args=2)
+    args = {"x%d" % i: mx.nd.array(x, dtype=x.dtype) for i, x in enumerate(xs)}
+    exe = sym.bind(mx.cpu(), args, grad_req="null")
+    out = exe.forward(is_train=False)[0]
+    wide = [P.from_bf16(x) if dt == "bfloat16" else x for x, dt in zip(xs, dtypes)]
+    want = np.tanh(wide[0].astype(np.float64)) * wide[1] + 0.5
+    if all(dt == "bfloat16" for dt in dtypes):
+        assert P.is_bf16(out.dtype)
+        got = P.from_bf16(out.asnumpy())
+        assert np.all(np.abs(got - want) <= 2 ** -8 * np.abs(want) + 1e-6)     # one bfloat16 rounding
+    else:
+        assert out.dtype == np.float32
+        assert np.abs(out.asnumpy() - want).max() <= 1e-5 * np.abs(want).max()
+    exe = sym.bind(mx.cpu(), args, args_grad={k: mx.nd.zeros(v.shape, dtype=v.dtype) for k, v in args.items()})
+    exe.forward(is_train=True)
+    with pytest.raises(mx.base.MXNetError, match="bfloat16 values have no backward"):
+        exe.backward([mx.nd.ones(exe.outputs[0].shape, dtype=exe.outputs[0].dtype)])
+        mx.nd.waitall()
+
+
+def test_attention_precision_attribute_checked():
+    x = mx.nd.ones((1, 4, 8))
+    with pytest.raises(mx.base.MXNetError, match="precision"):
+        mx.nd.fused_attention(x, x, x, scale=1.0, precision="float16").asnumpy()
 
 
 @needs_bf16
@@ -305,17 +432,130 @@ def test_gluon_hybridize_precision_bf16():
 
 # -- MXNet's AMP ---------------------------------------------------------------------------------
 
-def test_fuse_on_amp_converted_graph_says_so_and_keeps_outputs():
+def _amp(sym, arg):
     from mxnet.contrib import amp
+    # on copies: convert_model replaces entries of the dict it is given with their bf16 casts
+    return amp.convert_model(sym, {k: v.copy() for k, v in arg.items()}, {}, target_dtype="bfloat16",
+                             cast_optional_params=True)
+
+
+@needs_bf16
+def test_amp_then_fuse_reads_the_casts_as_precision_bf16():
+    """AMP's casts removed, its bfloat16 parameters widened exactly: the fused ops compute as
+    precision='bf16' with the same weight bits; a classifier head left to MXNet runs float32."""
     # (a FullyConnected reading the model's input directly would make AMP expect a bfloat16 input)
+    h = S.Activation(S.FullyConnected(S.tanh(S.var("x")), num_hidden=24, flatten=False, name="fc"), act_type="relu")
+    sym = S.FullyConnected(h, num_hidden=3, name="head")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(sym, shapes)
+    asym, aarg, aaux = _amp(sym, arg)
+    res = fusion.fuse(asym, aarg, aaux, input_shapes=shapes)
+    assert ops(res) == {"tanh": 1, "fused_dense": 1, "FullyConnected": 1}, res.report.to_text()
+    assert res.report.precision == P.BFLOAT16
+    assert (res.arg_params["fc_weight_bf16"].asnumpy().view(np.uint16)
+            == aarg["fc_weight"].asnumpy().view(np.uint16)).all()            # AMP's bits, cast back
+    assert res.arg_params["head_weight"].dtype == np.float32
+    text = res.report.to_text()
+    assert "converted by MXNet's AMP" in text and "now run in float32: head" in text, text
+    for ref in ((asym, aarg, aaux), (sym, arg, aux)):
+        v = fusion.verify(ref, res, input_shapes=shapes)
+        assert v.max_rel <= BF16_TOL, v
+    feed = {"x": np.ones(shapes["x"], np.float32)}
+    assert _run(res.symbol, res.arg_params, res.aux_params, feed)[0][0].dtype == _run(asym, aarg, aaux, feed)[0][0].dtype
+
+
+@needs_bf16
+def test_amp_then_fuse_transformer_block():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from bench_bert import encoder, random_weights
+    sym = encoder(layers=2, hidden=64, heads=4, ffn=128, written=False)
+    shapes = {"data": (1, 16, 64)}
+    arg = {k: mx.nd.array(v) for k, v in random_weights(sym, 16, 64).items()}
+    asym, aarg, aaux = _amp(sym, arg)
+    assert any(op.startswith("amp_") for op in ops(asym))
+    res = fusion.fuse(asym, aarg, aaux, input_shapes=shapes)
+    assert ops(res) == {"fused_dense": 12, "fused_add_layer_norm": 4, "fused_attention": 2}, res.report.to_text()
+    assert all(n.attrs.get("precision") == "bfloat16" for n in res.graph.op_nodes() if n.op == "fused_attention")
+    assert res.report.self_check.refused == 0
+    amp_err = fusion.verify((sym, arg, {}), (asym, aarg, aaux), input_shapes=shapes).max_rel
+    ours = fusion.verify((sym, arg, {}), res, input_shapes=shapes).max_rel
+    assert ours <= max(amp_err, 1e-3), (ours, amp_err)      # no worse than AMP's own error
+    assert fusion.verify((asym, aarg, aaux), res, input_shapes=shapes).max_rel <= BF16_TOL
+    # the same as fusing the float32 model with precision="bf16", but for AMP's biases (rounded to bfloat16)
+    direct = fusion.fuse(sym, arg, {}, input_shapes=shapes, precision="bf16")
+    assert ops(direct) == ops(res)
+    assert fusion.verify((direct.symbol, direct.arg_params, direct.aux_params), res, input_shapes=shapes).max_rel <= 1e-3
+    arg_b = {k: mx.nd.array(bf16_round(v.asnumpy())) if k.endswith("bias") else v for k, v in arg.items()}
+    direct = fusion.fuse(sym, arg_b, {}, input_shapes=shapes, precision="bf16")
+    assert fusion.verify((direct.symbol, direct.arg_params, direct.aux_params), res, input_shapes=shapes).max_rel <= 1e-5
+
+
+@needs_bf16
+def test_mxfuse_on_an_amp_model_verifies_at_the_bf16_tolerance(tmp_path, capsys):
+    sym = S.Activation(S.FullyConnected(S.tanh(S.var("x")), num_hidden=24, flatten=False, name="fc"), act_type="relu")
+    arg, aux = random_params(sym, {"x": (2, 8, 16)})
+    asym, aarg, _ = _amp(sym, arg)
+    (tmp_path / "m-symbol.json").write_text(asym.tojson(remove_amp_cast=False))
+    mx.nd.save(str(tmp_path / "m-0000.params"), {"arg:" + k: v for k, v in aarg.items()})
+    code, out, err = run_mxfuse(capsys, tmp_path / "m-symbol.json", "--params", tmp_path / "m-0000.params",
+                                "-o", tmp_path / "out", "--shape", "x=2,8,16", "--verify", "--report", tmp_path / "r.json")
+    assert code == 0, err
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["precision"] == "bfloat16" and rep["verify"]["rtol"] == BF16_TOL and rep["verify"]["ok"]
+    s2, a2, _ = mx.model.load_checkpoint(str(tmp_path / "out"), 0)
+    assert a2["fc_weight_bf16"].dtype == P.BF16 and "amp_cast" not in s2.tojson()
+
+
+@needs_bf16
+def test_amp_multicast_read_through():
+    """amp_multicast's outputs read as its inputs (a graph written the way AMP writes a widest-type cast)."""
+    x = S.tanh(S.var("x"))
+    fc = S.FullyConnected(S.amp_cast(x, dtype=P.BF16), S.var("w", dtype=P.BF16), S.var("b", dtype=P.BF16),
+                          num_hidden=16, flatten=False, name="fc")
+    m = S.amp_multicast(fc, S.sigmoid(x), num_outputs=2)
+    sym = S.LayerNorm(S.elemwise_add(m[0], m[1]), S.var("g"), S.var("beta"), name="ln")
+    rng = np.random.default_rng(0)
+    arg = {"w": mx.nd.array(P.to_bf16(rng.standard_normal((16, 16)).astype(np.float32) * 0.3), dtype=P.BF16),
+           "b": mx.nd.array(P.to_bf16(rng.standard_normal(16).astype(np.float32)), dtype=P.BF16),
+           "g": mx.nd.array(rng.uniform(0.5, 1.5, 16)), "beta": mx.nd.array(rng.standard_normal(16))}
+    shapes = {"x": (2, 8, 16)}
+    res = fusion.fuse(sym, arg, {}, input_shapes=shapes)
+    assert ops(res) == {"tanh": 1, "sigmoid": 1, "fused_dense": 1, "fused_add_layer_norm": 1}, res.report.to_text()
+    assert fusion.verify((sym, arg, {}), res, input_shapes=shapes).max_rel <= BF16_TOL
+
+
+def test_amp_cnn_keeps_its_bf16_convolutions():
+    """A convolution AMP runs in bfloat16 has no fused bfloat16 form: the AMP graph is not read as
+    precision='bf16' (its convolutions would turn float32); the self-check draws bfloat16 values."""
+    x = S.Convolution(S.var("data"), num_filter=8, kernel=(3, 3), pad=(1, 1), name="c1")
+    x = S.Activation(S.BatchNorm(x, name="bn1"), act_type="relu")
+    x = S.Convolution(x, num_filter=8, kernel=(3, 3), pad=(1, 1), name="c2")
+    sym = S.Activation(S.BatchNorm(x, name="bn2") + S.var("data"), act_type="relu")
+    shapes = {"data": (1, 8, 6, 6)}
+    arg, aux = random_params(sym, shapes)
+    from mxnet.contrib import amp
+    asym, aarg, aaux = amp.convert_model(sym, {k: v.copy() for k, v in arg.items()},
+                                         {k: v.copy() for k, v in aux.items()}, target_dtype="bfloat16",
+                                         cast_optional_params=True)
+    res = fusion.fuse(asym, aarg, aaux, input_shapes=shapes)
+    assert res.report.precision == P.FLOAT32
+    assert "converted by MXNet's AMP" in res.report.to_text()
+    assert all(P.is_bf16(res.arg_params[n].dtype) for n in ("c1_weight", "c2_weight") if n in res.arg_params)
+    v = fusion.verify((asym, aarg, aaux), res, input_shapes=shapes)
+    assert v.max_rel <= 1e-4, v
+
+
+def test_amp_converted_block_in_the_backend_stays_amp():
+    """The Gluon backend hands on only new params, so it does not widen AMP's: the AMP graph's
+    float32 parts fuse and its bfloat16 parts stay MXNet's, as the report says."""
+    from fusion.api import _fuse
     sym = S.Activation(S.FullyConnected(S.tanh(S.var("x")), num_hidden=24, flatten=False, name="fc"), act_type="relu")
     shapes = {"x": (2, 8, 16)}
     arg, aux = random_params(sym, shapes)
-    asym, aarg, aaux = amp.convert_model(sym, {k: v.copy() for k, v in arg.items()}, {}, target_dtype="bfloat16",
-                                         cast_optional_params=True)
-    res = fusion.fuse(asym, aarg, aaux, input_shapes=shapes)
+    asym, aarg, aaux = _amp(sym, arg)
+    res = _fuse(asym, aarg, aaux, None, "inference", shapes, None, True, copy_params=False)
     text = res.report.to_text()
-    assert "converted by MXNet's AMP" in text and "precision='bf16'" in text, text
+    assert "converted by MXNet's AMP" in text and "stay MXNet's own ops" in text, text
     v = fusion.verify((asym, aarg, aaux), res, input_shapes=shapes)
     assert v.max_rel <= 1e-4, v
 

@@ -2,11 +2,15 @@
 // over the last axis, in one pass per row (the row stays in L1 between the moments
 // and the normalisation).  Optional second output s (attr output_sum) for the residual.
 // b may broadcast over leading dimensions of a (its shape is a suffix of a's, leading 1s ok).
+// a and b may each be float32 or bfloat16 (inference): the row is widened to float32, the
+// statistics and the normalisation run in float32, and y (and s) are written in a's dtype,
+// rounded to nearest even (gamma and beta stay float32).
 #include <omp.h>
 
 #include <algorithm>
 #include <cstring>
 
+#include "dnnl_matmul.h"  // to_bf16 / from_bf16
 #include "mxf_common.h"
 #include "gpu_glue.h"  // the "gpu" implementations (a build with nvcc)
 
@@ -51,13 +55,27 @@ MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
   });
 }
 
+// mshadow's code for bfloat16 (lib_api's MXDType does not name it)
+constexpr int kBfloat16 = 12;
+
 MXReturnValue infer_type(const Attrs& a, std::vector<int>* in, std::vector<int>* out) {
   return guarded("fused_add_layer_norm", [&] {
-    for (size_t i = 0; i < in->size(); ++i)
-      if ((*in)[i] != mxnet::ext::kFloat32)
-        throw OpError("input " + std::to_string(i) + " must be float32");
-    for (auto& t : *out) t = mxnet::ext::kFloat32;
+    for (size_t i = 0; i < in->size(); ++i) {
+      const int t = (*in)[i];
+      if (t == mxnet::ext::kFloat32 || (i < 2 && t == kBfloat16)) continue;
+      throw OpError(i < 2 ? "input " + std::to_string(i) + " must be float32 or bfloat16, got dtype code " +
+                                std::to_string(t)
+                          : "input " + std::to_string(i) + " (gamma/beta) must be float32");
+    }
+    for (auto& t : *out) t = (*in)[0];
   });
+}
+
+// Row r of a float32 or bfloat16 tensor as float32: the row itself, or widened into buf.
+const float* row_f32(const MXTensor& t, int64_t r, int64_t C, float* buf) {
+  if (t.dtype != kBfloat16) return static_cast<const float*>(t.data_ptr) + r * C;
+  from_bf16(static_cast<const uint16_t*>(t.data_ptr) + r * C, buf, C);
+  return buf;
 }
 
 MXReturnValue infer_shape(const Attrs& a, std::vector<Shape>* in, std::vector<Shape>* out) {
@@ -81,17 +99,20 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
     const auto& as = (*in)[0].shape;
     const int64_t C = as.back(), R = numel(as) / std::max<int64_t>(C, 1);
     const int64_t BR = b_rows_of(as, (*in)[1].shape);
-    const float *A = (*in)[0].data<float>(), *Bv = (*in)[1].data<float>();
     const float *G = (*in)[2].data<float>(), *Be = (*in)[3].data<float>();
-    float* Y = (*out)[0].data<float>();
-    float* S = p.output_sum ? (*out)[1].data<float>() : nullptr;
+    const bool half = (*in)[0].dtype == kBfloat16;  // y and s in bfloat16
+    for (int i = 2; i < 4; ++i) require_f32((*in)[i], "fused_add_layer_norm gamma/beta");
+    float* Y = half ? nullptr : (*out)[0].data<float>();
+    float* S = p.output_sum && !half ? (*out)[1].data<float>() : nullptr;
+    uint16_t* Yh = half ? static_cast<uint16_t*>((*out)[0].data_ptr) : nullptr;
+    uint16_t* Sh = half && p.output_sum ? static_cast<uint16_t*>((*out)[1].data_ptr) : nullptr;
 #pragma omp parallel
     {
-      std::vector<float> tmp(S ? 0 : C);
+      std::vector<float> tmp(S ? 0 : C), abuf(C), bbuf(C), ybuf(half ? C : 0);
 #pragma omp for schedule(dynamic, 8)
       for (int64_t r = 0; r < R; ++r) {
-        const float* ar = A + r * C;
-        const float* br = Bv + (r % BR) * C;
+        const float* ar = row_f32((*in)[0], r, C, abuf.data());
+        const float* br = row_f32((*in)[1], r % BR, C, bbuf.data());
         float* s = S ? S + r * C : tmp.data();
         float sum = 0.f;
         for (int64_t c = 0; c < C; ++c) {
@@ -105,8 +126,12 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
           var += d * d;
         }
         const float rstd = 1.f / std::sqrt(var / C + p.eps);
-        float* y = Y + r * C;
+        float* y = half ? ybuf.data() : Y + r * C;
         for (int64_t c = 0; c < C; ++c) y[c] = (s[c] - mean) * rstd * G[c] + Be[c];
+        if (half) {
+          to_bf16(y, Yh + r * C, C);
+          if (Sh) to_bf16(s, Sh + r * C, C);
+        }
       }
     }
   });
@@ -118,6 +143,9 @@ MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* in, std::vecto
   return guarded("fused_add_layer_norm backward", [&] {
     LNParams p = parse(attrs);
     const int k = p.output_sum ? 2 : 1;
+    for (int i = 0; i < 2; ++i)
+      if ((*in)[k + i].dtype == kBfloat16)
+        throw OpError("bfloat16 inputs have no backward (reduced precision is for inference)");
     const float* dY = (*in)[0].data<float>();
     const float* dS = p.output_sum ? (*in)[1].data<float>() : nullptr;
     MXTensor& aT = (*in)[k];

@@ -17,6 +17,7 @@
 #include <limits>
 
 #include "attention_geom.h"
+#include "dnnl_matmul.h"  // to_bf16
 #include "vmath_avx512.h"
 
 namespace mxf {
@@ -128,6 +129,124 @@ MXF_AVX512 void pv_tile(const float* P, int64_t ps, const float* v, int64_t vs, 
 }
 #endif
 
+// bfloat16 tile products (attribute precision="bfloat16", CPUs with avx512_bf16): the operands
+// rounded to bfloat16 (nearest even), products accumulated in float32 by vdpbf16ps, which
+// multiplies pairs of bf16 held in one 32-bit lane.  Both operands are laid out so that a
+// lane holds two consecutive terms of the inner sum: q rows as they are (pairs along D), k
+// in panels of 32 keys as (D/2, 32, 2), p rows as they are (pairs along the keys), v as
+// (Sk/2, Dv, 2) per head; odd D / Sk are padded with zeros.  Softmax statistics, the
+// scaling and the output stay float32.
+#if defined(MXF_HAVE_AVX512_PATH) && defined(__GNUC__) && __GNUC__ >= 10
+#define MXF_HAVE_BF16_PATH 1
+#define MXF_BF16 __attribute__((target("avx512f,avx512dq,avx512bw,avx512bf16,fma")))
+
+bool cpu_has_avx512_bf16() {
+  static const bool has = [] {
+    if (!cpu_has_avx512()) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+  }();
+  return has;
+}
+
+inline int32_t bf16_pair(const uint16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// S[r, c] = scale * sum_d q[r*qs + d] * k[d, c], r < R, c < nc (<= 32); panel (Dp/2, 32, 2)
+template <int R>
+MXF_BF16 void qk_block_bf16(const uint16_t* q, int64_t qs, const uint16_t* panel, int64_t Dp,
+                            int64_t nc, float scale, float* S, int64_t ss) {
+  const __mmask16 m0 = tail_mask16(nc), m1 = tail_mask16(nc - 16);
+  __m512 acc0[R], acc1[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = _mm512_setzero_ps();
+    acc1[r] = _mm512_setzero_ps();
+  }
+  for (int64_t d2 = 0; d2 < Dp / 2; ++d2) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + d2 * 64);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + d2 * 64 + 32);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(bf16_pair(q + r * qs + 2 * d2));
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], a, b0);
+      acc1[r] = _mm512_dpbf16_ps(acc1[r], a, b1);
+    }
+  }
+  const __m512 vs = _mm512_set1_ps(scale);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(S + r * ss, m0, _mm512_mul_ps(acc0[r], vs));
+    _mm512_mask_storeu_ps(S + r * ss + 16, m1, _mm512_mul_ps(acc1[r], vs));
+  }
+}
+
+// q: bq rows of Dp bf16 (stride qs); kt: the key tile's panels of 32 keys, each (Dp/2, 32, 2)
+MXF_BF16 void qk_tile_bf16(const uint16_t* q, int64_t qs, const uint16_t* kt, int64_t Dp,
+                           int64_t bq, int64_t nb, float scale, float* S, int64_t ss) {
+  for (int64_t c0 = 0; c0 < nb; c0 += 32) {
+    const int64_t nc = std::min<int64_t>(32, nb - c0);
+    const uint16_t* panel = kt + c0 * Dp;
+    int64_t r0 = 0;
+    for (; r0 + 12 <= bq; r0 += 12)
+      qk_block_bf16<12>(q + r0 * qs, qs, panel, Dp, nc, scale, S + r0 * ss + c0, ss);
+    for (; r0 + 4 <= bq; r0 += 4)
+      qk_block_bf16<4>(q + r0 * qs, qs, panel, Dp, nc, scale, S + r0 * ss + c0, ss);
+    for (; r0 < bq; ++r0)
+      qk_block_bf16<1>(q + r0 * qs, qs, panel, Dp, nc, scale, S + r0 * ss + c0, ss);
+  }
+}
+
+// O[r, c] += sum_j P[r*ps + j] * v[j, c], r < R, c < nc (<= 64); P: bf16 rows of nb2 pairs,
+// v: (nb2, Dv, 2) from column c0 on
+template <int R>
+MXF_BF16 void pv_block_bf16(const uint16_t* P, int64_t ps, const uint16_t* v, int64_t Dv,
+                            int64_t nb2, int64_t nc, float* O, int64_t os) {
+  __mmask16 mk[4];
+  for (int k = 0; k < 4; ++k) mk[k] = tail_mask16(nc - 16 * k);
+  __m512 acc[R][4];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_maskz_loadu_ps(mk[k], O + r * os + 16 * k);
+  for (int64_t j2 = 0; j2 < nb2; ++j2) {
+    __m512bh bv[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k)
+      bv[k] = (__m512bh)_mm512_maskz_loadu_epi32(mk[k], v + j2 * Dv * 2 + 32 * k);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(bf16_pair(P + r * ps + 2 * j2));
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], a, bv[k]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) _mm512_mask_storeu_ps(O + r * os + 16 * k, mk[k], acc[r][k]);
+}
+
+MXF_BF16 void pv_tile_bf16(const uint16_t* P, int64_t ps, const uint16_t* v, int64_t Dv,
+                           int64_t bq, int64_t nb2, float* O, int64_t os) {
+  for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
+    const int64_t nc = std::min<int64_t>(64, Dv - c0);
+    const uint16_t* vc = v + c0 * 2;
+    int64_t r0 = 0;
+    for (; r0 + 6 <= bq; r0 += 6)
+      pv_block_bf16<6>(P + r0 * ps, ps, vc, Dv, nb2, nc, O + r0 * os + c0, os);
+    for (; r0 + 3 <= bq; r0 += 3)
+      pv_block_bf16<3>(P + r0 * ps, ps, vc, Dv, nb2, nc, O + r0 * os + c0, os);
+    for (; r0 < bq; ++r0) pv_block_bf16<1>(P + r0 * ps, ps, vc, Dv, nb2, nc, O + r0 * os + c0, os);
+  }
+}
+#else
+bool cpu_has_avx512_bf16() { return false; }
+#endif
+
 
 // k of every (batch, head) transposed in panels of 32 keys: panel p of head n holds
 // k[32p .. 32p+31][0 .. D) as (D, 32), contiguous, zero past Sk.  Contiguous panels keep
@@ -139,6 +258,12 @@ struct KT {
   int64_t Skp = 0, D = 0;  // Skp: Sk rounded up to 32
   // panels from key j0 (a multiple of 32) of head n
   const float* at(int64_t n, int64_t j0) const { return data.data() + n * D * Skp + j0 * D; }
+  // bfloat16 products instead (see qk_tile_bf16): k's panels (Dp/2, 32, 2) and v's pairs
+  // (Skp/2, Dv, 2) per head, Dp: D rounded up to 2; data is then empty
+  std::vector<uint16_t> kb, vb;
+  int64_t Dp = 0, Dv = 0;
+  const uint16_t* kat(int64_t n, int64_t j0) const { return kb.data() + n * Dp * Skp + j0 * Dp; }
+  const uint16_t* vat(int64_t n, int64_t j0) const { return vb.data() + n * Skp * Dv + j0 * Dv; }
 };
 
 // Facts about the inputs computed once per call and read by every query block.
@@ -187,10 +312,39 @@ bool skips_keys(const Params& p, const MaskView& m) {
   return p.causal || m.kind == MaskKind::valid_length;
 }
 
-Prep prepare(const Params& p, const Geom& g, const MaskView& m, bool forward) {
+// k and v of every head as bfloat16 pairs (KT::kb, KT::vb), rounded to nearest even.
+void prepare_bf16(const Geom& g, KT& kt) {
+  const int64_t N = g.B * g.H;
+  kt.Skp = (g.Sk + 31) / 32 * 32;
+  kt.D = g.D;
+  kt.Dp = (g.D + 1) / 2 * 2;
+  kt.Dv = g.Dv;
+  kt.kb.assign(static_cast<size_t>(N) * kt.Dp * kt.Skp, 0);
+  kt.vb.assign(static_cast<size_t>(N) * kt.Skp * g.Dv, 0);
+#pragma omp parallel
+  {
+    std::vector<uint16_t> row(std::max(g.D, g.Dv));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t b = n / g.H, h = n % g.H;
+      for (int64_t j = 0; j < g.Sk; ++j) {
+        to_bf16(g.k.row(b, h, j), row.data(), g.D);
+        uint16_t* dst = kt.kb.data() + n * kt.Dp * kt.Skp + (j / 32) * 32 * kt.Dp + (j % 32) * 2;
+        for (int64_t d = 0; d < g.D; ++d) dst[(d / 2) * 64 + (d & 1)] = row[d];
+        to_bf16(g.v.row(b, h, j), row.data(), g.Dv);
+        uint16_t* vd = kt.vb.data() + n * kt.Skp * g.Dv + (j / 2) * 2 * g.Dv + (j & 1);
+        for (int64_t c = 0; c < g.Dv; ++c) vd[2 * c] = row[c];
+      }
+    }
+  }
+}
+
+Prep prepare(const Params& p, const Geom& g, const MaskView& m, bool forward, bool bf16 = false) {
   Prep pr;
   const int64_t N = g.B * g.H;
-  if (forward && cpu_has_avx512() && BK % 32 == 0 && g.Sk > 0 && g.D > 0) {
+  if (forward && bf16 && cpu_has_avx512_bf16() && BK % 32 == 0 && g.Sk > 0 && g.D > 0) {
+    prepare_bf16(g, pr.kt);
+  } else if (forward && cpu_has_avx512() && BK % 32 == 0 && g.Sk > 0 && g.D > 0) {
     KT& kt = pr.kt;
     kt.Skp = (g.Sk + 31) / 32 * 32;
     kt.D = g.D;
@@ -314,6 +468,14 @@ void score_tile(const Params& p, const Geom& g, const MaskView& m, int64_t n, in
                 int64_t bq, int64_t j0, int64_t nb, float* S, const Scratch& w,
                 const KT* kt = nullptr) {
   const int64_t b = n / g.H, h = n % g.H;
+#ifdef MXF_HAVE_BF16_PATH
+  if (kt && !kt->kb.empty()) {
+    thread_local std::vector<uint16_t> qb;  // the block's queries in bfloat16, D padded to Dp
+    qb.assign(bq * kt->Dp, 0);
+    for (int64_t r = 0; r < bq; ++r) to_bf16(g.q.row(b, h, i0 + r), qb.data() + r * kt->Dp, g.D);
+    qk_tile_bf16(qb.data(), kt->Dp, kt->kat(n, j0), kt->Dp, bq, nb, p.scale, S, BK);
+  } else
+#endif
 #ifdef MXF_HAVE_AVX512_PATH
   if (kt && !kt->data.empty())
     qk_tile(g.q.row(b, h, i0), g.q.rs, kt->at(n, j0), g.D, bq, nb, p.scale, S, BK);
@@ -520,6 +682,16 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Pre
         for (int64_t c = 0; c < Dv; ++c) o[c] *= alpha;
       }
     }
+#ifdef MXF_HAVE_BF16_PATH
+    if (!pr.kt.kb.empty()) {
+      const int64_t nb2 = (nb + 1) / 2;  // key pairs; an odd tail pairs with a zero
+      thread_local std::vector<uint16_t> pb;
+      pb.assign(bq * nb2 * 2, 0);
+      for (int64_t r = 0; r < bq; ++r) to_bf16(S + r * BK, pb.data() + r * nb2 * 2, nb);
+      pv_tile_bf16(pb.data(), nb2 * 2, pr.kt.vat(n, j0), Dv, bq, nb2, w.O.data(), Dv);
+      continue;
+    }
+#endif
 #ifdef MXF_HAVE_AVX512_PATH
     if (!pr.kt.data.empty()) {
       pv_tile(S, BK, g.v.row(b, h, j0), g.v.rs, bq, nb, Dv, w.O.data(), Dv);
@@ -533,10 +705,15 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Pre
 
 }  // namespace
 
-void forward(const Params& p, const Geom& g, const MaskView& m) {
+void forward_reduced(const Params& p, const Geom& g, const MaskView& m, bool bf16_products);
+void forward(const Params& p, const Geom& g, const MaskView& m) { forward_reduced(p, g, m, false); }
+
+// bf16_products: q·kᵀ and p·v in bfloat16 with float32 accumulation where the CPU has
+// avx512_bf16 (float32 elsewhere); everything else as forward().
+void forward_reduced(const Params& p, const Geom& g, const MaskView& m, bool bf16_products) {
   const int64_t nqb = (g.Sq + BQ - 1) / BQ, N = g.B * g.H, tasks = N * nqb;
   if (tasks == 0) return;
-  const Prep pr = prepare(p, g, m, true);
+  const Prep pr = prepare(p, g, m, true, bf16_products);
   std::string err;
 #pragma omp parallel
   {

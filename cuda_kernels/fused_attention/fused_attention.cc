@@ -332,6 +332,15 @@ MaskView mask_view(const Params& p, const Geom& g, const MXTensor* mask) {
 using namespace mxf;
 using namespace mxf::attn;
 
+namespace mxf {
+namespace attn {
+// attention_cpu.cc: forward() with q·kᵀ and p·v in bfloat16 (float32 accumulation) where the
+// CPU has avx512_bf16 -- attribute precision="bfloat16", CPU only, inference (the backward
+// computes in float32)
+void forward_reduced(const Params& p, const Geom& g, const MaskView& m, bool bf16_products);
+}  // namespace attn
+}  // namespace mxf
+
 namespace {
 
 std::vector<std::vector<int64_t>> to64(const std::vector<Shape>& s, size_t n) {
@@ -340,8 +349,14 @@ std::vector<std::vector<int64_t>> to64(const std::vector<Shape>& s, size_t n) {
   return r;
 }
 
+// precision="bfloat16": the two products in bfloat16 (fuse(..., precision="bf16"))
+bool reduced_products(const Attrs& a) {
+  return attr_choice(a, "precision", "float32", {"float32", "bfloat16"}) == "bfloat16";
+}
+
 MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
   return guarded("fused_attention", [&] {
+    reduced_products(a);
     Params p = parse(a);
     *nin = num_data_inputs(p.layout) + (p.mask == MaskKind::none ? 0 : 1);
     *nout = 1;
@@ -405,7 +420,7 @@ MXReturnValue forward_cpu(const Attrs& a, std::vector<MXTensor>* in, std::vector
     Geom g = geometry(p, s);
     bind_views(p, &g, data_ptrs(*in, nd), (*out)[0].data<float>());
     MaskView m = mask_view(p, g, p.mask == MaskKind::none ? nullptr : &(*in)[nd]);
-    forward(p, g, m);
+    forward_reduced(p, g, m, reduced_products(a));
   });
 }
 

@@ -8,6 +8,9 @@
 // are gathered run by run along the innermost dimension.
 // Backward: reverse mode over the same bytecode, block by block; gradients of
 // broadcast inputs are reduced through per-thread accumulators.
+// bfloat16 (inference): any input may be bfloat16 -- widened to float32 a block at a time
+// (a broadcast one once, whole), the program runs in float32, and the output is bfloat16
+// (rounded to nearest even) when every input is, float32 otherwise (the widest input type).
 #include <immintrin.h>
 #include <omp.h>
 #include <unistd.h>
@@ -17,6 +20,7 @@
 #include <memory>
 #include <mutex>
 
+#include "dnnl_matmul.h"  // to_bf16 / from_bf16
 #include "elemwise_avx512.h"
 #include "elemwise_eval.h"
 #include "mxf_common.h"
@@ -139,12 +143,18 @@ MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
   });
 }
 
+// mshadow's code for bfloat16 (lib_api's MXDType does not name it)
+constexpr int kBfloat16 = 12;
+
 MXReturnValue infer_type(const Attrs& a, std::vector<int>* in, std::vector<int>* out) {
   return guarded("fused_elemwise", [&] {
-    for (size_t i = 0; i < in->size(); ++i)
-      if ((*in)[i] != mxnet::ext::kFloat32)
-        throw OpError("input x" + std::to_string(i) + " must be float32");
-    (*out)[0] = mxnet::ext::kFloat32;
+    bool all_bf16 = !in->empty();
+    for (size_t i = 0; i < in->size(); ++i) {
+      if ((*in)[i] != mxnet::ext::kFloat32 && (*in)[i] != kBfloat16)
+        throw OpError("input x" + std::to_string(i) + " must be float32 or bfloat16");
+      all_bf16 = all_bf16 && (*in)[i] == kBfloat16;
+    }
+    (*out)[0] = all_bf16 ? kBfloat16 : mxnet::ext::kFloat32;
   });
 }
 
@@ -164,6 +174,10 @@ struct Bound {
   int64_t total;
   std::vector<BView> views;
   std::vector<const float*> data;
+  // bfloat16 inputs read in place (full views), widened per block; null for the others.  A
+  // broadcast bfloat16 input is widened once into `widened` and read from `data`.
+  std::vector<const uint16_t*> half;
+  std::vector<std::vector<float>> widened;
   // The program's `code` and forward plan with resolve() applied: each value's rank (its
   // inputs' largest, as MXNet's ops give it) decides the ops MXNet runs through oneDNN.
   std::vector<Instr> code, fwd;
@@ -176,13 +190,27 @@ Bound bind_inputs(const Attrs& a, std::vector<MXTensor>& in, size_t first) {
   b.prog = &program_for(a);
   std::vector<std::vector<int64_t>> s;
   for (int i = 0; i < b.prog->num_inputs; ++i) {
-    require_f32(in[first + i], "fused_elemwise input");
     s.push_back(in[first + i].shape);
-    b.data.push_back(in[first + i].data<float>());
+    if (in[first + i].dtype == kBfloat16) {
+      b.data.push_back(nullptr);
+      b.half.push_back(static_cast<const uint16_t*>(in[first + i].data_ptr));
+    } else {
+      require_f32(in[first + i], "fused_elemwise input");
+      b.data.push_back(in[first + i].data<float>());
+      b.half.push_back(nullptr);
+    }
   }
   b.oshape = broadcast_shape(s);
   b.total = numel(b.oshape);
   for (auto& x : s) b.views.emplace_back(b.oshape, x);
+  b.widened.resize(s.size());
+  for (size_t k = 0; k < s.size(); ++k)
+    if (b.half[k] && !b.views[k].full) {
+      b.widened[k].resize(numel(s[k]));
+      from_bf16(b.half[k], b.widened[k].data(), numel(s[k]));
+      b.data[k] = b.widened[k].data();
+      b.half[k] = nullptr;
+    }
   b.code = b.prog->code;
   b.fwd = b.prog->fwd;
   std::vector<int> rank(b.code.size(), 0);
@@ -213,7 +241,10 @@ void eval_block(const Bound& b, int64_t start, int64_t n, float* scratch,
     float* o = (result && i + 1 == code.size()) ? result : scratch + si * kSlot;
     switch (in.op) {
       case LOAD:
-        if (b.views[in.input].full) {
+        if (b.half[in.input]) {  // a bfloat16 input of the output's shape
+          from_bf16(b.half[in.input] + start, o, n);
+          vals[i] = o;
+        } else if (b.views[in.input].full) {
           vals[i] = b.data[in.input] + start;
         } else {
           b.views[in.input].gather(b.data[in.input], start, n, o);
@@ -272,7 +303,7 @@ inline void prefetch_inputs(const Bound& b, int64_t start) {
   if (start >= b.total) return;
   const int64_t n = std::min(kBlock, b.total - start);
   for (size_t k = 0; k < b.data.size(); ++k) {
-    if (!b.views[k].full) continue;
+    if (!b.views[k].full || !b.data[k]) continue;  // (a bfloat16 input is widened as it is read)
     const char* p = reinterpret_cast<const char*>(b.data[k] + start);
     for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(float)); off += 64)
       _mm_prefetch(p + off, _MM_HINT_T0);
@@ -291,7 +322,9 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
                       const OpResource&) {
   return guarded("fused_elemwise", [&] {
     Bound b = bind_inputs(a, *in, 0);
-    float* Y = (*out)[0].data<float>();
+    const bool half_out = (*out)[0].dtype == kBfloat16;
+    float* Y = half_out ? nullptr : (*out)[0].data<float>();
+    uint16_t* Yh = half_out ? static_cast<uint16_t*>((*out)[0].data_ptr) : nullptr;
     const int64_t nblk = (b.total + kBlock - 1) / kBlock;
     const size_t ni = b.prog->code.size();
     const int* slot = b.prog->slot.data();
@@ -305,7 +338,10 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
       for (int64_t blk = 0; blk < nblk; ++blk) {
         const int64_t s = blk * kBlock, n = std::min(kBlock, b.total - s);
         prefetch_inputs(b, s + kPrefetchBlocks * kBlock);
-        if (streaming) {  // the result stays in L1, then streams out
+        if (half_out) {  // the result stays in L1, then is rounded to bfloat16
+          eval_block(b, s, n, scratch.data(), vals, nullptr, slot);
+          to_bf16(vals[ni - 1], Yh + s, n);
+        } else if (streaming) {  // the result stays in L1, then streams out
           eval_block(b, s, n, scratch.data(), vals, nullptr, slot);
           stream_copy(Y + s, vals[ni - 1], n);
         } else {
@@ -313,7 +349,7 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
           if (vals[ni - 1] != Y + s) std::memcpy(Y + s, vals[ni - 1], n * sizeof(float));
         }
       }
-      if (streaming) _mm_sfence();  // order the streaming stores before the op returns
+      if (streaming && !half_out) _mm_sfence();  // order the streaming stores before the op returns
     }
   });
 }
@@ -433,6 +469,9 @@ void backprop(const Instr& in, const std::vector<const float*>& v, const float* 
 MXReturnValue backward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
                        const OpResource&) {
   return guarded("fused_elemwise backward", [&] {
+    for (const auto& t : *in)
+      if (t.dtype == kBfloat16)
+        throw OpError("bfloat16 values have no backward (reduced precision is for inference)");
     Bound b = bind_inputs(a, *in, 1);
     const Program& p = *b.prog;
     const std::vector<Instr>& code = b.code;
