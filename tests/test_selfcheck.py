@@ -237,7 +237,7 @@ def test_guard_list_covers_every_op_mxnet_fuses_after_a_layer(layer):
     else:
         lay, shapes = S.Convolution(x, num_filter=2, kernel=(1, 1), name="L"), {"x": (1, 2, 3, 3), "r": (1, 2, 3, 3)}
     missing = []
-    for op, make in _READERS.items():
+    for name, make in _READERS.items():
         y = S.Group([make(lay), lay])
         arg, aux = random_params(y, {k: v for k, v in shapes.items() if k in y.list_arguments()},
                                  inputs={"x", "r"})
@@ -250,8 +250,8 @@ def test_guard_list_covers_every_op_mxnet_fuses_after_a_layer(layer):
             same = all(np.allclose(o, r, rtol=1e-5, atol=1e-5, equal_nan=True) for o, r in zip(out, ref))
         except mx.base.MXNetError:
             same = False
-        if not same and op not in FUSED_AFTER[layer]:
-            missing.append(op)
+        if not same and name not in FUSED_AFTER[layer]:
+            missing.append(name)
     assert not missing, missing
 
 

@@ -10,7 +10,7 @@ import pytest
 import fusion
 from fusion.testing_gluoncv import _blocks, export, resnest
 
-from conftest import fuse_and_check, ops, random_params
+from conftest import fuse_and_check, ops
 
 RULES = ["split_attention"]
 X = {"data": (2, 16, 7, 6)}

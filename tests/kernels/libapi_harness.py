@@ -49,7 +49,6 @@ def _array_info(t):
         if not t.flags.c_contiguous:
             raise ValueError("arrays handed to the library must be C-contiguous")
         return t.ctypes.data, tuple(t.shape), DTYPES[t.dtype.name], "cpu", 0
-    import torch
     if not t.is_contiguous():
         raise ValueError("tensors handed to the library must be contiguous")
     name = str(t.dtype).replace("torch.", "")

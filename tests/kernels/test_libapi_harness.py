@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_fixtures import native_module  # noqa: E402
 from libapi_harness import LibError, OpLibrary  # noqa: E402
-from references import np_act, ref_attention  # noqa: E402
+from references import ref_attention  # noqa: E402
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
