@@ -52,6 +52,7 @@ from fusion.rule import Rule
 
 from ._dtypes import float32_reason
 from .elementwise import _batchnorm_scale_shift
+from .squeeze_excitation import pointwise_conv_reason
 from .squeeze_excitation import HIDDEN_ACTS, SqueezeExcitation, _pool, _same
 
 RESHAPE = ("Reshape", "reshape")
@@ -120,19 +121,9 @@ class SplitAttention(Rule):
     @staticmethod
     def _layers_reason(m: Match) -> Optional[str]:
         for k in (1, 2):
-            fc = m.node("fc%d" % k)
-            kernel = tuple(fc.param("kernel"))
-            if kernel != (1, 1):
-                return "Convolution '%s' has kernel %s, not 1×1" % (fc.name, kernel)
-            for key in ("stride", "dilate"):
-                v = tuple(fc.param(key))
-                if v and any(s != 1 for s in v):
-                    return "Convolution '%s' has %s=%s" % (fc.name, key, v)
-            pad = tuple(fc.param("pad"))
-            if pad and any(p != 0 for p in pad):
-                return "Convolution '%s' pads its input (pad=%s)" % (fc.name, pad)
-            if fc.param("layout") not in (None, "NCHW"):
-                return "Convolution '%s' has layout %s (only NCHW)" % (fc.name, fc.param("layout"))
+            reason = pointwise_conv_reason(m.node("fc%d" % k))
+            if reason:
+                return reason
         return None
 
     @staticmethod

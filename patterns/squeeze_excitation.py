@@ -165,20 +165,11 @@ class SqueezeExcitation(Rule):
                     return ("FullyConnected '%s' has flatten=False: it reads the last axis, not the channels"
                             % fc.name)
                 continue
-            kernel = tuple(fc.param("kernel"))
-            if kernel != (1, 1):
-                return "Convolution '%s' has kernel %s, not 1×1" % (fc.name, kernel)
-            for key in ("stride", "dilate"):
-                v = tuple(fc.param(key))
-                if v and any(s != 1 for s in v):
-                    return "Convolution '%s' has %s=%s" % (fc.name, key, v)
-            pad = tuple(fc.param("pad"))
-            if pad and any(p != 0 for p in pad):
-                return "Convolution '%s' pads its input (pad=%s)" % (fc.name, pad)
+            reason = pointwise_conv_reason(fc)
+            if reason:
+                return reason
             if fc.param("num_group") != 1:
                 return "Convolution '%s' is grouped (num_group=%d)" % (fc.name, fc.param("num_group"))
-            if fc.param("layout") not in (None, "NCHW"):
-                return "Convolution '%s' has layout %s (only NCHW)" % (fc.name, fc.param("layout"))
         return None
 
     @staticmethod
@@ -265,3 +256,20 @@ RULES: List[Rule] = [
     SqueezeExcitation("se_add", 97, in_hard_swish=False, with_add=True),
     SqueezeExcitation("se", 96, in_hard_swish=False, with_add=False),
 ]
+
+
+def pointwise_conv_reason(fc) -> Optional[str]:
+    """Why Convolution ``fc`` is not a plain 1×1 layer over NCHW (stride 1, no dilation, no padding)."""
+    kernel = tuple(fc.param("kernel"))
+    if kernel != (1, 1):
+        return "Convolution '%s' has kernel %s, not 1×1" % (fc.name, kernel)
+    for key in ("stride", "dilate"):
+        v = tuple(fc.param(key))
+        if v and any(s != 1 for s in v):
+            return "Convolution '%s' has %s=%s" % (fc.name, key, v)
+    pad = tuple(fc.param("pad"))
+    if pad and any(p != 0 for p in pad):
+        return "Convolution '%s' pads its input (pad=%s)" % (fc.name, pad)
+    if fc.param("layout") not in (None, "NCHW"):
+        return "Convolution '%s' has layout %s (only NCHW)" % (fc.name, fc.param("layout"))
+    return None
