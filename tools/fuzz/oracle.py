@@ -202,6 +202,54 @@ def _nudged(sym, rel: float):
     return mx.sym.load_json(json.dumps(data))
 
 
+EQUALITIES = {"broadcast_equal": True, "_equal": True, "_equal_scalar": True,
+              "broadcast_not_equal": False, "_not_equal": False, "_not_equal_scalar": False}
+_SNAP = [0.0]       # forward(): equality comparisons hold within this relative distance (0: exactly)
+
+
+def _snapped(sym, rel: float):
+    """``sym`` with every equality comparison deciding "equal" within ``rel`` of the larger
+    operand: ``eq(gelu(y), y)`` where one order of the arithmetic gives y exactly and MXNet's
+    oneDNN kernel gives it one ulp lower.  Nudging the operands (``_nudged``) makes equal values
+    unequal; this makes values one rounding apart equal."""
+    import mxnet as mx
+
+    data = json.loads(sym.tojson())
+    nodes, remap, out = data["nodes"], {}, []
+
+    def add(op, name, inputs, **attrs):
+        out.append({"op": op, "name": name, "inputs": inputs, **({"attrs": attrs} if attrs else {})})
+        return [len(out) - 1, 0, 0]
+
+    for i, n in enumerate(nodes):
+        n = dict(n)
+        ins = [[remap[e[0]], e[1], e[2] if len(e) > 2 else 0] for e in n.get("inputs", [])]
+        equal = EQUALITIES.get(n["op"])
+        if equal is not None:
+            base = n["name"] + "_snap"
+            if n["op"].endswith("_scalar"):
+                scalar = float(n.get("attrs", {}).get("scalar", "0"))
+                dist = add("abs", base + "_dist", [add("_minus_scalar", base + "_d", [ins[0]], scalar=repr(scalar))])
+                size = add("_maximum_scalar", base + "_size", [add("abs", base + "_a", [ins[0]])],
+                           scalar=repr(abs(scalar)))
+            else:
+                dist = add("abs", base + "_dist", [add("broadcast_sub", base + "_d", ins[:2])])
+                size = add("broadcast_maximum", base + "_size",
+                           [add("abs", base + "_a", [ins[0]]), add("abs", base + "_b", [ins[1]])])
+            limit = add("_mul_scalar", base + "_limit", [size], scalar=repr(rel))
+            n = {"op": "broadcast_lesser_equal" if equal else "broadcast_greater", "name": n["name"],
+                 "inputs": [dist, limit]}
+        else:
+            n["inputs"] = ins
+        out.append(n)
+        remap[i] = len(out) - 1
+    data["nodes"] = out
+    data["arg_nodes"] = [k for k, n in enumerate(out) if n["op"] == "null"]
+    data["heads"] = [[remap[h[0]], h[1], h[2] if len(h) > 2 else 0] for h in data["heads"]]
+    data.pop("node_row_ptr", None)
+    return mx.sym.load_json(json.dumps(data))
+
+
 # Inputs that are read as whole numbers or positions (an index, a length, a dtype cast to an
 # integer): rounding noise there would change which element is read, not the rounding.
 INDEX_INPUTS = {"Embedding": (0,), "take": (1,), "pick": (1,), "batch_take": (1,), "one_hot": (0,),
@@ -262,11 +310,14 @@ def _noised(sym, rel: float, dtypes: Dict[str, Any]):
 
 
 def _rounding_runs(sym, arg: Dict, aux: Dict, inputs: Dict):
-    """``sym`` as the current run wants it: comparisons nudged (_NUDGE), rounding noise (_NOISE)."""
+    """``sym`` as the current run wants it: comparisons nudged (_NUDGE), equalities within rounding
+    (_SNAP), rounding noise (_NOISE)."""
     import mxnet as mx
 
     if _NUDGE[0]:
         sym = _nudged(sym, _NUDGE[0])
+    if _SNAP[0]:
+        sym = _snapped(sym, _SNAP[0])
     if _NOISE[0] is not None:
         rel, seed = _NOISE[0]
         sym = _noised(sym, rel, {k: np.asarray(v.asnumpy() if hasattr(v, "asnumpy") else v).dtype
@@ -605,6 +656,13 @@ class Oracle:
                         pass
                     finally:
                         _NUDGE[0] = 0.0
+                _SNAP[0] = 2.0 ** -20               # equalities of values one rounding apart
+                try:
+                    others.append(rerun(None))
+                except Exception:
+                    pass
+                finally:
+                    _SNAP[0] = 0.0
 
                 def unexplained():
                     out = []
