@@ -176,30 +176,41 @@ COMPARISONS = {"broadcast_lesser", "broadcast_lesser_equal", "broadcast_greater"
 _NUDGE = [0.0]      # forward(): operands of comparisons scaled by 1 ± this (0: not at all)
 
 
-def _nudged(sym, rel: float):
-    """``sym`` with the first operand of every comparison scaled by ``1 + rel``, the second by
-    ``1 - rel``: a comparison of two values equal within rounding (x <= gelu(x) where erf
-    saturates) flips under a change of one ulp."""
+def _rewritten(sym, replace):
+    """``sym`` with each node passed through ``replace(node, inputs, add)``: ``inputs`` are the node's
+    inputs in the new graph, ``add(op, name, inputs, **attrs)`` appends a node and returns its entry;
+    ``replace`` returns the node to put in its place (it keeps the name, so outputs keep theirs)."""
     import mxnet as mx
 
     data = json.loads(sym.tojson())
-    nodes, remap, out = data["nodes"], {}, []
-    for i, n in enumerate(nodes):
-        n = dict(n)
+    remap, out = {}, []
+
+    def add(op, name, inputs, **attrs):
+        out.append({"op": op, "name": name, "inputs": inputs, **({"attrs": attrs} if attrs else {})})
+        return [len(out) - 1, 0, 0]
+
+    for i, n in enumerate(data["nodes"]):
         ins = [[remap[e[0]], e[1], e[2] if len(e) > 2 else 0] for e in n.get("inputs", [])]
-        if n["op"] in COMPARISONS:
-            for k, e in enumerate(ins):
-                out.append({"op": "_mul_scalar", "name": "%s_nudge%d" % (n["name"], k),
-                            "attrs": {"scalar": repr(1.0 + (rel if k == 0 else -rel))}, "inputs": [e]})
-                ins[k] = [len(out) - 1, 0, 0]
-        n["inputs"] = ins
-        out.append(n)
+        out.append(replace(dict(n), ins, add))
         remap[i] = len(out) - 1
     data["nodes"] = out
     data["arg_nodes"] = [k for k, n in enumerate(out) if n["op"] == "null"]
     data["heads"] = [[remap[h[0]], h[1], h[2] if len(h) > 2 else 0] for h in data["heads"]]
     data.pop("node_row_ptr", None)
     return mx.sym.load_json(json.dumps(data))
+
+
+def _nudged(sym, rel: float):
+    """``sym`` with the first operand of every comparison scaled by ``1 + rel``, the second by
+    ``1 - rel``: a comparison of two values equal within rounding (x <= gelu(x) where erf
+    saturates) flips under a change of one ulp."""
+    def replace(n, ins, add):
+        if n["op"] in COMPARISONS:
+            ins = [add("_mul_scalar", "%s_nudge%d" % (n["name"], k), [e], scalar=repr(1.0 + (rel if k == 0 else -rel)))
+                   for k, e in enumerate(ins)]
+        n["inputs"] = ins
+        return n
+    return _rewritten(sym, replace)
 
 
 EQUALITIES = {"broadcast_equal": True, "_equal": True, "_equal_scalar": True,
@@ -212,42 +223,24 @@ def _snapped(sym, rel: float):
     operand: ``eq(gelu(y), y)`` where one order of the arithmetic gives y exactly and MXNet's
     oneDNN kernel gives it one ulp lower.  Nudging the operands (``_nudged``) makes equal values
     unequal; this makes values one rounding apart equal."""
-    import mxnet as mx
-
-    data = json.loads(sym.tojson())
-    nodes, remap, out = data["nodes"], {}, []
-
-    def add(op, name, inputs, **attrs):
-        out.append({"op": op, "name": name, "inputs": inputs, **({"attrs": attrs} if attrs else {})})
-        return [len(out) - 1, 0, 0]
-
-    for i, n in enumerate(nodes):
-        n = dict(n)
-        ins = [[remap[e[0]], e[1], e[2] if len(e) > 2 else 0] for e in n.get("inputs", [])]
+    def replace(n, ins, add):
         equal = EQUALITIES.get(n["op"])
-        if equal is not None:
-            base = n["name"] + "_snap"
-            if n["op"].endswith("_scalar"):
-                scalar = float(n.get("attrs", {}).get("scalar", "0"))
-                dist = add("abs", base + "_dist", [add("_minus_scalar", base + "_d", [ins[0]], scalar=repr(scalar))])
-                size = add("_maximum_scalar", base + "_size", [add("abs", base + "_a", [ins[0]])],
-                           scalar=repr(abs(scalar)))
-            else:
-                dist = add("abs", base + "_dist", [add("broadcast_sub", base + "_d", ins[:2])])
-                size = add("broadcast_maximum", base + "_size",
-                           [add("abs", base + "_a", [ins[0]]), add("abs", base + "_b", [ins[1]])])
-            limit = add("_mul_scalar", base + "_limit", [size], scalar=repr(rel))
-            n = {"op": "broadcast_lesser_equal" if equal else "broadcast_greater", "name": n["name"],
-                 "inputs": [dist, limit]}
-        else:
+        if equal is None:
             n["inputs"] = ins
-        out.append(n)
-        remap[i] = len(out) - 1
-    data["nodes"] = out
-    data["arg_nodes"] = [k for k, n in enumerate(out) if n["op"] == "null"]
-    data["heads"] = [[remap[h[0]], h[1], h[2] if len(h) > 2 else 0] for h in data["heads"]]
-    data.pop("node_row_ptr", None)
-    return mx.sym.load_json(json.dumps(data))
+            return n
+        base = n["name"] + "_snap"
+        if n["op"].endswith("_scalar"):
+            scalar = float(n.get("attrs", {}).get("scalar", "0"))
+            dist = add("abs", base + "_dist", [add("_minus_scalar", base + "_d", [ins[0]], scalar=repr(scalar))])
+            size = add("_maximum_scalar", base + "_size", [add("abs", base + "_a", [ins[0]])], scalar=repr(abs(scalar)))
+        else:
+            dist = add("abs", base + "_dist", [add("broadcast_sub", base + "_d", ins[:2])])
+            size = add("broadcast_maximum", base + "_size",
+                       [add("abs", base + "_a", [ins[0]]), add("abs", base + "_b", [ins[1]])])
+        limit = add("_mul_scalar", base + "_limit", [size], scalar=repr(rel))
+        return {"op": "broadcast_lesser_equal" if equal else "broadcast_greater", "name": n["name"],
+                "inputs": [dist, limit]}
+    return _rewritten(sym, replace)
 
 
 # Inputs that are read as whole numbers or positions (an index, a length, a dtype cast to an
