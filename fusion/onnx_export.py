@@ -1551,10 +1551,7 @@ def _expand_into_constant(model, known: Mapping[str, List[int]]):
     for n in drop:
         g.node.remove(n)
     if drop:
-        used = {x for n in g.node for x in n.input}
-        keep = [t for t in g.initializer if t.name in used]
-        del g.initializer[:]
-        g.initializer.extend(keep)
+        _drop_unread_initializers(g)
     return model
 
 
@@ -1630,12 +1627,17 @@ def _drop_leading_unsqueeze(model):
     for u in drop:
         g.node.remove(u)
     if drop:
-        used = {x for n in g.node for x in n.input}
-        keep = [t for t in g.initializer if t.name in used]
-        del g.initializer[:]
-        g.initializer.extend(keep)
+        _drop_unread_initializers(g)
     return model
 
+
+
+def _drop_unread_initializers(g) -> None:
+    """Remove the initializers of graph ``g`` that no node reads (in place)."""
+    used = {x for n in g.node for x in n.input}
+    keep = [t for t in g.initializer if t.name in used]
+    del g.initializer[:]
+    g.initializer.extend(keep)
 
 _SWAP = [1, 0, 2]
 _UNARY_SWAP = {"Cast", "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Floor", "Ceil", "Sign", "Not", "Relu",
@@ -2014,10 +2016,7 @@ def _embed_layer_norm(model):
                 nodes.append(n)
         del g.node[:]
         g.node.extend(nodes)
-        used = {x for n in g.node for x in n.input}
-        keep = [t for t in g.initializer if t.name in used]
-        del g.initializer[:]
-        g.initializer.extend(keep)
+        _drop_unread_initializers(g)
         if not any(o.domain == MS for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(MS, 1))
         return _embed_layer_norm(model)       # the graph changed: look again

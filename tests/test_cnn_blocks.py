@@ -123,14 +123,6 @@ def test_gate_used_elsewhere_is_refused():
     assert "used" in rejections(res, "se") or "graph output" in rejections(res, "se")
 
 
-def test_training_mode_is_refused():
-    sym = se_sym()
-    arg, aux = random_params(sym, X)
-    res = fusion.fuse(sym, arg, aux, rules=SE_RULES, mode="training", input_shapes=X)
-    assert "fused_se" not in ops(res)
-    assert "no backward" in res.report.to_text(explain=True)
-
-
 def test_unknown_shapes_refuse_with_reason():
     sym = se_sym()
     arg, aux = random_params(sym, X)
@@ -244,12 +236,16 @@ def test_concat_bn_refusals(dim, axis, reason):
     assert reason in rejections(res, "concat_bn_act"), res.report.to_text(explain=True)
 
 
-def test_concat_bn_training_is_refused():
-    sym = dense_block()
+@pytest.mark.parametrize("build,rules,fused,reason", [
+    (se_sym, SE_RULES, "fused_se", "no backward"),
+    (dense_block, DENSE_RULES, "fused_concat_scale_act", "moving statistics"),
+], ids=["se", "concat_bn"])
+def test_training_mode_is_refused(build, rules, fused, reason):
+    sym = build()
     arg, aux = random_params(sym, X)
-    res = fusion.fuse(sym, arg, aux, rules=DENSE_RULES, mode="training", input_shapes=X)
-    assert "fused_concat_scale_act" not in ops(res)
-    assert "moving statistics" in res.report.to_text(explain=True)
+    res = fusion.fuse(sym, arg, aux, rules=rules, mode="training", input_shapes=X)
+    assert fused not in ops(res)
+    assert reason in res.report.to_text(explain=True)
 
 
 def test_concat_unfuse_restores_stock_ops():

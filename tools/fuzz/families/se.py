@@ -19,6 +19,23 @@ from __future__ import annotations
 from .pieces import S
 
 
+def global_avg_pool(b, x, weights, mean_axes):
+    """An (N, C, 1, 1) average of ``x`` over H and W, written one of the ways networks write it
+    (drawn with ``weights`` over adaptive pooling, global pooling, mean over ``mean_axes`` (one drawn
+    when several), a pooling window the size of the map)."""
+    d = b.d
+    pool = d.choice(["adaptive", "global", "mean", "window"], weights, label="pool")
+    if pool == "adaptive":
+        return S.contrib.AdaptiveAvgPooling2D(x, output_size=1)
+    if pool == "global":
+        return S.Pooling(x, global_pool=True, pool_type="avg", kernel=(1, 1))
+    if pool == "mean":
+        axes = d.choice(mean_axes, label="mean axes") if len(mean_axes) > 1 else mean_axes[0]
+        return S.mean(x, axis=axes, keepdims=True)
+    b.fixed("H"), b.fixed("W")
+    return S.Pooling(x, pool_type="avg", kernel=(b.dims["H"], b.dims["W"]))
+
+
 def build(b):
     d = b.d
     b.dim("B", [1, 2])
@@ -34,16 +51,7 @@ def build(b):
         x = z * (S.clip(z + 2., 0, 6) / 6.)
     else:
         x = z
-    pool = d.choice(["adaptive", "global", "mean", "window"], [4, 4, 3, 1], label="pool")
-    if pool == "adaptive":
-        p = S.contrib.AdaptiveAvgPooling2D(x, output_size=1)
-    elif pool == "global":
-        p = S.Pooling(x, global_pool=True, pool_type="avg", kernel=(1, 1))
-    elif pool == "mean":
-        p = S.mean(x, axis=d.choice([(2, 3), (-2, -1), (3, 2)], label="mean axes"), keepdims=True)
-    else:
-        b.fixed("H"), b.fixed("W")
-        p = S.Pooling(x, pool_type="avg", kernel=(b.dims["H"], b.dims["W"]))
+    p = global_avg_pool(b, x, [4, 4, 3, 1], [(2, 3), (-2, -1), (3, 2)])
     dense = d.maybe(0.35, label="dense layers")
     cm = d.choice([2, 3, 4], label="hidden")
 

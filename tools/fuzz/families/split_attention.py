@@ -19,6 +19,7 @@ Grammar::
 from __future__ import annotations
 
 from .pieces import S
+from .se import global_avg_pool
 
 
 def build(b):
@@ -40,16 +41,7 @@ def build(b):
         gap = S.sum(split, axis=1)
     else:
         gap = x
-    pool = d.choice(["adaptive", "global", "mean", "window"], [4, 3, 2, 1], label="pool")
-    if pool == "adaptive":
-        p = S.contrib.AdaptiveAvgPooling2D(gap, output_size=1)
-    elif pool == "global":
-        p = S.Pooling(gap, global_pool=True, pool_type="avg", kernel=(1, 1))
-    elif pool == "mean":
-        p = S.mean(gap, axis=(2, 3), keepdims=True)
-    else:
-        b.fixed("H"), b.fixed("W")
-        p = S.Pooling(gap, pool_type="avg", kernel=(b.dims["H"], b.dims["W"]))
+    p = global_avg_pool(b, gap, [4, 3, 2, 1], [(2, 3)])
     cm = d.choice([4, 8], label="hidden")
 
     def layer(v, cin, units, k):
