@@ -189,7 +189,8 @@ def _compile(cuda, lib, verbose, jobs, gpu=False):
     if cuda:
         return _copy_cuda_library(lib, jobs)
     mxdir = _mxnet_dir()
-    inc = ["-I" + os.path.join(mxdir, "include"), "-I" + KERNEL_DIR, "-I" + os.path.join(KERNEL_DIR, "common")]
+    inc = (["-I" + os.path.join(mxdir, "include"), "-I" + _dnnl_include(), "-I" + KERNEL_DIR,
+            "-I" + os.path.join(KERNEL_DIR, "common")])
     srcs, _ = _sources(False, gpu)
     objdir = os.path.join(_REPO_DIR, "build", "mxfusion_" + ("gpu" if gpu else "cpu"))
     tmp = "%s.%d.tmp" % (lib, os.getpid())
@@ -254,6 +255,20 @@ def _curand_include(objdir):
     with open(os.path.join(stub, "curand_kernel.h"), "w") as fh:
         fh.write(CURAND_DECL)
     return ["-I" + stub]
+
+
+def _dnnl_include():
+    """The include/ folder holding oneDNN 3.x's own C headers (<oneapi/dnnl/dnnl.h>), from the
+    onednn-devel-cpu-gomp wheel that matches the onednn-cpu-gomp library the fused ops open.
+    (MXNet's wheel carries oneDNN 2.x headers under include/mkldnn/, for its own build.)"""
+    env = os.environ.get("MXFUSION_DNNL_INCLUDE")
+    roots = [env] if env else []
+    roots += [os.path.join(r, "include") for r in (sys.prefix, sys.base_prefix, sysconfig.get_paths()["data"])]
+    for r in roots:
+        if os.path.exists(os.path.join(r, "oneapi", "dnnl", "dnnl.h")):
+            return r
+    raise RuntimeError("oneDNN's headers (oneapi/dnnl/dnnl.h) not found: `pip install "
+                       "onednn-devel-cpu-gomp==2023.2.0` or set MXFUSION_DNNL_INCLUDE")
 
 
 def _lib_api_source(mxdir, objdir):
