@@ -6,6 +6,8 @@
 #include <mutex>
 #include <sstream>
 
+#include <oneapi/dnnl/dnnl.h>
+
 #include "mxf_common.h"
 
 namespace mxf {
@@ -116,8 +118,7 @@ void require_f32(const MXTensor& t, const char* what) {
 
 // ---- dnnl_sgemm --------------------------------------------------------------
 namespace {
-using sgemm_fn = int (*)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t,
-                         const float*, int64_t, float, float*, int64_t);
+using sgemm_fn = decltype(&::dnnl_sgemm);
 sgemm_fn g_sgemm = nullptr;
 void* g_dnnl = nullptr;  // the dlopen handle g_sgemm came from
 std::string g_sgemm_error;
