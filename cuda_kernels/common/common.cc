@@ -116,6 +116,13 @@ void require_f32(const MXTensor& t, const char* what) {
     throw OpError(std::string(what) + " must be float32");
 }
 
+MXReturnValue inference_only_backward(const Attrs&, std::vector<MXTensor>*, std::vector<MXTensor>*,
+                                      const OpResource&) {
+  report_error("this fused op has no backward: the graph was fused for inference; fuse it with "
+               "mode='training' to train it (hybridize(backend='fusion') does so under autograd.record())");
+  return mxnet::ext::MX_FAIL;
+}
+
 // ---- dnnl_sgemm --------------------------------------------------------------
 namespace {
 using sgemm_fn = decltype(&::dnnl_sgemm);
