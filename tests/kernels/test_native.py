@@ -95,5 +95,6 @@ def test_missing_onednn_headers_say_what_to_install(fused_ops, tmp_path, monkeyp
     monkeypatch.setattr(fused_ops.sys, "prefix", str(tmp_path))
     monkeypatch.setattr(fused_ops.sys, "base_prefix", str(tmp_path))
     monkeypatch.setattr(fused_ops.sysconfig, "get_paths", lambda: {"data": str(tmp_path)})
+    monkeypatch.setattr(fused_ops.sys, "path", [str(tmp_path / "lib" / "python3" / "site-packages")])
     with pytest.raises(RuntimeError, match="onednn-devel-cpu-gomp==2023.2.0"):
         fused_ops._dnnl_include()

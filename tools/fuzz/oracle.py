@@ -17,7 +17,8 @@ idempotence         ``fuse(fuse(g))`` does not raise and gives the same graph as
                     compared with names replaced by positions)
 training            ``fuse(mode="training")``: forward(is_train) + backward with the same head
                     gradients: outputs and the gradient of every input and parameter match; no
-                    parameter of the original is missing (frozen) and none is new
+                    parameter of the original is missing (frozen) and none is new; the same
+                    step at the second shape
 subgraph            the fused graph bound with MXNet's default backend (oneDNN subgraph on) matches
                     the reference, wherever the original does under that backend
 gluon               the Gluon door: the graph as a ``SymbolBlock`` hybridized with
@@ -789,7 +790,7 @@ class Oracle:
             return
         random = bool(_random_ops(sym0))
         x2 = ref2 = None
-        if c.has_second and (self._wanted("second") or self._wanted("unfuse") or self._wanted("gluon")):
+        if c.has_second and any(self._wanted(k) for k in ("second", "unfuse", "gluon", "training")):
             self.stage("original.second")
             x2 = c.inputs(second=True)
             try:
@@ -857,7 +858,7 @@ class Oracle:
             except Exception as e:
                 self._find("idempotence.error", _first_line(e))
         if self._wanted("training") and "no_train" not in c.flags:
-            self._training(sym0, x1, names, random)
+            self._training(sym0, x1, names, random, x2)
         if res is not None and self._wanted("subgraph") and "no_subgraph" not in c.flags and not random and fused_ok:
             self._subgraph(sym0, res, ref, x1, names, ref_rerun)
         if self._wanted("gluon") and not random and x1:
@@ -909,7 +910,7 @@ class Oracle:
                 self._compare("unfuse.second", ref2, got2, RTOL, lambda s: forward(
                     sym0, perturbed(c.arg, s), _p(c.aux, s, 1), _p(x2, s, 2)), names, inputs=x2)
 
-    def _training(self, sym0, x1, names, random) -> None:
+    def _training(self, sym0, x1, names, random, x2=None) -> None:
         c = self.case
         self.stage("training.original")
         try:
@@ -950,7 +951,23 @@ class Oracle:
         if random or "random_train" in c.flags or _training_dropouts(sym0):
             self._compare_shapes("training", ref_out, out, names)
             return
+        self.out.count("training_checked")
         self._compare_training("training", sym0, x1, names, ref_out, ref_grad, out, grad)
+        if x2 is None:
+            return
+        self.stage("training.second")        # fused at the first shape, trained at the second
+        try:
+            ref_out2, ref_grad2 = train_step(sym0, c.arg, c.aux, x2, seed=5)
+        except Exception:
+            self.out.count("training_original_fails_second")
+            return
+        try:
+            out2, grad2 = train_step(res.symbol, arg_f, aux_f, x2, seed=5)
+        except Exception as e:
+            self._find("training.second_bind", "at shapes %s: %s" % (c.shapes(second=True), _first_line(e)))
+            return
+        self.out.count("training_checked_second")
+        self._compare_training("training.second", sym0, x2, names, ref_out2, ref_grad2, out2, grad2)
 
     def _compare_training(self, check, sym0, x1, names, ref_out, ref_grad, out, grad) -> None:
         """Outputs and gradients of one training step; reruns of the original's step judge conditioning."""

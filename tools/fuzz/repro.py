@@ -202,6 +202,15 @@ if training_dropouts(sym) or sampling_ops(sym):     # random in training: shapes
 bad |= report("training output", ref_out, out, sym.list_outputs())
 common = [n for n in sorted(ref_grad) if n in grad]
 bad |= report("gradient", [ref_grad[n] for n in common], [grad[n] for n in common], common, RTOL_GRAD, ATOL_GRAD)
+if inputs2 is not None:         # fused at the first shape, trained at the second
+    ref_out, ref_grad = train(sym, arg, aux, inputs2)
+    try:
+        out, grad = train(res.symbol, arg_f, aux_f, inputs2)
+    except Exception as e:
+        print("FAIL fused graph does not train at the second shape:", str(e).splitlines()[0][:500]); sys.exit(1)
+    bad |= report("training output, second shape", ref_out, out, sym.list_outputs())
+    bad |= report("gradient, second shape", [ref_grad[n] for n in common], [grad[n] for n in common], common,
+                  RTOL_GRAD, ATOL_GRAD)
 sys.exit(1 if bad else 0)
 ''',
     "subgraph": r'''
