@@ -627,10 +627,19 @@ def _random_ops(sym) -> List[str]:
     return sorted(out)
 
 
-def _input_heads(sym) -> bool:
-    """Whether an output of ``sym`` is one of its inputs (a variable passed through)."""
+def _ungraded_heads(sym, values: Dict[str, np.ndarray]) -> bool:
+    """Whether an output of ``sym`` is one of its inputs (a variable passed through), or reads no
+    floating-point variable (``values``: every variable's value), so has no gradient to record."""
     data = json.loads(sym.tojson())
-    return any(data["nodes"][h[0]]["op"] == "null" for h in data["heads"])
+    nodes = data["nodes"]
+    graded: Dict[int, bool] = {}
+    for i, n in enumerate(nodes):       # nodes are in topological order
+        if n["op"] == "null":
+            v = values.get(n["name"])
+            graded[i] = v is not None and np.issubdtype(np.asarray(v).dtype, np.floating)
+        else:
+            graded[i] = any(graded[e[0]] for e in n["inputs"])
+    return any(nodes[h[0]]["op"] == "null" or not graded[h[0]] for h in data["heads"])
 
 
 def _training_dropouts(sym) -> int:
@@ -1032,10 +1041,11 @@ class Oracle:
                 sym0, perturbed(c.arg, s), _p(c.aux, s, 1), _p(x2, s, 2)), names, inputs=x2)
         if "no_train" in c.flags or "random_train" in c.flags or _training_dropouts(sym0):
             return
-        if _input_heads(sym0):
-            # MXNet's CachedOp records an output that is a graph input in some graphs and not in
-            # others ("Cannot differentiate node because it is not in a computational graph")
-            self.out.count("gluon_training_input_output")
+        if _ungraded_heads(sym0, {**c.arg, **c.aux, **x1}):
+            # MXNet's CachedOp records an output that is a graph input, or that no float value
+            # reaches, in some graphs and not in others, the original's included ("Cannot
+            # differentiate node because it is not in a computational graph")
+            self.out.count("gluon_training_ungraded_output")
             return
         self.stage("gluon.training")
         try:
