@@ -233,8 +233,11 @@ def test_where_condition_misread_at_a_probe_is_not_a_probe(tmp_path):
 
 def test_sizes_equal_by_coincidence_are_set_apart():
     """a (2, 1, 8) + r (2, 1, 8): equal at the user's shapes, but MXNet also takes a (3, 9, 8) with
-    r (3, 1, 8), where r broadcasts over a middle axis that fused_add_layer_norm cannot take.
-    A probe grows a's 1 alone, so the rule sees it and refuses; the graph runs as given."""
+    r (3, 1, 8), where r broadcasts over a middle axis.  A probe grows a's 1 alone, so a rule sees
+    the sizes differ: the GPU kernels cannot take that broadcast and the rule refuses there; the
+    CPU op broadcasts as broadcast_add does and is right at both shapes."""
+    from fusion import _native
+
     a, r = S.var("a"), S.var("r")
     y = S.LayerNorm(S.broadcast_add(a, r), S.var("g"), S.var("b"))
     shapes = {"a": (2, 1, 8), "r": (2, 1, 8)}
@@ -243,11 +246,17 @@ def test_sizes_equal_by_coincidence_are_set_apart():
     assert any(p["a"][1] != p["r"][1] for p in probes), probes
     arg = {"g": mx.nd.array(np.linspace(0.5, 1.5, 8), dtype="float32"), "b": mx.nd.zeros((8,))}
     res = fusion.fuse(y, arg, {}, input_shapes=shapes)
-    assert "fused_add_layer_norm" not in res.graph.count_ops()
-    assert "broadcasts in a way fused_add_layer_norm cannot" in res.report.to_text(explain=True)
+    assert res.graph.count_ops().get("fused_add_layer_norm") == 1
     rng = np.random.default_rng(0)
     compare_at(y, arg, {}, res, [{"a": rng.standard_normal((3, 9, 8)).astype(np.float32),
-                                  "r": rng.standard_normal((3, 1, 8)).astype(np.float32)}])
+                                  "r": rng.standard_normal((3, 1, 8)).astype(np.float32)},
+                                 {"a": rng.standard_normal((2, 1, 8)).astype(np.float32),
+                                  "r": rng.standard_normal((2, 5, 8)).astype(np.float32)}])
+    if "gpu" not in _native.capabilities()["fused_add_layer_norm"]["forward"]:
+        pytest.skip("this op library has no GPU registrations (built without nvcc)")
+    gpu = fusion.fuse(y, arg, {}, input_shapes=shapes, device="gpu")
+    assert "fused_add_layer_norm" not in gpu.graph.count_ops()
+    assert "broadcasts in a way the GPU fused_add_layer_norm cannot" in gpu.report.to_text(explain=True)
 
 
 def test_lengths_per_batch_and_head_follow_the_batch_probe():
@@ -313,3 +322,20 @@ def test_library_op_never_gets_an_unknown_shape_from_inference():
     assert shapes[graph.heads[0]] == (2,)
     plain = fusion.unfuse(sym, {"c": (2,), "x": (2,), "y": (2,), "b": (2,)})
     assert not any(n["op"].startswith("fused_") for n in json.loads(plain.tojson())["nodes"])
+
+
+def test_residual_broadcast_no_probe_reaches():
+    """a (1, 3, 1) + r (1, 1, 1), with c (1, 3) tying a's axis 1 to the batch at any batch above 1:
+    no probe can change the batch alone, and at the shapes (2, 2, 1) / (2, 1, 1) / (2, 2) r
+    broadcasts over a's axis 1 but not its batch.  The op broadcasts as broadcast_add does, so the
+    graph fused at the first shapes runs at the second (fuzz 2900009704442)."""
+    a, r, c = S.var("a"), S.var("r"), S.var("c")
+    s = S.broadcast_add(a, r)
+    y = S.Group([S.broadcast_div(s, c), S.LayerNorm(s, S.var("g"), S.var("b"))])
+    arg = {"g": mx.nd.array([1.34]), "b": mx.nd.array([-1.13])}
+    res = fusion.fuse(y, arg, {}, input_shapes={"a": (1, 3, 1), "r": (1, 1, 1), "c": (1, 3)})
+    assert res.graph.count_ops().get("fused_add_layer_norm") == 1
+    rng = np.random.default_rng(0)
+    compare_at(y, arg, {}, res, [{k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+                                 for shapes in ({"a": (1, 3, 1), "r": (1, 1, 1), "c": (1, 3)},
+                                                {"a": (2, 2, 1), "r": (2, 1, 1), "c": (2, 2)})])

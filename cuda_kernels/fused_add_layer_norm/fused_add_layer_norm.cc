@@ -1,7 +1,8 @@
 // fused_add_layer_norm: s = a + b;  y = (s - mean(s)) / sqrt(var(s) + eps) * gamma + beta
 // over the last axis, in one pass per row (the row stays in L1 between the moments
 // and the normalisation).  Optional second output s (attr output_sum) for the residual.
-// b may broadcast over leading dimensions of a (its shape is a suffix of a's, leading 1s ok).
+// a and b broadcast as MXNet's broadcast_add does (NumPy rules, either operand, any axis, the
+// last one included); y and s have the broadcast shape.
 // a and b may each be float32 or bfloat16 (inference): the row is widened to float32, the
 // statistics and the normalisation run in float32, and y (and s) are written in a's dtype,
 // rounded to nearest even (gamma and beta stay float32).
@@ -34,18 +35,59 @@ LNParams parse(const Attrs& a) {
   return p;
 }
 
-// rows of b that a row of a pairs with: b_row = a_row % b_rows
-int64_t b_rows_of(const std::vector<int64_t>& as, const std::vector<int64_t>& bs) {
-  bool ok = !as.empty() && bs.size() <= as.size() && !bs.empty() && bs.back() == as.back();
-  size_t lead = 0;  // b's leading dims that are 1 are free
-  while (ok && lead < bs.size() && bs[lead] == 1 && lead + 1 < bs.size()) ++lead;
-  for (size_t i = lead; ok && i < bs.size(); ++i)
-    ok = bs[i] == as[as.size() - bs.size() + i];
-  if (!ok)
-    throw OpError("b " + shape_str(bs) + " must equal a " + shape_str(as) +
-                  " or match its trailing dimensions (broadcast over leading dimensions)");
-  return numel(bs) / std::max<int64_t>(bs.back(), 1);
+// How the rows of the output (a and b broadcast together; the last axis is the row) read a
+// and b: the element offset of each operand's row and whether its last axis is broadcast.
+struct Bcast {
+  std::vector<int64_t> out;                  // the output shape
+  int64_t C = 0, R = 0;                      // row length, rows
+  std::vector<int64_t> lead;                 // the output's leading axes
+  std::vector<int64_t> stride[2];            // per operand: element strides of the leading axes (0: broadcast)
+  bool last1[2] = {false, false};            // per operand: its last axis is 1, broadcast along the row
+  bool full[2] = {false, false};             // per operand: its shape is the output's (row r at r * C)
+
+  int64_t offset(int x, int64_t r) const {   // element offset of row r of operand x
+    if (full[x]) return r * C;
+    int64_t off = 0;
+    for (int64_t i = static_cast<int64_t>(lead.size()) - 1; i >= 0; --i) {
+      off += (r % lead[i]) * stride[x][i];
+      r /= lead[i];
+    }
+    return off;
+  }
+};
+
+Bcast bcast_of(const std::vector<int64_t>& as, const std::vector<int64_t>& bs) {
+  if (as.empty() || bs.empty())
+    throw OpError("a and b must have at least one axis, got a " + shape_str(as) + ", b " + shape_str(bs));
+  const size_t n = std::max(as.size(), bs.size());
+  std::vector<int64_t> x[2] = {std::vector<int64_t>(n - as.size(), 1), std::vector<int64_t>(n - bs.size(), 1)};
+  x[0].insert(x[0].end(), as.begin(), as.end());
+  x[1].insert(x[1].end(), bs.begin(), bs.end());
+  Bcast bc;
+  bc.out.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t u = x[0][i], v = x[1][i];
+    if (u != v && u != 1 && v != 1)
+      throw OpError("a " + shape_str(as) + " and b " + shape_str(bs) + " do not broadcast together");
+    bc.out[i] = u == 1 ? v : u;
+  }
+  bc.C = bc.out.back();
+  bc.lead.assign(bc.out.begin(), bc.out.end() - 1);
+  bc.R = bc.C ? numel(bc.out) / bc.C : 0;
+  for (int k = 0; k < 2; ++k) {
+    bc.full[k] = x[k] == bc.out;
+    bc.last1[k] = x[k].back() == 1 && bc.C != 1;
+    bc.stride[k].assign(n - 1, 0);
+    int64_t st = x[k].back();
+    for (int64_t i = static_cast<int64_t>(n) - 2; i >= 0; --i) {
+      bc.stride[k][i] = x[k][i] == 1 ? 0 : st;
+      st *= x[k][i];
+    }
+  }
+  return bc;
 }
+
+std::vector<int64_t> dims(const Shape& s) { return std::vector<int64_t>(s.begin(), s.end()); }
 
 MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
   return guarded("fused_add_layer_norm", [&] {
@@ -71,24 +113,34 @@ MXReturnValue infer_type(const Attrs& a, std::vector<int>* in, std::vector<int>*
   });
 }
 
-// Row r of a float32 or bfloat16 tensor as float32: the row itself, or widened into buf.
-const float* row_f32(const MXTensor& t, int64_t r, int64_t C, float* buf) {
-  if (t.dtype != kBfloat16) return static_cast<const float*>(t.data_ptr) + r * C;
-  from_bf16(static_cast<const uint16_t*>(t.data_ptr) + r * C, buf, C);
+// Row r of operand x (0: a, 1: b) of a float32 or bfloat16 tensor as float32 C values: the
+// row itself, or widened / repeated (a last axis of 1) into buf.
+const float* row_f32(const MXTensor& t, const Bcast& bc, int x, int64_t r, float* buf) {
+  const int64_t off = bc.offset(x, r), C = bc.C;
+  const bool half = t.dtype == kBfloat16;
+  if (bc.last1[x]) {
+    float v;
+    if (half) from_bf16(static_cast<const uint16_t*>(t.data_ptr) + off, &v, 1);
+    else v = static_cast<const float*>(t.data_ptr)[off];
+    std::fill(buf, buf + C, v);
+    return buf;
+  }
+  if (!half) return static_cast<const float*>(t.data_ptr) + off;
+  from_bf16(static_cast<const uint16_t*>(t.data_ptr) + off, buf, C);
   return buf;
 }
 
 MXReturnValue infer_shape(const Attrs& a, std::vector<Shape>* in, std::vector<Shape>* out) {
   return guarded("fused_add_layer_norm", [&] {
     require_known_shapes(*in);
-    std::vector<int64_t> as((*in)[0].begin(), (*in)[0].end()), bs((*in)[1].begin(), (*in)[1].end());
-    b_rows_of(as, bs);
-    const unsigned C = (*in)[0].back();
+    const Bcast bc = bcast_of(dims((*in)[0]), dims((*in)[1]));
+    const int64_t C = bc.C;
     for (int i = 2; i < 4; ++i)
-      if (!((*in)[i].size() == 1 && (*in)[i][0] == C))
+      if (!((*in)[i].size() == 1 && static_cast<int64_t>((*in)[i][0]) == C))
         throw OpError(std::string(i == 2 ? "gamma" : "beta") + " must have shape (" +
                       std::to_string(C) + ",), got " + shape_str((*in)[i]));
-    for (auto& o : *out) o = (*in)[0];
+    const Shape o(bc.out.begin(), bc.out.end());
+    for (auto& t : *out) t = o;
   });
 }
 
@@ -96,9 +148,8 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
                       const OpResource&) {
   return guarded("fused_add_layer_norm", [&] {
     LNParams p = parse(a);
-    const auto& as = (*in)[0].shape;
-    const int64_t C = as.back(), R = numel(as) / std::max<int64_t>(C, 1);
-    const int64_t BR = b_rows_of(as, (*in)[1].shape);
+    const Bcast bc = bcast_of((*in)[0].shape, (*in)[1].shape);
+    const int64_t C = bc.C, R = bc.R;
     const float *G = (*in)[2].data<float>(), *Be = (*in)[3].data<float>();
     const bool half = (*in)[0].dtype == kBfloat16;  // y and s in bfloat16
     for (int i = 2; i < 4; ++i) require_f32((*in)[i], "fused_add_layer_norm gamma/beta");
@@ -111,8 +162,8 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
       std::vector<float> tmp(S ? 0 : C), abuf(C), bbuf(C), ybuf(half ? C : 0);
 #pragma omp for schedule(dynamic, 8)
       for (int64_t r = 0; r < R; ++r) {
-        const float* ar = row_f32((*in)[0], r, C, abuf.data());
-        const float* br = row_f32((*in)[1], r % BR, C, bbuf.data());
+        const float* ar = row_f32((*in)[0], bc, 0, r, abuf.data());
+        const float* br = row_f32((*in)[1], bc, 1, r, bbuf.data());
         float* s = S ? S + r * C : tmp.data();
         float sum = 0.f;
         for (int64_t c = 0; c < C; ++c) {
@@ -137,7 +188,8 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
   });
 }
 
-// inputs: [dy, (dsum), a, b, gamma, beta, y, (sum)]; outputs: [da, db, dgamma, dbeta]
+// inputs: [dy, (dsum), a, b, gamma, beta, y, (sum)]; outputs: [da, db, dgamma, dbeta].
+// ds = dL/ds per output element; da and db are ds summed over the axes their operand broadcasts.
 MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
                        const OpResource&) {
   return guarded("fused_add_layer_norm backward", [&] {
@@ -148,29 +200,32 @@ MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* in, std::vecto
         throw OpError("bfloat16 inputs have no backward (reduced precision is for inference)");
     const float* dY = (*in)[0].data<float>();
     const float* dS = p.output_sum ? (*in)[1].data<float>() : nullptr;
-    MXTensor& aT = (*in)[k];
-    const auto& as = aT.shape;
-    const int64_t C = as.back(), R = numel(as) / std::max<int64_t>(C, 1);
-    const int64_t BR = b_rows_of(as, (*in)[k + 1].shape);
-    const float *A = aT.data<float>(), *Bv = (*in)[k + 1].data<float>();
+    const Bcast bc = bcast_of((*in)[k].shape, (*in)[k + 1].shape);
+    const int64_t C = bc.C, R = bc.R;
     const float* G = (*in)[k + 2].data<float>();
-    float *dA = (*out)[0].data<float>(), *dB = (*out)[1].data<float>();
+    float* dX[2] = {(*out)[0].data<float>(), (*out)[1].data<float>()};
+    const int64_t nX[2] = {numel((*in)[k].shape), numel((*in)[k + 1].shape)};
     float *dG = (*out)[2].data<float>(), *dBe = (*out)[3].data<float>();
     const int nt = omp_get_max_threads();
-    const bool b_full = BR == R;
-    // per-thread partial sums for the reductions (gamma, beta, broadcast b)
-    std::vector<float> part(static_cast<size_t>(nt) * (2 * C + (b_full ? 0 : BR * C)), 0.f);
+    // per-thread partial sums: gamma, beta, and each operand that is broadcast (summed into)
+    int64_t width = 2 * C;
+    int64_t at[2] = {0, 0};
+    for (int x = 0; x < 2; ++x)
+      if (!bc.full[x]) {
+        at[x] = width;
+        width += nX[x];
+      }
+    std::vector<float> part(static_cast<size_t>(nt) * width, 0.f);
 #pragma omp parallel num_threads(nt)
     {
       const int t = omp_get_thread_num();
-      float* pg = part.data() + static_cast<size_t>(t) * (2 * C + (b_full ? 0 : BR * C));
+      float* pg = part.data() + static_cast<size_t>(t) * width;
       float* pb = pg + C;
-      float* pbb = pb + C;
-      std::vector<float> xh(C), gg(C);
+      std::vector<float> xh(C), gg(C), ds(C), abuf(C), bbuf(C);
 #pragma omp for schedule(dynamic, 8)
       for (int64_t r = 0; r < R; ++r) {
-        const float* ar = A + r * C;
-        const float* br = Bv + (r % BR) * C;
+        const float* ar = row_f32((*in)[k], bc, 0, r, abuf.data());
+        const float* br = row_f32((*in)[k + 1], bc, 1, r, bbuf.data());
         const float* dy = dY + r * C;
         float sum = 0.f;
         for (int64_t c = 0; c < C; ++c) { xh[c] = ar[c] + br[c]; sum += xh[c]; }
@@ -189,30 +244,41 @@ MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* in, std::vecto
         }
         m1 /= C;
         m2 /= C;
-        float* da = dA + r * C;
         // g·γ rounded once, as summed into m1: written again here, the compiler may contract it
         // into fma(dy, γ, -m1), whose exact product leaves a rounding residue where the terms
         // cancel (one feature: 0 in the unfused graph, the residue times rstd = 1/sqrt(eps) here)
+        float* d = bc.full[0] ? dX[0] + r * C : ds.data();
         for (int64_t c = 0; c < C; ++c) {
           float v = rstd * (gg[c] - m1 - xh[c] * m2);
           if (dS) v += dS[r * C + c];
-          da[c] = v;
+          d[c] = v;
         }
-        if (!b_full) {
-          float* acc = pbb + (r % BR) * C;
-          for (int64_t c = 0; c < C; ++c) acc[c] += da[c];
+        for (int x = 0; x < 2; ++x) {
+          if (bc.full[x]) {
+            if (x == 1) std::memcpy(dX[1] + r * C, d, sizeof(float) * C);
+            continue;
+          }
+          float* acc = pg + at[x] + bc.offset(x, r);
+          if (bc.last1[x]) {
+            float tot = 0.f;
+            for (int64_t c = 0; c < C; ++c) tot += d[c];
+            acc[0] += tot;
+          } else {
+            for (int64_t c = 0; c < C; ++c) acc[c] += d[c];
+          }
         }
       }
     }
     std::fill(dG, dG + C, 0.f);
     std::fill(dBe, dBe + C, 0.f);
-    if (b_full) std::memcpy(dB, dA, sizeof(float) * R * C);
-    else std::fill(dB, dB + BR * C, 0.f);
+    for (int x = 0; x < 2; ++x)
+      if (!bc.full[x]) std::fill(dX[x], dX[x] + nX[x], 0.f);
     for (int t = 0; t < nt; ++t) {
-      const float* pg = part.data() + static_cast<size_t>(t) * (2 * C + (b_full ? 0 : BR * C));
+      const float* pg = part.data() + static_cast<size_t>(t) * width;
       for (int64_t c = 0; c < C; ++c) { dG[c] += pg[c]; dBe[c] += pg[C + c]; }
-      if (!b_full)
-        for (int64_t i = 0; i < BR * C; ++i) dB[i] += pg[2 * C + i];
+      for (int x = 0; x < 2; ++x)
+        if (!bc.full[x])
+          for (int64_t i = 0; i < nX[x]; ++i) dX[x][i] += pg[at[x] + i];
     }
   });
 }

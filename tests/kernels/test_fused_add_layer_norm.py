@@ -77,9 +77,47 @@ def test_invalid_attributes(attrs, msg):
 
 
 def test_bad_broadcast_is_reported():
-    with pytest.raises(MXNetError, match="trailing dimensions"):
+    with pytest.raises(MXNetError, match="do not broadcast together"):
         mx.nd.fused_add_layer_norm(mx.nd.ones((2, 4)), mx.nd.ones((3, 4)), mx.nd.ones(4),
                                    mx.nd.ones(4)).wait_to_read()
+
+
+@pytest.mark.parametrize("ashape,bshape", [
+    ((2, 2, 1), (2, 1, 1)),        # both broadcast: a over nothing, b over axis 1 (and C = 1)
+    ((1, 3, 5), (2, 1, 5)),        # each operand broadcast along another axis
+    ((7, 33), (2, 1, 33)),         # b of higher rank than a
+    ((2, 3, 1), (2, 3, 6)),        # a's last axis broadcast along the row
+    ((1, 1, 6), (4, 3, 6)),        # a the broadcast one
+    ((3, 1, 6), (1, 4, 1))])       # both, the last axis too
+@pytest.mark.parametrize("output_sum", [False, True])
+def test_numpy_broadcasting_as_broadcast_add(ashape, bshape, output_sum):
+    """a and b broadcast as broadcast_add does, whichever is the larger and on any axis: forward and
+    every gradient equal MXNet's broadcast_add -> LayerNorm (the rule relies on it at any shape)."""
+    a, b = rnd(*ashape), rnd(*bshape, seed=1)
+    C = np.broadcast_shapes(ashape, bshape)[-1]
+    g, be = rnd(C, seed=2), rnd(C, seed=3)
+    names = ["a", "b", "g", "be"]
+    va = [mx.sym.var(n) for n in names]
+    fused = mx.sym.fused_add_layer_norm(*va, eps=1e-5, output_sum=output_sum)
+    s = mx.sym.broadcast_add(va[0], va[1])
+    plain = mx.sym.LayerNorm(s, va[2], va[3], eps=1e-5, axis=-1)
+    plain = mx.sym.Group([plain, s]) if output_sum else plain
+    results = []
+    for sym in (fused, plain):
+        args = {n: mx.nd.array(v) for n, v in zip(names, (a, b, g, be))}
+        grads = {n: mx.nd.zeros(v.shape) for n, v in args.items()}
+        exe = sym.bind(mx.cpu(), args, args_grad=grads)
+        outs = exe.forward(is_train=True)
+        heads = [mx.nd.array(rnd(*o.shape, seed=5 + i)) for i, o in enumerate(outs)]
+        exe.backward(heads)
+        results.append(([o.asnumpy() for o in outs], {n: v.asnumpy() for n, v in grads.items()}))
+    (fo, fg), (po, pg) = results
+    for x, y in zip(fo, po):
+        assert x.shape == y.shape
+        np.testing.assert_allclose(x, y, **FWD)
+    for n in names:
+        assert fg[n].shape == pg[n].shape
+        np.testing.assert_allclose(fg[n], pg[n], **BWD)
 
 
 def test_symbol_json_roundtrip_two_outputs():
