@@ -52,6 +52,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import onnx_passes as passes
 from .errors import FusionError, GraphError, VerificationError
 from .verify import DEFAULT_RTOL, VerifyResult, compare, random_inputs, run
 
@@ -1147,7 +1148,7 @@ def _convert(symbol, params, input_shapes, data_names, opset: int, target: str, 
                 if i == nid:
                     known[n["name"] if k == 0 else n["name"] + str(k)] = list(shp)
     model = _finish(graph, heads, data_names, input_dtypes, opset, fold=not dynamic, known=known)
-    model = _common_subexpressions(model)
+    model = passes.common_subexpressions(model)
     if not dynamic:
         model = _expand_into_constant(model, known)
     model = _flip_swapped_regions(model)
@@ -1253,10 +1254,10 @@ def _finish(graph, heads: List[str], data_names: List[str], input_dtypes: Mappin
             nodes.insert(0, helper.make_node("Cast", [i.name], [as_float], to=TensorProto.FLOAT))
             i.type.tensor_type.elem_type = elem
         inputs.append(i)
-    nodes = _peephole(nodes, inits, {i.name: i.type.tensor_type.elem_type for i in inputs},
+    nodes = passes.peephole(nodes, inits, {i.name: i.type.tensor_type.elem_type for i in inputs},
                       frozenset(o.name for o in outputs))
-    nodes = _drop_identities(nodes, inits, {o.name for o in outputs})
-    nodes = _slice_squeeze(nodes, inits, {o.name for o in outputs})
+    nodes = passes.drop_identities(nodes, inits, {o.name for o in outputs})
+    nodes = passes.slice_squeeze(nodes, inits, {o.name for o in outputs})
     # opset >= 18 spellings
     new_inits: List[Any] = []
     if opset >= 18:
@@ -1291,7 +1292,7 @@ def _finish(graph, heads: List[str], data_names: List[str], input_dtypes: Mappin
         known = {k: v for k, v in (known or {}).items() if k not in current}
         for _ in range(4):
             before = len(model.graph.node)
-            model = _fold_constants(model, known)
+            model = passes.fold_constants(model, known)
             if len(model.graph.node) == before:
                 break
     if opset <= 19:       # the pinned onnx package knows the schemas up to opset 19
@@ -1300,208 +1301,6 @@ def _finish(graph, heads: List[str], data_names: List[str], input_dtypes: Mappin
         except Exception as e:
             raise OnnxExportError("the exported ONNX model is invalid at opset %d: %s" % (opset, _first_line(e))) \
                 from None
-    return model
-
-
-_MAX_FOLDED = 1 << 22     # elements of one folded value (larger ones stay computed)
-
-
-def _fold_constants(model, known: Mapping[str, List[int]]):
-    """The shapes of a static export are known: ``Shape`` of a tensor of known shape becomes a constant,
-    then every standard node computing on constants alone is evaluated (once, by ONNX Runtime) and
-    replaced by its value.  Values above ``_MAX_FOLDED`` elements stay computed."""
-    import onnx
-    from onnx import helper, numpy_helper
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        return model
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:
-        return model
-    static: Dict[str, List[int]] = dict(known)
-    for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
-        dims = vi.type.tensor_type.shape.dim
-        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
-            static[vi.name] = [d.dim_value for d in dims]
-    g = model.graph
-    for t in g.initializer:
-        static.setdefault(t.name, list(t.dims))
-    const = {t.name for t in g.initializer}
-    shape_consts: Dict[str, np.ndarray] = {}
-    folded_nodes = []
-    for n in g.node:
-        std = n.domain in ("", "ai.onnx")
-        if std and n.op_type == "Shape" and n.input[0] in static and not n.attribute:
-            shape_consts[n.output[0]] = np.array(static[n.input[0]], np.int64)
-            const.add(n.output[0])
-        elif std and n.op_type not in ("Shape",) and not n.op_type.startswith("Random") and \
-                all((not x) or x in const for x in n.input) and n.input:
-            folded_nodes.append(n)
-            const.update(o for o in n.output if o)
-    if not folded_nodes and not shape_consts:
-        return model
-    folded_outs = {o for n in folded_nodes for o in n.output if o}
-    needed = set()
-    graph_outs = {o.name for o in g.output}
-    for n in g.node:
-        if n in folded_nodes:
-            continue
-        needed.update(x for x in n.input if x in folded_outs)
-    needed |= graph_outs & folded_outs
-    values: Dict[str, np.ndarray] = dict(shape_consts)
-    if needed:
-        used = {x for n in folded_nodes for x in n.input}
-        inits = [t for t in g.initializer if t.name in used] + \
-            [numpy_helper.from_array(v, k) for k, v in shape_consts.items() if k in used]
-        outs = [helper.make_empty_tensor_value_info(o) for o in sorted(needed)]
-        sub = helper.make_model(helper.make_graph(folded_nodes, "constants", [], outs, inits),
-                                opset_imports=list(model.opset_import))
-        sub.ir_version = model.ir_version
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        try:
-            sess = ort.InferenceSession(sub.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-            got = sess.run(None, {})
-        except Exception:
-            return model
-        for o, v in zip(sorted(needed), got):
-            values[o] = np.asarray(v)
-    big = {k for k, v in values.items() if v.size > _MAX_FOLDED}
-    if big:       # keep the nodes that compute large values: fold nothing (rare; simple and safe)
-        return model
-    keep = [n for n in g.node if n not in folded_nodes and not (n.op_type == "Shape" and n.output[0] in shape_consts)]
-    # values consumed by kept nodes or graph outputs become initializers
-    wanted = {x for n in keep for x in n.input} | graph_outs
-    new_inits = [numpy_helper.from_array(v, k) for k, v in values.items() if k in wanted and k not in graph_outs]
-    for o in graph_outs & set(values):         # an output that is constant: Identity of an initializer
-        name = o + "__const"
-        new_inits.append(numpy_helper.from_array(values[o], name))
-        keep.append(helper.make_node("Identity", [name], [o]))
-    used = {x for n in keep for x in n.input}
-    inits = [t for t in g.initializer if t.name in used] + [t for t in new_inits if t.name in used]
-    graph = helper.make_graph(keep, g.name, list(g.input), list(g.output), inits)
-    out = helper.make_model(graph, opset_imports=list(model.opset_import), producer_name=model.producer_name)
-    out.ir_version = model.ir_version
-    return out
-
-
-def _unsqueeze_axes(n, inits) -> Optional[List[int]]:
-    if n.op_type != "Unsqueeze" or len(n.input) != 2 or n.input[1] not in inits:
-        return None
-    from onnx import numpy_helper
-    axes = [int(a) for a in numpy_helper.to_array(inits[n.input[1]]).reshape(-1)]
-    return axes if all(a >= 0 for a in axes) else None
-
-
-def _ints(inits, name) -> Optional[List[int]]:
-    from onnx import numpy_helper
-    if name not in inits:
-        return None
-    return [int(v) for v in numpy_helper.to_array(inits[name]).reshape(-1)]
-
-
-def _slice_squeeze(nodes: List[Any], inits: Dict[str, Any], graph_outputs: set) -> List[Any]:
-    """Slice of one element along an axis then Squeeze of that axis -> Gather of that index."""
-    from onnx import helper, numpy_helper
-    producer = {o: n for n in nodes for o in n.output if o}
-    uses: Dict[str, int] = {}
-    for n in nodes:
-        for x in n.input:
-            uses[x] = uses.get(x, 0) + 1
-    drop = set()
-    out = []
-    for n in nodes:
-        if n.op_type == "Squeeze" and len(n.input) == 2 and n.input[0] in producer and \
-                uses.get(n.input[0], 0) == 1 and n.input[0] not in graph_outputs:
-            sl = producer[n.input[0]]
-            axes = _ints(inits, n.input[1])
-            if sl.op_type == "Slice" and len(sl.input) in (4, 5) and axes is not None and len(axes) == 1:
-                starts, ends, s_axes = (_ints(inits, x) for x in sl.input[1:4])
-                steps = _ints(inits, sl.input[4]) if len(sl.input) == 5 else [1]
-                if starts is not None and ends is not None and s_axes == axes and steps == [1] and \
-                        len(starts) == 1 and starts[0] >= 0 and ends == [starts[0] + 1]:
-                    idx = n.output[0] + "__index"
-                    inits[idx] = numpy_helper.from_array(np.array(starts[0], np.int64), idx)
-                    drop.add(id(sl))
-                    n = helper.make_node("Gather", [sl.input[0], idx], list(n.output), name=n.name, axis=axes[0])
-        out.append(n)
-    return [n for n in out if id(n) not in drop]
-
-
-def _drop_identities(nodes: List[Any], inits: Mapping[str, Any], graph_outputs: set) -> List[Any]:
-    """Identity nodes removed: readers read the Identity's input (a graph output keeps its name: the
-    node writing the value writes it under the output's name when nothing else reads it)."""
-    producer = {o: n for n in nodes for o in n.output if o}
-    uses: Dict[str, int] = {}
-    for n in nodes:
-        for x in n.input:
-            uses[x] = uses.get(x, 0) + 1
-    rename: Dict[str, str] = {}
-    out = []
-    for n in nodes:
-        if n.op_type == "Identity" and n.domain in ("", "ai.onnx"):
-            src = rename.get(n.input[0], n.input[0])
-            if n.output[0] not in graph_outputs:
-                rename[n.output[0]] = src
-                continue
-            p = producer.get(src)
-            if p is not None and uses.get(n.input[0], 0) == 1 and src not in graph_outputs:
-                for i, o in enumerate(p.output):
-                    if o == src:
-                        p.output[i] = n.output[0]
-                continue
-        for i, x in enumerate(n.input):
-            if x in rename:
-                n.input[i] = rename[x]
-        out.append(n)
-    return out
-
-
-def _common_subexpressions(model):
-    """Equal constants kept once, then nodes computing the same op on the same inputs with the same
-    attributes kept once (the masks each layer of a model rebuilds from the same input)."""
-    import hashlib
-
-    from onnx import numpy_helper
-    g = model.graph
-    outs = {o.name for o in g.output}
-    alias: Dict[str, str] = {}
-    seen: Dict[Any, str] = {}
-    keep_inits = []
-    for t in g.initializer:
-        if t.external_data:
-            keep_inits.append(t)
-            continue
-        key = (t.data_type, tuple(t.dims), hashlib.sha1(numpy_helper.to_array(t).tobytes()).digest())
-        if key in seen:
-            alias[t.name] = seen[key]
-        else:
-            seen[key] = t.name
-            keep_inits.append(t)
-    done: Dict[Any, List[str]] = {}
-    nodes = []
-    for n in g.node:
-        for i, x in enumerate(n.input):
-            n.input[i] = alias.get(x, x)
-        key = (n.domain, n.op_type, tuple(n.input), len(n.output),
-               tuple(sorted(a.SerializeToString() for a in n.attribute)))
-        if key in done and not any(o in outs for o in n.output) and \
-                not n.op_type.startswith(("Random", "Multinomial", "Bernoulli")):
-            for o, prev in zip(n.output, done[key]):
-                if o:
-                    alias[o] = prev
-            continue
-        done[key] = list(n.output)
-        nodes.append(n)
-    if len(nodes) == len(g.node) and len(keep_inits) == len(g.initializer):
-        return model
-    del g.node[:]
-    g.node.extend(nodes)
-    del g.initializer[:]
-    g.initializer.extend(keep_inits)
     return model
 
 
@@ -1629,7 +1428,6 @@ def _drop_leading_unsqueeze(model):
     if drop:
         _drop_unread_initializers(g)
     return model
-
 
 
 def _drop_unread_initializers(g) -> None:
@@ -1813,7 +1611,7 @@ def _flip_swapped_regions(model):
                     seen.add(x)
                     x = alias[x]
                 n.input[i] = x
-        final = _drop_identities(final, inits, outs)
+        final = passes.drop_identities(final, inits, outs)
         del g.node[:]
         g.node.extend(final)
         model = _drop_dead(model)
@@ -2240,60 +2038,6 @@ def _fresh_in(g, base: str) -> str:
     while name in names:
         name, i = "%s_%d" % (base, i), i + 1
     return name
-
-
-def _peephole(nodes: List[Any], inits: Dict[str, Any], input_types: Mapping[str, int],
-              graph_outputs: frozenset = frozenset()) -> List[Any]:
-    """Small exact clean-ups: Cast(int → float → int) of an input back to the input; a matmul's bias
-    add folded into the SkipLayerNormalization that reads it; Unsqueeze of Unsqueeze as one."""
-    from onnx import TensorProto, helper, numpy_helper
-    producer = {o: n for n in nodes for o in n.output if o}
-    uses: Dict[str, int] = {}
-    for n in nodes:
-        for x in n.input:
-            uses[x] = uses.get(x, 0) + 1
-    ints = {TensorProto.INT64, TensorProto.INT32}
-    out = []
-    for n in nodes:
-        if n.op_type == "Cast" and n.input[0] in producer:
-            p = producer[n.input[0]]
-            while p.op_type == "Identity" and p.input[0] in producer:     # (trunc of whole numbers)
-                p = producer[p.input[0]]
-            to = next((a.i for a in n.attribute if a.name == "to"), None)
-            if p.op_type == "Cast" and input_types.get(p.input[0]) in ints and to in ints:
-                n = helper.make_node("Identity" if to == input_types[p.input[0]] else "Cast", [p.input[0]],
-                                     list(n.output), name=n.name, **({} if to == input_types[p.input[0]]
-                                                                     else {"to": to}))
-        if n.op_type == "SkipLayerNormalization" and n.domain == MS and len(n.input) == 4:
-            for slot in (0, 1):
-                a = producer.get(n.input[slot])
-                if a is None or a.op_type != "Add" or uses.get(n.input[slot], 0) != 1:
-                    continue
-                mm, bias = a.input
-                if bias not in inits or mm not in producer or producer[mm].op_type != "MatMul":
-                    mm, bias = bias, mm
-                if bias in inits and mm in producer and producer[mm].op_type == "MatMul" and \
-                        len(inits[bias].dims) == 1:
-                    n.input[slot] = mm
-                    n.input.append(bias)
-                    break
-        if n.op_type == "Unsqueeze" and n.input[0] in producer and uses.get(n.input[0], 0) == 1 and \
-                n.input[0] not in graph_outputs:
-            first, second = producer[n.input[0]], _unsqueeze_axes(n, inits)
-            a1 = _unsqueeze_axes(first, inits)
-            if a1 is not None and second is not None and first in out:
-                dims = ["x"] * 64
-                for a in sorted(a1):
-                    dims.insert(a, 1)
-                for a in sorted(second):
-                    dims.insert(a, 1)
-                axes = [i for i, d in enumerate(dims) if d == 1]
-                name = n.output[0] + "__axes"
-                inits[name] = numpy_helper.from_array(np.array(axes, np.int64), name)
-                out.remove(first)
-                n = helper.make_node("Unsqueeze", [first.input[0], name], list(n.output), name=n.name)
-        out.append(n)
-    return out
 
 
 def _rename_io(model, symbol, names: Mapping[str, str]) -> None:
