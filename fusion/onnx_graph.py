@@ -12,15 +12,16 @@ was before its first change, as a hand-written walk over a ``producer`` dict doe
 A chain pattern describes a value computed by a chain (or small tree) of ops, matched backwards from
 the node that reads it last::
 
-    SLICE_SQUEEZE = Op("Squeeze", Op("Slice", Var("x"), Init("starts"), Init("ends"), Init("axes0"),
+    SLICE_SQUEEZE = Op("Squeeze", Op("Slice", Var("x"), Init("starts"), Init("ends"), Init("slice_axes"),
                                      Init("steps", optional=True), name="slice"),
                        Init("axes"), arity=(2,), name="squeeze")
 
-* ``Op(op_type, *inputs)`` matches a node of that type (or of one of a tuple of types) (ai.onnx unless ``domain=``) whose leading
-  inputs match ``inputs``; ``arity`` restricts its number of inputs, ``where`` is a predicate on the
-  node (``domain=None``: any domain).  An interior ``Op`` is read by exactly one input and is no graph output (``one_reader=False``
-  lifts that); ``optional=True`` lets the chain skip it (its first input's pattern is then matched at
-  the value itself); ``commutative=True`` tries two inputs in both orders, as written first.
+* ``Op(op_type, *inputs)`` matches a node of that type (or of one of a tuple of types; ai.onnx unless
+  ``domain=`` names another, ``domain=None``: any) whose leading inputs match ``inputs``; ``arity``
+  restricts its number of inputs, ``where`` is a predicate on the node.  An interior ``Op`` is read by
+  exactly one input and is no graph output (``one_reader=False`` lifts that); ``optional=True`` lets
+  the chain skip it (its first input's pattern is then matched at the value itself);
+  ``commutative=True`` tries two inputs in both orders, as written first.
 * ``Var(name)`` is any value (bound twice, it must be the same value); ``Input(name)`` a graph input.
 * ``Const(name, pred)`` is a constant operand (initializer or ``Constant`` node), ``Init`` an
   initializer only; ``pred`` is a predicate on its NumPy value; ``optional=True`` accepts a missing

@@ -769,18 +769,24 @@ def _all_equal(v: np.ndarray) -> bool:
     return bool(v.size) and bool(np.all(v == v.reshape(-1)[0])) and v.ndim <= 4
 
 
-def _mask_pattern():
+def _scalar(value: Optional[float] = None):
+    return lambda v: v.size == 1 and (value is None or float(v.reshape(-1)[0]) == value)
+
+
+def _shared(op_type: str, *inputs, **kw) -> Op:
+    """An op of a chain whose values may be read elsewhere too (the chain's nodes stay where they are)."""
+    return Op(op_type, *inputs, one_reader=False, **kw)
+
+
+def _mask_pattern() -> Op:
     from onnx import TensorProto
     f32 = _to(TensorProto.FLOAT)
-    ones = Op("Cast", Op("Equal", Op("Cast", Input("m"), one_reader=False),
-                         Const("one", lambda v: v.size == 1 and float(v.reshape(-1)[0]) == 1.0),
-                         commutative=True, one_reader=False),
-              where=f32, one_reader=False)
-    count = Op("Reshape", Op("ReduceSum", ones, name="sum", one_reader=False), name="count", one_reader=False)
-    beyond = Op("Cast", Op("GreaterOrEqual", Const("keys"), count, name="ge", one_reader=False), where=f32,
-                one_reader=False)
-    return Op("Mul", Op("Unsqueeze", beyond, optional=True, one_reader=False), Const("c", _all_equal),
-              commutative=True, name="mul")
+    ones = _shared("Cast", _shared("Equal", _shared("Cast", Input("m")), Const("one", _scalar(1.0)), commutative=True),
+                   where=f32)
+    count = _shared("Reshape", _shared("ReduceSum", ones, name="sum"), name="count")
+    beyond = _shared("Cast", _shared("GreaterOrEqual", Const("keys"), count), where=f32)
+    return Op("Mul", _shared("Unsqueeze", beyond, optional=True), Const("c", _all_equal), commutative=True,
+              name="mul")
 
 
 # c·[j ≥ count(m_b == 1)] (an optional Unsqueeze to (B, 1, 1, Sk)); nothing here need be read only once
@@ -869,23 +875,15 @@ def mask_index_from_embedding(model):
     return drop_dead(model) if changed else model
 
 
-def _lengths_pattern():
+def _lengths_pattern() -> Op:
     from onnx import TensorProto
-
-    def ints(*allowed):
-        return lambda v: [int(a) for a in v.reshape(-1)] in [list(a) for a in allowed] if allowed else True
-
-    lengths = Op("Add", Op("Reshape", Var("lengths"), Const("r1_shape"), name="r1", one_reader=False),
-                 Const("zeros"), commutative=True, one_reader=False)
-    as_int = Op("Cast", lengths, where=_to(TensorProto.INT32), one_reader=False)
-    repeated = Op("Reshape", Op("Expand", Op("Unsqueeze", as_int, Const("un_axes", ints([1])), one_reader=False),
-                                Const("ex_shape"), one_reader=False),
-                  Const("r2_shape"), one_reader=False)
-    per_key = Op("Reshape", Op("Cast", repeated, one_reader=False), Const("r4_shape"), one_reader=False)
-    scalar = (lambda v: v.size == 1)
-    return Op("Where", Op("Less", Const("keys", lambda v: v.ndim == 1 and v.tolist() == list(range(v.size))),
-                          per_key, one_reader=False),
-              Const("zero", lambda v: scalar(v) and float(v.reshape(-1)[0]) == 0.0), Const("d", scalar), name="where")
+    lengths = _shared("Add", _shared("Reshape", Var("lengths"), Const("r1_shape")), Const("zeros"), commutative=True)
+    as_int = _shared("Cast", lengths, where=_to(TensorProto.INT32))
+    unsqueezed = _shared("Unsqueeze", as_int, Const("un_axes", lambda v: _flat(v) == [1]))
+    repeated = _shared("Reshape", _shared("Expand", unsqueezed, Const("ex_shape")), Const("r2_shape"))
+    per_key = _shared("Reshape", _shared("Cast", repeated), Const("r4_shape"))
+    keys = Const("keys", lambda v: v.ndim == 1 and v.tolist() == list(range(v.size)))
+    return Op("Where", _shared("Less", keys, per_key), Const("zero", _scalar(0.0)), Const("d", _scalar()), name="where")
 
 
 # d·[k ≥ L], L (B, H, Sq, 1) valid_length (B,) reshaped to (B, 1), plus zeros (1, Sq), to int32, repeated
