@@ -36,7 +36,8 @@ a Gemm and its activation as ``FusedGemm``.  Every clean-up computes the same fu
 input (EmbedLayerNormalization and a bias folded into SkipLayerNormalization add the same terms in
 another order); none assumes what an input holds (ONNX Runtime's optimizer reads a 0/1 mask as
 right-padded lengths; an exported additive mask stays ``(1 - m)·c`` for any m).  Integer inputs are
-read as int32 where ONNX Runtime's embedding ops need it, as ORT's optimizer casts them.
+read as int32 where ONNX Runtime's embedding ops need it, as ORT's optimizer casts them.  The clean-up
+passes live in ``fusion/onnx_passes.py``; this module converts and assembles the graph, then calls them.
 
 An export that fails raises :class:`OnnxExportError` naming the node that stopped it.
 """
@@ -1255,20 +1256,11 @@ def _finish(graph, heads: List[str], data_names: List[str], input_dtypes: Mappin
             if n.op_type == "Split" and n.domain in ("", "ai.onnx") and len(n.input) < 2 and \
                     not any(a.name == "num_outputs" for a in n.attribute):
                 n.attribute.append(helper.make_attribute("num_outputs", len(n.output)))
-    # dead nodes and unused initializers
-    used = {o.name for o in outputs}
-    keep = []
-    for n in reversed(nodes):
-        if any(o and o in used for o in n.output):
-            keep.append(n)
-            used.update(x for x in n.input if x)
-    keep.reverse()
-    all_inits = [t for t in list(inits.values()) + new_inits if t.name in used]
-    g = helper.make_graph(keep, "mxnet_fusion_export", inputs, outputs, all_inits)
-    imports = [helper.make_opsetid("", opset)]
-    if any(n.domain == MS for n in keep):
-        imports.append(helper.make_opsetid(MS, 1))
-    model = helper.make_model(g, opset_imports=imports, producer_name="mxnet-fusion")
+    g = helper.make_graph(nodes, "mxnet_fusion_export", inputs, outputs, list(inits.values()) + new_inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], producer_name="mxnet-fusion")
+    passes.drop_dead(model)       # dead nodes and unused initializers
+    if any(n.domain == MS for n in model.graph.node):
+        model.opset_import.append(helper.make_opsetid(MS, 1))
     model.ir_version = 8 if opset <= 15 else (9 if opset <= 19 else 10)
     if fold:
         # shapes by MXNet name only for names written once (a name written twice may not be the node's value)
