@@ -253,3 +253,19 @@ def test_swap_as_reshape():
     assert ops(after) == ["Reshape"]
     same_outputs(m, after, {"x": np.arange(8, dtype=np.float32)})
     assert ops(onnx_passes.swap_as_reshape(build(True))) == ["Reshape", "Transpose", "Neg"]
+
+
+def test_unsqueeze_of_unsqueeze_as_one():
+    def build(shared):
+        nodes = [helper.make_node("Unsqueeze", ["x", "a0"], ["u"]), helper.make_node("Unsqueeze", ["u", "a2"], ["y"])]
+        outputs = [("y", [1, 2, 1, 3])] + ([("u", [1, 2, 3])] if shared else [])
+        return model_of(nodes, [("x", [2, 3])], outputs, {"a0": np.array([0], I64), "a2": np.array([2], I64)})
+
+    def peephole(nodes, inits, outputs):
+        return onnx_passes.peephole(nodes, inits, {}, frozenset(outputs))
+    m = build(False)
+    after = _list_pass(m, peephole)
+    onnx_passes.drop_dead(after)
+    assert ops(after) == ["Unsqueeze"]
+    same_outputs(m, after, {"x": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    assert ops(_list_pass(build(True), peephole)) == ["Unsqueeze", "Unsqueeze"]     # u is a graph output
