@@ -2,7 +2,7 @@ r"""Residual add followed by LayerNorm → ``fused_add_layer_norm``.
 
 Matched::
 
-    s = a + b                       elemwise_add | broadcast_add (any broadcast)
+    s = a + b                       elemwise_add | broadcast_add (b broadcast over a's leading axes)
     y = LayerNorm(s, γ, β, axis=-1, eps=ε)
 
 Rewrite: ``y = fused_add_layer_norm(a, b, γ, β, eps=ε)`` — one pass over the rows
@@ -11,13 +11,13 @@ instead of writing ``s`` and reading it back.  When ``s`` is also used elsewhere
 (``output_sum=True``) and those uses read the second output.
 
 The op broadcasts ``a`` and ``b`` as ``broadcast_add`` does (NumPy rules, either operand, any
-axis), so the rewrite holds at every shape the graph takes, whatever the shapes seen when
-fusing; the operand that is full-size at every probe shape goes first (its rows are read in
-place).  The GPU kernels take only ``b`` broadcast over ``a``'s leading axes: for
-``device="gpu"`` that is decided at every probe shape, and refused where shapes are unknown.
+axis), so the rewrite holds at every shape the graph takes, probed or not.  The rule fuses the
+residual form, decided at every probe shape: one operand equal to the other or broadcast over
+its leading axes (the form the GPU kernels and ORT's SkipLayerNormalization take), that one
+second.
 
-Refused: LayerNorm over an axis other than the last; for the GPU, a broadcast add whose shapes
-are unknown or that broadcasts otherwise.
+Refused: LayerNorm over an axis other than the last; a broadcast add whose shapes are unknown
+or that broadcasts otherwise at some probe shape (e.g. over a middle axis).
 """
 from __future__ import annotations
 
@@ -51,25 +51,24 @@ class SkipLayerNorm(Rule):
         return op.LayerNorm(op.add(Var("a"), Var("b"), name="add"), Var("gamma"), Var("beta"), name="ln")
 
     def _operands(self, m: Match):
-        """(a, b) in the order the op takes them, or a reason.  At every probe shape: an add whose
-        operands have equal shapes at batch 1 but not at batch 2 (a position embedding of shape
-        (1, S, C)) gets the broadcast operand second at every batch size."""
+        """(a, b) in the order the op takes them, or a reason — decided at every probe shape, so
+        that an add whose operands have equal shapes at batch 1 but not at batch 2 (a position
+        embedding of shape (1, S, C)) gets the broadcast operand second at every batch size.
+        The op broadcasts both ways at any shape, so a shape no probe reached is still right;
+        the rule keeps to the residual form (the one the GPU kernels and ORT's
+        SkipLayerNormalization take) and leaves other broadcasts to MXNet."""
         add = m.node("add")
         a, b = m["a"], m["b"]
         if add.op == "elemwise_add" or a == b:
             return a, b
         sa, sb = m.ctx.shapes(a), m.ctx.shapes(b)
-        if sa and len(sa) == len(sb):
-            if all(_broadcasts_over_leading(x, y) for x, y in zip(sa, sb)):
-                return a, b
-            if all(_broadcasts_over_leading(y, x) for x, y in zip(sa, sb)):
-                return b, a
-        if m.ctx.device != "gpu":
-            return a, b         # the CPU op broadcasts both ways, at any shape
         if not sa or len(sa) != len(sb):
-            return "the shapes of the broadcast add are unknown (pass input shapes; the GPU kernels " \
-                   "take only a residual broadcast over leading axes)"
-        return "add of shapes %s and %s broadcasts in a way the GPU fused_add_layer_norm cannot" % (
+            return "the shapes of the broadcast add are unknown (pass input shapes)"
+        if all(_broadcasts_over_leading(x, y) for x, y in zip(sa, sb)):
+            return a, b
+        if all(_broadcasts_over_leading(y, x) for x, y in zip(sa, sb)):
+            return b, a
+        return "add of shapes %s and %s broadcasts other than over the leading axes of one operand" % (
             " / ".join(map(str, sa)), " / ".join(map(str, sb)))
 
     def check(self, m: Match) -> Optional[str]:

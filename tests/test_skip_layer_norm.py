@@ -27,13 +27,8 @@ def test_broadcast_residual_with_shapes():
     res = fusion.fuse(y, arg, aux, rules=["skip_layer_norm"], input_shapes=shapes)
     assert ops(res) == {"fused_add_layer_norm": 1}
     assert fusion.verify(y, res, (arg, aux), shapes).max_rel <= 1e-5
-    unknown = fusion.fuse(y, arg, aux, rules=["skip_layer_norm"])      # the CPU op broadcasts at any shape
-    assert ops(unknown) == {"fused_add_layer_norm": 1}
-    assert fusion.verify(y, unknown, (arg, aux), shapes).max_rel <= 1e-5
-    from fusion import _native
-    if "gpu" in _native.capabilities()["fused_add_layer_norm"]["forward"]:
-        gpu = fusion.fuse(y, arg, aux, rules=["skip_layer_norm"], device="gpu")
-        assert "shapes of the broadcast add are unknown" in list(gpu.report.rules["skip_layer_norm"].rejected.values())[0]
+    unknown = fusion.fuse(y, arg, aux, rules=["skip_layer_norm"])
+    assert "shapes of the broadcast add are unknown" in list(unknown.report.rules["skip_layer_norm"].rejected.values())[0]
 
 
 def test_sum_reused_as_residual_comes_out_of_the_op():

@@ -190,7 +190,7 @@ class Workspace {
 // ---- fused_add_layer_norm --------------------------------------------------------------------
 
 // b's rows pair with a's rows modulo b_rows: the one broadcast the CUDA kernels take (b over a's
-// leading dims; the CPU op takes any, and the rule emits the op for the GPU only in this form)
+// leading dims, the form the rule emits at its probe shapes; the CPU op takes any broadcast)
 int64_t b_rows_of(const std::vector<int64_t>& as, const std::vector<int64_t>& bs) {
   bool ok = !as.empty() && bs.size() <= as.size() && !bs.empty() && bs.back() == as.back();
   size_t lead = 0;
