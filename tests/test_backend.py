@@ -201,17 +201,20 @@ def test_unexpected_failure_runs_the_block_unfused(monkeypatch):
 
 
 def _gluoncv_twin(build, seed=0):
+    """Two blocks with the same values: the second's parameters copied from the first's in order
+    (their names differ: Gluon numbers blocks per process)."""
     nets = []
     for _ in range(2):
         mx.random.seed(seed)
         net = build()
         net.initialize(mx.init.Xavier())
         net(mx.nd.zeros((1, 3, 32, 32)))
-        arg = {name: p.data() for name, p in net.collect_params().items()}
-        randomize_batchnorm(arg, {}, seed)
-        for name, p in net.collect_params().items():
-            p.set_data(arg[name])
         nets.append(net)
+    arg = {name: p.data() for name, p in nets[0].collect_params().items()}
+    randomize_batchnorm(arg, {}, seed)
+    for (name, p), q in zip(nets[0].collect_params().items(), nets[1].collect_params().values()):
+        p.set_data(arg[name])
+        q.set_data(arg[name].copy())
     return nets
 
 
