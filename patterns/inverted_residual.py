@@ -223,6 +223,7 @@ class InvertedResidual(Rule):
         if m.has("w1"):
             se = m.node("se")
             inputs += [m["w1"], m["b1"], m["w2"], m["b2"]]
+            attrs["num_hidden"] = int(self._weight(m, "w1")[0])     # un-fusing rebuilds the SE's layers
             attrs.update(gate_add=float(se.attrs.get("gate_add", 3.0)), gate_min=float(se.attrs.get("gate_min", 0.0)),
                          gate_max=float(se.attrs.get("gate_max", 6.0)), gate_div=float(se.attrs.get("gate_div", 6.0)))
         inputs += [m["wproject"], m["bproject"]]
