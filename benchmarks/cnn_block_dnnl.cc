@@ -4,16 +4,20 @@
 // block-level op can beat MXNet's default bind of the same block (benchmarks/bench_cnn_block_op.py
 // times MXNet's side).
 //
-//   g++ -O2 -std=c++17 -I.venv/include -o /tmp/cnn_block_dnnl benchmarks/cnn_block_dnnl.cc \
+//   g++ -O2 -fopenmp -std=c++17 -I.venv/include -o /tmp/cnn_block_dnnl benchmarks/cnn_block_dnnl.cc \
 //       .venv/lib/libdnnl.so.3 -Wl,-rpath,$PWD/.venv/lib
 //   OMP_NUM_THREADS=2 /tmp/cnn_block_dnnl mbv3 CIN H EXP COUT K STRIDE SE ACT [REPS]
 //     MobileNetV3's ResUnit: [1x1 expand + act] -> KxK depthwise + act -> [SE: pool, 1x1, relu,
 //     1x1, hard-sigmoid, scale] -> 1x1 project [+ x]   (ACT: relu | hswish; SE: 0 | 1)
 //   OMP_NUM_THREADS=2 /tmp/cnn_block_dnnl mbv3-nchw ...   the same, every op reading and writing NCHW
 //     (what an op per layer in the MXNet graph would pay)
+//   OMP_NUM_THREADS=2 /tmp/cnn_block_dnnl resnext CIN H WIDTH COUT GROUPS STRIDE DOWNSAMPLE [REPS]
+//     ResNeXt's SE bottleneck: 1x1 + relu -> grouped 3x3 + relu -> 1x1 -> SE (sigmoid) scale
+//     -> + x | + 1x1 strided downsample(x) -> relu
 // Prints the median and p10-p90 of REPS calls (ms).
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -77,9 +81,83 @@ Conv make_conv(const memory::desc& src, memory::dim O, memory::dim K, memory::di
 double now_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
+
+// ResNeXt's SE bottleneck: relu(SE(conv1x1(relu(gconv3x3(relu(conv1x1(x)))))) + [conv1x1_s(x)] x), NHWC inside.
+int resnext(int argc, char** argv) {
+  const memory::dim Cin = atoi(argv[2]), H = atoi(argv[3]), D = atoi(argv[4]), Cout = atoi(argv[5]),
+                    G = atoi(argv[6]), S = atoi(argv[7]);
+  const bool down = atoi(argv[8]) != 0;
+  const int reps = argc > 9 ? atoi(argv[9]) : 300;
+  const memory::dim OH = (H - 1) / S + 1, M = Cout / 16;
+  memory::desc x_user = md4(1, Cin, H, H, tag::nchw), x_n = md4(1, Cin, H, H, tag::nhwc);
+  memory x_u = filled(x_user, 0.5f), x_b(x_n, eng);
+  Conv c1 = make_conv(x_n, D, 1, 1, 1, algorithm::eltwise_relu, false, nullptr);
+  Conv c2 = make_conv(c1.dst, D, 3, S, G, algorithm::eltwise_relu, false, nullptr);
+  Conv c3 = make_conv(c2.dst, Cout, 1, 1, 1, algorithm::undef, false, nullptr);
+  Conv ds;
+  if (down) ds = make_conv(x_n, Cout, 1, S, 1, algorithm::undef, false, nullptr);
+  for (const auto* c : {&c1, &c2, &c3})
+    if (!(c->dst.get_format_kind() == memory::format_kind::blocked) ||
+        !(c->dst == md4(1, c->dst.get_dims()[1], c->dst.get_dims()[2], c->dst.get_dims()[3], tag::nhwc))) {
+      std::fprintf(stderr, "a convolution's output is not NHWC\n");
+      return 1;
+    }
+  memory t1(c1.dst, eng), t2(c2.dst, eng), t3(c3.dst, eng), r(down ? ds.dst : x_n, eng);
+  memory y_n(md4(1, Cout, OH, OH, tag::nhwc), eng), y_u(md4(1, Cout, OH, OH, tag::nchw), eng);
+  reorder rin(x_u, x_b), rout(y_n, y_u);
+  std::vector<float> w1(M * Cout, 0.01f), b1(M, 0.1f), w2(Cout * M, 0.01f), b2(Cout, 0.1f), pooled(Cout), hid(M),
+      gate(Cout);
+  auto run = [&] {
+    rin.execute(strm, x_u, x_b);
+    c1.prim.execute(strm, {{DNNL_ARG_SRC, x_b}, {DNNL_ARG_WEIGHTS, c1.w}, {DNNL_ARG_BIAS, c1.b}, {DNNL_ARG_DST, t1}});
+    c2.prim.execute(strm, {{DNNL_ARG_SRC, t1}, {DNNL_ARG_WEIGHTS, c2.w}, {DNNL_ARG_BIAS, c2.b}, {DNNL_ARG_DST, t2}});
+    c3.prim.execute(strm, {{DNNL_ARG_SRC, t2}, {DNNL_ARG_WEIGHTS, c3.w}, {DNNL_ARG_BIAS, c3.b}, {DNNL_ARG_DST, t3}});
+    if (down)
+      ds.prim.execute(strm, {{DNNL_ARG_SRC, x_b}, {DNNL_ARG_WEIGHTS, ds.w}, {DNNL_ARG_BIAS, ds.b}, {DNNL_ARG_DST, r}});
+    strm.wait();
+    const float* t = static_cast<const float*>(t3.get_data_handle());
+    const float* rr = static_cast<const float*>((down ? r : x_b).get_data_handle());
+    float* y = static_cast<float*>(y_n.get_data_handle());
+    const int64_t hw = OH * OH;
+    std::fill(pooled.begin(), pooled.end(), 0.f);
+    for (int64_t i = 0; i < hw; ++i)
+      for (int64_t c = 0; c < Cout; ++c) pooled[c] += t[i * Cout + c];
+    for (int64_t m = 0; m < M; ++m) {
+      float a = b1[m];
+      for (int64_t c = 0; c < Cout; ++c) a += w1[m * Cout + c] * pooled[c] / hw;
+      hid[m] = a > 0 ? a : 0;
+    }
+    for (int64_t c = 0; c < Cout; ++c) {
+      float a = b2[c];
+      for (int64_t m = 0; m < M; ++m) a += w2[c * M + m] * hid[m];
+      gate[c] = 1.f / (1.f + std::exp(-a));
+    }
+#pragma omp parallel for
+    for (int64_t i = 0; i < hw; ++i)
+      for (int64_t c = 0; c < Cout; ++c) {
+        const float v = t[i * Cout + c] * gate[c] + rr[i * Cout + c];
+        y[i * Cout + c] = v > 0 ? v : 0;
+      }
+    rout.execute(strm, y_n, y_u);
+    strm.wait();
+  };
+  for (int i = 0; i < 20; ++i) run();
+  std::vector<double> tt;
+  for (int i = 0; i < reps; ++i) {
+    const double t0 = now_ms();
+    run();
+    tt.push_back(now_ms() - t0);
+  }
+  std::sort(tt.begin(), tt.end());
+  std::printf("resnext cin=%ld h=%ld width=%ld cout=%ld groups=%ld s=%ld down=%d: median %.4f ms [%.4f-%.4f]\n",
+              (long)Cin, (long)H, (long)D, (long)Cout, (long)G, (long)S, down ? 1 : 0, tt[tt.size() / 2],
+              tt[tt.size() / 10], tt[tt.size() * 9 / 10]);
+  return 0;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc >= 9 && std::string(argv[1]) == "resnext") return resnext(argc, argv);
   if (argc < 10) {
     std::fprintf(stderr, "usage: %s mbv3|mbv3-nchw CIN H EXP COUT K STRIDE SE ACT [REPS]\n", argv[0]);
     return 2;
