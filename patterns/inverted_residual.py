@@ -201,8 +201,10 @@ class InvertedResidual(Rule):
             if w1 is None or w2 is None or w1[1:] != (E, 1, 1) or w2 != (E, w1[0], 1, 1):
                 return "the SE's weights are %s and %s, not (M, %d, 1, 1) and (%d, M, 1, 1)" % (w1, w2, E, E)
         if m.has("add"):
-            if not all(tuple(a) == tuple(b) for a, b in zip(m.ctx.shapes(Entry(m.node("add"))), xs)):
-                return "the residual add's output does not have the block input's shape"
+            for entry in (Entry(m.node("add")), Entry(m.node("project"))):
+                got = m.ctx.shapes(entry)
+                if len(got) != len(xs) or any(tuple(a) != tuple(b) for a, b in zip(got, xs)):
+                    return "the residual add broadcasts: the projection and the sum must have the block input's shape"
         return None
 
     # -- rewrite ---------------------------------------------------------------

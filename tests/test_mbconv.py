@@ -94,6 +94,14 @@ def test_layers_of_different_activations_are_not_one_block():
     assert ops(res) == {"Convolution": 1, "Activation": 1, "fused_mbconv": 1, "elemwise_add": 1}, ops(res)
 
 
+def test_broadcasting_residual_add_is_refused():
+    x = mx.sym.var("data")
+    y = conv(relu(conv(relu(conv(x, "expand", 16)), "dw", 16, k=3, p=1, g=16)), "project", 1)
+    res = fuse_and_check(mx.sym.broadcast_add(y, x), X)
+    assert "residual add broadcasts" in res.report.to_text(explain=True), res.report.to_text(explain=True)
+    assert ops(res).get("broadcast_add") == 1, ops(res)
+
+
 def test_interior_value_used_elsewhere_is_refused():
     y = block()
     inner = y.get_internals()["dw_output"]
