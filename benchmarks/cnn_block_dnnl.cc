@@ -14,6 +14,8 @@
 //   OMP_NUM_THREADS=2 /tmp/cnn_block_dnnl resnext CIN H WIDTH COUT GROUPS STRIDE DOWNSAMPLE [REPS]
 //     ResNeXt's SE bottleneck: 1x1 + relu -> grouped 3x3 + relu -> 1x1 -> SE (sigmoid) scale
 //     -> + x | + 1x1 strided downsample(x) -> relu
+//   OMP_NUM_THREADS=2 /tmp/cnn_block_dnnl densenet C0 H LAYERS [REPS]
+//     DenseNet's dense block (growth 32, bottleneck 128), the concatenation one NHWC buffer
 // Prints the median and p10-p90 of REPS calls (ms).
 #include <algorithm>
 #include <chrono>
@@ -154,10 +156,88 @@ int resnext(int argc, char** argv) {
               tt[tt.size() / 10], tt[tt.size() * 9 / 10]);
   return 0;
 }
+
+// DenseNet's dense block: L layers of BN-ReLU -> 1x1 (4k) + BN-ReLU -> 3x3 (k), each appending k
+// channels to one NHWC buffer (the concatenation is never copied); the pre-activation BN-ReLU has
+// no oneDNN pre-op, so it is one pass into a scratch NHWC tensor per layer.
+int densenet(int argc, char** argv) {
+  const memory::dim C0 = atoi(argv[2]), H = atoi(argv[3]), L = atoi(argv[4]), k = 32, B = 4 * k;
+  const int reps = argc > 5 ? atoi(argv[5]) : 100;
+  const memory::dim Ct = C0 + L * k, HW = H * H;
+  memory::desc x_user = md4(1, C0, H, H, tag::nchw);
+  memory x_u = filled(x_user, 0.5f);
+  memory cat(md4(1, Ct, H, H, tag::nhwc), eng), y_u(md4(1, Ct, H, H, tag::nchw), eng);
+  auto slice = [&](memory::dim c0, memory::dim c) {  // channels [c0, c0 + c) of cat
+    return cat.get_desc().submemory_desc({1, c, H, H}, {0, c0, 0, 0});
+  };
+  memory x_in(slice(0, C0), eng, cat.get_data_handle());
+  reorder rin(x_u, x_in), rout(cat, y_u);
+  std::vector<Conv> c1, c2;
+  std::vector<memory> dst2;
+  std::vector<std::vector<float>> sc, sh;
+  memory tmp(md4(1, Ct, H, H, tag::nhwc), eng);
+  memory t1(md4(1, B, H, H, tag::nhwc), eng);
+  for (memory::dim l = 0; l < L; ++l) {
+    const memory::dim Cin = C0 + l * k;
+    c1.push_back(make_conv(md4(1, Cin, H, H, tag::nhwc), B, 1, 1, 1, algorithm::eltwise_relu, false, nullptr));
+    // the 3x3 convolution's k channels are copied into the concatenation (a strided destination
+    // gets oneDNN's reference kernel)
+    memory::desc out = md4(1, k, H, H, tag::nhwc);
+    memory::desc wmd({k, B, 3, 3}, dt::f32, tag::any), bmd({k}, dt::f32, tag::a);
+    convolution_forward::primitive_desc pd(eng, prop_kind::forward_inference, algorithm::convolution_direct,
+                                           md4(1, B, H, H, tag::nhwc), wmd, bmd, out, {1, 1}, {1, 1}, {1, 1});
+    memory wu = filled(memory::desc({k, B, 3, 3}, dt::f32, tag::oihw), 0.01f), w(pd.weights_desc(), eng);
+    reorder(wu, w).execute(strm, wu, w);
+    c2.push_back({convolution_forward(pd), w, filled(bmd, 0.1f), out});
+    dst2.emplace_back(out, eng);
+    sc.emplace_back(Cin, 0.9f);
+    sh.emplace_back(Cin, 0.1f);
+    if (l == 0 || l == L - 1) std::printf("layer %ld 3x3 impl: %s\n", (long)l, pd.impl_info_str());
+  }
+  auto run = [&] {
+    rin.execute(strm, x_u, x_in);
+    strm.wait();
+    for (memory::dim l = 0; l < L; ++l) {
+      const memory::dim Cin = C0 + l * k;
+      const float* src = static_cast<const float*>(cat.get_data_handle());
+      memory tl(md4(1, Cin, H, H, tag::nhwc), eng, tmp.get_data_handle());
+      float* dst = static_cast<float*>(tmp.get_data_handle());
+      const float *s = sc[l].data(), *t = sh[l].data();
+#pragma omp parallel for
+      for (int64_t i = 0; i < HW; ++i)
+        for (int64_t c = 0; c < Cin; ++c) {
+          const float v = src[i * Ct + c] * s[c] + t[c];
+          dst[i * Cin + c] = v > 0 ? v : 0;
+        }
+      c1[l].prim.execute(strm, {{DNNL_ARG_SRC, tl}, {DNNL_ARG_WEIGHTS, c1[l].w}, {DNNL_ARG_BIAS, c1[l].b},
+                                {DNNL_ARG_DST, t1}});
+      c2[l].prim.execute(strm, {{DNNL_ARG_SRC, t1}, {DNNL_ARG_WEIGHTS, c2[l].w}, {DNNL_ARG_BIAS, c2[l].b},
+                                {DNNL_ARG_DST, dst2[l]}});
+      strm.wait();
+      const float* n = static_cast<const float*>(dst2[l].get_data_handle());
+      float* catp = static_cast<float*>(cat.get_data_handle());
+      for (int64_t i = 0; i < HW; ++i) std::memcpy(catp + i * Ct + Cin, n + i * k, k * sizeof(float));
+    }
+    rout.execute(strm, cat, y_u);
+    strm.wait();
+  };
+  for (int i = 0; i < 5; ++i) run();
+  std::vector<double> tt;
+  for (int i = 0; i < reps; ++i) {
+    const double t0 = now_ms();
+    run();
+    tt.push_back(now_ms() - t0);
+  }
+  std::sort(tt.begin(), tt.end());
+  std::printf("densenet block c0=%ld h=%ld layers=%ld: median %.4f ms [%.4f-%.4f]\n", (long)C0, (long)H, (long)L,
+              tt[tt.size() / 2], tt[tt.size() / 10], tt[tt.size() * 9 / 10]);
+  return 0;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc >= 9 && std::string(argv[1]) == "resnext") return resnext(argc, argv);
+  if (argc >= 5 && std::string(argv[1]) == "densenet") return densenet(argc, argv);
   if (argc < 10) {
     std::fprintf(stderr, "usage: %s mbv3|mbv3-nchw CIN H EXP COUT K STRIDE SE ACT [REPS]\n", argv[0]);
     return 2;
