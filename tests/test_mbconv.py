@@ -147,3 +147,28 @@ def test_mobilenetv3_every_block_fuses():
     for s in (shape, (2, 3, 48, 48)):
         v = fusion.verify((sym, arg, aux), res, input_shapes={"data": s})
         assert v.max_rel <= 1e-4, v
+
+
+def test_new_weight_values_are_packed_again():
+    """The op keeps its weights in oneDNN's layouts between calls: writing new values into the
+    bound weight arrays (a new version of each) must be seen by the next call."""
+    import numpy as np
+    sym, arg, aux = unit(8, 24, 8, 3, "hard_swish", True, 1)
+    shapes = {"data": (1, 8, 9, 9)}
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+    assert ops(res) == {"fused_mbconv": 1}
+    x = mx.nd.random.normal(shape=shapes["data"])
+    args = dict(res.arg_params, data=x)
+    exe = res.symbol.bind(mx.cpu(), {n: args[n].copy() for n in res.symbol.list_arguments()},
+                          aux_states={n: v.copy() for n, v in res.aux_params.items()}, grad_req="null")
+    first = exe.forward(is_train=False)[0].asnumpy()
+    exe.forward(is_train=False)                              # the second call packs the weights
+    for name, w in exe.arg_dict.items():
+        if name != "data":
+            w[:] = w * 0.5
+    got = exe.forward(is_train=False)[0].asnumpy()
+    half = {n: (v * 0.5 if n != "data" else v) for n, v in args.items()}
+    ref = res.symbol.bind(mx.cpu(), {n: half[n] for n in res.symbol.list_arguments()},
+                          aux_states=res.aux_params, grad_req="null").forward(is_train=False)[0].asnumpy()
+    assert not np.allclose(first, got)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
