@@ -1,4 +1,4 @@
-r"""MobileNet's inverted-residual block → ``fused_mbconv``: three convolutions in one op, one layout.
+r"""MobileNet's inverted-residual block → ``fused_inverted_residual``: three convolutions in one op, one layout.
 
 Matched (anchor at the bottom), the block as it stands once the BatchNorms are folded
 (``conv_bn_act``), hard-swish is one ``fused_elemwise`` (``elementwise``) and the SE is one
@@ -13,7 +13,7 @@ Matched (anchor at the bottom), the block as it stands once the BatchNorms are f
 
     act: Activation(relu) | fused_elemwise  x0 · clip(x0 + 3, 0, 6) / 6  (GluonCV's hard-swish)
 
-Rewrite: ``fused_mbconv(x, [We, be], Wd, bd, [W1, b1, W2, b2], Wp, bp)``: the convolutions run by
+Rewrite: ``fused_inverted_residual(x, [We, be], Wd, bd, [W1, b1, W2, b2], Wp, bp)``: the convolutions run by
 oneDNN 3.x with bias, activation and residual add as post-ops and the activations kept in one
 layout (NHWC) from the block's input to its output — one reorder in, one out — where MXNet's
 default bind pays a reorder at every op boundary and has no hard-swish post-op
@@ -60,7 +60,7 @@ def _se(v: Pattern) -> Pattern:
                        name="se")
 
 
-def mbconv_pattern() -> Pattern:
+def inverted_residual_pattern() -> Pattern:
     x = Var("x")
     body = _act(_conv(x, "expand"), "act1") | x
     dw = _conv(body, "dw")
@@ -82,12 +82,12 @@ class InvertedResidual(Rule):
     benefit = 8                 # after bn_folding, squeeze_excitation and elementwise have run
     key = "project"
     inference_only = True
-    training_reason = "fused_mbconv has no backward; refused in mode='training'"
-    description = ("[1×1 conv → act] → depthwise conv → act [→ fused_se] → 1×1 conv [+ x] → fused_mbconv "
+    training_reason = "fused_inverted_residual has no backward; refused in mode='training'"
+    description = ("[1×1 conv → act] → depthwise conv → act [→ fused_se] → 1×1 conv [+ x] → fused_inverted_residual "
                    "(oneDNN 3.x, one layout)")
 
     def pattern(self) -> Pattern:
-        return mbconv_pattern()
+        return inverted_residual_pattern()
 
     # -- check -----------------------------------------------------------------
     def check(self, m: Match) -> Optional[str]:
@@ -229,7 +229,7 @@ class InvertedResidual(Rule):
             attrs.update(gate_add=float(se.attrs.get("gate_add", 3.0)), gate_min=float(se.attrs.get("gate_min", 0.0)),
                          gate_max=float(se.attrs.get("gate_max", 6.0)), gate_div=float(se.attrs.get("gate_div", 6.0)))
         inputs += [m["wproject"], m["bproject"]]
-        return b.op("fused_mbconv", inputs, attrs=attrs, name=m.anchor.name)
+        return b.op("fused_inverted_residual", inputs, attrs=attrs, name=m.anchor.name)
 
 
 RULES: List[Rule] = [InvertedResidual()]

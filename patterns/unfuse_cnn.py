@@ -1,6 +1,6 @@
 """Un-fusing the CNN ops: ``fused_split_attention`` → the stock ops GluonCV's ``SplitAttentionConv``
 writes (see ``patterns/split_attention.py``; a folded BatchNorm stays folded into the first layer);
-``fused_grouped_conv`` → ``Convolution`` [→ ``Activation(relu)``]; ``fused_mbconv`` → its three convolutions
+``fused_grouped_conv`` → ``Convolution`` [→ ``Activation(relu)``]; ``fused_inverted_residual`` → its three convolutions
 with their activations, SE and residual add as stock ops."""
 from __future__ import annotations
 
@@ -70,12 +70,12 @@ class UnfuseGroupedConv(_Unfuse):
         return y
 
 
-class UnfuseMBConv(_Unfuse):
-    """``fused_mbconv`` → [Convolution 1×1 → act] → Convolution depthwise → act [→ the SE's stock ops]
+class UnfuseInvertedResidual(_Unfuse):
+    """``fused_inverted_residual`` → [Convolution 1×1 → act] → Convolution depthwise → act [→ the SE's stock ops]
     → Convolution 1×1 [→ elemwise_add(·, x)]; act: Activation(relu) or the hard-swish ops."""
 
     def __init__(self):
-        super().__init__("fused_mbconv", 11)
+        super().__init__("fused_inverted_residual", 11)
 
     @staticmethod
     def _act(b: Builder, x: Entry, kind: str, name: str) -> Entry:
@@ -107,7 +107,7 @@ class UnfuseMBConv(_Unfuse):
             p = b.op("Pooling", [y], attrs={"global_pool": True, "pool_type": "avg", "kernel": (1, 1)},
                      name=name + "_se_pool")
             if "num_hidden" not in f.attrs:
-                raise FusionError("fused_mbconv '%s' lacks num_hidden: its SE cannot be rebuilt" % name)
+                raise FusionError("fused_inverted_residual '%s' lacks num_hidden: its SE cannot be rebuilt" % name)
             h = b.op("Convolution", [p, w1, b1], attrs={"kernel": (1, 1), "num_filter": int(f.attrs["num_hidden"])},
                      name=name + "_se_fc1")
             h = b.op("Activation", [h], attrs={"act_type": "relu"}, name=name + "_se_act")

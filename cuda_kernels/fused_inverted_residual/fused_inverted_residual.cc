@@ -1,4 +1,4 @@
-// fused_mbconv: MobileNet's inverted-residual block as one op, run by oneDNN 3.x with the
+// fused_inverted_residual: MobileNet's inverted-residual block as one op, run by oneDNN 3.x with the
 // activations kept in one layout (NHWC) from the block's input to its output.
 //
 //   a = act(conv1x1(x, We) + be)                     [expand]   (N, E, H, W)
@@ -189,9 +189,8 @@ struct Block {
   // a convolution over NHWC src/dst with bias, weights in the layout oneDNN picks, the block's
   // activation (or none) and, with `add`, a binary add of an NHWC tensor of dst's shape
   dnnl_primitive_t conv(const_dnnl_memory_desc_t src, const_dnnl_memory_desc_t uw, int wnd, const dnnl_dims_t wd,
-                        int64_t O, int64_t OH, int64_t OW, int64_t N, int64_t K, int64_t S, int64_t P,
+                        int64_t O, int64_t OH, int64_t OW, int64_t N, int64_t S, int64_t P,
                         dnnl_alg_kind_t eltwise, const_dnnl_memory_desc_t add, int slot) {
-    (void)K;
     const dnnl_dims_t dd = {N, O, OH, OW}, bd = {O};
     const_dnnl_memory_desc_t wany = md(wnd, wd, dnnl_format_tag_any);  // oneDNN picks the weight layout
     if (!wany) return nullptr;
@@ -239,9 +238,9 @@ struct Block {
     const_dnnl_memory_desc_t uwe = md(4, wed, dnnl_oihw), uwd = md(5, wdd, dnnl_goihw), uwp = md(4, wpd, dnnl_oihw);
     if (!ux || !xn || !uy || !an || !dn || !yn || !uwe || !uwd || !uwp) return false;
     const dnnl_alg_kind_t act = p.hswish ? dnnl_eltwise_hardswish : dnnl_eltwise_relu;
-    if (p.expand && !(c1 = conv(xn, uwe, 4, wed, E, H, W, N, 1, 1, 0, act, nullptr, 0))) return false;
-    if (!(c2 = conv(p.expand ? an : xn, uwd, 5, wdd, E, g.OH, g.OW, N, p.K, p.S, p.P, act, nullptr, 1))) return false;
-    if (!(c3 = conv(dn, uwp, 4, wpd, O, g.OH, g.OW, N, 1, 1, 0, dnnl_alg_kind_undef, p.residual ? xn : nullptr, 2)))
+    if (p.expand && !(c1 = conv(xn, uwe, 4, wed, E, H, W, N, 1, 0, act, nullptr, 0))) return false;
+    if (!(c2 = conv(p.expand ? an : xn, uwd, 5, wdd, E, g.OH, g.OW, N, p.S, p.P, act, nullptr, 1))) return false;
+    if (!(c3 = conv(dn, uwp, 4, wpd, O, g.OH, g.OW, N, 1, 0, dnnl_alg_kind_undef, p.residual ? xn : nullptr, 2)))
       return false;
     if (!reorder(ux, xn, &r_in) || !reorder(yn, uy, &r_out)) return false;
     u_x = mem(ux, nullptr);
@@ -367,14 +366,14 @@ void direct(const Params& p, const Geometry& g, const float* x, float* y, MXTens
 // ---------------------------------------------------------------------------------------------
 
 MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
-  return guarded("fused_mbconv", [&] {
+  return guarded("fused_inverted_residual", [&] {
     *nin = slots(parse(a)).n;
     *nout = 1;
   });
 }
 
 MXReturnValue infer_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
-  return guarded("fused_mbconv", [&] {
+  return guarded("fused_inverted_residual", [&] {
     for (size_t i = 0; i < in->size(); ++i)
       if ((*in)[i] != mxnet::ext::kFloat32) throw OpError("input " + std::to_string(i) + " must be float32");
     (*out)[0] = mxnet::ext::kFloat32;
@@ -386,7 +385,7 @@ void expect(const Shape& got, const Shape& want, const char* what) {
 }
 
 MXReturnValue infer_shape(const Attrs& attrs, std::vector<Shape>* in, std::vector<Shape>* out) {
-  return guarded("fused_mbconv", [&] {
+  return guarded("fused_inverted_residual", [&] {
     require_known_shapes(*in);
     const Params p = parse(attrs);
     const Slots s = slots(p);
@@ -425,13 +424,13 @@ bool dnnl_disabled() {
   return off && *off && std::string(off) != "0";
 }
 
-class MBConvOp : public mxnet::ext::CustomStatefulOp {
+class InvertedResidualOp : public mxnet::ext::CustomStatefulOp {
  public:
-  explicit MBConvOp(const Attrs& a) : p_(parse(a)), s_(slots(p_)) {}
+  explicit InvertedResidualOp(const Attrs& a) : p_(parse(a)), s_(slots(p_)) {}
 
   MXReturnValue Forward(std::vector<MXTensor>* in, std::vector<MXTensor>* out, const OpResource&) override {
-    return guarded("fused_mbconv", [&] {
-      for (auto& t : *in) require_f32(t, "fused_mbconv input");
+    return guarded("fused_inverted_residual", [&] {
+      for (auto& t : *in) require_f32(t, "fused_inverted_residual input");
       const Geometry g = geometry(p_, shapes_of(*in), s_);
       MXTensor* ws[3] = {p_.expand ? &(*in)[s_.we] : nullptr, &(*in)[s_.wd], &(*in)[s_.wp]};
       const float* bs[3] = {p_.expand ? (*in)[s_.be].data<float>() : nullptr, (*in)[s_.bd].data<float>(),
@@ -469,12 +468,12 @@ class MBConvOp : public mxnet::ext::CustomStatefulOp {
 
 MXReturnValue create_state(const Attrs& a, const mxnet::ext::MXContext&, const std::vector<Shape>&,
                            const std::vector<int>, mxnet::ext::CustomStatefulOp** op) {
-  return guarded("fused_mbconv", [&] { *op = mxnet::ext::CustomStatefulOp::create<MBConvOp>(a); });
+  return guarded("fused_inverted_residual", [&] { *op = mxnet::ext::CustomStatefulOp::create<InvertedResidualOp>(a); });
 }
 
 }  // namespace
 
-REGISTER_OP(fused_mbconv)
+REGISTER_OP(fused_inverted_residual)
     .setParseAttrs(parse_attrs)
     .setInferType(infer_type)
     .setInferShape(infer_shape)

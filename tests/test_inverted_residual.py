@@ -1,4 +1,4 @@
-"""MobileNet's inverted-residual block (patterns/inverted_residual.py → fused_mbconv).
+"""MobileNet's inverted-residual block (patterns/inverted_residual.py → fused_inverted_residual).
 
 Every form MobileNetV3 writes (expand or not, relu or hard-swish, with or without SE, with or
 without the residual add, strides 1 and 2, kernels 3 and 5), checked against MXNet at the
@@ -41,7 +41,7 @@ def test_blocks_fuse_exactly(case, direct, monkeypatch):
     sym, arg, aux = unit(*case)
     shapes = {"data": (1, case[0], 9, 9)}
     res = fuse_and_check(sym, shapes, arg, aux)
-    assert ops(res) == {"fused_mbconv": 1}, res.report.to_text(explain=True)
+    assert ops(res) == {"fused_inverted_residual": 1}, res.report.to_text(explain=True)
     for other in ((2, case[0], 9, 9), (3, case[0], 12, 7)):   # every size the original accepts
         v = fusion.verify((sym, arg, aux), res, input_shapes={"data": other})
         assert v.max_rel <= 1e-4, (other, v)
@@ -73,7 +73,7 @@ X = {"data": (1, 8, 7, 7)}
 
 def test_stock_block_fuses():
     res = fuse_and_check(block(), X)
-    assert ops(res) == {"fused_mbconv": 1}, res.report.to_text(explain=True)
+    assert ops(res) == {"fused_inverted_residual": 1}, res.report.to_text(explain=True)
 
 
 @pytest.mark.parametrize("kw,reason", [
@@ -82,7 +82,7 @@ def test_stock_block_fuses():
 ])
 def test_refusals(kw, reason):
     res = fuse_and_check(block(**kw), X)
-    assert "fused_mbconv" not in ops(res)
+    assert "fused_inverted_residual" not in ops(res)
     assert reason in rejections(res), res.report.to_text(explain=True)
 
 
@@ -91,7 +91,7 @@ def test_layers_of_different_activations_are_not_one_block():
     # form a block without expansion (and without the residual, which adds the block's input)
     res = fuse_and_check(block(act1=relu), X)
     assert "activations differ" in res.report.to_text(explain=True)
-    assert ops(res) == {"Convolution": 1, "Activation": 1, "fused_mbconv": 1, "elemwise_add": 1}, ops(res)
+    assert ops(res) == {"Convolution": 1, "Activation": 1, "fused_inverted_residual": 1, "elemwise_add": 1}, ops(res)
 
 
 def test_broadcasting_residual_add_is_refused():
@@ -106,22 +106,22 @@ def test_interior_value_used_elsewhere_is_refused():
     y = block()
     inner = y.get_internals()["dw_output"]
     res = fuse_and_check(mx.sym.Group([y, inner]), X)
-    assert "fused_mbconv" not in ops(res)
+    assert "fused_inverted_residual" not in ops(res)
 
 
 def test_unknown_shapes_refuse_with_reason():
     sym = block()
     arg, aux = random_params(sym, X)
     res = fusion.fuse(sym, arg, aux)
-    assert "fused_mbconv" not in ops(res)
+    assert "fused_inverted_residual" not in ops(res)
 
 
 def test_training_mode_is_refused():
     sym = block()
     arg, aux = random_params(sym, X)
     res = fusion.fuse(sym, arg, aux, mode="training", input_shapes=X)
-    assert "fused_mbconv" not in ops(res)
-    assert "fused_mbconv has no backward" in res.report.to_text(explain=True)
+    assert "fused_inverted_residual" not in ops(res)
+    assert "fused_inverted_residual has no backward" in res.report.to_text(explain=True)
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3]])
@@ -129,13 +129,13 @@ def test_unfuse_restores_stock_ops(case):
     sym, arg, aux = unit(*case)
     shapes = {"data": (1, case[0], 9, 9)}
     res = fusion.fuse(sym, arg, aux, input_shapes=shapes)
-    assert "fused_mbconv" in ops(res)
+    assert "fused_inverted_residual" in ops(res)
     plain = fusion.unfuse(res.symbol)
     assert not any(op.startswith("fused_") for op in ops(plain)), ops(plain)
     v = fusion.verify((sym, arg, aux), (plain, res.arg_params, res.aux_params), input_shapes=shapes)
     assert v.max_rel <= 1e-4, v
     again = fusion.fuse(plain, res.arg_params, res.aux_params, input_shapes=shapes)
-    assert ops(again).get("fused_mbconv") == 1, again.report.to_text(explain=True)
+    assert ops(again).get("fused_inverted_residual") == 1, again.report.to_text(explain=True)
 
 
 def test_mobilenetv3_every_block_fuses():
@@ -143,7 +143,7 @@ def test_mobilenetv3_every_block_fuses():
     with mx.name.NameManager():
         sym, arg, aux = export(mobilenetv3(multiplier=0.25, cls_ch_squeeze=64, cls_ch_expand=32, classes=10), shape)
     res = fusion.fuse(sym, arg, aux, input_shapes={"data": shape})
-    assert ops(res).get("fused_mbconv") == 15, res.report.to_text(explain=True)
+    assert ops(res).get("fused_inverted_residual") == 15, res.report.to_text(explain=True)
     for s in (shape, (2, 3, 48, 48)):
         v = fusion.verify((sym, arg, aux), res, input_shapes={"data": s})
         assert v.max_rel <= 1e-4, v
@@ -156,7 +156,7 @@ def test_new_weight_values_are_packed_again():
     sym, arg, aux = unit(8, 24, 8, 3, "hard_swish", True, 1)
     shapes = {"data": (1, 8, 9, 9)}
     res = fusion.fuse(sym, arg, aux, input_shapes=shapes)
-    assert ops(res) == {"fused_mbconv": 1}
+    assert ops(res) == {"fused_inverted_residual": 1}
     x = mx.nd.random.normal(shape=shapes["data"])
     args = dict(res.arg_params, data=x)
     exe = res.symbol.bind(mx.cpu(), {n: args[n].copy() for n in res.symbol.list_arguments()},
