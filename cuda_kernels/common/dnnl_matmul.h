@@ -1,6 +1,6 @@
 // Y = X * W^T + bias with the weight packed once into oneDNN's preferred blocked layout,
 // through oneDNN's matmul primitive (its C API, bound at run time from the same library
-// as dnnl_sgemm: the onednn-cpu-gomp wheel ships no headers).
+// as dnnl_sgemm: see dnnl_api.h).
 //
 // MXFUSION_NO_DNNL_MATMUL=1 turns it off (everything then goes through dnnl_sgemm).
 //
