@@ -445,6 +445,11 @@ class InvertedResidualOp : public mxnet::ext::CustomStatefulOp {
     });
   }
 
+  // Fused for inference only (the rule refuses training): the refusal every such op gives.
+  MXReturnValue Backward(std::vector<MXTensor>* in, std::vector<MXTensor>* out, const OpResource& res) override {
+    return inference_only_backward(Attrs(), in, out, res);
+  }
+
  private:
   Block* block(const Geometry& g) {
     if (dnnl_disabled() || !dnnl().engine) return nullptr;
