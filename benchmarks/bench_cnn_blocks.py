@@ -41,7 +41,7 @@ MODELS = ("se_resnext50_32x4d", "resnest50", "mobilenetv3_large", "densenet121",
           "se_resnet50_v1")
 ZOO = ("densenet121", "resnet50_v1", "resnet18_v1", "mobilenetv2_1.0")
 SHAPE = (1, 3, 224, 224)
-WATCHED = ("fused_se", "fused_split_attention", "fused_grouped_conv", "fused_elemwise", "Convolution", "BatchNorm", "Concat", "broadcast_mul",
+WATCHED = ("fused_inverted_residual", "fused_se", "fused_split_attention", "fused_grouped_conv", "fused_elemwise", "Convolution", "BatchNorm", "Concat", "broadcast_mul",
            "_contrib_AdaptiveAvgPooling2D", "Pooling", "sum", "expand_dims", "softmax")
 
 

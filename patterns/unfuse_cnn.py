@@ -1,6 +1,7 @@
 """Un-fusing the CNN ops: ``fused_split_attention`` → the stock ops GluonCV's ``SplitAttentionConv``
 writes (see ``patterns/split_attention.py``; a folded BatchNorm stays folded into the first layer);
-``fused_grouped_conv`` → ``Convolution`` [→ ``Activation(relu)``]."""
+``fused_grouped_conv`` → ``Convolution`` [→ ``Activation(relu)``]; ``fused_inverted_residual`` → its three convolutions
+with their activations, SE and residual add as stock ops."""
 from __future__ import annotations
 
 from fusion.errors import FusionError
@@ -66,4 +67,58 @@ class UnfuseGroupedConv(_Unfuse):
         y = b.op("Convolution", list(self.inputs(m)), attrs=attrs, name=f.name + "_conv")
         if f.attrs.get("act", "none") != "none":
             y = b.op("Activation", [y], attrs={"act_type": "relu"}, name=f.name)
+        return y
+
+
+class UnfuseInvertedResidual(_Unfuse):
+    """``fused_inverted_residual`` → [Convolution 1×1 → act] → Convolution depthwise → act [→ the SE's stock ops]
+    → Convolution 1×1 [→ elemwise_add(·, x)]; act: Activation(relu) or the hard-swish ops."""
+
+    def __init__(self):
+        super().__init__("fused_inverted_residual", 11)
+
+    @staticmethod
+    def _act(b: Builder, x: Entry, kind: str, name: str) -> Entry:
+        from .unfuse_elemwise import ElemwiseProgram
+        if kind == "hard_swish":
+            return ElemwiseProgram(b, [x], name).build("mul(x0, div(clip(add(x0, 3.0), 0.0, 6.0), 6.0))")
+        return b.op("Activation", [x], attrs={"act_type": "relu"}, name=name)
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        from .unfuse_elemwise import ElemwiseProgram
+        f = m.node("f")
+        ins = list(self.inputs(m))
+        flag = lambda k, d: str(f.attrs.get(k, d)).lower() in ("true", "1")  # noqa: E731
+        expand, se, residual = flag("expand", True), flag("se", False), flag("residual", False)
+        kind, name = f.attrs.get("act", "relu"), f.name
+        K, S, P = int(f.attrs.get("kernel", 3)), int(f.attrs.get("stride", 1)), int(f.attrs.get("pad", 1))
+        E, O = int(f.attrs["num_expand"]), int(f.attrs["num_filter"])
+        x = y = ins.pop(0)
+        if expand:
+            we, be = ins.pop(0), ins.pop(0)
+            y = b.op("Convolution", [y, we, be], attrs={"kernel": (1, 1), "num_filter": E}, name=name + "_expand")
+            y = self._act(b, y, kind, name + "_act1")
+        wd, bd = ins.pop(0), ins.pop(0)
+        y = b.op("Convolution", [y, wd, bd], attrs={"kernel": (K, K), "stride": (S, S), "pad": (P, P),
+                                                   "num_filter": E, "num_group": E}, name=name + "_dw")
+        y = self._act(b, y, kind, name + "_act2")
+        if se:
+            w1, b1, w2, b2 = ins.pop(0), ins.pop(0), ins.pop(0), ins.pop(0)
+            p = b.op("Pooling", [y], attrs={"global_pool": True, "pool_type": "avg", "kernel": (1, 1)},
+                     name=name + "_se_pool")
+            if "num_hidden" not in f.attrs:
+                raise FusionError("fused_inverted_residual '%s' lacks num_hidden: its SE cannot be rebuilt" % name)
+            h = b.op("Convolution", [p, w1, b1], attrs={"kernel": (1, 1), "num_filter": int(f.attrs["num_hidden"])},
+                     name=name + "_se_fc1")
+            h = b.op("Activation", [h], attrs={"act_type": "relu"}, name=name + "_se_act")
+            g = b.op("Convolution", [h, w2, b2], attrs={"kernel": (1, 1), "num_filter": E}, name=name + "_se_fc2")
+            g = ElemwiseProgram(b, [g], name + "_se_gate").build("div(clip(add(x0, %r), %r, %r), %r)" % (
+                float(f.attrs.get("gate_add", 3.0)), float(f.attrs.get("gate_min", 0.0)),
+                float(f.attrs.get("gate_max", 6.0)), float(f.attrs.get("gate_div", 6.0))))
+            y = b.op("broadcast_mul", [y, g], name=name + "_se_scale")
+        wp, bp = ins.pop(0), ins.pop(0)
+        y = b.op("Convolution", [y, wp, bp], attrs={"kernel": (1, 1), "num_filter": O},
+                 name=name + ("_project" if residual else ""))
+        if residual:
+            y = b.op("elemwise_add", [y, x], name=name)
         return y

@@ -113,7 +113,10 @@ def test_explain_groups_near_misses_by_rule_and_kind():
     assert [ln for ln in text.splitlines() if "near-miss" in ln or "×" in ln] == [
         "  near-misses of elementwise: 10, 2 kind(s)",
         "    5× Activation %s  (at relu4, relu3, relu2 (+2 more))" % tail,
-        "    5× elemwise_add %s  (at plus4, plus3, plus2 (+2 more))" % tail], text
+        "    5× elemwise_add %s  (at plus4, plus3, plus2 (+2 more))" % tail,
+        "  near-misses of inverted_residual: 9, 2 kind(s)",
+        "    8× input 0 of Activation: expected Convolution, found elemwise_add  (at plus4, conv4, plus3 (+5 more))",
+        "    1× input 0 of Convolution 'conv0': expected fused_se, found variable 'data'  (at plus0)"], text
     kinds = [r for r in res.report.to_dict()["rules"] if r["rule"] == "elementwise"][0]["near_miss_kinds"]
     assert [(k["count"], len(k["anchors"])) for k in kinds] == [(5, 5), (5, 5)]
 

@@ -3,7 +3,7 @@
 ``FAMILIES`` maps a family name to (build function, weight in a mixed run).  A build
 function takes a :class:`~tools.fuzz.case.Builder` and returns the graph's outputs.
 """
-from . import attention, blocks, conv, dense, dense_concat, elemwise, norm, params, se, split_attention
+from . import attention, blocks, conv, dense, dense_concat, elemwise, inverted_residual, norm, params, se, split_attention
 
 FAMILIES = {
     "conv": (conv.build, 3),
@@ -16,4 +16,5 @@ FAMILIES = {
     "se": (se.build, 3),
     "dense_concat": (dense_concat.build, 2),
     "split_attention": (split_attention.build, 2),
+    "inverted_residual": (inverted_residual.build, 2),
 }
