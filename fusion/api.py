@@ -213,6 +213,9 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     checker = SelfCheck(ctx, enabled=self_check)
     run_rules(graph, rule_list, ctx, report, checker)
     report.self_check = checker.stats if self_check else None
+    if mode == "inference":
+        from .precision import between_ops
+        ctx.precision_between = between_ops(graph, precision)
     _precision_notes(graph, ctx, report, amp)
     if device != "cpu":
         _device_note(device, mode, report)
@@ -268,6 +271,11 @@ def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read:
     report.notes.append("precision bf16: %d weight(s) cast once to bfloat16 (new parameters *_bf16; matrix "
                         "products accumulate in float32); float32 kept for: %s; self-check tolerance %g"
                         % (len(cast), "; ".join(FLOAT32_KEPT), tolerance(BFLOAT16)))
+    between = ctx.precision_between
+    if between:
+        report.notes.append("precision bf16: %d fused_dense output(s) held in bfloat16 between ops (read only by "
+                            "bfloat16 products, which rounded them anyway): %s" % (
+                                len(between), ", ".join(between[:5]) + (" …" if len(between) > 5 else "")))
     kept = {k: v for k, v in ctx.precision_kept.items() if k.split("'")[1] in {n.name for n in graph.op_nodes()}}
     if kept:
         report.notes.append("precision bf16: %d fused op(s) stay float32: %s" % (

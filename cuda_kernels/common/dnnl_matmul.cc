@@ -135,9 +135,10 @@ struct MatmulPrim {
     if (prim) api().prim_destroy(prim);
     if (pd) api().pd_destroy(pd);
   }
-  bool create(int64_t M, int64_t N, int64_t K, const void* wmd, bool has_bias, int src_dt = kF32) {
+  bool create(int64_t M, int64_t N, int64_t K, const void* wmd, bool has_bias, int src_dt = kF32,
+              int dst_dt = kF32) {
     const Api& a = api();
-    return src.strided(M, K, K, 1, src_dt) && dst.strided(M, N, N, 1) &&
+    return src.strided(M, K, K, 1, src_dt) && dst.strided(M, N, N, 1, dst_dt) &&
            (!has_bias || bias.strided(1, N, N, 1)) &&
            a.matmul_pd_create(&pd, a.engine, src.p, wmd, has_bias ? bias.p : nullptr, dst.p,
                               nullptr) == 0 &&
@@ -162,17 +163,17 @@ struct PackedMatmul::Shape {
   }
 };
 
-PackedMatmul::PackedMatmul(int64_t N, int64_t K, bool bias, bool bf16)
-    : N_(N), K_(K), bias_(bias), bf16_(bf16) {}
+PackedMatmul::PackedMatmul(int64_t N, int64_t K, bool bias, bool bf16, bool dst_bf16)
+    : N_(N), K_(K), bias_(bias), bf16_(bf16), dst_bf16_(bf16 && dst_bf16) {}
 
 std::unique_ptr<PackedMatmul> PackedMatmul::create(int64_t N, int64_t K, bool bias,
-                                                   std::string* why, bool bf16) {
+                                                   std::string* why, bool bf16, bool dst_bf16) {
   const Api& a = api();
   if (!a.engine) {
     if (why) *why = a.error;
     return nullptr;
   }
-  return std::unique_ptr<PackedMatmul>(new PackedMatmul(N, K, bias, bf16));
+  return std::unique_ptr<PackedMatmul>(new PackedMatmul(N, K, bias, bf16, dst_bf16));
 }
 
 PackedMatmul::~PackedMatmul() = default;
@@ -207,14 +208,14 @@ PackedMatmul::Packed* PackedMatmul::packed_for(const void* wmd, const void* W) {
 
 namespace {
 bool unpacked(const void* X, int64_t M, const void* W, int64_t N, int64_t K, const float* bias,
-              float* Y, int dt) {
+              void* Y, int dt, int dst_dt = kF32) {
   const Api& a = api();
   void* stream = thread_stream();
   if (!stream) return false;
   Md wmd;  // W (N, K) row-major read in place as the (K, N) weights
   MatmulPrim mm;
   void *ms = nullptr, *mw = nullptr, *mb = nullptr, *md = nullptr;
-  bool ok = wmd.strided(K, N, 1, K, dt) && mm.create(M, N, K, wmd.p, bias != nullptr, dt) &&
+  bool ok = wmd.strided(K, N, 1, K, dt) && mm.create(M, N, K, wmd.p, bias != nullptr, dt, dst_dt) &&
             a.mem_create(&ms, mm.src.p, a.engine, const_cast<void*>(X)) == 0 &&
             a.mem_create(&mw, wmd.p, a.engine, const_cast<void*>(W)) == 0 &&
             a.mem_create(&md, mm.dst.p, a.engine, Y) == 0 &&
@@ -235,8 +236,8 @@ bool matmul_unpacked(const float* X, int64_t M, const float* W, int64_t N, int64
 }
 
 bool matmul_unpacked_bf16(const uint16_t* X, int64_t M, const uint16_t* W, int64_t N, int64_t K,
-                          const float* bias, float* Y) {
-  return unpacked(X, M, W, N, K, bias, Y, kBF16);
+                          const float* bias, void* Y, bool dst_bf16) {
+  return unpacked(X, M, W, N, K, bias, Y, kBF16, dst_bf16 ? kBF16 : kF32);
 }
 
 void to_bf16(const float* x, uint16_t* y, int64_t n) {
@@ -256,7 +257,7 @@ void from_bf16(const uint16_t* x, float* y, int64_t n) {
   }
 }
 
-bool PackedMatmul::run(const void* X, int64_t M, const void* W, const float* bias, float* Y) {
+bool PackedMatmul::run(const void* X, int64_t M, const void* W, const float* bias, void* Y) {
   const Api& a = api();
   void* stream = thread_stream();
   if (!stream) return false;
@@ -270,7 +271,7 @@ bool PackedMatmul::run(const void* X, int64_t M, const void* W, const float* bia
     const dims12 wd = {K_, N_};
     const int dt = bf16_ ? kBF16 : kF32;
     bool ok = a.md_with_tag(&wany.p, 2, wd, dt, kTagAny) == 0 &&
-              s->mm.create(M, N_, K_, wany.p, bias_, dt);
+              s->mm.create(M, N_, K_, wany.p, bias_, dt, dst_bf16_ ? kBF16 : kF32);
     if (ok) {
       const void* wmd = a.pd_query_md(s->mm.pd, kQueryWeightsMd, 0);
       s->w = wmd ? packed_for(wmd, W) : nullptr;
