@@ -26,7 +26,10 @@ and what stays float32:
   keeps its values float32: its input is the residual stream, its output the next one.)
 
 An AMP-converted graph (``amp.convert_model(..., target_dtype="bfloat16")``) is read as its
-float32 model under this policy (``read_amp``).
+float32 model under this policy (``read_amp``).  A graph with convolutions (``AMP_CONVERTED``:
+the fused ops have no bfloat16 convolution) goes the other way: under precision="bf16" MXNet's
+AMP converts it first — its op lists decide what runs in bfloat16 around the convolutions — and
+the rules fuse the AMP graph (``convert_convolutions``), as ``amp.convert_model`` then ``fuse()``.
 
 bfloat16 keeps float32's exponent range with an 8-bit significand (relative rounding
 error 2⁻⁹ ≈ 2e-3 per operand): ``TOLERANCE`` is what ``fusion.verify``/``mxfuse
@@ -360,3 +363,63 @@ def between_ops(graph, precision: str) -> list:
     if changed:
         graph.mark_changed()
     return changed
+
+
+# -- convolutions under precision="bf16": MXNet's AMP converts them ------------------------------
+
+#: Ops the fused library has no bfloat16 form of, which MXNet's AMP runs in bfloat16 (oneDNN):
+#: under precision="bf16" a graph holding them is converted by AMP first (``convert_convolutions``).
+AMP_CONVERTED = ("Convolution", "Deconvolution")
+
+
+def convert_convolutions(symbol, arg_params: Dict, aux_params: Dict):
+    """precision='bf16' on a graph with convolutions (``AMP_CONVERTED``): MXNet's own AMP
+    (``amp.convert_model(..., target_dtype="bfloat16", cast_optional_params=True)``, AMP's op
+    lists deciding what runs in bfloat16 around them) converts the graph first, on copies of the
+    caller's arrays; the fusion rules then run on the AMP graph (as for ``amp.convert_model`` then
+    ``fuse()``).  A graph output AMP leaves in bfloat16 is cast back to float32 (model outputs keep
+    their dtype).
+
+    Returns ``(symbol, arg_params, aux_params, what)`` or None with nothing done: no convolution,
+    a graph AMP converted already, or one holding fused ops (fused before).  A FusionError says why
+    AMP cannot convert the graph."""
+    import json
+
+    import mxnet as mx
+
+    sym = symbol if isinstance(symbol, mx.sym.Symbol) else None
+    if sym is None:
+        return None
+    ops = [n["op"] for n in json.loads(sym.tojson())["nodes"]]
+    if not any(o in AMP_CONVERTED for o in ops) or any(o in AMP_OPS or o.startswith("fused_") for o in ops):
+        return None
+    from mxnet.contrib import amp
+
+    def copies(store):
+        return {k: (v.copy() if isinstance(v, mx.nd.NDArray) else mx.nd.array(np.asarray(v), dtype=np.asarray(v).dtype))
+                for k, v in (store or {}).items()}
+
+    try:
+        asym, aarg, aaux = amp.convert_model(sym, copies(arg_params), copies(aux_params), target_dtype=BFLOAT16,
+                                             cast_optional_params=True)
+    except FusionError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- MXNet's reason, on one line
+        raise FusionError("precision='bf16': MXNet's AMP cannot convert this graph's convolutions to bfloat16 (%s)"
+                          % (str(e).strip().splitlines() or ["no reason given"])[0][:300])
+    known = {k: v.dtype for store in (aarg, aaux) for k, v in store.items()}
+    names = asym.list_arguments() + asym.list_auxiliary_states()
+    try:
+        _, out_types, _ = asym.infer_type_partial(**{k: known[k] for k in names if k in known})
+    except Exception:           # noqa: BLE001 -- unknown: the outputs are left as AMP gives them
+        out_types = []
+    if any(t is not None and is_bf16(t) for t in out_types):
+        outs = [asym[i] for i in range(len(out_types))]
+        asym = mx.sym.Group([mx.sym.amp_cast(o, dtype=FLOAT32, name=o.name + "_float32")
+                             if t is not None and is_bf16(t) else o for o, t in zip(outs, out_types)])
+        if len(out_types) == 1:
+            asym = asym[0]
+    converted = sum(1 for o in ops if o in AMP_CONVERTED)
+    what = {"converted": converted, "bf16_params": sorted(k for k, v in known.items() if is_bf16(v))}
+    return asym, aarg, aaux, what
+

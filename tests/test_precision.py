@@ -733,3 +733,57 @@ def test_unfuse_keeps_the_bf16_hand_over():
     assert not any(op.startswith("fused_") for op in ops(plain))
     v = fusion.verify((sym, arg, aux), (plain, res.arg_params, res.aux_params), input_shapes=shapes)
     assert v.max_rel <= BF16_TOL, v
+
+
+# -- convolutions under precision="bf16": MXNet's AMP converts them first --------------------------
+
+def _small_cnn():
+    x = S.Convolution(S.var("data"), num_filter=8, kernel=(3, 3), pad=(1, 1), name="c1")
+    x = S.Activation(S.BatchNorm(x, name="bn1"), act_type="relu")
+    x = S.Convolution(x, num_filter=8, kernel=(3, 3), pad=(1, 1), name="c2")
+    x = S.Activation(S.BatchNorm(x, name="bn2") + S.var("data"), act_type="relu")
+    return S.FullyConnected(S.flatten(x), num_hidden=10, name="fc")
+
+
+@needs_bf16
+def test_bf16_on_a_cnn_runs_its_convolutions_in_bf16_through_amp():
+    sym = _small_cnn()
+    shapes = {"data": (1, 8, 6, 6)}
+    arg, aux = random_params(sym, shapes)
+    before = {k: v.asnumpy().copy() for k, v in arg.items()}
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    assert res.report.precision == P.BFLOAT16
+    assert "MXNet's AMP converted the graph first (its 2 convolution(s)" in res.report.to_text()
+    assert all(P.is_bf16(res.arg_params[n].dtype) for n in ("c1_weight", "c2_weight"))
+    assert all(np.array_equal(arg[k].asnumpy(), v) for k, v in before.items())      # the caller's arrays
+    _, out_types, _ = res.symbol.infer_type(data=np.float32)
+    assert out_types == [np.float32]                                                   # model output dtype kept
+    # the same model as amp.convert_model then fuse(), on the same input
+    from mxnet.contrib import amp
+    asym, aarg, aaux = amp.convert_model(sym, {k: v.copy() for k, v in arg.items()},
+                                         {k: v.copy() for k, v in aux.items()}, target_dtype="bfloat16",
+                                         cast_optional_params=True)
+    x = np.random.default_rng(0).standard_normal(shapes["data"]).astype(np.float32)
+    from fusion.verify import run as run_model     # (AMP's graph names its input twice: bound by position)
+    got = run_model(res.symbol, res.arg_params, res.aux_params, {"data": x})[0]
+    want = run_model(asym, aarg, aaux, {"data": x})[0].astype(np.float32)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    v = fusion.verify((sym, arg, aux), res, input_shapes=shapes)
+    assert v.max_rel <= BF16_TOL, v
+
+
+@needs_bf16
+def test_bf16_amp_conversion_only_for_graphs_with_convolutions():
+    """No convolution: the policy's own fused bf16 ops, no AMP casts; fused already: not converted again."""
+    sym = _dense_model("relu")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(sym, shapes)
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    assert "amp_cast" not in ops(res) and "MXNet's AMP converted" not in res.report.to_text()
+    cnn = _small_cnn()
+    shapes = {"data": (1, 8, 6, 6)}
+    arg, aux = random_params(cnn, shapes)
+    once = fusion.fuse(cnn, arg, aux, input_shapes=shapes, precision="bf16")
+    again = fusion.fuse(once.symbol, once.arg_params, once.aux_params, input_shapes=shapes, precision="bf16")
+    assert "MXNet's AMP converted" not in again.report.to_text()
+    assert fusion.verify((cnn, arg, aux), again, input_shapes=shapes).max_rel <= BF16_TOL
