@@ -264,6 +264,10 @@ def _dnnl_include():
     env = os.environ.get("MXFUSION_DNNL_INCLUDE")
     roots = [env] if env else []
     roots += [os.path.join(r, "include") for r in (sys.prefix, sys.base_prefix, sysconfig.get_paths()["data"])]
+    # a wheel's data files land in <prefix>/include for the <prefix>/lib/pythonX.Y/site-packages it
+    # was installed into: also a build environment's (pip's isolated builds add theirs to sys.path)
+    roots += [os.path.normpath(os.path.join(p, "..", "..", "..", "include"))
+              for p in sys.path if p.endswith("site-packages")]
     for r in roots:
         if os.path.exists(os.path.join(r, "oneapi", "dnnl", "dnnl.h")):
             return r

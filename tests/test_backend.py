@@ -198,3 +198,55 @@ def test_unexpected_failure_runs_the_block_unfused(monkeypatch):
     with pytest.warns(RuntimeWarning, match="runs unfused"):
         out = net(X)
     assert rel(out, ref(X)) <= RTOL
+
+
+def _gluoncv_twin(build, seed=0):
+    nets = []
+    for _ in range(2):
+        mx.random.seed(seed)
+        net = build()
+        net.initialize(mx.init.Xavier())
+        net(mx.nd.zeros((1, 3, 32, 32)))
+        arg = {name: p.data() for name, p in net.collect_params().items()}
+        randomize_batchnorm(arg, {}, seed)
+        for name, p in net.collect_params().items():
+            p.set_data(arg[name])
+        nets.append(net)
+    return nets
+
+
+@pytest.mark.parametrize("model", ["se_resnext", "resnest"])
+def test_inference_only_ops_in_a_trainable_block(model):
+    """A hybridized block builds the gradient graph of its whole graph even for inference, and its
+    parameters want gradients: ops fused for inference only (fused_se, fused_split_attention) must
+    not make MXNet refuse the block; training such a fused graph fails with a message that says why."""
+    from fusion import testing_gluoncv as gcv
+    build = {"se_resnext": lambda: gcv.se_resnext(layers=(1, 1), cardinality=4, bottleneck_width=4, classes=10),
+             "resnest": lambda: gcv.resnest(layers=(1, 1), radix=2, bottleneck_width=16, stem_width=8,
+                                            classes=10)}[model]
+    ref, net = _gluoncv_twin(build)
+    assert all(p.grad_req == "write" for p in net.collect_params().values() if p.name.endswith("weight"))
+    x = mx.nd.array(np.random.default_rng(1).standard_normal((2, 3, 32, 32)))
+    ref.hybridize()
+    net.hybridize(backend="fusion")
+    assert rel(net(x), ref(x)) <= RTOL
+    op = {"se_resnext": "fused_se", "resnest": "fused_split_attention"}[model]
+    assert fused_ops(net).get(op, 0) >= 1
+    x2 = mx.nd.array(np.random.default_rng(2).standard_normal((3, 3, 32, 32)))
+    assert rel(net(x2), ref(x2)) <= RTOL          # another batch size, same block
+    # fused for inference on purpose, then trained: a clear error, not a wrong gradient
+    forced = _gluoncv_twin(build)[1]
+    forced.hybridize(backend="fusion", mode="inference")
+    with autograd.record():
+        loss = forced(x).sum()
+    with pytest.raises(mx.base.MXNetError, match="fused for inference.*mode='training'"):
+        loss.backward()
+        mx.nd.waitall()
+
+
+def test_ops_fused_for_inference_only_report_no_backward():
+    from fusion import _native
+    caps = _native.capabilities()
+    for op in ("fused_se", "fused_split_attention", "fused_grouped_conv", "fused_concat_scale_act"):
+        assert caps[op]["backward"] == frozenset(), op
+    assert "cpu" in caps["fused_dense"]["backward"]

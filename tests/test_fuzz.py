@@ -138,6 +138,41 @@ def test_rounding_runs_do_not_hide_a_wrong_result(monkeypatch, family):
     assert any(c.endswith((".values", ".nan")) for c in found), (seed, found)
 
 
+@pytest.mark.parametrize("family", ["se", "dense", "norm", "conv"])
+def test_gluon_door_check_finds_a_wrong_fused_block(monkeypatch, family):
+    """The gluon check runs the graph through hybridize(backend="fusion") at both shapes and under
+    autograd: clean on a correct fuse, and a finding at each when the backend's fused graph is
+    off by 1 %."""
+    import mxnet as mx
+
+    import fusion.api
+    from tools.fuzz.case import Invalid
+    from tools.fuzz.generator import generate
+    from tools.fuzz.oracle import Oracle
+
+    for seed in range(7000, 7040):
+        try:
+            case = generate(seed, family)
+        except Invalid:
+            continue
+        out = Oracle(case, only=["gluon"]).run()
+        if out.valid and out.counters.get("gluon_checked_second") and out.counters.get("gluon_checked_training"):
+            break
+    else:
+        pytest.skip("no %s graph checked at two shapes and in training among the seeds tried" % family)
+    assert not out.findings, (seed, [(f.check, f.detail) for f in out.findings])
+
+    real = fusion.api._fuse_gc_off
+
+    def off_by_one_percent(*args, **kwargs):
+        res = real(*args, **kwargs)
+        res.symbol = mx.sym.Group([o * 1.01 for o in res.symbol])
+        return res
+    monkeypatch.setattr(fusion.api, "_fuse_gc_off", off_by_one_percent)
+    found = {f.check for f in Oracle(case, only=["gluon"]).run().findings}
+    assert {"gluon.values", "gluon.second.values", "gluon.training.values"} <= found, (seed, found)
+
+
 def test_equalities_one_rounding_apart_hold_in_the_snapped_rerun():
     """``eq(gelu(y), y)``: MXNet's oneDNN gelu gives y one ulp low where erf saturates, another order
     gives y exactly; the oracle's snapped rerun counts values one rounding apart as equal (and no

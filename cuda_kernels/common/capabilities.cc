@@ -3,7 +3,8 @@
 //
 // JSON text: {"fused_dense": {"forward": ["cpu", "gpu"], "backward": ["cpu"]}, ...}.
 // forward: the devices an op has a forward for (setForward, or setCreateOpState for a
-// stateful op); backward: setBackward's devices, and for a stateful op the devices whose
+// stateful op); backward: setBackward's devices (not mxf::inference_only_backward's, which
+// only refuses), and for a stateful op the devices whose
 // state implements Backward (MXNet registers a stateful backward for every device).
 #include <algorithm>
 #include <mutex>
@@ -52,7 +53,9 @@ extern "C" const char* mxf_capabilities() {
       op.mapToVector();
       std::set<std::string> fwd, bwd;
       for (const char* c : op.forward_ctx_cstr) fwd.insert(c);
-      for (const char* c : op.backward_ctx_cstr) bwd.insert(c);
+      for (size_t k = 0; k < op.backward_ctx_cstr.size(); ++k)   // a refusal is no backward
+        if (op.backward_fp[k] != &mxf::inference_only_backward)
+          bwd.insert(op.backward_ctx_cstr[k]);
       for (const char* c : op.create_op_ctx_cstr) {
         fwd.insert(c);
         if (stateful_backward(op.name, c)) bwd.insert(c);

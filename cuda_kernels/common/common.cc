@@ -6,6 +6,8 @@
 #include <mutex>
 #include <sstream>
 
+#include <oneapi/dnnl/dnnl.h>
+
 #include "mxf_common.h"
 
 namespace mxf {
@@ -114,10 +116,16 @@ void require_f32(const MXTensor& t, const char* what) {
     throw OpError(std::string(what) + " must be float32");
 }
 
+MXReturnValue inference_only_backward(const Attrs&, std::vector<MXTensor>*, std::vector<MXTensor>*,
+                                      const OpResource&) {
+  report_error("this fused op has no backward: the graph was fused for inference; fuse it with "
+               "mode='training' to train it (hybridize(backend='fusion') does so under autograd.record())");
+  return mxnet::ext::MX_FAIL;
+}
+
 // ---- dnnl_sgemm --------------------------------------------------------------
 namespace {
-using sgemm_fn = int (*)(char, char, int64_t, int64_t, int64_t, float, const float*, int64_t,
-                         const float*, int64_t, float, float*, int64_t);
+using sgemm_fn = decltype(&::dnnl_sgemm);
 sgemm_fn g_sgemm = nullptr;
 void* g_dnnl = nullptr;  // the dlopen handle g_sgemm came from
 std::string g_sgemm_error;

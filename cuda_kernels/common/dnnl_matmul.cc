@@ -1,206 +1,152 @@
-// oneDNN matmul with prepacked weights (see dnnl_matmul.h).  The handful of C API entry
-// points used are declared here from oneDNN 3.x's dnnl.h / dnnl_types.h (opaque handles
-// as void*; the enum values below are those of the 3.x headers).
+// oneDNN matmul with prepacked weights (see dnnl_matmul.h), through the oneDNN function
+// table of dnnl_api.h.
 #include "dnnl_matmul.h"
 
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 
+#include "dnnl_api.h"
 #include "mxf_common.h"
 
 namespace mxf {
 
 namespace {
-using status = int;  // dnnl_status_t: 0 = dnnl_success
-using dims12 = int64_t[12];  // dnnl_dims_t
-constexpr int kF32 = 3;            // dnnl_f32
-constexpr int kBF16 = 2;           // dnnl_bf16
-constexpr int kTagAny = 1;         // dnnl_format_tag_any
-constexpr int kCpu = 1;            // dnnl_cpu
-constexpr int kInOrder = 1;        // dnnl_stream_default_flags
-constexpr int kQueryWeightsMd = 131;  // dnnl_query_weights_md
-constexpr int kArgSrc = 1, kArgDst = 17, kArgWeights = 33, kArgBias = 41;
-void* const kAllocate = reinterpret_cast<void*>(~uintptr_t{0});  // DNNL_MEMORY_ALLOCATE
-
-struct ExecArg {  // dnnl_exec_arg_t
-  int arg;
-  void* memory;
-};
-
-struct Api {
-  status (*engine_create)(void**, int, size_t);
-  status (*stream_create)(void**, void*, unsigned);
-  status (*stream_wait)(void*);
-  status (*stream_destroy)(void*);
-  status (*md_with_strides)(void**, int, const int64_t*, int, const int64_t*);
-  status (*md_with_tag)(void**, int, const int64_t*, int, int);
-  status (*md_destroy)(void*);
-  status (*md_clone)(void**, const void*);
-  int (*md_equal)(const void*, const void*);
-  status (*matmul_pd_create)(void**, void*, const void*, const void*, const void*, const void*,
-                             const void*);
-  const void* (*pd_query_md)(const void*, int, int);
-  status (*pd_destroy)(void*);
-  status (*prim_create)(void**, const void*);
-  status (*prim_destroy)(void*);
-  status (*prim_execute)(const void*, void*, int, const ExecArg*);
-  status (*reorder_pd_create)(void**, const void*, void*, const void*, void*, const void*);
-  status (*mem_create)(void**, const void*, void*, void*);
-  status (*mem_set_handle)(void*, void*);
-  status (*mem_destroy)(void*);
-  void* engine = nullptr;
-  std::string error;
-};
-
-template <class F>
-bool bind_symbol(F& f, const char* name, std::string& err) {
-  f = reinterpret_cast<F>(dnnl_symbol(name));
-  if (!f) err += std::string(err.empty() ? "" : ", ") + name;
-  return f != nullptr;
-}
-
-const Api& api() {
-  static Api a;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    if (const char* off = std::getenv("MXFUSION_NO_DNNL_MATMUL")) {
-      if (*off && std::string(off) != "0") {  // debugging aid; the tests cover the sgemm path
-        a.error = "oneDNN matmul disabled by MXFUSION_NO_DNNL_MATMUL";
-        return;
-      }
-    }
-    std::string miss;
-    bind_symbol(a.engine_create, "dnnl_engine_create", miss);
-    bind_symbol(a.stream_create, "dnnl_stream_create", miss);
-    bind_symbol(a.stream_wait, "dnnl_stream_wait", miss);
-    bind_symbol(a.stream_destroy, "dnnl_stream_destroy", miss);
-    bind_symbol(a.md_with_strides, "dnnl_memory_desc_create_with_strides", miss);
-    bind_symbol(a.md_with_tag, "dnnl_memory_desc_create_with_tag", miss);
-    bind_symbol(a.md_destroy, "dnnl_memory_desc_destroy", miss);
-    bind_symbol(a.md_clone, "dnnl_memory_desc_clone", miss);
-    bind_symbol(a.md_equal, "dnnl_memory_desc_equal", miss);
-    bind_symbol(a.matmul_pd_create, "dnnl_matmul_primitive_desc_create", miss);
-    bind_symbol(a.pd_query_md, "dnnl_primitive_desc_query_md", miss);
-    bind_symbol(a.pd_destroy, "dnnl_primitive_desc_destroy", miss);
-    bind_symbol(a.prim_create, "dnnl_primitive_create", miss);
-    bind_symbol(a.prim_destroy, "dnnl_primitive_destroy", miss);
-    bind_symbol(a.prim_execute, "dnnl_primitive_execute", miss);
-    bind_symbol(a.reorder_pd_create, "dnnl_reorder_primitive_desc_create", miss);
-    bind_symbol(a.mem_create, "dnnl_memory_create", miss);
-    bind_symbol(a.mem_set_handle, "dnnl_memory_set_data_handle", miss);
-    bind_symbol(a.mem_destroy, "dnnl_memory_destroy", miss);
-    if (!miss.empty()) {
-      a.error = "oneDNN matmul API not found (" + miss + ")";
-      return;
-    }
-    if (a.engine_create(&a.engine, kCpu, 0) != 0) {
-      a.engine = nullptr;
-      a.error = "oneDNN CPU engine could not be created";
-    }
-  });
-  return a;
+// The table of oneDNN functions, unless MXFUSION_NO_DNNL_MATMUL turns this path off.
+const DnnlApi* api_or_null(std::string* why) {
+  static const bool off = [] {
+    const char* e = std::getenv("MXFUSION_NO_DNNL_MATMUL");  // debugging aid; the tests cover sgemm
+    return e && *e && std::string(e) != "0";
+  }();
+  if (off) {
+    if (why) *why = "oneDNN matmul disabled by MXFUSION_NO_DNNL_MATMUL";
+    return nullptr;
+  }
+  const DnnlApi& a = dnnl();
+  if (!a.engine) {
+    if (why) *why = a.error;
+    return nullptr;
+  }
+  return &a;
 }
 
 // Owns a oneDNN memory descriptor.
 struct Md {
-  void* p = nullptr;
-  ~Md() { if (p) api().md_destroy(p); }
-  bool strided(int64_t d0, int64_t d1, int64_t s0, int64_t s1, int dt = kF32) {
-    const dims12 d = {d0, d1}, s = {s0, s1};
-    return api().md_with_strides(&p, 2, d, dt, s) == 0;
+  dnnl_memory_desc_t p = nullptr;
+  ~Md() {
+    if (p) dnnl().dnnl_memory_desc_destroy(p);
+  }
+  // a 2-D (d0, d1) matrix with strides (s0, s1)
+  bool strided(int64_t d0, int64_t d1, int64_t s0, int64_t s1, dnnl_data_type_t dt = dnnl_f32) {
+    const dnnl_dims_t d = {d0, d1}, s = {s0, s1};
+    return dnnl().dnnl_memory_desc_create_with_strides(&p, 2, d, dt, s) == dnnl_success;
   }
 };
 
-// The calling thread's oneDNN stream (MXNet may run ops from several engine threads);
-// null when none can be created.
-void* thread_stream() {
-  struct Stream {
-    void* s = nullptr;
-    ~Stream() { if (s) api().stream_destroy(s); }
-  };
-  thread_local Stream st;
-  const Api& a = api();
-  if (!st.s && a.engine && a.stream_create(&st.s, a.engine, kInOrder) != 0) st.s = nullptr;
-  return st.s;
-}
+// Owns a oneDNN memory (a descriptor bound to a buffer).
+struct Mem {
+  dnnl_memory_t p = nullptr;
+  ~Mem() {
+    if (p) dnnl().dnnl_memory_destroy(p);
+  }
+  bool create(const_dnnl_memory_desc_t md, void* handle) {
+    const DnnlApi& a = dnnl();
+    return a.dnnl_memory_create(&p, md, a.engine, handle) == dnnl_success;
+  }
+};
+
+// Owns a primitive descriptor and its primitive.
+struct Prim {
+  dnnl_primitive_desc_t pd = nullptr;
+  dnnl_primitive_t prim = nullptr;
+  ~Prim() {
+    if (prim) dnnl().dnnl_primitive_destroy(prim);
+    if (pd) dnnl().dnnl_primitive_desc_destroy(pd);
+  }
+  bool make() { return dnnl().dnnl_primitive_create(&prim, pd) == dnnl_success; }
+  // runs it on the calling thread's stream and waits
+  bool run(int nargs, const dnnl_exec_arg_t* args) const {
+    const DnnlApi& a = dnnl();
+    dnnl_stream_t stream = dnnl_thread_stream();
+    return stream && a.dnnl_primitive_execute(prim, stream, nargs, args) == dnnl_success &&
+           a.dnnl_stream_wait(stream) == dnnl_success;
+  }
+};
 
 // The matmul primitive Y (M, N) = X (M, K) * W (K, N) [+ bias (1, N)] for row-major X
 // and Y and the weight layout `wmd` (oneDNN caches primitives: a repeat is cheap).
 struct MatmulPrim {
   Md src, bias, dst;
-  void* pd = nullptr;
-  void* prim = nullptr;
-  ~MatmulPrim() {
-    if (prim) api().prim_destroy(prim);
-    if (pd) api().pd_destroy(pd);
-  }
-  bool create(int64_t M, int64_t N, int64_t K, const void* wmd, bool has_bias, int src_dt = kF32,
-              int dst_dt = kF32) {
-    const Api& a = api();
-    return src.strided(M, K, K, 1, src_dt) && dst.strided(M, N, N, 1, dst_dt) &&
-           (!has_bias || bias.strided(1, N, N, 1)) &&
-           a.matmul_pd_create(&pd, a.engine, src.p, wmd, has_bias ? bias.p : nullptr, dst.p,
-                              nullptr) == 0 &&
-           a.prim_create(&prim, pd) == 0;
+  Prim p;
+  bool create(int64_t M, int64_t N, int64_t K, const_dnnl_memory_desc_t wmd, bool has_bias,
+              dnnl_data_type_t src_dt = dnnl_f32, dnnl_data_type_t dst_dt = dnnl_f32,
+              MatmulEltwise post = {}) {
+    const DnnlApi& a = dnnl();
+    // the post-op, when there is one: an attribute the primitive descriptor copies
+    dnnl_primitive_attr_t attr = nullptr;
+    dnnl_post_ops_t ops = nullptr;
+    bool ok = post.alg == dnnl_alg_kind_undef ||
+              (a.dnnl_primitive_attr_create(&attr) == dnnl_success &&
+               a.dnnl_post_ops_create(&ops) == dnnl_success &&
+               a.dnnl_post_ops_append_eltwise(ops, post.alg, post.alpha, post.beta) == dnnl_success &&
+               a.dnnl_primitive_attr_set_post_ops(attr, ops) == dnnl_success);
+    ok = ok && src.strided(M, K, K, 1, src_dt) && dst.strided(M, N, N, 1, dst_dt) &&
+         (!has_bias || bias.strided(1, N, N, 1)) &&
+         a.dnnl_matmul_primitive_desc_create(&p.pd, a.engine, src.p, wmd,
+                                             has_bias ? bias.p : nullptr, dst.p,
+                                             attr) == dnnl_success &&
+         p.make();
+    if (ops) a.dnnl_post_ops_destroy(ops);
+    if (attr) a.dnnl_primitive_attr_destroy(attr);
+    return ok;
   }
 };
 }  // namespace
 
 struct PackedMatmul::Packed {
-  Md md;                 // the blocked weight layout
-  void* mem = nullptr;   // oneDNN-allocated, holding W in that layout
-  ~Packed() { if (mem) api().mem_destroy(mem); }
+  Md md;    // the blocked weight layout
+  Mem mem;  // oneDNN-allocated, holding W in that layout
 };
 
 struct PackedMatmul::Shape {
   MatmulPrim mm;
   Packed* w = nullptr;
-  void *src = nullptr, *bias = nullptr, *dst = nullptr;  // memories; handles set per call
-  ~Shape() {
-    for (void* m : {src, bias, dst})
-      if (m) api().mem_destroy(m);
-  }
+  Mem src, bias, dst;  // handles set per call
 };
 
-PackedMatmul::PackedMatmul(int64_t N, int64_t K, bool bias, bool bf16, bool dst_bf16)
-    : N_(N), K_(K), bias_(bias), bf16_(bf16), dst_bf16_(bf16 && dst_bf16) {}
+PackedMatmul::PackedMatmul(int64_t N, int64_t K, bool bias, bool bf16, bool dst_bf16,
+                           MatmulEltwise post)
+    : N_(N), K_(K), bias_(bias), bf16_(bf16), dst_bf16_(bf16 && dst_bf16), post_(post) {}
 
 std::unique_ptr<PackedMatmul> PackedMatmul::create(int64_t N, int64_t K, bool bias,
-                                                   std::string* why, bool bf16, bool dst_bf16) {
-  const Api& a = api();
-  if (!a.engine) {
-    if (why) *why = a.error;
-    return nullptr;
-  }
-  return std::unique_ptr<PackedMatmul>(new PackedMatmul(N, K, bias, bf16, dst_bf16));
+                                                   std::string* why, bool bf16, bool dst_bf16,
+                                                   MatmulEltwise post) {
+  if (!api_or_null(why)) return nullptr;
+  return std::unique_ptr<PackedMatmul>(new PackedMatmul(N, K, bias, bf16, dst_bf16, post));
 }
 
 PackedMatmul::~PackedMatmul() = default;
 
-PackedMatmul::Packed* PackedMatmul::packed_for(const void* wmd, const void* W) {
-  const Api& a = api();
+PackedMatmul::Packed* PackedMatmul::packed_for(const void* wmd_, const void* W) {
+  const DnnlApi& a = dnnl();
+  const auto wmd = static_cast<const_dnnl_memory_desc_t>(wmd_);
   for (auto& p : packed_)
-    if (a.md_equal(p->md.p, wmd)) return p.get();
-  void* stream = thread_stream();
-  if (!stream) return nullptr;
+    if (a.dnnl_memory_desc_equal(p->md.p, wmd)) return p.get();
   auto p = std::make_unique<Packed>();
   Md user;  // W (N, K) row-major is the (K, N) weight matrix with strides (1, K)
-  void* rpd = nullptr;
-  void* rprim = nullptr;
-  void* umem = nullptr;
-  bool ok = a.md_clone(&p->md.p, wmd) == 0 && user.strided(K_, N_, 1, K_, bf16_ ? kBF16 : kF32) &&
-            a.mem_create(&p->mem, p->md.p, a.engine, kAllocate) == 0 &&
-            a.mem_create(&umem, user.p, a.engine, const_cast<void*>(W)) == 0 &&
-            a.reorder_pd_create(&rpd, user.p, a.engine, p->md.p, a.engine, nullptr) == 0 &&
-            a.prim_create(&rprim, rpd) == 0;
+  Mem umem;
+  Prim reorder;
+  bool ok = a.dnnl_memory_desc_clone(&p->md.p, wmd) == dnnl_success &&
+            user.strided(K_, N_, 1, K_, bf16_ ? dnnl_bf16 : dnnl_f32) &&
+            p->mem.create(p->md.p, DNNL_MEMORY_ALLOCATE) &&
+            umem.create(user.p, const_cast<void*>(W)) &&
+            a.dnnl_reorder_primitive_desc_create(&reorder.pd, user.p, a.engine, p->md.p, a.engine,
+                                                 nullptr) == dnnl_success &&
+            reorder.make();
   if (ok) {
-    const ExecArg args[2] = {{kArgSrc, umem}, {kArgDst, p->mem}};
-    ok = a.prim_execute(rprim, stream, 2, args) == 0 && a.stream_wait(stream) == 0;
+    const dnnl_exec_arg_t args[2] = {{DNNL_ARG_SRC, umem.p}, {DNNL_ARG_DST, p->mem.p}};
+    ok = reorder.run(2, args);
   }
-  if (rprim) a.prim_destroy(rprim);
-  if (rpd) a.pd_destroy(rpd);
-  if (umem) a.mem_destroy(umem);
   if (!ok) return nullptr;
   packed_.push_back(std::move(p));
   return packed_.back().get();
@@ -208,36 +154,30 @@ PackedMatmul::Packed* PackedMatmul::packed_for(const void* wmd, const void* W) {
 
 namespace {
 bool unpacked(const void* X, int64_t M, const void* W, int64_t N, int64_t K, const float* bias,
-              void* Y, int dt, int dst_dt = kF32) {
-  const Api& a = api();
-  void* stream = thread_stream();
-  if (!stream) return false;
+              void* Y, dnnl_data_type_t dt, dnnl_data_type_t dst_dt = dnnl_f32,
+              MatmulEltwise post = {}) {
+  if (!api_or_null(nullptr)) return false;
   Md wmd;  // W (N, K) row-major read in place as the (K, N) weights
   MatmulPrim mm;
-  void *ms = nullptr, *mw = nullptr, *mb = nullptr, *md = nullptr;
-  bool ok = wmd.strided(K, N, 1, K, dt) && mm.create(M, N, K, wmd.p, bias != nullptr, dt, dst_dt) &&
-            a.mem_create(&ms, mm.src.p, a.engine, const_cast<void*>(X)) == 0 &&
-            a.mem_create(&mw, wmd.p, a.engine, const_cast<void*>(W)) == 0 &&
-            a.mem_create(&md, mm.dst.p, a.engine, Y) == 0 &&
-            (!bias || a.mem_create(&mb, mm.bias.p, a.engine, const_cast<float*>(bias)) == 0);
-  if (ok) {
-    const ExecArg args[4] = {{kArgSrc, ms}, {kArgWeights, mw}, {kArgDst, md}, {kArgBias, mb}};
-    ok = a.prim_execute(mm.prim, stream, bias ? 4 : 3, args) == 0 && a.stream_wait(stream) == 0;
-  }
-  for (void* m : {ms, mw, mb, md})
-    if (m) a.mem_destroy(m);
-  return ok;
+  Mem ms, mw, mb, md;
+  bool ok = wmd.strided(K, N, 1, K, dt) && mm.create(M, N, K, wmd.p, bias != nullptr, dt, dst_dt, post) &&
+            ms.create(mm.src.p, const_cast<void*>(X)) && mw.create(wmd.p, const_cast<void*>(W)) &&
+            md.create(mm.dst.p, Y) && (!bias || mb.create(mm.bias.p, const_cast<float*>(bias)));
+  if (!ok) return false;
+  const dnnl_exec_arg_t args[4] = {
+      {DNNL_ARG_SRC, ms.p}, {DNNL_ARG_WEIGHTS, mw.p}, {DNNL_ARG_DST, md.p}, {DNNL_ARG_BIAS, mb.p}};
+  return mm.p.run(bias ? 4 : 3, args);
 }
 }  // namespace
 
 bool matmul_unpacked(const float* X, int64_t M, const float* W, int64_t N, int64_t K,
                      const float* bias, float* Y) {
-  return unpacked(X, M, W, N, K, bias, Y, kF32);
+  return unpacked(X, M, W, N, K, bias, Y, dnnl_f32);
 }
 
 bool matmul_unpacked_bf16(const uint16_t* X, int64_t M, const uint16_t* W, int64_t N, int64_t K,
-                          const float* bias, void* Y, bool dst_bf16) {
-  return unpacked(X, M, W, N, K, bias, Y, kBF16, dst_bf16 ? kBF16 : kF32);
+                          const float* bias, void* Y, bool dst_bf16, MatmulEltwise post) {
+  return unpacked(X, M, W, N, K, bias, Y, dnnl_bf16, dst_bf16 ? dnnl_bf16 : dnnl_f32, post);
 }
 
 void to_bf16(const float* x, uint16_t* y, int64_t n) {
@@ -258,9 +198,7 @@ void from_bf16(const uint16_t* x, float* y, int64_t n) {
 }
 
 bool PackedMatmul::run(const void* X, int64_t M, const void* W, const float* bias, void* Y) {
-  const Api& a = api();
-  void* stream = thread_stream();
-  if (!stream) return false;
+  const DnnlApi& a = dnnl();
   std::lock_guard<std::mutex> lk(mu_);
   auto it = shapes_.find(M);
   if (it != shapes_.end() && !it->second) return false;  // this M failed before
@@ -268,16 +206,16 @@ bool PackedMatmul::run(const void* X, int64_t M, const void* W, const float* bia
     if (shapes_.size() >= kMaxShapes) return false;
     auto s = std::make_unique<Shape>();
     Md wany;  // "any": oneDNN picks the blocked layout, packed_for() reorders W into it
-    const dims12 wd = {K_, N_};
-    const int dt = bf16_ ? kBF16 : kF32;
-    bool ok = a.md_with_tag(&wany.p, 2, wd, dt, kTagAny) == 0 &&
-              s->mm.create(M, N_, K_, wany.p, bias_, dt, dst_bf16_ ? kBF16 : kF32);
+    const dnnl_dims_t wd = {K_, N_};
+    const dnnl_data_type_t dt = bf16_ ? dnnl_bf16 : dnnl_f32;
+    bool ok = a.dnnl_memory_desc_create_with_tag(&wany.p, 2, wd, dt, dnnl_format_tag_any) ==
+                  dnnl_success &&
+              s->mm.create(M, N_, K_, wany.p, bias_, dt, dst_bf16_ ? dnnl_bf16 : dnnl_f32, post_);
     if (ok) {
-      const void* wmd = a.pd_query_md(s->mm.pd, kQueryWeightsMd, 0);
+      const_dnnl_memory_desc_t wmd = a.dnnl_primitive_desc_query_md(s->mm.p.pd, dnnl_query_weights_md, 0);
       s->w = wmd ? packed_for(wmd, W) : nullptr;
-      ok = s->w && a.mem_create(&s->src, s->mm.src.p, a.engine, nullptr) == 0 &&
-           a.mem_create(&s->dst, s->mm.dst.p, a.engine, nullptr) == 0 &&
-           (!bias_ || a.mem_create(&s->bias, s->mm.bias.p, a.engine, nullptr) == 0);
+      ok = s->w && s->src.create(s->mm.src.p, nullptr) && s->dst.create(s->mm.dst.p, nullptr) &&
+           (!bias_ || s->bias.create(s->mm.bias.p, nullptr));
     }
     if (!ok) {
       shapes_.emplace(M, nullptr);  // remember: sgemm serves this M from now on
@@ -286,11 +224,15 @@ bool PackedMatmul::run(const void* X, int64_t M, const void* W, const float* bia
     it = shapes_.emplace(M, std::move(s)).first;
   }
   Shape& s = *it->second;
-  if (a.mem_set_handle(s.src, const_cast<void*>(X)) != 0 || a.mem_set_handle(s.dst, Y) != 0 ||
-      (bias_ && a.mem_set_handle(s.bias, const_cast<float*>(bias)) != 0))
+  if (a.dnnl_memory_set_data_handle(s.src.p, const_cast<void*>(X)) != dnnl_success ||
+      a.dnnl_memory_set_data_handle(s.dst.p, Y) != dnnl_success ||
+      (bias_ && a.dnnl_memory_set_data_handle(s.bias.p, const_cast<float*>(bias)) != dnnl_success))
     return false;
-  ExecArg args[4] = {{kArgSrc, s.src}, {kArgWeights, s.w->mem}, {kArgDst, s.dst}, {kArgBias, s.bias}};
-  return a.prim_execute(s.mm.prim, stream, bias_ ? 4 : 3, args) == 0 && a.stream_wait(stream) == 0;
+  const dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, s.src.p},
+                                   {DNNL_ARG_WEIGHTS, s.w->mem.p},
+                                   {DNNL_ARG_DST, s.dst.p},
+                                   {DNNL_ARG_BIAS, s.bias.p}};
+  return s.mm.p.run(bias_ ? 4 : 3, args);
 }
 
 }  // namespace mxf

@@ -42,6 +42,14 @@ MXReturnValue guarded(const char* op, F&& body) {
   }
 }
 
+// The backward of an op that is fused for inference only (its rules refuse training).  It
+// exists because a hybridized Gluon block builds the gradient graph of its whole graph when
+// the block is created, inference included, and MXNet refuses a graph with an op without
+// one; it is never run unless a graph fused for inference is trained, and then it fails
+// with a message that says so.  mxf_capabilities() does not count it as a backward.
+MXReturnValue inference_only_backward(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                                      std::vector<MXTensor>* outputs, const OpResource& res);
+
 std::string attr_str(const Attrs& a, const char* name, const char* dflt);
 bool has_attr(const Attrs& a, const char* name);
 float attr_float(const Attrs& a, const char* name, float dflt);

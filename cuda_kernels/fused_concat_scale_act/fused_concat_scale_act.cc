@@ -137,4 +137,5 @@ REGISTER_OP(fused_concat_scale_act)
     .setParseAttrs(parse_attrs)
     .setInferType(infer_type)
     .setInferShape(infer_shape)
-    .setForward(forward, "cpu");
+    .setForward(forward, "cpu")
+    .setBackward(inference_only_backward, "cpu");

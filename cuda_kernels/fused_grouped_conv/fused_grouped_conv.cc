@@ -17,95 +17,12 @@
 #include <mutex>
 #include <tuple>
 
+#include "dnnl_api.h"
 #include "mxf_common.h"
 
 using namespace mxf;
 
 namespace {
-
-using status = int;
-using dims12 = int64_t[12];
-constexpr int kF32 = 3, kTagAny = 1, kTagA = 2, kTagAbcd = 5, kTagAbcde = 6, kCpu = 1, kInOrder = 1;
-constexpr int kForwardInference = 96, kConvDirect = 1, kEltwiseRelu = 0x20;
-constexpr int kQuerySrcMd = 129, kQueryWeightsMd = 131, kQueryDstMd = 133;
-constexpr int kArgSrc = 1, kArgDst = 17, kArgWeights = 33, kArgBias = 41;
-void* const kAllocate = reinterpret_cast<void*>(~uintptr_t{0});
-
-struct ExecArg {
-  int arg;
-  void* memory;
-};
-
-struct Api {
-  status (*engine_create)(void**, int, size_t);
-  status (*stream_create)(void**, void*, unsigned);
-  status (*stream_wait)(void*);
-  status (*md_with_tag)(void**, int, const int64_t*, int, int);
-  status (*md_destroy)(void*);
-  int (*md_equal)(const void*, const void*);
-  status (*conv_pd_create)(void**, void*, int, int, const void*, const void*, const void*, const void*,
-                           const int64_t*, const int64_t*, const int64_t*, const int64_t*, const void*);
-  const void* (*pd_query_md)(const void*, int, int);
-  status (*pd_destroy)(void*);
-  status (*prim_create)(void**, const void*);
-  status (*prim_destroy)(void*);
-  status (*prim_execute)(const void*, void*, int, const ExecArg*);
-  status (*reorder_pd_create)(void**, const void*, void*, const void*, void*, const void*);
-  status (*mem_create)(void**, const void*, void*, void*);
-  status (*mem_set_handle)(void*, void*);
-  status (*mem_destroy)(void*);
-  status (*post_ops_create)(void**);
-  status (*post_ops_append_eltwise)(void*, int, float, float);
-  status (*post_ops_destroy)(void*);
-  status (*attr_create)(void**);
-  status (*attr_set_post_ops)(void*, const void*);
-  status (*attr_destroy)(void*);
-  void* engine = nullptr;
-};
-
-template <class F>
-void bind(F& f, const char* name, bool& ok) {
-  f = reinterpret_cast<F>(dnnl_symbol(name));
-  ok = ok && f != nullptr;
-}
-
-const Api* api() {
-  static Api a;
-  static bool ok = true;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    bind(a.engine_create, "dnnl_engine_create", ok);
-    bind(a.stream_create, "dnnl_stream_create", ok);
-    bind(a.stream_wait, "dnnl_stream_wait", ok);
-    bind(a.md_with_tag, "dnnl_memory_desc_create_with_tag", ok);
-    bind(a.md_destroy, "dnnl_memory_desc_destroy", ok);
-    bind(a.md_equal, "dnnl_memory_desc_equal", ok);
-    bind(a.conv_pd_create, "dnnl_convolution_forward_primitive_desc_create", ok);
-    bind(a.pd_query_md, "dnnl_primitive_desc_query_md", ok);
-    bind(a.pd_destroy, "dnnl_primitive_desc_destroy", ok);
-    bind(a.prim_create, "dnnl_primitive_create", ok);
-    bind(a.prim_destroy, "dnnl_primitive_destroy", ok);
-    bind(a.prim_execute, "dnnl_primitive_execute", ok);
-    bind(a.reorder_pd_create, "dnnl_reorder_primitive_desc_create", ok);
-    bind(a.mem_create, "dnnl_memory_create", ok);
-    bind(a.mem_set_handle, "dnnl_memory_set_data_handle", ok);
-    bind(a.mem_destroy, "dnnl_memory_destroy", ok);
-    bind(a.post_ops_create, "dnnl_post_ops_create", ok);
-    bind(a.post_ops_append_eltwise, "dnnl_post_ops_append_eltwise", ok);
-    bind(a.post_ops_destroy, "dnnl_post_ops_destroy", ok);
-    bind(a.attr_create, "dnnl_primitive_attr_create", ok);
-    bind(a.attr_set_post_ops, "dnnl_primitive_attr_set_post_ops", ok);
-    bind(a.attr_destroy, "dnnl_primitive_attr_destroy", ok);
-    if (ok && a.engine_create(&a.engine, kCpu, 0) != 0) ok = false;
-  });
-  return ok ? &a : nullptr;
-}
-
-void* thread_stream(const Api& a) {
-  thread_local void* s = nullptr;
-  if (!s && a.stream_create(&s, a.engine, kInOrder) != 0) s = nullptr;
-  return s;
-}
 
 struct Geometry {
   int64_t N, C, H, W, O, KH, KW, SH, SW, PH, PW, DH, DW, G, OH, OW;
@@ -119,74 +36,83 @@ struct Geometry {
 // (null where the layouts agree) and the memories (user handles set per call).
 struct Prim {
   std::mutex mu;
-  std::vector<void*> mds, pds, prims, mems;
-  void *conv = nullptr, *r_src = nullptr, *r_w = nullptr, *r_dst = nullptr;
-  void *u_src = nullptr, *u_w = nullptr, *u_dst = nullptr, *bias = nullptr;
-  void *b_src = nullptr, *b_w = nullptr, *b_dst = nullptr;
+  std::vector<dnnl_memory_desc_t> mds;
+  std::vector<dnnl_primitive_desc_t> pds;
+  std::vector<dnnl_primitive_t> prims;
+  std::vector<dnnl_memory_t> mems;
+  dnnl_primitive_t conv = nullptr, r_src = nullptr, r_w = nullptr, r_dst = nullptr;
+  dnnl_memory_t u_src = nullptr, u_w = nullptr, u_dst = nullptr, bias = nullptr;
+  dnnl_memory_t b_src = nullptr, b_w = nullptr, b_dst = nullptr;
   ~Prim() {
-    const Api* a = api();
-    if (!a) return;
-    for (void* p : prims) a->prim_destroy(p);
-    for (void* p : pds) a->pd_destroy(p);
-    for (void* m : mems) a->mem_destroy(m);
-    for (void* m : mds) a->md_destroy(m);
+    const DnnlApi& a = dnnl();
+    for (auto p : prims) a.dnnl_primitive_destroy(p);
+    for (auto p : pds) a.dnnl_primitive_desc_destroy(p);
+    for (auto m : mems) a.dnnl_memory_destroy(m);
+    for (auto m : mds) a.dnnl_memory_desc_destroy(m);
   }
-  void* md(const Api& a, int nd, const int64_t* d, int tag) {
-    void* m = nullptr;
-    if (a.md_with_tag(&m, nd, d, kF32, tag) != 0) return nullptr;
+  dnnl_memory_desc_t md(const DnnlApi& a, int nd, const int64_t* d, dnnl_format_tag_t tag) {
+    dnnl_memory_desc_t m = nullptr;
+    if (a.dnnl_memory_desc_create_with_tag(&m, nd, d, dnnl_f32, tag) != dnnl_success) return nullptr;
     mds.push_back(m);
     return m;
   }
-  void* mem(const Api& a, const void* md, void* handle) {
-    void* m = nullptr;
-    if (a.mem_create(&m, md, a.engine, handle) != 0) return nullptr;
+  dnnl_memory_t mem(const DnnlApi& a, const_dnnl_memory_desc_t md, void* handle) {
+    dnnl_memory_t m = nullptr;
+    if (a.dnnl_memory_create(&m, md, a.engine, handle) != dnnl_success) return nullptr;
     mems.push_back(m);
     return m;
   }
   // a reorder from `from` to `to` (null when they are equal; `ok` false on error)
-  void* reorder(const Api& a, const void* from, const void* to, bool& ok) {
-    if (!ok || a.md_equal(from, to)) return nullptr;
-    void *pd = nullptr, *p = nullptr;
-    if (a.reorder_pd_create(&pd, from, a.engine, to, a.engine, nullptr) != 0) {
+  dnnl_primitive_t reorder(const DnnlApi& a, const_dnnl_memory_desc_t from, const_dnnl_memory_desc_t to,
+                           bool& ok) {
+    if (!ok || a.dnnl_memory_desc_equal(from, to)) return nullptr;
+    dnnl_primitive_desc_t pd = nullptr;
+    dnnl_primitive_t p = nullptr;
+    if (a.dnnl_reorder_primitive_desc_create(&pd, from, a.engine, to, a.engine, nullptr) != dnnl_success) {
       ok = false;
       return nullptr;
     }
     pds.push_back(pd);
-    if (a.prim_create(&p, pd) != 0) {
+    if (a.dnnl_primitive_create(&p, pd) != dnnl_success) {
       ok = false;
       return nullptr;
     }
     prims.push_back(p);
     return p;
   }
-  bool create(const Api& a, const Geometry& g) {
-    const dims12 sd = {g.N, g.C, g.H, g.W}, dd = {g.N, g.O, g.OH, g.OW},
-                 wd = {g.G, g.O / g.G, g.C / g.G, g.KH, g.KW}, bd = {g.O};
-    void *usm = md(a, 4, sd, kTagAbcd), *udm = md(a, 4, dd, kTagAbcd), *uwm = md(a, 5, wd, kTagAbcde);
-    void *asm_ = md(a, 4, sd, kTagAny), *adm = md(a, 4, dd, kTagAny), *awm = md(a, 5, wd, kTagAny);
-    void* bm = g.bias ? md(a, 1, bd, kTagA) : nullptr;
+  bool create(const DnnlApi& a, const Geometry& g) {
+    const dnnl_dims_t sd = {g.N, g.C, g.H, g.W}, dd = {g.N, g.O, g.OH, g.OW},
+                      wd = {g.G, g.O / g.G, g.C / g.G, g.KH, g.KW}, bd = {g.O};
+    auto usm = md(a, 4, sd, dnnl_abcd), udm = md(a, 4, dd, dnnl_abcd), uwm = md(a, 5, wd, dnnl_abcde);
+    auto asm_ = md(a, 4, sd, dnnl_format_tag_any), adm = md(a, 4, dd, dnnl_format_tag_any),
+         awm = md(a, 5, wd, dnnl_format_tag_any);
+    auto bm = g.bias ? md(a, 1, bd, dnnl_a) : nullptr;
     if (!usm || !udm || !uwm || !asm_ || !adm || !awm || (g.bias && !bm)) return false;
-    void *attr = nullptr, *po = nullptr;
+    dnnl_primitive_attr_t attr = nullptr;
+    dnnl_post_ops_t po = nullptr;
     if (g.relu) {
-      if (a.attr_create(&attr) != 0 || a.post_ops_create(&po) != 0 ||
-          a.post_ops_append_eltwise(po, kEltwiseRelu, 0.f, 0.f) != 0 || a.attr_set_post_ops(attr, po) != 0) {
-        if (po) a.post_ops_destroy(po);
-        if (attr) a.attr_destroy(attr);
+      if (a.dnnl_primitive_attr_create(&attr) != dnnl_success || a.dnnl_post_ops_create(&po) != dnnl_success ||
+          a.dnnl_post_ops_append_eltwise(po, dnnl_eltwise_relu, 0.f, 0.f) != dnnl_success ||
+          a.dnnl_primitive_attr_set_post_ops(attr, po) != dnnl_success) {
+        if (po) a.dnnl_post_ops_destroy(po);
+        if (attr) a.dnnl_primitive_attr_destroy(attr);
         return false;
       }
     }
-    const int64_t strides[2] = {g.SH, g.SW}, dil[2] = {g.DH - 1, g.DW - 1}, pad[2] = {g.PH, g.PW};
-    void* pd = nullptr;
-    const bool made = a.conv_pd_create(&pd, a.engine, kForwardInference, kConvDirect, asm_, awm, bm, adm, strides,
-                                       dil, pad, pad, attr) == 0;
-    if (po) a.post_ops_destroy(po);
-    if (attr) a.attr_destroy(attr);
+    const dnnl_dims_t strides = {g.SH, g.SW}, dil = {g.DH - 1, g.DW - 1}, pad = {g.PH, g.PW};
+    dnnl_primitive_desc_t pd = nullptr;
+    const bool made = a.dnnl_convolution_forward_primitive_desc_create(
+                          &pd, a.engine, dnnl_forward_inference, dnnl_convolution_direct, asm_, awm, bm, adm,
+                          strides, dil, pad, pad, attr) == dnnl_success;
+    if (po) a.dnnl_post_ops_destroy(po);
+    if (attr) a.dnnl_primitive_attr_destroy(attr);
     if (!made) return false;
     pds.push_back(pd);
-    if (a.prim_create(&conv, pd) != 0) return false;
+    if (a.dnnl_primitive_create(&conv, pd) != dnnl_success) return false;
     prims.push_back(conv);
-    const void *csm = a.pd_query_md(pd, kQuerySrcMd, 0), *cwm = a.pd_query_md(pd, kQueryWeightsMd, 0),
-               *cdm = a.pd_query_md(pd, kQueryDstMd, 0);
+    const_dnnl_memory_desc_t csm = a.dnnl_primitive_desc_query_md(pd, dnnl_query_src_md, 0),
+                             cwm = a.dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0),
+                             cdm = a.dnnl_primitive_desc_query_md(pd, dnnl_query_dst_md, 0);
     bool ok = csm && cwm && cdm;
     r_src = reorder(a, usm, csm, ok);
     r_w = reorder(a, uwm, cwm, ok);
@@ -196,40 +122,46 @@ struct Prim {
     u_w = mem(a, uwm, nullptr);
     u_dst = mem(a, udm, nullptr);
     bias = g.bias ? mem(a, bm, nullptr) : nullptr;
-    b_src = r_src ? mem(a, csm, kAllocate) : u_src;
-    b_w = r_w ? mem(a, cwm, kAllocate) : u_w;
-    b_dst = r_dst ? mem(a, cdm, kAllocate) : u_dst;
+    b_src = r_src ? mem(a, csm, DNNL_MEMORY_ALLOCATE) : u_src;
+    b_w = r_w ? mem(a, cwm, DNNL_MEMORY_ALLOCATE) : u_w;
+    b_dst = r_dst ? mem(a, cdm, DNNL_MEMORY_ALLOCATE) : u_dst;
     return u_src && u_w && u_dst && (!g.bias || bias) && b_src && b_w && b_dst;
   }
-  bool run(const Api& a, void* stream, const float* X, const float* Wt, const float* B, float* Y) {
+  bool run(const DnnlApi& a, dnnl_stream_t stream, const float* X, const float* Wt, const float* B, float* Y) {
     std::lock_guard<std::mutex> lk(mu);
-    if (a.mem_set_handle(u_src, const_cast<float*>(X)) || a.mem_set_handle(u_w, const_cast<float*>(Wt)) ||
-        a.mem_set_handle(u_dst, Y) || (bias && a.mem_set_handle(bias, const_cast<float*>(B))))
+    if (a.dnnl_memory_set_data_handle(u_src, const_cast<float*>(X)) != dnnl_success ||
+        a.dnnl_memory_set_data_handle(u_w, const_cast<float*>(Wt)) != dnnl_success ||
+        a.dnnl_memory_set_data_handle(u_dst, Y) != dnnl_success ||
+        (bias && a.dnnl_memory_set_data_handle(bias, const_cast<float*>(B)) != dnnl_success))
       return false;
+    auto exec = [&](dnnl_primitive_t prim, int n, const dnnl_exec_arg_t* args) {
+      return a.dnnl_primitive_execute(prim, stream, n, args) == dnnl_success;
+    };
     if (r_src) {
-      const ExecArg r[2] = {{kArgSrc, u_src}, {kArgDst, b_src}};
-      if (a.prim_execute(r_src, stream, 2, r)) return false;
+      const dnnl_exec_arg_t r[2] = {{DNNL_ARG_SRC, u_src}, {DNNL_ARG_DST, b_src}};
+      if (!exec(r_src, 2, r)) return false;
     }
     if (r_w) {
-      const ExecArg r[2] = {{kArgSrc, u_w}, {kArgDst, b_w}};
-      if (a.prim_execute(r_w, stream, 2, r)) return false;
+      const dnnl_exec_arg_t r[2] = {{DNNL_ARG_SRC, u_w}, {DNNL_ARG_DST, b_w}};
+      if (!exec(r_w, 2, r)) return false;
     }
-    const ExecArg c[4] = {{kArgSrc, b_src}, {kArgWeights, b_w}, {kArgDst, b_dst}, {kArgBias, bias}};
-    if (a.prim_execute(conv, stream, bias ? 4 : 3, c)) return false;
+    const dnnl_exec_arg_t c[4] = {
+        {DNNL_ARG_SRC, b_src}, {DNNL_ARG_WEIGHTS, b_w}, {DNNL_ARG_DST, b_dst}, {DNNL_ARG_BIAS, bias}};
+    if (!exec(conv, bias ? 4 : 3, c)) return false;
     if (r_dst) {
-      const ExecArg r[2] = {{kArgSrc, b_dst}, {kArgDst, u_dst}};
-      if (a.prim_execute(r_dst, stream, 2, r)) return false;
+      const dnnl_exec_arg_t r[2] = {{DNNL_ARG_SRC, b_dst}, {DNNL_ARG_DST, u_dst}};
+      if (!exec(r_dst, 2, r)) return false;
     }
-    return a.stream_wait(stream) == 0;
+    return a.dnnl_stream_wait(stream) == dnnl_success;
   }
 };
 
 bool dnnl_conv(const Geometry& g, const float* X, const float* Wt, const float* B, float* Y) {
   if (const char* off = std::getenv("MXFUSION_NO_DNNL_CONV"))  // the direct loop (tests, debugging)
     if (*off && std::string(off) != "0") return false;
-  const Api* a = api();
-  if (!a) return false;
-  void* stream = thread_stream(*a);
+  const DnnlApi& a = dnnl();
+  if (!a.engine) return false;
+  dnnl_stream_t stream = dnnl_thread_stream();
   if (!stream) return false;
   static std::mutex mu;
   static std::map<decltype(g.key()), std::unique_ptr<Prim>> cache;
@@ -240,12 +172,12 @@ bool dnnl_conv(const Geometry& g, const float* X, const float* Wt, const float* 
     if (it == cache.end()) {
       if (cache.size() >= 256) return false;
       auto made = std::make_unique<Prim>();
-      if (!made->create(*a, g)) made.reset();
+      if (!made->create(a, g)) made.reset();
       it = cache.emplace(g.key(), std::move(made)).first;
     }
     p = it->second.get();
   }
-  return p && p->run(*a, stream, X, Wt, B, Y);
+  return p && p->run(a, stream, X, Wt, B, Y);
 }
 
 // The same convolution as a direct loop (no oneDNN).
@@ -383,4 +315,5 @@ REGISTER_OP(fused_grouped_conv)
     .setParseAttrs(parse_attrs)
     .setInferType(infer_type)
     .setInferShape(infer_shape)
-    .setForward(forward, "cpu");
+    .setForward(forward, "cpu")
+    .setBackward(inference_only_backward, "cpu");

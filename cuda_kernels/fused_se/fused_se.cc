@@ -253,4 +253,5 @@ REGISTER_OP(fused_se)
     .setParseAttrs(parse_attrs)
     .setInferType(infer_type)
     .setInferShape(infer_shape)
-    .setForward(forward, "cpu");
+    .setForward(forward, "cpu")
+    .setBackward(inference_only_backward, "cpu");

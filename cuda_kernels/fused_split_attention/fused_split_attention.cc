@@ -245,4 +245,5 @@ REGISTER_OP(fused_split_attention)
     .setParseAttrs(parse_attrs)
     .setInferType(infer_type)
     .setInferShape(infer_shape)
-    .setForward(forward, "cpu");
+    .setForward(forward, "cpu")
+    .setBackward(inference_only_backward, "cpu");

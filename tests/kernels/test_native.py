@@ -61,3 +61,40 @@ def test_each_failure_reports_its_own_message_once(fused_ops):
         messages.append(str(info.value))
     assert messages[0].count("fused_attention:") == 1, messages[0]
     assert len(set(messages)) == 1, (messages[0], messages[-1])
+
+
+def test_op_library_opens_onednn_itself(fused_ops):
+    """oneDNN 3.x is opened at run time (RTLD_LOCAL), never linked: MXNet carries oneDNN 2.x
+    with the same symbol names."""
+    needed = needed_libraries(fused_ops.library_path())
+    assert not [n for n in needed if "dnnl" in n or "mkldnn" in n], needed
+
+
+def test_onednn_headers_match_the_library(fused_ops):
+    """The headers the op library is compiled against are those of the oneDNN release it opens."""
+    import ctypes
+    import re
+
+    with open(os.path.join(fused_ops._dnnl_include(), "oneapi", "dnnl", "dnnl_version.h")) as fh:
+        text = fh.read()
+    header = tuple(int(re.search(r"#define DNNL_VERSION_%s (\d+)" % k, text).group(1))
+                   for k in ("MAJOR", "MINOR", "PATCH"))
+
+    class Version(ctypes.Structure):
+        _fields_ = [("major", ctypes.c_int), ("minor", ctypes.c_int), ("patch", ctypes.c_int),
+                    ("hash", ctypes.c_char_p), ("cpu_runtime", ctypes.c_uint), ("gpu_runtime", ctypes.c_uint)]
+
+    lib = ctypes.CDLL(fused_ops.dnnl_library(), mode=os.RTLD_LOCAL)
+    lib.dnnl_version.restype = ctypes.POINTER(Version)
+    v = lib.dnnl_version().contents
+    assert (v.major, v.minor, v.patch) == header
+
+
+def test_missing_onednn_headers_say_what_to_install(fused_ops, tmp_path, monkeypatch):
+    monkeypatch.setenv("MXFUSION_DNNL_INCLUDE", str(tmp_path))
+    monkeypatch.setattr(fused_ops.sys, "prefix", str(tmp_path))
+    monkeypatch.setattr(fused_ops.sys, "base_prefix", str(tmp_path))
+    monkeypatch.setattr(fused_ops.sysconfig, "get_paths", lambda: {"data": str(tmp_path)})
+    monkeypatch.setattr(fused_ops.sys, "path", [str(tmp_path / "lib" / "python3" / "site-packages")])
+    with pytest.raises(RuntimeError, match="onednn-devel-cpu-gomp==2023.2.0"):
+        fused_ops._dnnl_include()

@@ -17,9 +17,15 @@ idempotence         ``fuse(fuse(g))`` does not raise and gives the same graph as
                     compared with names replaced by positions)
 training            ``fuse(mode="training")``: forward(is_train) + backward with the same head
                     gradients: outputs and the gradient of every input and parameter match; no
-                    parameter of the original is missing (frozen) and none is new
+                    parameter of the original is missing (frozen) and none is new; the same
+                    step at the second shape
 subgraph            the fused graph bound with MXNet's default backend (oneDNN subgraph on) matches
                     the reference, wherever the original does under that backend
+gluon               the Gluon door: the graph as a ``SymbolBlock`` hybridized with
+                    ``backend="fusion"`` (shapes and modes decided by the backend, not the caller)
+                    matches the reference at the first shape and then, in the same block, at the
+                    second; under ``autograd.record()`` (fused for training) its outputs and every
+                    parameter's gradient match the original's
 ==================  ===========================================================================
 
 Tolerance: per output, ``max|fused − ref| ≤ RTOL·max|ref| + ATOL`` over the positions finite
@@ -43,6 +49,7 @@ from __future__ import annotations
 import json
 import re
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -52,7 +59,7 @@ from .case import Case
 
 RTOL, ATOL = 1e-4, 1e-6
 RTOL_GRAD, ATOL_GRAD = 1e-3, 1e-4      # gradients mathematically 0 come out as rounding noise ~1e-6..1e-5
-CHECKS = ("inference", "second", "unfuse", "idempotence", "training", "subgraph")
+CHECKS = ("inference", "second", "unfuse", "idempotence", "training", "subgraph", "gluon")
 RANDOM_OPS = re.compile(r"^(_random_|random_|_sample_|sample_|_contrib_.*uniform|.*uniform_like|.*normal_like|_shuffle)")
 
 
@@ -438,6 +445,55 @@ def train_step(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray], seed: i
     return [o.asnumpy() for o in outs], {n: g.asnumpy() for n, g in grads.items()}
 
 
+def gluon_runs(sym, arg: Dict, aux: Dict, inputs: Sequence[Dict[str, np.ndarray]], backend: Optional[str],
+               train_seed: Optional[int] = None):
+    """``sym`` as a Gluon ``SymbolBlock`` (data inputs in the order of ``inputs[0]``) hybridized with
+    ``backend`` (None: plain), called once per entry of ``inputs`` in the same block.  Inference:
+    a list of output lists.  With ``train_seed``: one call under ``autograd.record()``, backward
+    with ``train_step``'s head gradients; returns (outputs, {parameter: gradient})."""
+    import mxnet as mx
+    from fusion.bench import subgraph_backend
+
+    names = list(inputs[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        block = mx.gluon.SymbolBlock(sym, [mx.sym.var(n) for n in names])
+    values = {**arg, **aux}
+    for pname, prm in block.collect_params().items():
+        v = values[prm.name]
+        prm._dtype = v.dtype
+        prm.shape = v.shape
+        if not np.issubdtype(v.dtype, np.floating):
+            prm.grad_req = "null"
+        prm.initialize(init=mx.init.Constant(0), ctx=mx.cpu(), force_reinit=True)
+        prm.set_data(mx.nd.array(v, dtype=v.dtype))
+    with subgraph_backend(False):
+        if backend:
+            block.hybridize(backend=backend)
+        else:
+            block.hybridize()
+        if train_seed is None:
+            outs = []
+            for x in inputs:
+                got = block(*[mx.nd.array(x[n], dtype=x[n].dtype) for n in names])
+                got = got if isinstance(got, (list, tuple)) else [got]
+                outs.append([o.asnumpy() for o in got])
+            return outs
+        xs = [mx.nd.array(inputs[0][n], dtype=inputs[0][n].dtype) for n in names]
+        for x in xs:        # every output then is in the recorded graph, and inputs get gradients too
+            if np.issubdtype(np.dtype(x.dtype), np.floating):
+                x.attach_grad()
+        with mx.autograd.record(train_mode=True):
+            got = block(*xs)
+        got = list(got) if isinstance(got, (list, tuple)) else [got]
+        rng = np.random.RandomState(train_seed)
+        heads = [mx.nd.array(rng.standard_normal(o.shape), dtype=o.dtype) for o in got]
+        mx.autograd.backward(got, heads)
+        grads = {prm.name: prm.grad().asnumpy() for prm in block.collect_params().values() if prm.grad_req != "null"}
+        grads.update({n: x.grad.asnumpy() for n, x in zip(names, xs) if x.grad is not None})
+        return [o.asnumpy() for o in got], grads
+
+
 def perturbed(values: Dict[str, np.ndarray], seed: Optional[int], rel: float = 2.0 ** -20) -> Dict[str, np.ndarray]:
     """Float values moved by ~``rel`` relative (integers, 0/1 masks and non-finite values unchanged).
 
@@ -571,6 +627,21 @@ def _random_ops(sym) -> List[str]:
     return sorted(out)
 
 
+def _ungraded_heads(sym, values: Dict[str, np.ndarray]) -> bool:
+    """Whether an output of ``sym`` is one of its inputs (a variable passed through), or reads no
+    floating-point variable (``values``: every variable's value), so has no gradient to record."""
+    data = json.loads(sym.tojson())
+    nodes = data["nodes"]
+    graded: Dict[int, bool] = {}
+    for i, n in enumerate(nodes):       # nodes are in topological order
+        if n["op"] == "null":
+            v = values.get(n["name"])
+            graded[i] = v is not None and np.issubdtype(np.asarray(v).dtype, np.floating)
+        else:
+            graded[i] = any(graded[e[0]] for e in n["inputs"])
+    return any(nodes[h[0]]["op"] == "null" or not graded[h[0]] for h in data["heads"])
+
+
 def _training_dropouts(sym) -> int:
     return sum(1 for n in json.loads(sym.tojson())["nodes"]
                if n["op"] == "Dropout" and float(n.get("attrs", {}).get("p", 0.5)) > 0)
@@ -694,7 +765,7 @@ class Oracle:
         i, m = bad[0]
         kind = "shape" if m.startswith(("shape", "dtype")) else ("nan" if m.startswith("NaN") else "values")
         more = " (+%d more)" % (len(bad) - 1) if len(bad) > 1 else ""
-        self._find("%s.%s" % (check, kind), "%s '%s': %s%s" % ("output" if check != "training.grad" else "gradient",
+        self._find("%s.%s" % (check, kind), "%s '%s': %s%s" % ("gradient" if check.endswith(".grad") else "output",
                                                                  names[i], m, more))
 
     # -- the run ---------------------------------------------------------------
@@ -728,7 +799,7 @@ class Oracle:
             return
         random = bool(_random_ops(sym0))
         x2 = ref2 = None
-        if c.has_second and (self._wanted("second") or self._wanted("unfuse")):
+        if c.has_second and any(self._wanted(k) for k in ("second", "unfuse", "gluon", "training")):
             self.stage("original.second")
             x2 = c.inputs(second=True)
             try:
@@ -796,9 +867,11 @@ class Oracle:
             except Exception as e:
                 self._find("idempotence.error", _first_line(e))
         if self._wanted("training") and "no_train" not in c.flags:
-            self._training(sym0, x1, names, random)
+            self._training(sym0, x1, names, random, x2)
         if res is not None and self._wanted("subgraph") and "no_subgraph" not in c.flags and not random and fused_ok:
             self._subgraph(sym0, res, ref, x1, names, ref_rerun)
+        if self._wanted("gluon") and not random and x1:
+            self._gluon(sym0, ref, x1, ref2, x2, names, ref_rerun)
 
     def _compare_shapes(self, check: str, ref, got, names) -> None:
         if len(ref) != len(got):
@@ -846,7 +919,7 @@ class Oracle:
                 self._compare("unfuse.second", ref2, got2, RTOL, lambda s: forward(
                     sym0, perturbed(c.arg, s), _p(c.aux, s, 1), _p(x2, s, 2)), names, inputs=x2)
 
-    def _training(self, sym0, x1, names, random) -> None:
+    def _training(self, sym0, x1, names, random, x2=None) -> None:
         c = self.case
         self.stage("training.original")
         try:
@@ -887,6 +960,27 @@ class Oracle:
         if random or "random_train" in c.flags or _training_dropouts(sym0):
             self._compare_shapes("training", ref_out, out, names)
             return
+        self.out.count("training_checked")
+        self._compare_training("training", sym0, x1, names, ref_out, ref_grad, out, grad)
+        if x2 is None:
+            return
+        self.stage("training.second")        # fused at the first shape, trained at the second
+        try:
+            ref_out2, ref_grad2 = train_step(sym0, c.arg, c.aux, x2, seed=5)
+        except Exception:
+            self.out.count("training_original_fails_second")
+            return
+        try:
+            out2, grad2 = train_step(res.symbol, arg_f, aux_f, x2, seed=5)
+        except Exception as e:
+            self._find("training.second_bind", "at shapes %s: %s" % (c.shapes(second=True), _first_line(e)))
+            return
+        self.out.count("training_checked_second")
+        self._compare_training("training.second", sym0, x2, names, ref_out2, ref_grad2, out2, grad2)
+
+    def _compare_training(self, check, sym0, x1, names, ref_out, ref_grad, out, grad) -> None:
+        """Outputs and gradients of one training step; reruns of the original's step judge conditioning."""
+        c = self.case
         rerun_cache: Dict[tuple, Tuple] = {}
 
         def rerun_full(s):
@@ -895,9 +989,10 @@ class Oracle:
                 rerun_cache[key] = train_step(sym0, perturbed(c.arg, s), _p(c.aux, s, 1), _p(x1, s, 2), seed=5)
             return rerun_cache[key]
 
-        self._compare("training", ref_out, out, RTOL, lambda s: rerun_full(s)[0], names, inputs=x1)
+        self._compare(check, ref_out, out, RTOL, lambda s: rerun_full(s)[0], names, inputs=x1)
         common = [n for n in sorted(ref_grad) if n in grad]
-        self._compare("training.grad", [ref_grad[n] for n in common], [grad[n] for n in common], RTOL_GRAD,
+        self._compare(check + ".grad",
+                      [ref_grad[n] for n in common], [grad[n] for n in common], RTOL_GRAD,
                       lambda s: [rerun_full(s)[1][n] for n in common], common, ATOL_GRAD)
 
     def _subgraph(self, sym0, res, ref, x1, names, ref_rerun) -> None:
@@ -918,6 +1013,56 @@ class Oracle:
             self._find("subgraph.bind", _first_line(e))
             return
         self._compare("subgraph", ref, got, RTOL, ref_rerun, names, inputs=x1)
+
+
+    def _gluon(self, sym0, ref, x1, ref2, x2, names, ref_rerun) -> None:
+        c = self.case
+        self.stage("gluon.original")
+        xs = [x1] + ([x2] if x2 is not None else [])
+        try:       # the original through the same door: Gluon's own limits are not findings
+            plain = gluon_runs(sym0, c.arg, c.aux, xs, None)
+        except Exception:
+            self.out.count("gluon_original_fails")
+            return
+        if any(len(p) != len(r) or any(mismatch(a, b, RTOL) for a, b in zip(r, p)) for p, r in zip(plain, [ref, ref2])):
+            self.out.count("gluon_original_differs")
+            return
+        self.stage("gluon.fused")
+        try:
+            got = gluon_runs(sym0, c.arg, c.aux, xs, "fusion")
+        except Exception as e:
+            self._find("gluon.error", _first_line(e) + "\n" + _short_tb(e))
+            return
+        self.out.count("gluon_checked")
+        self._compare("gluon", ref, got[0], RTOL, ref_rerun, names, inputs=x1)
+        if x2 is not None:
+            self.out.count("gluon_checked_second")
+            self._compare("gluon.second", ref2, got[1], RTOL, lambda s: forward(
+                sym0, perturbed(c.arg, s), _p(c.aux, s, 1), _p(x2, s, 2)), names, inputs=x2)
+        if "no_train" in c.flags or "random_train" in c.flags or _training_dropouts(sym0):
+            return
+        if _ungraded_heads(sym0, {**c.arg, **c.aux, **x1}):
+            # MXNet's CachedOp records an output that is a graph input, or that no float value
+            # reaches, in some graphs and not in others, the original's included ("Cannot
+            # differentiate node because it is not in a computational graph")
+            self.out.count("gluon_training_ungraded_output")
+            return
+        self.stage("gluon.training")
+        try:
+            ref_out, ref_grad = gluon_runs(sym0, c.arg, c.aux, [x1], None, train_seed=5)
+        except Exception:
+            self.out.count("gluon_training_original_fails")
+            return
+        try:
+            out, grad = gluon_runs(sym0, c.arg, c.aux, [x1], "fusion", train_seed=5)
+        except Exception as e:
+            self._find("gluon.training_error", _first_line(e) + "\n" + _short_tb(e))
+            return
+        missing = sorted(set(ref_grad) - set(grad))
+        if missing:
+            self._find("gluon.training_frozen", "parameters without a gradient: %s" % ", ".join(missing))
+        self.out.count("gluon_checked_training")
+        self._compare_training("gluon.training", sym0, x1, names, ref_out, ref_grad, out, grad)
 
 
 def _p(values, seed: Optional[int], k: int):

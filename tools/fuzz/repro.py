@@ -202,6 +202,15 @@ if training_dropouts(sym) or sampling_ops(sym):     # random in training: shapes
 bad |= report("training output", ref_out, out, sym.list_outputs())
 common = [n for n in sorted(ref_grad) if n in grad]
 bad |= report("gradient", [ref_grad[n] for n in common], [grad[n] for n in common], common, RTOL_GRAD, ATOL_GRAD)
+if inputs2 is not None:         # fused at the first shape, trained at the second
+    ref_out, ref_grad = train(sym, arg, aux, inputs2)
+    try:
+        out, grad = train(res.symbol, arg_f, aux_f, inputs2)
+    except Exception as e:
+        print("FAIL fused graph does not train at the second shape:", str(e).splitlines()[0][:500]); sys.exit(1)
+    bad |= report("training output, second shape", ref_out, out, sym.list_outputs())
+    bad |= report("gradient, second shape", [ref_grad[n] for n in common], [grad[n] for n in common], common,
+                  RTOL_GRAD, ATOL_GRAD)
 sys.exit(1 if bad else 0)
 ''',
     "subgraph": r'''
@@ -214,6 +223,57 @@ try:
 except Exception as e:
     print("FAIL fused graph does not bind with MXNet's default backend:", str(e).splitlines()[0][:500]); sys.exit(1)
 sys.exit(1 if report("fused, default bind", ref, got, sym.list_outputs()) else 0)
+''',
+    "gluon": r'''
+def gluon(backend, xs, train=False):
+    """The graph as a SymbolBlock hybridized with `backend`, called on each input dict in turn."""
+    names = list(xs[0])
+    block = mx.gluon.SymbolBlock(sym, [mx.sym.var(n) for n in names])
+    for p in block.collect_params().values():
+        v = {**arg, **aux}[p.name]
+        p._dtype = v.dtype
+        p.shape = v.shape
+        if not np.issubdtype(v.dtype, np.floating):
+            p.grad_req = "null"
+        p.initialize(init=mx.init.Constant(0), force_reinit=True)
+        p.set_data(mx.nd.array(v, dtype=v.dtype))
+    with subgraph_backend(False):
+        block.hybridize(**({"backend": backend} if backend else {}))
+        if not train:
+            outs = [block(*[mx.nd.array(x[n], dtype=x[n].dtype) for n in names]) for x in xs]
+            return [[o.asnumpy() for o in (g if isinstance(g, (list, tuple)) else [g])] for g in outs]
+        x = [mx.nd.array(xs[0][n], dtype=xs[0][n].dtype) for n in names]
+        for v in x:
+            if np.issubdtype(np.dtype(v.dtype), np.floating):
+                v.attach_grad()
+        with mx.autograd.record(train_mode=True):
+            got = block(*x)
+        got = list(got) if isinstance(got, (list, tuple)) else [got]
+        rng = np.random.RandomState(5)
+        mx.autograd.backward(got, [mx.nd.array(rng.standard_normal(o.shape), dtype=o.dtype) for o in got])
+        grads = {p.name: p.grad().asnumpy() for p in block.collect_params().values() if p.grad_req != "null"}
+        grads.update({n: v.grad.asnumpy() for n, v in zip(names, x) if v.grad is not None})
+        return [o.asnumpy() for o in got], grads
+
+xs = [inputs] + ([inputs2] if inputs2 is not None else [])
+ref, plain = [run(sym, arg, aux, x) for x in xs], gluon(None, xs)
+try:
+    got = gluon("fusion", xs)
+except Exception as e:
+    print("FAIL hybridize(backend='fusion') raises:", str(e).splitlines()[0][:500]); sys.exit(1)
+bad = False
+for k, (r, g) in enumerate(zip(ref, got)):
+    bad |= report("hybridize(backend='fusion'), call %d" % (k + 1), r, g, sym.list_outputs())
+if not training_dropouts(sym) and not sampling_ops(sym):
+    try:
+        ref_out, ref_grad = gluon(None, xs, train=True)
+        out, grad = gluon("fusion", xs, train=True)
+        bad |= report("training output", ref_out, out, sym.list_outputs())
+        common = [n for n in sorted(ref_grad) if n in grad]
+        bad |= report("gradient", [ref_grad[n] for n in common], [grad[n] for n in common], common, RTOL_GRAD, ATOL_GRAD)
+    except Exception as e:
+        print("FAIL training through hybridize(backend='fusion'):", str(e).splitlines()[0][:500]); bad = True
+sys.exit(1 if bad else 0)
 ''',
 }
 

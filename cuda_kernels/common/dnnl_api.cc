@@ -1,0 +1,47 @@
+// Binding of the oneDNN function table (see dnnl_api.h).
+#include "dnnl_api.h"
+
+#include <mutex>
+
+#include "mxf_common.h"
+
+namespace mxf {
+
+const DnnlApi& dnnl() {
+  static DnnlApi a;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::string missing;
+#define MXF_DNNL_BIND(f)                                                 \
+  a.f = reinterpret_cast<decltype(a.f)>(dnnl_symbol(#f));                \
+  if (!a.f) missing += std::string(missing.empty() ? "" : ", ") + #f;
+    MXF_DNNL_FUNCTIONS(MXF_DNNL_BIND)
+#undef MXF_DNNL_BIND
+    if (!missing.empty()) {
+      a.error = "oneDNN 3.x API not found in the oneDNN library (" + missing + ")";
+      return;
+    }
+    if (a.dnnl_engine_create(&a.engine, dnnl_cpu, 0) != dnnl_success) {
+      a.engine = nullptr;
+      a.error = "oneDNN CPU engine could not be created";
+    }
+  });
+  return a;
+}
+
+dnnl_stream_t dnnl_thread_stream() {
+  struct Stream {
+    dnnl_stream_t s = nullptr;
+    ~Stream() {
+      if (s) dnnl().dnnl_stream_destroy(s);
+    }
+  };
+  thread_local Stream st;
+  const DnnlApi& a = dnnl();
+  if (!st.s && a.engine &&
+      a.dnnl_stream_create(&st.s, a.engine, dnnl_stream_default_flags) != dnnl_success)
+    st.s = nullptr;
+  return st.s;
+}
+
+}  // namespace mxf
