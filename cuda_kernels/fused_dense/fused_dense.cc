@@ -17,9 +17,11 @@
 // float32 x is rounded to nearest even per call; a bfloat16 x, written so by the op before,
 // is read as it is), the product runs through oneDNN's bf16 matmul (float32 accumulation,
 // weight packed once as above, bias added in float32) and the activation runs in float32;
-// the output is float32, or bfloat16 with out_dtype='bfloat16' (the float32 result rounded
-// to nearest even: what a reader that rounds its input to bfloat16 would see, written once;
-// oneDNN writes it directly when there is no activation).  A head-split output is written
+// GELU runs inside oneDNN's matmul (an eltwise post-op on the float32 result), the other
+// activations over rows after it; the output is float32, or bfloat16 with
+// out_dtype='bfloat16' (the float32 result rounded to nearest even: what a reader that rounds
+// its input to bfloat16 would see, written once; oneDNN writes it directly after no
+// activation or GELU, flushing subnormal results to zero).  A head-split output is written
 // through a (M, N) buffer.  Inference only (no backward).  Without oneDNN's matmul the
 // operands are widened to float32 for sgemm.
 #include <omp.h>
@@ -267,15 +269,26 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
     if (!err.empty()) throw OpError(err);
   }
 
+  // The activation as a oneDNN post-op of the bf16 matmul (applied to the float32 result
+  // before it is stored): GELU, the transformers' FFN activation; none for the others,
+  // which the rows pass applies (their NaN and signed-zero semantics are MXNet's, act.h).
+  static MatmulEltwise eltwise_of(Act act) {
+    MatmulEltwise e;
+    if (act == Act::gelu_erf || act == Act::gelu_erf_dnnl) e.alg = dnnl_eltwise_gelu_erf;
+    if (act == Act::gelu_tanh) e.alg = dnnl_eltwise_gelu_tanh;
+    return e;
+  }
+
   // The bfloat16 weight's packed form (second call with the same weight version, as for
   // float32); null on a first call or without oneDNN's matmul.
-  PackedMatmul* weight_bf16(MXTensor& w, int64_t N, int64_t K, bool has_bias, bool dst_bf16) {
+  PackedMatmul* weight_bf16(MXTensor& w, int64_t N, int64_t K, bool has_bias, bool dst_bf16,
+                            MatmulEltwise post) {
     std::lock_guard<std::mutex> lk(mu_);
     const bool same = w.data_ptr == w_ptr_ && w.verID == w_ver_;
     if (same && mm_) return mm_.get();
     if (same && !mm_failed_) {
       std::string why;
-      mm_ = PackedMatmul::create(N, K, has_bias, &why, /*bf16=*/true, dst_bf16);
+      mm_ = PackedMatmul::create(N, K, has_bias, &why, /*bf16=*/true, dst_bf16, post);
       if (!mm_) mm_failed_ = true;
       return mm_.get();
     }
@@ -310,19 +323,22 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
       for (int64_t i = 0; i < M * K; i += chunk) to_bf16(X + i, xw + i, std::min(chunk, M * K - i));
       xb = xw;
     }
-    // oneDNN writes bfloat16 itself when nothing follows its bias; otherwise the float32 product
-    // goes to Z (the output, or a buffer) and the pass below finishes it
-    const bool direct_bf16 = p_.out_bf16 && act == Act::none;
+    // oneDNN applies GELU after the bias (a post-op) and writes bfloat16 itself when nothing
+    // else follows; otherwise the float32 product goes to Z (the output, or a buffer) and the
+    // pass below finishes it
+    const MatmulEltwise post = eltwise_of(act);
+    const bool act_in_mm = post.alg != dnnl_alg_kind_undef;
+    const bool direct_bf16 = p_.out_bf16 && (act == Act::none || act_in_mm);
     float* Z = static_cast<float*>(out);
     if (p_.heads_out || (p_.out_bf16 && !direct_bf16)) {
       if (zbuf.size() < static_cast<size_t>(M * N)) zbuf.resize(M * N);
       Z = zbuf.data();
     }
     void* dst = direct_bf16 ? out : static_cast<void*>(Z);
-    PackedMatmul* mm = weight_bf16(wT, N, K, bias != nullptr, direct_bf16);
-    bool bias_added = true;
+    PackedMatmul* mm = weight_bf16(wT, N, K, bias != nullptr, direct_bf16, post);
+    bool bias_added = true;  // and the post-op applied
     if (!(mm && mm->run(xb, M, W, bias, dst)) &&
-        !matmul_unpacked_bf16(xb, M, W, N, K, bias, dst, direct_bf16)) {
+        !matmul_unpacked_bf16(xb, M, W, N, K, bias, dst, direct_bf16, post)) {
       // no oneDNN matmul: widen, then sgemm (into Z, a float32 buffer when out is bfloat16)
       std::vector<float> wf(N * K), xf(M * K), zf;
       from_bf16(W, wf.data(), N * K);
@@ -337,15 +353,16 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
       return;
     }
     const float* extra = bias_added ? nullptr : bias;
+    const Act rest = bias_added && act_in_mm ? Act::none : act;  // what the rows pass applies
     if (!p_.heads_out) {
-      if (!extra && act == Act::none && !p_.out_bf16) return;
+      if (!extra && rest == Act::none && !p_.out_bf16) return;
       uint16_t* Yb = static_cast<uint16_t*>(out);
 #pragma omp parallel for schedule(dynamic, 4) if (M * N >= kParallelMin)
       for (int64_t i = 0; i < M; ++i) {
         float* row = Z + i * N;
         if (extra)
           for (int64_t j = 0; j < N; ++j) row[j] += extra[j];
-        act_forward(act, p_.slope, row, N);
+        act_forward(rest, p_.slope, row, N);
         if (p_.out_bf16) to_bf16(row, Yb + i * N, N);
       }
       return;
@@ -360,7 +377,7 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
           float* row = Y + ((b * H + h) * S + s) * D;
           const float* src = Z + (b * S + s) * N + h * D;
           for (int64_t j = 0; j < D; ++j) row[j] = src[j] + (extra ? extra[h * D + j] : 0.f);
-          act_forward(act, p_.slope, row, D);
+          act_forward(rest, p_.slope, row, D);
         }
   }
 
