@@ -2,6 +2,7 @@
 
     python benchmarks/bench_precision.py [--models bert,gluonnlp,resnet50_v1,mobilenet1.0]
                                          [--layers 12] [--seqs 128,512] [--repeats 7] [--blocks 3] [--gemm]
+                                         [--ceiling]
 
 Models (batch 1, random weights):
 
@@ -187,6 +188,35 @@ def gemms(args):
                 flop / best["bf16"] / 1e9, best["fp32"] / best["bf16"]))
 
 
+def ceiling(args):
+    """oneDNN's bf16 matmul alone (benchmarks/dnnl_bf16_ceiling.cc, built here against the
+    onednn-devel-cpu-gomp wheel), in a process of its own: what fused_dense can reach."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from fusion._native import _dnnl_include
+    if not shutil.which("g++"):
+        print("\nceiling: no g++ here")
+        return
+    lib = os.path.join(sys.prefix, "lib")
+    d = tempfile.mkdtemp(prefix="mxf_ceiling_")
+    exe = os.path.join(d, "ceiling")
+    try:
+        subprocess.run(["g++", "-O2", "-march=native", "-std=c++17",
+                        os.path.join(os.path.dirname(os.path.abspath(__file__)), "dnnl_bf16_ceiling.cc"),
+                        "-I" + _dnnl_include(), "-L" + lib, "-l:libdnnl.so.3", "-Wl,-rpath," + lib, "-o", exe],
+                       check=True, capture_output=True, text=True)
+        print("\noneDNN matmul alone (weights prepacked), %d timed runs each" % (args.repeats * args.blocks * 5))
+        out = subprocess.run([exe, str(args.repeats * args.blocks * 5)] + args.seqs.split(","), check=True,
+                             capture_output=True, text=True)
+        print(out.stdout, end="")
+    except (OSError, subprocess.CalledProcessError) as e:
+        print("\nceiling: %s" % (getattr(e, "stderr", None) or e))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="bert", help="comma-separated: bert, gluonnlp, resnet50_v1, mobilenet1.0")
@@ -195,6 +225,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=7, help="timed runs per block and system")
     ap.add_argument("--blocks", type=int, default=3)
     ap.add_argument("--gemm", action="store_true", help="also time fused_dense alone on BERT's layer shapes")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also time oneDNN's matmul alone (bf16/f32 source and destination) on the same shapes")
     args = ap.parse_args()
     why = native_bf16_reason()
     print("mxnet %s, OMP_NUM_THREADS=%s, batch 1; bf16 %s"
@@ -212,6 +244,8 @@ def main():
             report("%s, 1x3x224x224" % model, *run(*cnn_model(model), args), args)
     if args.gemm:
         gemms(args)
+    if args.ceiling:
+        ceiling(args)
     print("vs X: time of X / time of the system (higher is faster); best: fastest single run; "
           "rel err: max|Δ|/max|ref| against mx fp32")
 

@@ -135,7 +135,9 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     with float32 accumulation — their weights cast once into new parameters (``<w>_bf16``),
     everything else float32 as ``fusion/precision.py``'s policy says; the self-check then
     accepts the bfloat16 tolerance against the float32 original.  Refused (FusionError, with
-    the reason) on a CPU without native bfloat16 unless ``force=True``.
+    the reason) on a CPU without native bfloat16 unless ``force=True``.  A graph with convolutions
+    (which the fused ops have no bfloat16 form of) is converted by MXNet's own AMP first and the
+    rules fuse the AMP graph (``precision.convert_convolutions``).
 
     ``device`` ("cpu" or "gpu"): where the fused graph will run.  A library op is emitted only
     if the loaded op library implements it on that device (its capability query; in training,
@@ -190,6 +192,12 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     from .modelio import check_param_values
 
     start = time.perf_counter()
+    amp_convs = None
+    if precision != "float32" and copy_params and mode == "inference" and device == "cpu":
+        from .precision import convert_convolutions   # the convolutions run in bfloat16 through MXNet's AMP
+        amp_convs = convert_convolutions(symbol, arg_params, aux_params)
+        if amp_convs is not None:
+            symbol, arg_params, aux_params, amp_convs = amp_convs
     graph = _as_graph(symbol)
     graph.canonicalize_ops()
     rule_list = resolve_rules(rules)
@@ -199,7 +207,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     if copy_params and mode == "inference" and device == "cpu":   # (the backend hands on only new
         # params: not there; the GPU kernels take float32 only: an AMP graph keeps AMP's casts there)
         from .precision import BFLOAT16, read_amp
-        amp = read_amp(graph, arg_params or {}, aux_params or {})
+        amp = read_amp(graph, arg_params or {}, aux_params or {}) if amp_convs is None else None
         if amp is not None:
             arg_params, aux_params, amp = amp
             precision = BFLOAT16
@@ -213,7 +221,10 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     checker = SelfCheck(ctx, enabled=self_check)
     run_rules(graph, rule_list, ctx, report, checker)
     report.self_check = checker.stats if self_check else None
-    _precision_notes(graph, ctx, report, amp)
+    if mode == "inference":
+        from .precision import between_ops
+        ctx.precision_between = between_ops(graph, precision)
+    _precision_notes(graph, ctx, report, amp, amp_convs)
     if device != "cpu":
         _device_note(device, mode, report)
     guarded = guard_layer_outputs(graph)
@@ -243,9 +254,16 @@ def _device_note(device: str, mode: str, report: FusionReport) -> None:
                                                  ", ".join(ops) or "none (built without nvcc)"))
 
 
-def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read: Optional[dict] = None) -> None:
+def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read: Optional[dict] = None,
+                     amp_convs: Optional[dict] = None) -> None:
     """What reduced precision changed, and what it could not (AMP-converted graphs included)."""
     from .precision import BFLOAT16, FLOAT32_KEPT, tolerance
+
+    if amp_convs is not None:
+        report.notes.append("precision bf16: MXNet's AMP converted the graph first (its %d convolution(s), and what "
+                            "AMP's op lists run in bfloat16 with them; %d parameter(s) bfloat16), the rules then "
+                            "fused the AMP graph around them; model outputs stay float32"
+                            % (amp_convs["converted"], len(amp_convs["bf16_params"])))
 
     if amp_read is not None:
         left = sorted(n.name for n in graph.op_nodes() if (n.name, n.op) in amp_read["ran_bf16"])
@@ -256,7 +274,7 @@ def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read:
                                "; %d op(s) AMP ran in bfloat16 stay MXNet's and now run in float32: %s"
                                % (len(left), ", ".join(left[:5]) + (" …" if len(left) > 5 else "")) if left else ""))
     amp = sorted({n.op for n in graph.op_nodes() if n.op in ("amp_cast", "amp_multicast")})
-    if amp and amp_read is None:
+    if amp and amp_read is None and amp_convs is None:
         report.notes.append("the graph was converted by MXNet's AMP (%s): the fused ops compute in float32 and "
                             "take no bfloat16/float16 values, so the reduced-precision parts stay MXNet's own "
                             "ops; for fused bfloat16 fuse the float32 model with precision='bf16' instead"
@@ -265,9 +283,16 @@ def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read:
         return
     used = {nd.name for nd in graph.variables()}
     cast = [n for n in ctx.precision_cast if n in used]
+    if amp_convs is not None and not cast:
+        return                  # AMP's op lists decided what runs in bfloat16 (the note above)
     report.notes.append("precision bf16: %d weight(s) cast once to bfloat16 (new parameters *_bf16; matrix "
                         "products accumulate in float32); float32 kept for: %s; self-check tolerance %g"
                         % (len(cast), "; ".join(FLOAT32_KEPT), tolerance(BFLOAT16)))
+    between = ctx.precision_between
+    if between:
+        report.notes.append("precision bf16: %d fused_dense output(s) held in bfloat16 between ops (read only by "
+                            "bfloat16 products, which rounded them anyway): %s" % (
+                                len(between), ", ".join(between[:5]) + (" …" if len(between) > 5 else "")))
     kept = {k: v for k, v in ctx.precision_kept.items() if k.split("'")[1] in {n.name for n in graph.op_nodes()}}
     if kept:
         report.notes.append("precision bf16: %d fused op(s) stay float32: %s" % (

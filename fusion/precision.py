@@ -10,16 +10,26 @@ and what stays float32:
   (oneDNN's bf16 matmul: ``vdpbf16ps`` / AMX).  The ops listed in ``BF16_ATTRS`` are given
   those attributes: ``fused_attention`` computes q·kᵀ and p·v from bfloat16 operands
   (``vdpbf16ps``, float32 accumulation) while its softmax statistics stay float32.
-* **float32**: everything else — the values between ops (every fused op reads and writes
-  float32, so model inputs and outputs keep their dtype), bias and activation epilogues,
+* **bfloat16 between ops** (``BF16_WRITERS`` / ``BF16_READERS``): a value is held in bfloat16
+  only where every reader would round it to bfloat16 anyway — a ``fused_dense`` whose only
+  readers are bfloat16-weight ``fused_dense`` data inputs (the FFN's first product feeding the
+  second; a projection feeding the next) writes its result rounded to nearest even
+  (``out_dtype="bfloat16"``, after its float32 bias and activation) and the readers take it as
+  it is: the same bits, written once, half the bytes.  ``between_ops`` decides, after the rules.
+* **float32**: everything else — the other values between ops (the residual stream, LayerNorm
+  and attention inputs and outputs; model inputs and outputs keep their dtype), bias and
+  activation epilogues,
   softmax statistics, masks and scaling, LayerNorm statistics (``fused_add_layer_norm``,
   ``LayerNorm``), reductions and elementwise chains (``fused_elemwise``), and every op MXNet
   keeps (a classifier head left to MXNet stays float32).  (``fused_add_layer_norm`` also reads and
   writes bfloat16 — float32 statistics inside — for graphs that hand it bfloat16; this policy
-  does not yet make the values between ops bfloat16.)
+  keeps its values float32: its input is the residual stream, its output the next one.)
 
 An AMP-converted graph (``amp.convert_model(..., target_dtype="bfloat16")``) is read as its
-float32 model under this policy (``read_amp``).
+float32 model under this policy (``read_amp``).  A graph with convolutions (``AMP_CONVERTED``:
+the fused ops have no bfloat16 convolution) goes the other way: under precision="bf16" MXNet's
+AMP converts it first — its op lists decide what runs in bfloat16 around the convolutions — and
+the rules fuse the AMP graph (``convert_convolutions``), as ``amp.convert_model`` then ``fuse()``.
 
 bfloat16 keeps float32's exponent range with an 8-bit significand (relative rounding
 error 2⁻⁹ ≈ 2e-3 per operand): ``TOLERANCE`` is what ``fusion.verify``/``mxfuse
@@ -55,8 +65,18 @@ BF16_WEIGHTS: Dict[str, Tuple[int, ...]] = {"fused_dense": (1,)}
 #: compute in float32 where the CPU has no avx512_bf16, and the backward always does).
 BF16_ATTRS: Dict[str, Dict[str, str]] = {"fused_attention": {"precision": "bfloat16"}}
 
+#: Fused op -> input slots that take a bfloat16 value as it is because they round a float32 one to
+#: bfloat16 themselves (nearest even), when the op's weight (BF16_WEIGHTS) is bfloat16.
+BF16_READERS: Dict[str, Tuple[int, ...]] = {"fused_dense": (0,)}
+
+#: Fused op -> the attributes that make it write its (float32-computed) result rounded to bfloat16,
+#: when its weight is bfloat16 and the attributes ``needs`` say it (plain layout).
+BF16_WRITERS: Dict[str, Dict[str, str]] = {"fused_dense": {"out_dtype": BFLOAT16}}
+_WRITER_NEEDS: Dict[str, Dict[str, str]] = {"fused_dense": {"out_layout": "plain"}}
+
 #: What stays float32 under precision="bf16" (for reports and docs; the kernels implement it).
-FLOAT32_KEPT = ("values between ops, model inputs and outputs", "bias and activation epilogues",
+FLOAT32_KEPT = ("values between ops other than fused_dense -> fused_dense (the residual stream, LayerNorm "
+                "and attention inputs and outputs), model inputs and outputs", "bias and activation epilogues",
                 "fused_attention's softmax statistics, mask and scaling (its q·kᵀ and p·v run in bfloat16)",
                 "LayerNorm statistics", "fused_elemwise chains and reductions", "ops left to MXNet")
 
@@ -298,3 +318,108 @@ def _bf16_heads(graph, arg_params, aux_params):
         return [t is not None and is_bf16(t) for t in out_types]
     except Exception:           # noqa: BLE001 -- unknown dtypes: the outputs are taken as float32
         return [False] * len(graph.heads)
+
+
+# -- bfloat16 values between fused ops ---------------------------------------------------------
+
+def _bf16_weight(graph_node, op: str) -> bool:
+    """Whether the fused op reads its product's weight (BF16_WEIGHTS) in bfloat16: a variable
+    declared bfloat16 (the casts this policy adds, or a caller's bfloat16 parameter)."""
+    slots = BF16_WEIGHTS.get(op, ())
+    if not slots:
+        return False
+    for k in slots:
+        src = graph_node.inputs[k].node if k < len(graph_node.inputs) else None
+        if src is None or not src.is_variable or not is_bf16_code(src.attrs.raw("__dtype__")):
+            return False
+    return True
+
+
+def between_ops(graph, precision: str) -> list:
+    """Make the values between fused ops bfloat16 where every reader rounds them to bfloat16 anyway
+    (in place; precision='bfloat16' only).  A writer (BF16_WRITERS, bfloat16 weight) qualifies when
+    its output is no graph output and each of its readers is a BF16_READERS slot of an op with a
+    bfloat16 weight: the readers then see the same bits they computed before (both round to
+    nearest even), so the rewrite is exact.  Returns the names of the writers changed."""
+    if precision != BFLOAT16:
+        return []
+    users = graph.consumers()
+    heads = {e.node for e in graph.heads}
+    changed = []
+    for nd in graph.op_nodes():
+        attrs = BF16_WRITERS.get(nd.op)
+        if not attrs or nd in heads or nd.num_outputs != 1 or not _bf16_weight(nd, nd.op):
+            continue
+        if any(str(nd.attrs.raw(k, v)) != v for k, v in _WRITER_NEEDS.get(nd.op, {}).items()):
+            continue
+        if all(str(nd.attrs.raw(k)) == v for k, v in attrs.items()):
+            changed.append(nd.name)         # already so (a graph fused before)
+            continue
+        readers = users.get(nd, [])
+        if readers and all(slot in BF16_READERS.get(r.op, ()) and _bf16_weight(r, r.op) for r, slot in readers):
+            for k, v in attrs.items():
+                nd.attrs[k] = v
+            changed.append(nd.name)
+    if changed:
+        graph.mark_changed()
+    return changed
+
+
+# -- convolutions under precision="bf16": MXNet's AMP converts them ------------------------------
+
+#: Ops the fused library has no bfloat16 form of, which MXNet's AMP runs in bfloat16 (oneDNN):
+#: under precision="bf16" a graph holding them is converted by AMP first (``convert_convolutions``).
+AMP_CONVERTED = ("Convolution", "Deconvolution")
+
+
+def convert_convolutions(symbol, arg_params: Dict, aux_params: Dict):
+    """precision='bf16' on a graph with convolutions (``AMP_CONVERTED``): MXNet's own AMP
+    (``amp.convert_model(..., target_dtype="bfloat16", cast_optional_params=True)``, AMP's op
+    lists deciding what runs in bfloat16 around them) converts the graph first, on copies of the
+    caller's arrays; the fusion rules then run on the AMP graph (as for ``amp.convert_model`` then
+    ``fuse()``).  A graph output AMP leaves in bfloat16 is cast back to float32 (model outputs keep
+    their dtype).
+
+    Returns ``(symbol, arg_params, aux_params, what)`` or None with nothing done: no convolution,
+    a graph AMP converted already, or one holding fused ops (fused before).  A FusionError says why
+    AMP cannot convert the graph."""
+    import json
+
+    import mxnet as mx
+
+    sym = symbol if isinstance(symbol, mx.sym.Symbol) else None
+    if sym is None:
+        return None
+    ops = [n["op"] for n in json.loads(sym.tojson())["nodes"]]
+    if not any(o in AMP_CONVERTED for o in ops) or any(o in AMP_OPS or o.startswith("fused_") for o in ops):
+        return None
+    from mxnet.contrib import amp
+
+    def copies(store):
+        return {k: (v.copy() if isinstance(v, mx.nd.NDArray) else mx.nd.array(np.asarray(v), dtype=np.asarray(v).dtype))
+                for k, v in (store or {}).items()}
+
+    try:
+        asym, aarg, aaux = amp.convert_model(sym, copies(arg_params), copies(aux_params), target_dtype=BFLOAT16,
+                                             cast_optional_params=True)
+    except FusionError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- MXNet's reason, on one line
+        raise FusionError("precision='bf16': MXNet's AMP cannot convert this graph's convolutions to bfloat16 (%s)"
+                          % (str(e).strip().splitlines() or ["no reason given"])[0][:300])
+    known = {k: v.dtype for store in (aarg, aaux) for k, v in store.items()}
+    names = asym.list_arguments() + asym.list_auxiliary_states()
+    try:
+        _, out_types, _ = asym.infer_type_partial(**{k: known[k] for k in names if k in known})
+    except Exception:           # noqa: BLE001 -- unknown: the outputs are left as AMP gives them
+        out_types = []
+    if any(t is not None and is_bf16(t) for t in out_types):
+        outs = [asym[i] for i in range(len(out_types))]
+        asym = mx.sym.Group([mx.sym.amp_cast(o, dtype=FLOAT32, name=o.name + "_float32")
+                             if t is not None and is_bf16(t) else o for o, t in zip(outs, out_types)])
+        if len(out_types) == 1:
+            asym = asym[0]
+    converted = sum(1 for o in ops if o in AMP_CONVERTED)
+    what = {"converted": converted, "bf16_params": sorted(k for k, v in known.items() if is_bf16(v))}
+    return asym, aarg, aaux, what
+

@@ -55,6 +55,8 @@ class Context:
         #: under reduced precision: weights cast, and fused ops whose weight stayed float32 (with why)
         self.precision_cast: List[str] = []
         self.precision_kept: Dict[str, str] = {}
+        #: fused ops that write bfloat16 values between ops (precision.between_ops, after the rules)
+        self.precision_between: List[str] = []
         #: parameter variables shared by the replacements of a batch (bfloat16 weights): they join
         #: the graph when a batch commits (compact() drops those no committed node reads)
         self.pending_params: List[Node] = []

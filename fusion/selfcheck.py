@@ -307,6 +307,9 @@ def compare(old: np.ndarray, new: np.ndarray) -> Tuple[float, Optional[str]]:
         return 0.0, None
     if old.dtype != new.dtype:
         return float("inf"), "dtype %s instead of %s" % (new.dtype, old.dtype)
+    from .precision import from_bf16, is_bf16
+    if is_bf16(old.dtype):          # bfloat16 values: compared as the float32 values they are
+        old, new = from_bf16(old), from_bf16(new)
     if not np.issubdtype(old.dtype, np.floating):
         diff = int(np.count_nonzero(old != new))
         return (0.0, None) if diff == 0 else (float("inf"), "%d value(s) differ" % diff)

@@ -71,6 +71,15 @@ def _is_bf16_weight(m: Match, w: Entry) -> bool:
     return w.node.is_variable and str(w.node.attrs.get("__dtype__")) == str(BF16_CODE)
 
 
+def _is_bf16_value(m: Match, e: Entry) -> bool:
+    """A value between ops held in bfloat16 (fusion.precision.between_ops), fused or unfused already."""
+    if m.ctx.dtype(e) == "bfloat16":
+        return True
+    src = e.node
+    key = {"fused_dense": "out_dtype", "amp_cast": "dtype"}.get(src.op)
+    return key is not None and str(src.attrs.raw(key)) == "bfloat16"
+
+
 class UnfuseDense(_Unfuse):
     def __init__(self):
         super().__init__("fused_dense", 3)
@@ -81,8 +90,16 @@ class UnfuseDense(_Unfuse):
         no_bias = bool(f.param("no_bias", False))
         attrs = {"num_hidden": int(f.attrs["num_hidden"]), "flatten": bool(f.param("flatten", True)),
                  "no_bias": no_bias}
+        if _is_bf16_value(m, ins[0]):   # data held in bfloat16 (widened exactly)
+            ins = [b.op("amp_cast", [ins[0]], attrs={"dtype": "float32"}, name=f.name + "_data_fp32")] + ins[1:]
         if _is_bf16_weight(m, ins[1]):   # precision="bf16": FullyConnected takes it widened back to float32
             ins = [ins[0], b.op("amp_cast", [ins[1]], attrs={"dtype": "float32"}, name=f.name + "_weight_fp32")] + ins[2:]
+        if str(f.attrs.raw("out_dtype", "float32")) == "bfloat16":
+            # written rounded to bfloat16 for readers that round it anyway: so do the stock ops
+            y = _activation(b, b.op("FullyConnected", ins[:2] if no_bias else ins[:3], attrs=attrs,
+                                    name=f.name + "_fc"), f.attrs.get("act", "none"),
+                            float(f.param("slope", 0.25)), f.name + "_act")
+            return b.op("amp_cast", [y], attrs={"dtype": "bfloat16"}, name=f.name)
         fc = b.op("FullyConnected", ins[:2] if no_bias else ins[:3], attrs=attrs, name=f.name + "_fc")
         return _activation(b, fc, f.attrs.get("act", "none"), float(f.param("slope", 0.25)), f.name)
 

@@ -101,17 +101,19 @@ def test_small_transformer_block_bf16():
     arg = {k: mx.nd.array(v.asnumpy() * (0.2 if k.endswith("weight") else 1)) for k, v in arg.items()}
     res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
     counts = ops(res)
-    assert counts.get("fused_attention") == 2 and counts.get("fused_dense") == 12, res.report.to_text()
+    # per layer: one QKV product (qkv_projection), the output projection, the FFN's two
+    assert counts.get("fused_attention") == 2 and counts.get("fused_dense") == 8, res.report.to_text()
     dense = [n for n in res.graph.op_nodes() if n.op == "fused_dense"]
     assert all(n.inputs[1].node.name.endswith("_bf16") for n in dense)
+    assert sorted(n.attrs.raw("num_hidden") for n in dense if n.attrs.raw("out_dtype") == "bfloat16") == ["64", "64"]
     attn = [n for n in res.graph.op_nodes() if n.op == "fused_attention"]
-    assert all(n.attrs.get("precision") == "bfloat16" for n in attn)
+    assert all(n.attrs.get("precision") == "bfloat16" and n.attrs.get("layout") == "packed_qkv" for n in attn)
     v = fusion.verify((sym, arg, aux), res, input_shapes=shapes)
     assert v.max_rel <= BF16_TOL, v
     fp32 = fusion.fuse(sym, arg, aux, input_shapes=shapes)
     assert not any("precision" in n.attrs for n in fp32.graph.op_nodes())
     assert fusion.verify((sym, arg, aux), fp32, input_shapes=shapes).max_rel <= 1e-4
-    assert "precision bf16: 12 weight(s) cast" in res.report.to_text()
+    assert "precision bf16: 8 weight(s) cast" in res.report.to_text()
 
 
 def _attention_reference(q, k, v, scale, mask=None, causal=False, rounded=False):
@@ -311,7 +313,7 @@ def test_fused_dense_bf16_refuses_other_dtypes_and_backward():
     x = mx.nd.array(np.ones((4, 8), np.float32))
     w = mx.nd.array(np.ones((3, 8), np.float32))
     b = mx.nd.zeros((3,))
-    with pytest.raises(mx.base.MXNetError, match="input 0 must be float32"):
+    with pytest.raises(mx.base.MXNetError, match=r"input 0 \(data\) must be float32"):
         mx.nd.fused_dense(mx.nd.amp_cast(x, dtype=P.BF16), w, b, num_hidden=3).asnumpy()
     with pytest.raises(mx.base.MXNetError, match="weight.*float32 or bfloat16"):
         mx.nd.fused_dense(x, w.astype("float16"), b, num_hidden=3).asnumpy()
@@ -474,7 +476,7 @@ def test_amp_then_fuse_transformer_block():
     asym, aarg, aaux = _amp(sym, arg)
     assert any(op.startswith("amp_") for op in ops(asym))
     res = fusion.fuse(asym, aarg, aaux, input_shapes=shapes)
-    assert ops(res) == {"fused_dense": 12, "fused_add_layer_norm": 4, "fused_attention": 2}, res.report.to_text()
+    assert ops(res) == {"fused_dense": 8, "fused_add_layer_norm": 4, "fused_attention": 2}, res.report.to_text()
     assert all(n.attrs.get("precision") == "bfloat16" for n in res.graph.op_nodes() if n.op == "fused_attention")
     assert res.report.self_check.refused == 0
     amp_err = fusion.verify((sym, arg, {}), (asym, aarg, aaux), input_shapes=shapes).max_rel
@@ -597,3 +599,193 @@ def test_shared_weight_cast_once():
     assert ops(res) == {"fused_dense": 2}, res.report.to_text()
     assert sorted(res.arg_params) == ["b", "w_bf16"]
     assert fusion.verify((y, arg, aux), res, input_shapes=shapes).max_rel <= BF16_TOL
+
+
+# -- bfloat16 values between fused ops ------------------------------------------------------------
+
+def _dense_chain(act1, readers=("fc2",)):
+    """fc1 [→ act1] → each of ``readers``: "fc2" (a dense), "add" (x + fc1's value), "out" (a graph output)."""
+    h = S.FullyConnected(S.var("x"), num_hidden=48, flatten=False, name="fc1")
+    if act1 == "relu":
+        h = S.Activation(h, act_type="relu", name="a1")
+    elif act1 == "gelu":
+        h = S.LeakyReLU(h, act_type="gelu", name="a1")
+    outs = []
+    if "fc2" in readers:
+        outs.append(S.FullyConnected(h, num_hidden=16, flatten=False, name="fc2"))
+    if "add" in readers:
+        outs.append(S.broadcast_add(S.sum(h, axis=-1, keepdims=True), S.var("x")))
+    if "out" in readers:
+        outs.append(h)
+    return outs[0] if len(outs) == 1 else S.Group(outs)
+
+
+def _without_between(res):
+    g = res.graph
+    for nd in g.op_nodes():
+        if "out_dtype" in nd.attrs:
+            del nd.attrs["out_dtype"]
+    return g.to_symbol()
+
+
+def _dense_numpy(x, w, b, act=None):
+    """float32 NumPy: bf16(x)·bf16(w)ᵀ + b, then the activation."""
+    y = bf16_round(x) @ bf16_round(w).T + b
+    if act == "relu":
+        y = np.maximum(y, 0)
+    elif act == "gelu":
+        y = 0.5 * y * (1 + np.vectorize(math.erf)(y / math.sqrt(2)))
+    return y.astype(np.float32)
+
+
+@needs_bf16
+@pytest.mark.parametrize("act1", [None, "relu", "gelu"])
+def test_dense_to_dense_value_held_in_bf16_is_exact(act1):
+    """fc1's only reader rounds it to bfloat16: fc1 writes it rounded (out_dtype='bfloat16'), fc2 reads
+    it as it is — the same bits as the float32 hand-over, on the first call and the prepacked ones."""
+    sym = _dense_chain(act1)
+    shapes = {"x": (3, 40, 16)}
+    arg, aux = random_params(sym, shapes)
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    dense = {n.name: n for n in res.graph.op_nodes() if n.op == "fused_dense"}
+    assert len(dense) == 2, res.report.to_text()
+    writers = [n for n in dense.values() if n.attrs.raw("out_dtype") == "bfloat16"]
+    assert len(writers) == 1 and writers[0].inputs[0].node.name == "x"
+    assert "1 fused_dense output(s) held in bfloat16 between ops" in res.report.to_text()
+    x = np.random.default_rng(5).standard_normal(shapes["x"]).astype(np.float32)
+    got, exe = _run(res.symbol, res.arg_params, res.aux_params, {"x": x})
+    plain, exe2 = _run(_without_between(res), res.arg_params, res.aux_params, {"x": x})
+    assert got[0].dtype == np.float32 and np.array_equal(got[0], plain[0])
+    for _ in range(2):      # second and third calls: weights prepacked, bfloat16 written by oneDNN
+        assert np.array_equal(exe.forward(is_train=False)[0].asnumpy(), exe2.forward(is_train=False)[0].asnumpy())
+    # NumPy float32 reference of the kernels' arithmetic, and the float32 original
+    p = {k: v.asnumpy() for k, v in arg.items()}
+    h = bf16_round(_dense_numpy(x, p["fc1_weight"], p["fc1_bias"], act1))
+    want = _dense_numpy(h, p["fc2_weight"], p["fc2_bias"])
+    assert np.abs(got[0] - want).max() <= 1e-5 * np.abs(want).max()
+    v = fusion.verify((sym, arg, aux), res, input_shapes=shapes)
+    assert v.max_rel <= BF16_TOL, v
+
+
+@needs_bf16
+@pytest.mark.parametrize("readers", [("fc2", "add"), ("fc2", "out")])
+def test_value_with_a_float32_reader_stays_float32(readers):
+    """A reader that does not round to bfloat16 (an add, a graph output) keeps the value float32."""
+    sym = _dense_chain("relu", readers)
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(sym, shapes)
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    assert ops(res).get("fused_dense", 0) >= 1, res.report.to_text()
+    assert not any(n.attrs.raw("out_dtype") for n in res.graph.op_nodes())
+    assert "held in bfloat16 between ops" not in res.report.to_text()
+    assert fusion.verify((sym, arg, aux), res, input_shapes=shapes).max_rel <= BF16_TOL
+
+
+@needs_bf16
+def test_float32_precision_never_holds_bf16():
+    sym = _dense_chain("relu")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(sym, shapes)
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+    assert ops(res) == {"fused_dense": 2} and not any(n.attrs.raw("out_dtype") for n in res.graph.op_nodes())
+
+
+def test_fused_dense_out_dtype_checked():
+    x = mx.nd.array(np.ones((4, 8), np.float32))
+    w, b = mx.nd.array(np.ones((3, 8), np.float32)), mx.nd.zeros((3,))
+    with pytest.raises(mx.base.MXNetError, match="out_dtype='bfloat16' needs a bfloat16 weight"):
+        mx.nd.fused_dense(x, w, b, num_hidden=3, out_dtype="bfloat16").asnumpy()
+    with pytest.raises(mx.base.MXNetError, match="out_dtype"):
+        mx.nd.fused_dense(x, w, b, num_hidden=3, out_dtype="float16").asnumpy()
+    wb = mx.nd.amp_cast(w, dtype=P.BF16)
+    with pytest.raises(mx.base.MXNetError, match="out_dtype='bfloat16' needs out_layout='plain'"):
+        mx.nd.fused_dense(mx.nd.ones((1, 4, 8)), wb, b, num_hidden=3, flatten=False, out_layout="heads_bhsd",
+                          heads=3, out_dtype="bfloat16").asnumpy()
+
+
+@needs_bf16
+@pytest.mark.parametrize("act", ["none", "relu"])
+def test_fused_dense_reads_and_writes_bf16_alone(act):
+    """The op by itself: bfloat16 data and output against the NumPy float32 reference (mx.nd: W read in place;
+    an executor's later calls: W prepacked), the same as float32 data rounded by the op."""
+    rng = np.random.default_rng(2)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((24, 32), (20, 32), (20,)))
+    want = _dense_numpy(x, w, b, None if act == "none" else act)
+    xb, wb = mx.nd.array(P.to_bf16(x), dtype=P.BF16), mx.nd.array(P.to_bf16(w), dtype=P.BF16)
+    y = mx.nd.fused_dense(xb, wb, mx.nd.array(b), num_hidden=20, act=act, out_dtype="bfloat16")
+    assert y.dtype == P.BF16
+    assert np.array_equal(P.to_bf16(want).view(np.uint16), y.asnumpy().view(np.uint16)) or \
+        np.abs(P.from_bf16(y.asnumpy()) - want).max() <= 2 ** -8 * np.abs(want).max()
+    y32 = mx.nd.fused_dense(mx.nd.array(x), wb, mx.nd.array(b), num_hidden=20, act=act).asnumpy()
+    assert np.array_equal(P.to_bf16(y32).view(np.uint16), y.asnumpy().view(np.uint16))
+    sym = S.fused_dense(S.var("x", dtype=P.BF16), S.var("w", dtype=P.BF16), S.var("b"), num_hidden=20, act=act,
+                        out_dtype="bfloat16")
+    exe = sym.bind(mx.cpu(), {"x": xb, "w": wb, "b": mx.nd.array(b)}, grad_req="null")
+    for _ in range(3):
+        assert np.array_equal(exe.forward(is_train=False)[0].asnumpy().view(np.uint16), y.asnumpy().view(np.uint16))
+
+
+@needs_bf16
+def test_unfuse_keeps_the_bf16_hand_over():
+    sym = _dense_chain("gelu")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(sym, shapes)
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    plain = fusion.unfuse(res.symbol, shapes, res.arg_params, res.aux_params)
+    assert not any(op.startswith("fused_") for op in ops(plain))
+    v = fusion.verify((sym, arg, aux), (plain, res.arg_params, res.aux_params), input_shapes=shapes)
+    assert v.max_rel <= BF16_TOL, v
+
+
+# -- convolutions under precision="bf16": MXNet's AMP converts them first --------------------------
+
+def _small_cnn():
+    x = S.Convolution(S.var("data"), num_filter=8, kernel=(3, 3), pad=(1, 1), name="c1")
+    x = S.Activation(S.BatchNorm(x, name="bn1"), act_type="relu")
+    x = S.Convolution(x, num_filter=8, kernel=(3, 3), pad=(1, 1), name="c2")
+    x = S.Activation(S.BatchNorm(x, name="bn2") + S.var("data"), act_type="relu")
+    return S.FullyConnected(S.flatten(x), num_hidden=10, name="fc")
+
+
+@needs_bf16
+def test_bf16_on_a_cnn_runs_its_convolutions_in_bf16_through_amp():
+    sym = _small_cnn()
+    shapes = {"data": (1, 8, 6, 6)}
+    arg, aux = random_params(sym, shapes)
+    before = {k: v.asnumpy().copy() for k, v in arg.items()}
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    assert res.report.precision == P.BFLOAT16
+    assert "MXNet's AMP converted the graph first (its 2 convolution(s)" in res.report.to_text()
+    assert all(P.is_bf16(res.arg_params[n].dtype) for n in ("c1_weight", "c2_weight"))
+    assert all(np.array_equal(arg[k].asnumpy(), v) for k, v in before.items())      # the caller's arrays
+    _, out_types, _ = res.symbol.infer_type(data=np.float32)
+    assert out_types == [np.float32]                                                   # model output dtype kept
+    # the same model as amp.convert_model then fuse(), on the same input
+    from mxnet.contrib import amp
+    asym, aarg, aaux = amp.convert_model(sym, {k: v.copy() for k, v in arg.items()},
+                                         {k: v.copy() for k, v in aux.items()}, target_dtype="bfloat16",
+                                         cast_optional_params=True)
+    x = np.random.default_rng(0).standard_normal(shapes["data"]).astype(np.float32)
+    from fusion.verify import run as run_model     # (AMP's graph names its input twice: bound by position)
+    got = run_model(res.symbol, res.arg_params, res.aux_params, {"data": x})[0]
+    want = run_model(asym, aarg, aaux, {"data": x})[0].astype(np.float32)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    v = fusion.verify((sym, arg, aux), res, input_shapes=shapes)
+    assert v.max_rel <= BF16_TOL, v
+
+
+@needs_bf16
+def test_bf16_amp_conversion_only_for_graphs_with_convolutions():
+    """No convolution: the policy's own fused bf16 ops, no AMP casts; fused already: not converted again."""
+    sym = _dense_model("relu")
+    shapes = {"x": (2, 8, 16)}
+    arg, aux = random_params(sym, shapes)
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    assert "amp_cast" not in ops(res) and "MXNet's AMP converted" not in res.report.to_text()
+    cnn = _small_cnn()
+    shapes = {"data": (1, 8, 6, 6)}
+    arg, aux = random_params(cnn, shapes)
+    once = fusion.fuse(cnn, arg, aux, input_shapes=shapes, precision="bf16")
+    again = fusion.fuse(once.symbol, once.arg_params, once.aux_params, input_shapes=shapes, precision="bf16")
+    assert "MXNet's AMP converted" not in again.report.to_text()
+    assert fusion.verify((cnn, arg, aux), again, input_shapes=shapes).max_rel <= BF16_TOL

@@ -79,14 +79,26 @@ struct MatmulPrim {
   Md src, bias, dst;
   Prim p;
   bool create(int64_t M, int64_t N, int64_t K, const_dnnl_memory_desc_t wmd, bool has_bias,
-              dnnl_data_type_t src_dt = dnnl_f32) {
+              dnnl_data_type_t src_dt = dnnl_f32, dnnl_data_type_t dst_dt = dnnl_f32,
+              MatmulEltwise post = {}) {
     const DnnlApi& a = dnnl();
-    return src.strided(M, K, K, 1, src_dt) && dst.strided(M, N, N, 1) &&
-           (!has_bias || bias.strided(1, N, N, 1)) &&
-           a.dnnl_matmul_primitive_desc_create(&p.pd, a.engine, src.p, wmd,
-                                               has_bias ? bias.p : nullptr, dst.p,
-                                               nullptr) == dnnl_success &&
-           p.make();
+    // the post-op, when there is one: an attribute the primitive descriptor copies
+    dnnl_primitive_attr_t attr = nullptr;
+    dnnl_post_ops_t ops = nullptr;
+    bool ok = post.alg == dnnl_alg_kind_undef ||
+              (a.dnnl_primitive_attr_create(&attr) == dnnl_success &&
+               a.dnnl_post_ops_create(&ops) == dnnl_success &&
+               a.dnnl_post_ops_append_eltwise(ops, post.alg, post.alpha, post.beta) == dnnl_success &&
+               a.dnnl_primitive_attr_set_post_ops(attr, ops) == dnnl_success);
+    ok = ok && src.strided(M, K, K, 1, src_dt) && dst.strided(M, N, N, 1, dst_dt) &&
+         (!has_bias || bias.strided(1, N, N, 1)) &&
+         a.dnnl_matmul_primitive_desc_create(&p.pd, a.engine, src.p, wmd,
+                                             has_bias ? bias.p : nullptr, dst.p,
+                                             attr) == dnnl_success &&
+         p.make();
+    if (ops) a.dnnl_post_ops_destroy(ops);
+    if (attr) a.dnnl_primitive_attr_destroy(attr);
+    return ok;
   }
 };
 }  // namespace
@@ -102,13 +114,15 @@ struct PackedMatmul::Shape {
   Mem src, bias, dst;  // handles set per call
 };
 
-PackedMatmul::PackedMatmul(int64_t N, int64_t K, bool bias, bool bf16)
-    : N_(N), K_(K), bias_(bias), bf16_(bf16) {}
+PackedMatmul::PackedMatmul(int64_t N, int64_t K, bool bias, bool bf16, bool dst_bf16,
+                           MatmulEltwise post)
+    : N_(N), K_(K), bias_(bias), bf16_(bf16), dst_bf16_(bf16 && dst_bf16), post_(post) {}
 
 std::unique_ptr<PackedMatmul> PackedMatmul::create(int64_t N, int64_t K, bool bias,
-                                                   std::string* why, bool bf16) {
+                                                   std::string* why, bool bf16, bool dst_bf16,
+                                                   MatmulEltwise post) {
   if (!api_or_null(why)) return nullptr;
-  return std::unique_ptr<PackedMatmul>(new PackedMatmul(N, K, bias, bf16));
+  return std::unique_ptr<PackedMatmul>(new PackedMatmul(N, K, bias, bf16, dst_bf16, post));
 }
 
 PackedMatmul::~PackedMatmul() = default;
@@ -140,12 +154,13 @@ PackedMatmul::Packed* PackedMatmul::packed_for(const void* wmd_, const void* W) 
 
 namespace {
 bool unpacked(const void* X, int64_t M, const void* W, int64_t N, int64_t K, const float* bias,
-              float* Y, dnnl_data_type_t dt) {
+              void* Y, dnnl_data_type_t dt, dnnl_data_type_t dst_dt = dnnl_f32,
+              MatmulEltwise post = {}) {
   if (!api_or_null(nullptr)) return false;
   Md wmd;  // W (N, K) row-major read in place as the (K, N) weights
   MatmulPrim mm;
   Mem ms, mw, mb, md;
-  bool ok = wmd.strided(K, N, 1, K, dt) && mm.create(M, N, K, wmd.p, bias != nullptr, dt) &&
+  bool ok = wmd.strided(K, N, 1, K, dt) && mm.create(M, N, K, wmd.p, bias != nullptr, dt, dst_dt, post) &&
             ms.create(mm.src.p, const_cast<void*>(X)) && mw.create(wmd.p, const_cast<void*>(W)) &&
             md.create(mm.dst.p, Y) && (!bias || mb.create(mm.bias.p, const_cast<float*>(bias)));
   if (!ok) return false;
@@ -161,8 +176,8 @@ bool matmul_unpacked(const float* X, int64_t M, const float* W, int64_t N, int64
 }
 
 bool matmul_unpacked_bf16(const uint16_t* X, int64_t M, const uint16_t* W, int64_t N, int64_t K,
-                          const float* bias, float* Y) {
-  return unpacked(X, M, W, N, K, bias, Y, dnnl_bf16);
+                          const float* bias, void* Y, bool dst_bf16, MatmulEltwise post) {
+  return unpacked(X, M, W, N, K, bias, Y, dnnl_bf16, dst_bf16 ? dnnl_bf16 : dnnl_f32, post);
 }
 
 void to_bf16(const float* x, uint16_t* y, int64_t n) {
@@ -182,7 +197,7 @@ void from_bf16(const uint16_t* x, float* y, int64_t n) {
   }
 }
 
-bool PackedMatmul::run(const void* X, int64_t M, const void* W, const float* bias, float* Y) {
+bool PackedMatmul::run(const void* X, int64_t M, const void* W, const float* bias, void* Y) {
   const DnnlApi& a = dnnl();
   std::lock_guard<std::mutex> lk(mu_);
   auto it = shapes_.find(M);
@@ -195,7 +210,7 @@ bool PackedMatmul::run(const void* X, int64_t M, const void* W, const float* bia
     const dnnl_data_type_t dt = bf16_ ? dnnl_bf16 : dnnl_f32;
     bool ok = a.dnnl_memory_desc_create_with_tag(&wany.p, 2, wd, dt, dnnl_format_tag_any) ==
                   dnnl_success &&
-              s->mm.create(M, N_, K_, wany.p, bias_, dt);
+              s->mm.create(M, N_, K_, wany.p, bias_, dt, dst_bf16_ ? dnnl_bf16 : dnnl_f32, post_);
     if (ok) {
       const_dnnl_memory_desc_t wmd = a.dnnl_primitive_desc_query_md(s->mm.p.pd, dnnl_query_weights_md, 0);
       s->w = wmd ? packed_for(wmd, W) : nullptr;

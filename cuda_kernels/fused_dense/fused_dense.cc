@@ -13,11 +13,17 @@
 // Head-split output: one OpenMP task per (batch, head) tile, a single-threaded sgemm
 // writing straight into (B, H, S, D), epilogue applied while the tile is in cache.
 //
-// bfloat16 weight (fuse(..., precision="bf16") casts it once): x is rounded to bfloat16
-// per call, the product runs through oneDNN's bf16 matmul (float32 accumulation, weight
-// packed once as above, bias added in float32), and the output and the activation stay
-// float32; a head-split output is written through a (M, N) buffer.  Inference only (no
-// backward).  Without oneDNN's matmul the weight is widened to float32 for sgemm.
+// bfloat16 weight (fuse(..., precision="bf16") casts it once): x is read as bfloat16 (a
+// float32 x is rounded to nearest even per call; a bfloat16 x, written so by the op before,
+// is read as it is), the product runs through oneDNN's bf16 matmul (float32 accumulation,
+// weight packed once as above, bias added in float32) and the activation runs in float32;
+// GELU runs inside oneDNN's matmul (an eltwise post-op on the float32 result), the other
+// activations over rows after it; the output is float32, or bfloat16 with
+// out_dtype='bfloat16' (the float32 result rounded to nearest even: what a reader that rounds
+// its input to bfloat16 would see, written once; oneDNN writes it directly after no
+// activation or GELU, flushing subnormal results to zero).  A head-split output is written
+// through a (M, N) buffer.  Inference only (no backward).  Without oneDNN's matmul the
+// operands are widened to float32 for sgemm.
 #include <omp.h>
 
 #include <algorithm>
@@ -34,7 +40,7 @@ using namespace mxf;
 namespace {
 
 struct DenseParams {
-  bool no_bias, flatten, heads_out;
+  bool no_bias, flatten, heads_out, out_bf16;
   int64_t heads, num_hidden;
   Act act;
   float slope;
@@ -49,6 +55,8 @@ DenseParams parse(const Attrs& a) {
   p.num_hidden = attr_int(a, "num_hidden", -1);
   p.heads_out = attr_choice(a, "out_layout", "plain", {"plain", "heads_bhsd"}) == "heads_bhsd";
   p.heads = attr_int(a, "heads", 0);
+  p.out_bf16 = attr_choice(a, "out_dtype", "float32", {"float32", "bfloat16"}) == "bfloat16";
+  if (p.out_bf16 && p.heads_out) throw OpError("out_dtype='bfloat16' needs out_layout='plain'");
   if (p.heads_out) {
     if (p.heads <= 0) throw OpError("out_layout='heads_bhsd' needs a positive attribute 'heads'");
     if (p.flatten) throw OpError("out_layout='heads_bhsd' needs flatten=False");
@@ -106,16 +114,23 @@ constexpr int kBfloat16 = 12;
 
 MXReturnValue infer_type(const Attrs& a, std::vector<int>* in, std::vector<int>* out) {
   return guarded("fused_dense", [&] {
+    const DenseParams p = parse(a);
+    const bool bf16_weight = (*in)[1] == kBfloat16;
     for (size_t i = 0; i < in->size(); ++i) {
       const int t = (*in)[i];
-      if (i == 1 && t == kBfloat16) continue;  // reduced precision: the weight alone
+      if (i == 1 && t == kBfloat16) continue;  // reduced precision: the weight
+      if (i == 0 && t == kBfloat16 && bf16_weight) continue;  // and data it rounds anyway
       if (t != mxnet::ext::kFloat32)
         throw OpError(i == 1 ? "input 1 (weight) must be float32 or bfloat16, got dtype code " +
                                    std::to_string(t)
-                             : "input " + std::to_string(i) + " must be float32, got dtype code " +
-                                   std::to_string(t));
+                      : i == 0 ? "input 0 (data) must be float32 (or bfloat16 with a bfloat16 "
+                                 "weight), got dtype code " + std::to_string(t)
+                               : "input " + std::to_string(i) + " must be float32, got dtype code " +
+                                     std::to_string(t));
     }
-    (*out)[0] = mxnet::ext::kFloat32;
+    if (p.out_bf16 && !bf16_weight)
+      throw OpError("out_dtype='bfloat16' needs a bfloat16 weight (input 1)");
+    (*out)[0] = p.out_bf16 ? kBfloat16 : mxnet::ext::kFloat32;
   });
 }
 
@@ -180,11 +195,13 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
                         const OpResource&) override {
     return guarded("fused_dense", [&] {
       if ((*in)[1].dtype == kBfloat16) {
-        require_f32((*in)[0], "fused_dense data");
+        if ((*in)[0].dtype != kBfloat16) require_f32((*in)[0], "fused_dense data");
         if (!p_.no_bias) require_f32((*in)[2], "fused_dense bias");
+        if ((*out)[0].dtype != (p_.out_bf16 ? kBfloat16 : mxnet::ext::kFloat32))
+          throw OpError("output dtype does not match out_dtype");
         Dims d = dims(p_, (*in)[0].shape, (*in)[1].shape);
         forward_bf16(d, (*in)[0], (*in)[1], p_.no_bias ? nullptr : (*in)[2].data<float>(),
-                     (*out)[0].data<float>());
+                     (*out)[0].data_ptr);
         return;
       }
       for (auto& t : *in) require_f32(t, "fused_dense input");
@@ -252,15 +269,26 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
     if (!err.empty()) throw OpError(err);
   }
 
+  // The activation as a oneDNN post-op of the bf16 matmul (applied to the float32 result
+  // before it is stored): GELU, the transformers' FFN activation; none for the others,
+  // which the rows pass applies (their NaN and signed-zero semantics are MXNet's, act.h).
+  static MatmulEltwise eltwise_of(Act act) {
+    MatmulEltwise e;
+    if (act == Act::gelu_erf || act == Act::gelu_erf_dnnl) e.alg = dnnl_eltwise_gelu_erf;
+    if (act == Act::gelu_tanh) e.alg = dnnl_eltwise_gelu_tanh;
+    return e;
+  }
+
   // The bfloat16 weight's packed form (second call with the same weight version, as for
   // float32); null on a first call or without oneDNN's matmul.
-  PackedMatmul* weight_bf16(MXTensor& w, int64_t N, int64_t K, bool has_bias) {
+  PackedMatmul* weight_bf16(MXTensor& w, int64_t N, int64_t K, bool has_bias, bool dst_bf16,
+                            MatmulEltwise post) {
     std::lock_guard<std::mutex> lk(mu_);
     const bool same = w.data_ptr == w_ptr_ && w.verID == w_ver_;
     if (same && mm_) return mm_.get();
     if (same && !mm_failed_) {
       std::string why;
-      mm_ = PackedMatmul::create(N, K, has_bias, &why, /*bf16=*/true);
+      mm_ = PackedMatmul::create(N, K, has_bias, &why, /*bf16=*/true, dst_bf16, post);
       if (!mm_) mm_failed_ = true;
       return mm_.get();
     }
@@ -272,46 +300,74 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
     return nullptr;
   }
 
-  void forward_bf16(const Dims& d, MXTensor& xT, MXTensor& wT, const float* bias, float* Y) {
+  void forward_bf16(const Dims& d, MXTensor& xT, MXTensor& wT, const float* bias, void* out) {
     const int64_t M = d.M, N = d.N, K = d.K;
     if (M == 0 || N == 0) return;
     const Act act = this->act(xT.shape);
-    const float* X = xT.data<float>();
     const uint16_t* W = static_cast<const uint16_t*>(wT.data_ptr);
     // Small passes run on the calling thread: an OpenMP region costs more than they do (and,
     // on a busy machine, a whole time slice whenever a team member is descheduled).
     constexpr int64_t kParallelMin = int64_t(1) << 18;
-    std::vector<uint16_t> xb(M * K);
+    // per-thread buffers kept between calls (no allocation, no page faults per call)
+    thread_local std::vector<uint16_t> xbuf;
+    thread_local std::vector<float> zbuf;
+    const uint16_t* xb;
+    if (xT.dtype == kBfloat16) {
+      xb = static_cast<const uint16_t*>(xT.data_ptr);
+    } else {
+      const float* X = xT.data<float>();
+      if (xbuf.size() < static_cast<size_t>(M * K)) xbuf.resize(M * K);
+      uint16_t* xw = xbuf.data();
+      const int64_t chunk = 4096;  // rounding is memory-bound: split by elements, not rows
 #pragma omp parallel for schedule(static) if (M * K >= kParallelMin)
-    for (int64_t i = 0; i < M; ++i) to_bf16(X + i * K, xb.data() + i * K, K);
-    std::vector<float> tmp;
-    float* Z = Y;  // the (M, N) product: Y itself, or a buffer for the head-split layout
-    if (p_.heads_out) {
-      tmp.resize(M * N);
-      Z = tmp.data();
+      for (int64_t i = 0; i < M * K; i += chunk) to_bf16(X + i, xw + i, std::min(chunk, M * K - i));
+      xb = xw;
     }
-    PackedMatmul* mm = weight_bf16(wT, N, K, bias != nullptr);
-    bool bias_added = true;
-    if (!(mm && mm->run(xb.data(), M, W, bias, Z)) &&
-        !matmul_unpacked_bf16(xb.data(), M, W, N, K, bias, Z)) {
-      std::vector<float> wf(N * K), xf(M * K);  // no oneDNN matmul: widen, then sgemm
+    // oneDNN applies GELU after the bias (a post-op) and writes bfloat16 itself when nothing
+    // else follows; otherwise the float32 product goes to Z (the output, or a buffer) and the
+    // pass below finishes it
+    const MatmulEltwise post = eltwise_of(act);
+    const bool act_in_mm = post.alg != dnnl_alg_kind_undef;
+    const bool direct_bf16 = p_.out_bf16 && (act == Act::none || act_in_mm);
+    float* Z = static_cast<float*>(out);
+    if (p_.heads_out || (p_.out_bf16 && !direct_bf16)) {
+      if (zbuf.size() < static_cast<size_t>(M * N)) zbuf.resize(M * N);
+      Z = zbuf.data();
+    }
+    void* dst = direct_bf16 ? out : static_cast<void*>(Z);
+    PackedMatmul* mm = weight_bf16(wT, N, K, bias != nullptr, direct_bf16, post);
+    bool bias_added = true;  // and the post-op applied
+    if (!(mm && mm->run(xb, M, W, bias, dst)) &&
+        !matmul_unpacked_bf16(xb, M, W, N, K, bias, dst, direct_bf16, post)) {
+      // no oneDNN matmul: widen, then sgemm (into Z, a float32 buffer when out is bfloat16)
+      std::vector<float> wf(N * K), xf(M * K), zf;
       from_bf16(W, wf.data(), N * K);
-      from_bf16(xb.data(), xf.data(), M * K);
+      from_bf16(xb, xf.data(), M * K);
+      if (direct_bf16) {
+        zf.resize(M * N);
+        Z = zf.data();
+      }
       sgemm('N', 'T', M, N, K, 1.f, xf.data(), K, wf.data(), K, 0.f, Z, N);
       bias_added = false;
+    } else if (direct_bf16) {
+      return;
     }
     const float* extra = bias_added ? nullptr : bias;
+    const Act rest = bias_added && act_in_mm ? Act::none : act;  // what the rows pass applies
     if (!p_.heads_out) {
-      if (!extra && act == Act::none) return;
+      if (!extra && rest == Act::none && !p_.out_bf16) return;
+      uint16_t* Yb = static_cast<uint16_t*>(out);
 #pragma omp parallel for schedule(dynamic, 4) if (M * N >= kParallelMin)
       for (int64_t i = 0; i < M; ++i) {
-        float* row = Y + i * N;
+        float* row = Z + i * N;
         if (extra)
           for (int64_t j = 0; j < N; ++j) row[j] += extra[j];
-        act_forward(act, p_.slope, row, N);
+        act_forward(rest, p_.slope, row, N);
+        if (p_.out_bf16) to_bf16(row, Yb + i * N, N);
       }
       return;
     }
+    float* Y = static_cast<float*>(out);
     const auto& xs = xT.shape;
     const int64_t B = xs[0], S = xs[1], H = p_.heads, D = N / H;
 #pragma omp parallel for schedule(dynamic, 1) collapse(2) if (M * N >= kParallelMin)
@@ -321,7 +377,7 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
           float* row = Y + ((b * H + h) * S + s) * D;
           const float* src = Z + (b * S + s) * N + h * D;
           for (int64_t j = 0; j < D; ++j) row[j] = src[j] + (extra ? extra[h * D + j] : 0.f);
-          act_forward(act, p_.slope, row, D);
+          act_forward(rest, p_.slope, row, D);
         }
   }
 
