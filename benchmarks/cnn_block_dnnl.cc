@@ -84,6 +84,23 @@ double now_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// `warm` untimed calls of run(), then `reps` timed ones: {median, p10, p90} in ms.
+struct Timing {
+  double median, p10, p90;
+};
+template <class F>
+Timing time_runs(F&& run, int warm, int reps) {
+  for (int i = 0; i < warm; ++i) run();
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    const double t0 = now_ms();
+    run();
+    t.push_back(now_ms() - t0);
+  }
+  std::sort(t.begin(), t.end());
+  return {t[t.size() / 2], t[t.size() / 10], t[t.size() * 9 / 10]};
+}
+
 // ResNeXt's SE bottleneck: relu(SE(conv1x1(relu(gconv3x3(relu(conv1x1(x)))))) + [conv1x1_s(x)] x), NHWC inside.
 int resnext(int argc, char** argv) {
   const memory::dim Cin = atoi(argv[2]), H = atoi(argv[3]), D = atoi(argv[4]), Cout = atoi(argv[5]),
@@ -143,17 +160,9 @@ int resnext(int argc, char** argv) {
     rout.execute(strm, y_n, y_u);
     strm.wait();
   };
-  for (int i = 0; i < 20; ++i) run();
-  std::vector<double> tt;
-  for (int i = 0; i < reps; ++i) {
-    const double t0 = now_ms();
-    run();
-    tt.push_back(now_ms() - t0);
-  }
-  std::sort(tt.begin(), tt.end());
+  const Timing tt = time_runs(run, 20, reps);
   std::printf("resnext cin=%ld h=%ld width=%ld cout=%ld groups=%ld s=%ld down=%d: median %.4f ms [%.4f-%.4f]\n",
-              (long)Cin, (long)H, (long)D, (long)Cout, (long)G, (long)S, down ? 1 : 0, tt[tt.size() / 2],
-              tt[tt.size() / 10], tt[tt.size() * 9 / 10]);
+              (long)Cin, (long)H, (long)D, (long)Cout, (long)G, (long)S, down ? 1 : 0, tt.median, tt.p10, tt.p90);
   return 0;
 }
 
@@ -221,16 +230,9 @@ int densenet(int argc, char** argv) {
     rout.execute(strm, cat, y_u);
     strm.wait();
   };
-  for (int i = 0; i < 5; ++i) run();
-  std::vector<double> tt;
-  for (int i = 0; i < reps; ++i) {
-    const double t0 = now_ms();
-    run();
-    tt.push_back(now_ms() - t0);
-  }
-  std::sort(tt.begin(), tt.end());
+  const Timing tt = time_runs(run, 5, reps);
   std::printf("densenet block c0=%ld h=%ld layers=%ld: median %.4f ms [%.4f-%.4f]\n", (long)C0, (long)H, (long)L,
-              tt[tt.size() / 2], tt[tt.size() / 10], tt[tt.size() * 9 / 10]);
+              tt.median, tt.p10, tt.p90);
   return 0;
 }
 }  // namespace
@@ -341,16 +343,9 @@ int main(int argc, char** argv) {
     if (r_out) rout.execute(strm, y_b, y_u);
     strm.wait();
   };
-  for (int i = 0; i < 20; ++i) run();
-  std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
-    const double t0 = now_ms();
-    run();
-    t.push_back(now_ms() - t0);
-  }
-  std::sort(t.begin(), t.end());
+  const Timing t = time_runs(run, 20, reps);
   std::printf("%s cin=%ld h=%ld exp=%ld cout=%ld k=%ld s=%ld se=%d %s: median %.4f ms [%.4f-%.4f]\n", argv[1],
-              (long)Cin, (long)H, (long)E, (long)Cout, (long)K, (long)S, se ? 1 : 0, argv[9], t[t.size() / 2],
-              t[t.size() / 10], t[t.size() * 9 / 10]);
+              (long)Cin, (long)H, (long)E, (long)Cout, (long)K, (long)S, se ? 1 : 0, argv[9], t.median, t.p10,
+              t.p90);
   return 0;
 }

@@ -65,6 +65,20 @@ def ops(result_or_sym):
     return g.count_ops()
 
 
+def assert_unfuse_round_trip(sym, arg, aux, res, shapes, op, rtol=1e-5, **fuse_kwargs):
+    """``unfuse`` of the fused graph ``res`` leaves stock ops only, computes what ``sym`` computes,
+    and fusing it again gives one ``op`` back (``op`` None: not checked)."""
+    import fusion
+
+    plain = fusion.unfuse(res.symbol)
+    assert not any(o.startswith("fused_") for o in ops(plain)), ops(plain)
+    v = fusion.verify(sym, (plain, res.arg_params, res.aux_params), (arg, aux), shapes)
+    assert v.max_rel <= rtol, v
+    if op is not None:
+        again = fusion.fuse(plain, res.arg_params, res.aux_params, input_shapes=shapes, **fuse_kwargs)
+        assert ops(again).get(op) == 1, again.report.to_text(explain=True)
+
+
 @pytest.fixture
 def tmp_model(tmp_path):
     """Write a small Conv-BN-ReLU model to disk; returns (symbol path, params path)."""

@@ -6,7 +6,7 @@ import pytest
 import fusion
 from fusion.testing_gluoncv import export, se_resnext
 
-from conftest import fuse_and_check, ops, random_params
+from conftest import assert_unfuse_round_trip, fuse_and_check, ops, random_params
 
 RULES = ["grouped_convolution"]
 
@@ -91,11 +91,7 @@ def test_unfuse_restores_stock_ops(kw):
     sym = gconv(**kw)
     arg, aux = random_params(sym, shapes)
     res = fusion.fuse(sym, arg, aux, rules=RULES, input_shapes=shapes)
-    plain = fusion.unfuse(res.symbol)
-    assert not any(op.startswith("fused_") for op in ops(plain)), ops(plain)
-    assert fusion.verify(sym, (plain, res.arg_params, res.aux_params), (arg, aux), shapes).max_rel <= 1e-5
-    again = fusion.fuse(plain, res.arg_params, res.aux_params, rules=RULES, input_shapes=shapes)
-    assert ops(again).get("fused_grouped_conv") == 1
+    assert_unfuse_round_trip(sym, arg, aux, res, shapes, "fused_grouped_conv", rules=RULES)
 
 
 def test_se_resnext_network():

@@ -116,6 +116,15 @@ void require_f32(const MXTensor& t, const char* what) {
     throw OpError(std::string(what) + " must be float32");
 }
 
+ClipGate parse_clip_gate(const Attrs& a) {
+  ClipGate g;
+  g.add = attr_float(a, "gate_add", g.add);
+  g.min = attr_float(a, "gate_min", g.min);
+  g.max = attr_float(a, "gate_max", g.max);
+  g.div = attr_float(a, "gate_div", g.div);
+  return g;
+}
+
 MXReturnValue inference_only_backward(const Attrs&, std::vector<MXTensor>*, std::vector<MXTensor>*,
                                       const OpResource&) {
   report_error("this fused op has no backward: the graph was fused for inference; fuse it with "

@@ -50,6 +50,19 @@ MXReturnValue guarded(const char* op, F&& body) {
 MXReturnValue inference_only_backward(const Attrs& attrs, std::vector<MXTensor>* inputs,
                                       std::vector<MXTensor>* outputs, const OpResource& res);
 
+// The clipped gate clip(x + add, min, max) / div (MobileNetV3's hard sigmoid, ReLU6(x + 3) / 6 by
+// default), from the attributes gate_add, gate_min, gate_max and gate_div.  The same arithmetic
+// as the ops it replaces: add, clip, then divide.
+struct ClipGate {
+  float add = 3.f, min = 0.f, max = 6.f, div = 6.f;
+  float operator()(float x) const {
+    float t = x + add;
+    t = t < min ? min : (t > max ? max : t);
+    return t / div;
+  }
+};
+ClipGate parse_clip_gate(const Attrs& a);
+
 std::string attr_str(const Attrs& a, const char* name, const char* dflt);
 bool has_attr(const Attrs& a, const char* name);
 float attr_float(const Attrs& a, const char* name, float dflt);

@@ -33,7 +33,7 @@ namespace {
 struct Params {
   bool expand, se, residual, hswish;
   int64_t K, S, P, E, O;
-  float g_add, g_min, g_max, g_div;
+  ClipGate clip;  // the SE gate
 };
 
 Params parse(const Attrs& a) {
@@ -47,10 +47,7 @@ Params parse(const Attrs& a) {
   p.P = attr_int(a, "pad", (p.K - 1) / 2);
   p.E = attr_int(a, "num_expand", 0);
   p.O = attr_int(a, "num_filter", 0);
-  p.g_add = attr_float(a, "gate_add", 3.f);
-  p.g_min = attr_float(a, "gate_min", 0.f);
-  p.g_max = attr_float(a, "gate_max", 6.f);
-  p.g_div = attr_float(a, "gate_div", 6.f);
+  p.clip = parse_clip_gate(a);
   if (p.K < 1 || p.S < 1 || p.P < 0) throw OpError("kernel and stride must be positive and pad non-negative");
   if (p.E < 1 || p.O < 1) throw OpError("num_expand and num_filter must be positive");
   return p;
@@ -120,9 +117,7 @@ void squeeze_excite(const Params& p, const Geometry& g, const float* W1, const f
     for (int64_t c = 0; c < E; ++c) {
       float acc = b2[c];
       for (int64_t m = 0; m < M; ++m) acc += W2[c * M + m] * hidden[m];
-      float t = acc + p.g_add;
-      t = t < p.g_min ? p.g_min : (t > p.g_max ? p.g_max : t);
-      gate[c] = t / p.g_div;
+      gate[c] = p.clip(acc);
     }
 #pragma omp parallel for
     for (int64_t i = 0; i < HW; ++i) {

@@ -31,7 +31,7 @@ struct SEParams {
   float slope;
   Gate gate;
   float alpha, beta;                         // hard_sigmoid: max(0, min(1, alpha x + beta))
-  float g_add, g_min, g_max, g_div;          // clip: clip(x + add, min, max) / div
+  ClipGate clip;                             // clip: clip(x + add, min, max) / div
   InAct in_act;
   Act out_act;
   bool bias1, bias2, residual;
@@ -45,10 +45,7 @@ SEParams parse(const Attrs& a) {
   p.gate = g == "sigmoid" ? Gate::sigmoid : (g == "hard_sigmoid" ? Gate::hard_sigmoid : Gate::clip);
   p.alpha = attr_float(a, "alpha", 0.2f);
   p.beta = attr_float(a, "beta", 0.5f);
-  p.g_add = attr_float(a, "gate_add", 3.f);
-  p.g_min = attr_float(a, "gate_min", 0.f);
-  p.g_max = attr_float(a, "gate_max", 6.f);
-  p.g_div = attr_float(a, "gate_div", 6.f);
+  p.clip = parse_clip_gate(a);
   const std::string in = attr_choice(a, "in_act", "none", {"none", "hard_swish"});
   p.in_act = in == "hard_swish" ? InAct::hard_swish : InAct::none;
   const std::string out = attr_choice(a, "out_act", "none", {"none", "relu", "act_relu"});
@@ -144,9 +141,7 @@ float gate_fn(const SEParams& p, float v) {
       return r > 1.f ? 1.f : (r < 0.f ? 0.f : r);
     }
     case Gate::clip: {
-      float t = v + p.g_add;
-      t = t < p.g_min ? p.g_min : (t > p.g_max ? p.g_max : t);
-      return t / p.g_div;
+      return p.clip(v);
     }
   }
   return v;
