@@ -44,6 +44,8 @@ from fusion.pattern import Const, OneOf, Pattern, Var, op
 from fusion.rewrite import Builder
 from fusion.rule import Rule
 
+from ._dtypes import not_float32
+
 ACTIVATIONS = ("relu", "sigmoid", "tanh", "softrelu")
 _BN_INPUTS = ("gamma", "beta", "mean", "var")
 
@@ -111,6 +113,9 @@ class ConvBN(Rule):
             return reason
         if conv.op == "Deconvolution" and conv.param("layout") not in (None, "NCW", "NCHW", "NCDHW"):
             return "Deconvolution layout %s is not supported for folding (only NC…)" % conv.param("layout")
+        for e in (m["w"], Entry(conv)):
+            if not_float32(e, m.ctx):   # e.g. an AMP graph's bfloat16 convolution
+                return ("'%s' is not float32: BatchNorm folding writes float32 weights" % e.node.name)
         if not m.ctx.has_params:
             return "BatchNorm folding needs the parameter values (no arg_params/aux_params were given)"
         for name in ("w",) + (("b",) if m.has("b") else ()) + _BN_INPUTS:

@@ -545,6 +545,12 @@ def test_amp_cnn_keeps_its_bf16_convolutions():
     assert all(P.is_bf16(res.arg_params[n].dtype) for n in ("c1_weight", "c2_weight") if n in res.arg_params)
     v = fusion.verify((asym, aarg, aaux), res, input_shapes=shapes)
     assert v.max_rel <= 1e-4, v
+    # BatchNorm folding refuses a bfloat16 convolution up front (not left to the self-check)
+    folding = [r for name, r in res.report.rules.items() if name.startswith("conv_bn")]
+    reasons = [why for r in folding for why in r.rejected.values()]
+    assert not any(r.fused for r in folding)
+    assert any("is not float32: BatchNorm folding writes float32 weights" in why for why in reasons), reasons
+    assert not any("self-check" in why for why in reasons), reasons
 
 
 def test_amp_converted_block_in_the_backend_stays_amp():
