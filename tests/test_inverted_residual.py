@@ -138,7 +138,9 @@ def test_mobilenetv3_every_block_fuses():
     with mx.name.NameManager():
         sym, arg, aux = export(mobilenetv3(multiplier=0.25, cls_ch_squeeze=64, cls_ch_expand=32, classes=10), shape)
     res = fusion.fuse(sym, arg, aux, input_shapes={"data": shape})
-    assert ops(res).get("fused_inverted_residual") == 15, res.report.to_text(explain=True)
+    # 15 blocks; the plain relu block (expand, no SE, no residual) is left to MXNet's oneDNN
+    assert ops(res).get("fused_inverted_residual") == 14, res.report.to_text(explain=True)
+    assert "a plain relu block" in res.report.to_text(explain=True)
     for s in (shape, (2, 3, 48, 48)):
         v = fusion.verify((sym, arg, aux), res, input_shapes={"data": s})
         assert v.max_rel <= 1e-4, v
