@@ -116,6 +116,14 @@ void require_f32(const MXTensor& t, const char* what) {
     throw OpError(std::string(what) + " must be float32");
 }
 
+MXReturnValue infer_type_float32(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
+  return guarded("fused op", [&] {
+    for (size_t i = 0; i < in->size(); ++i)
+      if ((*in)[i] != mxnet::ext::kFloat32) throw OpError("input " + std::to_string(i) + " must be float32");
+    (*out)[0] = mxnet::ext::kFloat32;
+  });
+}
+
 ClipGate parse_clip_gate(const Attrs& a) {
   ClipGate g;
   g.add = attr_float(a, "gate_add", g.add);

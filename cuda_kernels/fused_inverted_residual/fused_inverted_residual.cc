@@ -367,14 +367,6 @@ MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
   });
 }
 
-MXReturnValue infer_type(const Attrs&, std::vector<int>* in, std::vector<int>* out) {
-  return guarded("fused_inverted_residual", [&] {
-    for (size_t i = 0; i < in->size(); ++i)
-      if ((*in)[i] != mxnet::ext::kFloat32) throw OpError("input " + std::to_string(i) + " must be float32");
-    (*out)[0] = mxnet::ext::kFloat32;
-  });
-}
-
 void expect(const Shape& got, const Shape& want, const char* what) {
   if (got != want) throw OpError(std::string(what) + " must be " + shape_str(want) + ", got " + shape_str(got));
 }
@@ -475,6 +467,6 @@ MXReturnValue create_state(const Attrs& a, const mxnet::ext::MXContext&, const s
 
 REGISTER_OP(fused_inverted_residual)
     .setParseAttrs(parse_attrs)
-    .setInferType(infer_type)
+    .setInferType(infer_type_float32)
     .setInferShape(infer_shape)
     .setCreateOpState(create_state, "cpu");

@@ -88,15 +88,6 @@ MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
   });
 }
 
-MXReturnValue infer_type(const Attrs& a, std::vector<int>* in, std::vector<int>* out) {
-  return guarded("fused_se", [&] {
-    for (size_t i = 0; i < in->size(); ++i)
-      if ((*in)[i] != mxnet::ext::kFloat32)
-        throw OpError("input " + std::to_string(i) + " must be float32");
-    (*out)[0] = mxnet::ext::kFloat32;
-  });
-}
-
 int64_t prod_from(const Shape& s, size_t k) {
   int64_t n = 1;
   for (size_t i = k; i < s.size(); ++i) n *= s[i];
@@ -246,7 +237,7 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
 
 REGISTER_OP(fused_se)
     .setParseAttrs(parse_attrs)
-    .setInferType(infer_type)
+    .setInferType(infer_type_float32)
     .setInferShape(infer_shape)
     .setForward(forward, "cpu")
     .setBackward(inference_only_backward, "cpu");
