@@ -137,14 +137,8 @@ class UnfuseSE(_Unfuse):
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
         f = m.node("f")
-        ins = list(self.inputs(m))
-        x, w1 = ins.pop(0), ins.pop(0)
-        b1 = None if f.param("no_bias1", False) else ins.pop(0)
-        w2 = ins.pop(0)
-        b2 = None if f.param("no_bias2", False) else ins.pop(0)
-        residual = ins.pop(0) if f.param("residual", False) else None
-        if "num_hidden" not in f.attrs or "num_channels" not in f.attrs:
-            raise FusionError("fused_se '%s' lacks num_hidden/num_channels: its layers cannot be rebuilt" % f.name)
+        x, w1, b1, w2, b2, rest = self.two_layer_inputs(m)
+        residual = rest.pop(0) if f.param("residual", False) else None
         if f.attrs.get("in_act", "none") == "hard_swish":
             x = ElemwiseProgram(b, [x], f.name + "_hswish").build("mul(x0, div(clip(add(x0, 3.0), 0.0, 6.0), 6.0))")
         p = b.op("Pooling", [x], attrs={"global_pool": True, "pool_type": "avg", "kernel": (1, 1)},

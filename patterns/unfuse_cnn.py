@@ -19,14 +19,7 @@ class UnfuseSplitAttention(_Unfuse):
     def rewrite(self, m: Match, b: Builder) -> Entry:
         from .unfuse import _activation
         f = m.node("f")
-        ins = list(self.inputs(m))
-        x, w1 = ins.pop(0), ins.pop(0)
-        b1 = None if f.param("no_bias1", False) else ins.pop(0)
-        w2 = ins.pop(0)
-        b2 = None if f.param("no_bias2", False) else ins.pop(0)
-        if "num_hidden" not in f.attrs or "num_channels" not in f.attrs:
-            raise FusionError("fused_split_attention '%s' lacks num_hidden/num_channels: its layers cannot be "
-                              "rebuilt" % f.name)
+        x, w1, b1, w2, b2, _ = self.two_layer_inputs(m)
         R, A, C = int(f.param("radix", 2)), int(f.param("att_groups", 1)), int(f.attrs["num_channels"])
         name = f.name
         gap = x
