@@ -118,3 +118,33 @@ def run_mxfuse(capsys, *argv):
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+# Once in six full runs, the test process aborted after every test had passed and pytest had
+# printed its summary ("terminate called without an active exception" during C++ static
+# destruction at interpreter exit; MXNet's engine threads are alive then).  The cause is not
+# found.  The process therefore leaves with pytest's own exit status once MXNet's queued work is
+# done, without running the C++ static destructors.
+_EXIT_STATUS = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+def _leave_without_static_destructors():
+    if not _EXIT_STATUS:
+        return
+    try:
+        import mxnet as mx
+        mx.nd.waitall()
+    except Exception:
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT_STATUS[-1])
+
+
+import atexit  # noqa: E402
+
+atexit.register(_leave_without_static_destructors)
