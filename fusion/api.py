@@ -195,7 +195,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     amp_convs = None
     if precision != "float32" and copy_params and mode == "inference" and device == "cpu":
         from .precision import convert_convolutions   # the convolutions run in bfloat16 through MXNet's AMP
-        amp_convs = convert_convolutions(symbol, arg_params, aux_params)
+        amp_convs = convert_convolutions(symbol, arg_params, aux_params, input_shapes, input_dtypes)
         if amp_convs is not None:
             symbol, arg_params, aux_params, amp_convs = amp_convs
     graph = _as_graph(symbol)
@@ -259,6 +259,10 @@ def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read:
     """What reduced precision changed, and what it could not (AMP-converted graphs included)."""
     from .precision import BFLOAT16, FLOAT32_KEPT, tolerance
 
+    if amp_convs is not None and "kept" in amp_convs:
+        report.notes.append("precision bf16: the %d convolution(s) stay float32: %s" % (amp_convs["converted"],
+                                                                                       amp_convs["kept"]))
+        amp_convs = None
     if amp_convs is not None:
         report.notes.append("precision bf16: MXNet's AMP converted the graph first (its %d convolution(s), and what "
                             "AMP's op lists run in bfloat16 with them; %d parameter(s) bfloat16), the rules then "

@@ -372,7 +372,8 @@ def between_ops(graph, precision: str) -> list:
 AMP_CONVERTED = ("Convolution", "Deconvolution")
 
 
-def convert_convolutions(symbol, arg_params: Dict, aux_params: Dict):
+def convert_convolutions(symbol, arg_params: Dict, aux_params: Dict, input_shapes: Optional[Dict] = None,
+                         input_dtypes: Optional[Dict] = None):
     """precision='bf16' on a graph with convolutions (``AMP_CONVERTED``): MXNet's own AMP
     (``amp.convert_model(..., target_dtype="bfloat16", cast_optional_params=True)``, AMP's op
     lists deciding what runs in bfloat16 around them) converts the graph first, on copies of the
@@ -381,8 +382,11 @@ def convert_convolutions(symbol, arg_params: Dict, aux_params: Dict):
     their dtype).
 
     Returns ``(symbol, arg_params, aux_params, what)`` or None with nothing done: no convolution,
-    a graph AMP converted already, or one holding fused ops (fused before).  A FusionError says why
-    AMP cannot convert the graph."""
+    a graph AMP converted already, or one holding fused ops (fused before).  Where AMP cannot
+    convert the graph, or MXNet cannot run AMP's graph once at ``input_shapes`` (AMP's lists put an
+    op in bfloat16 that has no bfloat16 kernel: ``Activation(act_type='softsign')``), or the input
+    shapes are not given so that this cannot be tried, the graph is returned as it is with
+    ``what["kept"]`` saying why: its convolutions stay float32."""
     import json
 
     import mxnet as mx
@@ -394,6 +398,7 @@ def convert_convolutions(symbol, arg_params: Dict, aux_params: Dict):
     if not any(o in AMP_CONVERTED for o in ops) or any(o in AMP_OPS or o.startswith("fused_") for o in ops):
         return None
     from mxnet.contrib import amp
+    converted = sum(1 for o in ops if o in AMP_CONVERTED)
 
     def copies(store):
         return {k: (v.copy() if isinstance(v, mx.nd.NDArray) else mx.nd.array(np.asarray(v), dtype=np.asarray(v).dtype))
@@ -405,21 +410,52 @@ def convert_convolutions(symbol, arg_params: Dict, aux_params: Dict):
     except FusionError:
         raise
     except Exception as e:  # noqa: BLE001 -- MXNet's reason, on one line
-        raise FusionError("precision='bf16': MXNet's AMP cannot convert this graph's convolutions to bfloat16 (%s)"
-                          % (str(e).strip().splitlines() or ["no reason given"])[0][:300])
+        return symbol, arg_params, aux_params, {"converted": converted, "kept": "MXNet's AMP cannot convert the graph "
+                                                "(%s)" % _mxnet_reason(e)}
+    fails, out_types = _amp_graph_run(asym, aarg, aaux, input_shapes, input_dtypes)
+    if fails:
+        return symbol, arg_params, aux_params, {"converted": converted, "kept": fails}
     known = {k: v.dtype for store in (aarg, aaux) for k, v in store.items()}
-    names = asym.list_arguments() + asym.list_auxiliary_states()
-    try:
-        _, out_types, _ = asym.infer_type_partial(**{k: known[k] for k in names if k in known})
-    except Exception:           # noqa: BLE001 -- unknown: the outputs are left as AMP gives them
-        out_types = []
-    if any(t is not None and is_bf16(t) for t in out_types):
+    if any(is_bf16(t) for t in out_types):     # the dtypes MXNet gave (its type inference can say otherwise)
         outs = [asym[i] for i in range(len(out_types))]
         asym = mx.sym.Group([mx.sym.amp_cast(o, dtype=FLOAT32, name=o.name + "_float32")
-                             if t is not None and is_bf16(t) else o for o, t in zip(outs, out_types)])
+                             if is_bf16(t) else o for o, t in zip(outs, out_types)])
         if len(out_types) == 1:
             asym = asym[0]
-    converted = sum(1 for o in ops if o in AMP_CONVERTED)
     what = {"converted": converted, "bf16_params": sorted(k for k, v in known.items() if is_bf16(v))}
     return asym, aarg, aaux, what
 
+
+def _mxnet_reason(e: BaseException) -> str:
+    """The line of an MXNet error that says what failed (its messages start with a traceback)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    said = [ln for ln in lines if ("Error" in ln or "Check failed" in ln) and not ln.startswith("Traceback")]
+    return (said or lines or [type(e).__name__])[-1][:300]
+
+
+def _amp_graph_run(asym, arg: Dict, aux: Dict, input_shapes: Optional[Dict], input_dtypes: Optional[Dict]):
+    """AMP's graph run once at ``input_shapes`` (inputs zero): ``(None, its output dtypes)``, or
+    ``(why it cannot be taken, None)``: MXNet cannot run it, or the input shapes are not all known,
+    so that cannot be tried."""
+    import mxnet as mx
+
+    from .bench import subgraph_backend
+
+    shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
+    unknown = [n for n in asym.list_arguments() if n not in arg and n not in shapes]
+    if unknown:
+        return ("the shape of input(s) %s is not given, so AMP's graph cannot be run once to check that MXNet "
+                "has a bfloat16 kernel for each op AMP puts in bfloat16; pass input_shapes" % ", ".join(unknown)), None
+    dtypes = {k: np.dtype(v) for k, v in (input_dtypes or {}).items()}
+    try:
+        args = {n: arg[n] if n in arg else mx.nd.zeros(shapes[n], dtype=dtypes.get(n, np.float32))
+                for n in asym.list_arguments()}
+        with subgraph_backend(False):       # MXNet's own kernels, as the self-check binds
+            exe = asym.bind(mx.cpu(), args, aux_states={n: aux[n] for n in asym.list_auxiliary_states()},
+                            grad_req="null")
+        outs = exe.forward(is_train=False)
+        for o in outs:
+            o.wait_to_read()
+    except Exception as e:  # noqa: BLE001 -- MXNet's reason, on one line
+        return "MXNet cannot run AMP's graph of it: %s" % _mxnet_reason(e), None
+    return None, [o.dtype for o in outs]

@@ -173,6 +173,50 @@ def test_gluon_door_check_finds_a_wrong_fused_block(monkeypatch, family):
     assert {"gluon.values", "gluon.second.values", "gluon.training.values"} <= found, (seed, found)
 
 
+@pytest.mark.parametrize("family", ["dense", "attention", "conv", "norm"])
+def test_bf16_check_finds_a_wrong_bf16_fuse(monkeypatch, family):
+    """The bf16 check fuses with precision='bf16' and runs the result at both shapes: clean on a
+    correct fuse; with the bf16 result off by 10 % (more than bfloat16 rounding of every value
+    moves the original) a finding on every graph, at both shapes on most."""
+    import mxnet as mx
+
+    import fusion
+    from fusion.precision import native_bf16_reason
+    from tools.fuzz.case import Invalid
+    from tools.fuzz.generator import generate
+    from tools.fuzz.oracle import Oracle
+
+    if native_bf16_reason() is not None:
+        pytest.skip(native_bf16_reason())
+    clean = []
+    for seed in range(7000, 7060):
+        try:
+            case = generate(seed, family)
+        except Invalid:
+            continue
+        out = Oracle(case, only=["bf16"]).run()
+        assert not out.findings, (seed, [(f.check, f.detail) for f in out.findings])
+        if out.valid and out.counters.get("bf16_second_checked") and not out.counters.get("bf16_within_rounding"):
+            clean.append((seed, case))
+        if len(clean) == 4:
+            break
+    if not clean:
+        pytest.skip("no %s graph checked in bf16 at two shapes among the seeds tried" % family)
+
+    real = fusion.fuse
+
+    def off_by_ten_percent(*args, **kwargs):
+        res = real(*args, **kwargs)
+        if kwargs.get("precision") == "bf16":
+            res.symbol = mx.sym.Group([o * 1.1 for o in res.symbol])
+        return res
+    monkeypatch.setattr(fusion, "fuse", off_by_ten_percent)
+    found = {seed: {f.check for f in Oracle(case, only=["bf16"]).run().findings} for seed, case in clean}
+    assert all(f & {"bf16.values", "bf16.second.values"} for f in found.values()), found
+    both = [s for s, f in found.items() if {"bf16.values", "bf16.second.values"} <= f]
+    assert len(both) * 2 >= len(found), found
+
+
 def test_equalities_one_rounding_apart_hold_in_the_snapped_rerun():
     """``eq(gelu(y), y)``: MXNet's oneDNN gelu gives y one ulp low where erf saturates, another order
     gives y exactly; the oracle's snapped rerun counts values one rounding apart as equal (and no

@@ -22,12 +22,15 @@ sys.path.insert(0, ROOT)
 
 def main(argv=None) -> int:
     from tools.fuzz.families import FAMILIES
+    from tools.fuzz.oracle import CHECKS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--graphs", type=int, default=500, help="number of graphs (default 500)")
     p.add_argument("--seed", type=int, default=0, help="run seed: the same seed gives the same graphs")
     p.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--families", default="", help="comma-separated subset of: " + ", ".join(FAMILIES))
+    p.add_argument("--checks", default="", help="comma-separated subset of the oracle's checks: " + ", ".join(CHECKS)
+                   + " (default: all)")
     p.add_argument("--out", default="", help="folder for reproducers (default: none written)")
     p.add_argument("--time-limit", type=float, default=0, help="stop starting new graphs after this many seconds")
     p.add_argument("--timeout", type=float, default=120, help="seconds per graph before its worker is killed")
@@ -53,8 +56,12 @@ def main(argv=None) -> int:
                   end="\n" if bad else "", file=sys.stderr, flush=True)
 
     families = [f for f in a.families.split(",") if f] or None
-    sm = fuzz(a.graphs, a.seed, families, a.jobs, a.timeout, a.out or None, a.time_limit or None,
-              a.shrink if a.out else 0, a.shrink_seconds, progress, a.threads)
+    try:
+        sm = fuzz(a.graphs, a.seed, families, a.jobs, a.timeout, a.out or None, a.time_limit or None,
+                  a.shrink if a.out else 0, a.shrink_seconds, progress, a.threads,
+                  [k for k in a.checks.split(",") if k] or None)
+    except ValueError as e:          # unknown families or checks
+        p.error(str(e))
     if not a.quiet:
         print(file=sys.stderr)
     rules = []

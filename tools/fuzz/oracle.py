@@ -26,6 +26,10 @@ gluon               the Gluon door: the graph as a ``SymbolBlock`` hybridized wi
                     matches the reference at the first shape and then, in the same block, at the
                     second; under ``autograd.record()`` (fused for training) its outputs and every
                     parameter's gradient match the original's
+bf16                ``fuse(precision="bf16")`` (inference): the fused graph binds and runs at both
+                    shapes, every output has the original's shape and dtype, NaN/±inf where the
+                    original has them, and values within what bfloat16 rounding moves the original
+                    by (see below); skipped, and counted, where the CPU has no native bfloat16
 ==================  ===========================================================================
 
 Tolerance: per output, ``max|fused − ref| ≤ RTOL·max|ref| + ATOL`` over the positions finite
@@ -36,6 +40,12 @@ original itself moves that much (ill-conditioned: exp of large values, division 
 comparisons of computed values) are allowed ``8×`` the original's own movement; so is the
 original's own rounding error, measured against the original run in float64.  A mismatch
 explained that way is counted as ``ill_conditioned``, not reported.
+
+bf16 is judged against the float32 original with ``RTOL_BF16·max|ref| + ATOL`` (the project's
+bfloat16 tolerance, 2e-2), and where that fails, against ``2×`` the original's own movement when
+its parameters, inputs and every value an op produces are moved by up to 2^-8 relative
+(bfloat16 rounds by at most 2^-9): a rewrite may round what it computes, but no more than
+bfloat16 storage of each value would.
 
 Graphs with random ops (Dropout with mode='always', uniform_like) are compared in shapes and
 structure only; Dropout(p>0) makes the training comparison structural only.
@@ -58,8 +68,9 @@ import numpy as np
 from .case import Case
 
 RTOL, ATOL = 1e-4, 1e-6
+RTOL_BF16, BF16_NOISE, BF16_RUNS, BF16_FACTOR = 2e-2, 2.0 ** -8, 4, 2.0
 RTOL_GRAD, ATOL_GRAD = 1e-3, 1e-4      # gradients mathematically 0 come out as rounding noise ~1e-6..1e-5
-CHECKS = ("inference", "second", "unfuse", "idempotence", "training", "subgraph", "gluon")
+CHECKS = ("inference", "second", "unfuse", "idempotence", "training", "subgraph", "gluon", "bf16")
 RANDOM_OPS = re.compile(r"^(_random_|random_|_sample_|sample_|_contrib_.*uniform|.*uniform_like|.*normal_like|_shuffle)")
 
 
@@ -337,14 +348,15 @@ SINGULAR_INPUTS = {"broadcast_div": (1,), "elemwise_div": (1,), "_div": (1,), "_
 NEAR_OVERFLOW = 2.0 ** 120       # finite values this large overflow under a rescaling by 2^8
 
 
-def _noise_dominated(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray]) -> set:
+def _noise_dominated(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray], rel: float = 2.0 ** -20) -> set:
     """Indices of ``sym``'s outputs that depend on a value no order of the arithmetic pins down:
     one rounding noise moves by its whole size (a sum that cancels to noise: its sign, or whether
     it is 0, is an accident of the order) where an op singular at 0 reads it (a division by it,
     its square root); or one within 2^8 of overflowing (MXNet's max pooling of NaN gives
     -FLT_MAX), where folding a scale into a weight overflows before or after the sum.  Any order
     of the same arithmetic may give any of those outputs: the original's value is one sample
-    among them, and the perturbed reruns, which later ops can damp, do not show it."""
+    among them, and the perturbed reruns, which later ops can damp, do not show it.  ``rel``: the
+    size of the rounding noise (bfloat16's for the bf16 check)."""
     import mxnet as mx
 
     data = json.loads(sym.tojson())
@@ -374,7 +386,7 @@ def _noise_dominated(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray]) -
             if (np.isfinite(a) & (np.abs(a) >= NEAR_OVERFLOW)).any():
                 moved.add(values[label])
         for seed in (7, 8, 9) if singular else ():
-            _NOISE[0] = (2.0 ** -20, seed)
+            _NOISE[0] = (rel, seed)
             try:
                 got = forward(group, arg, aux, inputs)
             finally:
@@ -522,8 +534,9 @@ def perturbed(values: Dict[str, np.ndarray], seed: Optional[int], rel: float = 2
 
 # ---------------------------------------------------------------------------- comparing
 def mismatch(ref: np.ndarray, got: np.ndarray, rtol: float, dev: Optional[np.ndarray] = None,
-             atol: float = ATOL, wild: Optional[np.ndarray] = None) -> Optional[str]:
-    """Why ``got`` is not ``ref`` within tolerance (None when it is); ``dev``: the original's own movement."""
+             atol: float = ATOL, wild: Optional[np.ndarray] = None, dev_factor: float = 8.0) -> Optional[str]:
+    """Why ``got`` is not ``ref`` within tolerance (None when it is); ``dev``: the original's own
+    movement, of which ``dev_factor`` times is allowed besides."""
     if ref.shape != got.shape:
         return "shape %s, expected %s" % (got.shape, ref.shape)
     if ref.dtype != got.dtype:
@@ -552,7 +565,7 @@ def mismatch(ref: np.ndarray, got: np.ndarray, rtol: float, dev: Optional[np.nda
     err = np.where(fin, np.abs(a - b), 0.0)
     allowed = rtol * scale + atol
     if dev is not None:
-        allowed = allowed + 8.0 * np.where(np.isnan(dev), np.inf, dev)
+        allowed = allowed + dev_factor * np.where(np.isnan(dev), np.inf, dev)
     over = err > allowed
     if over.any():
         i = np.unravel_index(np.argmax(np.where(over, err, -1)), a.shape)
@@ -671,18 +684,18 @@ class Oracle:
             return {}
         return {"input_shapes": c.shapes(), "input_dtypes": c.dtypes()}
 
-    def _fuse(self, mode: str, symbol=None, arg=None, aux=None):
+    def _fuse(self, mode: str, symbol=None, arg=None, aux=None, **extra):
         import fusion
 
         c = self.case
         src = symbol if symbol is not None else (c.json_text if c.json_text is not None else c.symbol)
         given = (_nds(c.arg) if arg is None else arg, _nds(c.aux) if aux is None else aux)
-        res = fusion.fuse(src, given[0], given[1], mode=mode, **self.fuse_kwargs())
+        res = fusion.fuse(src, given[0], given[1], mode=mode, **self.fuse_kwargs(), **extra)
         if arg is None:          # the caller's arrays stay as they were
             for store, ref in ((given[0], c.arg), (given[1], c.aux)):
                 changed = [k for k, v in store.items() if not np.array_equal(v.asnumpy(), ref[k], equal_nan=True)]
                 if changed:
-                    self._find("%s.mutated_params" % mode,
+                    self._find("%s.mutated_params" % (extra.get("precision") and "bf16" or mode),
                                "fuse() changed the caller's arrays: %s" % ", ".join(sorted(changed)))
         return res
 
@@ -799,7 +812,7 @@ class Oracle:
             return
         random = bool(_random_ops(sym0))
         x2 = ref2 = None
-        if c.has_second and any(self._wanted(k) for k in ("second", "unfuse", "gluon", "training")):
+        if c.has_second and any(self._wanted(k) for k in ("second", "unfuse", "gluon", "training", "bf16")):
             self.stage("original.second")
             x2 = c.inputs(second=True)
             try:
@@ -872,6 +885,8 @@ class Oracle:
             self._subgraph(sym0, res, ref, x1, names, ref_rerun)
         if self._wanted("gluon") and not random and x1:
             self._gluon(sym0, ref, x1, ref2, x2, names, ref_rerun)
+        if self._wanted("bf16"):
+            self._bf16(sym0, ref, x1, ref2, x2, names, random)
 
     def _compare_shapes(self, check: str, ref, got, names) -> None:
         if len(ref) != len(got):
@@ -1063,6 +1078,93 @@ class Oracle:
             self._find("gluon.training_frozen", "parameters without a gradient: %s" % ", ".join(missing))
         self.out.count("gluon_checked_training")
         self._compare_training("gluon.training", sym0, x1, names, ref_out, ref_grad, out, grad)
+
+    def _bf16(self, sym0, ref, x1, ref2, x2, names, random) -> None:
+        from fusion.precision import native_bf16_reason
+
+        c = self.case
+        if native_bf16_reason() is not None:
+            self.out.count("bf16_unsupported_cpu")
+            return
+        self.stage("bf16.fuse")
+        try:
+            res = self._fuse("inference", precision="bf16")
+        except Exception as e:
+            self._find("bf16.fuse_error", _first_line(e) + "\n" + _short_tb(e))
+            return
+        for check, x, r in (("bf16", x1, ref), ("bf16.second", x2, ref2)):
+            if x is None:
+                continue
+            self.stage(check)
+            try:
+                got = forward(res.symbol, res.arg_params, res.aux_params, x)
+            except Exception as e:
+                self._find(check + ".bind", "at shapes %s: %s" % (
+                    c.shapes(second=check.endswith("second")), _first_line(e)))
+                return
+            self.out.count(check.replace(".", "_") + "_checked")
+            amp = any("MXNet's AMP converted the graph first" in n for n in res.report.notes)
+            nan_in = amp and any(v.dtype.kind == "f" and np.isnan(v).any() for v in {**c.arg, **c.aux, **x}.values())
+            if nan_in:
+                # oneDNN's bfloat16 relu (AMP's) gives 0 for NaN, MXNet's float32 relu keeps it: from a
+                # NaN on, AMP's graph and the original may take different values, both MXNet's
+                self.out.count("bf16_amp_nan_inputs")
+            if random or nan_in:
+                self._compare_shapes(check, r, got, names)
+            else:
+                self._compare_bf16(check, sym0, r, got, x, names, amp)
+
+    def _compare_bf16(self, check, sym0, ref, got, x, names, amp: bool) -> None:
+        """``got`` (fused in bfloat16) against the float32 original ``ref``: within RTOL_BF16, or within
+        BF16_FACTOR× what moving every parameter, input and op output by up to BF16_NOISE (twice
+        bfloat16's largest rounding error) moves the original.
+        ``amp``: MXNet's AMP converted the graph first, and its bfloat16 kernels are oneDNN's, whose
+        relu (and max pooling) give 0 for NaN where MXNet's float32 kernels keep NaN: a NaN of the
+        original that comes out as a number (finite, or ±inf after a 0 met an inf) is counted
+        (``bf16_amp_nan_dropped``), not reported."""
+        c = self.case
+        if len(ref) != len(got):
+            self._find(check + ".outputs", "%d outputs, expected %d" % (len(got), len(ref)))
+            return
+        dropped = [np.isnan(a) & ~np.isnan(b) if amp and a.shape == b.shape and a.dtype.kind == "f" and b.dtype.kind == "f"
+                   else None for a, b in zip(ref, got)]
+        if any(d is not None and d.any() for d in dropped):
+            self.out.count("bf16_amp_nan_dropped")
+        bad = [(i, m) for i, (a, b) in enumerate(zip(ref, got)) for m in [mismatch(a, b, RTOL_BF16, wild=dropped[i])]
+               if m]
+        if bad and not any(m.startswith(("shape", "dtype")) for _, m in bad):
+            runs = []
+            for seed in range(BF16_RUNS):
+                _NOISE[0] = (BF16_NOISE, 31 + seed)
+                try:
+                    runs.append(forward(sym0, perturbed(c.arg, 41 + seed, BF16_NOISE),
+                                        perturbed(c.aux, 51 + seed, BF16_NOISE), perturbed(x, 61 + seed, BF16_NOISE)))
+                except Exception:
+                    break
+                finally:
+                    _NOISE[0] = None
+            if len(runs) == BF16_RUNS:
+                still = []
+                for i, m in bad:
+                    others = [o[i] for o in runs]
+                    wild = _wild(ref[i], others)
+                    if dropped[i] is not None:
+                        wild = wild | dropped[i]
+                    m2 = mismatch(ref[i], got[i], RTOL_BF16, _movement(ref[i], others), ATOL, wild, BF16_FACTOR)
+                    if m2:
+                        still.append((i, m2))
+                if still:
+                    dominated = _noise_dominated(sym0, c.arg, c.aux, x, BF16_NOISE)
+                    still = [(i, m) for i, m in still if i not in dominated]
+                if len(still) < len(bad):
+                    self.out.count("bf16_within_rounding")
+                bad = still
+        if not bad:
+            return
+        i, m = bad[0]
+        kind = "shape" if m.startswith(("shape", "dtype")) else ("nan" if m.startswith("NaN") else "values")
+        more = " (+%d more)" % (len(bad) - 1) if len(bad) > 1 else ""
+        self._find("%s.%s" % (check, kind), "output '%s': %s%s" % (names[i], m, more))
 
 
 def _p(values, seed: Optional[int], k: int):

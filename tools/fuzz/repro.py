@@ -275,6 +275,25 @@ if not training_dropouts(sym) and not sampling_ops(sym):
         print("FAIL training through hybridize(backend='fusion'):", str(e).splitlines()[0][:500]); bad = True
 sys.exit(1 if bad else 0)
 ''',
+    "bf16": r'''
+RTOL_BF16 = 2e-2    # the project's bfloat16 tolerance (the fuzzer also allows the original's movement under bf16 rounding)
+try:
+    res = fusion.fuse(FUSE_INPUT, nd(arg), nd(aux), precision="bf16", **FUSE_KW)
+except Exception as e:
+    print("FAIL fuse(precision='bf16') raises:", str(e).splitlines()[0][:500]); sys.exit(1)
+print("fused ops:", fused_ops(res.symbol))
+bad = False
+for label, x in (("bf16", inputs), ("bf16, second shape", inputs2)):
+    if x is None:
+        continue
+    ref = run(sym, arg, aux, x)
+    try:
+        got = run(res.symbol, res.arg_params, res.aux_params, x)
+    except Exception as e:
+        print("FAIL the bf16-fused graph does not run (%s):" % label, str(e).splitlines()[0][:500]); sys.exit(1)
+    bad |= report(label, ref, got, sym.list_outputs(), RTOL_BF16)
+sys.exit(1 if bad else 0)
+''',
 }
 
 

@@ -69,7 +69,7 @@ def _worker(conn, out_dir: Optional[str], threads: int) -> None:
                 conn.send(("done", {"gen_invalid": str(e)}))
                 continue
             if kind == "case":
-                out = Oracle(case, stage=lambda s: conn.send(("stage", s))).run()
+                out = Oracle(case, stage=lambda s: conn.send(("stage", s)), only=task.get("checks")).run()
                 files = {}
                 if out_dir and out.findings:
                     done = set()
@@ -259,9 +259,11 @@ class Summary:
 
 def fuzz(n: int, seed: int = 0, families: Optional[Sequence[str]] = None, jobs: int = 2,
          timeout: float = 120.0, out_dir: Optional[str] = None, time_limit: Optional[float] = None,
-         shrink_per_class: int = 1, shrink_seconds: float = 90.0, progress=None, threads: int = 0) -> Summary:
+         shrink_per_class: int = 1, shrink_seconds: float = 90.0, progress=None, threads: int = 0,
+         checks: Optional[Sequence[str]] = None) -> Summary:
     """Generate and check ``n`` graphs; write reproducers to ``out_dir`` (shrunk: the first
-    ``shrink_per_class`` of each failure class)."""
+    ``shrink_per_class`` of each failure class).  ``checks``: a subset of the oracle's CHECKS
+    (default: all)."""
     from .families import FAMILIES
     from .generator import family_for
 
@@ -269,12 +271,17 @@ def fuzz(n: int, seed: int = 0, families: Optional[Sequence[str]] = None, jobs: 
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         raise ValueError("unknown families %s (known: %s)" % (unknown, ", ".join(FAMILIES)))
+    from .oracle import CHECKS
+    unknown = [k for k in checks or () if k not in CHECKS]
+    if unknown:
+        raise ValueError("unknown checks %s (known: %s)" % (unknown, ", ".join(CHECKS)))
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
     tasks = []
     for i in range(n):
         s = case_seed(seed, i)
-        tasks.append({"kind": "case", "seed": s, "family": family_for(s, families)})
+        tasks.append({"kind": "case", "seed": s, "family": family_for(s, families),
+                      "checks": list(checks) if checks else None})
     t0 = time.time()
     results = run_tasks(tasks, jobs, timeout, out_dir, time_limit, progress, threads)
     summary = Summary()
