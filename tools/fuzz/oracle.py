@@ -26,10 +26,12 @@ gluon               the Gluon door: the graph as a ``SymbolBlock`` hybridized wi
                     matches the reference at the first shape and then, in the same block, at the
                     second; under ``autograd.record()`` (fused for training) its outputs and every
                     parameter's gradient match the original's
-bf16                ``fuse(precision="bf16")`` (inference): the fused graph binds and runs at both
-                    shapes, every output has the original's shape and dtype, NaN/±inf where the
-                    original has them, and values within what bfloat16 rounding moves the original
-                    by (see below); skipped, and counted, where the CPU has no native bfloat16
+bf16                ``fuse(precision="bf16")`` (inference), and the Gluon door with
+                    ``hybridize(backend="fusion", precision="bf16")``: the fused graph binds and
+                    runs at both shapes, every output has the original's shape and dtype, NaN/±inf
+                    where the original has them, and values within what bfloat16 rounding moves
+                    the original by (see below); skipped, and counted, where the CPU has no native
+                    bfloat16
 ==================  ===========================================================================
 
 Tolerance: per output, ``max|fused − ref| ≤ RTOL·max|ref| + ATOL`` over the positions finite
@@ -458,7 +460,7 @@ def train_step(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray], seed: i
 
 
 def gluon_runs(sym, arg: Dict, aux: Dict, inputs: Sequence[Dict[str, np.ndarray]], backend: Optional[str],
-               train_seed: Optional[int] = None):
+               train_seed: Optional[int] = None, **backend_opts):
     """``sym`` as a Gluon ``SymbolBlock`` (data inputs in the order of ``inputs[0]``) hybridized with
     ``backend`` (None: plain), called once per entry of ``inputs`` in the same block.  Inference:
     a list of output lists.  With ``train_seed``: one call under ``autograd.record()``, backward
@@ -481,7 +483,7 @@ def gluon_runs(sym, arg: Dict, aux: Dict, inputs: Sequence[Dict[str, np.ndarray]
         prm.set_data(mx.nd.array(v, dtype=v.dtype))
     with subgraph_backend(False):
         if backend:
-            block.hybridize(backend=backend)
+            block.hybridize(backend=backend, **backend_opts)
         else:
             block.hybridize()
         if train_seed is None:
@@ -1113,6 +1115,27 @@ class Oracle:
                 self._compare_shapes(check, r, got, names)
             else:
                 self._compare_bf16(check, sym0, r, got, x, names, amp)
+        if random or not x1:
+            return
+        # the Gluon door: hybridize(backend="fusion", precision="bf16") (no AMP there)
+        xs = [x1] + ([x2] if x2 is not None else [])
+        self.stage("bf16.gluon")
+        try:
+            plain = gluon_runs(sym0, c.arg, c.aux, xs, None)
+        except Exception:
+            self.out.count("gluon_original_fails")
+            return
+        if any(len(p) != len(r) or any(mismatch(a, b, RTOL) for a, b in zip(r, p)) for p, r in zip(plain, [ref, ref2])):
+            self.out.count("gluon_original_differs")
+            return
+        try:
+            got = gluon_runs(sym0, c.arg, c.aux, xs, "fusion", precision="bf16")
+        except Exception as e:
+            self._find("bf16.gluon.error", _first_line(e) + "\n" + _short_tb(e))
+            return
+        for check, x, r, g in zip(("bf16.gluon", "bf16.gluon.second"), xs, [ref, ref2], got):
+            self.out.count(check.replace(".", "_") + "_checked")
+            self._compare_bf16(check, sym0, r, g, x, names, False)
 
     def _compare_bf16(self, check, sym0, ref, got, x, names, amp: bool) -> None:
         """``got`` (fused in bfloat16) against the float32 original ``ref``: within RTOL_BF16, or within
