@@ -17,8 +17,9 @@
 // float32 x is rounded to nearest even per call; a bfloat16 x, written so by the op before,
 // is read as it is), the product runs through oneDNN's bf16 matmul (float32 accumulation,
 // weight packed once as above, bias added in float32) and the activation runs in float32;
-// GELU runs inside oneDNN's matmul (an eltwise post-op on the float32 result), the other
-// activations over rows after it; the output is float32, or bfloat16 with
+// GELU runs inside oneDNN's matmul (an eltwise post-op on the float32 result) where bounds on
+// x, W and the bias show no pre-activation can be infinite or NaN (oneDNN's GELU gives NaN for
+// +inf, MXNet's +inf), the other activations, and GELU elsewhere, over rows after it; the output is float32, or bfloat16 with
 // out_dtype='bfloat16' (the float32 result rounded to nearest even: what a reader that rounds
 // its input to bfloat16 would see, written once; oneDNN writes it directly after no
 // activation or GELU, flushing subnormal results to zero).  A head-split output is written
@@ -38,6 +39,36 @@
 using namespace mxf;
 
 namespace {
+
+// The largest magnitude among n values as float32 bits (ordered as the magnitudes are; at or
+// above 0x7f800000 one of them is infinite or NaN).
+uint32_t max_abs_bits(const float* x, int64_t n) {
+  uint32_t m = 0;
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, 4);
+    u &= 0x7fffffffu;
+    m = u > m ? u : m;
+  }
+  return m;
+}
+
+uint32_t max_abs_bits(const uint16_t* x, int64_t n) {
+  uint32_t m = 0;
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(x[i] & 0x7fffu);
+    m = u > m ? u : m;
+  }
+  return m << 16;
+}
+
+float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 struct DenseParams {
   bool no_bias, flatten, heads_out, out_bf16;
@@ -300,6 +331,28 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
     return nullptr;
   }
 
+  // Whether every pre-activation x·Wᵀ + b is finite, by bounds: x, W (its bound kept per weight
+  // version) and the bias finite, and K * max|x| * max|W| + max|b| within float32's range.
+  bool finite_products(MXTensor& xT, int64_t M, int64_t K, MXTensor& wT, int64_t N, const float* bias) {
+    const uint32_t xb = xT.dtype == kBfloat16 ? max_abs_bits(static_cast<const uint16_t*>(xT.data_ptr), M * K)
+                                              : max_abs_bits(xT.data<float>(), M * K);
+    uint32_t wb;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (wmax_ptr_ != wT.data_ptr || wmax_ver_ != wT.verID) {
+        wmax_ = max_abs_bits(static_cast<const uint16_t*>(wT.data_ptr), N * K);
+        wmax_ptr_ = wT.data_ptr;
+        wmax_ver_ = wT.verID;
+      }
+      wb = wmax_;
+    }
+    const uint32_t bb = bias ? max_abs_bits(bias, N) : 0;
+    const uint32_t inf = 0x7f800000u;
+    if (xb >= inf || wb >= inf || bb >= inf) return false;
+    const double bound = static_cast<double>(K) * bits_float(xb) * bits_float(wb) + bits_float(bb);
+    return bound < 1e38;  // float32's largest value is 3.4e38
+  }
+
   void forward_bf16(const Dims& d, MXTensor& xT, MXTensor& wT, const float* bias, void* out) {
     const int64_t M = d.M, N = d.N, K = d.K;
     if (M == 0 || N == 0) return;
@@ -326,7 +379,13 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
     // oneDNN applies GELU after the bias (a post-op) and writes bfloat16 itself when nothing
     // else follows; otherwise the float32 product goes to Z (the output, or a buffer) and the
     // pass below finishes it
-    const MatmulEltwise post = eltwise_of(act);
+    MatmulEltwise post = eltwise_of(act);
+    // oneDNN's GELU gives NaN for an infinite input, MXNet's gives +inf for +inf: the post-op is
+    // taken only where no pre-activation can be infinite or NaN (x, W and the bias finite, and
+    // K * max|x| * max|W| + max|b| below float32's range); elsewhere the rows pass applies
+    // MXNet's GELU to the float32 product
+    const bool post_kept = post.alg == dnnl_alg_kind_undef || finite_products(xT, M, K, wT, N, bias);
+    if (!post_kept) post = MatmulEltwise{};
     const bool act_in_mm = post.alg != dnnl_alg_kind_undef;
     const bool direct_bf16 = p_.out_bf16 && (act == Act::none || act_in_mm);
     float* Z = static_cast<float*>(out);
@@ -335,7 +394,7 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
       Z = zbuf.data();
     }
     void* dst = direct_bf16 ? out : static_cast<void*>(Z);
-    PackedMatmul* mm = weight_bf16(wT, N, K, bias != nullptr, direct_bf16, post);
+    PackedMatmul* mm = post_kept ? weight_bf16(wT, N, K, bias != nullptr, direct_bf16, post) : nullptr;
     bool bias_added = true;  // and the post-op applied
     if (!(mm && mm->run(xb, M, W, bias, dst)) &&
         !matmul_unpacked_bf16(xb, M, W, N, K, bias, dst, direct_bf16, post)) {
@@ -458,6 +517,9 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
   bool packed_ = false;
   std::unique_ptr<PackedMatmul> mm_;  // plain output, weight used again: oneDNN matmul
   bool mm_failed_ = false;
+  void* wmax_ptr_ = nullptr;  // the bfloat16 weight whose largest magnitude wmax_ holds
+  size_t wmax_ver_ = static_cast<size_t>(-1);
+  uint32_t wmax_ = 0;
 };
 
 MXReturnValue create_state(const Attrs& a, const mxnet::ext::MXContext&,
