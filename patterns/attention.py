@@ -339,15 +339,21 @@ def _reads_data(entry: Entry, ctx) -> bool:
     return False
 
 
-def _longer_shapes(ctx) -> Optional[Dict[str, tuple]]:
-    """The user's input shapes with every size but the batch that no parameter has (a sequence
-    length) grown, S → 2S+3; None when there is none."""
+def _longer_shapes(ctx, lengths: set) -> List[Dict[str, tuple]]:
+    """The user's input shapes with sizes grown (S -> 2S+3), in two ways: every size but the batch
+    that no parameter has, and only the sizes in ``lengths`` (the scores' query and key lengths:
+    a graph whose inputs also carry head counts or head sizes that no parameter fixes takes only
+    this one).  Empty when no size can grow."""
     base = dict(ctx.input_shapes or {})
     fixed = {d for nd in ctx.graph.variables() for d in (ctx._param_shape(nd.name) or ())}
-    grow = {d for s in base.values() for d in s[1:] if d > 1 and d not in fixed}
-    if not grow:
-        return None
-    return {n: (s[:1] + tuple(2 * d + 3 if d in grow else d for d in s[1:])) for n, s in base.items()}
+    out = []
+    for grow in ({d for s in base.values() for d in s[1:] if d > 1 and d not in fixed},
+                 {d for d in lengths if d > 1}):
+        if grow:
+            longer = {n: (s[:1] + tuple(2 * d + 3 if d in grow else d for d in s[1:])) for n, s in base.items()}
+            if longer not in out:
+                out.append(longer)
+    return out
 
 
 def _causal_value(a: np.ndarray, sq: int, sk: int, where: bool) -> Tuple[bool, Optional[float]]:
@@ -414,9 +420,9 @@ def causal_form(m: Match) -> Optional[Tuple[str, float]]:
     if not all(_causal_at(m, shapes, sshape, where, values) for shapes, sshape in zip(probes, scores)):
         return None
     # A window wider than every probe length looks causal there.  The mask alone (positions
-    # only: cheap) is also computed at longer lengths the graph takes.
-    longer = _longer_shapes(ctx)
-    if longer is not None:
+    # only: cheap) is also computed at longer lengths the graph takes; where it cannot be (no
+    # size grows, or the graph takes none of the grown shapes), the mask stays a mask.
+    for longer in _longer_shapes(ctx, {d for sh in scores for d in sh[-2:]}):
         runs = [ctx.evaluate(m["mask"], seed, longer) for seed in (1, 2)]
         if all(r is not None for r in runs):
             a = runs[0]
@@ -427,6 +433,9 @@ def causal_form(m: Match) -> Optional[Tuple[str, float]]:
                 return None
             if c is not None:
                 values.add(c)
+            break
+    else:
+        return None
     if where:
         form = ("fill", float(m.node("fill").attrs["scalar"]))
     elif len(values) == 1:
