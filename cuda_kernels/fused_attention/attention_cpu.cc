@@ -282,6 +282,7 @@ struct Prep {
   // a bfloat16 output (forward_bf16_io): each block's rows, final in g.o (a float32 buffer
   // laid out as the output), are rounded into it
   uint16_t* out_bf16 = nullptr;
+  bool vh_bad = false;  // a bfloat16 v read as it is holds a non-finite value
 };
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -315,8 +316,26 @@ bool skips_keys(const Params& p, const MaskView& m) {
   return p.causal || m.kind == MaskKind::valid_length;
 }
 
-// k and v of every head as bfloat16 pairs (KT::kb, KT::vb), rounded to nearest even.
-void prepare_bf16(const Geom& g, KT& kt) {
+// Whether a bfloat16 row holds a non-finite value (exponent all ones).
+bool any_non_finite_bf16(const uint16_t* a, int64_t n) {
+  bool bad = false;
+  for (int64_t c = 0; c < n; ++c) bad |= (a[c] & 0x7f80u) == 0x7f80u;
+  return bad;
+}
+
+// k and v of every head as bfloat16 pairs (KT::kb, KT::vb), rounded to nearest even (bfloat16
+// inputs, Geom::kh / vh: as they are).  Returns whether a bfloat16 v holds a non-finite value.
+// The calling thread's k / v pair buffers, kept between calls (no allocation, no page faults
+// per call): prepare_bf16 takes them, forward_io gives them back.
+std::vector<uint16_t>& pair_pool(int which) {
+  thread_local std::vector<uint16_t> pool[2];
+  return pool[which];
+}
+
+bool prepare_bf16(const Geom& g, KT& kt) {
+  bool bad = false;
+  kt.kb.swap(pair_pool(0));
+  kt.vb.swap(pair_pool(1));
   const int64_t N = g.B * g.H;
   kt.Skp = (g.Sk + 31) / 32 * 32;
   kt.D = g.D;
@@ -324,7 +343,7 @@ void prepare_bf16(const Geom& g, KT& kt) {
   kt.Dv = g.Dv;
   kt.kb.assign(static_cast<size_t>(N) * kt.Dp * kt.Skp, 0);
   kt.vb.assign(static_cast<size_t>(N) * kt.Skp * g.Dv, 0);
-#pragma omp parallel
+#pragma omp parallel reduction(|| : bad)
   {
     std::vector<uint16_t> row(std::max(g.D, g.Dv));
 #pragma omp for schedule(static)
@@ -337,19 +356,23 @@ void prepare_bf16(const Geom& g, KT& kt) {
         uint16_t* dst = kt.kb.data() + n * kt.Dp * kt.Skp + (j / 32) * 32 * kt.Dp + (j % 32) * 2;
         for (int64_t d = 0; d < g.D; ++d) dst[(d / 2) * 64 + (d & 1)] = kr[d];
         const uint16_t* vr = g.vh.p ? g.vh.row(b, h, j) : row.data();
-        if (!g.vh.p) to_bf16(g.v.row(b, h, j), row.data(), g.Dv);
+        if (!g.vh.p)
+          to_bf16(g.v.row(b, h, j), row.data(), g.Dv);
+        else
+          bad = bad || any_non_finite_bf16(vr, g.Dv);
         uint16_t* vd = kt.vb.data() + n * kt.Skp * g.Dv + (j / 2) * 2 * g.Dv + (j & 1);
         for (int64_t c = 0; c < g.Dv; ++c) vd[2 * c] = vr[c];
       }
     }
   }
+  return bad;
 }
 
 Prep prepare(const Params& p, const Geom& g, const MaskView& m, bool forward, bool bf16 = false) {
   Prep pr;
   const int64_t N = g.B * g.H;
   if (forward && bf16 && cpu_has_avx512_bf16() && BK % 32 == 0 && g.Sk > 0 && g.D > 0) {
-    prepare_bf16(g, pr.kt);
+    pr.vh_bad = prepare_bf16(g, pr.kt);
   } else if (forward && cpu_has_avx512() && BK % 32 == 0 && g.Sk > 0 && g.D > 0) {
     KT& kt = pr.kt;
     kt.Skp = (g.Sk + 31) / 32 * 32;
@@ -375,8 +398,9 @@ Prep prepare(const Params& p, const Geom& g, const MaskView& m, bool forward, bo
     }
   }
   if (forward && g.vh.p) {
-    // bfloat16 inputs read as they are (forward_bf16_io): no value is non-finite, nothing
-    // is causal, the bfloat16 products run (checked there)
+    // bfloat16 inputs read as they are (forward_bf16_io): nothing is causal, the bfloat16
+    // products run (checked there), and no value of v is non-finite (vh_bad otherwise: the
+    // caller widens the inputs)
     pr.onednn_softmax = softmax_nan_at_scores(p, g);
     pr.voff.assign(N + 1, 0);
     return pr;
@@ -729,7 +753,7 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Pre
 }  // namespace
 
 void forward_reduced(const Params& p, const Geom& g, const MaskView& m, bool bf16_products);
-void forward_io(const Params& p, const Geom& g, const MaskView& m, bool bf16_products,
+bool forward_io(const Params& p, const Geom& g, const MaskView& m, bool bf16_products,
                 uint16_t* out_bf16);
 void forward(const Params& p, const Geom& g, const MaskView& m) { forward_reduced(p, g, m, false); }
 
@@ -738,14 +762,6 @@ void forward(const Params& p, const Geom& g, const MaskView& m) { forward_reduce
 void forward_reduced(const Params& p, const Geom& g, const MaskView& m, bool bf16_products) {
   forward_io(p, g, m, bf16_products, nullptr);
 }
-
-namespace {
-bool any_non_finite_bf16(const uint16_t* a, int64_t n) {
-  bool bad = false;
-  for (int64_t c = 0; c < n; ++c) bad |= (a[c] & 0x7f80u) == 0x7f80u;  // exponent all ones
-  return bad;
-}
-}  // namespace
 
 // bfloat16 inputs and/or output.  The inputs are the values the float32 path would round to
 // bfloat16 itself (precision="bfloat16"), so they are read as they are where that path would
@@ -756,19 +772,21 @@ bool any_non_finite_bf16(const uint16_t* a, int64_t n) {
 void forward_bf16_io(const Params& p, Geom g, const MaskView& m, bool bf16_products, bool bf16_in,
                      uint16_t* out_bf16) {
   const int64_t N = g.B * g.H;
-  std::vector<float> qf, kf, vf, of;
+  std::vector<float> qf, kf, vf;
+  // a bfloat16 output: the float32 result goes to a buffer laid out as the output, kept between
+  // calls (no allocation, no page faults per call)
+  thread_local std::vector<float> of;
+  if (out_bf16) {
+    const size_t need = static_cast<size_t>(N) * g.Sq * g.Dv;
+    if (of.size() < need) of.resize(need);
+    g.o.p = of.data();
+  }
   if (bf16_in) {
-    bool direct = bf16_products && cpu_has_avx512_bf16() && BK % 32 == 0 && g.Sk > 0 &&
-                  g.D > 0 && !p.causal;
-    if (direct) {
-      bool bad = false;
-#pragma omp parallel for schedule(static) reduction(|| : bad)
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t j = 0; j < g.Sk; ++j)
-          bad = bad || any_non_finite_bf16(g.vh.row(n / g.H, n % g.H, j), g.Dv);
-      direct = !bad;
-    }
-    if (!direct) {  // widen q, k, v to float32, each head's rows contiguous
+    const bool direct = bf16_products && cpu_has_avx512_bf16() && BK % 32 == 0 && g.Sk > 0 &&
+                        g.D > 0 && !p.causal;
+    // read as they are, unless v holds a non-finite value (seen while its pairs are laid out)
+    if (direct && forward_io(p, g, m, bf16_products, out_bf16)) return;
+    {  // widen q, k, v to float32, each head's rows contiguous
       auto widen = [&](const HView& src, int64_t S, int64_t D, std::vector<float>& buf) -> View {
         buf.resize(static_cast<size_t>(N) * S * D);
 #pragma omp parallel for schedule(static)
@@ -783,18 +801,16 @@ void forward_bf16_io(const Params& p, Geom g, const MaskView& m, bool bf16_produ
       g.qh = g.kh = g.vh = HView{};
     }
   }
-  if (out_bf16) {  // a float32 buffer laid out as the output
-    of.resize(static_cast<size_t>(N) * g.Sq * g.Dv);
-    g.o.p = of.data();
-  }
   forward_io(p, g, m, bf16_products, out_bf16);
 }
 
-void forward_io(const Params& p, const Geom& g, const MaskView& m, bool bf16_products,
+// false (nothing written) where bfloat16 inputs read as they are hold a non-finite v
+bool forward_io(const Params& p, const Geom& g, const MaskView& m, bool bf16_products,
                 uint16_t* out_bf16) {
   const int64_t nqb = (g.Sq + BQ - 1) / BQ, N = g.B * g.H, tasks = N * nqb;
-  if (tasks == 0) return;
+  if (tasks == 0) return true;
   Prep pr = prepare(p, g, m, true, bf16_products);
+  if (pr.vh_bad) return false;
   pr.out_bf16 = out_bf16;
   std::string err;
 #pragma omp parallel
@@ -811,7 +827,12 @@ void forward_io(const Params& p, const Geom& g, const MaskView& m, bool bf16_pro
       }
     }
   }
+  if (!pr.kt.kb.empty()) {
+    pr.kt.kb.swap(pair_pool(0));
+    pr.kt.vb.swap(pair_pool(1));
+  }
   if (!err.empty()) throw OpError(err);
+  return true;
 }
 
 namespace {
