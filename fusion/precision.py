@@ -13,12 +13,13 @@ and what stays float32:
 * **bfloat16 between ops** (``BF16_WRITERS`` / ``BF16_READERS``): a value is held in bfloat16
   only where every reader would round it to bfloat16 anyway — a ``fused_dense`` whose only
   readers are bfloat16-weight ``fused_dense`` data inputs (the FFN's first product feeding the
-  second; a projection feeding the next) writes its result rounded to nearest even
-  (``out_dtype="bfloat16"``, after its float32 bias and activation) and the readers take it as
-  it is: the same bits, written once, half the bytes.  ``between_ops`` decides, after the rules.
+  second; a projection feeding the next) or the packed q/k/v input of a ``fused_attention`` with
+  bfloat16 products (the QKV product), and a ``fused_attention`` whose only readers are such
+  ``fused_dense`` inputs (the output projection), write their result rounded to nearest even
+  (``out_dtype="bfloat16"``, after their float32 epilogue) and the readers take it as it is: the
+  same bits, written once, half the bytes.  ``between_ops`` decides, after the rules.
 * **float32**: everything else — the other values between ops (the residual stream, LayerNorm
-  and attention inputs and outputs; model inputs and outputs keep their dtype), bias and
-  activation epilogues,
+  inputs and outputs; model inputs and outputs keep their dtype), bias and activation epilogues,
   softmax statistics, masks and scaling, LayerNorm statistics (``fused_add_layer_norm``,
   ``LayerNorm``), reductions and elementwise chains (``fused_elemwise``), and every op MXNet
   keeps (a classifier head left to MXNet stays float32).  (``fused_add_layer_norm`` also reads and
