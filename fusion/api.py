@@ -294,7 +294,7 @@ def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read:
                         % (len(cast), "; ".join(FLOAT32_KEPT), tolerance(BFLOAT16)))
     between = ctx.precision_between
     if between:
-        report.notes.append("precision bf16: %d fused_dense output(s) held in bfloat16 between ops (read only by "
+        report.notes.append("precision bf16: %d fused op output(s) held in bfloat16 between ops (read only by "
                             "bfloat16 products, which rounded them anyway): %s" % (
                                 len(between), ", ".join(between[:5]) + (" …" if len(between) > 5 else "")))
     kept = {k: v for k, v in ctx.precision_kept.items() if k.split("'")[1] in {n.name for n in graph.op_nodes()}}

@@ -13,12 +13,13 @@ and what stays float32:
 * **bfloat16 between ops** (``BF16_WRITERS`` / ``BF16_READERS``): a value is held in bfloat16
   only where every reader would round it to bfloat16 anyway — a ``fused_dense`` whose only
   readers are bfloat16-weight ``fused_dense`` data inputs (the FFN's first product feeding the
-  second; a projection feeding the next) writes its result rounded to nearest even
-  (``out_dtype="bfloat16"``, after its float32 bias and activation) and the readers take it as
-  it is: the same bits, written once, half the bytes.  ``between_ops`` decides, after the rules.
+  second; a projection feeding the next) or the packed q/k/v input of a ``fused_attention`` with
+  bfloat16 products (the QKV product), and a ``fused_attention`` whose only readers are such
+  ``fused_dense`` inputs (the output projection), write their result rounded to nearest even
+  (``out_dtype="bfloat16"``, after their float32 epilogue) and the readers take it as it is: the
+  same bits, written once, half the bytes.  ``between_ops`` decides, after the rules.
 * **float32**: everything else — the other values between ops (the residual stream, LayerNorm
-  and attention inputs and outputs; model inputs and outputs keep their dtype), bias and
-  activation epilogues,
+  inputs and outputs; model inputs and outputs keep their dtype), bias and activation epilogues,
   softmax statistics, masks and scaling, LayerNorm statistics (``fused_add_layer_norm``,
   ``LayerNorm``), reductions and elementwise chains (``fused_elemwise``), and every op MXNet
   keeps (a classifier head left to MXNet stays float32).  (``fused_add_layer_norm`` also reads and
@@ -66,17 +67,29 @@ BF16_WEIGHTS: Dict[str, Tuple[int, ...]] = {"fused_dense": (1,)}
 BF16_ATTRS: Dict[str, Dict[str, str]] = {"fused_attention": {"precision": "bfloat16"}}
 
 #: Fused op -> input slots that take a bfloat16 value as it is because they round a float32 one to
-#: bfloat16 themselves (nearest even), when the op's weight (BF16_WEIGHTS) is bfloat16.
-BF16_READERS: Dict[str, Tuple[int, ...]] = {"fused_dense": (0,)}
+#: bfloat16 themselves (nearest even): ``fused_dense``'s data when its weight (BF16_WEIGHTS) is
+#: bfloat16; ``fused_attention``'s one data input (q, k and v packed: layouts packed_qkv and
+#: interleaved) when it computes its products in bfloat16 (precision="bfloat16", on a CPU with
+#: native bfloat16, where its kernel rounds q, k and v before the products and applies the scale
+#: after them) and has no causal band (whose skipping bounds read the float32 values).
+BF16_READERS: Dict[str, Tuple[int, ...]] = {"fused_dense": (0,), "fused_attention": (0,)}
+_READER_NEEDS: Dict[str, Dict[str, Tuple[str, str]]] = {
+    "fused_attention": {"precision": (BFLOAT16, FLOAT32), "causal": ("False", "False")}}
+#: fused_attention layouts whose q, k and v are one input
+_ATTENTION_ONE_INPUT = ("packed_qkv", "interleaved")
 
 #: Fused op -> the attributes that make it write its (float32-computed) result rounded to bfloat16,
-#: when its weight is bfloat16 and the attributes ``needs`` say it (plain layout).
-BF16_WRITERS: Dict[str, Dict[str, str]] = {"fused_dense": {"out_dtype": BFLOAT16}}
-_WRITER_NEEDS: Dict[str, Dict[str, str]] = {"fused_dense": {"out_layout": "plain"}}
+#: when its weight (if it has one, BF16_WEIGHTS) is bfloat16 and its attributes are ``needs``
+#: (attribute -> (needed value, default)).
+BF16_WRITERS: Dict[str, Dict[str, str]] = {"fused_dense": {"out_dtype": BFLOAT16},
+                                           "fused_attention": {"out_dtype": BFLOAT16}}
+_WRITER_NEEDS: Dict[str, Dict[str, Tuple[str, str]]] = {"fused_dense": {"out_layout": ("plain", "plain")},
+                                                        "fused_attention": {"precision": (BFLOAT16, FLOAT32)}}
 
 #: What stays float32 under precision="bf16" (for reports and docs; the kernels implement it).
-FLOAT32_KEPT = ("values between ops other than fused_dense -> fused_dense (the residual stream, LayerNorm "
-                "and attention inputs and outputs), model inputs and outputs", "bias and activation epilogues",
+FLOAT32_KEPT = ("values between ops other than fused_dense -> fused_dense, fused_dense -> fused_attention "
+                "and fused_attention -> fused_dense (the residual stream, LayerNorm inputs and outputs), "
+                "model inputs and outputs", "bias and activation epilogues",
                 "fused_attention's softmax statistics, mask and scaling (its q·kᵀ and p·v run in bfloat16)",
                 "LayerNorm statistics", "fused_elemwise chains and reductions", "ops left to MXNet")
 
@@ -335,12 +348,31 @@ def _bf16_weight(graph_node, op: str) -> bool:
     return True
 
 
+def _needs(graph_node, needs: Dict[str, Tuple[str, str]]) -> bool:
+    return all(str(graph_node.attrs.raw(k, default)) == want for k, (want, default) in needs.items())
+
+
+def _rounds_input(reader, slot: int) -> bool:
+    """Whether input ``slot`` of ``reader`` is only ever rounded to bfloat16 (nearest even) by it."""
+    op = reader.op
+    if slot not in BF16_READERS.get(op, ()) or not _needs(reader, _READER_NEEDS.get(op, {})):
+        return False
+    if op in BF16_WEIGHTS and not _bf16_weight(reader, op):
+        return False
+    if op == "fused_attention":
+        # one input holding q, k and v (every data input changes dtype together), and the kernel's
+        # bfloat16 products: a CPU without them computes in float32 from the float32 values
+        return str(reader.attrs.raw("layout", "plain")) in _ATTENTION_ONE_INPUT and native_bf16_reason() is None
+    return True
+
+
 def between_ops(graph, precision: str) -> list:
     """Make the values between fused ops bfloat16 where every reader rounds them to bfloat16 anyway
-    (in place; precision='bfloat16' only).  A writer (BF16_WRITERS, bfloat16 weight) qualifies when
-    its output is no graph output and each of its readers is a BF16_READERS slot of an op with a
-    bfloat16 weight: the readers then see the same bits they computed before (both round to
-    nearest even), so the rewrite is exact.  Returns the names of the writers changed."""
+    (in place; precision='bfloat16' only).  A writer (BF16_WRITERS: a bfloat16-weight fused_dense,
+    a fused_attention with bfloat16 products) qualifies when its output is no graph output and each
+    of its readers is a BF16_READERS slot that rounds its input to bfloat16 (``_rounds_input``):
+    the readers then see the same bits they computed before (both round to nearest even), so the
+    rewrite is exact.  Returns the names of the writers changed."""
     if precision != BFLOAT16:
         return []
     users = graph.consumers()
@@ -348,15 +380,15 @@ def between_ops(graph, precision: str) -> list:
     changed = []
     for nd in graph.op_nodes():
         attrs = BF16_WRITERS.get(nd.op)
-        if not attrs or nd in heads or nd.num_outputs != 1 or not _bf16_weight(nd, nd.op):
+        if not attrs or nd in heads or nd.num_outputs != 1:
             continue
-        if any(str(nd.attrs.raw(k, v)) != v for k, v in _WRITER_NEEDS.get(nd.op, {}).items()):
+        if (nd.op in BF16_WEIGHTS and not _bf16_weight(nd, nd.op)) or not _needs(nd, _WRITER_NEEDS.get(nd.op, {})):
             continue
         if all(str(nd.attrs.raw(k)) == v for k, v in attrs.items()):
             changed.append(nd.name)         # already so (a graph fused before)
             continue
         readers = users.get(nd, [])
-        if readers and all(slot in BF16_READERS.get(r.op, ()) and _bf16_weight(r, r.op) for r, slot in readers):
+        if readers and all(_rounds_input(r, slot) for r, slot in readers):
             for k, v in attrs.items():
                 nd.attrs[k] = v
             changed.append(nd.name)

@@ -76,7 +76,7 @@ def _is_bf16_value(m: Match, e: Entry) -> bool:
     if m.ctx.dtype(e) == "bfloat16":
         return True
     src = e.node
-    key = {"fused_dense": "out_dtype", "amp_cast": "dtype"}.get(src.op)
+    key = {"fused_dense": "out_dtype", "fused_attention": "out_dtype", "amp_cast": "dtype"}.get(src.op)
     return key is not None and str(src.attrs.raw(key)) == "bfloat16"
 
 

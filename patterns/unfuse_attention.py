@@ -118,6 +118,14 @@ class UnfuseAttention(_Unfuse):
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
         f = m.node("f")
+        if str(f.attrs.raw("out_dtype", "float32")) == "bfloat16":
+            # written rounded to bfloat16 for readers that round it anyway: so do the stock ops
+            y = self._attention(m, b, f, f.name + "_fp32")
+            return b.op("amp_cast", [y], attrs={"dtype": "bfloat16"}, name=f.name)
+        return self._attention(m, b, f, f.name)
+
+    def _attention(self, m: Match, b: Builder, f, name: str) -> Entry:
+        from .unfuse import _is_bf16_value     # (unfuse imports this module)
         ins = self.inputs(m)
         layout = f.param("layout", "plain")
         heads = int(f.param("heads", 1))
@@ -126,6 +134,9 @@ class UnfuseAttention(_Unfuse):
         causal_mode = f.param("causal_mode", "exclude")
         mask_value = float(f.param("mask_value", -1e18))
         data = {"plain": 3, "bshd": 3, "packed_qkv": 1, "interleaved": 1, "interleaved_encdec": 2}[layout]
+        # data held in bfloat16 (precision.between_ops): widened exactly
+        ins = [b.op("amp_cast", [e], attrs={"dtype": "float32"}, name="%s_data%d_fp32" % (f.name, i))
+               if i < data and _is_bf16_value(m, e) else e for i, e in enumerate(ins)]
         mask = ins[data] if mask_kind != "none" else None
         q_shape = m.ctx.shape(ins[0])
         rank = 3
@@ -200,11 +211,11 @@ class UnfuseAttention(_Unfuse):
             p = b.op("softmax", [s], attrs={"axis": -1})
         if per_head4 and mask_kind != "valid_length":
             p = b.op("Reshape", [p], attrs={"shape": (-3, 0, 0)})
-        o = b.op(product, [p, v], name=f.name if layout == "plain" else None)
+        o = b.op(product, [p, v], name=name if layout == "plain" else None)
         if layout == "plain":
             return o
         if layout in ("bshd", "packed_qkv"):
-            return self._merge(b, o, heads, f.name, rank)
+            return self._merge(b, o, heads, name, rank)
         t = b.op("Reshape", [o], attrs={"shape": (-4, -1, heads, 0, 0)})               # (B, H, S, D)
         t = b.op("transpose", [t], attrs={"axes": (2, 0, 1, 3)})                         # (S, B, H, D)
-        return b.op("Reshape", [t], attrs={"shape": (0, 0, -3)}, name=f.name)
+        return b.op("Reshape", [t], attrs={"shape": (0, 0, -3)}, name=name)

@@ -105,9 +105,12 @@ def test_small_transformer_block_bf16():
     assert counts.get("fused_attention") == 2 and counts.get("fused_dense") == 8, res.report.to_text()
     dense = [n for n in res.graph.op_nodes() if n.op == "fused_dense"]
     assert all(n.inputs[1].node.name.endswith("_bf16") for n in dense)
-    assert sorted(n.attrs.raw("num_hidden") for n in dense if n.attrs.raw("out_dtype") == "bfloat16") == ["64", "64"]
+    # bfloat16 between ops: FFN1 -> FFN2, the QKV product -> the attention -> the output projection
+    assert sorted(n.attrs.raw("num_hidden") for n in dense if n.attrs.raw("out_dtype") == "bfloat16") == \
+        ["64", "64", "96", "96"]
     attn = [n for n in res.graph.op_nodes() if n.op == "fused_attention"]
     assert all(n.attrs.get("precision") == "bfloat16" and n.attrs.get("layout") == "packed_qkv" for n in attn)
+    assert all(n.attrs.get("out_dtype") == "bfloat16" for n in attn)
     v = fusion.verify((sym, arg, aux), res, input_shapes=shapes)
     assert v.max_rel <= BF16_TOL, v
     fp32 = fusion.fuse(sym, arg, aux, input_shapes=shapes)
@@ -657,7 +660,7 @@ def test_dense_to_dense_value_held_in_bf16_is_exact(act1):
     assert len(dense) == 2, res.report.to_text()
     writers = [n for n in dense.values() if n.attrs.raw("out_dtype") == "bfloat16"]
     assert len(writers) == 1 and writers[0].inputs[0].node.name == "x"
-    assert "1 fused_dense output(s) held in bfloat16 between ops" in res.report.to_text()
+    assert "1 fused op output(s) held in bfloat16 between ops" in res.report.to_text()
     x = np.random.default_rng(5).standard_normal(shapes["x"]).astype(np.float32)
     got, exe = _run(res.symbol, res.arg_params, res.aux_params, {"x": x})
     plain, exe2 = _run(_without_between(res), res.arg_params, res.aux_params, {"x": x})
@@ -795,3 +798,143 @@ def test_bf16_amp_conversion_only_for_graphs_with_convolutions():
     again = fusion.fuse(once.symbol, once.arg_params, once.aux_params, input_shapes=shapes, precision="bf16")
     assert "MXNet's AMP converted" not in again.report.to_text()
     assert fusion.verify((cnn, arg, aux), again, input_shapes=shapes).max_rel <= BF16_TOL
+
+
+# -- fused_attention reading and writing bfloat16 -------------------------------------------------
+
+def _qkv_input(layout, B, S_, H, D, seed=3):
+    x = np.random.default_rng(seed).standard_normal((B, S_, 3 * H * D) if layout == "packed_qkv"
+                                                     else (S_, B, 3 * H * D)).astype(np.float32)
+    return x
+
+
+def _attention_nd(x, layout, H, D, lengths=None, **kw):
+    args = [x] + ([lengths] if lengths is not None else [])
+    return mx.nd.fused_attention(*args, heads=H, layout=layout, scale=1 / math.sqrt(D), precision="bfloat16",
+                                 mask_kind="valid_length" if lengths is not None else "none", **kw)
+
+
+@needs_bf16
+@pytest.mark.parametrize("layout,lengths,causal,special", [
+    ("packed_qkv", False, False, None), ("interleaved", True, False, None), ("packed_qkv", False, True, None),
+    ("packed_qkv", False, False, "inf_v"), ("interleaved", True, False, "nan_q"), ("packed_qkv", False, False, "odd")])
+def test_attention_reads_and_writes_bf16_exactly(layout, lengths, causal, special):
+    """bfloat16 q, k, v (the values its bf16 products round them to) give the same bits as those values
+    given in float32 — read as they are (finite values, no causal band) or widened (causal, a non-finite
+    value); out_dtype='bfloat16' writes the float32 result rounded to nearest even."""
+    B, S_, H, D = (2, 37, 3, 16) if special != "odd" else (1, 5, 2, 9)
+    x = _qkv_input(layout, B, S_, H, D)
+    if special == "inf_v":
+        x[0, 3, 2 * H * D + 5] = np.inf
+    elif special == "nan_q":
+        x[4, 1, 2] = np.nan
+    xr = bf16_round(x)
+    lens = mx.nd.array(np.array([S_, S_ - 11][:B], np.float32)) if lengths else None
+    kw = {"causal": True} if causal else {}
+    want = _attention_nd(mx.nd.array(xr), layout, H, D, lens, **kw).asnumpy()       # float32 in, float32 out
+    xb = mx.nd.array(P.to_bf16(x), dtype=P.BF16)
+    got = _attention_nd(xb, layout, H, D, lens, **kw)
+    assert got.dtype == np.float32 and np.array_equal(got.asnumpy(), want, equal_nan=True)
+    gotb = _attention_nd(xb, layout, H, D, lens, out_dtype="bfloat16", **kw)
+    assert gotb.dtype == P.BF16
+    assert np.array_equal(gotb.asnumpy().view(np.uint16), P.to_bf16(want).view(np.uint16))
+    out32 = _attention_nd(mx.nd.array(x), layout, H, D, lens, out_dtype="bfloat16", **kw)   # float32 in, bf16 out
+    if special is None and not causal:      # the float32 path rounds q, k, v itself: the same bits again
+        assert np.array_equal(out32.asnumpy().view(np.uint16), gotb.asnumpy().view(np.uint16))
+    if special is None and not lengths:     # and the NumPy reference of the bf16 products
+        q, k, v = (xr.reshape(B, S_, 3, H, D)[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        ref = _attention_reference(q, k, v, 1 / math.sqrt(D), causal=causal, rounded=True)
+        ref = ref.transpose(0, 2, 1, 3).reshape(B, S_, H * D)
+        assert np.abs(want - ref).max() <= 2e-3 * np.abs(ref).max()
+
+
+def test_attention_bf16_io_checked():
+    x = mx.nd.ones((1, 4, 24))
+    xb = mx.nd.amp_cast(x, dtype=P.BF16)
+    with pytest.raises(mx.base.MXNetError, match="out_dtype='bfloat16' needs precision='bfloat16'"):
+        mx.nd.fused_attention(x, heads=2, layout="packed_qkv", scale=1.0, out_dtype="bfloat16").asnumpy()
+    with pytest.raises(mx.base.MXNetError, match="bfloat16 data inputs need precision='bfloat16'"):
+        mx.nd.fused_attention(xb, heads=2, layout="packed_qkv", scale=1.0).asnumpy()
+    with pytest.raises(mx.base.MXNetError, match="out_dtype"):
+        mx.nd.fused_attention(x, heads=2, layout="packed_qkv", scale=1.0, precision="bfloat16",
+                              out_dtype="float16").asnumpy()
+    q = mx.nd.ones((1, 4, 8))
+    with pytest.raises(mx.base.MXNetError, match="every data input bfloat16"):
+        mx.nd.fused_attention(mx.nd.amp_cast(q, dtype=P.BF16), q, q, scale=1.0, precision="bfloat16").asnumpy()
+    # no backward in bfloat16
+    sym = S.fused_attention(S.var("x", dtype=P.BF16), heads=2, layout="packed_qkv", scale=1.0, precision="bfloat16")
+    exe = sym.bind(mx.cpu(), {"x": xb}, args_grad={"x": mx.nd.zeros(xb.shape, dtype=P.BF16)})
+    exe.forward(is_train=True)
+    with pytest.raises(mx.base.MXNetError, match="bfloat16 inputs or output have no backward"):
+        exe.backward([mx.nd.ones(exe.outputs[0].shape)])
+        mx.nd.waitall()
+
+
+def _bert(layers=2, causal=False):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from bench_bert import encoder
+    sym = encoder(layers=layers, hidden=32, heads=4, ffn=64, written=False)
+    shapes = {"data": (2, 16, 32)}
+    arg, aux = random_params(sym, shapes)
+    arg = {k: mx.nd.array(v.asnumpy() * (0.2 if k.endswith("weight") else 1)) for k, v in arg.items()}
+    return sym, arg, aux, shapes
+
+
+@needs_bf16
+def test_attention_values_held_in_bf16_are_exact():
+    """QKV product -> attention -> output projection in bfloat16: the same bits as the float32 hand-overs
+    (every reader rounded them to bfloat16 anyway), first and prepacked calls; unfuse keeps them."""
+    sym, arg, aux, shapes = _bert()
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    attn = [n for n in res.graph.op_nodes() if n.op == "fused_attention"]
+    assert len(attn) == 2 and all(n.attrs.raw("out_dtype") == "bfloat16" for n in attn)
+    assert all(n.inputs[0].node.op == "fused_dense" and n.inputs[0].node.attrs.raw("out_dtype") == "bfloat16"
+               for n in attn)
+    assert "6 fused op output(s) held in bfloat16 between ops" in res.report.to_text()
+    x = np.random.default_rng(7).standard_normal(shapes["data"]).astype(np.float32)
+    got, exe = _run(res.symbol, res.arg_params, res.aux_params, {"data": x})
+    plain, exe2 = _run(_without_between(res), res.arg_params, res.aux_params, {"data": x})
+    assert np.array_equal(got[0], plain[0])
+    for _ in range(2):
+        assert np.array_equal(exe.forward(is_train=False)[0].asnumpy(), exe2.forward(is_train=False)[0].asnumpy())
+    assert fusion.verify((sym, arg, aux), res, input_shapes=shapes).max_rel <= BF16_TOL
+    stock = fusion.unfuse(res.symbol, shapes, res.arg_params, res.aux_params)
+    assert not any(op.startswith("fused_") for op in ops(stock))
+    v = fusion.verify((sym, arg, aux), (stock, res.arg_params, res.aux_params), input_shapes=shapes)
+    assert v.max_rel <= BF16_TOL, v
+
+
+@needs_bf16
+def test_attention_values_stay_float32_where_a_reader_needs_them(monkeypatch):
+    """Causal attention (its band bounds read float32 q and k), a CPU without bf16 products (forced), an
+    attention output that is also a graph output: those values stay float32."""
+    from fusion.graph import Entry
+    sym, arg, aux, shapes = _bert(layers=1)
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    g = res.graph
+    attn = next(n for n in g.op_nodes() if n.op == "fused_attention")
+    qkv = attn.inputs[0].node.name
+
+    def again():
+        for nd in g.op_nodes():
+            if "out_dtype" in nd.attrs:
+                del nd.attrs["out_dtype"]
+        g.mark_changed()
+        return P.between_ops(g, P.BFLOAT16)
+
+    # a graph output: the attention's value is read by the caller too
+    g.heads = list(g.heads) + [Entry(attn, 0)]
+    changed = again()
+    assert attn.name not in changed and qkv in changed
+    # causal: the QKV product's value stays float32
+    g.heads = g.heads[:1]
+    attn.attrs["causal"] = "True"
+    changed = again()
+    assert qkv not in changed and attn.name in changed
+    # no native bf16 products (fuse forced): the attention computes from float32 q, k, v
+    attn.attrs["causal"] = "False"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    changed = again()
+    assert qkv not in changed and attn.name in changed
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert qkv in again()

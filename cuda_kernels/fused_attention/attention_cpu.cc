@@ -279,6 +279,10 @@ struct Prep {
   // vkeys[voff[n] .. voff[n+1]) (forward only; see nonfinite_values)
   std::vector<int64_t> voff, vkeys;
   bool onednn_softmax = false;  // which softmax the unfused graph runs (see softmax_zero)
+  // a bfloat16 output (forward_bf16_io): each block's rows, final in g.o (a float32 buffer
+  // laid out as the output), are rounded into it
+  uint16_t* out_bf16 = nullptr;
+  bool vh_bad = false;  // a bfloat16 v read as it is holds a non-finite value
 };
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -312,8 +316,26 @@ bool skips_keys(const Params& p, const MaskView& m) {
   return p.causal || m.kind == MaskKind::valid_length;
 }
 
-// k and v of every head as bfloat16 pairs (KT::kb, KT::vb), rounded to nearest even.
-void prepare_bf16(const Geom& g, KT& kt) {
+// Whether a bfloat16 row holds a non-finite value (exponent all ones).
+bool any_non_finite_bf16(const uint16_t* a, int64_t n) {
+  bool bad = false;
+  for (int64_t c = 0; c < n; ++c) bad |= (a[c] & 0x7f80u) == 0x7f80u;
+  return bad;
+}
+
+// k and v of every head as bfloat16 pairs (KT::kb, KT::vb), rounded to nearest even (bfloat16
+// inputs, Geom::kh / vh: as they are).  Returns whether a bfloat16 v holds a non-finite value.
+// The calling thread's k / v pair buffers, kept between calls (no allocation, no page faults
+// per call): prepare_bf16 takes them, forward_io gives them back.
+std::vector<uint16_t>& pair_pool(int which) {
+  thread_local std::vector<uint16_t> pool[2];
+  return pool[which];
+}
+
+bool prepare_bf16(const Geom& g, KT& kt) {
+  bool bad = false;
+  kt.kb.swap(pair_pool(0));
+  kt.vb.swap(pair_pool(1));
   const int64_t N = g.B * g.H;
   kt.Skp = (g.Sk + 31) / 32 * 32;
   kt.D = g.D;
@@ -321,29 +343,36 @@ void prepare_bf16(const Geom& g, KT& kt) {
   kt.Dv = g.Dv;
   kt.kb.assign(static_cast<size_t>(N) * kt.Dp * kt.Skp, 0);
   kt.vb.assign(static_cast<size_t>(N) * kt.Skp * g.Dv, 0);
-#pragma omp parallel
+#pragma omp parallel reduction(|| : bad)
   {
     std::vector<uint16_t> row(std::max(g.D, g.Dv));
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       const int64_t b = n / g.H, h = n % g.H;
       for (int64_t j = 0; j < g.Sk; ++j) {
-        to_bf16(g.k.row(b, h, j), row.data(), g.D);
+        // bfloat16 inputs (Geom::kh, vh) are taken as they are
+        const uint16_t* kr = g.kh.p ? g.kh.row(b, h, j) : row.data();
+        if (!g.kh.p) to_bf16(g.k.row(b, h, j), row.data(), g.D);
         uint16_t* dst = kt.kb.data() + n * kt.Dp * kt.Skp + (j / 32) * 32 * kt.Dp + (j % 32) * 2;
-        for (int64_t d = 0; d < g.D; ++d) dst[(d / 2) * 64 + (d & 1)] = row[d];
-        to_bf16(g.v.row(b, h, j), row.data(), g.Dv);
+        for (int64_t d = 0; d < g.D; ++d) dst[(d / 2) * 64 + (d & 1)] = kr[d];
+        const uint16_t* vr = g.vh.p ? g.vh.row(b, h, j) : row.data();
+        if (!g.vh.p)
+          to_bf16(g.v.row(b, h, j), row.data(), g.Dv);
+        else
+          bad = bad || any_non_finite_bf16(vr, g.Dv);
         uint16_t* vd = kt.vb.data() + n * kt.Skp * g.Dv + (j / 2) * 2 * g.Dv + (j & 1);
-        for (int64_t c = 0; c < g.Dv; ++c) vd[2 * c] = row[c];
+        for (int64_t c = 0; c < g.Dv; ++c) vd[2 * c] = vr[c];
       }
     }
   }
+  return bad;
 }
 
 Prep prepare(const Params& p, const Geom& g, const MaskView& m, bool forward, bool bf16 = false) {
   Prep pr;
   const int64_t N = g.B * g.H;
   if (forward && bf16 && cpu_has_avx512_bf16() && BK % 32 == 0 && g.Sk > 0 && g.D > 0) {
-    prepare_bf16(g, pr.kt);
+    pr.vh_bad = prepare_bf16(g, pr.kt);
   } else if (forward && cpu_has_avx512() && BK % 32 == 0 && g.Sk > 0 && g.D > 0) {
     KT& kt = pr.kt;
     kt.Skp = (g.Sk + 31) / 32 * 32;
@@ -367,6 +396,14 @@ Prep prepare(const Params& p, const Geom& g, const MaskView& m, bool forward, bo
       for (int64_t j = g.Sk; j-- > 0;)
         suf[j] = std::max(suf[j + 1], norm(g.k.row(n / g.H, n % g.H, j), g.D));
     }
+  }
+  if (forward && g.vh.p) {
+    // bfloat16 inputs read as they are (forward_bf16_io): nothing is causal, the bfloat16
+    // products run (checked there), and no value of v is non-finite (vh_bad otherwise: the
+    // caller widens the inputs)
+    pr.onednn_softmax = softmax_nan_at_scores(p, g);
+    pr.voff.assign(N + 1, 0);
+    return pr;
   }
   if (forward) {
     pr.onednn_softmax = softmax_nan_at_scores(p, g);
@@ -472,7 +509,12 @@ void score_tile(const Params& p, const Geom& g, const MaskView& m, int64_t n, in
   if (kt && !kt->kb.empty()) {
     thread_local std::vector<uint16_t> qb;  // the block's queries in bfloat16, D padded to Dp
     qb.assign(bq * kt->Dp, 0);
-    for (int64_t r = 0; r < bq; ++r) to_bf16(g.q.row(b, h, i0 + r), qb.data() + r * kt->Dp, g.D);
+    for (int64_t r = 0; r < bq; ++r) {
+      if (g.qh.p)
+        std::memcpy(qb.data() + r * kt->Dp, g.qh.row(b, h, i0 + r), g.D * sizeof(uint16_t));
+      else
+        to_bf16(g.q.row(b, h, i0 + r), qb.data() + r * kt->Dp, g.D);
+    }
     qk_tile_bf16(qb.data(), kt->Dp, kt->kat(n, j0), kt->Dp, bq, nb, p.scale, S, BK);
   } else
 #endif
@@ -701,19 +743,75 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Pre
     sgemm('N', 'N', bq, Dv, nb, 1.f, S, BK, g.v.row(b, h, j0), g.v.rs, 1.f, w.O.data(), Dv);
   }
   finish_rows(p, g, mk, pr, n, i0, bq, w);
+  if (pr.out_bf16)
+    for (int64_t r = 0; r < bq; ++r) {
+      const float* row = g.o.row(b, h, i0 + r);
+      to_bf16(row, pr.out_bf16 + (row - g.o.p), Dv);
+    }
 }
 
 }  // namespace
 
 void forward_reduced(const Params& p, const Geom& g, const MaskView& m, bool bf16_products);
+bool forward_io(const Params& p, const Geom& g, const MaskView& m, bool bf16_products,
+                uint16_t* out_bf16);
 void forward(const Params& p, const Geom& g, const MaskView& m) { forward_reduced(p, g, m, false); }
 
 // bf16_products: q·kᵀ and p·v in bfloat16 with float32 accumulation where the CPU has
 // avx512_bf16 (float32 elsewhere); everything else as forward().
 void forward_reduced(const Params& p, const Geom& g, const MaskView& m, bool bf16_products) {
+  forward_io(p, g, m, bf16_products, nullptr);
+}
+
+// bfloat16 inputs and/or output.  The inputs are the values the float32 path would round to
+// bfloat16 itself (precision="bfloat16"), so they are read as they are where that path would
+// only round them: with the bfloat16 products (a CPU with avx512_bf16), no causal band (its
+// skipping bounds read the values) and every value finite.  Otherwise they are widened to
+// float32 (exactly) and the float32 path runs on them.  A bfloat16 output is the float32
+// result rounded to nearest even (as a reader rounding it would), block by block.
+void forward_bf16_io(const Params& p, Geom g, const MaskView& m, bool bf16_products, bool bf16_in,
+                     uint16_t* out_bf16) {
+  const int64_t N = g.B * g.H;
+  std::vector<float> qf, kf, vf;
+  // a bfloat16 output: the float32 result goes to a buffer laid out as the output, kept between
+  // calls (no allocation, no page faults per call)
+  thread_local std::vector<float> of;
+  if (out_bf16) {
+    const size_t need = static_cast<size_t>(N) * g.Sq * g.Dv;
+    if (of.size() < need) of.resize(need);
+    g.o.p = of.data();
+  }
+  if (bf16_in) {
+    const bool direct = bf16_products && cpu_has_avx512_bf16() && BK % 32 == 0 && g.Sk > 0 &&
+                        g.D > 0 && !p.causal;
+    // read as they are, unless v holds a non-finite value (seen while its pairs are laid out)
+    if (direct && forward_io(p, g, m, bf16_products, out_bf16)) return;
+    {  // widen q, k, v to float32, each head's rows contiguous
+      auto widen = [&](const HView& src, int64_t S, int64_t D, std::vector<float>& buf) -> View {
+        buf.resize(static_cast<size_t>(N) * S * D);
+#pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t j = 0; j < S; ++j)
+            from_bf16(src.row(n / g.H, n % g.H, j), buf.data() + (n * S + j) * D, D);
+        return View{buf.data(), g.H * S * D, S * D, D};
+      };
+      g.q = widen(g.qh, g.Sq, g.D, qf);
+      g.k = widen(g.kh, g.Sk, g.D, kf);
+      g.v = widen(g.vh, g.Sk, g.Dv, vf);
+      g.qh = g.kh = g.vh = HView{};
+    }
+  }
+  forward_io(p, g, m, bf16_products, out_bf16);
+}
+
+// false (nothing written) where bfloat16 inputs read as they are hold a non-finite v
+bool forward_io(const Params& p, const Geom& g, const MaskView& m, bool bf16_products,
+                uint16_t* out_bf16) {
   const int64_t nqb = (g.Sq + BQ - 1) / BQ, N = g.B * g.H, tasks = N * nqb;
-  if (tasks == 0) return;
-  const Prep pr = prepare(p, g, m, true, bf16_products);
+  if (tasks == 0) return true;
+  Prep pr = prepare(p, g, m, true, bf16_products);
+  if (pr.vh_bad) return false;
+  pr.out_bf16 = out_bf16;
   std::string err;
 #pragma omp parallel
   {
@@ -729,7 +827,12 @@ void forward_reduced(const Params& p, const Geom& g, const MaskView& m, bool bf1
       }
     }
   }
+  if (!pr.kt.kb.empty()) {
+    pr.kt.kb.swap(pair_pool(0));
+    pr.kt.vb.swap(pair_pool(1));
+  }
   if (!err.empty()) throw OpError(err);
+  return true;
 }
 
 namespace {

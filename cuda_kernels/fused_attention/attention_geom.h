@@ -1,6 +1,7 @@
 // Layout handling for fused_attention: every supported layout is reduced to a
 // set of base pointers and strides, so the kernels never copy or transpose.
 #pragma once
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,13 @@ struct View {
   float* mrow(int64_t b, int64_t h, int64_t r) const { return p + b * bs + h * hs + r * rs; }
 };
 
+// The same rows of a bfloat16 input (raw bits), element strides as View's.
+struct HView {
+  const uint16_t* p = nullptr;
+  int64_t bs = 0, hs = 0, rs = 0;
+  const uint16_t* row(int64_t b, int64_t h, int64_t r) const { return p + b * bs + h * hs + r * rs; }
+};
+
 // N = B*H heads of (Sq, D) queries, (Sk, D) keys, (Sk, Dv) values.  `batch` holds the
 // scores' leading dims as the unfused graph has them, so that a mask broadcasts like
 // MXNet's broadcast_add: plain: q's leading dims (any number, flattened row-major as
@@ -47,6 +55,9 @@ struct View {
 struct Geom {
   int64_t B, H, Sq, Sk, D, Dv;
   View q, k, v, o;
+  // bfloat16 inputs read as they are (set by bind_views_bf16; q/k/v then unset, see
+  // forward_bf16_io)
+  HView qh, kh, vh;
   std::vector<int64_t> batch;  // plain only (empty: the layout's {B*H} / {B, H})
 };
 
@@ -56,6 +67,8 @@ std::vector<int64_t> out_shape(const Params& p, const Geom& g,
                                const std::vector<std::vector<int64_t>>& in_shapes);
 // Points the views at the data of the given data-input tensors and output.
 void bind_views(const Params& p, Geom* g, const std::vector<float*>& data, float* out);
+// The same for bfloat16 data inputs (Geom::qh/kh/vh; q/k/v are left null).
+void bind_views_bf16(const Params& p, Geom* g, const std::vector<const uint16_t*>& data);
 // The scores' leading dims a mask of rank `mask_rank` is aligned with (see Geom::batch).
 std::vector<int64_t> scores_batch(const Params& p, const Geom& g, size_t mask_rank);
 
@@ -82,6 +95,10 @@ bool softmax_nan_at_scores(const Params& p, const Geom& g);
 MaskView mask_view(const Params& p, const Geom& g, const MXTensor* mask);
 
 void forward(const Params& p, const Geom& g, const MaskView& m);
+// forward with bfloat16 data inputs (bf16_in: Geom::qh/kh/vh bound) and/or a bfloat16 output
+// (out_bf16 set: the float32 result rounded to nearest even; g.o unused), see attention_cpu.cc.
+void forward_bf16_io(const Params& p, Geom g, const MaskView& m, bool bf16_products, bool bf16_in,
+                     uint16_t* out_bf16);
 // dq/dk/dv views share q/k/v strides; they (and dmask) must be zeroed by the caller.
 // dmask: gradient of an additive mask, contiguous in the mask's shape (null: not wanted).
 void backward(const Params& p, const Geom& g, const MaskView& m, const View& dout,

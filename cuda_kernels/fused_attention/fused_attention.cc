@@ -172,23 +172,40 @@ std::vector<int64_t> out_shape(const Params& p, const Geom& g,
   }
 }
 
-void bind_views(const Params& p, Geom* g, const std::vector<float*>& d, float* out) {
-  g->o.p = out;
+namespace {
+// q, k, v base pointers of the data inputs d for the layout (element offsets)
+template <typename T>
+void bind_qkv(const Params& p, const Geom& g, const std::vector<T*>& d, T** q, T** k, T** v) {
   switch (p.layout) {
     case Layout::plain:
     case Layout::bshd:
-      g->q.p = d[0]; g->k.p = d[1]; g->v.p = d[2];
+      *q = d[0]; *k = d[1]; *v = d[2];
       break;
     case Layout::packed_qkv:
-      g->q.p = d[0]; g->k.p = d[0] + g->H * g->D; g->v.p = d[0] + 2 * g->H * g->D;
+      *q = d[0]; *k = d[0] + g.H * g.D; *v = d[0] + 2 * g.H * g.D;
       break;
     case Layout::interleaved:
-      g->q.p = d[0]; g->k.p = d[0] + g->D; g->v.p = d[0] + 2 * g->D;
+      *q = d[0]; *k = d[0] + g.D; *v = d[0] + 2 * g.D;
       break;
     case Layout::interleaved_encdec:
-      g->q.p = d[0]; g->k.p = d[1]; g->v.p = d[1] + g->D;
+      *q = d[0]; *k = d[1]; *v = d[1] + g.D;
       break;
   }
+}
+}  // namespace
+
+void bind_views(const Params& p, Geom* g, const std::vector<float*>& d, float* out) {
+  g->o.p = out;
+  bind_qkv(p, *g, d, &g->q.p, &g->k.p, &g->v.p);
+}
+
+void bind_views_bf16(const Params& p, Geom* g, const std::vector<const uint16_t*>& d) {
+  const uint16_t *q = nullptr, *k = nullptr, *v = nullptr;
+  bind_qkv(p, *g, d, &q, &k, &v);
+  g->qh = {q, g->q.bs, g->q.hs, g->q.rs};
+  g->kh = {k, g->k.bs, g->k.hs, g->k.rs};
+  g->vh = {v, g->v.bs, g->v.hs, g->v.rs};
+  g->q.p = g->k.p = g->v.p = nullptr;
 }
 
 std::vector<int64_t> scores_batch(const Params& p, const Geom& g, size_t mask_rank) {
@@ -354,9 +371,20 @@ bool reduced_products(const Attrs& a) {
   return attr_choice(a, "precision", "float32", {"float32", "bfloat16"}) == "bfloat16";
 }
 
+// mshadow's code for bfloat16 (lib_api's MXDType does not name it)
+constexpr int kBfloat16 = 12;
+
+// out_dtype="bfloat16": the float32 result written rounded to nearest even (for readers that
+// round it to bfloat16 anyway); needs precision="bfloat16", as do bfloat16 data inputs
+bool bf16_output(const Attrs& a) {
+  const bool out = attr_choice(a, "out_dtype", "float32", {"float32", "bfloat16"}) == "bfloat16";
+  if (out && !reduced_products(a)) throw OpError("out_dtype='bfloat16' needs precision='bfloat16'");
+  return out;
+}
+
 MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
   return guarded("fused_attention", [&] {
-    reduced_products(a);
+    bf16_output(a);
     Params p = parse(a);
     *nin = num_data_inputs(p.layout) + (p.mask == MaskKind::none ? 0 : 1);
     *nout = 1;
@@ -367,13 +395,18 @@ MXReturnValue infer_type(const Attrs& a, std::vector<int>* in, std::vector<int>*
   return guarded("fused_attention", [&] {
     Params p = parse(a);
     const int nd = num_data_inputs(p.layout);
+    const bool bf16_in = (*in)[0] == kBfloat16;
     for (int i = 0; i < nd; ++i)
-      if ((*in)[i] != mxnet::ext::kFloat32)
-        throw OpError("input " + std::to_string(i) + " must be float32");
+      if ((*in)[i] != (bf16_in ? kBfloat16 : mxnet::ext::kFloat32))
+        throw OpError("input " + std::to_string(i) + " must be float32 (or every data input " +
+                      "bfloat16, with precision='bfloat16'), got dtype code " +
+                      std::to_string((*in)[i]));
+    if (bf16_in && !reduced_products(a))
+      throw OpError("bfloat16 data inputs need precision='bfloat16'");
     if (p.mask == MaskKind::additive || p.mask == MaskKind::boolean)
       if ((*in)[nd] != mxnet::ext::kFloat32)
         throw OpError("additive/boolean mask must be float32 (0/1 values for boolean)");
-    (*out)[0] = mxnet::ext::kFloat32;
+    (*out)[0] = bf16_output(a) ? kBfloat16 : mxnet::ext::kFloat32;
   });
 }
 
@@ -418,8 +451,27 @@ MXReturnValue forward_cpu(const Attrs& a, std::vector<MXTensor>* in, std::vector
     std::vector<std::vector<int64_t>> s;
     for (int i = 0; i < nd; ++i) s.push_back((*in)[i].shape);
     Geom g = geometry(p, s);
-    bind_views(p, &g, data_ptrs(*in, nd), (*out)[0].data<float>());
     MaskView m = mask_view(p, g, p.mask == MaskKind::none ? nullptr : &(*in)[nd]);
+    const bool bf16_in = (*in)[0].dtype == kBfloat16, bf16_out = bf16_output(a);
+    if (bf16_in || bf16_out) {
+      if ((*out)[0].dtype != (bf16_out ? kBfloat16 : mxnet::ext::kFloat32))
+        throw OpError("output dtype does not match out_dtype");
+      if (bf16_in) {
+        std::vector<const uint16_t*> d;
+        for (int i = 0; i < nd; ++i) {
+          if ((*in)[i].dtype != kBfloat16) throw OpError("data inputs must all be bfloat16 or all float32");
+          d.push_back(static_cast<const uint16_t*>((*in)[i].data_ptr));
+        }
+        bind_views_bf16(p, &g, d);
+      } else {
+        bind_views(p, &g, data_ptrs(*in, nd), nullptr);
+      }
+      g.o.p = bf16_out ? nullptr : (*out)[0].data<float>();  // a bfloat16 one: through a buffer
+      forward_bf16_io(p, g, m, reduced_products(a), bf16_in,
+                      bf16_out ? static_cast<uint16_t*>((*out)[0].data_ptr) : nullptr);
+      return;
+    }
+    bind_views(p, &g, data_ptrs(*in, nd), (*out)[0].data<float>());
     forward_reduced(p, g, m, reduced_products(a));
   });
 }
@@ -431,6 +483,8 @@ MXReturnValue backward_cpu(const Attrs& a, std::vector<MXTensor>* in,
     Params p = parse(a);
     const int nd = num_data_inputs(p.layout);
     const bool has_mask = p.mask != MaskKind::none;
+    if (bf16_output(a) || (*in)[1].dtype == kBfloat16)
+      throw OpError("bfloat16 inputs or output have no backward (reduced precision is for inference)");
     std::vector<std::vector<int64_t>> s;
     for (int i = 0; i < nd; ++i) s.push_back((*in)[1 + i].shape);
     Geom g = geometry(p, s);
