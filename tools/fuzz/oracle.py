@@ -1094,6 +1094,8 @@ class Oracle:
         except Exception as e:
             self._find("bf16.fuse_error", _first_line(e) + "\n" + _short_tb(e))
             return
+        if any("held in bfloat16 between ops" in n for n in res.report.notes):
+            self.out.count("bf16_values_between_ops")       # the policy's bfloat16 hand-overs reached
         for check, x, r in (("bf16", x1, ref), ("bf16.second", x2, ref2)):
             if x is None:
                 continue
