@@ -1,0 +1,212 @@
+r"""DenseNet's dense block → ``fused_dense_block``: every layer of the block in one op, one buffer.
+
+Matched (anchor: the block's last Concat), L ≥ 1 layers as GluonCV and MXNet's model zoo write
+them (``HybridConcurrent(axis=1)`` of ``Identity`` and the layer: ``Concat(x, new, dim=1)``)::
+
+    x (N, C0, H, W)
+    per layer, cat = x for the first:
+      BatchNorm(cat) → relu → Convolution 1×1 [bias] [→ BatchNorm] → relu → Convolution 3×3 pad 1 [bias]
+      cat = Concat(cat, ·, dim=1)
+
+    relu: Activation(relu) | relu.  The 1×1 convolution's BatchNorm is usually folded already
+    (``conv_bn_act``, which runs first); otherwise this rule folds it.
+
+Rewrite: ``fused_dense_block(x, s_0, t_0, W1_0, b1_0, W2_0, b2_0, …)`` with ``num_layers``,
+``growth`` (k) and ``bottleneck`` (B): the pre-activation BatchNorm as the exact per-channel
+scale and shift (float64 → float32, shape (C, 1, 1))::
+
+    s = γ / √(σ² + ε)   (γ := 1 when fix_gamma),   t = β − μ · s
+
+the 1×1 convolution's BatchNorm folded into its weight and bias, absent biases as zeros.  The op
+keeps the concatenation as one NHWC buffer (oneDNN 3.x convolutions, NCHW reorders only at the
+block's input and output), where MXNet's default bind reorders every piece out of its blocked
+layout for each Concat and BatchNorm.
+
+Decided from inferred shapes and attributes at every probe shape: x is (N, C0, H, W); layer l
+reads C0 + l·k channels, its 1×1 weight is (B, C0 + l·k, 1, 1) and its 3×3 weight (k, B, 3, 3)
+with k and B the same in every layer; each Concat joins axis 1 and its first input is what the
+layer's BatchNorm reads.  An intermediate concatenation read outside the block ends the run of
+layers there (the layers after it form their own block).  Refused: ``mode='training'`` (no
+backward; BatchNorm's moving statistics), a Dropout after a layer, a Concat along another axis,
+BatchNorm over another axis or returning its mean and variance, unknown BatchNorm parameters,
+convolutions that are strided, dilated, grouped, padded otherwise or not NCHW, and values other
+than float32.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from fusion.graph import Entry
+from fusion.matcher import Match
+from fusion.pattern import Const, Pattern, Var, op
+from fusion.rewrite import Builder
+from fusion.rule import Rule
+
+from ._dtypes import float32_reason
+from .elementwise import _batchnorm_scale_shift
+
+MAX_LAYERS = 64          # per op (DenseNet-264's longest block: 48)
+
+
+def _bn(v: Pattern, tag: str) -> Pattern:
+    return op.BatchNorm(v, Const("gamma" + tag), Const("beta" + tag), Const("mean" + tag), Const("var" + tag),
+                        name="bn" + tag)
+
+
+def _relu(v: Pattern, name: str) -> Pattern:
+    return op.Activation(v, act_type="relu", name=name) | op.relu(v, name=name)
+
+
+def _layer(d: int) -> Pattern:
+    """Layer d of the run, counted from the anchor (the last layer) inwards."""
+    first: Pattern = Var("x")
+    if d + 1 < MAX_LAYERS:
+        first = _layer(d + 1) | first
+    a = _relu(_bn(Var("in%d" % d), "%d" % d), "act%d" % d)
+    c1 = op.Convolution(a, Const("w1_%d" % d), Const("b1_%d" % d, optional=True), name="conv1_%d" % d)
+    h = _relu(_bn(c1, "2_%d" % d) | c1, "act2_%d" % d)
+    c2 = op.Convolution(h, Const("w2_%d" % d), Const("b2_%d" % d, optional=True), name="conv2_%d" % d)
+    new = op.Dropout(c2, name="drop%d" % d) | c2
+    return op.Concat(first, new, name="cat%d" % d)
+
+
+def layers(m: Match) -> int:
+    d = 0
+    while m.has("cat%d" % d):
+        d += 1
+    return d
+
+
+def _tuple(v, n: int, default: int) -> tuple:
+    t = tuple(int(i) for i in (v or ()))
+    return t if t else (default,) * n
+
+
+class DenseBlock(Rule):
+    name = "dense_block"
+    benefit = 15            # after bn_folding (the 1×1 convolutions' BatchNorms), before elementwise
+    key = "cat0"
+    inference_only = True
+    training_reason = ("fused_dense_block has no backward, and BatchNorm as a scale and shift uses the moving "
+                       "statistics, which training updates; refused in mode='training'")
+    description = ("DenseNet's dense block: L × [Concat(x, BN → relu → 1×1 conv [→ BN] → relu → 3×3 conv)] → "
+                   "fused_dense_block (oneDNN 3.x, one NHWC concatenation buffer)")
+
+    def pattern(self) -> Pattern:
+        return _layer(0)
+
+    @staticmethod
+    def _shape(m: Match, k: str):
+        s = m.ctx.shape(m[k])
+        if s is None and m.value(k) is not None:
+            s = m.value(k).shape
+        return None if s is None else tuple(int(d) for d in s)
+
+    def check(self, m: Match) -> Optional[str]:
+        L = layers(m)
+        ins = [m["x"]] + [m[k] for k in m.bindings if k[:2] in ("w1", "b1", "w2", "b2")]
+        reason = float32_reason(ins, m.ctx)
+        if reason:
+            return reason
+        xs = m.ctx.shapes(m["x"])
+        if not xs:
+            return "the block's input shape is unknown (pass input shapes)"
+        if any(len(s) != 4 for s in xs):
+            return "the block's input has shape %s, not (N, C, H, W)" % (xs[0],)
+        C = int(xs[0][1])
+        k = B = None
+        for d in range(L - 1, -1, -1):          # innermost layer first
+            reason = self._layer_reason(m, d, C)
+            if reason:
+                return reason
+            w1, w2 = self._shape(m, "w1_%d" % d), self._shape(m, "w2_%d" % d)
+            if k is None:
+                B, k = w1[0], w2[0]
+            if w1 != (B, C, 1, 1):
+                return "Convolution '%s' has weight %s, not (%d, %d, 1, 1)" % (m.node("conv1_%d" % d).name, w1, B, C)
+            if w2 != (k, B, 3, 3):
+                return "Convolution '%s' has weight %s, not (%d, %d, 3, 3)" % (m.node("conv2_%d" % d).name, w2, k, B)
+            cat = m.node("cat%d" % d)
+            for s in m.ctx.shapes(Entry(cat)):
+                if len(s) != 4 or int(s[1]) != C + k:
+                    return "Concat '%s' has shape %s, not (N, %d, H, W)" % (cat.name, tuple(s), C + k)
+            C += k
+        return None
+
+    @staticmethod
+    def _layer_reason(m: Match, d: int, C: int) -> Optional[str]:
+        cat = m.node("cat%d" % d)
+        if int(cat.param("dim", 1)) % 4 != 1:
+            return "Concat '%s' joins axis %d, not the channel axis 1" % (cat.name, cat.param("dim", 1))
+        fed = Entry(m.node("cat%d" % (d + 1))) if m.has("cat%d" % (d + 1)) else m["x"]
+        bn = m.node("bn%d" % d)
+        if m["in%d" % d] != fed:
+            return "BatchNorm '%s' reads '%s', not the input '%s' of Concat '%s'" % (
+                bn.name, m["in%d" % d].node.name, fed.node.name, cat.name)
+        if m.has("drop%d" % d):
+            return "Dropout '%s' follows the layer's 3×3 convolution" % m.node("drop%d" % d).name
+        for tag in ("%d" % d, "2_%d" % d):
+            if not m.has("bn" + tag):
+                continue
+            n = m.node("bn" + tag)
+            if int(n.param("axis")) % 4 != 1:
+                return "BatchNorm '%s' normalizes axis %d, not the channel axis 1" % (n.name, n.param("axis"))
+            if n.param("output_mean_var"):
+                return "BatchNorm '%s' also returns its mean and variance" % n.name
+            if _batchnorm_scale_shift(n, m.ctx) is None:
+                return ("BatchNorm '%s' is not a known scale and shift (its parameters are not all given, or a "
+                        "variance + eps is not positive)" % n.name)
+        if m.has("bn2_%d" % d) and (m.value("w1_%d" % d) is None or (m.has("b1_%d" % d) and m.value("b1_%d" % d) is None)):
+            return "folding BatchNorm '%s' needs the 1×1 convolution's weight and bias values" % m.node("bn2_%d" % d).name
+        for tag, K in (("conv1_%d" % d, 1), ("conv2_%d" % d, 3)):
+            conv = m.node(tag)
+            if conv.param("layout") not in (None, "NCHW"):
+                return "Convolution '%s' has layout %s (only NCHW)" % (conv.name, conv.param("layout"))
+            if tuple(conv.param("kernel")) != (K, K):
+                return "Convolution '%s' has kernel %s, not (%d, %d)" % (conv.name, tuple(conv.param("kernel")), K, K)
+            if _tuple(conv.param("stride"), 2, 1) != (1, 1):
+                return "Convolution '%s' is strided (stride=%s)" % (conv.name, tuple(conv.param("stride")))
+            if _tuple(conv.param("dilate"), 2, 1) != (1, 1):
+                return "Convolution '%s' is dilated (dilate=%s)" % (conv.name, tuple(conv.param("dilate")))
+            if _tuple(conv.param("pad"), 2, 0) != ((K - 1) // 2,) * 2:
+                return "Convolution '%s' pads %s, not %d" % (conv.name, tuple(conv.param("pad")), (K - 1) // 2)
+            if int(conv.param("num_group")) != 1:
+                return "Convolution '%s' is grouped (num_group=%d)" % (conv.name, conv.param("num_group"))
+            w = tag.replace("conv", "w")
+            if m.value(w) is None and DenseBlock._shape(m, w) is None:
+                return "the weight of Convolution '%s' is unknown" % conv.name
+        if DenseBlock._shape(m, "w1_%d" % d) is None or DenseBlock._shape(m, "w2_%d" % d) is None:
+            return "the weight shapes of layer '%s' are unknown" % cat.name
+        return None
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        L = layers(m)
+        inputs: List[Entry] = [m["x"]]
+        k = B = 0
+        for d in range(L - 1, -1, -1):
+            bn = m.node("bn%d" % d)
+            scale, shift, _, _ = _batchnorm_scale_shift(bn, m.ctx)
+            inputs.append(b.param(bn.name + "_scale", scale.reshape(-1, 1, 1).astype(np.float32)))
+            inputs.append(b.param(bn.name + "_shift", shift.reshape(-1, 1, 1).astype(np.float32)))
+            conv1, conv2 = m.node("conv1_%d" % d), m.node("conv2_%d" % d)
+            B, k = self._shape(m, "w1_%d" % d)[0], self._shape(m, "w2_%d" % d)[0]
+            if m.has("bn2_%d" % d):
+                s2, t2, _, _ = _batchnorm_scale_shift(m.node("bn2_%d" % d), m.ctx)
+                w1 = m.value("w1_%d" % d).astype(np.float64) * s2.reshape(-1, 1, 1, 1)
+                b1 = (m.value("b1_%d" % d).astype(np.float64) if m.has("b1_%d" % d) else 0.0) * s2 + t2
+                inputs.append(b.param(conv1.name + "_folded_weight", w1.astype(np.float32)))
+                inputs.append(b.param(conv1.name + "_folded_bias", np.asarray(b1, dtype=np.float32)))
+            else:
+                inputs.append(m["w1_%d" % d])
+                inputs.append(m["b1_%d" % d] if m.has("b1_%d" % d)
+                              else b.param(conv1.name + "_bias", np.zeros(B, dtype=np.float32)))
+            inputs.append(m["w2_%d" % d])
+            inputs.append(m["b2_%d" % d] if m.has("b2_%d" % d)
+                          else b.param(conv2.name + "_bias", np.zeros(k, dtype=np.float32)))
+        attrs: Dict[str, object] = {"num_layers": L, "growth": int(k), "bottleneck": int(B)}
+        return b.op("fused_dense_block", inputs, attrs=attrs, name=m.anchor.name)
+
+
+RULES: List[Rule] = [DenseBlock()]
