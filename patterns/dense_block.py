@@ -5,10 +5,10 @@ them (``HybridConcurrent(axis=1)`` of ``Identity`` and the layer: ``Concat(x, ne
 
     x (N, C0, H, W)
     per layer, cat = x for the first:
-      BatchNorm(cat) → relu → Convolution 1×1 [bias] [→ BatchNorm] → relu → Convolution 3×3 pad 1 [bias]
+      BatchNorm(cat) | broadcast_add(broadcast_mul(cat, s), t) → relu → Convolution 1×1 [bias] [→ BatchNorm] → relu → Convolution 3×3 pad 1 [bias]
       cat = Concat(cat, ·, dim=1)
 
-    relu: Activation(relu) | relu.  The 1×1 convolution's BatchNorm is usually folded already
+    relu: Activation(relu) | relu; s, t: (C, 1, 1) (what un-fusing writes).  The 1×1 convolution's BatchNorm is usually folded already
     (``conv_bn_act``, which runs first); otherwise this rule folds it.
 
 Rewrite: ``fused_dense_block(x, s_0, t_0, W1_0, b1_0, W2_0, b2_0, …)`` with ``num_layers``,
@@ -64,7 +64,9 @@ def _layer(d: int) -> Pattern:
     first: Pattern = Var("x")
     if d + 1 < MAX_LAYERS:
         first = _layer(d + 1) | first
-    a = _relu(_bn(Var("in%d" % d), "%d" % d), "act%d" % d)
+    pre = _bn(Var("in%d" % d), "%d" % d) | op.broadcast_add(
+        op.broadcast_mul(Var("in%d" % d), Const("s%d" % d), name="scale%d" % d), Const("t%d" % d), name="shift%d" % d)
+    a = _relu(pre, "act%d" % d)
     c1 = op.Convolution(a, Const("w1_%d" % d), Const("b1_%d" % d, optional=True), name="conv1_%d" % d)
     h = _relu(_bn(c1, "2_%d" % d) | c1, "act2_%d" % d)
     c2 = op.Convolution(h, Const("w2_%d" % d), Const("b2_%d" % d, optional=True), name="conv2_%d" % d)
@@ -141,10 +143,14 @@ class DenseBlock(Rule):
         if int(cat.param("dim", 1)) % 4 != 1:
             return "Concat '%s' joins axis %d, not the channel axis 1" % (cat.name, cat.param("dim", 1))
         fed = Entry(m.node("cat%d" % (d + 1))) if m.has("cat%d" % (d + 1)) else m["x"]
-        bn = m.node("bn%d" % d)
+        pre = m.node("bn%d" % d) if m.has("bn%d" % d) else m.node("scale%d" % d)
         if m["in%d" % d] != fed:
-            return "BatchNorm '%s' reads '%s', not the input '%s' of Concat '%s'" % (
-                bn.name, m["in%d" % d].node.name, fed.node.name, cat.name)
+            return "%s '%s' reads '%s', not the input '%s' of Concat '%s'" % (
+                pre.op, pre.name, m["in%d" % d].node.name, fed.node.name, cat.name)
+        for v in ("s%d" % d, "t%d" % d):
+            if m.has(v) and DenseBlock._shape(m, v) != (C, 1, 1):
+                return "the pre-activation's %s '%s' has shape %s, not (%d, 1, 1)" % (
+                    "scale" if v[0] == "s" else "shift", m[v].node.name, DenseBlock._shape(m, v), C)
         if m.has("drop%d" % d):
             return "Dropout '%s' follows the layer's 3×3 convolution" % m.node("drop%d" % d).name
         for tag in ("%d" % d, "2_%d" % d):
@@ -186,10 +192,13 @@ class DenseBlock(Rule):
         inputs: List[Entry] = [m["x"]]
         k = B = 0
         for d in range(L - 1, -1, -1):
-            bn = m.node("bn%d" % d)
-            scale, shift, _, _ = _batchnorm_scale_shift(bn, m.ctx)
-            inputs.append(b.param(bn.name + "_scale", scale.reshape(-1, 1, 1).astype(np.float32)))
-            inputs.append(b.param(bn.name + "_shift", shift.reshape(-1, 1, 1).astype(np.float32)))
+            if m.has("bn%d" % d):
+                bn = m.node("bn%d" % d)
+                scale, shift, _, _ = _batchnorm_scale_shift(bn, m.ctx)
+                inputs.append(b.param(bn.name + "_scale", scale.reshape(-1, 1, 1).astype(np.float32)))
+                inputs.append(b.param(bn.name + "_shift", shift.reshape(-1, 1, 1).astype(np.float32)))
+            else:
+                inputs += [m["s%d" % d], m["t%d" % d]]
             conv1, conv2 = m.node("conv1_%d" % d), m.node("conv2_%d" % d)
             B, k = self._shape(m, "w1_%d" % d)[0], self._shape(m, "w2_%d" % d)[0]
             if m.has("bn2_%d" % d):
