@@ -27,10 +27,11 @@ def text(res):
 
 @pytest.mark.parametrize("direct", [False, True], ids=["onednn", "direct"])
 @pytest.mark.parametrize("layers", [1, 4])
-def test_block_fuses_exactly(layers, direct, monkeypatch):
+@pytest.mark.parametrize("growth", [8, 16], ids=["nhwc", "blocked"])     # 16: channels in blocks of 16
+def test_block_fuses_exactly(layers, growth, direct, monkeypatch):
     if direct:
         monkeypatch.setenv("MXFUSION_NO_DNNL_CONV", "1")
-    sym, arg, aux = dense_block(layers=layers)
+    sym, arg, aux = dense_block(layers=layers, growth=growth)
     res = fuse_and_check(sym, {"data": (1, 16, 8, 8)}, arg, aux)
     assert ops(res) == {"fused_dense_block": 1}, text(res)
     for other in ((2, 16, 8, 8), (3, 16, 11, 6), (1, 16, 1, 1)):   # every size the original accepts

@@ -9,10 +9,13 @@
 //     cat = concat(cat, new, axis 1)
 //   y = cat                                                        (N, C0 + L * k, H, W)
 //
-// Per call: x is reordered NCHW -> its channels of one NHWC buffer of all C0 + L * k channels; per
-// layer one pass applies the scale-shift-relu to the channels so far (into a scratch NHWC tensor),
-// the 1x1 convolution runs with its bias and relu as post-ops, the 3x3 convolution's k channels are
-// copied into the buffer; the buffer is reordered back to NCHW once.  The primitives are created
+// Per call: x is reordered NCHW -> its channels of one buffer of all C0 + L * k channels; per layer
+// one pass applies the scale-shift-relu to the channels so far (into a scratch tensor), the 1x1
+// convolution runs with its bias and relu as post-ops, the 3x3 convolution writes its k channels
+// into the buffer; the buffer is reordered back to NCHW once.  When C0, k and B are multiples of 16
+// (DenseNet's), one sample at a time through an nChw16c buffer, where channels [C, C + k) are
+// contiguous and the 3x3 convolution writes them in place; otherwise NHWC for the whole batch, the
+// 3x3 convolution's k channels copied into the buffer.  The primitives are created
 // once per input shape and the weights reordered into oneDNN's layouts once per weight version (op
 // state).  MXNet 1.9.1's own oneDNN ops reorder every piece of every concatenation out of their
 // blocked layout when a Concat or BatchNorm reads it; see README.md for figures.  Without oneDNN's
@@ -77,6 +80,25 @@ void scale_shift_relu(const float* cat, int64_t Ct, int64_t C, int64_t rows, con
   }
 }
 
+// the same for the first C channels of a per-sample nChw16c buffer (C % 16 == 0): contiguous, so
+// one pass of 16-lane rows, the 16 scales and shifts of the row's channel block
+void scale_shift_relu_blocked(const float* cat, int64_t C, int64_t HW, const float* s, const float* t, float* a) {
+  const int64_t rows = (C / 16) * HW;
+#pragma omp parallel for
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t cb = r / HW;
+    const float* sc = s + cb * 16;
+    const float* sh = t + cb * 16;
+    const float* src = cat + r * 16;
+    float* dst = a + r * 16;
+#pragma omp simd
+    for (int j = 0; j < 16; ++j) {
+      const float v = src[j] * sc[j] + sh[j];
+      dst[j] = v > 0.f ? v : 0.f;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // oneDNN path
 
@@ -97,7 +119,12 @@ struct Block {
   std::vector<Layer> layers;
   dnnl_primitive_t r_in = nullptr, r_out = nullptr;
   dnnl_memory_t u_x = nullptr, u_y = nullptr, x_in_cat = nullptr, cat = nullptr, h = nullptr, nw = nullptr;
-  std::vector<float> scratch;  // the pre-activation of the widest layer (NHWC)
+  std::vector<float> scratch;  // the pre-activation of the widest layer (NHWC | nChw16c)
+  // blocked mode (C0, k, B multiples of 16): one sample at a time, the concatenation one nChw16c
+  // buffer whose channel range [C, C + k) is contiguous, so each 3x3 convolution writes its k
+  // channels in place
+  bool blocked = false;
+  std::vector<dnnl_memory_t> slice;  // per layer: the buffer's channels [C, C + k) (nChw16c)
   std::mutex mu;
   std::vector<std::pair<void*, size_t>> packed_from;  // the weight versions the layers hold
 
@@ -176,6 +203,10 @@ struct Block {
   }
 
   bool create(const Params& p, const Geometry& g) {
+    if (g.C0 % 16 == 0 && p.k % 16 == 0 && p.B % 16 == 0) {
+      blocked = true;
+      return create_blocked(p, g);
+    }
     const int64_t N = g.N, H = g.H, W = g.W, Ct = g.Ct, B = p.B, k = p.k;
     const dnnl_dims_t xd = {N, g.C0, H, W}, yd = {N, Ct, H, W}, hd = {N, B, H, W}, nd = {N, k, H, W};
     const dnnl_dims_t in_cat = {H * W * Ct, 1, W * Ct, Ct};  // x's channels inside the NHWC buffer
@@ -210,6 +241,68 @@ struct Block {
     return true;
   }
 
+  bool create_blocked(const Params& p, const Geometry& g) {
+    const int64_t H = g.H, W = g.W, Ct = g.Ct, B = p.B, k = p.k, HW = H * W;
+    const dnnl_dims_t xd = {1, g.C0, H, W}, yd = {1, Ct, H, W}, hd = {1, B, H, W}, nd = {1, k, H, W};
+    const_dnnl_memory_desc_t ux = md(4, xd, dnnl_nchw), xb = md(4, xd, dnnl_nChw16c), uy = md(4, yd, dnnl_nchw),
+                             cb = md(4, yd, dnnl_nChw16c), hb = md(4, hd, dnnl_nChw16c),
+                             nb = md(4, nd, dnnl_nChw16c);
+    if (!ux || !xb || !uy || !cb || !hb || !nb) return false;
+    cat = mem(cb, DNNL_MEMORY_ALLOCATE);
+    h = mem(hb, DNNL_MEMORY_ALLOCATE);
+    if (!cat || !h) return false;
+    void* base = nullptr;
+    if (!MXF_OK(api.dnnl_memory_get_data_handle(cat, &base))) return false;
+    x_in_cat = mem(xb, base);  // channels [0, C0): the buffer's start
+    u_x = mem(ux, nullptr);
+    u_y = mem(uy, nullptr);
+    if (!x_in_cat || !u_x || !u_y || !reorder(ux, xb, &r_in) || !reorder(cb, uy, &r_out) || !r_in || !r_out)
+      return false;
+    const int64_t Cmax = g.C0 + (p.L - 1) * k;
+    scratch.assign(static_cast<size_t>(HW * Cmax), 0.f);
+    layers.resize(static_cast<size_t>(p.L));
+    for (int64_t l = 0; l < p.L; ++l) {
+      Layer& ly = layers[static_cast<size_t>(l)];
+      const int64_t C = g.C0 + l * k;
+      const dnnl_dims_t ad = {1, C, H, W}, w1d = {B, C, 1, 1}, w2d = {k, B, 3, 3};
+      const_dnnl_memory_desc_t ab = md(4, ad, dnnl_nChw16c);
+      ly.a = mem(ab, scratch.data());
+      slice.push_back(mem(nb, static_cast<float*>(base) + C * HW));
+      if (!ly.a || !slice.back()) return false;
+      ly.c1 = conv(ab, hb, w1d, B, 0, true, &ly.rw1, &ly.u_w1, &ly.w1, &ly.b1);
+      ly.c2 = conv(hb, nb, w2d, k, 1, false, &ly.rw2, &ly.u_w2, &ly.w2, &ly.b2);
+      if (!ly.c1 || !ly.c2) return false;
+    }
+    return true;
+  }
+
+  // one sample through the blocked buffer: x (C0, H, W) and y (Ct, H, W) NCHW
+  bool run_blocked(const Params& p, const Geometry& g, const float* x, float* y, std::vector<MXTensor>& in,
+                   dnnl_stream_t s) {
+    if (!MXF_OK(api.dnnl_memory_set_data_handle(u_x, const_cast<float*>(x))) ||
+        !MXF_OK(api.dnnl_memory_set_data_handle(u_y, y)))
+      return false;
+    if (!exec(r_in, s, {{DNNL_ARG_FROM, u_x}, {DNNL_ARG_TO, x_in_cat}}) || !MXF_OK(api.dnnl_stream_wait(s)))
+      return false;
+    void* cp = nullptr;
+    if (!MXF_OK(api.dnnl_memory_get_data_handle(cat, &cp))) return false;
+    const float* catp = static_cast<const float*>(cp);
+    const int64_t HW = g.H * g.W;
+    for (int64_t l = 0; l < p.L; ++l) {
+      Layer& ly = layers[static_cast<size_t>(l)];
+      const int64_t C = g.C0 + l * p.k;
+      scale_shift_relu_blocked(catp, C, HW, in[slot(l, 0)].data<float>(), in[slot(l, 1)].data<float>(),
+                               scratch.data());
+      if (!exec(ly.c1, s, {{DNNL_ARG_SRC, ly.a}, {DNNL_ARG_WEIGHTS, ly.w1}, {DNNL_ARG_BIAS, ly.b1},
+                           {DNNL_ARG_DST, h}}) ||
+          !exec(ly.c2, s, {{DNNL_ARG_SRC, h}, {DNNL_ARG_WEIGHTS, ly.w2}, {DNNL_ARG_BIAS, ly.b2},
+                           {DNNL_ARG_DST, slice[static_cast<size_t>(l)]}}) ||
+          !MXF_OK(api.dnnl_stream_wait(s)))
+        return false;
+    }
+    return exec(r_out, s, {{DNNL_ARG_FROM, cat}, {DNNL_ARG_TO, u_y}}) && MXF_OK(api.dnnl_stream_wait(s));
+  }
+
   bool exec(dnnl_primitive_t pr, dnnl_stream_t s, std::initializer_list<dnnl_exec_arg_t> args) {
     return MXF_OK(api.dnnl_primitive_execute(pr, s, static_cast<int>(args.size()), args.begin()));
   }
@@ -233,6 +326,11 @@ struct Block {
       if (repack && ly.rw2 && !exec(ly.rw2, s, {{DNNL_ARG_FROM, ly.u_w2}, {DNNL_ARG_TO, ly.w2}})) return false;
     }
     packed_from = from;
+    if (blocked) {
+      for (int64_t n = 0; n < g.N; ++n)
+        if (!run_blocked(p, g, x + n * g.C0 * g.H * g.W, y + n * g.Ct * g.H * g.W, in, s)) return false;
+      return true;
+    }
     if (!MXF_OK(api.dnnl_memory_set_data_handle(u_x, const_cast<float*>(x))) ||
         !MXF_OK(api.dnnl_memory_set_data_handle(u_y, y)))
       return false;
