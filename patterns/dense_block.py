@@ -27,7 +27,10 @@ reads C0 + l·k channels, its 1×1 weight is (B, C0 + l·k, 1, 1) and its 3×3 w
 with k and B the same in every layer; each Concat joins axis 1 and its first input is what the
 layer's BatchNorm reads.  An intermediate concatenation read outside the block ends the run of
 layers there (the layers after it form their own block).  Refused: ``mode='training'`` (no
-backward; BatchNorm's moving statistics), a Dropout after a layer, a Concat along another axis,
+backward; BatchNorm's moving statistics), a Dropout after a layer, pre-activations of both
+kinds in one run and the ``relu`` op after the 1×1 convolution (``relu`` keeps NaN,
+``Activation(relu)`` through oneDNN gives 0: the op does either in the pre-activation,
+``pre_act``, and oneDNN's in the convolution's post-op), a Concat along another axis,
 BatchNorm over another axis or returning its mean and variance, unknown BatchNorm parameters,
 convolutions that are strided, dilated, grouped, padded otherwise or not NCHW, and values other
 than float32.
@@ -118,6 +121,13 @@ class DenseBlock(Rule):
         if any(len(s) != 4 for s in xs):
             return "the block's input has shape %s, not (N, C, H, W)" % (xs[0],)
         C = int(xs[0][1])
+        kinds = {m.node("act%d" % d).op for d in range(L)}
+        if len(kinds) > 1:
+            return "the layers' pre-activations differ (Activation(relu) gives 0 for NaN, the relu op keeps it)"
+        for d in range(L):
+            if m.node("act2_%d" % d).op != "Activation":
+                return ("relu '%s' after the 1×1 convolution keeps NaN; the op's relu (oneDNN's, as Activation(relu)) "
+                        "gives 0" % m.node("act2_%d" % d).name)
         k = B = None
         for d in range(L - 1, -1, -1):          # innermost layer first
             reason = self._layer_reason(m, d, C)
@@ -214,7 +224,8 @@ class DenseBlock(Rule):
             inputs.append(m["w2_%d" % d])
             inputs.append(m["b2_%d" % d] if m.has("b2_%d" % d)
                           else b.param(conv2.name + "_bias", np.zeros(k, dtype=np.float32)))
-        attrs: Dict[str, object] = {"num_layers": L, "growth": int(k), "bottleneck": int(B)}
+        attrs: Dict[str, object] = {"num_layers": L, "growth": int(k), "bottleneck": int(B),
+                                    "pre_act": "act_relu" if m.node("act0").op == "Activation" else "relu"}
         return b.op("fused_dense_block", inputs, attrs=attrs, name=m.anchor.name)
 
 

@@ -118,7 +118,7 @@ class UnfuseInvertedResidual(_Unfuse):
 
 
 class UnfuseDenseBlock(_Unfuse):
-    """``fused_dense_block`` → per layer broadcast_mul(·, s) → broadcast_add(·, t) → Activation(relu) →
+    """``fused_dense_block`` → per layer broadcast_mul(·, s) → broadcast_add(·, t) → Activation(relu) | relu →
     Convolution 1×1 → Activation(relu) → Convolution 3×3 pad 1 → Concat(·, ·, dim=1)."""
 
     def __init__(self):
@@ -136,7 +136,10 @@ class UnfuseDenseBlock(_Unfuse):
             tag = "%s_layer%d" % (name, l)
             y = b.op("broadcast_mul", [cat, s], name=tag + "_scale")
             y = b.op("broadcast_add", [y, t], name=tag + "_shift")
-            y = b.op("Activation", [y], attrs={"act_type": "relu"}, name=tag + "_relu1")
+            if f.attrs.get("pre_act", "act_relu") == "relu":
+                y = b.op("relu", [y], name=tag + "_relu1")
+            else:
+                y = b.op("Activation", [y], attrs={"act_type": "relu"}, name=tag + "_relu1")
             y = b.op("Convolution", [y, w1, b1], attrs={"kernel": (1, 1), "num_filter": B}, name=tag + "_conv1")
             y = b.op("Activation", [y], attrs={"act_type": "relu"}, name=tag + "_relu2")
             y = b.op("Convolution", [y, w2, b2], attrs={"kernel": (3, 3), "pad": (1, 1), "num_filter": k},

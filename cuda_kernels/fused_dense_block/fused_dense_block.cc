@@ -4,6 +4,7 @@
 //   cat = x                                                        (N, C0, H, W)
 //   for l in 0 .. L-1:                                             Cl = C0 + l * k
 //     a   = relu(cat * s_l + t_l)                                  (N, Cl, H, W)   pre-activation BN
+//           (NaN gives 0 as Activation(relu) does, or stays NaN as the relu op does: pre_act)
 //     h   = relu(conv1x1(a, W1_l) + b1_l)                          (N, B, H, W)    post-conv BN folded
 //     new = conv3x3(h, W2_l, pad 1) + b2_l                         (N, k, H, W)
 //     cat = concat(cat, new, axis 1)
@@ -38,6 +39,7 @@ namespace {
 
 struct Params {
   int64_t L, k, B;  // layers, growth, bottleneck width
+  bool nan_relu;    // pre_act=relu: the pre-activation keeps NaN (MXNet's relu op); act_relu: NaN gives 0
 };
 
 Params parse(const Attrs& a) {
@@ -45,6 +47,7 @@ Params parse(const Attrs& a) {
   p.L = attr_int(a, "num_layers", 0);
   p.k = attr_int(a, "growth", 0);
   p.B = attr_int(a, "bottleneck", 0);
+  p.nan_relu = attr_choice(a, "pre_act", "act_relu", {"act_relu", "relu"}) == "relu";
   if (p.L < 1 || p.L > 256) throw OpError("num_layers must be in [1, 256]");
   if (p.k < 1 || p.B < 1) throw OpError("growth and bottleneck must be positive");
   return p;
@@ -65,24 +68,27 @@ Geometry geometry(const Params& p, const Shape& x) {
   return g;
 }
 
+// MXNet's relu op keeps NaN; Activation(relu) (oneDNN's) gives 0 for it
+inline float pre_relu(float v, bool keep_nan) { return v > 0.f ? v : (keep_nan && v != v ? v : 0.f); }
+
 // a = relu(cat[:, :C] * s + t) for NHWC cat (row stride Ct) into NHWC a (row stride C)
 void scale_shift_relu(const float* cat, int64_t Ct, int64_t C, int64_t rows, const float* s, const float* t,
-                      float* a) {
+                      float* a, bool keep_nan) {
 #pragma omp parallel for
   for (int64_t i = 0; i < rows; ++i) {
     const float* src = cat + i * Ct;
     float* dst = a + i * C;
 #pragma omp simd
     for (int64_t c = 0; c < C; ++c) {
-      const float v = src[c] * s[c] + t[c];
-      dst[c] = v > 0.f ? v : 0.f;
+      dst[c] = pre_relu(src[c] * s[c] + t[c], keep_nan);
     }
   }
 }
 
 // the same for the first C channels of a per-sample nChw16c buffer (C % 16 == 0): contiguous, so
 // one pass of 16-lane rows, the 16 scales and shifts of the row's channel block
-void scale_shift_relu_blocked(const float* cat, int64_t C, int64_t HW, const float* s, const float* t, float* a) {
+void scale_shift_relu_blocked(const float* cat, int64_t C, int64_t HW, const float* s, const float* t, float* a,
+                              bool keep_nan) {
   const int64_t rows = (C / 16) * HW;
 #pragma omp parallel for
   for (int64_t r = 0; r < rows; ++r) {
@@ -93,8 +99,7 @@ void scale_shift_relu_blocked(const float* cat, int64_t C, int64_t HW, const flo
     float* dst = a + r * 16;
 #pragma omp simd
     for (int j = 0; j < 16; ++j) {
-      const float v = src[j] * sc[j] + sh[j];
-      dst[j] = v > 0.f ? v : 0.f;
+      dst[j] = pre_relu(src[j] * sc[j] + sh[j], keep_nan);
     }
   }
 }
@@ -292,7 +297,7 @@ struct Block {
       Layer& ly = layers[static_cast<size_t>(l)];
       const int64_t C = g.C0 + l * p.k;
       scale_shift_relu_blocked(catp, C, HW, in[slot(l, 0)].data<float>(), in[slot(l, 1)].data<float>(),
-                               scratch.data());
+                               scratch.data(), p.nan_relu);
       if (!exec(ly.c1, s, {{DNNL_ARG_SRC, ly.a}, {DNNL_ARG_WEIGHTS, ly.w1}, {DNNL_ARG_BIAS, ly.b1},
                            {DNNL_ARG_DST, h}}) ||
           !exec(ly.c2, s, {{DNNL_ARG_SRC, h}, {DNNL_ARG_WEIGHTS, ly.w2}, {DNNL_ARG_BIAS, ly.b2},
@@ -346,7 +351,7 @@ struct Block {
       Layer& ly = layers[static_cast<size_t>(l)];
       const int64_t C = g.C0 + l * k;
       scale_shift_relu(catp, Ct, C, rows, in[slot(l, 0)].data<float>(), in[slot(l, 1)].data<float>(),
-                       scratch.data());
+                       scratch.data(), p.nan_relu);
       if (!exec(ly.c1, s, {{DNNL_ARG_SRC, ly.a}, {DNNL_ARG_WEIGHTS, ly.w1}, {DNNL_ARG_BIAS, ly.b1},
                            {DNNL_ARG_DST, h}}) ||
           !exec(ly.c2, s, {{DNNL_ARG_SRC, h}, {DNNL_ARG_WEIGHTS, ly.w2}, {DNNL_ARG_BIAS, ly.b2},
@@ -379,8 +384,7 @@ void direct(const Params& p, const Geometry& g, const float* x, float* y, std::v
 #pragma omp parallel for
       for (int64_t c = 0; c < C; ++c)
         for (int64_t i = 0; i < HW; ++i) {
-          const float v = yn[c * HW + i] * s[c] + t[c];
-          a[c * HW + i] = v > 0.f ? v : 0.f;
+          a[c * HW + i] = pre_relu(yn[c * HW + i] * s[c] + t[c], p.nan_relu);
         }
 #pragma omp parallel for
       for (int64_t o = 0; o < B; ++o) {
