@@ -39,6 +39,7 @@ namespace {
 
 struct Params {
   int64_t L, k, B;  // layers, growth, bottleneck width
+  bool nhwc;        // layout=nhwc: never the blocked buffer
   bool nan_relu;    // pre_act=relu: the pre-activation keeps NaN (MXNet's relu op); act_relu: NaN gives 0
 };
 
@@ -47,6 +48,7 @@ Params parse(const Attrs& a) {
   p.L = attr_int(a, "num_layers", 0);
   p.k = attr_int(a, "growth", 0);
   p.B = attr_int(a, "bottleneck", 0);
+  p.nhwc = attr_choice(a, "layout", "auto", {"auto", "nhwc"}) == "nhwc";
   p.nan_relu = attr_choice(a, "pre_act", "act_relu", {"act_relu", "relu"}) == "relu";
   if (p.L < 1 || p.L > 256) throw OpError("num_layers must be in [1, 256]");
   if (p.k < 1 || p.B < 1) throw OpError("growth and bottleneck must be positive");
@@ -208,7 +210,7 @@ struct Block {
   }
 
   bool create(const Params& p, const Geometry& g) {
-    if (g.C0 % 16 == 0 && p.k % 16 == 0 && p.B % 16 == 0) {
+    if (!p.nhwc && g.C0 % 16 == 0 && p.k % 16 == 0 && p.B % 16 == 0) {
       blocked = true;
       return create_blocked(p, g);
     }
