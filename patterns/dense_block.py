@@ -97,7 +97,7 @@ class DenseBlock(Rule):
     training_reason = ("fused_dense_block has no backward, and BatchNorm as a scale and shift uses the moving "
                        "statistics, which training updates; refused in mode='training'")
     description = ("DenseNet's dense block: L × [Concat(x, BN → relu → 1×1 conv [→ BN] → relu → 3×3 conv)] → "
-                   "fused_dense_block (oneDNN 3.x, one NHWC concatenation buffer)")
+                   "fused_dense_block (oneDNN 3.x, one concatenation buffer)")
 
     def pattern(self) -> Pattern:
         return _layer(0)
