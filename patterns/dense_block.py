@@ -23,7 +23,7 @@ block's input and output), where MXNet's default bind reorders every piece out o
 layout for each Concat and BatchNorm.  Measured (batch 1, 224², 2 threads, interleaved in one
 process, on a shared 2-core machine; ``benchmarks/bench_cnn_blocks.py``): DenseNet-121's blocks
 alone 1.3–2.9× of MXNet's default bind; the whole network 1.02–1.12× (427 → 20 ops), where the
-default rules without this one give 0.9–0.95×.
+default rules without this one give 0.89–1.05×.
 
 Decided from inferred shapes and attributes at every probe shape: x is (N, C0, H, W); layer l
 reads C0 + l·k channels, its 1×1 weight is (B, C0 + l·k, 1, 1) and its 3×3 weight (k, B, 3, 3)
