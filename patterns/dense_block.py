@@ -8,6 +8,8 @@ them (``HybridConcurrent(axis=1)`` of ``Identity`` and the layer: ``Concat(x, ne
       BatchNorm(cat) | broadcast_add(broadcast_mul(cat, s), t) → relu → Convolution 1×1 [bias] [→ BatchNorm] → relu → Convolution 3×3 pad 1 [bias]
       cat = Concat(cat, ·, dim=1)
 
+    [BatchNorm(cat) | broadcast_add(broadcast_mul(cat, s), t) → relu]      the next pre-activation
+
     relu: Activation(relu) | relu; s, t: (C, 1, 1) (what un-fusing writes).  The 1×1 convolution's BatchNorm is usually folded already
     (``conv_bn_act``, which runs first); otherwise this rule folds it.
 
@@ -17,7 +19,9 @@ scale and shift (float64 → float32, shape (C, 1, 1))::
 
     s = γ / √(σ² + ε)   (γ := 1 when fix_gamma),   t = β − μ · s
 
-the 1×1 convolution's BatchNorm folded into its weight and bias, absent biases as zeros.  The op
+the 1×1 convolution's BatchNorm folded into its weight and bias, absent biases as zeros; the
+BatchNorm → relu reading the block's output (DenseNet's transition, or its last BatchNorm) as two
+more inputs and ``post_act``, applied in the op's buffer before the output's reorder.  The op
 keeps the concatenation as one NHWC buffer (oneDNN 3.x convolutions, NCHW reorders only at the
 block's input and output), where MXNet's default bind reorders every piece out of its blocked
 layout for each Concat and BatchNorm.  Measured (batch 1, 224², 2 threads, interleaved in one
@@ -65,14 +69,18 @@ def _relu(v: Pattern, name: str) -> Pattern:
     return op.Activation(v, act_type="relu", name=name) | op.relu(v, name=name)
 
 
+def _scale_shift(v: Pattern, tag: str) -> Pattern:
+    """BatchNorm, or the per-channel scale and shift un-fusing writes."""
+    return _bn(v, tag) | op.broadcast_add(op.broadcast_mul(v, Const("s" + tag), name="scale" + tag), Const("t" + tag),
+                                          name="shift" + tag)
+
+
 def _layer(d: int) -> Pattern:
     """Layer d of the run, counted from the anchor (the last layer) inwards."""
     first: Pattern = Var("x")
     if d + 1 < MAX_LAYERS:
         first = _layer(d + 1) | first
-    pre = _bn(Var("in%d" % d), "%d" % d) | op.broadcast_add(
-        op.broadcast_mul(Var("in%d" % d), Const("s%d" % d), name="scale%d" % d), Const("t%d" % d), name="shift%d" % d)
-    a = _relu(pre, "act%d" % d)
+    a = _relu(_scale_shift(Var("in%d" % d), "%d" % d), "act%d" % d)
     c1 = op.Convolution(a, Const("w1_%d" % d), Const("b1_%d" % d, optional=True), name="conv1_%d" % d)
     h = _relu(_bn(c1, "2_%d" % d) | c1, "act2_%d" % d)
     c2 = op.Convolution(h, Const("w2_%d" % d), Const("b2_%d" % d, optional=True), name="conv2_%d" % d)
@@ -103,7 +111,8 @@ class DenseBlock(Rule):
                    "fused_dense_block (oneDNN 3.x, one concatenation buffer)")
 
     def pattern(self) -> Pattern:
-        return _layer(0)
+        block = _layer(0)
+        return _relu(_scale_shift(block, "post"), "actpost") | block
 
     @staticmethod
     def _shape(m: Match, k: str):
@@ -124,6 +133,11 @@ class DenseBlock(Rule):
         if any(len(s) != 4 for s in xs):
             return "the block's input has shape %s, not (N, C, H, W)" % (xs[0],)
         C = int(xs[0][1])
+        if m.has("actpost"):
+            reason = self._post_reason(m, C + sum(self._shape(m, "w2_%d" % d)[0] if self._shape(m, "w2_%d" % d)
+                                                   else 0 for d in range(L)))
+            if reason:
+                return reason
         kinds = {m.node("act%d" % d).op for d in range(L)}
         if len(kinds) > 1:
             return "the layers' pre-activations differ (Activation(relu) gives 0 for NaN, the relu op keeps it)"
@@ -148,6 +162,25 @@ class DenseBlock(Rule):
                 if len(s) != 4 or int(s[1]) != C + k:
                     return "Concat '%s' has shape %s, not (N, %d, H, W)" % (cat.name, tuple(s), C + k)
             C += k
+        return None
+
+    @staticmethod
+    def _post_reason(m: Match, C: int) -> Optional[str]:
+        """The block's output scale-shift-relu (the next layer's pre-activation: DenseNet's transition)."""
+        if m.has("bnpost"):
+            n = m.node("bnpost")
+            if int(n.param("axis")) % 4 != 1:
+                return "BatchNorm '%s' normalizes axis %d, not the channel axis 1" % (n.name, n.param("axis"))
+            if n.param("output_mean_var"):
+                return "BatchNorm '%s' also returns its mean and variance" % n.name
+            if _batchnorm_scale_shift(n, m.ctx) is None:
+                return ("BatchNorm '%s' is not a known scale and shift (its parameters are not all given, or a "
+                        "variance + eps is not positive)" % n.name)
+        else:
+            for v in ("spost", "tpost"):
+                if DenseBlock._shape(m, v) != (C, 1, 1):
+                    return "the output's %s '%s' has shape %s, not (%d, 1, 1)" % (
+                        "scale" if v[0] == "s" else "shift", m[v].node.name, DenseBlock._shape(m, v), C)
         return None
 
     @staticmethod
@@ -229,6 +262,15 @@ class DenseBlock(Rule):
                           else b.param(conv2.name + "_bias", np.zeros(k, dtype=np.float32)))
         attrs: Dict[str, object] = {"num_layers": L, "growth": int(k), "bottleneck": int(B),
                                     "pre_act": "act_relu" if m.node("act0").op == "Activation" else "relu"}
+        if m.has("actpost"):
+            if m.has("bnpost"):
+                bn = m.node("bnpost")
+                scale, shift, _, _ = _batchnorm_scale_shift(bn, m.ctx)
+                inputs.append(b.param(bn.name + "_scale", scale.reshape(-1, 1, 1).astype(np.float32)))
+                inputs.append(b.param(bn.name + "_shift", shift.reshape(-1, 1, 1).astype(np.float32)))
+            else:
+                inputs += [m["spost"], m["tpost"]]
+            attrs["post_act"] = "act_relu" if m.node("actpost").op == "Activation" else "relu"
         return b.op("fused_dense_block", inputs, attrs=attrs, name=m.anchor.name)
 
 

@@ -15,10 +15,17 @@ from fusion.testing import gluon_export, zoo_model
 from conftest import assert_unfuse_round_trip, fuse_and_check, ops
 
 
-def dense_block(c0=16, layers=3, growth=8, bn_size=2, dropout=0, shape=(1, 16, 8, 8)):
+def dense_block(c0=16, layers=3, growth=8, bn_size=2, dropout=0, shape=(1, 16, 8, 8), post=False):
+    """The model zoo's dense block; ``post``: then BatchNorm → relu (DenseNet's transition begins so)."""
+    from mxnet.gluon import nn
     from mxnet.gluon.model_zoo.vision.densenet import _make_dense_block
     with mx.name.NameManager():
-        return gluon_export(_make_dense_block(layers, bn_size, growth, dropout, 1), shape)
+        net = _make_dense_block(layers, bn_size, growth, dropout, 1)
+        if post:
+            seq = nn.HybridSequential(prefix="")
+            seq.add(net, nn.BatchNorm(), nn.Activation("relu"))
+            net = seq
+        return gluon_export(net, shape)
 
 
 def text(res):
@@ -28,12 +35,14 @@ def text(res):
 @pytest.mark.parametrize("direct", [False, True], ids=["onednn", "direct"])
 @pytest.mark.parametrize("layers", [1, 4])
 @pytest.mark.parametrize("growth", [8, 16], ids=["nhwc", "blocked"])     # 16: channels in blocks of 16
-def test_block_fuses_exactly(layers, growth, direct, monkeypatch):
+@pytest.mark.parametrize("post", [False, True], ids=["", "post"])
+def test_block_fuses_exactly(layers, growth, post, direct, monkeypatch):
     if direct:
         monkeypatch.setenv("MXFUSION_NO_DNNL_CONV", "1")
-    sym, arg, aux = dense_block(layers=layers, growth=growth)
+    sym, arg, aux = dense_block(layers=layers, growth=growth, post=post)
     res = fuse_and_check(sym, {"data": (1, 16, 8, 8)}, arg, aux)
     assert ops(res) == {"fused_dense_block": 1}, text(res)
+    assert res.graph.nodes[-1].attrs.get("post_act", "none") == ("act_relu" if post else "none")
     for other in ((2, 16, 8, 8), (3, 16, 11, 6), (1, 16, 1, 1)):   # every size the original accepts
         v = fusion.verify((sym, arg, aux), res, input_shapes={"data": other})
         assert v.max_rel <= 1e-4, (other, v)
@@ -52,7 +61,8 @@ def test_densenet121_end_to_end():
     res = fusion.fuse(sym, arg, aux, input_shapes={"data": shape})
     got = ops(res)
     assert got.get("fused_dense_block") == 4, text(res)
-    assert "Concat" not in got and "BatchNorm" not in got, got
+    # the transitions' and the last BatchNorm → relu go into the blocks before them
+    assert "Concat" not in got and "BatchNorm" not in got and "fused_elemwise" not in got, got
     for s in (shape, (2, 3, 224, 224)):
         v = fusion.verify((sym, arg, aux), res, input_shapes={"data": s})
         assert v.max_rel <= 1e-4, v
@@ -132,9 +142,9 @@ def test_batchnorm_reading_another_value_is_refused():
     assert "not the input 'data' of Concat" in text(res), text(res)
 
 
-@pytest.mark.parametrize("layers", [1, 3])
-def test_unfuse_round_trip(layers):
-    sym, arg, aux = dense_block(layers=layers)
+@pytest.mark.parametrize("layers,post", [(1, False), (3, False), (2, True)])
+def test_unfuse_round_trip(layers, post):
+    sym, arg, aux = dense_block(layers=layers, post=post)
     shapes = {"data": (1, 16, 8, 8)}
     res = fusion.fuse(sym, arg, aux, input_shapes=shapes)
     assert ops(res) == {"fused_dense_block": 1}

@@ -8,7 +8,7 @@
 //     h   = relu(conv1x1(a, W1_l) + b1_l)                          (N, B, H, W)    post-conv BN folded
 //     new = conv3x3(h, W2_l, pad 1) + b2_l                         (N, k, H, W)
 //     cat = concat(cat, new, axis 1)
-//   y = cat                                                        (N, C0 + L * k, H, W)
+//   y = cat | relu(cat * s + t) (post_act)                         (N, C0 + L * k, H, W)
 //
 // Per call: x is reordered NCHW -> its channels of one buffer of all C0 + L * k channels; per layer
 // one pass applies the scale-shift-relu to the channels so far (into a scratch tensor), the 1x1
@@ -41,6 +41,7 @@ struct Params {
   int64_t L, k, B;  // layers, growth, bottleneck width
   bool nhwc;        // layout=nhwc: never the blocked buffer
   bool nan_relu;    // pre_act=relu: the pre-activation keeps NaN (MXNet's relu op); act_relu: NaN gives 0
+  int post;         // post_act: 0 none, 1 act_relu, 2 relu (NaN kept): y = relu(cat * s + t), two more inputs
 };
 
 Params parse(const Attrs& a) {
@@ -50,6 +51,8 @@ Params parse(const Attrs& a) {
   p.B = attr_int(a, "bottleneck", 0);
   p.nhwc = attr_choice(a, "layout", "auto", {"auto", "nhwc"}) == "nhwc";
   p.nan_relu = attr_choice(a, "pre_act", "act_relu", {"act_relu", "relu"}) == "relu";
+  const std::string post = attr_choice(a, "post_act", "none", {"none", "act_relu", "relu"});
+  p.post = post == "none" ? 0 : (post == "act_relu" ? 1 : 2);
   if (p.L < 1 || p.L > 256) throw OpError("num_layers must be in [1, 256]");
   if (p.k < 1 || p.B < 1) throw OpError("growth and bottleneck must be positive");
   return p;
@@ -58,6 +61,7 @@ Params parse(const Attrs& a) {
 // input slots: x, then per layer s, t, W1, b1, W2, b2
 constexpr int kPerLayer = 6;
 inline int slot(int64_t l, int j) { return 1 + static_cast<int>(l) * kPerLayer + j; }
+inline int num_inputs(const Params& p) { return 1 + static_cast<int>(p.L) * kPerLayer + (p.post ? 2 : 0); }
 
 struct Geometry {
   int64_t N, C0, H, W, Ct;
@@ -307,6 +311,9 @@ struct Block {
           !MXF_OK(api.dnnl_stream_wait(s)))
         return false;
     }
+    if (p.post)  // in place: the buffer's last reader is the reorder below
+      scale_shift_relu_blocked(catp, g.Ct, HW, in[slot(p.L, 0)].data<float>(), in[slot(p.L, 1)].data<float>(),
+                               const_cast<float*>(catp), p.post == 2);
     return exec(r_out, s, {{DNNL_ARG_FROM, cat}, {DNNL_ARG_TO, u_y}}) && MXF_OK(api.dnnl_stream_wait(s));
   }
 
@@ -364,6 +371,9 @@ struct Block {
       for (int64_t i = 0; i < rows; ++i)
         std::memcpy(catp + i * Ct + C, newp + i * k, static_cast<size_t>(k) * sizeof(float));
     }
+    if (p.post)  // in place (row stride Ct both ways)
+      scale_shift_relu(catp, Ct, Ct, rows, in[slot(p.L, 0)].data<float>(), in[slot(p.L, 1)].data<float>(), catp,
+                       p.post == 2);
     if (!exec(r_out, s, {{DNNL_ARG_FROM, cat}, {DNNL_ARG_TO, u_y}})) return false;
     return MXF_OK(api.dnnl_stream_wait(s));
   }
@@ -421,13 +431,23 @@ void direct(const Params& p, const Geometry& g, const float* x, float* y, std::v
       }
     }
   }
+  if (p.post) {
+    const float *s = in[slot(p.L, 0)].data<float>(), *t = in[slot(p.L, 1)].data<float>();
+    for (int64_t n = 0; n < N; ++n)
+#pragma omp parallel for
+      for (int64_t c = 0; c < Ct; ++c)
+        for (int64_t i = 0; i < HW; ++i) {
+          float* v = y + (n * Ct + c) * HW + i;
+          *v = pre_relu(*v * s[c] + t[c], p.post == 2);
+        }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
 
 MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
   return guarded("fused_dense_block", [&] {
-    *nin = 1 + static_cast<int>(parse(a).L) * kPerLayer;
+    *nin = num_inputs(parse(a));
     *nout = 1;
   });
 }
@@ -454,7 +474,12 @@ MXReturnValue infer_shape(const Attrs& attrs, std::vector<Shape>* in, std::vecto
       expect((*in)[slot(l, 4)], Shape{k, B, 3, 3}, "the 3x3 weight", l);
       expect((*in)[slot(l, 5)], Shape{k}, "the 3x3 bias", l);
     }
-    (*out)[0] = Shape{x[0], x[1] + static_cast<unsigned>(p.L) * k, x[2], x[3]};
+    const unsigned Ct = x[1] + static_cast<unsigned>(p.L) * k;
+    if (p.post) {
+      expect((*in)[slot(p.L, 0)], Shape{Ct, 1, 1}, "the output's scale", p.L);
+      expect((*in)[slot(p.L, 1)], Shape{Ct, 1, 1}, "the output's shift", p.L);
+    }
+    (*out)[0] = Shape{x[0], Ct, x[2], x[3]};
   });
 }
 
