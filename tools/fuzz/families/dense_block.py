@@ -2,7 +2,8 @@
 
 Grammar::
 
-    graph   := x (B, C, H, W) → layer × 1–4 [→ an intermediate concatenation also returned]
+    graph   := x (B, C, H, W) → layer × 1–4 [→ BN → act (the next pre-activation)]
+               [→ an intermediate concatenation also returned]
     layer   := c ← Concat(c, new, dim 1)              (dim 2 now and then: refused)
     new     := BN(c) → act → 1×1 (no bias) → BN → act → 3×3 pad 1 [→ Dropout]
     BN      := BatchNorm over the channels, fix_gamma either way (conv's family draws the other spellings)
@@ -52,4 +53,7 @@ def build(b):
         shape[1] += g
         if d.maybe(0.08, label="escape%d" % l):
             outs.append(S.tanh(cur))
+    if d.maybe(0.4, label="post"):
+        y, _ = batchnorm(b, cur, tuple(shape), 1, label="bn_post", tmpl=("B", shape[1], "H", "W"))
+        cur = act(y, "act_post")
     return [cur] + outs
