@@ -38,6 +38,7 @@ FAMILIES: Dict[str, str] = {
     "split_attention": "split_attention",
     "grouped_convolution": "grouped_conv",
     "dense_concat": "concat_bn_act",
+    "densenet": "dense_block",
 }
 
 

@@ -175,3 +175,36 @@ def test_gluon_backend():
         assert np.abs(a - b).max() / np.abs(b).max() <= 1e-4, shape
     from fusion.graph import Graph
     assert Graph.from_symbol(net._cached_graph[1]).count_ops().get("fused_dense_block") == 1
+
+
+# ---------------------------------------------------------------- pool_before_pointwise_conv
+def transition(pool_type="avg", pad=0, kernel=1, convention="valid", bias=True):
+    x = mx.sym.var("data")
+    y = mx.sym.Convolution(x, kernel=(kernel, kernel), pad=((kernel - 1) // 2,) * 2, num_filter=6, no_bias=not bias,
+                           name="conv")
+    return mx.sym.Pooling(y, kernel=(2, 2), stride=(2, 2), pad=(pad, pad), pool_type=pool_type,
+                          pooling_convention=convention, name="pool")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_transition_pools_first(bias):
+    res = fuse_and_check(transition(bias=bias), {"data": (2, 8, 8, 6)}, rules=["pool_before_pointwise_conv"])
+    g = res.graph
+    order = [n.op for n in g.nodes if not n.is_variable]
+    assert order == ["Pooling", "Convolution"], order
+    for other in ((1, 8, 7, 5), (3, 8, 2, 2)):
+        sym = transition(bias=bias)
+        v = fusion.verify((sym, res.arg_params, res.aux_params), res, input_shapes={"data": other})
+        assert v.max_rel <= 1e-4, (other, v)
+
+
+@pytest.mark.parametrize("kw,reason", [
+    ({"pool_type": "max"}, "max pooling, not avg"),
+    ({"pad": 1}, "pads (a padded window averages the bias"),
+    ({"kernel": 3}, "not 1×1"),
+    ({"convention": "full"}, "the full convention"),
+])
+def test_transition_refusals(kw, reason):
+    res = fuse_and_check(transition(**kw), {"data": (1, 8, 8, 6)}, rules=["pool_before_pointwise_conv"])
+    assert [n.op for n in res.graph.nodes if not n.is_variable] == ["Convolution", "Pooling"]
+    assert reason in text(res), text(res)
