@@ -1,16 +1,19 @@
-r"""DenseNet's dense block → ``fused_dense_block``: every layer of the block in one op, one buffer.
+r"""DenseNet's dense block → ``fused_dense_block``: every layer of the block in one op, one buffer
+(and, family ``densenet``, ``pool_before_pointwise_conv`` for its transitions: see below).
 
 Matched (anchor: the block's last Concat), L ≥ 1 layers as GluonCV and MXNet's model zoo write
 them (``HybridConcurrent(axis=1)`` of ``Identity`` and the layer: ``Concat(x, new, dim=1)``)::
 
     x (N, C0, H, W)
     per layer, cat = x for the first:
-      BatchNorm(cat) | broadcast_add(broadcast_mul(cat, s), t) → relu → Convolution 1×1 [bias] [→ BatchNorm] → relu → Convolution 3×3 pad 1 [bias]
+      BatchNorm(cat) | broadcast_add(broadcast_mul(cat, s), t) → relu
+        → Convolution 1×1 [bias] [→ BatchNorm] → relu → Convolution 3×3 pad 1 [bias]
       cat = Concat(cat, ·, dim=1)
 
     [BatchNorm(cat) | broadcast_add(broadcast_mul(cat, s), t) → relu]      the next pre-activation
 
-    relu: Activation(relu) | relu; s, t: (C, 1, 1) (what un-fusing writes).  The 1×1 convolution's BatchNorm is usually folded already
+    relu: Activation(relu) | relu; s, t: (C, 1, 1) (what un-fusing writes).  The 1×1
+    convolution's BatchNorm is usually folded already
     (``conv_bn_act``, which runs first); otherwise this rule folds it.
 
 Rewrite: ``fused_dense_block(x, s_0, t_0, W1_0, b1_0, W2_0, b2_0, …)`` with ``num_layers``,
@@ -211,8 +214,10 @@ class DenseBlock(Rule):
             if _batchnorm_scale_shift(n, m.ctx) is None:
                 return ("BatchNorm '%s' is not a known scale and shift (its parameters are not all given, or a "
                         "variance + eps is not positive)" % n.name)
-        if m.has("bn2_%d" % d) and (m.value("w1_%d" % d) is None or (m.has("b1_%d" % d) and m.value("b1_%d" % d) is None)):
-            return "folding BatchNorm '%s' needs the 1×1 convolution's weight and bias values" % m.node("bn2_%d" % d).name
+        if m.has("bn2_%d" % d) and (m.value("w1_%d" % d) is None
+                                    or (m.has("b1_%d" % d) and m.value("b1_%d" % d) is None)):
+            return ("folding BatchNorm '%s' needs the 1×1 convolution's weight and bias values"
+                    % m.node("bn2_%d" % d).name)
         for tag, K in (("conv1_%d" % d, 1), ("conv2_%d" % d, 3)):
             conv = m.node(tag)
             if conv.param("layout") not in (None, "NCHW"):
