@@ -2,8 +2,10 @@
 
 Grammar::
 
-    graph   := x (B, C, H, W) → layer × 1–4 [→ BN → act (the next pre-activation)]
+    graph   := x (B, C, H, W) → layer × 1–4 [→ BN → act (the next pre-activation) [→ transition]]
                [→ an intermediate concatenation also returned]
+    transition := 1×1 Convolution [bias] → Pooling(avg, 2×2 stride 2)
+               | … Pooling(max) | Pooling(avg, pad 1) | Pooling(avg, full convention)    (refused)
     layer   := c ← Concat(c, new, dim 1)              (dim 2 now and then: refused)
     new     := BN(c) → act → 1×1 (no bias) → BN → act → 3×3 pad 1 [→ Dropout]
     BN      := BatchNorm over the channels, fix_gamma either way (conv's family draws the other spellings)
@@ -56,4 +58,15 @@ def build(b):
     if d.maybe(0.4, label="post"):
         y, _ = batchnorm(b, cur, tuple(shape), 1, label="bn_post", tmpl=("B", shape[1], "H", "W"))
         cur = act(y, "act_post")
+        if d.maybe(0.6, label="transition"):
+            b.fixed("H"), b.fixed("W")
+            nt = b.name("transition")
+            bias = d.maybe(0.3, label="transition bias")
+            ins = [cur, b.param(nt + "_weight", (8, shape[1], 1, 1), kind="weight")] + (
+                [b.param(nt + "_bias", (8,))] if bias else [])
+            cur = S.Convolution(*ins, kernel=(1, 1), num_filter=8, no_bias=not bias, name=nt)
+            form = d.choice(["avg", "max", "pad", "full"], [8, 1, 1, 1], label="transition pooling")
+            cur = S.Pooling(cur, kernel=(2, 2), stride=(2, 2), pool_type="max" if form == "max" else "avg",
+                            pad=(1, 1) if form == "pad" else (0, 0),
+                            pooling_convention="full" if form == "full" else "valid")
     return [cur] + outs
