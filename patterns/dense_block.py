@@ -31,7 +31,9 @@ layout for each Concat and BatchNorm.  Measured (batch 1, 224², 2 threads, inte
 process, on a shared 2-core machine; ``benchmarks/bench_cnn_blocks.py``): DenseNet-121's blocks
 alone 1.3–2.9× of MXNet's default bind; the whole network 1.02–1.12× (427 → 20 ops), where the
 default rules without this one give 0.89–1.05×; with the transitions' BatchNorm → relu taken in
-(``post_act``) 1.10–1.13× (427 → 16 ops).
+(``post_act``) 1.10–1.13× (427 → 16 ops); with their pooling moved before their 1×1 convolution
+(``pool_before_pointwise_conv``) 1.20–1.30× (two runs of 3 rounds; ResNet-50 0.96–1.04× in the
+same runs).
 
 Decided from inferred shapes and attributes at every probe shape: x is (N, C0, H, W); layer l
 reads C0 + l·k channels, its 1×1 weight is (B, C0 + l·k, 1, 1) and its 3×3 weight (k, B, 3, 3)
