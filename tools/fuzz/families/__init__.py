@@ -18,5 +18,5 @@ FAMILIES = {
     "dense_concat": (dense_concat.build, 2),
     "split_attention": (split_attention.build, 2),
     "inverted_residual": (inverted_residual.build, 2),
-    "dense_block": (dense_block.build, 2),
+    "dense_block": (dense_block.build, 1),
 }
