@@ -13,6 +13,10 @@ the p10–p90 spread of each, and ``speed-up`` = original median ÷ fused median
 machines are shared: look at the spread across rounds).  Every fused model is verified
 against the original first (max relative error, ``fusion.verify``).  ``MODEL+RULES`` fuses
 with opt-in rules besides the default ones (``densenet121+dense_concat``).
+
+``--dense-blocks`` times DenseNet-121's four dense blocks alone instead (MXNet's model zoo
+block, C0/H/L = 64/56/6, 128/28/12, 256/14/24, 512/7/16, batch 1): each block as MXNet's
+default bind runs it against the block fused (``fused_dense_block``).
 """
 from __future__ import annotations
 
@@ -41,7 +45,8 @@ MODELS = ("se_resnext50_32x4d", "resnest50", "mobilenetv3_large", "densenet121",
           "se_resnet50_v1")
 ZOO = ("densenet121", "resnet50_v1", "resnet18_v1", "mobilenetv2_1.0")
 SHAPE = (1, 3, 224, 224)
-WATCHED = ("fused_inverted_residual", "fused_se", "fused_split_attention", "fused_grouped_conv", "fused_elemwise", "Convolution", "BatchNorm", "Concat", "broadcast_mul",
+DENSE_BLOCKS = ((64, 56, 6), (128, 28, 12), (256, 14, 24), (512, 7, 16))
+WATCHED = ("fused_dense_block", "fused_inverted_residual", "fused_se", "fused_split_attention", "fused_grouped_conv", "fused_elemwise", "Convolution", "BatchNorm", "Concat", "broadcast_mul",
            "_contrib_AdaptiveAvgPooling2D", "Pooling", "sum", "expand_dims", "softmax")
 
 
@@ -81,15 +86,69 @@ def bench(name: str, repeats: int, rounds: int) -> None:
         sys.stdout.flush()
 
 
+def dense_block(c0: int, h: int, layers: int):
+    """One dense block of MXNet's model zoo DenseNet (growth 32, bottleneck 128), random weights
+    and randomized BatchNorm statistics: (symbol, arg_params, aux_params)."""
+    import mxnet as mx
+    from mxnet.gluon.model_zoo.vision.densenet import _make_dense_block
+
+    blk = _make_dense_block(layers, 4, 32, 0, 1)
+    blk.initialize(mx.init.Xavier())
+    blk.hybridize()
+    blk(mx.nd.zeros((1, c0, h, h)))
+    rng = np.random.RandomState(c0 + h + layers)
+    ranges = {"running_var": (0.5, 1.5), "running_mean": (-0.1, 0.1), "gamma": (0.5, 1.5), "beta": (-0.2, 0.2)}
+    for k, p in blk.collect_params().items():
+        for suffix, (lo, hi) in ranges.items():
+            if k.endswith(suffix):
+                p.set_data(mx.nd.array(rng.uniform(lo, hi, p.shape)))
+    sym = blk(mx.sym.var("data"))
+    aux_names = set(sym.list_auxiliary_states())
+    params = {k: p.data() for k, p in blk.collect_params().items()}
+    return (sym, {k: v for k, v in params.items() if k not in aux_names},
+            {k: v for k, v in params.items() if k in aux_names})
+
+
+def bench_dense_blocks(repeats: int, rounds: int) -> None:
+    total = {"original": [], "fused": []}
+    for c0, h, layers in DENSE_BLOCKS:
+        sym, arg, aux = dense_block(c0, h, layers)
+        shape = (1, c0, h, h)
+        result = fusion.fuse(sym, arg, aux, input_shapes={"data": shape})
+        check = fusion.verify((sym, arg, aux), result, input_shapes={"data": shape})
+        inputs = random_inputs(sym, arg, {"data": shape})
+        systems = {"original": executor(sym, arg, aux, inputs),
+                   "fused": executor(result.symbol, result.arg_params, result.aux_params, inputs)}
+        print("\ndense block c0=%d h=%d layers=%d: verified max rel err %.1e; ops %d -> %d"
+              % (c0, h, layers, check.max_rel, sum(counts(sym).values()), sum(counts(result.symbol).values())))
+        for r in range(rounds):
+            s = time_samples(systems, repeats=repeats)
+            ms = {k: np.asarray(v) * 1e3 for k, v in s.items()}
+            med = {k: float(np.median(v)) for k, v in ms.items()}
+            for k in total:
+                total[k].append(med[k])
+            print("  round %d: original %.2f ms [%.2f-%.2f]  fused %.2f ms [%.2f-%.2f]  speed-up %.2fx"
+                  % (r + 1, med["original"], np.percentile(ms["original"], 10), np.percentile(ms["original"], 90),
+                     med["fused"], np.percentile(ms["fused"], 10), np.percentile(ms["fused"], 90),
+                     med["original"] / med["fused"]))
+            sys.stdout.flush()
+    print("\nsum of the four blocks' medians (all rounds): original %.2f ms, fused %.2f ms, %.2fx"
+          % (sum(total["original"]), sum(total["fused"]), sum(total["original"]) / sum(total["fused"])))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--repeats", type=int, default=30, help="timed calls per system per round (default 30)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds per model (default 1)")
+    ap.add_argument("--dense-blocks", action="store_true", help="time DenseNet-121's dense blocks alone")
     args = ap.parse_args(argv)
     import mxnet as mx
     print("mxnet %s, OMP_NUM_THREADS=%s, batch 1, 224x224; medians of interleaved calls, [p10-p90]"
           % (mx.__version__, os.environ.get("OMP_NUM_THREADS")))
+    if args.dense_blocks:
+        bench_dense_blocks(args.repeats, args.rounds)
+        return 0
     for name in [m for m in args.models.split(",") if m]:
         if name.partition("+")[0] not in tuple(GLUONCV) + ZOO:
             print("unknown model %r" % name, file=sys.stderr)

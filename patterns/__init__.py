@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 #: The modules of the library, in the order their rules are listed.
 MODULES = ("constant_fold", "attention", "squeeze_excitation", "split_attention", "dense_act", "skip_layer_norm",
            "conv_bn_act", "layer_norm", "gelu", "softmax", "elementwise", "qkv_projection",
-           "inverted_residual")
+           "inverted_residual", "dense_block")
 
 #: Modules whose rules run only when asked for by name (``--rules dense_concat``): exact, but
 #: measured slower under MXNet's default bind -- its oneDNN ops keep DenseNet's feature maps in
@@ -38,6 +38,7 @@ FAMILIES: Dict[str, str] = {
     "split_attention": "split_attention",
     "grouped_convolution": "grouped_conv",
     "dense_concat": "concat_bn_act",
+    "densenet": "dense_block",
 }
 
 

@@ -18,6 +18,8 @@ fused_split_attention      [expand_dims → Reshape → sum] → Pooling(global 
 fused_grouped_conv         Convolution [→ Activation(relu)]
 fused_inverted_residual               [Convolution 1×1 → act] → Convolution depthwise → act [→ the SE's stock ops]
                            → Convolution 1×1 [→ elemwise_add]   (act: Activation(relu) | hard-swish ops)
+fused_dense_block          per layer: broadcast_mul → broadcast_add → Activation(relu) → Convolution 1×1
+                           → Activation(relu) → Convolution 3×3 → Concat(dim=1)
 fused_concat_scale_act     Concat(dim=1) → broadcast_mul(scale) → broadcast_add(shift) [→ Activation(relu) | relu]
 fused_elemwise             the program's ops (broadcast_*, scalar ops, where on broadcast_like'd operands)
 fused_attention            head split (Reshape/transpose/slice_axis) → batch_dot(q, k, transpose_b) ·scale
@@ -37,7 +39,7 @@ from fusion.rule import Rule
 from ._unfuse_base import _Unfuse
 from .unfuse_elemwise import ElemwiseProgram, UnfuseElemwise
 from .unfuse_attention import UnfuseAttention
-from .unfuse_cnn import UnfuseGroupedConv, UnfuseInvertedResidual, UnfuseSplitAttention
+from .unfuse_cnn import UnfuseDenseBlock, UnfuseGroupedConv, UnfuseInvertedResidual, UnfuseSplitAttention
 
 
 # ---------------------------------------------------------------- fused_dense
@@ -181,7 +183,7 @@ class UnfuseConcatScaleAct(_Unfuse):
         return _activation(b, y, f.attrs.get("act", "none"), 0.0, f.name)
 
 
-RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseSplitAttention(), UnfuseGroupedConv(), UnfuseInvertedResidual(),
+RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseSplitAttention(), UnfuseGroupedConv(), UnfuseInvertedResidual(), UnfuseDenseBlock(),
                      UnfuseConcatScaleAct(), UnfuseElemwise(), UnfuseAttention()]
 
 

@@ -1,7 +1,7 @@
 """Un-fusing the CNN ops: ``fused_split_attention`` → the stock ops GluonCV's ``SplitAttentionConv``
 writes (see ``patterns/split_attention.py``; a folded BatchNorm stays folded into the first layer);
 ``fused_grouped_conv`` → ``Convolution`` [→ ``Activation(relu)``]; ``fused_inverted_residual`` → its three convolutions
-with their activations, SE and residual add as stock ops."""
+with their activations, SE and residual add as stock ops; ``fused_dense_block`` → its layers and concatenations."""
 from __future__ import annotations
 
 from fusion.errors import FusionError
@@ -115,3 +115,45 @@ class UnfuseInvertedResidual(_Unfuse):
         if residual:
             y = b.op("elemwise_add", [y, x], name=name)
         return y
+
+
+class UnfuseDenseBlock(_Unfuse):
+    """``fused_dense_block`` → per layer broadcast_mul(·, s) → broadcast_add(·, t) → Activation(relu) | relu →
+    Convolution 1×1 → Activation(relu) → Convolution 3×3 pad 1 → Concat(·, ·, dim=1) [→ broadcast_mul → broadcast_add
+    → Activation(relu) | relu (post_act)]."""
+
+    def __init__(self):
+        super().__init__("fused_dense_block", 1 + 6 * 64)
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        f = m.node("f")
+        ins = list(self.inputs(m))
+        L, k, B = int(f.attrs["num_layers"]), int(f.attrs["growth"]), int(f.attrs["bottleneck"])
+        post = f.attrs.get("post_act", "none")
+        if len(ins) != 1 + 6 * L + (2 if post != "none" else 0):
+            raise FusionError("fused_dense_block '%s' has %d inputs, not 1 + 6 × %d%s" % (
+                f.name, len(ins), L, "" if post == "none" else " + 2"))
+        cat, name = ins[0], f.name
+        for l in range(L):
+            s, t, w1, b1, w2, b2 = ins[1 + 6 * l: 7 + 6 * l]
+            tag = "%s_layer%d" % (name, l)
+            y = b.op("broadcast_mul", [cat, s], name=tag + "_scale")
+            y = b.op("broadcast_add", [y, t], name=tag + "_shift")
+            if f.attrs.get("pre_act", "act_relu") == "relu":
+                y = b.op("relu", [y], name=tag + "_relu1")
+            else:
+                y = b.op("Activation", [y], attrs={"act_type": "relu"}, name=tag + "_relu1")
+            y = b.op("Convolution", [y, w1, b1], attrs={"kernel": (1, 1), "num_filter": B}, name=tag + "_conv1")
+            y = b.op("Activation", [y], attrs={"act_type": "relu"}, name=tag + "_relu2")
+            y = b.op("Convolution", [y, w2, b2], attrs={"kernel": (3, 3), "pad": (1, 1), "num_filter": k},
+                     name=tag + "_conv2")
+            last = l == L - 1 and post == "none"
+            cat = b.op("Concat", [cat, y], attrs={"dim": 1, "num_args": 2}, name=name if last else tag)
+        if post != "none":
+            s, t = ins[1 + 6 * L:]
+            y = b.op("broadcast_mul", [cat, s], name=name + "_post_scale")
+            y = b.op("broadcast_add", [y, t], name=name + "_post_shift")
+            if post == "relu":
+                return b.op("relu", [y], name=name)
+            return b.op("Activation", [y], attrs={"act_type": "relu"}, name=name)
+        return cat

@@ -69,9 +69,16 @@ def conv_fed_batchnorms(symbol) -> Tuple[Set[str], Set[str]]:
 
 
 def batchnorms_after_conv(symbol) -> List[str]:
+    """BatchNorms reading a convolution that nothing else reads (a convolution read elsewhere too,
+    e.g. DenseNet's transition once it pools first, cannot take the BatchNorm in)."""
     nodes, _ = _graph(symbol)
+    readers: Dict[int, int] = {}
+    for nd in nodes:
+        for e in nd.get("inputs", ()):
+            readers[e[0]] = readers.get(e[0], 0) + 1
     return [nd["name"] for nd in nodes
-            if nd["op"] == "BatchNorm" and nodes[nd["inputs"][0][0]]["op"] in CONV_OPS]
+            if nd["op"] == "BatchNorm" and nodes[nd["inputs"][0][0]]["op"] in CONV_OPS
+            and readers[nd["inputs"][0][0]] == 1]
 
 
 def op_names(symbol, op: str) -> Set[str]:
