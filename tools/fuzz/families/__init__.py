@@ -9,7 +9,7 @@ from . import (attention, blocks, conv, dense, dense_block, dense_concat, elemwi
 FAMILIES = {
     "conv": (conv.build, 3),
     "dense": (dense.build, 3),
-    "attention": (attention.build, 5),
+    "attention": (attention.build, 7),
     "norm": (norm.build, 3),
     "elemwise": (elemwise.build, 4),
     "params": (params.build, 2),

@@ -407,7 +407,7 @@ def heads(b, packed: bool = False):
             parts = [parts[1], parts[0], parts[2]]
         qp, kp, vp = parts
     else:
-        direct = d.choice(["fc", "inputs", "shared"], [6, 2, 1], label="projections")
+        direct = d.choice(["fc", "inputs", "shared"], [9, 2, 1], label="projections")
         if direct == "shared":            # q, k and v the same value (not a packed projection)
             qp = kp = vp = fc(x, e, "qkv") if d.maybe(0.5, label="shared fc") else x
             if qp is x and fin != e:
@@ -416,6 +416,9 @@ def heads(b, packed: bool = False):
             qp = b.input("qp", ("B", "Sq", e))
             kp = b.input("kp", ("B", skn, e))
             vp = b.input("vp", ("B", skn, e))
+        elif not cross and d.maybe(0.7, label="one bias choice for q, k, v"):   # as models write them
+            nb = not bias("qkv")
+            qp, kp, vp = (S.FullyConnected(x, num_hidden=e, flatten=False, name=b.name(n), no_bias=nb) for n in "qkv")
         else:
             qp, kp, vp = fc(x, e, "q"), fc(mem, e, "k"), fc(mem, e, "v")
     k_split = split_kind if d.maybe(0.85, label="same split for k") else d.choice(["std", "codes", "bad"], label="k split")
@@ -503,7 +506,7 @@ def _probabilities(b, s, q, k, geo):
 
 
 def build(b):
-    form = b.d.choice(["core3", "heads", "core4", "packed", "interleaved", "encdec"], [5, 6, 2, 4, 3, 3], label="form")
+    form = b.d.choice(["core3", "heads", "core4", "packed", "interleaved", "encdec"], [5, 9, 2, 4, 3, 3], label="form")
     if form == "core3":
         return core3(b)
     if form == "core4":
