@@ -165,10 +165,12 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
     // barrier it computes the (small) hidden layer itself, then the gates of its own planes
     // and scales them -- the planes it pooled, still in its cache when they are small.  A
     // team that joined and forked between the passes would have to wake its threads again.
-    // Maps under 4 MiB run on one thread: a two-pass op over them takes ~0.1-0.3 ms alone,
-    // while waking a team (and its barrier) on a loaded machine can cost a scheduler time
-    // slice (measured 7-15 ms medians at 2 threads on the shared 2-core machine).
-    const int nt = P * HW < (1 << 20) ? 1 : omp_get_max_threads();
+    // Maps under 256 KiB run on one thread (waking a team costs more than they take).  Larger
+    // ones are split: on SE-ResNeXt50's maps (0.4-3.2 MB at batch 1) two threads took the
+    // whole network from 1.17-1.18x to 1.22-1.26x of MXNet's default bind on the quiet 2-core
+    // machine (one thread up to 4 MiB before); on a loaded machine a team's barrier can cost a
+    // scheduler time slice.
+    const int nt = P * HW < (1 << 16) ? 1 : omp_get_max_threads();
 #pragma omp parallel num_threads(nt)
     {
       const int T = omp_get_num_threads(), t = omp_get_thread_num();
