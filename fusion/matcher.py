@@ -256,6 +256,17 @@ class Match:
             return None
         return self.ctx.value(v if isinstance(v, Entry) else Entry(v))
 
+    def shape(self, name: str) -> Optional[Tuple[int, ...]]:
+        """The shape of the value bound to ``name``: inferred, or its parameter value's (None when
+        neither is known)."""
+        v = self.bindings.get(name)
+        if v is None:
+            return None
+        s = self.ctx.shape(v if isinstance(v, Entry) else Entry(v))
+        if s is None and self.value(name) is not None:
+            s = self.value(name).shape
+        return None if s is None else tuple(int(d) for d in s)
+
     def external_inputs(self) -> List[Entry]:
         inside = {id(n) for n in self.nodes}
         seen, out = set(), []

@@ -106,6 +106,18 @@ def _tuple(v, n: int, default: int) -> tuple:
     return t if t else (default,) * n
 
 
+def _batchnorm_reason(n, ctx) -> Optional[str]:
+    """Why BatchNorm ``n`` is no exact per-channel scale and shift of axis 1 (None when it is)."""
+    if int(n.param("axis")) % 4 != 1:
+        return "BatchNorm '%s' normalizes axis %d, not the channel axis 1" % (n.name, n.param("axis"))
+    if n.param("output_mean_var"):
+        return "BatchNorm '%s' also returns its mean and variance" % n.name
+    if _batchnorm_scale_shift(n, ctx) is None:
+        return ("BatchNorm '%s' is not a known scale and shift (its parameters are not all given, or a "
+                "variance + eps is not positive)" % n.name)
+    return None
+
+
 class DenseBlock(Rule):
     name = "dense_block"
     benefit = 15            # after bn_folding (the 1×1 convolutions' BatchNorms), before elementwise
@@ -120,13 +132,6 @@ class DenseBlock(Rule):
         block = _layer(0)
         return _relu(_scale_shift(block, "post"), "actpost") | block
 
-    @staticmethod
-    def _shape(m: Match, k: str):
-        s = m.ctx.shape(m[k])
-        if s is None and m.value(k) is not None:
-            s = m.value(k).shape
-        return None if s is None else tuple(int(d) for d in s)
-
     def check(self, m: Match) -> Optional[str]:
         L = layers(m)
         ins = [m["x"]] + [m[k] for k in m.bindings if k[:2] in ("w1", "b1", "w2", "b2")]
@@ -140,7 +145,7 @@ class DenseBlock(Rule):
             return "the block's input has shape %s, not (N, C, H, W)" % (xs[0],)
         C = int(xs[0][1])
         if m.has("actpost"):
-            reason = self._post_reason(m, C + sum(self._shape(m, "w2_%d" % d)[0] if self._shape(m, "w2_%d" % d)
+            reason = self._post_reason(m, C + sum(m.shape("w2_%d" % d)[0] if m.shape("w2_%d" % d)
                                                    else 0 for d in range(L)))
             if reason:
                 return reason
@@ -156,7 +161,7 @@ class DenseBlock(Rule):
             reason = self._layer_reason(m, d, C)
             if reason:
                 return reason
-            w1, w2 = self._shape(m, "w1_%d" % d), self._shape(m, "w2_%d" % d)
+            w1, w2 = m.shape("w1_%d" % d), m.shape("w2_%d" % d)
             if k is None:
                 B, k = w1[0], w2[0]
             if w1 != (B, C, 1, 1):
@@ -174,19 +179,14 @@ class DenseBlock(Rule):
     def _post_reason(m: Match, C: int) -> Optional[str]:
         """The block's output scale-shift-relu (the next layer's pre-activation: DenseNet's transition)."""
         if m.has("bnpost"):
-            n = m.node("bnpost")
-            if int(n.param("axis")) % 4 != 1:
-                return "BatchNorm '%s' normalizes axis %d, not the channel axis 1" % (n.name, n.param("axis"))
-            if n.param("output_mean_var"):
-                return "BatchNorm '%s' also returns its mean and variance" % n.name
-            if _batchnorm_scale_shift(n, m.ctx) is None:
-                return ("BatchNorm '%s' is not a known scale and shift (its parameters are not all given, or a "
-                        "variance + eps is not positive)" % n.name)
+            reason = _batchnorm_reason(m.node("bnpost"), m.ctx)
+            if reason:
+                return reason
         else:
             for v in ("spost", "tpost"):
-                if DenseBlock._shape(m, v) != (C, 1, 1):
+                if m.shape(v) != (C, 1, 1):
                     return "the output's %s '%s' has shape %s, not (%d, 1, 1)" % (
-                        "scale" if v[0] == "s" else "shift", m[v].node.name, DenseBlock._shape(m, v), C)
+                        "scale" if v[0] == "s" else "shift", m[v].node.name, m.shape(v), C)
         return None
 
     @staticmethod
@@ -200,22 +200,17 @@ class DenseBlock(Rule):
             return "%s '%s' reads '%s', not the input '%s' of Concat '%s'" % (
                 pre.op, pre.name, m["in%d" % d].node.name, fed.node.name, cat.name)
         for v in ("s%d" % d, "t%d" % d):
-            if m.has(v) and DenseBlock._shape(m, v) != (C, 1, 1):
+            if m.has(v) and m.shape(v) != (C, 1, 1):
                 return "the pre-activation's %s '%s' has shape %s, not (%d, 1, 1)" % (
-                    "scale" if v[0] == "s" else "shift", m[v].node.name, DenseBlock._shape(m, v), C)
+                    "scale" if v[0] == "s" else "shift", m[v].node.name, m.shape(v), C)
         if m.has("drop%d" % d):
             return "Dropout '%s' follows the layer's 3×3 convolution" % m.node("drop%d" % d).name
         for tag in ("%d" % d, "2_%d" % d):
             if not m.has("bn" + tag):
                 continue
-            n = m.node("bn" + tag)
-            if int(n.param("axis")) % 4 != 1:
-                return "BatchNorm '%s' normalizes axis %d, not the channel axis 1" % (n.name, n.param("axis"))
-            if n.param("output_mean_var"):
-                return "BatchNorm '%s' also returns its mean and variance" % n.name
-            if _batchnorm_scale_shift(n, m.ctx) is None:
-                return ("BatchNorm '%s' is not a known scale and shift (its parameters are not all given, or a "
-                        "variance + eps is not positive)" % n.name)
+            reason = _batchnorm_reason(m.node("bn" + tag), m.ctx)
+            if reason:
+                return reason
         if m.has("bn2_%d" % d) and (m.value("w1_%d" % d) is None
                                     or (m.has("b1_%d" % d) and m.value("b1_%d" % d) is None)):
             return ("folding BatchNorm '%s' needs the 1×1 convolution's weight and bias values"
@@ -235,9 +230,9 @@ class DenseBlock(Rule):
             if int(conv.param("num_group")) != 1:
                 return "Convolution '%s' is grouped (num_group=%d)" % (conv.name, conv.param("num_group"))
             w = tag.replace("conv", "w")
-            if m.value(w) is None and DenseBlock._shape(m, w) is None:
+            if m.value(w) is None and m.shape(w) is None:
                 return "the weight of Convolution '%s' is unknown" % conv.name
-        if DenseBlock._shape(m, "w1_%d" % d) is None or DenseBlock._shape(m, "w2_%d" % d) is None:
+        if m.shape("w1_%d" % d) is None or m.shape("w2_%d" % d) is None:
             return "the weight shapes of layer '%s' are unknown" % cat.name
         return None
 
@@ -254,7 +249,7 @@ class DenseBlock(Rule):
             else:
                 inputs += [m["s%d" % d], m["t%d" % d]]
             conv1, conv2 = m.node("conv1_%d" % d), m.node("conv2_%d" % d)
-            B, k = self._shape(m, "w1_%d" % d)[0], self._shape(m, "w2_%d" % d)[0]
+            B, k = m.shape("w1_%d" % d)[0], m.shape("w2_%d" % d)[0]
             if m.has("bn2_%d" % d):
                 s2, t2, _, _ = _batchnorm_scale_shift(m.node("bn2_%d" % d), m.ctx)
                 w1 = m.value("w1_%d" % d).astype(np.float64) * s2.reshape(-1, 1, 1, 1)

@@ -173,13 +173,6 @@ class InvertedResidual(Rule):
             return "fused_se '%s' has dense layers (only 1×1 convolutions)" % se.name
         return None
 
-    @staticmethod
-    def _weight(m: Match, k: str):
-        s = m.ctx.shape(m[k])
-        if s is None and m.value(k) is not None:
-            s = m.value(k).shape
-        return None if s is None else tuple(int(d) for d in s)
-
     def _shapes_reason(self, m: Match) -> Optional[str]:
         xs = m.ctx.shapes(m["x"])
         if not xs:
@@ -187,8 +180,8 @@ class InvertedResidual(Rule):
         if any(len(s) != 4 for s in xs):
             return "the block's input has shape %s, not (N, C, H, W)" % (xs[0],)
         C = int(xs[0][1])
-        wd, wp = self._weight(m, "wdw"), self._weight(m, "wproject")
-        we = self._weight(m, "wexpand") if m.has("wexpand") else None
+        wd, wp = m.shape("wdw"), m.shape("wproject")
+        we = m.shape("wexpand") if m.has("wexpand") else None
         if wd is None or wp is None or (m.has("wexpand") and we is None):
             return "the block's weight shapes are unknown"
         E, K = wd[0], wd[2]
@@ -201,7 +194,7 @@ class InvertedResidual(Rule):
         if wp[1:] != (E, 1, 1):
             return "the projection weight is %s, not (O, %d, 1, 1)" % (wp, E)
         if m.has("w1"):
-            w1, w2 = self._weight(m, "w1"), self._weight(m, "w2")
+            w1, w2 = m.shape("w1"), m.shape("w2")
             if w1 is None or w2 is None or w1[1:] != (E, 1, 1) or w2 != (E, w1[0], 1, 1):
                 return "the SE's weights are %s and %s, not (M, %d, 1, 1) and (%d, M, 1, 1)" % (w1, w2, E, E)
         if m.has("add"):
@@ -220,8 +213,8 @@ class InvertedResidual(Rule):
         attrs: Dict[str, object] = {
             "expand": expand, "se": m.has("w1"), "residual": m.has("add"), "act": act,
             "kernel": int(tuple(dw.param("kernel"))[0]), "stride": int((tuple(dw.param("stride")) or (1,))[0]),
-            "pad": int((tuple(dw.param("pad")) or (0,))[0]), "num_expand": int(self._weight(m, "wdw")[0]),
-            "num_filter": int(self._weight(m, "wproject")[0])}
+            "pad": int((tuple(dw.param("pad")) or (0,))[0]), "num_expand": int(m.shape("wdw")[0]),
+            "num_filter": int(m.shape("wproject")[0])}
         inputs = [m["x"]]
         if expand:
             inputs += [m["wexpand"], m["bexpand"]]
@@ -229,7 +222,7 @@ class InvertedResidual(Rule):
         if m.has("w1"):
             se = m.node("se")
             inputs += [m["w1"], m["b1"], m["w2"], m["b2"]]
-            attrs["num_hidden"] = int(self._weight(m, "w1")[0])     # un-fusing rebuilds the SE's layers
+            attrs["num_hidden"] = int(m.shape("w1")[0])     # un-fusing rebuilds the SE's layers
             attrs.update(gate_add=float(se.attrs.get("gate_add", 3.0)), gate_min=float(se.attrs.get("gate_min", 0.0)),
                          gate_max=float(se.attrs.get("gate_max", 6.0)), gate_div=float(se.attrs.get("gate_div", 6.0)))
         inputs += [m["wproject"], m["bproject"]]

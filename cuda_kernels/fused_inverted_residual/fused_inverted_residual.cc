@@ -24,6 +24,7 @@
 #include <tuple>
 
 #include "dnnl_api.h"
+#include "dnnl_blocks.h"
 #include "mxf_common.h"
 
 using namespace mxf;
@@ -406,11 +407,6 @@ MXReturnValue infer_shape(const Attrs& attrs, std::vector<Shape>* in, std::vecto
   });
 }
 
-bool dnnl_disabled() {
-  const char* off = std::getenv("MXFUSION_NO_DNNL_CONV");
-  return off && *off && std::string(off) != "0";
-}
-
 class InvertedResidualOp : public mxnet::ext::CustomStatefulOp {
  public:
   explicit InvertedResidualOp(const Attrs& a) : p_(parse(a)), s_(slots(p_)) {}
@@ -438,24 +434,11 @@ class InvertedResidualOp : public mxnet::ext::CustomStatefulOp {
   }
 
  private:
-  Block* block(const Geometry& g) {
-    if (dnnl_disabled() || !dnnl().engine) return nullptr;
-    std::lock_guard<std::mutex> lk(mu_);
-    const auto key = std::make_tuple(g.N, g.C, g.H, g.W);
-    auto it = blocks_.find(key);
-    if (it == blocks_.end()) {
-      if (blocks_.size() >= 16) return nullptr;
-      auto made = std::make_unique<Block>();
-      if (!made->create(p_, g)) made.reset();
-      it = blocks_.emplace(key, std::move(made)).first;
-    }
-    return it->second.get();
-  }
+  Block* block(const Geometry& g) { return blocks_.get({g.N, g.C, g.H, g.W}, p_, g); }
 
   Params p_;
   Slots s_;
-  std::mutex mu_;
-  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, std::unique_ptr<Block>> blocks_;
+  BlockCache<Block> blocks_;
 };
 
 MXReturnValue create_state(const Attrs& a, const mxnet::ext::MXContext&, const std::vector<Shape>&,
