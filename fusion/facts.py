@@ -280,6 +280,8 @@ def infer_nodes(nodes: Sequence[Node], known: Mapping[Entry, Shape], dtypes: Opt
                 continue
             if e not in variables:
                 s = known.get(e)
+                if s is None and e.node.is_variable:   # a variable an earlier stage read too
+                    s = (param_shapes or {}).get(e.node.name)
                 if s is None:
                     return None
                 name = "__v%d" % len(jnodes)
@@ -287,6 +289,8 @@ def infer_nodes(nodes: Sequence[Node], known: Mapping[Entry, Shape], dtypes: Opt
                 shapes[name] = tuple(s)
                 if dtypes and e in dtypes:
                     types[name] = dtypes[e]
+                elif e.node.is_variable and param_dtypes and e.node.name in param_dtypes:
+                    types[name] = param_dtypes[e.node.name]
                 jnodes.append({"op": "null", "name": name, "inputs": []})
                 rows.append(1)
             refs.append([variables[e], 0, 0])

@@ -1,0 +1,45 @@
+"""Shape facts of a graph holding library ops (inferred in stages, stock ops before each library
+op): a variable read in one stage and again after a library op (a BatchNorm's moving mean, also
+summed by the graph) keeps its shape, so the values after the library op have facts and the
+rules after it see them in the same fuse() -- fusing twice gives the graph fusing once gave."""
+from __future__ import annotations
+
+import json
+
+import mxnet as mx
+import numpy as np
+
+import fusion
+from conftest import random_params
+
+S = mx.sym
+
+
+def _layer(x, i):
+    y = S.Activation(S.BatchNorm(x, name="bn%d" % i), act_type="relu")
+    y = S.Convolution(y, num_filter=16, kernel=(1, 1), no_bias=True, name="c1_%d" % i)
+    y = S.Activation(S.BatchNorm(y, name="bn2_%d" % i), act_type="relu")
+    y = S.Convolution(y, num_filter=16, kernel=(3, 3), pad=(1, 1), no_bias=True, name="c2_%d" % i)
+    return S.Concat(x, y, dim=1, name="cat%d" % i)
+
+
+def _ops(sym):
+    return sorted(n["op"] for n in json.loads(sym.tojson())["nodes"] if n["op"] != "null")
+
+
+def test_fusing_twice_changes_nothing_when_a_variable_is_read_across_a_library_op():
+    """Layers 0-1 and 3 become dense blocks; layer 2's 1x1 convolution is a graph output, so its
+    BatchNorms stay, the second one reading its moving mean between the two blocks, and the graph
+    sums that moving mean after the second block."""
+    x = _layer(_layer(S.var("data"), 0), 1)
+    x = _layer(x, 2)
+    x = _layer(x, 3)
+    internals = x.get_internals()
+    sym = S.Group([internals["c1_2_output"], x, S.sum(internals["bn2_2_moving_mean"], name="s")])
+    shapes = {"data": (1, 16, 5, 6)}
+    arg, aux = random_params(sym, shapes)
+    once = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+    assert _ops(once.symbol).count("fused_dense_block") == 2, _ops(once.symbol)
+    twice = fusion.fuse(once.symbol, once.arg_params, once.aux_params, input_shapes=shapes)
+    assert _ops(twice.symbol) == _ops(once.symbol), (_ops(once.symbol), _ops(twice.symbol))
+    assert fusion.verify((sym, arg, aux), once, input_shapes=shapes).max_rel <= 1e-4
