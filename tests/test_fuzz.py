@@ -113,20 +113,27 @@ def _planted(monkeypatch, change):
 def test_rounding_runs_do_not_hide_a_wrong_result(monkeypatch, family):
     """The original's own reruns (perturbed inputs, nudged comparisons, rounding noise at every op
     output) explain mismatches that are rounding; a fused parameter off by 1 % is still a finding
-    (in the first graph of the family whose correct fused result passes)."""
+    on at least one of the first three graphs of the family whose correct fused result passes
+    (on another the reruns may show the original itself moves that much -- a mask scaled by 1e4
+    added to the scores -- or the output may not depend on the scaled parameters' size)."""
     from tools.fuzz.case import Invalid
     from tools.fuzz.generator import generate
     from tools.fuzz.oracle import Oracle
 
-    for seed in range(7000, 7040):
+    clean = []
+    for seed in range(7000, 7060):
         try:
             case = generate(seed, family)
         except Invalid:
             continue
+        if not any(v.dtype == np.float32 and v.size > 1 for v in case.arg.values()):
+            continue            # nothing for the planted change to scale
         out = Oracle(case).run()
         if out.valid and not out.findings and out.fired and not out.counters.get("ill_conditioned"):
-            break
-    else:
+            clean.append((seed, case))
+            if len(clean) == 3:
+                break
+    if not clean:
         pytest.skip("no clean %s graph with a rewrite among the seeds tried" % family)
 
     def scale_params(res):
@@ -134,8 +141,12 @@ def test_rounding_runs_do_not_hide_a_wrong_result(monkeypatch, family):
             if v.dtype == np.float32 and v.size > 1:
                 res.arg_params[k] = v * 1.01
     _planted(monkeypatch, scale_params)
-    found = {f.check for f in Oracle(case).run().findings}
-    assert any(c.endswith((".values", ".nan")) for c in found), (seed, found)
+    found = {}
+    for seed, case in clean:
+        out = Oracle(case).run()
+        found[seed] = ({f.check for f in out.findings}, out.counters.get("ill_conditioned", 0))
+    hits = [s for s, (f, _) in found.items() if any(c.endswith((".values", ".nan")) for c in f)]
+    assert hits, found
 
 
 @pytest.mark.parametrize("family", ["se", "dense", "norm", "conv"])
