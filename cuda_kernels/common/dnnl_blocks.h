@@ -9,8 +9,11 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "dnnl_api.h"
+
+#define MXF_OK(call) ((call) == dnnl_success)
 
 namespace mxf {
 
@@ -19,6 +22,61 @@ inline bool dnnl_conv_disabled() {
   const char* off = std::getenv("MXFUSION_NO_DNNL_CONV");
   return off && *off && std::string(off) != "0";
 }
+
+// The oneDNN objects a block owns (destroyed with it), and the calls that create them: memory
+// descriptors (by tag or strides), memories, primitives, and reorders (none where two layouts
+// agree).  Every create returns null on failure.
+struct DnnlObjects {
+  const DnnlApi& api = dnnl();
+  std::vector<dnnl_memory_desc_t> mds;
+  std::vector<dnnl_primitive_desc_t> pds;
+  std::vector<dnnl_primitive_t> prims;
+  std::vector<dnnl_memory_t> mems;
+
+  DnnlObjects() = default;
+  DnnlObjects(const DnnlObjects&) = delete;
+  DnnlObjects& operator=(const DnnlObjects&) = delete;
+  ~DnnlObjects() {
+    for (auto p : prims) api.dnnl_primitive_destroy(p);
+    for (auto p : pds) api.dnnl_primitive_desc_destroy(p);
+    for (auto m : mems) api.dnnl_memory_destroy(m);
+    for (auto m : mds) api.dnnl_memory_desc_destroy(m);
+  }
+  const_dnnl_memory_desc_t md(int nd, const dnnl_dims_t d, dnnl_format_tag_t tag) {
+    dnnl_memory_desc_t m = nullptr;
+    if (!MXF_OK(api.dnnl_memory_desc_create_with_tag(&m, nd, d, dnnl_f32, tag))) return nullptr;
+    mds.push_back(m);
+    return m;
+  }
+  const_dnnl_memory_desc_t strided(const dnnl_dims_t d, const dnnl_dims_t st) {
+    dnnl_memory_desc_t m = nullptr;
+    if (!MXF_OK(api.dnnl_memory_desc_create_with_strides(&m, 4, d, dnnl_f32, st))) return nullptr;
+    mds.push_back(m);
+    return m;
+  }
+  dnnl_memory_t mem(const_dnnl_memory_desc_t d, void* handle) {
+    dnnl_memory_t m = nullptr;
+    if (!d || !MXF_OK(api.dnnl_memory_create(&m, d, api.engine, handle))) return nullptr;
+    mems.push_back(m);
+    return m;
+  }
+  dnnl_primitive_t prim(dnnl_primitive_desc_t pd) {
+    dnnl_primitive_t p = nullptr;
+    if (!pd || !MXF_OK(api.dnnl_primitive_create(&p, pd))) return nullptr;
+    prims.push_back(p);
+    return p;
+  }
+  // reorder from -> to; *out stays null when the layouts agree (no primitive needed)
+  bool reorder(const_dnnl_memory_desc_t from, const_dnnl_memory_desc_t to, dnnl_primitive_t* out) {
+    *out = nullptr;
+    if (api.dnnl_memory_desc_equal(from, to)) return true;
+    dnnl_primitive_desc_t pd = nullptr;
+    if (!MXF_OK(api.dnnl_reorder_primitive_desc_create(&pd, from, api.engine, to, api.engine, nullptr))) return false;
+    pds.push_back(pd);
+    *out = prim(pd);
+    return *out != nullptr;
+  }
+};
 
 // A block per input shape (the key), built on the shape's first call by Block::create(params,
 // geometry); null where oneDNN is missing or switched off, where it could not be built, or past

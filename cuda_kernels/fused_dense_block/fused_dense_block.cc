@@ -114,7 +114,6 @@ void scale_shift_relu_blocked(const float* cat, int64_t C, int64_t HW, const flo
 // ---------------------------------------------------------------------------------------------
 // oneDNN path
 
-#define MXF_OK(call) ((call) == dnnl_success)
 
 struct Layer {
   dnnl_primitive_t c1 = nullptr, c2 = nullptr, rw1 = nullptr, rw2 = nullptr;
@@ -122,12 +121,7 @@ struct Layer {
                 b2 = nullptr;
 };
 
-struct Block {
-  const DnnlApi& api = dnnl();
-  std::vector<dnnl_memory_desc_t> mds;
-  std::vector<dnnl_primitive_desc_t> pds;
-  std::vector<dnnl_primitive_t> prims;
-  std::vector<dnnl_memory_t> mems;
+struct Block : DnnlObjects {
   std::vector<Layer> layers;
   dnnl_primitive_t r_in = nullptr, r_out = nullptr;
   dnnl_memory_t u_x = nullptr, u_y = nullptr, x_in_cat = nullptr, cat = nullptr, h = nullptr, nw = nullptr;
@@ -140,45 +134,6 @@ struct Block {
   std::mutex mu;
   std::vector<std::pair<void*, size_t>> packed_from;  // the weight versions the layers hold
 
-  ~Block() {
-    for (auto p : prims) api.dnnl_primitive_destroy(p);
-    for (auto p : pds) api.dnnl_primitive_desc_destroy(p);
-    for (auto m : mems) api.dnnl_memory_destroy(m);
-    for (auto m : mds) api.dnnl_memory_desc_destroy(m);
-  }
-  const_dnnl_memory_desc_t md(int nd, const dnnl_dims_t d, dnnl_format_tag_t tag) {
-    dnnl_memory_desc_t m = nullptr;
-    if (!MXF_OK(api.dnnl_memory_desc_create_with_tag(&m, nd, d, dnnl_f32, tag))) return nullptr;
-    mds.push_back(m);
-    return m;
-  }
-  const_dnnl_memory_desc_t strided(const dnnl_dims_t d, const dnnl_dims_t st) {
-    dnnl_memory_desc_t m = nullptr;
-    if (!MXF_OK(api.dnnl_memory_desc_create_with_strides(&m, 4, d, dnnl_f32, st))) return nullptr;
-    mds.push_back(m);
-    return m;
-  }
-  dnnl_memory_t mem(const_dnnl_memory_desc_t d, void* handle) {
-    dnnl_memory_t m = nullptr;
-    if (!d || !MXF_OK(api.dnnl_memory_create(&m, d, api.engine, handle))) return nullptr;
-    mems.push_back(m);
-    return m;
-  }
-  dnnl_primitive_t prim(dnnl_primitive_desc_t pd) {
-    dnnl_primitive_t p = nullptr;
-    if (!pd || !MXF_OK(api.dnnl_primitive_create(&p, pd))) return nullptr;
-    prims.push_back(p);
-    return p;
-  }
-  bool reorder(const_dnnl_memory_desc_t from, const_dnnl_memory_desc_t to, dnnl_primitive_t* out) {
-    *out = nullptr;
-    if (api.dnnl_memory_desc_equal(from, to)) return true;
-    dnnl_primitive_desc_t pd = nullptr;
-    if (!MXF_OK(api.dnnl_reorder_primitive_desc_create(&pd, from, api.engine, to, api.engine, nullptr))) return false;
-    pds.push_back(pd);
-    *out = prim(pd);
-    return *out != nullptr;
-  }
   // a stride-1 convolution over NHWC src/dst with bias, [relu], weights in the layout oneDNN picks;
   // *uw_mem / *w_mem / *b_mem: the user's weight, the packed weight, the bias; *rw: the weight reorder
   dnnl_primitive_t conv(const_dnnl_memory_desc_t src, const_dnnl_memory_desc_t dst, const dnnl_dims_t wd,

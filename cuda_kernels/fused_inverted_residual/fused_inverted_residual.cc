@@ -131,15 +131,10 @@ void squeeze_excite(const Params& p, const Geometry& g, const float* W1, const f
 // ---------------------------------------------------------------------------------------------
 // oneDNN path
 
-#define MXF_OK(call) ((call) == dnnl_success)
 
 // The primitives of one input shape, and the weights in their layouts.
-struct Block {
+struct Block : DnnlObjects {
   const DnnlApi& a = dnnl();
-  std::vector<dnnl_memory_desc_t> mds;
-  std::vector<dnnl_primitive_desc_t> pds;
-  std::vector<dnnl_primitive_t> prims;
-  std::vector<dnnl_memory_t> mems;
   dnnl_primitive_t r_in = nullptr, r_out = nullptr, c1 = nullptr, c2 = nullptr, c3 = nullptr;
   dnnl_primitive_t rw[3] = {nullptr, nullptr, nullptr};  // weight reorders (null: layouts agree)
   dnnl_memory_t u_x = nullptr, u_y = nullptr, x_nhwc = nullptr, t1 = nullptr, t2 = nullptr, y_nhwc = nullptr;
@@ -148,40 +143,6 @@ struct Block {
   std::mutex mu;
   std::vector<std::pair<void*, size_t>> packed_from;  // the weight versions w[] hold
 
-  ~Block() {
-    for (auto p : prims) a.dnnl_primitive_destroy(p);
-    for (auto p : pds) a.dnnl_primitive_desc_destroy(p);
-    for (auto m : mems) a.dnnl_memory_destroy(m);
-    for (auto m : mds) a.dnnl_memory_desc_destroy(m);
-  }
-  const_dnnl_memory_desc_t md(int nd, const dnnl_dims_t d, dnnl_format_tag_t tag) {
-    dnnl_memory_desc_t m = nullptr;
-    if (!MXF_OK(a.dnnl_memory_desc_create_with_tag(&m, nd, d, dnnl_f32, tag))) return nullptr;
-    mds.push_back(m);
-    return m;
-  }
-  dnnl_memory_t mem(const_dnnl_memory_desc_t d, void* handle) {
-    dnnl_memory_t m = nullptr;
-    if (!d || !MXF_OK(a.dnnl_memory_create(&m, d, a.engine, handle))) return nullptr;
-    mems.push_back(m);
-    return m;
-  }
-  dnnl_primitive_t prim(dnnl_primitive_desc_t pd) {
-    dnnl_primitive_t p = nullptr;
-    if (!pd || !MXF_OK(a.dnnl_primitive_create(&p, pd))) return nullptr;
-    prims.push_back(p);
-    return p;
-  }
-  // reorder from -> to; *same set when the layouts agree (no primitive needed)
-  bool reorder(const_dnnl_memory_desc_t from, const_dnnl_memory_desc_t to, dnnl_primitive_t* out) {
-    *out = nullptr;
-    if (a.dnnl_memory_desc_equal(from, to)) return true;
-    dnnl_primitive_desc_t pd = nullptr;
-    if (!MXF_OK(a.dnnl_reorder_primitive_desc_create(&pd, from, a.engine, to, a.engine, nullptr))) return false;
-    pds.push_back(pd);
-    *out = prim(pd);
-    return *out != nullptr;
-  }
   // a convolution over NHWC src/dst with bias, weights in the layout oneDNN picks, the block's
   // activation (or none) and, with `add`, a binary add of an NHWC tensor of dst's shape
   dnnl_primitive_t conv(const_dnnl_memory_desc_t src, const_dnnl_memory_desc_t uw, int wnd, const dnnl_dims_t wd,
