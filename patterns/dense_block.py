@@ -61,6 +61,7 @@ from fusion.rewrite import Builder
 from fusion.rule import Rule
 
 from ._dtypes import float32_reason
+from .inverted_residual import nchw_input_shapes
 from .elementwise import _batchnorm_scale_shift
 
 MAX_LAYERS = 64          # per op (DenseNet-264's longest block: 48)
@@ -138,11 +139,9 @@ class DenseBlock(Rule):
         reason = float32_reason(ins, m.ctx)
         if reason:
             return reason
-        xs = m.ctx.shapes(m["x"])
-        if not xs:
-            return "the block's input shape is unknown (pass input shapes)"
-        if any(len(s) != 4 for s in xs):
-            return "the block's input has shape %s, not (N, C, H, W)" % (xs[0],)
+        reason, xs = nchw_input_shapes(m)
+        if reason:
+            return reason
         C = int(xs[0][1])
         if m.has("actpost"):
             reason = self._post_reason(m, C + sum(m.shape("w2_%d" % d)[0] if m.shape("w2_%d" % d)

@@ -31,7 +31,7 @@ layouts other than NCHW, values other than float32, and ``mode='training'`` (no 
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from fusion.graph import Entry
 from fusion.matcher import Match
@@ -75,6 +75,16 @@ def _true(v) -> bool:
 
 def _kind(nd) -> str:
     return "relu" if nd.op == "Activation" else "hard_swish"
+
+
+def nchw_input_shapes(m: Match) -> Tuple[Optional[str], tuple]:
+    """(why not, shapes at every probe) of a CNN block's input ``x``: it must be known and (N, C, H, W)."""
+    xs = m.ctx.shapes(m["x"])
+    if not xs:
+        return "the block's input shape is unknown (pass input shapes)", xs
+    if any(len(s) != 4 for s in xs):
+        return "the block's input has shape %s, not (N, C, H, W)" % (xs[0],), xs
+    return None, xs
 
 
 class InvertedResidual(Rule):
@@ -174,11 +184,9 @@ class InvertedResidual(Rule):
         return None
 
     def _shapes_reason(self, m: Match) -> Optional[str]:
-        xs = m.ctx.shapes(m["x"])
-        if not xs:
-            return "the block's input shape is unknown (pass input shapes)"
-        if any(len(s) != 4 for s in xs):
-            return "the block's input has shape %s, not (N, C, H, W)" % (xs[0],)
+        reason, xs = nchw_input_shapes(m)
+        if reason:
+            return reason
         C = int(xs[0][1])
         wd, wp = m.shape("wdw"), m.shape("wproject")
         we = m.shape("wexpand") if m.has("wexpand") else None
