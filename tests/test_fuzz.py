@@ -96,6 +96,18 @@ def test_reproducer_code_rebuilds_the_graph():
 
 
 # ---------------------------------------------------------------------------- the oracle still sees errors
+def _graphs(family, stop=7060):
+    """(seed, case) of the family's graphs from seed 7000 on (those the generator gives up on skipped)."""
+    from tools.fuzz.case import Invalid
+    from tools.fuzz.generator import generate
+
+    for seed in range(7000, stop):
+        try:
+            yield seed, generate(seed, family)
+        except Invalid:
+            continue
+
+
 def _planted(monkeypatch, change):
     """fusion.fuse as the oracle calls it, with ``change(result)`` applied to every result."""
     import fusion
@@ -116,16 +128,10 @@ def test_rounding_runs_do_not_hide_a_wrong_result(monkeypatch, family):
     on at least one of the first three graphs of the family whose correct fused result passes
     (on another the reruns may show the original itself moves that much -- a mask scaled by 1e4
     added to the scores -- or the output may not depend on the scaled parameters' size)."""
-    from tools.fuzz.case import Invalid
-    from tools.fuzz.generator import generate
     from tools.fuzz.oracle import Oracle
 
     clean = []
-    for seed in range(7000, 7060):
-        try:
-            case = generate(seed, family)
-        except Invalid:
-            continue
+    for seed, case in _graphs(family):
         if not any(v.dtype == np.float32 and v.size > 1 for v in case.arg.values()):
             continue            # nothing for the planted change to scale
         out = Oracle(case).run()
@@ -157,15 +163,9 @@ def test_gluon_door_check_finds_a_wrong_fused_block(monkeypatch, family):
     import mxnet as mx
 
     import fusion.api
-    from tools.fuzz.case import Invalid
-    from tools.fuzz.generator import generate
     from tools.fuzz.oracle import Oracle
 
-    for seed in range(7000, 7040):
-        try:
-            case = generate(seed, family)
-        except Invalid:
-            continue
+    for seed, case in _graphs(family, 7040):
         out = Oracle(case, only=["gluon"]).run()
         if out.valid and out.counters.get("gluon_checked_second") and out.counters.get("gluon_checked_training"):
             break
@@ -193,18 +193,12 @@ def test_bf16_check_finds_a_wrong_bf16_fuse(monkeypatch, family):
 
     import fusion
     from fusion.precision import native_bf16_reason
-    from tools.fuzz.case import Invalid
-    from tools.fuzz.generator import generate
     from tools.fuzz.oracle import Oracle
 
     if native_bf16_reason() is not None:
         pytest.skip(native_bf16_reason())
     clean = []
-    for seed in range(7000, 7060):
-        try:
-            case = generate(seed, family)
-        except Invalid:
-            continue
+    for seed, case in _graphs(family):
         out = Oracle(case, only=["bf16"]).run()
         assert not out.findings, (seed, [(f.check, f.detail) for f in out.findings])
         if out.valid and out.counters.get("bf16_second_checked") and not out.counters.get("bf16_within_rounding"):
