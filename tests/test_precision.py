@@ -817,12 +817,14 @@ def _attention_nd(x, layout, H, D, lengths=None, **kw):
 @needs_bf16
 @pytest.mark.parametrize("layout,lengths,causal,special", [
     ("packed_qkv", False, False, None), ("interleaved", True, False, None), ("packed_qkv", False, True, None),
-    ("packed_qkv", False, False, "inf_v"), ("interleaved", True, False, "nan_q"), ("packed_qkv", False, False, "odd")])
+    ("packed_qkv", False, False, "inf_v"), ("interleaved", True, False, "nan_q"), ("packed_qkv", False, False, "odd"),
+    ("packed_qkv", False, False, "wide"), ("interleaved", True, False, "wide"), ("packed_qkv", False, False, "one")])
 def test_attention_reads_and_writes_bf16_exactly(layout, lengths, causal, special):
     """bfloat16 q, k, v (the values its bf16 products round them to) give the same bits as those values
     given in float32 — read as they are (finite values, no causal band) or widened (causal, a non-finite
     value); out_dtype='bfloat16' writes the float32 result rounded to nearest even."""
-    B, S_, H, D = (2, 37, 3, 16) if special != "odd" else (1, 5, 2, 9)
+    # wide: head sizes past one 32-value chunk and a part chunk, keys in 5 panels (the last part full)
+    B, S_, H, D = {"odd": (1, 5, 2, 9), "wide": (2, 131, 2, 40), "one": (1, 1, 2, 64)}.get(special, (2, 37, 3, 16))
     x = _qkv_input(layout, B, S_, H, D)
     if special == "inf_v":
         x[0, 3, 2 * H * D + 5] = np.inf
@@ -839,9 +841,9 @@ def test_attention_reads_and_writes_bf16_exactly(layout, lengths, causal, specia
     assert gotb.dtype == P.BF16
     assert np.array_equal(gotb.asnumpy().view(np.uint16), P.to_bf16(want).view(np.uint16))
     out32 = _attention_nd(mx.nd.array(x), layout, H, D, lens, out_dtype="bfloat16", **kw)   # float32 in, bf16 out
-    if special is None and not causal:      # the float32 path rounds q, k, v itself: the same bits again
+    if special in (None, "wide", "one") and not causal:      # the float32 path rounds q, k, v itself: the same bits again
         assert np.array_equal(out32.asnumpy().view(np.uint16), gotb.asnumpy().view(np.uint16))
-    if special is None and not lengths:     # and the NumPy reference of the bf16 products
+    if special in (None, "wide", "one") and not lengths:     # and the NumPy reference of the bf16 products
         q, k, v = (xr.reshape(B, S_, 3, H, D)[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
         ref = _attention_reference(q, k, v, 1 / math.sqrt(D), causal=causal, rounded=True)
         ref = ref.transpose(0, 2, 1, 3).reshape(B, S_, H * D)

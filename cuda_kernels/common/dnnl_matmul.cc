@@ -8,6 +8,7 @@
 
 #include "dnnl_api.h"
 #include "mxf_common.h"
+#include "vmath_avx512.h"
 
 namespace mxf {
 
@@ -181,6 +182,7 @@ bool matmul_unpacked_bf16(const uint16_t* X, int64_t M, const uint16_t* W, int64
 }
 
 void to_bf16(const float* x, uint16_t* y, int64_t n) {
+  if (n >= 16 && cpu_has_avx512()) return to_bf16_avx512(x, y, n);
   for (int64_t i = 0; i < n; ++i) {  // vectorizes: integer ops and a select
     uint32_t u;
     std::memcpy(&u, x + i, 4);
@@ -191,11 +193,21 @@ void to_bf16(const float* x, uint16_t* y, int64_t n) {
 }
 
 void from_bf16(const uint16_t* x, float* y, int64_t n) {
+  if (n >= 16 && cpu_has_avx512()) return from_bf16_avx512(x, y, n);
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t u = static_cast<uint32_t>(x[i]) << 16;
     std::memcpy(y + i, &u, 4);
   }
 }
+
+}  // namespace mxf
+
+// The library's rounding to bfloat16 and widening back, for the tests (the AVX-512 loops, or the
+// portable ones under MXFUSION_DISABLE_AVX512=1): the bits every bf16 kernel writes and reads.
+extern "C" void mxf_to_bf16(const float* x, uint16_t* y, int64_t n) { mxf::to_bf16(x, y, n); }
+extern "C" void mxf_from_bf16(const uint16_t* x, float* y, int64_t n) { mxf::from_bf16(x, y, n); }
+
+namespace mxf {
 
 bool PackedMatmul::run(const void* X, int64_t M, const void* W, const float* bias, void* Y) {
   const DnnlApi& a = dnnl();

@@ -150,4 +150,7 @@ bool act_forward_avx512(Act a, float* x, int64_t n);
 float row_max_avx512(const float* s, int64_t n);
 // ... and s[c] = exp(s[c] - m) in place, returning the sum of the new values.
 float exp_shift_sum_avx512(float* s, int64_t n, float m);
+// to_bf16 / from_bf16 (dnnl_matmul.h) on 16 lanes, the same bits (call only when cpu_has_avx512())
+void to_bf16_avx512(const float* x, uint16_t* y, int64_t n);
+void from_bf16_avx512(const uint16_t* x, float* y, int64_t n);
 }  // namespace mxf

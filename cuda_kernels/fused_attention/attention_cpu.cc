@@ -243,6 +243,65 @@ MXF_BF16 void pv_tile_bf16(const uint16_t* P, int64_t ps, const uint16_t* v, int
     for (; r0 < bq; ++r0) pv_block_bf16<1>(P + r0 * ps, ps, vc, Dv, nb2, nc, O + r0 * os + c0, os);
   }
 }
+
+// k of one head (bfloat16 rows `rs` elements apart, D even) into its panels (D/2, 32, 2), zero
+// past Sk: the pair d2 of key j goes to panel j/32 at (d2, j%32).  16 keys' pairs at a time,
+// gathered (byte offsets: rs·2·15 must fit in 32 bits, see k_panels_fit).
+MXF_BF16 void k_panels_bf16(const uint16_t* k, int64_t rs, int64_t Sk, int64_t D, int64_t Skp,
+                            uint16_t* dst) {
+  const int64_t D2 = D / 2;
+  const __m512i idx = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int32_t>(rs * 2)));
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t j0 = 0; j0 < Skp; j0 += 16) {
+    const __mmask16 m = vmath::tail_mask16(Sk - j0);
+    int32_t* out = reinterpret_cast<int32_t*>(dst) + (j0 / 32) * 32 * D2 + j0 % 32;
+    if (!m) {
+      for (int64_t d2 = 0; d2 < D2; ++d2) _mm512_storeu_si512(out + d2 * 32, zero);
+      continue;
+    }
+    const char* base = reinterpret_cast<const char*>(k + j0 * rs);
+    for (int64_t d2 = 0; d2 < D2; ++d2)
+      _mm512_storeu_si512(out + d2 * 32, _mm512_mask_i32gather_epi32(zero, m, idx, base + 4 * d2, 1));
+  }
+}
+
+bool k_panels_fit(int64_t D, int64_t rs) { return D % 2 == 0 && rs >= 0 && rs * 2 * 15 < (int64_t{1} << 31); }
+
+// v of one head (bfloat16 rows `rs` elements apart) into pairs of keys (Skp/2, Dv, 2), zero past
+// Sk: two rows interleaved 32 columns at a time.  Returns whether a value is not finite.
+MXF_BF16 bool v_pairs_bf16(const uint16_t* v, int64_t rs, int64_t Sk, int64_t Dv, int64_t Skp,
+                           uint16_t* dst) {
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i ilo = _mm512_load_si512(lo_idx), ihi = _mm512_load_si512(hi_idx);
+  const __m512i ex = _mm512_set1_epi16(0x7f80), zero = _mm512_setzero_si512();
+  auto lanes = [](int64_t n) -> __mmask32 {
+    return n >= 32 ? ~__mmask32{0} : n <= 0 ? __mmask32{0} : static_cast<__mmask32>((1u << n) - 1u);
+  };
+  __mmask32 bad = 0;
+  for (int64_t j = 0; j < Sk; j += 2) {
+    const uint16_t* a = v + j * rs;
+    const uint16_t* b = j + 1 < Sk ? v + (j + 1) * rs : nullptr;  // an odd tail pairs with zeros
+    uint16_t* out = dst + (j / 2) * 2 * Dv;
+    for (int64_t c0 = 0; c0 < Dv; c0 += 32) {
+      const int64_t nc = std::min<int64_t>(32, Dv - c0);
+      const __mmask32 m = lanes(nc);
+      const __m512i va = _mm512_maskz_loadu_epi16(m, a + c0);
+      const __m512i vb = b ? _mm512_maskz_loadu_epi16(m, b + c0) : zero;
+      bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(va, ex), ex) |
+             _mm512_cmpeq_epi16_mask(_mm512_and_si512(vb, ex), ex);
+      _mm512_mask_storeu_epi16(out + 2 * c0, lanes(2 * nc), _mm512_permutex2var_epi16(va, ilo, vb));
+      if (nc > 16)
+        _mm512_mask_storeu_epi16(out + 2 * c0 + 32, lanes(2 * nc - 32), _mm512_permutex2var_epi16(va, ihi, vb));
+    }
+  }
+  std::fill(dst + (Sk + 1) / 2 * 2 * Dv, dst + Skp * Dv, uint16_t{0});
+  return bad != 0;
+}
 #else
 bool cpu_has_avx512_bf16() { return false; }
 #endif
@@ -341,27 +400,47 @@ bool prepare_bf16(const Geom& g, KT& kt) {
   kt.D = g.D;
   kt.Dp = (g.D + 1) / 2 * 2;
   kt.Dv = g.Dv;
-  kt.kb.assign(static_cast<size_t>(N) * kt.Dp * kt.Skp, 0);
-  kt.vb.assign(static_cast<size_t>(N) * kt.Skp * g.Dv, 0);
+  // every element is written below, the padding (keys from Sk on, column D of an odd D) included
+  kt.kb.resize(static_cast<size_t>(N) * kt.Dp * kt.Skp);
+  kt.vb.resize(static_cast<size_t>(N) * kt.Skp * g.Dv);
 #pragma omp parallel reduction(|| : bad)
   {
     std::vector<uint16_t> row(std::max(g.D, g.Dv));
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       const int64_t b = n / g.H, h = n % g.H;
-      for (int64_t j = 0; j < g.Sk; ++j) {
-        // bfloat16 inputs (Geom::kh, vh) are taken as they are
-        const uint16_t* kr = g.kh.p ? g.kh.row(b, h, j) : row.data();
-        if (!g.kh.p) to_bf16(g.k.row(b, h, j), row.data(), g.D);
-        uint16_t* dst = kt.kb.data() + n * kt.Dp * kt.Skp + (j / 32) * 32 * kt.Dp + (j % 32) * 2;
-        for (int64_t d = 0; d < g.D; ++d) dst[(d / 2) * 64 + (d & 1)] = kr[d];
-        const uint16_t* vr = g.vh.p ? g.vh.row(b, h, j) : row.data();
-        if (!g.vh.p)
-          to_bf16(g.v.row(b, h, j), row.data(), g.Dv);
-        else
-          bad = bad || any_non_finite_bf16(vr, g.Dv);
-        uint16_t* vd = kt.vb.data() + n * kt.Skp * g.Dv + (j / 2) * 2 * g.Dv + (j & 1);
-        for (int64_t c = 0; c < g.Dv; ++c) vd[2 * c] = vr[c];
+      uint16_t* kd = kt.kb.data() + n * kt.Dp * kt.Skp;
+      uint16_t* vd = kt.vb.data() + n * kt.Skp * g.Dv;
+      bool k_done = false, v_done = false;
+#ifdef MXF_HAVE_BF16_PATH
+      // bfloat16 inputs (Geom::kh, vh) are taken as they are, laid out 16 / 32 values at a time
+      if (g.kh.p && k_panels_fit(g.D, g.kh.rs)) {
+        k_panels_bf16(g.kh.row(b, h, 0), g.kh.rs, g.Sk, g.D, kt.Skp, kd);
+        k_done = true;
+      }
+      if (g.vh.p) {
+        bad = v_pairs_bf16(g.vh.row(b, h, 0), g.vh.rs, g.Sk, g.Dv, kt.Skp, vd) || bad;
+        v_done = true;
+      }
+#endif
+      if (!k_done) std::fill(kd, kd + kt.Dp * kt.Skp, uint16_t{0});
+      if (!v_done) std::fill(vd, vd + kt.Skp * g.Dv, uint16_t{0});
+      for (int64_t j = 0; j < g.Sk && !(k_done && v_done); ++j) {
+        if (!k_done) {
+          const uint16_t* kr = g.kh.p ? g.kh.row(b, h, j) : row.data();
+          if (!g.kh.p) to_bf16(g.k.row(b, h, j), row.data(), g.D);
+          uint16_t* dst = kd + (j / 32) * 32 * kt.Dp + (j % 32) * 2;
+          for (int64_t d = 0; d < g.D; ++d) dst[(d / 2) * 64 + (d & 1)] = kr[d];
+        }
+        if (!v_done) {
+          const uint16_t* vr = g.vh.p ? g.vh.row(b, h, j) : row.data();
+          if (!g.vh.p)
+            to_bf16(g.v.row(b, h, j), row.data(), g.Dv);
+          else
+            bad = bad || any_non_finite_bf16(vr, g.Dv);
+          uint16_t* dst = vd + (j / 2) * 2 * g.Dv + (j & 1);
+          for (int64_t c = 0; c < g.Dv; ++c) dst[2 * c] = vr[c];
+        }
       }
     }
   }
