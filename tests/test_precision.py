@@ -850,6 +850,25 @@ def test_attention_reads_and_writes_bf16_exactly(layout, lengths, causal, specia
         assert np.abs(want - ref).max() <= 2e-3 * np.abs(ref).max()
 
 
+@needs_bf16
+@pytest.mark.parametrize("B,H", [(1, 2), (2, 3), (1, 12)])
+def test_attention_bf16_inputs_with_an_additive_mask_exact(B, H):
+    """bfloat16 q, k, v with an additive mask: the same bits as their float32 values, whether the kernel
+    runs a task per head (at least two heads per thread) or per query block."""
+    S_, D = 70, 32
+    x = bf16_round(_qkv_input("packed_qkv", B, S_, H, D, seed=5))
+    mask = np.random.default_rng(6).standard_normal((B, 1, 1, S_)).astype(np.float32) * 3
+    mask[:, :, :, -5:] = -1e9
+
+    def run(data, **kw):
+        return mx.nd.fused_attention(data, mx.nd.array(mask), heads=H, layout="packed_qkv", scale=1 / math.sqrt(D),
+                                     precision="bfloat16", mask_kind="additive", **kw)
+    want = run(mx.nd.array(x)).asnumpy()
+    xb = mx.nd.array(P.to_bf16(x), dtype=P.BF16)
+    assert np.array_equal(run(xb).asnumpy(), want)
+    assert np.array_equal(run(xb, out_dtype="bfloat16").asnumpy().view(np.uint16), P.to_bf16(want).view(np.uint16))
+
+
 def test_attention_bf16_io_checked():
     x = mx.nd.ones((1, 4, 24))
     xb = mx.nd.amp_cast(x, dtype=P.BF16)

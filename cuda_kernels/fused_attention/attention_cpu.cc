@@ -11,6 +11,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstdlib>
 #include <cstring>
@@ -244,30 +245,51 @@ MXF_BF16 void pv_tile_bf16(const uint16_t* P, int64_t ps, const uint16_t* v, int
   }
 }
 
-// k of one head (bfloat16 rows `rs` elements apart, D even) into its panels (D/2, 32, 2), zero
-// past Sk: the pair d2 of key j goes to panel j/32 at (d2, j%32).  16 keys' pairs at a time,
-// gathered (byte offsets: rs·2·15 must fit in 32 bits, see k_panels_fit).
-MXF_BF16 void k_panels_bf16(const uint16_t* k, int64_t rs, int64_t Sk, int64_t D, int64_t Skp,
-                            uint16_t* dst) {
-  const int64_t D2 = D / 2;
-  const __m512i idx = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(static_cast<int32_t>(rs * 2)));
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t j0 = 0; j0 < Skp; j0 += 16) {
-    const __mmask16 m = vmath::tail_mask16(Sk - j0);
-    int32_t* out = reinterpret_cast<int32_t*>(dst) + (j0 / 32) * 32 * D2 + j0 % 32;
-    if (!m) {
-      for (int64_t d2 = 0; d2 < D2; ++d2) _mm512_storeu_si512(out + d2 * 32, zero);
-      continue;
-    }
-    const char* base = reinterpret_cast<const char*>(k + j0 * rs);
-    for (int64_t d2 = 0; d2 < D2; ++d2)
-      _mm512_storeu_si512(out + d2 * 32, _mm512_mask_i32gather_epi32(zero, m, idx, base + 4 * d2, 1));
+// r[0..15] (16 rows of 16 32-bit values) transposed in place: r[c] becomes column c
+MXF_BF16 inline void transpose16x16_epi32(__m512i r[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // b[4i + c], 128-bit lane L: column 4L + c of rows 4i .. 4i+3
+  for (int i = 0; i < 4; ++i) {
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i e0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), e1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
+    const __m512i f0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44);
+    const __m512i f1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(e0, f0, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(e0, f0, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(e1, f1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(e1, f1, 0xDD);
   }
 }
 
-bool k_panels_fit(int64_t D, int64_t rs) { return D % 2 == 0 && rs >= 0 && rs * 2 * 15 < (int64_t{1} << 31); }
+// k of one head (bfloat16 rows `rs` elements apart, D even) into its panels (D/2, 32, 2), zero
+// past Sk: the pair d2 of key j goes to panel j/32 at (d2, j%32).  Blocks of 16 keys x 16 pairs
+// are loaded as rows and transposed in registers.
+MXF_BF16 void k_panels_bf16(const uint16_t* k, int64_t rs, int64_t Sk, int64_t D, int64_t Skp,
+                            uint16_t* dst) {
+  const int64_t D2 = D / 2;
+  for (int64_t j0 = 0; j0 < Skp; j0 += 16) {
+    int32_t* out = reinterpret_cast<int32_t*>(dst) + (j0 / 32) * 32 * D2 + j0 % 32;
+    for (int64_t p0 = 0; p0 < D2; p0 += 16) {
+      const __mmask16 m = vmath::tail_mask16(D2 - p0);
+      __m512i r[16];
+      for (int64_t jj = 0; jj < 16; ++jj)
+        r[jj] = j0 + jj < Sk ? _mm512_maskz_loadu_epi32(m, k + (j0 + jj) * rs + 2 * p0) : _mm512_setzero_si512();
+      transpose16x16_epi32(r);
+      for (int64_t c = 0; c < 16 && p0 + c < D2; ++c) _mm512_storeu_si512(out + (p0 + c) * 32, r[c]);
+    }
+  }
+}
+
+bool k_panels_fit(int64_t D) { return D % 2 == 0; }
 
 // v of one head (bfloat16 rows `rs` elements apart) into pairs of keys (Skp/2, Dv, 2), zero past
 // Sk: two rows interleaved 32 columns at a time.  Returns whether a value is not finite.
@@ -321,8 +343,9 @@ struct KT {
   // (Skp/2, Dv, 2) per head, Dp: D rounded up to 2; data is then empty
   std::vector<uint16_t> kb, vb;
   int64_t Dp = 0, Dv = 0;
-  const uint16_t* kat(int64_t n, int64_t j0) const { return kb.data() + n * Dp * Skp + j0 * Dp; }
-  const uint16_t* vat(int64_t n, int64_t j0) const { return vb.data() + n * Skp * Dv + j0 * Dv; }
+  int64_t n0 = 0;  // the first head kb / vb hold (forward_heads_bf16: one head per thread)
+  const uint16_t* kat(int64_t n, int64_t j0) const { return kb.data() + (n - n0) * Dp * Skp + j0 * Dp; }
+  const uint16_t* vat(int64_t n, int64_t j0) const { return vb.data() + (n - n0) * Skp * Dv + j0 * Dv; }
 };
 
 // Facts about the inputs computed once per call and read by every query block.
@@ -391,58 +414,67 @@ std::vector<uint16_t>& pair_pool(int which) {
   return pool[which];
 }
 
+// KT's sizes for the bfloat16 pairs of g (buffers not sized)
+void pair_dims(const Geom& g, KT& kt) {
+  kt.Skp = (g.Sk + 31) / 32 * 32;
+  kt.D = g.D;
+  kt.Dp = (g.D + 1) / 2 * 2;
+  kt.Dv = g.Dv;
+}
+
+// Head n's k panels and v pairs (KT::kb, vb layouts) into kd / vd, every element written, the
+// padding (keys from Sk on, column D of an odd D) included.  bfloat16 inputs (Geom::kh, vh) are
+// taken as they are (laid out 16 / 32 values at a time); float32 ones rounded to nearest even.
+// row: scratch of max(D, Dv).  Returns whether a bfloat16 v holds a non-finite value.
+bool pair_head(const Geom& g, const KT& kt, int64_t n, uint16_t* kd, uint16_t* vd, std::vector<uint16_t>& row) {
+  const int64_t b = n / g.H, h = n % g.H;
+  bool bad = false, k_done = false, v_done = false;
+#ifdef MXF_HAVE_BF16_PATH
+  if (g.kh.p && k_panels_fit(g.D)) {
+    k_panels_bf16(g.kh.row(b, h, 0), g.kh.rs, g.Sk, g.D, kt.Skp, kd);
+    k_done = true;
+  }
+  if (g.vh.p) {
+    bad = v_pairs_bf16(g.vh.row(b, h, 0), g.vh.rs, g.Sk, g.Dv, kt.Skp, vd);
+    v_done = true;
+  }
+#endif
+  if (!k_done) std::fill(kd, kd + kt.Dp * kt.Skp, uint16_t{0});
+  if (!v_done) std::fill(vd, vd + kt.Skp * g.Dv, uint16_t{0});
+  for (int64_t j = 0; j < g.Sk && !(k_done && v_done); ++j) {
+    if (!k_done) {
+      const uint16_t* kr = g.kh.p ? g.kh.row(b, h, j) : row.data();
+      if (!g.kh.p) to_bf16(g.k.row(b, h, j), row.data(), g.D);
+      uint16_t* dst = kd + (j / 32) * 32 * kt.Dp + (j % 32) * 2;
+      for (int64_t d = 0; d < g.D; ++d) dst[(d / 2) * 64 + (d & 1)] = kr[d];
+    }
+    if (!v_done) {
+      const uint16_t* vr = g.vh.p ? g.vh.row(b, h, j) : row.data();
+      if (!g.vh.p)
+        to_bf16(g.v.row(b, h, j), row.data(), g.Dv);
+      else
+        bad = bad || any_non_finite_bf16(vr, g.Dv);
+      uint16_t* dst = vd + (j / 2) * 2 * g.Dv + (j & 1);
+      for (int64_t c = 0; c < g.Dv; ++c) dst[2 * c] = vr[c];
+    }
+  }
+  return bad;
+}
+
 bool prepare_bf16(const Geom& g, KT& kt) {
   bool bad = false;
   kt.kb.swap(pair_pool(0));
   kt.vb.swap(pair_pool(1));
   const int64_t N = g.B * g.H;
-  kt.Skp = (g.Sk + 31) / 32 * 32;
-  kt.D = g.D;
-  kt.Dp = (g.D + 1) / 2 * 2;
-  kt.Dv = g.Dv;
-  // every element is written below, the padding (keys from Sk on, column D of an odd D) included
+  pair_dims(g, kt);
   kt.kb.resize(static_cast<size_t>(N) * kt.Dp * kt.Skp);
   kt.vb.resize(static_cast<size_t>(N) * kt.Skp * g.Dv);
 #pragma omp parallel reduction(|| : bad)
   {
     std::vector<uint16_t> row(std::max(g.D, g.Dv));
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-      const int64_t b = n / g.H, h = n % g.H;
-      uint16_t* kd = kt.kb.data() + n * kt.Dp * kt.Skp;
-      uint16_t* vd = kt.vb.data() + n * kt.Skp * g.Dv;
-      bool k_done = false, v_done = false;
-#ifdef MXF_HAVE_BF16_PATH
-      // bfloat16 inputs (Geom::kh, vh) are taken as they are, laid out 16 / 32 values at a time
-      if (g.kh.p && k_panels_fit(g.D, g.kh.rs)) {
-        k_panels_bf16(g.kh.row(b, h, 0), g.kh.rs, g.Sk, g.D, kt.Skp, kd);
-        k_done = true;
-      }
-      if (g.vh.p) {
-        bad = v_pairs_bf16(g.vh.row(b, h, 0), g.vh.rs, g.Sk, g.Dv, kt.Skp, vd) || bad;
-        v_done = true;
-      }
-#endif
-      if (!k_done) std::fill(kd, kd + kt.Dp * kt.Skp, uint16_t{0});
-      if (!v_done) std::fill(vd, vd + kt.Skp * g.Dv, uint16_t{0});
-      for (int64_t j = 0; j < g.Sk && !(k_done && v_done); ++j) {
-        if (!k_done) {
-          const uint16_t* kr = g.kh.p ? g.kh.row(b, h, j) : row.data();
-          if (!g.kh.p) to_bf16(g.k.row(b, h, j), row.data(), g.D);
-          uint16_t* dst = kd + (j / 32) * 32 * kt.Dp + (j % 32) * 2;
-          for (int64_t d = 0; d < g.D; ++d) dst[(d / 2) * 64 + (d & 1)] = kr[d];
-        }
-        if (!v_done) {
-          const uint16_t* vr = g.vh.p ? g.vh.row(b, h, j) : row.data();
-          if (!g.vh.p)
-            to_bf16(g.v.row(b, h, j), row.data(), g.Dv);
-          else
-            bad = bad || any_non_finite_bf16(vr, g.Dv);
-          uint16_t* dst = vd + (j / 2) * 2 * g.Dv + (j & 1);
-          for (int64_t c = 0; c < g.Dv; ++c) dst[2 * c] = vr[c];
-        }
-      }
-    }
+    for (int64_t n = 0; n < N; ++n)
+      bad = pair_head(g, kt, n, kt.kb.data() + n * kt.Dp * kt.Skp, kt.vb.data() + n * kt.Skp * g.Dv, row) || bad;
   }
   return bad;
 }
@@ -551,6 +583,10 @@ struct Scratch {
   std::vector<char> touched;
   Scratch(int64_t Dv) : S(BQ * BK), O(BQ * std::max<int64_t>(Dv, 1)), m(BQ), l(BQ),
                         lim(BQ), band(BQ), touched(BQ) {}
+  // room for value rows of Dv (a Scratch kept between calls; every field is written before it is read)
+  void fit(int64_t Dv) {
+    if (O.size() < static_cast<size_t>(BQ * std::max<int64_t>(Dv, 1))) O.resize(BQ * std::max<int64_t>(Dv, 1));
+  }
 };
 
 // Plans the rows of a query block (keys they compute) and resets their running
@@ -821,12 +857,75 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Pre
 #endif
     sgemm('N', 'N', bq, Dv, nb, 1.f, S, BK, g.v.row(b, h, j0), g.v.rs, 1.f, w.O.data(), Dv);
   }
+  if (pr.out_bf16 && pr.voff[n] == pr.voff[n + 1] && pr.vbad.empty()) {
+    // a bfloat16 output and no non-finite value of v for finish_rows to revisit: each row scaled
+    // in place and rounded straight into the output (finish_rows's values, not kept in float32)
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t r = 0; r < bq; ++r) {
+      float* o = &w.O[r * Dv];
+      if (w.l[r] > 0.f) {
+        const float inv = 1.f / w.l[r];
+        for (int64_t c = 0; c < Dv; ++c) o[c] *= inv;
+      } else {
+        std::fill(o, o + Dv, w.touched[r] ? nan : 0.f);
+      }
+      to_bf16(o, pr.out_bf16 + (g.o.row(b, h, i0 + r) - g.o.p), Dv);
+    }
+    return;
+  }
   finish_rows(p, g, mk, pr, n, i0, bq, w);
   if (pr.out_bf16)
     for (int64_t r = 0; r < bq; ++r) {
       const float* row = g.o.row(b, h, i0 + r);
       to_bf16(row, pr.out_bf16 + (row - g.o.p), Dv);
     }
+}
+
+// bfloat16 q, k, v read as they are (forward_bf16_io's direct path) with at least two heads per
+// thread: one task per head, whose thread lays out that head's k panels and v pairs (into its own
+// buffers, kept between calls: they stay in its cache) and then runs the head's query blocks; one
+// parallel region per call.  false where a value of v is not finite (the caller widens the inputs
+// and runs again, writing every output).
+bool forward_heads_bf16(const Params& p, const Geom& g, const MaskView& m, uint16_t* out_bf16) {
+  const int64_t N = g.B * g.H;
+  Prep base;
+  base.onednn_softmax = softmax_nan_at_scores(p, g);
+  base.voff.assign(N + 1, 0);  // no value of v is non-finite (checked per head below)
+  base.out_bf16 = out_bf16;
+  pair_dims(g, base.kt);
+  std::atomic<bool> bad{false};
+  std::string err;
+#pragma omp parallel
+  {
+    thread_local Scratch w(0);
+    w.fit(g.Dv);
+    Prep pr = base;
+    KT& kt = pr.kt;
+    kt.kb.swap(pair_pool(0));
+    kt.vb.swap(pair_pool(1));
+    kt.kb.resize(static_cast<size_t>(kt.Dp) * kt.Skp);
+    kt.vb.resize(static_cast<size_t>(kt.Skp) * g.Dv);
+    std::vector<uint16_t> row(std::max(g.D, g.Dv));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t n = 0; n < N; ++n) {
+      if (bad.load(std::memory_order_relaxed)) continue;
+      try {
+        if (pair_head(g, kt, n, kt.kb.data(), kt.vb.data(), row)) {
+          bad = true;
+          continue;
+        }
+        kt.n0 = n;
+        for (int64_t i0 = 0; i0 < g.Sq; i0 += BQ) forward_block(p, g, m, pr, n, i0, std::min(BQ, g.Sq - i0), w);
+      } catch (const std::exception& e) {
+#pragma omp critical
+        err = e.what();
+      }
+    }
+    kt.kb.swap(pair_pool(0));
+    kt.vb.swap(pair_pool(1));
+  }
+  if (!err.empty()) throw OpError(err);
+  return !bad;
 }
 
 }  // namespace
@@ -888,6 +987,9 @@ bool forward_io(const Params& p, const Geom& g, const MaskView& m, bool bf16_pro
                 uint16_t* out_bf16) {
   const int64_t nqb = (g.Sq + BQ - 1) / BQ, N = g.B * g.H, tasks = N * nqb;
   if (tasks == 0) return true;
+  if (g.kh.p && g.vh.p && bf16_products && cpu_has_avx512_bf16() && BK % 32 == 0 && g.Sk > 0 &&
+      g.D > 0 && N >= 2 * omp_get_max_threads())
+    return forward_heads_bf16(p, g, m, out_bf16);
   Prep pr = prepare(p, g, m, true, bf16_products);
   if (pr.vh_bad) return false;
   pr.out_bf16 = out_bf16;
