@@ -257,7 +257,7 @@ def _device_note(device: str, mode: str, report: FusionReport) -> None:
 def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read: Optional[dict] = None,
                      amp_convs: Optional[dict] = None) -> None:
     """What reduced precision changed, and what it could not (AMP-converted graphs included)."""
-    from .precision import BFLOAT16, FLOAT32_KEPT, tolerance
+    from .precision import BF16_COPIES, BFLOAT16, FLOAT32_KEPT, tolerance
 
     if amp_convs is not None and "kept" in amp_convs:
         report.notes.append("precision bf16: the %d convolution(s) stay float32: %s" % (amp_convs["converted"],
@@ -292,11 +292,17 @@ def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read:
     report.notes.append("precision bf16: %d weight(s) cast once to bfloat16 (new parameters *_bf16; matrix "
                         "products accumulate in float32); float32 kept for: %s; self-check tolerance %g"
                         % (len(cast), "; ".join(FLOAT32_KEPT), tolerance(BFLOAT16)))
-    between = ctx.precision_between
+    copies_of = {nd.name for nd in graph.op_nodes() if nd.op in BF16_COPIES}
+    between = [n for n in ctx.precision_between if n not in copies_of]
+    copies = [n for n in ctx.precision_between if n in copies_of]
     if between:
         report.notes.append("precision bf16: %d fused op output(s) held in bfloat16 between ops (read only by "
                             "bfloat16 products, which rounded them anyway): %s" % (
                                 len(between), ", ".join(between[:5]) + (" …" if len(between) > 5 else "")))
+    if copies:
+        report.notes.append("precision bf16: %d float32 output(s) also written rounded to bfloat16 for the readers "
+                            "that round them (bf16_copy: the next product's data; the residual stream keeps "
+                            "float32): %s" % (len(copies), ", ".join(copies[:5]) + (" …" if len(copies) > 5 else "")))
     kept = {k: v for k, v in ctx.precision_kept.items() if k.split("'")[1] in {n.name for n in graph.op_nodes()}}
     if kept:
         report.notes.append("precision bf16: %d fused op(s) stay float32: %s" % (

@@ -17,7 +17,10 @@ and what stays float32:
   bfloat16 products (the QKV product), and a ``fused_attention`` whose only readers are such
   ``fused_dense`` inputs (the output projection), write their result rounded to nearest even
   (``out_dtype="bfloat16"``, after their float32 epilogue) and the readers take it as it is: the
-  same bits, written once, half the bytes.  ``between_ops`` decides, after the rules.
+  same bits, written once, half the bytes.  A value some readers round and others need in float32
+  (a ``fused_add_layer_norm``'s output: the next projection's data and the residual stream) is
+  written twice (``BF16_COPIES``): in float32, and rounded to bfloat16 as one more output that the
+  rounding readers take.  ``between_ops`` decides, after the rules.
 * **float32**: everything else — the other values between ops (the residual stream, LayerNorm
   inputs and outputs; model inputs and outputs keep their dtype), bias and activation epilogues,
   softmax statistics, masks and scaling, LayerNorm statistics (``fused_add_layer_norm``,
@@ -85,6 +88,12 @@ BF16_WRITERS: Dict[str, Dict[str, str]] = {"fused_dense": {"out_dtype": BFLOAT16
                                            "fused_attention": {"out_dtype": BFLOAT16}}
 _WRITER_NEEDS: Dict[str, Dict[str, Tuple[str, str]]] = {"fused_dense": {"out_layout": ("plain", "plain")},
                                                         "fused_attention": {"precision": (BFLOAT16, FLOAT32)}}
+
+#: Fused op -> the attribute (and its value) that makes it write one more output, last: its output 0
+#: rounded to bfloat16 (nearest even).  The readers of output 0 that round it themselves
+#: (``_rounds_input``) take that copy instead; the others keep reading output 0.  For a value with
+#: both kinds of readers: a LayerNorm's output is the next projection's data and the residual stream.
+BF16_COPIES: Dict[str, Tuple[str, str]] = {"fused_add_layer_norm": ("bf16_copy", "True")}
 
 #: What stays float32 under precision="bf16" (for reports and docs; the kernels implement it).
 FLOAT32_KEPT = ("values between ops other than fused_dense -> fused_dense, fused_dense -> fused_attention "
@@ -372,7 +381,9 @@ def between_ops(graph, precision: str) -> list:
     a fused_attention with bfloat16 products) qualifies when its output is no graph output and each
     of its readers is a BF16_READERS slot that rounds its input to bfloat16 (``_rounds_input``):
     the readers then see the same bits they computed before (both round to nearest even), so the
-    rewrite is exact.  Returns the names of the writers changed."""
+    rewrite is exact.  A BF16_COPIES op read by such a slot writes its output 0 a second time, rounded
+    (one more output), and those slots read the copy (exact for the same reason).  Returns the names
+    of the writers changed."""
     if precision != BFLOAT16:
         return []
     users = graph.consumers()
@@ -392,6 +403,25 @@ def between_ops(graph, precision: str) -> list:
             for k, v in attrs.items():
                 nd.attrs[k] = v
             changed.append(nd.name)
+    from .graph import Entry
+    for nd in graph.op_nodes():
+        copy = BF16_COPIES.get(nd.op)
+        if not copy:
+            continue
+        key, value = copy
+        if str(nd.attrs.raw(key, "False")) == value:
+            changed.append(nd.name)         # already so (a graph fused before)
+            continue
+        rounding = [(r, slot) for r, slot in users.get(nd, [])
+                    if r.inputs[slot].index == 0 and _rounds_input(r, slot)]
+        if not rounding:
+            continue
+        nd.attrs[key] = value
+        index = nd.num_outputs
+        nd.num_outputs += 1
+        for r, slot in rounding:
+            r.inputs[slot] = Entry(nd, index, r.inputs[slot].version)
+        changed.append(nd.name)
     if changed:
         graph.mark_changed()
     return changed

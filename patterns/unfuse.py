@@ -78,6 +78,8 @@ def _is_bf16_value(m: Match, e: Entry) -> bool:
     if m.ctx.dtype(e) == "bfloat16":
         return True
     src = e.node
+    if src.op == "fused_add_layer_norm":     # its bf16_copy output, the last
+        return str(src.attrs.raw("bf16_copy", "False")) == "True" and e.index == src.num_outputs - 1
     key = {"fused_dense": "out_dtype", "fused_attention": "out_dtype", "amp_cast": "dtype"}.get(src.op)
     return key is not None and str(src.attrs.raw(key)) == "bfloat16"
 
@@ -117,9 +119,12 @@ class UnfuseAddLayerNorm(_Unfuse):
         a, bb, g, be = self.inputs(m)
         s = b.op("broadcast_add", [a, bb], name=f.name + "_sum")
         y = b.op("LayerNorm", [s, g, be], attrs={"axis": -1, "eps": float(f.param("eps", 1e-5))}, name=f.name)
+        outs = {Entry(f, 0): y}
         if f.param("output_sum", False):
-            return {Entry(f, 0): y, Entry(f, 1): s}
-        return y
+            outs[Entry(f, 1)] = s
+        if f.param("bf16_copy", False):          # y rounded to bfloat16 (precision.BF16_COPIES)
+            outs[Entry(f, len(outs))] = b.op("amp_cast", [y], attrs={"dtype": "bfloat16"}, name=f.name + "_bf16")
+        return outs if len(outs) > 1 else y
 
 
 # ---------------------------------------------------------------- fused_se

@@ -630,10 +630,20 @@ def _dense_chain(act1, readers=("fc2",)):
 
 
 def _without_between(res):
+    """The fused graph with float32 values between its ops: no out_dtype, and the readers of a
+    bf16_copy output read the float32 output it copies."""
+    from fusion.graph import Entry
     g = res.graph
     for nd in g.op_nodes():
         if "out_dtype" in nd.attrs:
             del nd.attrs["out_dtype"]
+        for k, e in enumerate(nd.inputs):
+            if e.node.op in P.BF16_COPIES and e.node.param("bf16_copy", False) and e.index == e.node.num_outputs - 1:
+                nd.inputs[k] = Entry(e.node, 0, e.version)
+    for nd in g.op_nodes():
+        if nd.op in P.BF16_COPIES and nd.param("bf16_copy", False):
+            del nd.attrs["bf16_copy"]
+            nd.num_outputs -= 1
     return g.to_symbol()
 
 
@@ -735,6 +745,54 @@ def test_fused_dense_reads_and_writes_bf16_alone(act):
 
 
 @needs_bf16
+@pytest.mark.parametrize("a_dtype,output_sum", [("float32", False), ("float32", True), ("bfloat16", False)])
+def test_add_layer_norm_bf16_copy(a_dtype, output_sum):
+    """bf16_copy=True: one more output, last, holding y rounded to bfloat16 (nearest even) — the bits a
+    reader rounding y computes; y (and s) as without it.  Inference only."""
+    rng = np.random.default_rng(8)
+    a32 = rng.standard_normal((3, 7, 48)).astype(np.float32) * 3 + 1
+    a = P.to_bf16(a32) if a_dtype == "bfloat16" else a32
+    b = rng.standard_normal((3, 7, 48)).astype(np.float32)
+    g = rng.uniform(0.5, 1.5, 48).astype(np.float32)
+    beta = rng.standard_normal(48).astype(np.float32)
+    args = {"a": mx.nd.array(a, dtype=a.dtype), "b": mx.nd.array(b), "g": mx.nd.array(g), "beta": mx.nd.array(beta)}
+
+    def run(**kw):
+        sym = S.fused_add_layer_norm(S.var("a", dtype=a.dtype), S.var("b"), S.var("g"), S.var("beta"), eps=1e-5,
+                                     output_sum=output_sum, **kw)
+        return sym, [o.asnumpy() for o in sym.bind(mx.cpu(), args, grad_req="null").forward(is_train=False)]
+    _, plain = run()
+    sym, outs = run(bf16_copy=True)
+    assert len(outs) == len(plain) + 1
+    for got, want in zip(outs, plain):
+        assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    y = plain[0]
+    want_copy = y.view(np.uint16) if P.is_bf16(y.dtype) else P.to_bf16(y).view(np.uint16)
+    assert P.is_bf16(outs[-1].dtype) and np.array_equal(outs[-1].view(np.uint16), want_copy)
+    if a_dtype == "float32":
+        exe = sym.bind(mx.cpu(), args, args_grad={"g": mx.nd.zeros(48)},
+                       grad_req={"a": "null", "b": "null", "g": "write", "beta": "null"})
+        exe.forward(is_train=True)
+        with pytest.raises(mx.base.MXNetError, match="bf16_copy has no backward"):
+            exe.backward([mx.nd.ones(o.shape, dtype=o.dtype) for o in exe.outputs])
+            mx.nd.waitall()
+
+
+@needs_bf16
+def test_bf16_copy_of_a_layer_norm_unfuses_and_verifies():
+    """fuse(precision='bf16') gives the LayerNorms read by a projection and by the residual stream a
+    bf16_copy; unfuse writes it as LayerNorm -> amp_cast, and the stock graph verifies."""
+    sym, arg, aux, shapes = _bert()
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    assert any(n.op == "fused_add_layer_norm" and n.param("bf16_copy", False) for n in res.graph.op_nodes())
+    plain = fusion.unfuse(res.symbol, shapes, res.arg_params, res.aux_params)
+    assert not any(op.startswith("fused_") for op in ops(plain))
+    v = fusion.verify((sym, arg, aux), (plain, res.arg_params, res.aux_params), input_shapes=shapes)
+    assert v.max_rel <= BF16_TOL, v
+    again = fusion.fuse(res.symbol, res.arg_params, res.aux_params, input_shapes=shapes, precision="bf16")
+    assert again.symbol.tojson() == res.symbol.tojson()
+
+
 def test_unfuse_keeps_the_bf16_hand_over():
     sym = _dense_chain("gelu")
     shapes = {"x": (2, 8, 16)}
@@ -912,6 +970,10 @@ def test_attention_values_held_in_bf16_are_exact():
     assert all(n.inputs[0].node.op == "fused_dense" and n.inputs[0].node.attrs.raw("out_dtype") == "bfloat16"
                for n in attn)
     assert "6 fused op output(s) held in bfloat16 between ops" in res.report.to_text()
+    # the LayerNorms feeding a projection write a bfloat16 copy for it (the last one is the graph output)
+    lns = [n for n in res.graph.op_nodes() if n.op == "fused_add_layer_norm"]
+    assert [n.param("bf16_copy", False) for n in lns] == [True, True, True, False]
+    assert "3 float32 output(s) also written rounded to bfloat16" in res.report.to_text()
     x = np.random.default_rng(7).standard_normal(shapes["data"]).astype(np.float32)
     got, exe = _run(res.symbol, res.arg_params, res.aux_params, {"data": x})
     plain, exe2 = _run(_without_between(res), res.arg_params, res.aux_params, {"data": x})

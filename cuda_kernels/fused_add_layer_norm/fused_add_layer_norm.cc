@@ -6,6 +6,9 @@
 // a and b may each be float32 or bfloat16 (inference): the row is widened to float32, the
 // statistics and the normalisation run in float32, and y (and s) are written in a's dtype,
 // rounded to nearest even (gamma and beta stay float32).
+// bf16_copy=True (inference): one more output, last — y rounded to bfloat16 (nearest even), for
+// readers that round y themselves (fuse(..., precision="bf16"): the next fused_dense's data),
+// written from the row while it is in registers; y itself stays as it is for the other readers.
 #include <omp.h>
 
 #include <algorithm>
@@ -22,12 +25,15 @@ namespace {
 struct LNParams {
   float eps;
   bool output_sum;
+  bool bf16_copy;
+  int num_outputs() const { return (output_sum ? 2 : 1) + (bf16_copy ? 1 : 0); }
 };
 
 LNParams parse(const Attrs& a) {
   LNParams p;
   p.eps = attr_float(a, "eps", 1e-5f);
   p.output_sum = attr_bool(a, "output_sum", false);
+  p.bf16_copy = attr_bool(a, "bf16_copy", false);
   const int64_t axis = attr_int(a, "axis", -1);
   if (axis != -1) throw OpError("only axis=-1 (the last axis) is supported, got axis=" +
                                 std::to_string(axis));
@@ -93,7 +99,7 @@ MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
   return guarded("fused_add_layer_norm", [&] {
     LNParams p = parse(a);
     *nin = 4;
-    *nout = p.output_sum ? 2 : 1;
+    *nout = p.num_outputs();
   });
 }
 
@@ -110,6 +116,7 @@ MXReturnValue infer_type(const Attrs& a, std::vector<int>* in, std::vector<int>*
                           : "input " + std::to_string(i) + " (gamma/beta) must be float32");
     }
     for (auto& t : *out) t = (*in)[0];
+    if (parse(a).bf16_copy) out->back() = kBfloat16;
   });
 }
 
@@ -157,6 +164,8 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
     float* S = p.output_sum && !half ? (*out)[1].data<float>() : nullptr;
     uint16_t* Yh = half ? static_cast<uint16_t*>((*out)[0].data_ptr) : nullptr;
     uint16_t* Sh = half && p.output_sum ? static_cast<uint16_t*>((*out)[1].data_ptr) : nullptr;
+    uint16_t* Yc = p.bf16_copy ? static_cast<uint16_t*>(out->back().data_ptr) : nullptr;
+    if (Yc && out->back().dtype != kBfloat16) throw OpError("the bf16_copy output must be bfloat16");
     // A row costs a few microseconds: a small tensor (BERT's 128 x 768) runs on fewer threads
     // than the team (an OpenMP barrier costs more than the rows it would share out), and the
     // moments are summed in SIMD lanes (omp simd reductions: 16 partial sums, not one chain
@@ -195,6 +204,7 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
           to_bf16(y, Yh + r * C, C);
           if (Sh) to_bf16(s, Sh + r * C, C);
         }
+        if (Yc) to_bf16(y, Yc + r * C, C);
       }
     }
   });
@@ -206,6 +216,7 @@ MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* in, std::vecto
                        const OpResource&) {
   return guarded("fused_add_layer_norm backward", [&] {
     LNParams p = parse(attrs);
+    if (p.bf16_copy) throw OpError("bf16_copy has no backward (reduced precision is for inference)");
     const int k = p.output_sum ? 2 : 1;
     for (int i = 0; i < 2; ++i)
       if ((*in)[k + i].dtype == kBfloat16)

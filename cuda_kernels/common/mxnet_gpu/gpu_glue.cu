@@ -428,6 +428,8 @@ MXReturnValue add_layer_norm_forward(const Attrs& a, std::vector<MXTensor>* in,
                                      std::vector<MXTensor>* out, const OpResource& res) {
   return guarded("fused_add_layer_norm (gpu)", [&] {
     require_gpu(*in, "input");
+    if (attr_bool(a, "bf16_copy", false))
+      throw OpError("bf16_copy is CPU only (fuse(..., precision='bf16') targets CPUs with native bfloat16)");
     std::vector<const MXTensor*> ts;
     for (auto& t : *in) ts.push_back(&t);
     for (auto& t : *out) ts.push_back(&t);
