@@ -1104,6 +1104,8 @@ class Oracle:
             return
         if any("held in bfloat16 between ops" in n for n in res.report.notes):
             self.out.count("bf16_values_between_ops")       # the policy's bfloat16 hand-overs reached
+        if any("also written rounded to bfloat16" in n for n in res.report.notes):
+            self.out.count("bf16_copies_between_ops")       # and its bfloat16 copies of float32 values
         for check, x, r in (("bf16", x1, ref), ("bf16.second", x2, ref2)):
             if x is None:
                 continue

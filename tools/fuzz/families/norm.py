@@ -188,12 +188,39 @@ def prenorm(b):
     return [y, s] if d.maybe(0.5, label="stream is output") else [S.broadcast_add(y, s)]
 
 
+def post_norm(b):
+    """A post-norm transformer's sublayers (BERT's): y1 = LayerNorm(a + x), a product of y1, and
+    y2 = LayerNorm(product + y1) — y1 read by a matrix product and by the residual stream."""
+    d = b.d
+    tmpl, c = _x(b, (0, 1, 0))
+    y1 = builtin_ln(b, add(b, b.input("a", tmpl), b.input("x", tmpl), same_shape=True, label="first add"), tmpl, c,
+                    "ln1")
+    hidden = d.choice([c, 2 * c, 4], label="ffn width")
+    h = S.FullyConnected(y1, num_hidden=hidden, flatten=False, no_bias=d.maybe(0.2, label="ffn1 no bias"),
+                         name=b.name("ffn1"))
+    act = d.choice(["none", "relu", "gelu"], [1, 1, 2], label="ffn act")
+    if act == "relu":
+        h = S.relu(h)
+    elif act == "gelu":
+        h = S.LeakyReLU(h, act_type="gelu", name=b.name("gelu"))
+    if hidden != c or d.maybe(0.5, label="ffn2"):
+        h = S.FullyConnected(h, num_hidden=c, flatten=False, name=b.name("ffn2"))
+    outs = [builtin_ln(b, add(b, h, y1, same_shape=True, label="second add"), tmpl, c, "ln2")]
+    if d.maybe(0.2, label="y1 also read by a second product"):
+        outs.append(S.FullyConnected(y1, num_hidden=3, flatten=False, name=b.name("side")))
+    if d.maybe(0.15, label="y1 is an output"):
+        outs.append(y1)
+    return outs
+
+
 def build(b):
     d = b.d
     if d.maybe(0.04, label="float64"):        # not float32: the fused ops must stay away
         b.float_dtype = "float64"
-    form = d.choice(["builtin", "skip", "written_ln", "skip_written", "written_softmax", "prenorm"], [2, 4, 5, 2, 5, 2],
-                    label="form")
+    form = d.choice(["builtin", "skip", "written_ln", "skip_written", "written_softmax", "prenorm", "post_norm"],
+                    [2, 4, 5, 2, 5, 2, 2], label="form")
+    if form == "post_norm":
+        return post_norm(b)
     if form == "skip":
         return skip(b)
     if form == "skip_written":
