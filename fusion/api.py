@@ -198,6 +198,9 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
         amp_convs = convert_convolutions(symbol, arg_params, aux_params, input_shapes, input_dtypes)
         if amp_convs is not None:
             symbol, arg_params, aux_params, amp_convs = amp_convs
+    elif precision != "float32" and mode == "inference" and device == "cpu":
+        from .precision import kept_convolutions
+        amp_convs = kept_convolutions(symbol)
     graph = _as_graph(symbol)
     graph.canonicalize_ops()
     rule_list = resolve_rules(rules)

@@ -488,6 +488,23 @@ def convert_convolutions(symbol, arg_params: Dict, aux_params: Dict, input_shape
     return asym, aarg, aaux, what
 
 
+def kept_convolutions(symbol) -> Optional[Dict]:
+    """The Gluon backend (which can only add parameters to a block, not change the dtype of its own)
+    does not run ``convert_convolutions``: what the report says about the convolutions that stay
+    float32 there, or None (no convolution)."""
+    import json
+
+    import mxnet as mx
+    if not isinstance(symbol, mx.sym.Symbol):
+        return None
+    n = sum(1 for nd in json.loads(symbol.tojson())["nodes"] if nd["op"] in AMP_CONVERTED)
+    if not n:
+        return None
+    return {"converted": n, "kept": "the Gluon backend does not convert them (MXNet's AMP, which runs them in "
+                                    "bfloat16, gives new bfloat16 parameters the block cannot take); fuse() or "
+                                    "mxfuse --precision bf16 on the exported model runs them in bfloat16"}
+
+
 def _mxnet_reason(e: BaseException) -> str:
     """The line of an MXNet error that says what failed (its messages start with a traceback)."""
     lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]

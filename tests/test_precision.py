@@ -435,6 +435,23 @@ def test_gluon_hybridize_precision_bf16():
     assert all(np.dtype(p.dtype) == np.float32 for p in net.collect_params().values())   # the block's own
 
 
+def test_gluon_hybridize_precision_bf16_says_the_convolutions_stay_float32():
+    """The Gluon backend cannot run MXNet's AMP conversion (new bfloat16 parameters for the block's
+    own): the convolutions stay float32 there, and the report says so and where bfloat16 runs them."""
+    from mxnet.gluon import nn
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(8, 3, padding=1), nn.BatchNorm(), nn.Activation("relu"), nn.GlobalAvgPool2D(), nn.Dense(10))
+    net.initialize(mx.init.Xavier())
+    x = mx.nd.random.normal(shape=(2, 3, 12, 12))
+    ref = net(x).asnumpy()
+    net.hybridize(backend="fusion", precision="bf16")
+    y = net(x).asnumpy()
+    assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()
+    text = net.fusion_report.to_text()
+    assert "the 1 convolution(s) stay float32: the Gluon backend does not convert them" in text
+    assert "mxfuse --precision bf16 on the exported model" in text
+
+
 # -- MXNet's AMP ---------------------------------------------------------------------------------
 
 def _amp(sym, arg):
