@@ -95,6 +95,13 @@ _WRITER_NEEDS: Dict[str, Dict[str, Tuple[str, str]]] = {"fused_dense": {"out_lay
 #: both kinds of readers: a LayerNorm's output is the next projection's data and the residual stream.
 BF16_COPIES: Dict[str, Tuple[str, str]] = {"fused_add_layer_norm": ("bf16_copy", "True")}
 
+
+def is_bf16_copy(e) -> bool:
+    """Whether graph entry ``e`` is the bfloat16 copy a BF16_COPIES op writes (its last output)."""
+    copy = BF16_COPIES.get(e.node.op)
+    return (copy is not None and str(e.node.attrs.raw(copy[0], "False")) == copy[1]
+            and e.index == e.node.num_outputs - 1)
+
 #: What stays float32 under precision="bf16" (for reports and docs; the kernels implement it).
 FLOAT32_KEPT = ("values between ops other than fused_dense -> fused_dense, fused_dense -> fused_attention "
                 "and fused_attention -> fused_dense (the residual stream, LayerNorm inputs and outputs), "
@@ -214,7 +221,6 @@ def guard_amp() -> None:
     AMP's op lists do not know them (they take float32 activations), so AMP goes first, or
     ``fuse(..., precision="bf16")`` is used instead."""
     import functools
-    import json
 
     try:
         from mxnet.contrib.amp import amp
@@ -227,7 +233,7 @@ def guard_amp() -> None:
     @functools.wraps(convert)
     def convert_symbol(sym, *args, **kwargs):
         try:
-            fused = sorted({n["op"] for n in json.loads(sym.tojson())["nodes"] if n["op"].startswith("fused_")})
+            fused = sorted({o for o in _ops(sym) if o.startswith("fused_")})
         except Exception:       # not a symbol we can read: AMP says what is wrong with it
             fused = []
         if fused:
@@ -449,18 +455,16 @@ def convert_convolutions(symbol, arg_params: Dict, aux_params: Dict, input_shape
     op in bfloat16 that has no bfloat16 kernel: ``Activation(act_type='softsign')``), or the input
     shapes are not given so that this cannot be tried, the graph is returned as it is with
     ``what["kept"]`` saying why: its convolutions stay float32."""
-    import json
-
     import mxnet as mx
 
     sym = symbol if isinstance(symbol, mx.sym.Symbol) else None
     if sym is None:
         return None
-    ops = [n["op"] for n in json.loads(sym.tojson())["nodes"]]
-    if not any(o in AMP_CONVERTED for o in ops) or any(o in AMP_OPS or o.startswith("fused_") for o in ops):
+    ops = _ops(sym)
+    converted = sum(1 for o in ops if o in AMP_CONVERTED)
+    if not converted or any(o in AMP_OPS or o.startswith("fused_") for o in ops):
         return None
     from mxnet.contrib import amp
-    converted = sum(1 for o in ops if o in AMP_CONVERTED)
 
     def copies(store):
         return {k: (v.copy() if isinstance(v, mx.nd.NDArray) else mx.nd.array(np.asarray(v), dtype=np.asarray(v).dtype))
@@ -488,16 +492,20 @@ def convert_convolutions(symbol, arg_params: Dict, aux_params: Dict, input_shape
     return asym, aarg, aaux, what
 
 
+def _ops(sym) -> list:
+    """The op of every node of an ``mx.sym.Symbol`` ("null" for variables)."""
+    import json
+    return [n["op"] for n in json.loads(sym.tojson())["nodes"]]
+
+
 def kept_convolutions(symbol) -> Optional[Dict]:
     """The Gluon backend (which can only add parameters to a block, not change the dtype of its own)
     does not run ``convert_convolutions``: what the report says about the convolutions that stay
     float32 there, or None (no convolution)."""
-    import json
-
     import mxnet as mx
     if not isinstance(symbol, mx.sym.Symbol):
         return None
-    n = sum(1 for nd in json.loads(symbol.tojson())["nodes"] if nd["op"] in AMP_CONVERTED)
+    n = sum(1 for o in _ops(symbol) if o in AMP_CONVERTED)
     if not n:
         return None
     return {"converted": n, "kept": "the Gluon backend does not convert them (MXNet's AMP, which runs them in "

@@ -77,9 +77,10 @@ def _is_bf16_value(m: Match, e: Entry) -> bool:
     """A value between ops held in bfloat16 (fusion.precision.between_ops), fused or unfused already."""
     if m.ctx.dtype(e) == "bfloat16":
         return True
+    from fusion.precision import is_bf16_copy
+    if is_bf16_copy(e):
+        return True
     src = e.node
-    if src.op == "fused_add_layer_norm":     # its bf16_copy output, the last
-        return str(src.attrs.raw("bf16_copy", "False")) == "True" and e.index == src.num_outputs - 1
     key = {"fused_dense": "out_dtype", "fused_attention": "out_dtype", "amp_cast": "dtype"}.get(src.op)
     return key is not None and str(src.attrs.raw(key)) == "bfloat16"
 

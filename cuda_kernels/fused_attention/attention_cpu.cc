@@ -414,6 +414,12 @@ std::vector<uint16_t>& pair_pool(int which) {
   return pool[which];
 }
 
+// Whether q·kᵀ and p·v run as bfloat16 tile products (KT::kb, vb): asked for, a CPU with
+// avx512_bf16, key tiles of whole panels, and something to multiply.
+bool bf16_tiles(const Geom& g, bool bf16_products) {
+  return bf16_products && cpu_has_avx512_bf16() && BK % 32 == 0 && g.Sk > 0 && g.D > 0;
+}
+
 // KT's sizes for the bfloat16 pairs of g (buffers not sized)
 void pair_dims(const Geom& g, KT& kt) {
   kt.Skp = (g.Sk + 31) / 32 * 32;
@@ -482,7 +488,7 @@ bool prepare_bf16(const Geom& g, KT& kt) {
 Prep prepare(const Params& p, const Geom& g, const MaskView& m, bool forward, bool bf16 = false) {
   Prep pr;
   const int64_t N = g.B * g.H;
-  if (forward && bf16 && cpu_has_avx512_bf16() && BK % 32 == 0 && g.Sk > 0 && g.D > 0) {
+  if (forward && bf16_tiles(g, bf16)) {
     pr.vh_bad = prepare_bf16(g, pr.kt);
   } else if (forward && cpu_has_avx512() && BK % 32 == 0 && g.Sk > 0 && g.D > 0) {
     KT& kt = pr.kt;
@@ -765,21 +771,23 @@ void nonfinite_values(const Params& p, const Geom& g, const MaskView& mk, const 
 // +inf, give NaN as softmax does.  A row that skips keys [lim, Sk) gives NaN in every
 // column where v is not finite among them (0 * inf and 0 * NaN are NaN in the unfused
 // product).
+// Row r's values from the block's sums (out may be the row of w.O itself): O / l, or 0 for an
+// untouched row and NaN for a touched one without a positive sum.
+void finish_row(const Scratch& w, int64_t r, int64_t Dv, float* out) {
+  const float* o = &w.O[r * Dv];
+  if (w.l[r] > 0.f) {
+    const float inv = 1.f / w.l[r];
+    for (int64_t c = 0; c < Dv; ++c) out[c] = o[c] * inv;
+  } else {
+    std::fill(out, out + Dv, w.touched[r] ? std::numeric_limits<float>::quiet_NaN() : 0.f);
+  }
+}
+
 void finish_rows(const Params& p, const Geom& g, const MaskView& mk, const Prep& pr, int64_t n,
                  int64_t i0, int64_t bq, const Scratch& w) {
   const int64_t b = n / g.H, h = n % g.H, Dv = g.Dv;
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  for (int64_t r = 0; r < bq; ++r) {
-    float* out = g.o.mrow(b, h, i0 + r);
-    const float* o = &w.O[r * Dv];
-    if (w.l[r] > 0.f) {
-      const float inv = 1.f / w.l[r];
-      for (int64_t c = 0; c < Dv; ++c) out[c] = o[c] * inv;
-    } else {
-      const float fill = w.touched[r] ? nan : 0.f;
-      for (int64_t c = 0; c < Dv; ++c) out[c] = fill;
-    }
-  }
+  for (int64_t r = 0; r < bq; ++r) finish_row(w, r, Dv, g.o.mrow(b, h, i0 + r));
   nonfinite_values(p, g, mk, pr, n, i0, bq, w);
   for (int64_t r = 0; r < bq; ++r) {
     float* out = g.o.mrow(b, h, i0 + r);
@@ -860,15 +868,9 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Pre
   if (pr.out_bf16 && pr.voff[n] == pr.voff[n + 1] && pr.vbad.empty()) {
     // a bfloat16 output and no non-finite value of v for finish_rows to revisit: each row scaled
     // in place and rounded straight into the output (finish_rows's values, not kept in float32)
-    const float nan = std::numeric_limits<float>::quiet_NaN();
     for (int64_t r = 0; r < bq; ++r) {
       float* o = &w.O[r * Dv];
-      if (w.l[r] > 0.f) {
-        const float inv = 1.f / w.l[r];
-        for (int64_t c = 0; c < Dv; ++c) o[c] *= inv;
-      } else {
-        std::fill(o, o + Dv, w.touched[r] ? nan : 0.f);
-      }
+      finish_row(w, r, Dv, o);
       to_bf16(o, pr.out_bf16 + (g.o.row(b, h, i0 + r) - g.o.p), Dv);
     }
     return;
@@ -960,8 +962,7 @@ void forward_bf16_io(const Params& p, Geom g, const MaskView& m, bool bf16_produ
     g.o.p = of.data();
   }
   if (bf16_in) {
-    const bool direct = bf16_products && cpu_has_avx512_bf16() && BK % 32 == 0 && g.Sk > 0 &&
-                        g.D > 0 && !p.causal;
+    const bool direct = bf16_tiles(g, bf16_products) && !p.causal;
     // read as they are, unless v holds a non-finite value (seen while its pairs are laid out)
     if (direct && forward_io(p, g, m, bf16_products, out_bf16)) return;
     {  // widen q, k, v to float32, each head's rows contiguous
@@ -987,8 +988,7 @@ bool forward_io(const Params& p, const Geom& g, const MaskView& m, bool bf16_pro
                 uint16_t* out_bf16) {
   const int64_t nqb = (g.Sq + BQ - 1) / BQ, N = g.B * g.H, tasks = N * nqb;
   if (tasks == 0) return true;
-  if (g.kh.p && g.vh.p && bf16_products && cpu_has_avx512_bf16() && BK % 32 == 0 && g.Sk > 0 &&
-      g.D > 0 && N >= 2 * omp_get_max_threads())
+  if (g.kh.p && g.vh.p && bf16_tiles(g, bf16_products) && N >= 2 * omp_get_max_threads())
     return forward_heads_bf16(p, g, m, out_bf16);
   Prep pr = prepare(p, g, m, true, bf16_products);
   if (pr.vh_bad) return false;
