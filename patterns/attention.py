@@ -50,7 +50,10 @@ where each ``L`` is a chain of layout ops (Reshape with MXNet's codes 0/-1/-2/-3
 transpose, SwapAxis, expand_dims, squeeze, slice_axis, split).  What a chain does is
 checked by running it — with MXNet's own ops — on an index tensor: ``L_q`` must map
 (B, S, H·D) to the heads (B·H, S, D) or (B, H, S, D) with head ``h`` of batch ``b`` at
-``n = b·H + h``, ``L_o`` must be the inverse merge.  Then the chains disappear::
+``n = b·H + h``, ``L_o`` must be the inverse merge — at sizes of its own (B, Sq, Sk = 2, 5, 7), and at
+the graph's sizes only where MXNet cannot run a chain at those (a Reshape naming a length): a chain
+that runs there and gives something else (a Reshape splitting B·H as (H, B), the merge at batch 1
+only) is refused.  Then the chains disappear::
 
     → y = fused_attention(Xq, Xk, Xv[, mask], layout="bshd", heads=H, …)
     → y = fused_attention(X, [mask], layout="packed_qkv", heads=H, …)   when Xq = Xk = Xv = X (B, S, 3·H·D)
@@ -639,6 +642,11 @@ def split_heads(x: np.ndarray, heads: int, rank: int) -> np.ndarray:
     return y.reshape(b * heads, s, e // heads) if rank == 3 else y
 
 
+class _CannotRun(str):
+    """A reason of ``AttentionHeads._plan_for``: MXNet cannot run a chain at these sizes (a chain
+    that hard-codes a size), which says nothing about the sizes the graph runs at."""
+
+
 class AttentionHeads(Rule):
     name = "attention_heads"
     family = "attention_heads"
@@ -705,13 +713,18 @@ class AttentionHeads(Rule):
         shape_k = m.ctx.shape(m["xk"])
         if shape_q and shape_k and len(shape_q) == 3:
             sizes.append((shape_q[0], shape_q[1], shape_k[1]))     # the real sizes, for chains that hard-code them
+        # The real sizes are tried only where MXNet cannot run a chain at the substitutes: a chain that
+        # runs there and gives something else than the split/merge (a Reshape hard-coding the head
+        # count as the batch factor, say) computes that at other batch sizes too, and is refused
         reason = "the chains are not a head split/merge"
         for b_, sq, sk in sizes:
             plan = self._plan_for(m, widths, packed, b_, sq, sk)
             if not isinstance(plan, str):
                 return plan
+            if not isinstance(plan, _CannotRun):
+                return plan
             reason = plan
-        return reason
+        return str(reason)
 
     def _plan_for(self, m: Match, widths, packed: bool, b_: int, sq: int, sk: int):
         seqs = {"q": sq, "k": sk, "v": sk}
@@ -722,7 +735,9 @@ class AttentionHeads(Rule):
         outs = {}
         for n in "qkv":
             y = run_chain(m[n + "_chain"], rng[n])
-            if y is None or y.ndim not in (3, 4):
+            if y is None:
+                return _CannotRun("MXNet cannot run %s's layout chain at (B, S) = (%d, %d)" % (n, b_, seqs[n]))
+            if y.ndim not in (3, 4):
                 return "%s's layout chain does not give (B·H, S, D) or (B, H, S, D) tensors" % n
             outs[n] = y
         rank = outs["q"].ndim
@@ -743,8 +758,10 @@ class AttentionHeads(Rule):
         o_in = np.arange(b_ * heads * sq * dv, dtype=np.float64)
         o_in = o_in.reshape((b_ * heads, sq, dv) if rank == 3 else (b_, heads, sq, dv))
         y = run_chain(m["o_chain"], o_in)
+        if y is None:
+            return _CannotRun("MXNet cannot run the output chain at (B, S) = (%d, %d)" % (b_, sq))
         merged = o_in.reshape(b_, heads, sq, dv).transpose(0, 2, 1, 3).reshape(b_, sq, heads * dv)
-        if y is None or y.shape != merged.shape or not np.array_equal(y, merged):
+        if y.shape != merged.shape or not np.array_equal(y, merged):
             return "the output chain is not the merge of %d heads back to (B, S, H·D)" % heads
         if (m.has("mask") and rank == 4 and m.node("attn").param("mask_kind", "none") in ("additive", "boolean")
                 and not _shapes(m, m["mask"])):

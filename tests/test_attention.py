@@ -315,6 +315,32 @@ def test_reshape_that_changes_head_order_is_not_folded():
     assert reasons and "not the head split" in reasons[0]
 
 
+def test_merge_that_hard_codes_the_heads_as_the_batch_factor_is_refused():
+    """(-4, H, -1) splits B·H as (H, B), not (B, H): the same as the merge at batch 1 only.  The rule
+    runs the chain at other sizes too, and refuses it there, where it gives something else."""
+    def head_first_merge(o):
+        return S.reshape(S.transpose(S.reshape(o, shape=(-4, H, -1, 0, 0)), axes=(1, 2, 0, 3)), shape=(0, 0, -3))
+    y = mha(split_std, head_first_merge)
+    res = fuse_and_check(y, {"x": (1, L, 10)}, rules=HEAD_RULES, rtol=1e-5)
+    reasons = list(res.report.rules["attention_heads"].rejected.values())
+    assert reasons and "the output chain is not the merge of %d heads" % H in reasons[0]
+    arg = {k: v for k, v in res.arg_params.items()}
+    x2 = np.random.default_rng(3).standard_normal((B, L, 10)).astype(np.float32)
+    assert fusion.verify(y, res, (arg, res.aux_params), inputs={"x": x2}).max_rel <= 1e-5   # batch 2 as well
+
+
+def test_split_that_hard_codes_the_sequence_length_is_planned_at_the_real_sizes():
+    """A chain MXNet can run only at the graph's own sequence length (a Reshape naming it) is checked
+    at the real sizes instead."""
+    seq = 6
+
+    def split_fixed(t):
+        return S.reshape(S.transpose(S.reshape(t, shape=(0, seq, H, -1)), axes=(0, 2, 1, 3)), shape=(-3, 0, 0))
+    y = mha(split_fixed, merge_std)
+    res = check_fused(y, {"x": (B, seq, 10)}, rules=HEAD_RULES)
+    assert ops(res) == {"FullyConnected": 4, "fused_attention": 1}, res.report.to_text()
+
+
 def test_interleaved_selfatt_with_valid_length():
     x = S.var("x")
     qkv = S.FullyConnected(x, num_hidden=3 * E, flatten=False, name="qkv")      # (L, B, 3E)
