@@ -50,10 +50,11 @@ where each ``L`` is a chain of layout ops (Reshape with MXNet's codes 0/-1/-2/-3
 transpose, SwapAxis, expand_dims, squeeze, slice_axis, split).  What a chain does is
 checked by running it — with MXNet's own ops — on an index tensor: ``L_q`` must map
 (B, S, H·D) to the heads (B·H, S, D) or (B, H, S, D) with head ``h`` of batch ``b`` at
-``n = b·H + h``, ``L_o`` must be the inverse merge — at sizes of its own (B, Sq, Sk = 2, 5, 7), and at
-the graph's sizes only where MXNet cannot run a chain at those (a Reshape naming a length): a chain
-that runs there and gives something else (a Reshape splitting B·H as (H, B), the merge at batch 1
-only) is refused.  Then the chains disappear::
+``n = b·H + h``, ``L_o`` must be the inverse merge — at sizes of its own (B, Sq, Sk = 2, 5, 7), or
+else (chains that hard-code a size, a Reshape naming the sequence length) at the graph's sizes and at
+the next batch size, where a chain either cannot run (it names the batch) or must be the split/merge
+too: a Reshape splitting B·H as (H, B), the merge at batch 1 only, is refused.  Then the chains
+disappear::
 
     → y = fused_attention(Xq, Xk, Xv[, mask], layout="bshd", heads=H, …)
     → y = fused_attention(X, [mask], layout="packed_qkv", heads=H, …)   when Xq = Xk = Xv = X (B, S, 3·H·D)
@@ -708,23 +709,23 @@ class AttentionHeads(Rule):
             return "the width of the %s projection is unknown (pass input shapes)" % "/".join(unknown)
         packed = m["xq"] == m["xk"] == m["xv"]
         sub = self.SUBSTITUTE
-        sizes = [(sub["B"], sub["Sq"], sub["Sq"] if packed else sub["Sk"])]
+        plan = self._plan_for(m, widths, packed, sub["B"], sub["Sq"], sub["Sq"] if packed else sub["Sk"])
         shape_q = m.ctx.shape(m["xq"])
         shape_k = m.ctx.shape(m["xk"])
-        if shape_q and shape_k and len(shape_q) == 3:
-            sizes.append((shape_q[0], shape_q[1], shape_k[1]))     # the real sizes, for chains that hard-code them
-        # The real sizes are tried only where MXNet cannot run a chain at the substitutes: a chain that
-        # runs there and gives something else than the split/merge (a Reshape hard-coding the head
-        # count as the batch factor, say) computes that at other batch sizes too, and is refused
-        reason = "the chains are not a head split/merge"
-        for b_, sq, sk in sizes:
-            plan = self._plan_for(m, widths, packed, b_, sq, sk)
-            if not isinstance(plan, str):
-                return plan
-            if not isinstance(plan, _CannotRun):
-                return plan
-            reason = plan
-        return str(reason)
+        if not isinstance(plan, str) or not (shape_q and shape_k and len(shape_q) == 3):
+            return plan
+        # the real sizes, for chains that hard-code them (a Reshape naming the sequence length) ...
+        b_, sq, sk = shape_q[0], shape_q[1], shape_k[1]
+        plan = self._plan_for(m, widths, packed, b_, sq, sk)
+        if isinstance(plan, str):
+            return str(plan)
+        # ... and at another batch size: a chain that runs there and gives something else (a Reshape
+        # splitting B·H as (H, B), the merge at batch 1 only) is refused; one MXNet cannot run there
+        # names the batch size itself (the graph runs at that size only)
+        other = self._plan_for(m, widths, packed, b_ + 1, sq, sk)
+        if isinstance(other, str) and not isinstance(other, _CannotRun):
+            return "the chains are the head split/merge at batch %d only (at batch %d: %s)" % (b_, b_ + 1, other)
+        return plan
 
     def _plan_for(self, m: Match, widths, packed: bool, b_: int, sq: int, sk: int):
         seqs = {"q": sq, "k": sk, "v": sk}
