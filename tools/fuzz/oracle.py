@@ -455,8 +455,12 @@ def train_step(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray], seed: i
     outs = exe.forward(is_train=True)
     rng = np.random.RandomState(seed)
     heads = [mx.nd.array(rng.standard_normal(o.shape), dtype=o.dtype) for o in outs]
+    # the outputs are read before the backward: MXNet's BatchNorm backward updates its moving
+    # statistics (auxiliary states) without declaring the write, so an output that is such a
+    # state read after it races with the update (either value can come back)
+    values = [o.asnumpy() for o in outs]
     exe.backward(heads)
-    return [o.asnumpy() for o in outs], {n: g.asnumpy() for n, g in grads.items()}
+    return values, {n: g.asnumpy() for n, g in grads.items()}
 
 
 def gluon_runs(sym, arg: Dict, aux: Dict, inputs: Sequence[Dict[str, np.ndarray]], backend: Optional[str],
@@ -500,12 +504,13 @@ def gluon_runs(sym, arg: Dict, aux: Dict, inputs: Sequence[Dict[str, np.ndarray]
         with mx.autograd.record(train_mode=True):
             got = block(*xs)
         got = list(got) if isinstance(got, (list, tuple)) else [got]
+        values = [o.asnumpy() for o in got]        # before the backward, as in train_step
         rng = np.random.RandomState(train_seed)
         heads = [mx.nd.array(rng.standard_normal(o.shape), dtype=o.dtype) for o in got]
         mx.autograd.backward(got, heads)
         grads = {prm.name: prm.grad().asnumpy() for prm in block.collect_params().values() if prm.grad_req != "null"}
         grads.update({n: x.grad.asnumpy() for n, x in zip(names, xs) if x.grad is not None})
-        return [o.asnumpy() for o in got], grads
+        return values, grads
 
 
 def perturbed(values: Dict[str, np.ndarray], seed: Optional[int], rel: float = 2.0 ** -20) -> Dict[str, np.ndarray]:
