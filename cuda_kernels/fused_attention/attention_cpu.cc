@@ -281,8 +281,12 @@ MXF_BF16 void k_panels_bf16(const uint16_t* k, int64_t rs, int64_t Sk, int64_t D
     for (int64_t p0 = 0; p0 < D2; p0 += 16) {
       const __mmask16 m = vmath::tail_mask16(D2 - p0);
       __m512i r[16];
-      for (int64_t jj = 0; jj < 16; ++jj)
+      for (int64_t jj = 0; jj < 16; ++jj) {
+        // rows lie a row stride apart (often more than a page: no hardware prefetch across them)
+        if (p0 == 0 && j0 + 16 + jj < Sk)
+          for (int64_t d = 0; d < D; d += 32) _mm_prefetch(reinterpret_cast<const char*>(k + (j0 + 16 + jj) * rs + d), _MM_HINT_T0);
         r[jj] = j0 + jj < Sk ? _mm512_maskz_loadu_epi32(m, k + (j0 + jj) * rs + 2 * p0) : _mm512_setzero_si512();
+      }
       transpose16x16_epi32(r);
       for (int64_t c = 0; c < 16 && p0 + c < D2; ++c) _mm512_storeu_si512(out + (p0 + c) * 32, r[c]);
     }
@@ -290,6 +294,42 @@ MXF_BF16 void k_panels_bf16(const uint16_t* k, int64_t rs, int64_t Sk, int64_t D
 }
 
 bool k_panels_fit(int64_t D) { return D % 2 == 0; }
+
+// exp(s[c] - m) for c < n, rounded to bfloat16 into p (as to_bf16 rounds: nearest even, a NaN
+// kept quiet), p[c] = 0 for n <= c < width; returns the float32 sum of the exps (before rounding,
+// in the order exp_shift_sum_avx512 adds them).  One pass where exp_shift_sum_avx512 then to_bf16
+// made two over the row.
+MXF_BF16 float exp_sum_bf16(const float* s, int64_t n, float m, uint16_t* p, int64_t width) {
+  const __m512 vm = _mm512_set1_ps(m);
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+  const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  const __m512i quiet = _mm512_set1_epi32(0x40);
+  auto cvt = [&](__m512 e) MXF_BF16 {
+    const __m512i u = _mm512_castps_si512(e), hi = _mm512_srli_epi32(u, 16);
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(hi, one)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, quiet));
+  };
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = vmath::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
+    acc = _mm512_add_ps(acc, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), _mm512_cvtepi32_epi16(cvt(e)));
+  }
+  if (i < n) {
+    const __mmask16 k = vmath::tail_mask16(n - i);
+    const __m512 e = _mm512_maskz_mov_ps(k, vmath::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vm)));
+    acc = _mm512_add_ps(acc, e);
+    // zeros past n, up to width
+    _mm512_mask_cvtepi32_storeu_epi16(p + i, vmath::tail_mask16(std::min<int64_t>(16, width - i)), cvt(e));
+    i += 16;
+  }
+  for (; i < width; i += 32) _mm512_mask_storeu_epi16(p + i, static_cast<__mmask32>(
+      width - i >= 32 ? ~0u : (1u << (width - i)) - 1u), _mm512_setzero_si512());
+  return _mm512_reduce_add_ps(acc);
+}
+
 
 // v of one head (bfloat16 rows `rs` elements apart) into pairs of keys (Skp/2, Dv, 2), zero past
 // Sk: two rows interleaved 32 columns at a time.  Returns whether a value is not finite.
@@ -309,6 +349,8 @@ MXF_BF16 bool v_pairs_bf16(const uint16_t* v, int64_t rs, int64_t Sk, int64_t Dv
     const uint16_t* a = v + j * rs;
     const uint16_t* b = j + 1 < Sk ? v + (j + 1) * rs : nullptr;  // an odd tail pairs with zeros
     uint16_t* out = dst + (j / 2) * 2 * Dv;
+    for (int64_t a2 = j + 8; a2 < std::min(j + 10, Sk); ++a2)     // rows ahead (see k_panels_bf16)
+      for (int64_t c0 = 0; c0 < Dv; c0 += 32) _mm_prefetch(reinterpret_cast<const char*>(v + a2 * rs + c0), _MM_HINT_T0);
     for (int64_t c0 = 0; c0 < Dv; c0 += 32) {
       const int64_t nc = std::min<int64_t>(32, Dv - c0);
       const __mmask32 m = lanes(nc);
@@ -627,7 +669,10 @@ void score_tile(const Params& p, const Geom& g, const MaskView& m, int64_t n, in
                 const KT* kt = nullptr) {
   const int64_t b = n / g.H, h = n % g.H;
 #ifdef MXF_HAVE_BF16_PATH
-  if (kt && !kt->kb.empty()) {
+  if (kt && !kt->kb.empty() && g.qh.p && kt->Dp == g.D) {
+    // bfloat16 queries of an even D: their pairs read in place
+    qk_tile_bf16(g.qh.row(b, h, i0), g.qh.rs, kt->kat(n, j0), kt->Dp, bq, nb, p.scale, S, BK);
+  } else if (kt && !kt->kb.empty()) {
     thread_local std::vector<uint16_t> qb;  // the block's queries in bfloat16, D padded to Dp
     qb.assign(bq * kt->Dp, 0);
     for (int64_t r = 0; r < bq; ++r) {
@@ -809,6 +854,16 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Pre
     const int64_t nb = std::min(BK, kmax - j0);
     float* S = w.S.data();
     score_tile(p, g, mk, n, i0, bq, j0, nb, S, w, &pr.kt);
+#ifdef MXF_HAVE_BF16_PATH
+    // bfloat16 products: each row's exps are rounded into pb as they are computed (nb2 key pairs
+    // a row; an odd tail pairs with a zero)
+    const bool bf16_pv = !pr.kt.kb.empty() && avx512;
+    const int64_t nb2 = (nb + 1) / 2;
+    thread_local std::vector<uint16_t> pb;
+    if (!pr.kt.kb.empty() && pb.size() < static_cast<size_t>(bq * nb2 * 2)) pb.resize(bq * nb2 * 2);
+#else
+    const bool bf16_pv = false;
+#endif
     for (int64_t r = 0; r < bq; ++r) {
       float* s = S + r * BK;
       const int64_t cl = std::max<int64_t>(0, std::min(nb, w.lim[r] - j0));
@@ -827,9 +882,17 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Pre
       if (mn == NEG_INF) {  // no finite score yet: contributes nothing, unless one is NaN
         if (has_nan(s, cl)) w.l[r] = std::numeric_limits<float>::quiet_NaN();
         std::fill(s, s + nb, 0.f);
+#ifdef MXF_HAVE_BF16_PATH
+        if (bf16_pv) std::fill(pb.data() + r * nb2 * 2, pb.data() + (r + 1) * nb2 * 2, uint16_t{0});
+#endif
         continue;
       }
       float sum = 0.f;
+#ifdef MXF_HAVE_BF16_PATH
+      if (bf16_pv) {
+        sum = exp_sum_bf16(s, cl, mn, pb.data() + r * nb2 * 2, nb2 * 2);
+      } else
+#endif
       if (avx512) {
         sum = exp_shift_sum_avx512(s, cl, mn);
       } else {
@@ -838,7 +901,8 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Pre
 #pragma omp simd reduction(+ : sum)
         for (int64_t c = 0; c < cl; ++c) sum += s[c];
       }
-      for (int64_t c = cl; c < nb; ++c) s[c] = 0.f;
+      if (!bf16_pv)
+        for (int64_t c = cl; c < nb; ++c) s[c] = 0.f;
       const float alpha = fast_exp(w.m[r] - mn);
       w.l[r] = w.l[r] * alpha + sum;
       w.m[r] = mn;
@@ -849,10 +913,10 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Pre
     }
 #ifdef MXF_HAVE_BF16_PATH
     if (!pr.kt.kb.empty()) {
-      const int64_t nb2 = (nb + 1) / 2;  // key pairs; an odd tail pairs with a zero
-      thread_local std::vector<uint16_t> pb;
-      pb.assign(bq * nb2 * 2, 0);
-      for (int64_t r = 0; r < bq; ++r) to_bf16(S + r * BK, pb.data() + r * nb2 * 2, nb);
+      if (!bf16_pv) {
+        std::fill(pb.begin(), pb.begin() + bq * nb2 * 2, uint16_t{0});
+        for (int64_t r = 0; r < bq; ++r) to_bf16(S + r * BK, pb.data() + r * nb2 * 2, nb);
+      }
       pv_tile_bf16(pb.data(), nb2 * 2, pr.kt.vat(n, j0), Dv, bq, nb2, w.O.data(), Dv);
       continue;
     }
