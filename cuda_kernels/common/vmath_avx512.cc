@@ -48,22 +48,14 @@ MXF_AVX512 bool act_forward_avx512(Act a, float* x, int64_t n) {
 // bits: the scalar to_bf16's arithmetic (dnnl_matmul.cc) on 16 lanes, so the bits are the same
 // (vcvtneps2bf16 is not used: it flushes subnormal inputs to zero)
 MXF_AVX512 void to_bf16_avx512(const float* x, uint16_t* y, int64_t n) {
-  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
-  const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-  const __m512i quiet = _mm512_set1_epi32(0x40);
-  auto cvt = [&](__m512i u) MXF_AVX512 {
-    const __m512i hi = _mm512_srli_epi32(u, 16);
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(hi, one)), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
-    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, quiet));
-  };
+  using vmath::bf16_bits16;
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i),
-                        _mm512_cvtepi32_epi16(cvt(_mm512_loadu_si512(x + i))));
+                        _mm512_cvtepi32_epi16(bf16_bits16(_mm512_loadu_si512(x + i))));
   if (i < n) {
     const __mmask16 m = vmath::tail_mask16(n - i);
-    _mm512_mask_cvtepi32_storeu_epi16(y + i, m, cvt(_mm512_maskz_loadu_epi32(m, x + i)));
+    _mm512_mask_cvtepi32_storeu_epi16(y + i, m, bf16_bits16(_mm512_maskz_loadu_epi32(m, x + i)));
   }
 }
 

@@ -123,6 +123,17 @@ inline __mmask16 tail_mask16(int64_t n) {
                  : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1u);
 }
 
+// float32 bits (16 lanes) -> their bfloat16 bits in each lane's low half: rounded to nearest even,
+// a NaN kept quiet with its payload's top bits (the scalar to_bf16's arithmetic, dnnl_matmul.cc)
+MXF_AVX512 inline __m512i bf16_bits16(__m512i u) {
+  const __m512i hi = _mm512_srli_epi32(u, 16);
+  const __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), _mm512_and_si512(hi, _mm512_set1_epi32(1))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+}
+
 // o = f(a) over n floats, a masked tail included (o may equal a)
 template <class F>
 MXF_AVX512 inline void map16(const float* a, float* o, int64_t n, F f) {

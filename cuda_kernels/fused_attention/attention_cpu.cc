@@ -301,15 +301,7 @@ bool k_panels_fit(int64_t D) { return D % 2 == 0; }
 // made two over the row.
 MXF_BF16 float exp_sum_bf16(const float* s, int64_t n, float m, uint16_t* p, int64_t width) {
   const __m512 vm = _mm512_set1_ps(m);
-  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
-  const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-  const __m512i quiet = _mm512_set1_epi32(0x40);
-  auto cvt = [&](__m512 e) MXF_BF16 {
-    const __m512i u = _mm512_castps_si512(e), hi = _mm512_srli_epi32(u, 16);
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(hi, one)), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
-    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, quiet));
-  };
+  auto cvt = [](__m512 e) MXF_BF16 { return vmath::bf16_bits16(_mm512_castps_si512(e)); };
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
