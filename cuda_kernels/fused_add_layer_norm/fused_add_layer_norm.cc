@@ -16,6 +16,7 @@
 
 #include "dnnl_matmul.h"  // to_bf16 / from_bf16
 #include "mxf_common.h"
+#include "vmath_avx512.h"
 #include "gpu_glue.h"  // the "gpu" implementations (a build with nvcc)
 
 using namespace mxf;
@@ -137,6 +138,41 @@ const float* row_f32(const MXTensor& t, const Bcast& bc, int x, int64_t r, float
   return buf;
 }
 
+#ifdef MXF_HAVE_AVX512_PATH
+// One float32 row in AVX-512 (the scalar loops below run 8 lanes under the x86-64-v3 build): s =
+// a + b, its mean, the variance about it (a second pass, as the scalar loop), then y and its
+// bfloat16 copy from the same registers (yc: null, or y rounded as to_bf16 rounds it).
+MXF_AVX512 void row_avx512(const float* a, const float* b, int64_t C, float eps, const float* G,
+                           const float* Be, float* s, float* y, uint16_t* yc) {
+  using vmath::tail_mask16;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; c += 16) {
+    const __mmask16 m = tail_mask16(C - c);
+    const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, a + c), _mm512_maskz_loadu_ps(m, b + c));
+    _mm512_mask_storeu_ps(s + c, m, v);
+    acc = _mm512_add_ps(acc, v);
+  }
+  const float mean = _mm512_reduce_add_ps(acc) / C;
+  const __m512 vm = _mm512_set1_ps(mean);
+  acc = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; c += 16) {
+    const __mmask16 m = tail_mask16(C - c);
+    const __m512 d = _mm512_maskz_sub_ps(m, _mm512_maskz_loadu_ps(m, s + c), vm);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(d, d));
+  }
+  const float rstd = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / C + eps);
+  const __m512 vr = _mm512_set1_ps(rstd);
+  for (int64_t c = 0; c < C; c += 16) {
+    const __mmask16 m = tail_mask16(C - c);
+    const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + c), vm);
+    const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(d, vr), _mm512_maskz_loadu_ps(m, G + c)),
+                                   _mm512_maskz_loadu_ps(m, Be + c));
+    _mm512_mask_storeu_ps(y + c, m, v);
+    if (yc) _mm512_mask_cvtepi32_storeu_epi16(yc + c, m, vmath::bf16_bits16(_mm512_castps_si512(v)));
+  }
+}
+#endif
+
 MXReturnValue infer_shape(const Attrs& a, std::vector<Shape>* in, std::vector<Shape>* out) {
   return guarded("fused_add_layer_norm", [&] {
     require_known_shapes(*in);
@@ -173,6 +209,7 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
     const int64_t kRowsPerThread = 32;
     const int threads = static_cast<int>(std::max<int64_t>(
         1, std::min<int64_t>(omp_get_max_threads(), R * C / (kRowsPerThread * 768))));
+    const bool avx512 = cpu_has_avx512();
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
       thread_local std::vector<float> tmp, abuf, bbuf, ybuf;  // kept between calls
@@ -183,6 +220,12 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
         const float* ar = row_f32((*in)[0], bc, 0, r, abuf.data());
         const float* br = row_f32((*in)[1], bc, 1, r, bbuf.data());
         float* s = S ? S + r * C : tmp.data();
+#ifdef MXF_HAVE_AVX512_PATH
+        if (avx512 && !half) {
+          row_avx512(ar, br, C, p.eps, G, Be, s, Y + r * C, Yc ? Yc + r * C : nullptr);
+          continue;
+        }
+#endif
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t c = 0; c < C; ++c) {
