@@ -322,7 +322,6 @@ MXF_BF16 float exp_sum_bf16(const float* s, int64_t n, float m, uint16_t* p, int
   return _mm512_reduce_add_ps(acc);
 }
 
-
 // v of one head (bfloat16 rows `rs` elements apart) into pairs of keys (Skp/2, Dv, 2), zero past
 // Sk: two rows interleaved 32 columns at a time.  Returns whether a value is not finite.
 MXF_BF16 bool v_pairs_bf16(const uint16_t* v, int64_t rs, int64_t Sk, int64_t Dv, int64_t Skp,
@@ -847,12 +846,12 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Pre
     float* S = w.S.data();
     score_tile(p, g, mk, n, i0, bq, j0, nb, S, w, &pr.kt);
 #ifdef MXF_HAVE_BF16_PATH
-    // bfloat16 products: each row's exps are rounded into pb as they are computed (nb2 key pairs
-    // a row; an odd tail pairs with a zero)
-    const bool bf16_pv = !pr.kt.kb.empty() && avx512;
+    // bfloat16 products (a CPU with avx512_bf16, so with AVX-512): each row's exps are rounded into
+    // pb as they are computed (nb2 key pairs a row; an odd tail pairs with a zero)
+    const bool bf16_pv = !pr.kt.kb.empty();
     const int64_t nb2 = (nb + 1) / 2;
     thread_local std::vector<uint16_t> pb;
-    if (!pr.kt.kb.empty() && pb.size() < static_cast<size_t>(bq * nb2 * 2)) pb.resize(bq * nb2 * 2);
+    if (bf16_pv && pb.size() < static_cast<size_t>(bq * nb2 * 2)) pb.resize(bq * nb2 * 2);
 #else
     const bool bf16_pv = false;
 #endif
@@ -904,11 +903,7 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Pre
       }
     }
 #ifdef MXF_HAVE_BF16_PATH
-    if (!pr.kt.kb.empty()) {
-      if (!bf16_pv) {
-        std::fill(pb.begin(), pb.begin() + bq * nb2 * 2, uint16_t{0});
-        for (int64_t r = 0; r < bq; ++r) to_bf16(S + r * BK, pb.data() + r * nb2 * 2, nb);
-      }
+    if (bf16_pv) {
       pv_tile_bf16(pb.data(), nb2 * 2, pr.kt.vat(n, j0), Dv, bq, nb2, w.O.data(), Dv);
       continue;
     }

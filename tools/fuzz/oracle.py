@@ -776,7 +776,10 @@ class Oracle:
                     still = unexplained()
                 if still and inputs is not None:
                     dominated = _noise_dominated(self.sym0, self.case.arg, self.case.aux, inputs)
-                    still = ([] if dominated else still) if grads else [(i, m) for i, m in still if i not in dominated]
+                    if grads:       # every gradient is reached from every output
+                        still = [] if dominated else still
+                    else:
+                        still = [(i, m) for i, m in still if i not in dominated]
                 if not still:
                     self.out.count("ill_conditioned")
                     self.out.suppressed.append((check, bad[0][1]))
