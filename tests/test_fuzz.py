@@ -222,6 +222,47 @@ def test_bf16_check_finds_a_wrong_bf16_fuse(monkeypatch, family):
     assert len(both) * 2 >= len(found), found
 
 
+def test_bf16_check_allows_mxnet_amps_own_rounding_but_not_more(monkeypatch):
+    """A conv graph whose BatchNorm (variance 1e-5) magnifies rounding 200× before a tanh:
+    ``fuse(precision="bf16")`` has MXNet's AMP convert it first, and AMP's own result is 0.9 off
+    the float32 original at one element, further than the random bfloat16 runs move it (tanh
+    saturates there).  The fused graph, equal to AMP's, is no finding; off by 10 % it is."""
+    import mxnet as mx
+
+    import fusion
+    from fusion.precision import native_bf16_reason
+    from tools.fuzz.case import Invalid
+    from tools.fuzz.generator import generate
+    from tools.fuzz.oracle import RTOL_BF16, Oracle, forward
+
+    if native_bf16_reason() is not None:
+        pytest.skip(native_bf16_reason())
+    try:
+        case = generate(6100019301264, "conv")       # fuzz seed 6100001, graph 19
+    except Invalid:
+        pytest.skip("the generator no longer gives this graph")
+    x = case.inputs(second=True)
+    oracle = Oracle(case, only=["bf16"])
+    amp = oracle._amp_original(case.symbol, x)
+    ref = forward(case.symbol, case.arg, case.aux, x)
+    if amp is None or max(float(abs(a - r).max()) for a, r in zip(amp, ref)) < 10 * RTOL_BF16:
+        pytest.skip("the generator no longer gives this graph (AMP's run is close to the original)")
+    out = oracle.run()
+    assert not out.findings, [(f.check, f.detail) for f in out.findings]
+    assert out.counters.get("bf16_within_rounding")
+
+    real = fusion.fuse
+
+    def off_by_ten_percent(*args, **kwargs):
+        res = real(*args, **kwargs)
+        if kwargs.get("precision") == "bf16":
+            res.symbol = mx.sym.Group([o * 1.1 for o in res.symbol])
+        return res
+    monkeypatch.setattr(fusion, "fuse", off_by_ten_percent)
+    found = {f.check for f in Oracle(case, only=["bf16"]).run().findings}
+    assert found & {"bf16.values", "bf16.second.values"}, found
+
+
 def test_equalities_one_rounding_apart_hold_in_the_snapped_rerun():
     """``eq(gelu(y), y)``: MXNet's oneDNN gelu gives y one ulp low where erf saturates, another order
     gives y exactly; the oracle's snapped rerun counts values one rounding apart as equal (and no
