@@ -192,6 +192,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     from .modelio import check_param_values
 
     start = time.perf_counter()
+    names = _output_names(symbol)
     amp_convs = None
     if precision != "float32" and copy_params and mode == "inference" and device == "cpu":
         from .precision import convert_convolutions   # the convolutions run in bfloat16 through MXNet's AMP
@@ -230,6 +231,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     _precision_notes(graph, ctx, report, amp, amp_convs)
     if device != "cpu":
         _device_note(device, mode, report)
+    _keep_output_names(graph, names, report, _float32_vars(graph, ctx))
     guarded = guard_layer_outputs(graph)
     if guarded:
         report.notes.append("%d layer output(s) read more than once pass through an identity Reshape before an "
@@ -243,6 +245,60 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
         1 for n in list(arg_out) + list(aux_out) if n in ctx.arg_params or n in ctx.aux_params)
     report.seconds = time.perf_counter() - start
     return FusionResult(sym, arg_out, aux_out, report, graph)
+
+
+def _output_names(symbol: Any) -> Optional[list]:
+    """The model's output names as MXNet gives them (None where MXNet cannot load it: fuse()
+    then says why)."""
+    try:
+        if hasattr(symbol, "list_outputs") and not isinstance(symbol, Graph):
+            return symbol.list_outputs()
+        return _as_graph(symbol).to_symbol().list_outputs()
+    except Exception:  # noqa: BLE001 -- reported where the graph is read
+        return None
+
+
+def _float32_vars(graph: Graph, ctx: Context) -> set:
+    """Variables known to hold float32: parameters by their arrays, inputs by input_dtypes
+    (float32 unless given or the graph says otherwise)."""
+    def f32(t) -> bool:
+        try:
+            return np.dtype(t) == np.float32
+        except TypeError:          # bfloat16 (MXNet's own dtype): not a NumPy type name
+            return False
+
+    stores = {**ctx.arg_params, **ctx.aux_params}
+    given = ctx.input_dtypes or {}
+    out = set()
+    for nd in graph.variables():
+        if nd.name in stores:
+            ok = f32(stores[nd.name].dtype)
+        elif nd.name in given:
+            ok = f32(given[nd.name])
+        else:
+            ok = str(nd.attrs.to_json().get("__dtype__", "0")) == "0"
+        if ok:
+            out.add(nd.name)
+    return out
+
+
+def _keep_output_names(graph: Graph, names: Optional[list], report: FusionReport,
+                       float32_vars: Optional[set] = None) -> None:
+    """The outputs named as the original named them (``fusion/names.py``); the report's fused
+    node names follow a fused node renamed on the way."""
+    from .names import keep_output_names
+
+    if not names:
+        return
+    lost, renamed = keep_output_names(graph, names, float32_vars)
+    if renamed:
+        for rr in report.rules.values():
+            for f in rr.fused:
+                f["new"] = [renamed.get(n, n) for n in f["new"]]
+    if lost:
+        report.notes.append("%d output name(s) changed (an op's own output name, or a parameter handed out "
+                            "that is held in another dtype now, which no node can be named as): %s"
+                            % (len(lost), ", ".join(lost[:5]) + (" …" if len(lost) > 5 else "")))
 
 
 def _device_note(device: str, mode: str, report: FusionReport) -> None:
@@ -368,6 +424,7 @@ def unfuse(symbol: Any, input_shapes: Optional[Mapping[str, Sequence[int]]] = No
     from .precision import BF16_CODE, BFLOAT16, FLOAT32
 
     rules = RULES if nodes is None else [only_nodes(r, set(nodes)) for r in RULES]
+    names = _output_names(symbol)
     graph = _as_graph(symbol)
     report = FusionReport(mode="inference")
     # a model fused with precision="bf16": its stock form is checked against it at the bf16 tolerance
@@ -386,4 +443,5 @@ def unfuse(symbol: Any, input_shapes: Optional[Mapping[str, Sequence[int]]] = No
     if left:
         reasons = "; ".join(r for rr in report.rules.values() for r in rr.rejected.values())
         raise FusionError("cannot unfuse %s: %s" % (", ".join(left), reasons or "no stock form"))
+    _keep_output_names(graph, names, report)
     return graph.to_symbol()

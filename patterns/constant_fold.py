@@ -1,9 +1,18 @@
-r"""Inference clean-ups: Dropout removed, computations on parameters alone precomputed.
+r"""Clean-ups: Dropout (inference) and identity copies removed, computations on parameters
+alone precomputed (inference).
 
 ``dropout`` — at inference MXNet's ``Dropout`` is the identity (unless ``mode='always'``,
 Monte-Carlo dropout, which is kept)::
 
     y = Dropout(x)            →   y = x
+
+``identity`` — MXNet's ``_copy`` (``identity``; what Gluon's ``Dropout(0.0)`` writes, so a
+GluonNLP model built with ``dropout=0`` has one between each attention's softmax and its
+value product) is the identity in value and gradient, in inference and training::
+
+    y = _copy(x)              →   y = x
+
+A model output keeps its name (``fuse`` names the value as the output was named).
 
 ``constant_fold`` — an op all of whose inputs are parameters with known values (GluonNLP
 builds its interleaved QKV weight with ``Reshape``/``Concat``/``stack`` of the separate
@@ -60,6 +69,19 @@ class Dropout(Rule):
         return m["x"]
 
 
+class Identity(Rule):
+    name = "identity"
+    family = "inference_cleanup"
+    benefit = 200
+    description = "_copy (identity) is the identity, value and gradient: removed (inference and training)"
+
+    def pattern(self) -> Pattern:
+        return op._copy(Var("x"), name="copy")
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        return m["x"]
+
+
 def _foldable(node: Node, ctx) -> bool:
     if node.op not in FOLDABLE or not node.inputs:
         return False
@@ -109,4 +131,4 @@ class ConstantFold(Rule):
         return b.param(node.name + "_const", value)
 
 
-RULES: List[Rule] = [Dropout(), ConstantFold()]
+RULES: List[Rule] = [Dropout(), Identity(), ConstantFold()]

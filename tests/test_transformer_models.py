@@ -55,12 +55,18 @@ def bert_layer(x, i, style):
     return layer_norm(f + h, p + "ln2", written)
 
 
-def interleaved_layer(x, i):
-    """GluonNLP style: (L, B, C) layout, interleaved QKV projection, valid lengths."""
+def interleaved_layer(x, i, dropout=None):
+    """GluonNLP style: (L, B, C) layout, interleaved QKV projection, valid lengths; ``dropout``:
+    "identity" as GluonNLP writes dropout=0 (Gluon's Dropout(0.0) is an identity ``_copy``),
+    "dropout" a Dropout (removed at inference)."""
     p = "l%d_" % i
     qkv = fc(x, 3 * UNITS, p + "qkv")
     s = S.contrib.interleaved_matmul_selfatt_qk(qkv, heads=HEADS)
     att = S.softmax(s, S.var("length"), axis=-1, use_length=True)
+    if dropout == "identity":
+        att = S.identity(att)
+    elif dropout == "dropout":
+        att = S.Dropout(att, p=0.1)
     ctx = S.contrib.interleaved_matmul_selfatt_valatt(qkv, att, heads=HEADS)
     h = layer_norm(fc(ctx, UNITS, p + "o") + x, p + "ln1", False)
     return layer_norm(fc(gelu(fc(h, FFN, p + "ffn1"), False), UNITS, p + "ffn2") + h, p + "ln2", False)
@@ -101,10 +107,11 @@ def test_bert_encoder(style):
         (counts, res.report.to_text(explain=True))
 
 
-def test_gluonnlp_interleaved_encoder():
+@pytest.mark.parametrize("dropout", [None, "identity", "dropout"])
+def test_gluonnlp_interleaved_encoder(dropout):
     x = S.var("data")
     for i in range(2):
-        x = interleaved_layer(x, i)
+        x = interleaved_layer(x, i, dropout)
     rng = np.random.default_rng(2)
     lengths = np.repeat(np.array([L, 7], np.int32), HEADS)[:, None].repeat(L, axis=1)
     inputs = {"data": rng.standard_normal((L, B, UNITS)).astype(np.float32), "length": lengths}

@@ -214,6 +214,24 @@ if inputs2 is not None:         # fused at the first shape, trained at the secon
                   RTOL_GRAD, ATOL_GRAD)
 sys.exit(1 if bad else 0)
 ''',
+    "output_names": r'''
+from fusion.precision import native_bf16_reason
+want, bad = sym.list_outputs(), False
+tries = [("inference", {}), ("training", dict(mode="training"))]
+if native_bf16_reason() is None:
+    tries.append(("bf16", dict(precision="bf16")))
+for label, kw in tries:
+    res = fusion.fuse(FUSE_INPUT, nd(arg), nd(aux), **kw, **FUSE_KW)
+    said = [n for n in res.report.notes if "output name(s) changed" in n]
+    for what, got in ((label, res.symbol.list_outputs()),
+                      (label + ", fused again", fusion.fuse(res.symbol, res.arg_params, res.aux_params,
+                                                            **kw, **FUSE_KW).symbol.list_outputs()),
+                      (label + ", unfused", fusion.unfuse(res.symbol).list_outputs())):
+        diff = ["%s -> %s" % (a, b) for a, b in zip(want, got) if a != b]
+        if len(got) != len(want) or (diff and not (said and all(any(d in n for n in said) for d in diff))):
+            print("FAIL %s: output names %s, the model's %s" % (what, got, want)); bad = True
+sys.exit(1 if bad else 0)
+''',
     "subgraph": r'''
 ref = run(sym, arg, aux, inputs)
 assert not report("original with the subgraph backend", ref, run(sym, arg, aux, inputs, subgraph=True), sym.list_outputs())
@@ -389,7 +407,7 @@ def dict_code(name: str, d: Dict[str, np.ndarray]) -> str:
 
 def write(case: Case, finding: Finding, path: str, shrunk_from: int = 0) -> None:
     """Write the reproducer of ``finding`` on ``case`` to ``path``."""
-    group = finding.group
+    group = "output_names" if finding.check.endswith(".output_names") else finding.group
     if group not in CHECK_CODE:
         group = "inference"
     ops = case.op_count()
