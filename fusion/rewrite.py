@@ -556,6 +556,8 @@ class _Pass:
                 taken[id(n)] = anchor.name
             matches.append(accepted)
             self.report.forget_rejections(rule, _key(rule, accepted), fused_at=anchor.name)
+        elif rule.quiet_refusals:
+            pass
         elif first_reason is not None:
             self.report.reject(rule, anchor.name, first_key, first_reason)
         elif self.first_pass and trace.excluded:

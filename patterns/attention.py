@@ -6,6 +6,8 @@ Three rules, applied in this order in every pass:
 
     q' = q | q·c | q/c                                _mul_scalar | _div_scalar, or broadcast_mul/div
                                                       by a 1-element parameter, on q
+       | q/√D                                         _contrib_div_sqrt_dim (D: q's last axis, the same
+                                                      at every probe shape)
     s  = batch_dot(q', k, transpose_b=True)           | linalg_gemm2(q', k, transpose_b=True, alpha=a)
        | batch_dot(q', kᵀ)                            (k given transposed: a SwapAxis of its last two axes)
     s  = s | s·c | s/c                                the same scale forms on the scores
@@ -104,10 +106,11 @@ LENGTH_DTYPES = ("int32", "int64", "uint8", "float32", "float64")   # what the k
 # ---------------------------------------------------------------- the scores → softmax → value pattern
 
 def _scaled(x: Pattern, name: str) -> Pattern:
-    """x, or x times/divided by a constant (scalar op or a 1-element parameter)."""
+    """x, or x times/divided by a constant (scalar op or a 1-element parameter), or divided by the
+    square root of its last axis (``_contrib_div_sqrt_dim``: GluonNLP's DotProductAttentionCell)."""
     return (scalar("mul", x, name=name) | scalar("div", x, name=name)
             | op.broadcast_mul(x, Const(name + "_c"), name=name) | op.broadcast_div(x, Const(name + "_c"), name=name)
-            | x)
+            | op._contrib_div_sqrt_dim(x, name=name) | x)
 
 
 def _masked(s: Pattern) -> Pattern:
@@ -166,6 +169,16 @@ def _scale_step(m: Match, name: str) -> Tuple[Optional[Scale], Optional[str]]:
     if not m.has(name):
         return Scale(), None
     node = m.node(name)
+    if node.op == "_contrib_div_sqrt_dim":
+        # x / sqrt(x.shape[-1]): a constant only where that size is the same at every probe shape
+        dims = sorted({s[-1] for s in _shapes(m, node.inputs[0]) if s})
+        if not dims:
+            return None, "the last axis of '%s' (divided by its square root) has an unknown size (pass input " \
+                         "shapes)" % node.name
+        if len(dims) > 1:
+            return None, ("'%s' divides by the square root of a size that changes with the input shapes (%s): "
+                          "not one scale" % (node.name, ", ".join(map(str, dims))))
+        return Scale(1.0 / math.sqrt(dims[0])), None
     divide = "div" in node.op.lower()
     if "scalar" in node.attrs and node.op.startswith("_"):
         c = float(node.attrs["scalar"])

@@ -14,6 +14,13 @@ value product) is the identity in value and gradient, in inference and training:
 
 A model output keeps its name (``fuse`` names the value as the output was named).
 
+``reshape_identity`` — reshapes (``Reshape``, ``expand_dims``, ``squeeze``, ``Flatten``) that
+give back the shape of the value they start from, at every probe shape, only view the same
+elements in the same order (GluonNLP's attention cell splits the probabilities into (B, H, S, S)
+and merges them back before the value product)::
+
+    y = Reshape(Reshape(x, (-1, H, 0, 0), reverse=True), (-1, 0, 0), reverse=True)   →   y = x
+
 ``constant_fold`` — an op all of whose inputs are parameters with known values (GluonNLP
 builds its interleaved QKV weight with ``Reshape``/``Concat``/``stack`` of the separate
 q/k/v weights on every call) is evaluated once, with MXNet's own op, and replaced by a new
@@ -34,7 +41,7 @@ import numpy as np
 from fusion.errors import FusionError
 from fusion.graph import Entry, Node
 from fusion.matcher import Match
-from fusion.pattern import Pattern, Region, Var, op
+from fusion.pattern import Chain, Pattern, Region, Var, op
 from fusion.rewrite import Builder
 from fusion.rule import Rule
 
@@ -77,6 +84,34 @@ class Identity(Rule):
 
     def pattern(self) -> Pattern:
         return op._copy(Var("x"), name="copy")
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        return m["x"]
+
+
+# ops that only view their input in another shape, elements in the same (row-major) order
+RESHAPES = ("Reshape", "reshape", "_npx_reshape", "expand_dims", "squeeze", "Flatten", "flatten")
+
+
+class ReshapeRoundTrip(Rule):
+    name = "reshape_identity"
+    family = "inference_cleanup"
+    benefit = 200
+    quiet_refusals = True       # every other reshape is refused: not news
+    description = ("a chain of reshapes giving back its input's shape at every input shape is the identity: "
+                   "removed (inference and training)")
+
+    def pattern(self) -> Pattern:
+        return op(*RESHAPES)(Chain(RESHAPES, Var("x"), "chain"), name="reshape")
+
+    def check(self, m: Match) -> Optional[str]:
+        before, after = m.ctx.shapes(m["x"]), m.ctx.shapes(m.anchor_entry)
+        if not before or not after or len(before) != len(after):
+            return "the shapes around '%s' are unknown (pass input shapes)" % m.anchor.name
+        for a, b in zip(before, after):
+            if tuple(a) != tuple(b):
+                return "'%s' gives %s from %s: not the same shape" % (m.anchor.name, tuple(b), tuple(a))
+        return None
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
         return m["x"]
@@ -131,4 +166,4 @@ class ConstantFold(Rule):
         return b.param(node.name + "_const", value)
 
 
-RULES: List[Rule] = [Dropout(), Identity(), ConstantFold()]
+RULES: List[Rule] = [Dropout(), Identity(), ReshapeRoundTrip(), ConstantFold()]

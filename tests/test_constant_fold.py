@@ -64,3 +64,44 @@ def test_value_that_would_hold_nan_or_inf_is_not_folded():
     assert again.report is not None
     ok = fuse_and_check(y, {"x": (3,)}, {"p": mx.nd.array([4.0, 2.0, 1.0])}, {}, rules=["inference_cleanup"])
     assert ok.report.fused_count == 1
+
+
+def test_reshape_round_trip_removed_in_inference_and_training_others_kept_unreported():
+    """Reshapes that give back their input's shape at every probe are the identity (GluonNLP splits
+    the attention probabilities into heads and merges them back); any other reshape stays, and
+    its refusal is not news (the report lists none)."""
+    import numpy as np
+
+    x = S.var("x")
+    rt = S.reshape(S.reshape(S.relu(x), shape=(-1, 1, 0, 0), reverse=True), shape=(-1, 0, 0), reverse=True)
+    kept = S.reshape(S.relu(x, name="r2"), shape=(0, -1))
+    y = S.Group([S.batch_dot(rt, x) * 2.0, kept, S.squeeze(S.expand_dims(x, axis=1), axis=1) + 1.0])
+    res = fuse_and_check(y, {"x": (4, 3, 3)}, {}, {}, rules=["reshape_identity"])
+    rr = res.report.rules["reshape_identity"]
+    assert len(rr.fused) == 2 and not rr.rejected, (rr.fused, rr.rejected)
+    assert ops(res).get("Reshape") == 1 and "expand_dims" not in ops(res)
+    # training: the same, gradients unchanged
+    tr = fusion.fuse(y, {}, {}, mode="training", rules=["reshape_identity"], input_shapes={"x": (4, 3, 3)})
+    assert len(tr.report.rules["reshape_identity"].fused) == 2
+    xv = mx.nd.array(np.random.default_rng(0).standard_normal((4, 3, 3)))
+    got = []
+    for s in (y, tr.symbol):
+        g = mx.nd.zeros((4, 3, 3))
+        e = s.bind(mx.cpu(), {"x": xv}, args_grad={"x": g})
+        outs = e.forward(is_train=True)
+        e.backward([mx.nd.ones(o.shape) for o in outs])
+        got.append([o.asnumpy() for o in outs] + [g.asnumpy()])
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_reshape_that_only_matches_at_the_given_shape_is_kept():
+    """(B, S) → (S, B) by Reshape is a round trip only where B == S: the probes (another batch
+    size) tell it apart, and without input shapes nothing is removed."""
+    y = S.reshape(S.reshape(S.var("x"), shape=(3, 3)), shape=(0, 0)) * 1.0
+    res = fuse_and_check(y, {"x": (3, 3)}, {}, {}, rules=["reshape_identity"])
+    assert res.report.rules["reshape_identity"].fused          # (3, 3) -> (3, 3): the same shape, always
+    z = S.reshape(S.transpose(S.reshape(S.var("x"), shape=(-1,))), shape=(0,)) * 1.0
+    assert not fusion.fuse(z, rules=["reshape_identity"]).report.fused_count    # shapes unknown
+    w = S.reshape(S.var("x"), shape=(0, -1, 2)) * 1.0          # (B, 2S) -> (B, S, 2): another shape
+    assert not fuse_and_check(w, {"x": (2, 4)}, {}, {}, rules=["reshape_identity"]).report.fused_count

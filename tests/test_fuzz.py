@@ -187,8 +187,9 @@ def test_gluon_door_check_finds_a_wrong_fused_block(monkeypatch, family):
 @pytest.mark.parametrize("family", ["dense", "attention", "conv", "norm"])
 def test_bf16_check_finds_a_wrong_bf16_fuse(monkeypatch, family):
     """The bf16 check fuses with precision='bf16' and runs the result at both shapes: clean on a
-    correct fuse; with the bf16 result off by 10 % (more than bfloat16 rounding of every value
-    moves the original) a finding on every graph, at both shapes on most."""
+    correct fuse; with the bf16 result off by 30 % (more than bfloat16 rounding of every value
+    moves the original: up to ~20 % on attention graphs with large scores, whose softmax magnifies
+    it) a finding on every graph, at both shapes on most."""
     import mxnet as mx
 
     import fusion
@@ -210,12 +211,12 @@ def test_bf16_check_finds_a_wrong_bf16_fuse(monkeypatch, family):
 
     real = fusion.fuse
 
-    def off_by_ten_percent(*args, **kwargs):
+    def off_by_thirty_percent(*args, **kwargs):
         res = real(*args, **kwargs)
         if kwargs.get("precision") == "bf16":
-            res.symbol = mx.sym.Group([o * 1.1 for o in res.symbol])
+            res.symbol = mx.sym.Group([o * 1.3 for o in res.symbol])
         return res
-    monkeypatch.setattr(fusion, "fuse", off_by_ten_percent)
+    monkeypatch.setattr(fusion, "fuse", off_by_thirty_percent)
     found = {seed: {f.check for f in Oracle(case, only=["bf16"]).run().findings} for seed, case in clean}
     assert all(f & {"bf16.values", "bf16.second.values"} for f in found.values()), found
     both = [s for s, f in found.items() if {"bf16.values", "bf16.second.values"} <= f]

@@ -161,3 +161,48 @@ def test_gpt_causal_blocks(mask_style, from_scores):
     attn = [n for n in res.graph.op_nodes() if n.op == "fused_attention"]
     assert all(n.attrs["causal"] is True and n.attrs["mask_kind"] == "none" for n in attn)
     assert "_contrib_arange_like" not in counts and "transpose" not in counts, counts
+
+
+def gluonnlp_dot_product_layer(x, i):
+    """GluonNLP's MultiHeadAttentionCell(DotProductAttentionCell) without a mask, as it exports:
+    heads split by Reshape/transpose/Reshape(reverse), q divided by √D (_contrib_div_sqrt_dim),
+    Dropout(0.0) as an identity, the probabilities split into (B, H, S, S) and merged back before
+    the value product."""
+    p = "d%d_" % i
+    def split(t):
+        return S.reshape(S.transpose(S.reshape(t, shape=(0, 0, HEADS, -1)), axes=(0, 2, 1, 3)),
+                         shape=(-1, 0, 0), reverse=True)
+    q = S.contrib.div_sqrt_dim(split(S.FullyConnected(x, num_hidden=UNITS, no_bias=True, flatten=False, name=p + "q")))
+    k = split(S.FullyConnected(x, num_hidden=UNITS, no_bias=True, flatten=False, name=p + "k"))
+    v = split(S.FullyConnected(x, num_hidden=UNITS, no_bias=True, flatten=False, name=p + "v"))
+    att = S.identity(S.softmax(S.batch_dot(q, k, transpose_b=True), axis=-1))
+    att = S.reshape(S.reshape(att, shape=(-1, HEADS, 0, 0), reverse=True), shape=(-1, 0, 0), reverse=True)
+    o = S.reshape(S.batch_dot(att, v), shape=(-1, HEADS, 0, 0), reverse=True)
+    o = S.reshape(S.transpose(o, axes=(0, 2, 1, 3)), shape=(0, 0, -1))
+    h = layer_norm(S.FullyConnected(o, num_hidden=UNITS, no_bias=True, flatten=False, name=p + "proj") + x,
+                   p + "ln1", False)
+    return layer_norm(fc(S.Activation(fc(h, FFN, p + "ffn1"), act_type="relu"), UNITS, p + "ffn2") + h, p + "ln2", False)
+
+
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_gluonnlp_dot_product_attention_cell(mode):
+    x = S.var("data")
+    for i in range(2):
+        x = gluonnlp_dot_product_layer(x, i)
+    rng = np.random.default_rng(3)
+    inputs = {"data": rng.standard_normal((B, L, UNITS)).astype(np.float32)}
+    arg = params_for(x, {"data": (B, L, UNITS)})
+    res = fusion.fuse(x, arg, {}, mode=mode, input_shapes={"data": (B, L, UNITS)})
+    assert ops(res).get("fused_attention") == 2, res.report.to_text(explain=True)
+    v = fusion.verify(x, res, (arg, {}), inputs=inputs)
+    assert v.max_rel <= 1e-4, v
+
+
+def test_div_sqrt_dim_of_the_scores_is_refused_with_the_reason():
+    """On the scores it divides by √Sk, which changes with the sequence length: not one scale."""
+    q, k, v = S.var("q"), S.var("k"), S.var("v")
+    y = S.batch_dot(S.softmax(S.contrib.div_sqrt_dim(S.batch_dot(q, k, transpose_b=True)), axis=-1), v)
+    res = fusion.fuse(y, {}, {}, input_shapes={n: (2, 6, 8) for n in "qkv"})
+    assert not ops(res).get("fused_attention")
+    reasons = list(res.report.rules["attention"].rejected.values())
+    assert any("square root of a size that changes with the input shapes" in r for r in reasons), reasons

@@ -3,7 +3,7 @@
 Grammar::
 
     graph   := core3 | core4 | heads | packed | interleaved | encdec
-    core    := q' = q | q·c | q/c                          (scalar ops, operators)
+    core    := q' = q | q·c | q/c | div_sqrt_dim(q)         (scalar ops, operators)
                s  = batch_dot(q', k, transpose_b=True) | batch_dot(q', kᵀ) | linalg_gemm2(q', k, transpose_b, alpha)
                   | near: batch_dot(qᵀ, k, transpose_a) | linalg_gemm2(…, axis=0) on (S, N, D)
                s  = s | s·c | s/c | s·t (1-element parameter: learnable temperature; or a data input: refused)
@@ -11,6 +11,8 @@ Grammar::
                s  = s | s + mask | where(cond, s, fill) | softmax lengths | causal mask from arange_like
                p  = softmax(s, axis=-1 | rank-1 | near: another axis, temperature) | log_softmax (near)
                p  = p | Dropout(p, p=0|0.1|0.5, mode=training|always)
+               p  = p | identity(p)
+               p  = p | squeeze(expand_dims(p)) | Reshape(Reshape(p, (-1, 1, 0, 0), reverse), (-1, 0, 0), reverse)
                o  = batch_dot(p, v) | linalg_gemm2(p, v) | near: alpha ≠ 1, v given transposed
     mask    := additive data input (0/−1e9, −inf, any values) of a shape broadcastable to the scores
                | additive parameter (a learned bias) | where(cond, s, ones_like(s)·c | zeros_like(s)+c),
@@ -189,7 +191,10 @@ def core(b, q, k, v, geo: Geo, label: str = "core", k_transposed=None):
     d = b.d
     rank = geo.rank
     if d.maybe(0.25, label=label + " q scale"):
-        q = scale(b, q, d.choice([0.5, 0.125, 0.35355339, 2.0], label=label + " q c"), label=label + " q scale")
+        if d.maybe(0.2, label=label + " q div_sqrt_dim"):      # GluonNLP's DotProductAttentionCell
+            q = S.contrib.div_sqrt_dim(q)
+        else:
+            q = scale(b, q, d.choice([0.5, 0.125, 0.35355339, 2.0], label=label + " q c"), label=label + " q scale")
     form = d.choice(["bd", "bd_kt", "gemm", "gemm_kt", "bd_ta"], [6, 2, 3, 1, 1], label=label + " qk form")
     if form in ("bd_kt", "gemm_kt"):
         kt = k_transposed if k_transposed is not None else S.swapaxes(k, dim1=rank - 2, dim2=rank - 1)
@@ -248,6 +253,13 @@ def core(b, q, k, v, geo: Geo, label: str = "core", k_transposed=None):
             p = S.Dropout(p, p=prob)
             if prob > 0:
                 b.flag("random_train")
+    if d.maybe(0.1, label=label + " p identity"):             # Gluon's Dropout(0.0)
+        p = S.identity(p)
+    view = d.choice(["none", "expand_squeeze", "reverse_pair"], [8, 1, 1 if rank == 3 else 0], label=label + " p view")
+    if view == "expand_squeeze":        # a view of p that gives its shape back
+        p = S.squeeze(S.expand_dims(p, axis=1), axis=1)
+    elif view == "reverse_pair":        # GluonNLP: split (N, Sq, Sk) into (N/1, 1, Sq, Sk) and back
+        p = S.reshape(S.reshape(p, shape=(-1, 1, 0, 0), reverse=True), shape=(-1, 0, 0), reverse=True)
     pv = d.choice(["bd", "gemm", "gemm_alpha", "bd_vt"], [6, 3, 1, 1], label=label + " pv form")
     if pv == "bd":
         return S.batch_dot(p, v)
