@@ -78,7 +78,7 @@ def keep_output_names(graph: Graph, names: List[str],
             if holder.is_variable or any(re.fullmatch(re.escape(base) + r"_output\d*", n) and (h, n) != (e, old)
                                          for h, n in zip(heads_before, names)):
                 continue
-            rename(holder, _free(base + "_fused", taken))
+            rename(holder, graph.unique_name(base + "_fused", set(taken)))
         copy = Node("_copy", base, None, [e])
         copy.pos = max(n.pos for n in graph.nodes) + 1 + len(copies)
         taken[base] = copy
@@ -111,12 +111,3 @@ def _cast_of(e: Entry, name: str, float32_vars: Set[str]) -> Optional[Entry]:
             return None
         e = nd.inputs[0]
     return e if e.node.name == name and name in float32_vars else None
-
-
-def _free(base: str, taken: Dict[str, Node]) -> str:
-    if base not in taken:
-        return base
-    k = 1
-    while "%s_%d" % (base, k) in taken:
-        k += 1
-    return "%s_%d" % (base, k)

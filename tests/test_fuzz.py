@@ -184,15 +184,23 @@ def test_gluon_door_check_finds_a_wrong_fused_block(monkeypatch, family):
     assert {"gluon.values", "gluon.second.values", "gluon.training.values"} <= found, (seed, found)
 
 
+def _bf16_off_by(monkeypatch, factor):
+    """fusion.fuse with every precision='bf16' result's outputs multiplied by ``factor``."""
+    import mxnet as mx
+
+    def change(res):
+        if res.report.precision != "float32":
+            res.symbol = mx.sym.Group([o * factor for o in res.symbol])
+    _planted(monkeypatch, change)
+
+
 @pytest.mark.parametrize("family", ["dense", "attention", "conv", "norm"])
 def test_bf16_check_finds_a_wrong_bf16_fuse(monkeypatch, family):
     """The bf16 check fuses with precision='bf16' and runs the result at both shapes: clean on a
     correct fuse; with the bf16 result off by 30 % (more than bfloat16 rounding of every value
     moves the original: up to ~20 % on attention graphs with large scores, whose softmax magnifies
     it) a finding on every graph, at both shapes on most."""
-    import mxnet as mx
 
-    import fusion
     from fusion.precision import native_bf16_reason
     from tools.fuzz.oracle import Oracle
 
@@ -209,14 +217,7 @@ def test_bf16_check_finds_a_wrong_bf16_fuse(monkeypatch, family):
     if not clean:
         pytest.skip("no %s graph checked in bf16 at two shapes among the seeds tried" % family)
 
-    real = fusion.fuse
-
-    def off_by_thirty_percent(*args, **kwargs):
-        res = real(*args, **kwargs)
-        if kwargs.get("precision") == "bf16":
-            res.symbol = mx.sym.Group([o * 1.3 for o in res.symbol])
-        return res
-    monkeypatch.setattr(fusion, "fuse", off_by_thirty_percent)
+    _bf16_off_by(monkeypatch, 1.3)
     found = {seed: {f.check for f in Oracle(case, only=["bf16"]).run().findings} for seed, case in clean}
     assert all(f & {"bf16.values", "bf16.second.values"} for f in found.values()), found
     both = [s for s, f in found.items() if {"bf16.values", "bf16.second.values"} <= f]
@@ -228,9 +229,7 @@ def test_bf16_check_allows_mxnet_amps_own_rounding_but_not_more(monkeypatch):
     ``fuse(precision="bf16")`` has MXNet's AMP convert it first, and AMP's own result is 0.9 off
     the float32 original at one element, further than the random bfloat16 runs move it (tanh
     saturates there).  The fused graph, equal to AMP's, is no finding; off by 10 % it is."""
-    import mxnet as mx
 
-    import fusion
     from fusion.precision import native_bf16_reason
     from tools.fuzz.case import Invalid
     from tools.fuzz.generator import generate
@@ -252,14 +251,7 @@ def test_bf16_check_allows_mxnet_amps_own_rounding_but_not_more(monkeypatch):
     assert not out.findings, [(f.check, f.detail) for f in out.findings]
     assert out.counters.get("bf16_within_rounding")
 
-    real = fusion.fuse
-
-    def off_by_ten_percent(*args, **kwargs):
-        res = real(*args, **kwargs)
-        if kwargs.get("precision") == "bf16":
-            res.symbol = mx.sym.Group([o * 1.1 for o in res.symbol])
-        return res
-    monkeypatch.setattr(fusion, "fuse", off_by_ten_percent)
+    _bf16_off_by(monkeypatch, 1.1)
     found = {f.check for f in Oracle(case, only=["bf16"]).run().findings}
     assert found & {"bf16.values", "bf16.second.values"}, found
 
