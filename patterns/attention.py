@@ -6,8 +6,9 @@ Three rules, applied in this order in every pass:
 
     q' = q | q·c | q/c                                _mul_scalar | _div_scalar, or broadcast_mul/div
                                                       by a 1-element parameter, on q
-       | q/√D                                         _contrib_div_sqrt_dim (D: q's last axis, the same
-                                                      at every probe shape)
+       | q/√D                                         _contrib_div_sqrt_dim, D q's last axis: a projection's
+                                                      width through layout ops that keep it at every size
+                                                      (on the scores it divides by √Sk: refused)
     s  = batch_dot(q', k, transpose_b=True)           | linalg_gemm2(q', k, transpose_b=True, alpha=a)
        | batch_dot(q', kᵀ)                            (k given transposed: a SwapAxis of its last two axes)
     s  = s | s·c | s/c                                the same scale forms on the scores
@@ -170,7 +171,10 @@ def _scale_step(m: Match, name: str) -> Tuple[Optional[Scale], Optional[str]]:
         return Scale(), None
     node = m.node(name)
     if node.op == "_contrib_div_sqrt_dim":
-        # x / sqrt(x.shape[-1]): a constant only where that size is the same at every probe shape
+        # x / sqrt(x.shape[-1]), a size MXNet reads at run time: one scale only where it is fixed
+        if name == "s_scale":
+            return None, ("'%s' divides the scores by the square root of the key length, which changes "
+                          "with the input: not one scale" % node.name)
         dims = sorted({s[-1] for s in _shapes(m, node.inputs[0]) if s})
         if not dims:
             return None, "the last axis of '%s' (divided by its square root) has an unknown size (pass input " \
@@ -178,6 +182,9 @@ def _scale_step(m: Match, name: str) -> Tuple[Optional[Scale], Optional[str]]:
         if len(dims) > 1:
             return None, ("'%s' divides by the square root of a size that changes with the input shapes (%s): "
                           "not one scale" % (node.name, ", ".join(map(str, dims))))
+        reason = _fixed_last_dim(node.inputs[0], dims[0], m)
+        if reason:
+            return None, reason
         return Scale(1.0 / math.sqrt(dims[0])), None
     divide = "div" in node.op.lower()
     if "scalar" in node.attrs and node.op.startswith("_"):
@@ -209,6 +216,36 @@ def _scale_step(m: Match, name: str) -> Tuple[Optional[Scale], Optional[str]]:
         return None, ("scale parameter '%s' of rank %d may broadcast the scores to a higher rank "
                       "(pass input shapes)" % (const.node.name, ndim))
     return Scale(param=const, divide=divide), None
+
+
+def _fixed_last_dim(entry: Entry, size: int, m: Match) -> Optional[str]:
+    """Why the last axis of ``entry`` (``size`` at the probes) may have another size at run time
+    (None: it is fixed).  Fixed: ``entry`` is a projection's output (FullyConnected / fused_dense:
+    its last axis is ``num_hidden``) through layout ops that give ``size`` whatever the other
+    sizes are -- run with MXNet's ops on the projection's shape with other leading sizes.  The
+    probes alone can miss a size that is equal to another by coincidence (a sequence length
+    equal to the number of heads)."""
+    chain = []
+    e = entry
+    while e.node.op in LAYOUT_OPS and len(e.node.inputs) == 1 and len(chain) < 16:
+        chain.append(e)
+        e = e.node.inputs[0]
+    src = e.node
+    shape = m.ctx.shape(e)
+    if src.op not in ("FullyConnected", "fused_dense") or not shape:
+        return ("'%s' divides by the square root of its last axis, which is not a projection's width "
+                "(FullyConnected num_hidden) through layout ops: its size may change at run time" % m.node("q_scale").name)
+    seen = set()
+    for lead in ((2, 3), (5, 7), (3, 11), (7, 2), (1, 13)):
+        lead = (lead + (1,) * len(shape))[:len(shape) - 1]
+        y = run_chain(chain, np.zeros(lead + (shape[-1],)))
+        if y is not None:
+            seen.add(y.shape[-1] if y.ndim else None)
+    if seen != {size}:
+        return ("'%s' divides by the square root of a size its layout ops do not keep at %d for other batch "
+                "and sequence sizes (%s): not one scale" % (m.node("q_scale").name, size,
+                                                           ", ".join(map(str, sorted(seen, key=str))) or "none run"))
+    return None
 
 
 def _axis_reason(m: Match) -> Optional[str]:

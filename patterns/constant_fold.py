@@ -111,10 +111,42 @@ class ReshapeRoundTrip(Rule):
         for a, b in zip(before, after):
             if tuple(a) != tuple(b):
                 return "'%s' gives %s from %s: not the same shape" % (m.anchor.name, tuple(b), tuple(a))
+        # the probes can miss a size equal to another by coincidence: the chain alone, at its
+        # input's sizes each grown alone and all together, must give its input's shape wherever
+        # it runs (a chain that names a size gives another shape, or cannot run, elsewhere)
+        chain = [m.anchor_entry] + list(m["chain"])
+        shape = tuple(before[0])
+        variants = [tuple(d * 2 for d in shape)]
+        for i in range(len(shape)):
+            for grown in (shape[i] * 2, shape[i] + 1):
+                variants.append(shape[:i] + (grown,) + shape[i + 1:])
+        for v in variants:
+            out = _chain_shape(chain, v)
+            if out is not None and out != v:
+                return "'%s' gives %s from %s: not the same shape at every size" % (m.anchor.name, out, v)
         return None
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
         return m["x"]
+
+
+def _chain_shape(chain: List[Entry], shape: tuple) -> Optional[tuple]:
+    """The shape a chain of reshapes (outermost first) gives an input of ``shape``, by MXNet's
+    shape inference; None where it cannot run there (MXNet refuses it, or infers a shape of
+    another size, which it then cannot copy into)."""
+    import mxnet as mx
+
+    y = mx.sym.var("x")
+    for e in reversed(chain):
+        fn = getattr(mx.sym, e.node.op, None) or getattr(mx.sym._internal, e.node.op)
+        y = fn(y, **e.node.attrs.to_json())
+    try:
+        _, out, _ = y.infer_shape(x=shape)
+    except Exception:  # noqa: BLE001 -- MXNet refuses the chain at this shape
+        return None
+    if not out or out[0] is None or int(np.prod(out[0])) != int(np.prod(shape)):
+        return None
+    return tuple(out[0])
 
 
 def _foldable(node: Node, ctx) -> bool:

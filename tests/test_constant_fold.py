@@ -105,3 +105,11 @@ def test_reshape_that_only_matches_at_the_given_shape_is_kept():
     assert not fusion.fuse(z, rules=["reshape_identity"]).report.fused_count    # shapes unknown
     w = S.reshape(S.var("x"), shape=(0, -1, 2)) * 1.0          # (B, 2S) -> (B, S, 2): another shape
     assert not fuse_and_check(w, {"x": (2, 4)}, {}, {}, rules=["reshape_identity"]).report.fused_count
+
+
+def test_reshape_round_trip_that_names_a_size_is_kept():
+    """(2, 3) → (3, -1) → (2, -1) gives (2, 3) back, but at batch 4 (4, 3) → (3, 4) → (2, 6): the
+    graph's probes cannot show that (batch 3 does not run), the chain run alone does."""
+    y = S.reshape(S.reshape(S.var("x"), shape=(3, -1)), shape=(2, -1)) * 1.0
+    res = fuse_and_check(y, {"x": (2, 3)}, {}, {}, rules=["reshape_identity"])
+    assert not res.report.fused_count

@@ -205,4 +205,20 @@ def test_div_sqrt_dim_of_the_scores_is_refused_with_the_reason():
     res = fusion.fuse(y, {}, {}, input_shapes={n: (2, 6, 8) for n in "qkv"})
     assert not ops(res).get("fused_attention")
     reasons = list(res.report.rules["attention"].rejected.values())
-    assert any("square root of a size that changes with the input shapes" in r for r in reasons), reasons
+    assert any("divides the scores by the square root of the key length" in r for r in reasons), reasons
+
+
+def test_div_sqrt_dim_of_a_q_that_is_not_a_projection_stays_outside():
+    """q given as an input (N, S, D) with S = D by coincidence: the probes cannot grow D alone, so
+    they cannot show that it is fixed -- only a projection's width says so.  The division is not
+    folded into the op's scale (the reason is recorded); the attention fuses on the divided q, and
+    matches at a shape with another D."""
+    q, k = S.var("q"), S.var("k")
+    y = S.batch_dot(S.softmax(S.batch_dot(S.contrib.div_sqrt_dim(q), k, transpose_b=True), axis=-1), k)
+    res = fusion.fuse(y, {}, {}, input_shapes={"q": (6, 3, 3), "k": (6, 3, 3)})
+    assert ops(res).get("fused_attention") == 1 and ops(res).get("_contrib_div_sqrt_dim") == 1
+    rng = np.random.default_rng(0)
+    for shape in ((6, 3, 3), (2, 5, 4)):
+        inputs = {n: rng.standard_normal(shape).astype(np.float32) for n in "qk"}
+        v = fusion.verify(y, res, ({}, {}), inputs=inputs)
+        assert v.max_rel <= 1e-5, v

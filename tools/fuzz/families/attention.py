@@ -419,7 +419,9 @@ def heads(b, packed: bool = False):
             parts = [parts[1], parts[0], parts[2]]
         qp, kp, vp = parts
     else:
-        direct = d.choice(["fc", "inputs", "shared"], [9, 2, 1], label="projections")
+        # one shared value is self-attention: not with a memory (its keys would be Sq long while the
+        # lengths drawn for them run to Sk, which MXNet's softmax reads past the row: heap corruption)
+        direct = d.choice(["fc", "inputs", "shared"], [9, 2, 0 if cross else 1], label="projections")
         if direct == "shared":            # q, k and v the same value (not a packed projection)
             qp = kp = vp = fc(x, e, "qkv") if d.maybe(0.5, label="shared fc") else x
             if qp is x and fin != e:
