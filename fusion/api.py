@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from .errors import FusionError
-from .graph import Graph
+from .graph import Graph, GraphError
 from .report import FusionReport
 from .rewrite import Context, run_rules
 from .selfcheck import SelfCheck
@@ -192,7 +192,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     from .modelio import check_param_values
 
     start = time.perf_counter()
-    names = _output_names(symbol)
+    given = symbol
     amp_convs = None
     if precision != "float32" and copy_params and mode == "inference" and device == "cpu":
         from .precision import convert_convolutions   # the convolutions run in bfloat16 through MXNet's AMP
@@ -203,6 +203,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
         from .precision import kept_convolutions
         amp_convs = kept_convolutions(symbol)
     graph = _as_graph(symbol)
+    names = _output_names(given, graph)
     graph.canonicalize_ops()
     rule_list = resolve_rules(rules)
     if arg_params or aux_params:
@@ -247,14 +248,15 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     return FusionResult(sym, arg_out, aux_out, report, graph)
 
 
-def _output_names(symbol: Any) -> Optional[list]:
-    """The model's output names as MXNet gives them (None where MXNet cannot load it: fuse()
-    then says why)."""
+def _output_names(symbol: Any, graph: Graph) -> Optional[list]:
+    """The output names MXNet gives the model as the caller handed it (``symbol``; ``graph`` is
+    what was read from it): None where MXNet cannot load the graph (the result's own
+    ``to_symbol`` then says why)."""
+    if hasattr(symbol, "list_outputs") and not isinstance(symbol, Graph):
+        return symbol.list_outputs()
     try:
-        if hasattr(symbol, "list_outputs") and not isinstance(symbol, Graph):
-            return symbol.list_outputs()
-        return _as_graph(symbol).to_symbol().list_outputs()
-    except Exception:  # noqa: BLE001 -- reported where the graph is read
+        return graph.to_symbol().list_outputs()
+    except GraphError:
         return None
 
 
@@ -424,8 +426,8 @@ def unfuse(symbol: Any, input_shapes: Optional[Mapping[str, Sequence[int]]] = No
     from .precision import BF16_CODE, BFLOAT16, FLOAT32
 
     rules = RULES if nodes is None else [only_nodes(r, set(nodes)) for r in RULES]
-    names = _output_names(symbol)
     graph = _as_graph(symbol)
+    names = _output_names(symbol, graph)
     report = FusionReport(mode="inference")
     # a model fused with precision="bf16": its stock form is checked against it at the bf16 tolerance
     reduced = any(str(nd.attrs.get("__dtype__")) == str(BF16_CODE) for nd in graph.variables())

@@ -556,8 +556,9 @@ class _Pass:
                 taken[id(n)] = anchor.name
             matches.append(accepted)
             self.report.forget_rejections(rule, _key(rule, accepted), fused_at=anchor.name)
-        elif rule.quiet_refusals:
-            pass
+            rr.near_misses.pop(anchor.name, None)
+        elif first_reason is not None and rule.quiet_refusals:
+            rr.near_misses[anchor.name] = first_reason         # --explain lists it; not news otherwise
         elif first_reason is not None:
             self.report.reject(rule, anchor.name, first_key, first_reason)
         elif self.first_pass and trace.excluded:

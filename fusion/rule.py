@@ -38,7 +38,7 @@ class Rule:
     #: Reason reported when an inference-only rule meets ``mode="training"``.
     training_reason: str = "rewrite is inference-only; refused in mode='training'"
     #: A clean-up that applies only where it happens to (a reshape that gives back its input's
-    #: shape): its refusals would list every op it looks at, so they are not reported.
+    #: shape): its refusals would list every op it looks at, so they are near-misses (--explain).
     quiet_refusals: bool = False
     #: Names of matched nodes (besides the anchor) whose outputs the rewrite also replaces.
     exports: Tuple[str, ...] = ()

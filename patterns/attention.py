@@ -238,9 +238,9 @@ def _fixed_last_dim(entry: Entry, size: int, m: Match) -> Optional[str]:
     seen = set()
     for lead in ((2, 3), (5, 7), (3, 11), (7, 2), (1, 13)):
         lead = (lead + (1,) * len(shape))[:len(shape) - 1]
-        y = run_chain(chain, np.zeros(lead + (shape[-1],)))
-        if y is not None:
-            seen.add(y.shape[-1] if y.ndim else None)
+        out = chain_shape(chain, lead + (shape[-1],))
+        if out is not None:
+            seen.add(out[-1] if out else None)
     if seen != {size}:
         return ("'%s' divides by the square root of a size its layout ops do not keep at %d for other batch "
                 "and sequence sizes (%s): not one scale" % (m.node("q_scale").name, size,
@@ -684,6 +684,30 @@ def run_chain(chain: Sequence[Entry], x: np.ndarray) -> Optional[np.ndarray]:
         return y.asnumpy()
     except Exception:          # MXNet rejects the shapes: this chain is not a head layout for them
         return None
+
+
+def chain_shape(chain: Sequence[Entry], shape: Tuple[int, ...]) -> Optional[Tuple[int, ...]]:
+    """The shape ``run_chain`` would give an input of ``shape``, from MXNet's shape inference op by
+    op (nothing allocated); None where MXNet cannot run the chain there (it refuses an op, or a
+    reshape infers a shape of another size, which it then cannot copy into)."""
+    import mxnet as mx
+
+    for e in reversed(chain):
+        fn = getattr(mx.sym, e.node.op, None) or getattr(mx.sym._internal, e.node.op)
+        y = fn(mx.sym.var("x"), **e.node.attrs.to_json())
+        if len(y.list_outputs()) > 1:
+            y = y[e.index]
+        try:
+            _, out, _ = y.infer_shape(x=tuple(shape))
+        except Exception:  # noqa: BLE001 -- MXNet refuses the op at this shape
+            return None
+        if not out or out[0] is None:
+            return None
+        out = tuple(out[0])
+        if e.node.op in _SAME_SIZE and int(np.prod(out)) != int(np.prod(shape)):
+            return None
+        shape = out
+    return tuple(shape)
 
 
 def split_heads(x: np.ndarray, heads: int, rank: int) -> np.ndarray:

@@ -45,6 +45,8 @@ from fusion.pattern import Chain, Pattern, Region, Var, op
 from fusion.rewrite import Builder
 from fusion.rule import Rule
 
+from .attention import chain_shape
+
 # Deterministic ops that only rearrange or combine values: safe to evaluate ahead of time.
 FOLDABLE = frozenset({
     "Reshape", "reshape", "Concat", "concat", "stack", "transpose", "SwapAxis", "expand_dims", "squeeze",
@@ -97,7 +99,7 @@ class ReshapeRoundTrip(Rule):
     name = "reshape_identity"
     family = "inference_cleanup"
     benefit = 200
-    quiet_refusals = True       # every other reshape is refused: not news
+    quiet_refusals = True       # every other reshape is refused: near-misses (--explain), not news
     description = ("a chain of reshapes giving back its input's shape at every input shape is the identity: "
                    "removed (inference and training)")
 
@@ -121,32 +123,13 @@ class ReshapeRoundTrip(Rule):
             for grown in (shape[i] * 2, shape[i] + 1):
                 variants.append(shape[:i] + (grown,) + shape[i + 1:])
         for v in variants:
-            out = _chain_shape(chain, v)
+            out = chain_shape(chain, v)
             if out is not None and out != v:
                 return "'%s' gives %s from %s: not the same shape at every size" % (m.anchor.name, out, v)
         return None
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
         return m["x"]
-
-
-def _chain_shape(chain: List[Entry], shape: tuple) -> Optional[tuple]:
-    """The shape a chain of reshapes (outermost first) gives an input of ``shape``, by MXNet's
-    shape inference; None where it cannot run there (MXNet refuses it, or infers a shape of
-    another size, which it then cannot copy into)."""
-    import mxnet as mx
-
-    y = mx.sym.var("x")
-    for e in reversed(chain):
-        fn = getattr(mx.sym, e.node.op, None) or getattr(mx.sym._internal, e.node.op)
-        y = fn(y, **e.node.attrs.to_json())
-    try:
-        _, out, _ = y.infer_shape(x=shape)
-    except Exception:  # noqa: BLE001 -- MXNet refuses the chain at this shape
-        return None
-    if not out or out[0] is None or int(np.prod(out[0])) != int(np.prod(shape)):
-        return None
-    return tuple(out[0])
 
 
 def _foldable(node: Node, ctx) -> bool:

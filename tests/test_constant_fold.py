@@ -79,6 +79,10 @@ def test_reshape_round_trip_removed_in_inference_and_training_others_kept_unrepo
     res = fuse_and_check(y, {"x": (4, 3, 3)}, {}, {}, rules=["reshape_identity"])
     rr = res.report.rules["reshape_identity"]
     assert len(rr.fused) == 2 and not rr.rejected, (rr.fused, rr.rejected)
+    assert any("gives (4, 9) from (4, 3, 3): not the same shape" in r for r in rr.near_misses.values()), \
+        rr.near_misses                                      # the kept reshape: for --explain only
+    assert "rejected reshape_identity" not in res.report.to_text()
+    assert "near-misses of reshape_identity" in res.report.to_text(explain=True)
     assert ops(res).get("Reshape") == 1 and "expand_dims" not in ops(res)
     # training: the same, gradients unchanged
     tr = fusion.fuse(y, {}, {}, mode="training", rules=["reshape_identity"], input_shapes={"x": (4, 3, 3)})
@@ -102,9 +106,13 @@ def test_reshape_that_only_matches_at_the_given_shape_is_kept():
     res = fuse_and_check(y, {"x": (3, 3)}, {}, {}, rules=["reshape_identity"])
     assert res.report.rules["reshape_identity"].fused          # (3, 3) -> (3, 3): the same shape, always
     z = S.reshape(S.transpose(S.reshape(S.var("x"), shape=(-1,))), shape=(0,)) * 1.0
-    assert not fusion.fuse(z, rules=["reshape_identity"]).report.fused_count    # shapes unknown
+    rz = fusion.fuse(z, rules=["reshape_identity"]).report
+    assert not rz.fused_count
+    assert any("unknown (pass input shapes)" in r for r in rz.rules["reshape_identity"].near_misses.values())
     w = S.reshape(S.var("x"), shape=(0, -1, 2)) * 1.0          # (B, 2S) -> (B, S, 2): another shape
-    assert not fuse_and_check(w, {"x": (2, 4)}, {}, {}, rules=["reshape_identity"]).report.fused_count
+    rw = fuse_and_check(w, {"x": (2, 4)}, {}, {}, rules=["reshape_identity"]).report
+    assert not rw.fused_count
+    assert any("gives (2, 2, 2) from (2, 4)" in r for r in rw.rules["reshape_identity"].near_misses.values())
 
 
 def test_reshape_round_trip_that_names_a_size_is_kept():
@@ -113,3 +121,5 @@ def test_reshape_round_trip_that_names_a_size_is_kept():
     y = S.reshape(S.reshape(S.var("x"), shape=(3, -1)), shape=(2, -1)) * 1.0
     res = fuse_and_check(y, {"x": (2, 3)}, {}, {}, rules=["reshape_identity"])
     assert not res.report.fused_count
+    reasons = res.report.rules["reshape_identity"].near_misses.values()
+    assert any("not the same shape at every size" in r for r in reasons), reasons

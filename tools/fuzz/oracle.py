@@ -1187,8 +1187,7 @@ class Oracle:
                                         {k: str(v.dtype) for k, v in x.items()})
             if conv is None or "kept" in conv[3]:
                 return None
-            return [o.astype(np.float32) if o.dtype != np.float32 and o.dtype.kind in "fV" else o
-                    for o in forward(conv[0], conv[1], conv[2], x)]
+            return forward(conv[0], conv[1], conv[2], x)      # outputs cast back to float32 there
         except Exception:
             return None
 
