@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml $(wildcard cuda_kernels/*/*.cc cuda_kernels/*/*.h cuda_
 	if command -v nvcc >/dev/null 2>&1; then $(BIN)/python -m pip install -q nvidia-cublas || \
 	    echo "note: nvidia-cublas could not be installed: the CUDA fused_dense is built as stubs"; fi
 	$(BIN)/python -m pip install -q -e ".[test]"
-	$(BIN)/python -m fusion.build
+	$(BIN)/python -m fusion.native.build
 	touch $@
 
 demo: setup

@@ -25,7 +25,7 @@ sys.path.insert(0, _REPO)
 
 def _native():
     try:
-        from fusion import _native
+        from fusion.native import library as _native
         return _native
     except Exception:
         spec = importlib.util.spec_from_file_location("fusion_native_bench",

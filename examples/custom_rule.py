@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 
 import fusion  # noqa: E402
 from fusion import Rule  # noqa: E402
-from fusion.pattern import Var, op, scalar  # noqa: E402
+from fusion.ir.pattern import Var, op, scalar  # noqa: E402
 
 
 class ScaledTanh(mx.operator.CustomOp):

@@ -48,12 +48,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from fusion.errors import FusionError
-from fusion.graph import Entry, Node
-from fusion.matcher import Match
-from fusion.pattern import Pattern, Region
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.errors import FusionError
+from fusion.ir.graph import Entry, Node
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Pattern, Region
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
 from ._dtypes import not_float32 as _heuristic_not_float32
 
@@ -215,7 +215,7 @@ def _training_comparison(node: Node, ctx) -> bool:
     functions check for an all-zero gradient) or run it on zeros (Activation, LeakyReLU: 0 · NaN is
     NaN where their derivative is); a program's backward cannot tell which op a value came from,
     so in training the comparison stays a stock op."""
-    from fusion.workarounds import ZERO_GRADIENT
+    from fusion.engine.workarounds import ZERO_GRADIENT
 
     return ctx.mode == "training" and node.op in ZERO_GRADIENT
 

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 from typing import List
 
-from fusion.errors import FusionError
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.errors import FusionError
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
 from ._unfuse_base import _Unfuse
 from .unfuse_elemwise import ElemwiseProgram, UnfuseElemwise
@@ -64,7 +64,7 @@ def _activation(b: Builder, x: Entry, act: str, slope: float, name: str) -> Entr
 
 
 def _is_bf16_weight(m: Match, w: Entry) -> bool:
-    from fusion.precision import BF16_CODE, is_bf16
+    from fusion.precision.policy import BF16_CODE, is_bf16
     if m.ctx.dtype(w) == "bfloat16":
         return True
     value = m.ctx.value(w)
@@ -77,7 +77,7 @@ def _is_bf16_value(m: Match, e: Entry) -> bool:
     """A value between ops held in bfloat16 (fusion.precision.between_ops), fused or unfused already."""
     if m.ctx.dtype(e) == "bfloat16":
         return True
-    from fusion.precision import is_bf16_copy
+    from fusion.precision.policy import is_bf16_copy
     if is_bf16_copy(e):
         return True
     src = e.node

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fusion.errors import FusionError
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.rewrite import Builder
+from fusion.ir.errors import FusionError
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.engine.rewrite import Builder
 
 from ._unfuse_base import _Unfuse
 

@@ -4,10 +4,10 @@ writes (see ``patterns/split_attention.py``; a folded BatchNorm stays folded int
 with their activations, SE and residual add as stock ops; ``fused_dense_block`` → its layers and concatenations."""
 from __future__ import annotations
 
-from fusion.errors import FusionError
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.rewrite import Builder
+from fusion.ir.errors import FusionError
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.engine.rewrite import Builder
 
 from ._unfuse_base import _Unfuse
 

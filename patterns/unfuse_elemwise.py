@@ -24,11 +24,11 @@ from __future__ import annotations
 import re
 from typing import List, Optional
 
-from fusion.errors import FusionError
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.pattern import Pattern, Var, op
-from fusion.rewrite import Builder
+from fusion.ir.errors import FusionError
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Pattern, Var, op
+from fusion.engine.rewrite import Builder
 
 from ._unfuse_base import _Unfuse
 

@@ -12,8 +12,8 @@ import sys
 
 import numpy as np
 
-from fusion import _native
-from fusion import precision as P
+from fusion.native import library as _native
+from fusion.precision import policy as P
 
 
 def _special_bits() -> np.ndarray:

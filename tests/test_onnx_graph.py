@@ -10,8 +10,8 @@ ort = pytest.importorskip("onnxruntime")
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from fusion import onnx_passes  # noqa: E402
-from fusion.onnx_graph import Const, GraphView, Init, Input, Op, Var, match, matches  # noqa: E402
+from fusion.onnx import passes as onnx_passes  # noqa: E402
+from fusion.onnx.graph import Const, GraphView, Init, Input, Op, Var, match, matches  # noqa: E402
 
 RTOL = 1e-6
 

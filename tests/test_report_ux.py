@@ -73,7 +73,7 @@ def test_report_records_versions_shapes_and_command_line(tmp_model, tmp_path, ca
 def test_batch_reports_record_the_batch_command(tmp_path):
     import io
 
-    from fusion import batch
+    from fusion.doors import batch
 
     sym = small_cnn()
     arg, aux = random_params(sym, {"data": (1, 3, 8, 8)})
@@ -146,7 +146,7 @@ def test_an_input_of_the_graph_is_not_blamed_on_missing_params():
 
 
 def test_benchmark_figures_spread_like_for_like_and_slower_warning():
-    from fusion import bench
+    from fusion.check import bench
 
     ms = [i / 1e3 for i in range(1, 11)]                     # 1..10 ms: median 5.5, p10 1.9, p90 9.1
     b = bench.figures({"original": ms, "fused": [t * 2 for t in ms],
@@ -169,7 +169,7 @@ def test_benchmark_figures_spread_like_for_like_and_slower_warning():
 
 
 def test_cli_benchmark_prints_like_for_like_and_warns_when_slower(tmp_model, tmp_path, capsys, monkeypatch):
-    from fusion import bench
+    from fusion.check import bench
 
     real = bench.time_samples
 
@@ -210,7 +210,7 @@ def test_progress_redraws_one_line_on_a_terminal():
     import io
     import time
 
-    from fusion import progress
+    from fusion.doors import progress
 
     class Tty(io.StringIO):
         def isatty(self):
@@ -233,7 +233,7 @@ def test_progress_through_a_real_terminal(tmp_model, tmp_path):
 
     sp, pp = tmp_model()
     master, slave = pty.openpty()
-    proc = subprocess.run([sys.executable, "-m", "fusion.cli", str(sp), "--params", str(pp), "-o", str(tmp_path / "o"),
+    proc = subprocess.run([sys.executable, "-m", "fusion.doors.cli", str(sp), "--params", str(pp), "-o", str(tmp_path / "o"),
                            "--shape", "data=1,3,8,8", "--verify"], cwd=ROOT, stdout=subprocess.PIPE, stderr=slave,
                           timeout=300)
     os.close(slave)

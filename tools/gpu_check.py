@@ -30,7 +30,7 @@ _START = time.time()
 
 def native():
     spec = importlib.util.spec_from_file_location("mxfusion_native_gpu_check",
-                                                  os.path.join(REPO, "fusion", "_native.py"))
+                                                  os.path.join(REPO, "fusion", "native", "library.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -85,7 +85,7 @@ def main():
                   "print('built', n.build(verbose=True, cuda=True, cpu=False))\n"
                   "try:\n    print('built', n.build(verbose=True, cuda=True, gpu=True))\n"
                   "except RuntimeError as e:\n    print('op library not built:', str(e).splitlines()[0])\n"
-                  % os.path.join(REPO, "fusion", "_native.py"))
+                  % os.path.join(REPO, "fusion", "native", "library.py"))
     code, secs, text = run("build", [py, "-c", build_code], logdir, env)
     note = next((ln for ln in text.splitlines() if ln.startswith("op library not built")), "CUDA + op library")
     rows.append(("build", code, secs, note))

@@ -178,7 +178,7 @@ def benchmark_lines(b: Mapping[str, Any]) -> List[str]:
 
 def warn(b: Mapping[str, Any], stream: Optional[Any] = None) -> None:
     """Each benchmark warning as one ``mxfuse: warning:`` line on stderr."""
-    from .progress import message
+    from ..doors.progress import message
 
     for w in b.get("warnings", ()):
         message("mxfuse: warning: " + w, stream)

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import FusionError
+from ..ir.errors import FusionError
 
 DEFAULT_RTOL = 1e-4
 DRAWS = 2           # random draws compared when no inputs are given
@@ -131,7 +131,7 @@ _MASKING = _MUL | {"_rminus_scalar", "where", "logical_not", "broadcast_logical_
 
 def _length_domain(node: Any, slot: int, shape_of) -> Optional[Tuple]:
     """Valid lengths in [1, S] (selfcheck's draws allow 0, which a user's data never holds)."""
-    from .selfcheck import _attention_keys, _softmax_length_bound
+    from ..engine.selfcheck import _attention_keys, _softmax_length_bound
 
     if node.op in ("softmax", "log_softmax", "masked_softmax") and slot == 1 and node.param("use_length", False):
         n = _softmax_length_bound(node, shape_of)
@@ -146,7 +146,7 @@ def _length_domain(node: Any, slot: int, shape_of) -> Optional[Tuple]:
 
 
 def _domain_of(entry_users, users_of, shape_of) -> Optional[Tuple]:
-    from .selfcheck import _input_domain
+    from ..engine.selfcheck import _input_domain
 
     return _input_domain(entry_users, users_of, shape_of, domain=_length_domain, max_depth=8)
 
@@ -154,7 +154,7 @@ def _domain_of(entry_users, users_of, shape_of) -> Optional[Tuple]:
 def _is_mask(entry_users, users_of, shape_of, size: int, depth: int = 0) -> bool:
     """Read only by masking ops, at least once multiplied into a larger tensor or made an additive
     mask (``(1 − m)·(−10000)``, BERT's way)."""
-    from .selfcheck import _PASS_THROUGH
+    from ..engine.selfcheck import _PASS_THROUGH
 
     masks = False
     for node, slot in entry_users:
@@ -194,8 +194,8 @@ def input_domains(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mappin
                   input_shapes: Mapping[str, Sequence[int]]) -> Dict[str, Tuple]:
     """How the model reads each data input (of ``input_shapes``): name -> ("int", lo, hi) (both
     included), ("bool",) or ("real",)."""
-    from .facts import infer
-    from .graph import Entry, Graph
+    from ..engine.facts import infer
+    from ..ir.graph import Entry, Graph
 
     graph = Graph.from_symbol(symbol)
     known = {k: tuple(v.shape) for k, v in list(arg_params.items()) + list(aux_params.items())}
@@ -223,8 +223,8 @@ def input_domains(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mappin
 def input_dtypes(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any]) -> Dict[str, str]:
     """The dtype MXNet's type inference gives each data input with the parameters' dtypes
     (float32, or the float dtype the parameters need; see ``modelio.fitting_input_dtypes``)."""
-    from .modelio import fitting_input_dtypes
-    from .precision import is_bf16
+    from ..files.modelio import fitting_input_dtypes
+    from ..precision.policy import is_bf16
 
     # bfloat16 parameters (AMP's, or precision="bf16") cannot be given to MXNet's Python type
     # inference by name; their variables declare it in the graph
@@ -238,7 +238,7 @@ def random_inputs(symbol: Any, arg_params: Mapping[str, Any], input_shapes: Mapp
                   seed: int = 0, aux_params: Optional[Mapping[str, Any]] = None) -> Dict[str, np.ndarray]:
     """Random values for every argument of ``symbol`` that is not a parameter, each drawn in the
     domain the model reads it in (see the module docs) and of the dtype the model gives it."""
-    from .selfcheck import _draw
+    from ..engine.selfcheck import _draw
 
     aux_params = aux_params or {}
     data_names = [n for n in symbol.list_arguments() if n not in arg_params]
@@ -339,7 +339,7 @@ def _run_or_say(symbol, arg, aux, feed, what: str) -> List[np.ndarray]:
     """``run``, with MXNet's refusal as a one-line error (e.g. a float16 model on a CPU without fp16 GEMM)."""
     import mxnet as mx
 
-    from .graph import _first_line
+    from ..ir.graph import _first_line
 
     try:
         return run(symbol, arg, aux, feed)

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 def versions() -> Dict[str, str]:
     import mxnet
 
-    from . import __version__
+    from .. import __version__
 
     return {"mxnet_fusion": __version__, "mxnet": mxnet.__version__, "python": platform.python_version()}
 

@@ -55,8 +55,8 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
                     ctx: Any = None, **unused: Any):
     """Fuse ``symbol``; add the new parameters to ``args``/``aux`` like MXNet's partitioners (the
     caller's entries stay); return the new symbol."""
-    from .api import _fuse_gc_off
-    from .errors import FusionError, ParamsError
+    from ..api import _fuse_gc_off
+    from ..ir.errors import FusionError, ParamsError
 
     nested = unused.pop("backend_opts", None) or {}   # MXNet 2.0 spelling: hybridize(backend_opts={...})
     mode, rules = nested.pop("mode", mode), nested.pop("rules", rules)
@@ -66,7 +66,7 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
     if unused:
         raise ValueError("unknown option(s) for backend '%s': %s (known: mode, rules, precision, force, device)"
                          % (BACKEND, ", ".join(sorted(unused))))
-    from .api import check_device
+    from ..api import check_device
     if device is None:      # the context MXNet partitions for (a Gluon block: its inputs')
         device = "cpu" if ctx is None or str(getattr(ctx, "device_type", "cpu")).startswith("cpu") else ctx
     device = check_device(device)
@@ -86,9 +86,9 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
               for k, v in (args or {}).items() if k in data_names}
     if mode not in ("inference", "training"):
         raise ValueError("mode must be inference or training, not %r" % (mode,))
-    from .precision import resolve
+    from ..precision.policy import resolve
     precision = resolve(precision, str(force).lower() in ("true", "1") or device == "gpu", mode)
-    from .api import _check_device_precision
+    from ..api import _check_device_precision
     _check_device_precision(device, precision)
     try:
         result = _fuse_gc_off(symbol, params, aux or {}, rules, mode, shapes, dtypes, True, copy_params=False,

@@ -501,7 +501,7 @@ def run_batch(inputs: Sequence[str], outdir: str, *, jobs: Optional[int] = None,
     stop = _Stop()
 
     with _signals_stop(stop), _worker_threads(jobs):
-        from .modelio import TEMP_PREFIX
+        from ..files.modelio import TEMP_PREFIX
         staging = tempfile.mkdtemp(prefix=TEMP_PREFIX + "batch-", dir=outdir)
 
         def finish(k: int, outcome: Outcome) -> None:

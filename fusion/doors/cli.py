@@ -23,12 +23,12 @@ import sys
 from typing import List, Optional, Tuple
 
 from . import about, batch, progress, serving
-from .api import FusionResult, fuse, unfuse
+from ..api import FusionResult, fuse, unfuse
 from .argtypes import positive_float, positive_int
-from .errors import FusionError
-from .graph import Graph
-from .modelio import model_files, output_paths, parse_shape, read_graph, read_params, text_file, validate_params
-from .publish import check_outputs, publish
+from ..ir.errors import FusionError
+from ..ir.graph import Graph
+from ..files.modelio import model_files, output_paths, parse_shape, read_graph, read_params, text_file, validate_params
+from ..files.publish import check_outputs, publish
 
 
 class _Parser(argparse.ArgumentParser):
@@ -187,7 +187,7 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
     if args.model.lower().endswith(".onnx"):
         if args.params:
             raise FusionError("an ONNX file carries its own weights; drop --params")
-        from .onnx_io import import_onnx
+        from ..onnx.importer import import_onnx
         symbol, arg, aux = import_onnx(args.model, input_shapes=shapes)
         graph = Graph.from_symbol(symbol)
     else:
@@ -203,7 +203,7 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
         raise FusionError("--shape names %s, which is a parameter in the params file, not an input" % ", ".join(given))
     inputs = None
     if args.inputs:
-        from .verify import load_inputs
+        from ..check.verify import load_inputs
         inputs = load_inputs(args.inputs, symbol, arg, aux, shapes)
         shapes = {k: tuple(v.shape) for k, v in inputs.items()}
     validate_params(graph, symbol, arg, aux, shapes)
@@ -212,9 +212,9 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
         raise FusionError("--to-onnx needs the input shapes: add --shape NAME=D1,D2,...")
     onnx_options = _onnx_options(args, symbol, arg) if args.to_onnx else {}
     rules = [r.strip() for r in args.rules.split(",") if r.strip()] if args.rules else None
-    from .precision import FLOAT32, resolve, tolerance
+    from ..precision.policy import FLOAT32, resolve, tolerance
     precision = resolve(args.precision, args.force_precision or args.device == "gpu", args.mode)
-    from .api import _check_device_precision
+    from ..api import _check_device_precision
     _check_device_precision(args.device, precision)
     rtol_given = args.rtol is not None
     if args.rtol is None:
@@ -238,7 +238,7 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
     serving.add_note(report, result.graph, paths[0][: -len("-symbol.json")])
     status = 0
     if args.verify:
-        from .verify import verify
+        from ..check.verify import verify
         with progress.stage("verifying"):
             v = verify((symbol, arg, aux), result, input_shapes=shapes, inputs=inputs)
         report.extra["verify"] = v.to_dict(args.rtol)
@@ -260,7 +260,7 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
         if args.to_onnx:        # first: a fallback to the un-fused form adds a note to the report
             import tempfile
 
-            from .publish import temp_prefix
+            from ..files.publish import temp_prefix
             fd, staged = tempfile.mkstemp(prefix=temp_prefix(), suffix=".onnx",
                                           dir=os.path.dirname(os.path.abspath(args.to_onnx)))
             os.close(fd)
@@ -303,7 +303,7 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
 def _onnx_options(args, symbol, arg) -> dict:
     """export_onnx's target, opset (given, or the input ONNX file's) and input dtypes (those of the input
     ONNX file: token ids stay int64)."""
-    from .onnx_export import DEFAULT_OPSET, OPSET_RANGE, onnx_opset_of
+    from ..onnx.export import DEFAULT_OPSET, OPSET_RANGE, onnx_opset_of
 
     lo, hi = OPSET_RANGE
     if args.opset is not None and not lo <= args.opset <= hi:
@@ -339,7 +339,7 @@ def _onnx_options(args, symbol, arg) -> dict:
 
 
 def _unfused_result(symbol, arg, aux, shapes) -> FusionResult:
-    from .report import FusionReport
+    from ..engine.report import FusionReport
 
     plain = unfuse(symbol, shapes, arg, aux)
     g = Graph.from_symbol(symbol)
@@ -352,7 +352,7 @@ def _unfused_result(symbol, arg, aux, shapes) -> FusionResult:
 
 def _export_onnx(result, shapes, path: str, options: dict) -> str:
     """Export ``result`` to the ONNX file ``path``; what ONNX Runtime vs MXNet said."""
-    from .onnx_export import OnnxExportError, export_onnx
+    from ..onnx.export import OnnxExportError, export_onnx
 
     symbol = result.symbol
     try:
@@ -371,8 +371,8 @@ def _export_onnx(result, shapes, path: str, options: dict) -> str:
 
 
 def _benchmark(symbol, arg, aux, result, shapes, repeats: int) -> dict:
-    from .bench import benchmark, warn
-    from .verify import random_inputs
+    from ..check.bench import benchmark, warn
+    from ..check.verify import random_inputs
 
     figures = benchmark(symbol, arg, aux, result, random_inputs(symbol, arg, shapes), repeats)
     warn(figures)

@@ -33,10 +33,10 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import networkx as nx
 
 from .about import describe_run
-from .errors import FusionError
-from .graph import Graph
-from .report import group_reasons
-from .modelio import write_text_atomic
+from ..ir.errors import FusionError
+from ..ir.graph import Graph
+from ..engine.report import group_reasons
+from ..files.modelio import write_text_atomic
 
 RENDERERS = ("auto", "dot", "svg")
 MAX_OPS = 1500            # above this many op nodes, draw only the fused regions and their neighbours

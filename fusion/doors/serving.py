@@ -10,7 +10,7 @@ from typing import Any, List, Optional, Tuple
 
 def load_library() -> str:
     """Register mxnet-fusion's operators with MXNet (``import fusion`` does it too); returns the library's path."""
-    from ._native import load
+    from ..native.library import load
 
     return load()
 

@@ -34,8 +34,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .graph import Entry, Graph, Node
-from .precision import dtype_name
+from ..ir.graph import Entry, Graph, Node
+from ..precision.policy import dtype_name
 
 Shape = Tuple[int, ...]
 ShapeDict = Dict[str, Shape]

@@ -122,7 +122,7 @@ class FusionReport:
         return sum(len(r.fused) for r in self.rules.values())
 
     def to_dict(self) -> Dict[str, Any]:
-        from .about import versions
+        from ..doors.about import versions
 
         return {
             "versions": versions(),
@@ -191,7 +191,7 @@ class FusionReport:
             lines.extend("  verify: " + p for p in v.get("problems", ()))
         b = self.extra.get("benchmark")
         if b:
-            from .bench import benchmark_lines
+            from ..check.bench import benchmark_lines
             lines.extend("  " + ln for ln in benchmark_lines(b))
         lines.extend("  note: " + n for n in self.notes)
         return "\n".join(lines)

@@ -25,13 +25,13 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Uni
 import networkx as nx
 import numpy as np
 
-from .attrs import Attrs
-from .errors import FusionError
-from .graph import Entry, Graph, Node
-from .matcher import Match, Trace, _State, match_pattern
-from .modelio import PARAM_DTYPES
-from .pattern import required_ops
-from .precision import FLOAT32, BF16_CODE, cast_slots, dtype_name, is_bf16, reduced_attrs, to_bf16
+from ..ir.attrs import Attrs
+from ..ir.errors import FusionError
+from ..ir.graph import Entry, Graph, Node
+from ..ir.matcher import Match, Trace, _State, match_pattern
+from ..files.modelio import PARAM_DTYPES
+from ..ir.pattern import required_ops
+from ..precision.policy import FLOAT32, BF16_CODE, cast_slots, dtype_name, is_bf16, reduced_attrs, to_bf16
 from .report import FusionReport
 from .selfcheck import Candidate, SelfCheck
 
@@ -145,7 +145,7 @@ class Context:
                         return None
                     v = rng.standard_normal(shape).astype(np.float32)
                 args[name] = mx.nd.array(v, dtype=v.dtype)
-            from .bench import subgraph_backend
+            from ..check.bench import subgraph_backend
             from .selfcheck import _misread_nodes
             if _misread_nodes(sym, args):     # MXNet would misread (or crash on) these shapes
                 return None
@@ -296,7 +296,7 @@ class Context:
 def device_refusal(op: str, device: str, mode: str) -> Optional[str]:
     """Why ``op`` cannot be emitted for ``device`` (None: it can): a library op the loaded op
     library does not implement there, forward (and backward in training).  Stock MXNet ops pass."""
-    from . import _native
+    from ..native import library as _native
 
     caps = _native.capabilities().get(op)
     if caps is None:

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple, Union
 
-from .graph import Entry
-from .matcher import Match
-from .pattern import Pattern
+from ..ir.graph import Entry
+from ..ir.matcher import Match
+from ..ir.pattern import Pattern
 
 
 class Rule:

@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .graph import Entry, Node
+from ..ir.graph import Entry, Node
 
 TOLERANCE = 1e-4            # outputs: max|new − old| / max|old|
 # Rewrites of one batch with the same structure, attributes and input shapes (a 100k-node graph
@@ -169,7 +169,7 @@ def _draw(rng: np.random.Generator, shape: tuple, dtype: str, domain: Optional[T
         lo, hi = domain[1], max(domain[1], domain[2])
         return rng.integers(lo, hi + 1, shape).astype(dtype)
     if dtype == "bfloat16":     # MXNet's bfloat16 (an AMP-converted graph): NumPy has no name for it
-        from .precision import to_bf16
+        from ..precision.policy import to_bf16
         return to_bf16(rng.standard_normal(shape, dtype=np.float32))
     if np.issubdtype(np.dtype(dtype), np.integer):
         return rng.integers(0, 4, shape).astype(dtype)
@@ -307,7 +307,7 @@ def compare(old: np.ndarray, new: np.ndarray) -> Tuple[float, Optional[str]]:
         return 0.0, None
     if old.dtype != new.dtype:
         return float("inf"), "dtype %s instead of %s" % (new.dtype, old.dtype)
-    from .precision import from_bf16, is_bf16
+    from ..precision.policy import from_bf16, is_bf16
     if is_bf16(old.dtype):          # bfloat16 values: compared as the float32 values they are
         old, new = from_bf16(old), from_bf16(new)
     if not np.issubdtype(old.dtype, np.floating):
@@ -447,7 +447,7 @@ class SelfCheck:
         """Values that depend on shapes and parameters only, computed by MXNet from the graph."""
         import mxnet as mx
 
-        from .bench import subgraph_backend
+        from ..check.bench import subgraph_backend
 
         ctx = self.ctx
         key = ("selfcheck-upstream", p)
@@ -499,7 +499,7 @@ class SelfCheck:
     def _run_one_side(self, it: _Prepared, which: str) -> None:
         import mxnet as mx
 
-        from .bench import subgraph_backend
+        from ..check.bench import subgraph_backend
 
         side = it.old if which == "old" else it.new
         jnodes: List[dict] = []
@@ -520,9 +520,9 @@ class SelfCheck:
     def _run(self, items: List[_Prepared]):
         import mxnet as mx
 
-        from .bench import subgraph_backend
+        from ..check.bench import subgraph_backend
 
-        from .precision import tolerance
+        from ..precision.policy import tolerance
 
         training = self.ctx.mode == "training"
         # reduced precision: the bfloat16 tolerance against the float32 subgraph (fusion/precision.py)

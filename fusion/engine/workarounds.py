@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from .graph import Entry, Graph, Node
+from ..ir.graph import Entry, Graph, Node
 
 # (layer op) -> ops MXNet 1.9.1's oneDNN backend fuses after it (measured with the pip wheel).
 FUSED_AFTER: Dict[str, frozenset] = {

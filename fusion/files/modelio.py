@@ -16,9 +16,9 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .errors import FusionError, GraphError, ParamsError
-from .graph import Graph, _first_line, symbol_json
-from .precision import dtype_name
+from ..ir.errors import FusionError, GraphError, ParamsError
+from ..ir.graph import Graph, _first_line, symbol_json
+from ..precision.policy import dtype_name
 from .publish import TEMP_PREFIX, publish  # noqa: F401  (TEMP_PREFIX: batch.py reads it here)
 
 

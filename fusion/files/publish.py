@@ -31,7 +31,7 @@ import socket
 import tempfile
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
-from .errors import FusionError
+from ..ir.errors import FusionError
 
 TEMP_PREFIX = ".mxfuse-"          # every temporary file of an atomic write starts with it
 LOCK_SUFFIX = ".mxfuse.lock"

@@ -1,7 +1,7 @@
-"""``python -m fusion.build [--verbose] [--no-cuda]``: compile the fused-op libraries."""
+"""``python -m fusion.native.build [--verbose] [--no-cuda]``: compile the fused-op libraries."""
 import argparse
 
-from . import _native
+from . import library as _native
 
 
 def main(argv=None):

@@ -11,7 +11,7 @@ first call.  Loading the op library needs no CUDA library either way.
 ``capabilities()`` asks the loaded library which devices each op runs on.
 
 A hash of the sources and flags is stored beside each library; ``load()`` refuses a
-library built from other sources, naming the rebuild command ``python -m fusion.build``.
+library built from other sources, naming the rebuild command ``python -m fusion.native.build``.
 """
 import glob
 import hashlib
@@ -22,13 +22,13 @@ import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # fusion/ (this file: fusion/native/)
 _REPO_DIR = os.path.dirname(_PKG_DIR)
 KERNEL_DIR = os.path.join(_REPO_DIR, "cuda_kernels")
 LIB_DIR = os.path.join(_PKG_DIR, "_lib")
 CPU_LIB = "libmxfusion_ops.so"
 CUDA_LIB = "libmxfusion_cuda.so"
-REBUILD = "python -m fusion.build"
+REBUILD = "python -m fusion.native.build"
 
 # x86-64-v3 = AVX2 + FMA (Haswell / Zen and newer); MXFUSION_MARCH overrides it.
 CXXFLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp",

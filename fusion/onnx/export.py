@@ -53,9 +53,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import onnx_passes as passes
-from .errors import FusionError, GraphError, VerificationError
-from .verify import DEFAULT_RTOL, VerifyResult, compare, random_inputs, run
+from . import passes as passes
+from ..ir.errors import FusionError, GraphError, VerificationError
+from ..check.verify import DEFAULT_RTOL, VerifyResult, compare, random_inputs, run
 
 __all__ = ["export_onnx", "OnnxExportError", "FUSED_OP_EXPORTERS", "node_io", "DEFAULT_OPSET", "OPSET_RANGE",
            "TARGETS", "onnx_opset_of"]
@@ -108,7 +108,7 @@ class _State:
         self.shapes: Dict[Tuple[int, int], Tuple[int, ...]] = shapes
         self.dtypes: Dict[Tuple[int, int], str] = dtypes
         self.target, self.opset, self.dynamic = target, opset, dynamic
-        from .selfcheck import SHAPE_ONLY
+        from ..engine.selfcheck import SHAPE_ONLY
         # readers of each value, those reading only its shape left out (a projection packed into
         # Attention still feeds them; static exports fold them away)
         self.uses: Dict[Tuple[int, int], int] = {}
@@ -990,7 +990,7 @@ def export_onnx(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[
             _rename_io(model, symbol, names)
         if not todo:
             break
-        from .api import unfuse
+        from ..api import unfuse
         try:
             sym = unfuse(sym, input_shapes, arg_params, aux_params, nodes=todo)
         except FusionError as e:
@@ -1059,8 +1059,8 @@ def _check_exportable(graph_json) -> None:
 
 def _facts(symbol, params, input_shapes, input_dtypes):
     """(shape, dtype) of every node output by (json node index, output index)."""
-    from .facts import infer
-    from .graph import Graph
+    from ..engine.facts import infer
+    from ..ir.graph import Graph
 
     graph = Graph.from_symbol(symbol)
     given = {k: tuple(int(d) for d in v) for k, v in input_shapes.items()}

@@ -66,7 +66,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import FusionError, GraphError
+from ..ir.errors import FusionError, GraphError
 
 __all__ = ["import_onnx", "export_onnx", "FUSED_OP_EXPORTERS", "SUPPORTED_OPS", "node_io"]
 
@@ -1525,4 +1525,4 @@ SUPPORTED_OPS = tuple(sorted(set(_SYMBOLIC) | set(_FOLD) | {"Constant", "com.mic
 
 
 # Export lives in fusion/onnx_export.py; its public names are kept here.
-from .onnx_export import (DEFAULT_OPSET, FUSED_OP_EXPORTERS, export_onnx, node_io)  # noqa: E402,F401
+from .export import DEFAULT_OPSET, FUSED_OP_EXPORTERS, export_onnx, node_io  # noqa: E402,F401

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from .onnx_graph import Const, GraphView, Init, Input, Op, Var, drop_dead, is_standard, match, matches
+from .graph import Const, GraphView, Init, Input, Op, Var, drop_dead, is_standard, match, matches
 
 MS = "com.microsoft"
 

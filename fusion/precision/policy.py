@@ -51,7 +51,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from .errors import FusionError
+from ..ir.errors import FusionError
 
 #: MXNet's NumPy spelling of bfloat16 (``mxnet.ndarray.ndarray._DTYPE_NP_TO_MX``), code 12.
 BF16 = np.dtype([("bfloat16", np.uint16)])
@@ -269,8 +269,8 @@ def read_amp(graph, arg_params: Dict, aux_params: Dict):
     AMP runs in bfloat16 (the fused ops have no bfloat16 convolution: read so, a CNN would lose
     AMP's bfloat16 convolutions; its float32 parts fuse around them as they are).
     """
-    from .attrs import Attrs
-    from .graph import Entry, Node
+    from ..ir.attrs import Attrs
+    from ..ir.graph import Entry, Node
 
     casts = [nd for nd in graph.op_nodes() if nd.op in AMP_OPS]
     if not casts:
@@ -409,7 +409,7 @@ def between_ops(graph, precision: str) -> list:
             for k, v in attrs.items():
                 nd.attrs[k] = v
             changed.append(nd.name)
-    from .graph import Entry
+    from ..ir.graph import Entry
     for nd in graph.op_nodes():
         copy = BF16_COPIES.get(nd.op)
         if not copy:
@@ -526,7 +526,7 @@ def _amp_graph_run(asym, arg: Dict, aux: Dict, input_shapes: Optional[Dict], inp
     so that cannot be tried."""
     import mxnet as mx
 
-    from .bench import subgraph_backend
+    from ..check.bench import subgraph_backend
 
     shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
     unknown = [n for n in asym.list_arguments() if n not in arg and n not in shapes]

@@ -388,7 +388,7 @@ def export(net, input_shape: Tuple[int, ...], seed: int = 0):
     """(symbol, arg_params, aux_params) of a Gluon block: random weights, randomized BatchNorm statistics."""
     import mxnet as mx
 
-    from .testing import gluon_export
+    from . import gluon_export
 
     mx.random.seed(seed)
     sym, arg, aux = gluon_export(net, input_shape, seed)
