@@ -12,59 +12,14 @@ backend while others in the same process keep it.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
-from contextlib import contextmanager
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import numpy as np
 
+from ..native.env import subgraph_backend
 from .verify import bind
-
-
-@contextmanager
-def _quiet_native_stderr():
-    """Silence what MXNet's C++ side prints to fd 2 (its INFO line on every bind with the backend off)."""
-    import sys
-
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError):
-        yield
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
-@contextmanager
-def subgraph_backend(enabled: bool):
-    """Bind inside this block with MXNet's default subgraph backend on (enabled) or off."""
-    key = "MXNET_SUBGRAPH_BACKEND"
-    old = os.environ.get(key)
-    if enabled:
-        os.environ.pop(key, None)
-    else:
-        os.environ[key] = "NONE"
-    quiet = _quiet_native_stderr() if not enabled else None
-    if quiet is not None:
-        quiet.__enter__()
-    try:
-        yield
-    finally:
-        if quiet is not None:
-            quiet.__exit__(None, None, None)
-        if old is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = old
 
 
 def executor(symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any], inputs: Mapping[str, Any],

@@ -307,7 +307,7 @@ def run(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any
     arithmetic of the graphs, and MXNet 1.9.1's backend aborts the process on some
     valid graphs (e.g. Convolution → BatchNorm over a non-channel axis).
     """
-    from .bench import subgraph_backend
+    from ..native.env import subgraph_backend
 
     with subgraph_backend(subgraph):
         exe = bind(symbol, arg_params, aux_params, inputs, ctx)

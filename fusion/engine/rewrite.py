@@ -145,7 +145,7 @@ class Context:
                         return None
                     v = rng.standard_normal(shape).astype(np.float32)
                 args[name] = mx.nd.array(v, dtype=v.dtype)
-            from ..check.bench import subgraph_backend
+            from ..native.env import subgraph_backend
             from .selfcheck import _misread_nodes
             if _misread_nodes(sym, args):     # MXNet would misread (or crash on) these shapes
                 return None

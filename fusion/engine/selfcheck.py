@@ -447,7 +447,7 @@ class SelfCheck:
         """Values that depend on shapes and parameters only, computed by MXNet from the graph."""
         import mxnet as mx
 
-        from ..check.bench import subgraph_backend
+        from ..native.env import subgraph_backend
 
         ctx = self.ctx
         key = ("selfcheck-upstream", p)
@@ -499,7 +499,7 @@ class SelfCheck:
     def _run_one_side(self, it: _Prepared, which: str) -> None:
         import mxnet as mx
 
-        from ..check.bench import subgraph_backend
+        from ..native.env import subgraph_backend
 
         side = it.old if which == "old" else it.new
         jnodes: List[dict] = []
@@ -520,7 +520,7 @@ class SelfCheck:
     def _run(self, items: List[_Prepared]):
         import mxnet as mx
 
-        from ..check.bench import subgraph_backend
+        from ..native.env import subgraph_backend
 
         from ..precision.policy import tolerance
 

@@ -526,7 +526,7 @@ def _amp_graph_run(asym, arg: Dict, aux: Dict, input_shapes: Optional[Dict], inp
     so that cannot be tried."""
     import mxnet as mx
 
-    from ..check.bench import subgraph_backend
+    from ..native.env import subgraph_backend
 
     shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
     unknown = [n for n in asym.list_arguments() if n not in arg and n not in shapes]

@@ -418,7 +418,7 @@ def _noise_dominated(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray], r
 def forward(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray], subgraph: bool = False) -> List[np.ndarray]:
     """Inference outputs of ``sym`` (parameters and inputs by name), as NumPy arrays."""
     import mxnet as mx
-    from fusion.check.bench import subgraph_backend
+    from fusion.native.env import subgraph_backend
 
     sym = _rounding_runs(sym, arg, aux, inputs)
 
@@ -440,7 +440,7 @@ def forward(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray], subgraph: 
 def train_step(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray], seed: int):
     """forward(is_train=True) + backward with seeded head gradients: (outputs, {argument: gradient})."""
     import mxnet as mx
-    from fusion.check.bench import subgraph_backend
+    from fusion.native.env import subgraph_backend
 
     sym = _rounding_runs(sym, arg, aux, inputs)
 
@@ -475,7 +475,7 @@ def gluon_runs(sym, arg: Dict, aux: Dict, inputs: Sequence[Dict[str, np.ndarray]
     a list of output lists.  With ``train_seed``: one call under ``autograd.record()``, backward
     with ``train_step``'s head gradients; returns (outputs, {parameter: gradient})."""
     import mxnet as mx
-    from fusion.check.bench import subgraph_backend
+    from fusion.native.env import subgraph_backend
 
     names = list(inputs[0])
     with warnings.catch_warnings():

@@ -30,7 +30,7 @@ import base64                                                       # noqa: E402
 import numpy as np                                                  # noqa: E402
 import mxnet as mx                                                  # noqa: E402
 import fusion                                                       # noqa: E402
-from fusion.check.bench import subgraph_backend                           # noqa: E402
+from fusion.native.env import subgraph_backend                           # noqa: E402
 
 S, I = mx.sym, mx.sym._internal
 RTOL, ATOL, RTOL_GRAD, ATOL_GRAD = 1e-4, 1e-6, 1e-3, 1e-4
