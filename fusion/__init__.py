@@ -24,6 +24,7 @@ from .engine.report import FusionReport  # noqa: E402
 from .engine.rule import Rule  # noqa: E402
 from .doors.serving import load_library, load_model  # noqa: E402
 from .check.verify import VerifyResult, verify  # noqa: E402
+from .version import __version__  # noqa: E402
 
 _install_backend()
 
@@ -57,4 +58,3 @@ _load_native_ops()
 
 __all__ = ["fuse", "unfuse", "load_model", "load_library", "FusionResult", "verify", "VerifyResult", "Graph", "Node", "Entry", "Rule", "BACKEND",
            "FusionReport", "FusionError", "GraphError", "ParamsError", "VerificationError"]
-__version__ = "0.1.0"

@@ -147,6 +147,7 @@ def test_an_input_of_the_graph_is_not_blamed_on_missing_params():
 
 def test_benchmark_figures_spread_like_for_like_and_slower_warning():
     from fusion.check import bench
+    from fusion.engine.report import benchmark_lines
 
     ms = [i / 1e3 for i in range(1, 11)]                     # 1..10 ms: median 5.5, p10 1.9, p90 9.1
     b = bench.figures({"original": ms, "fused": [t * 2 for t in ms],
@@ -160,7 +161,7 @@ def test_benchmark_figures_spread_like_for_like_and_slower_warning():
     far = bench.figures({"original": ms, "fused": [t + 0.1 for t in ms],
                          "original_no_subgraph": ms, "fused_no_subgraph": ms})
     assert far["warnings"][0].endswith("(0.05x); keep the original for this input shape")
-    lines = bench.benchmark_lines(b)
+    lines = benchmark_lines(b)
     assert lines[0].startswith("benchmark (ms, median [p10-p90] of 10 interleaved rounds): original 5.500 "
                                "[1.900-9.100], fused 11.000 [3.800-18.200]")
     assert lines[1] == ("speed-up, like for like: 0.50x with the subgraph backend on (MXNet's default bind), "

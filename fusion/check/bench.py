@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping
 
 import numpy as np
 
@@ -111,29 +111,3 @@ def benchmark(symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any], resul
               inputs: Mapping[str, Any], repeats: int = 30, warmup: int = 3) -> Dict[str, Any]:
     """:func:`figures` of the original and the fused model, each bound with the subgraph backend on and off."""
     return figures(time_samples(_systems(symbol, arg, aux, result, inputs), repeats, warmup))
-
-
-def benchmark_lines(b: Mapping[str, Any]) -> List[str]:
-    """The benchmark figures as text lines (the report's)."""
-    med, p10, p90 = b["median_ms"], b.get("p10_ms"), b.get("p90_ms")
-    if p10 and p90:
-        lines = ["benchmark (ms, median [p10-p90] of %s interleaved rounds): " % b.get("rounds", "?") + ", ".join(
-            "%s %.3f [%.3f-%.3f]" % (k, v, p10[k], p90[k]) for k, v in med.items())]
-    else:
-        lines = ["benchmark (median ms): " + ", ".join("%s %.3f" % kv for kv in med.items())]
-    lines.append("speed-up, like for like: %.2fx with the subgraph backend on (MXNet's default bind), %.2fx with it "
-                 "off on both" % (b["speedup_vs_mxnet_default"], b["speedup_both_subgraph_off"])
-                 if "speedup_both_subgraph_off" in b else
-                 "speed-up: %.2fx vs MXNet default bind" % b["speedup_vs_mxnet_default"])
-    if "speedup_vs_subgraph_off" in b:
-        lines.append("fused (backend on) vs original with the backend off: %.2fx" % b["speedup_vs_subgraph_off"])
-    lines.extend("WARNING: " + w for w in b.get("warnings", ()))
-    return lines
-
-
-def warn(b: Mapping[str, Any], stream: Optional[Any] = None) -> None:
-    """Each benchmark warning as one ``mxfuse: warning:`` line on stderr."""
-    from ..doors.progress import message
-
-    for w in b.get("warnings", ()):
-        message("mxfuse: warning: " + w, stream)

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import platform
 import shlex
 import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-
-def versions() -> Dict[str, str]:
-    import mxnet
-
-    from .. import __version__
-
-    return {"mxnet_fusion": __version__, "mxnet": mxnet.__version__, "python": platform.python_version()}
+from ..version import versions
 
 
 def version_line() -> str:

@@ -371,11 +371,11 @@ def _export_onnx(result, shapes, path: str, options: dict) -> str:
 
 
 def _benchmark(symbol, arg, aux, result, shapes, repeats: int) -> dict:
-    from ..check.bench import benchmark, warn
+    from ..check.bench import benchmark
     from ..check.verify import random_inputs
 
     figures = benchmark(symbol, arg, aux, result, random_inputs(symbol, arg, shapes), repeats)
-    warn(figures)
+    progress.benchmark_warnings(figures)
     return figures
 
 

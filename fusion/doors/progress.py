@@ -15,7 +15,7 @@ import contextlib
 import sys
 import threading
 import time
-from typing import IO, Iterator, List, Optional
+from typing import IO, Any, Iterator, List, Mapping, Optional
 
 
 class Stages:
@@ -123,3 +123,9 @@ def stage(name: str) -> Iterator[None]:
         return
     with _active[-1].stage(name):
         yield
+
+
+def benchmark_warnings(b: Mapping[str, Any], stream: Optional[IO[str]] = None) -> None:
+    """Each benchmark warning as one ``mxfuse: warning:`` line on stderr."""
+    for w in b.get("warnings", ()):
+        message("mxfuse: warning: " + w, stream)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 
 def no_value_reason(ctx: Any, name: str, role: str) -> str:
@@ -122,7 +122,7 @@ class FusionReport:
         return sum(len(r.fused) for r in self.rules.values())
 
     def to_dict(self) -> Dict[str, Any]:
-        from ..doors.about import versions
+        from ..version import versions
 
         return {
             "versions": versions(),
@@ -191,10 +191,27 @@ class FusionReport:
             lines.extend("  verify: " + p for p in v.get("problems", ()))
         b = self.extra.get("benchmark")
         if b:
-            from ..check.bench import benchmark_lines
             lines.extend("  " + ln for ln in benchmark_lines(b))
         lines.extend("  note: " + n for n in self.notes)
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.to_text()
+
+
+def benchmark_lines(b: Mapping[str, Any]) -> List[str]:
+    """The benchmark figures as text lines (the report's)."""
+    med, p10, p90 = b["median_ms"], b.get("p10_ms"), b.get("p90_ms")
+    if p10 and p90:
+        lines = ["benchmark (ms, median [p10-p90] of %s interleaved rounds): " % b.get("rounds", "?") + ", ".join(
+            "%s %.3f [%.3f-%.3f]" % (k, v, p10[k], p90[k]) for k, v in med.items())]
+    else:
+        lines = ["benchmark (median ms): " + ", ".join("%s %.3f" % kv for kv in med.items())]
+    lines.append("speed-up, like for like: %.2fx with the subgraph backend on (MXNet's default bind), %.2fx with it "
+                 "off on both" % (b["speedup_vs_mxnet_default"], b["speedup_both_subgraph_off"])
+                 if "speedup_both_subgraph_off" in b else
+                 "speed-up: %.2fx vs MXNet default bind" % b["speedup_vs_mxnet_default"])
+    if "speedup_vs_subgraph_off" in b:
+        lines.append("fused (backend on) vs original with the backend off: %.2fx" % b["speedup_vs_subgraph_off"])
+    lines.extend("WARNING: " + w for w in b.get("warnings", ()))
+    return lines
