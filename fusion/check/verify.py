@@ -339,12 +339,12 @@ def _run_or_say(symbol, arg, aux, feed, what: str) -> List[np.ndarray]:
     """``run``, with MXNet's refusal as a one-line error (e.g. a float16 model on a CPU without fp16 GEMM)."""
     import mxnet as mx
 
-    from ..ir.graph import _first_line
+    from ..ir.graph import first_line
 
     try:
         return run(symbol, arg, aux, feed)
     except mx.base.MXNetError as e:
-        raise FusionError("%s does not run on the verification inputs: %s" % (what, _first_line(str(e)))) from None
+        raise FusionError("%s does not run on the verification inputs: %s" % (what, first_line(str(e)))) from None
 
 
 def _label(index: int, name: str) -> str:

@@ -28,10 +28,9 @@ import numpy as np
 from ..ir.attrs import Attrs
 from ..ir.errors import FusionError
 from ..ir.graph import Entry, Graph, Node
-from ..ir.matcher import Match, Trace, _State, match_pattern
-from ..files.modelio import PARAM_DTYPES
+from ..ir.matcher import Match, State, Trace, match_pattern
 from ..ir.pattern import required_ops
-from ..precision.policy import FLOAT32, BF16_CODE, cast_slots, dtype_name, is_bf16, reduced_attrs, to_bf16
+from ..precision.policy import FLOAT32, BF16_CODE, PARAM_DTYPES, cast_slots, dtype_name, is_bf16, reduced_attrs, to_bf16
 from .report import FusionReport
 from .selfcheck import Candidate, SelfCheck
 
@@ -526,7 +525,7 @@ class _Pass:
         trace = Trace(graph, ctx)
         first_reason = first_key = None
         accepted = None
-        for st in match_pattern(pattern, Entry(anchor), _State({}, ()), trace):
+        for st in match_pattern(pattern, Entry(anchor), State({}, ()), trace):
             m = Match(anchor, st, ctx)
             exported = {id(m.node(n)) for n in rule.exports if m.has(n)}
             if not users_cache:

@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 import numpy as np
 
 from ..ir.errors import FusionError, GraphError, ParamsError
-from ..ir.graph import Graph, _first_line, symbol_json
-from ..precision.policy import dtype_name
+from ..ir.graph import Graph, first_line, symbol_json
+from ..precision.policy import PARAM_DTYPES, dtype_name
 from .publish import TEMP_PREFIX, publish  # noqa: F401  (TEMP_PREFIX: batch.py reads it here)
 
 
@@ -59,7 +59,7 @@ def read_params(path: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         loaded = mx.nd.load(path)
     except mx.base.MXNetError as e:
         raise ParamsError("cannot load params file '%s' (truncated or not an MXNet params file): %s"
-                          % (path, _first_line(str(e)))) from None
+                          % (path, first_line(str(e)))) from None
     if isinstance(loaded, list) and not loaded:
         return {}, {}           # what mx.nd.save writes for a model without parameters
     if not isinstance(loaded, dict):
@@ -149,7 +149,7 @@ def validate_params(graph: Graph, symbol: Any, arg: Mapping[str, Any], aux: Mapp
             inferred = None
         else:
             what = "parameter and input shapes (--shape)" if input_shapes else "parameter shapes"
-            raise ParamsError("%s do not fit the graph: %s" % (what, _first_line(str(e)))) from None
+            raise ParamsError("%s do not fit the graph: %s" % (what, first_line(str(e)))) from None
     names = symbol.list_arguments() + symbol.list_auxiliary_states()
     for name, want in zip(names, list(inferred[0]) + list(inferred[2]) if inferred else []):
         got = shapes.get(name)
@@ -157,10 +157,6 @@ def validate_params(graph: Graph, symbol: Any, arg: Mapping[str, Any], aux: Mapp
             raise ParamsError("parameter shapes do not fit the graph: '%s' has shape %s, the graph needs %s"
                               % (name, tuple(got), tuple(want)))
     check_param_values(graph, symbol, arg, aux)
-
-
-# The dtypes MXNet 1.9 has NDArrays of (see mxnet.ndarray.ndarray._DTYPE_NP_TO_MX).
-PARAM_DTYPES = ("float32", "float64", "float16", "uint8", "int8", "int32", "int64", "bool", "bfloat16")
 
 
 def _numpy(value: Any) -> np.ndarray:
@@ -289,7 +285,7 @@ def _type_inference(symbol: Any, dtypes: Mapping[str, str], input_dtypes: Mappin
         try:
             return symbol.infer_type_partial(**given, **input_dtypes, **{n: data_dtype for n in inputs})
         except mx.base.MXNetError as e:
-            return _first_line(str(e))
+            return first_line(str(e))
     return infer
 
 

@@ -243,7 +243,7 @@ class Graph:
         try:
             return mx.sym.load_json(self.to_json_str())
         except mx.base.MXNetError as e:
-            raise GraphError("MXNet cannot load the graph: %s" % _first_line(str(e))) from None
+            raise GraphError("MXNet cannot load the graph: %s" % first_line(str(e))) from None
 
     # ------------------------------------------------------------------ what MXNet would crash on
     def check_loadable(self) -> None:
@@ -417,7 +417,7 @@ def _outputs(node: Node) -> str:
     return "1 output" if node.num_outputs == 1 else "%d outputs" % node.num_outputs
 
 
-def _first_line(text: str) -> str:
+def first_line(text: str) -> str:
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     for ln in lines:
         if "Check failed" in ln or "Error" in ln:

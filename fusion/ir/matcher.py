@@ -17,7 +17,7 @@ from .graph import Entry, Node
 from .pattern import AnyOf, Chain, Const, OpPattern, Pattern, Region, Var
 
 
-class _State:
+class State:
     __slots__ = ("bindings", "nodes", "depth")
 
     def __init__(self, bindings: Dict[str, Union[Node, Entry]], nodes: Tuple[Node, ...], depth: int = 0):
@@ -25,16 +25,16 @@ class _State:
         self.nodes = nodes
         self.depth = depth      # ops matched by op patterns (chains and regions do not count for near-misses)
 
-    def bind(self, name: Optional[str], value: Union[Node, Entry]) -> "_State":
+    def bind(self, name: Optional[str], value: Union[Node, Entry]) -> "State":
         if name is None:
             return self
         b = dict(self.bindings)
         b[name] = value
-        return _State(b, self.nodes, self.depth)
+        return State(b, self.nodes, self.depth)
 
-    def add(self, node: Node, name: Optional[str], core: bool = True) -> "_State":
+    def add(self, node: Node, name: Optional[str], core: bool = True) -> "State":
         nodes = self.nodes if any(n is node for n in self.nodes) else self.nodes + (node,)
-        st = _State(self.bindings, nodes, self.depth + (1 if core else 0))
+        st = State(self.bindings, nodes, self.depth + (1 if core else 0))
         return st.bind(name, node)
 
 
@@ -62,7 +62,7 @@ class Trace:
         self._fmt: Optional[str] = None
         self._args: tuple = ()
 
-    def fail(self, st: _State, fmt: str, *args: Any) -> None:
+    def fail(self, st: State, fmt: str, *args: Any) -> None:
         if st.depth > self.depth:
             self.depth, self._fmt, self._args = st.depth, fmt, args
 
@@ -92,8 +92,8 @@ def _satisfies(value: Any, constraint: Any) -> bool:
     return value == constraint
 
 
-def match_pattern(p: Pattern, entry: Entry, st: _State, trace: Trace,
-                  parent: Optional[Node] = None, slot: int = 0) -> Iterator[_State]:
+def match_pattern(p: Pattern, entry: Entry, st: State, trace: Trace,
+                  parent: Optional[Node] = None, slot: int = 0) -> Iterator[State]:
     """Yield every way ``p`` matches the value ``entry`` given the bindings so far."""
     node = entry.node
     if isinstance(p, Var):
@@ -214,7 +214,7 @@ def _grow_region(p: Region, entry: Entry, trace: Trace) -> List[Node]:
     return region
 
 
-def _match_inputs(pats: Sequence[Pattern], node: Node, k: int, st: _State, trace: Trace) -> Iterator[_State]:
+def _match_inputs(pats: Sequence[Pattern], node: Node, k: int, st: State, trace: Trace) -> Iterator[State]:
     if k == len(node.inputs):
         yield st
         return
@@ -225,7 +225,7 @@ def _match_inputs(pats: Sequence[Pattern], node: Node, k: int, st: _State, trace
 class Match:
     """One structural match: bound nodes and values, by the names the pattern gave them."""
 
-    def __init__(self, anchor: Node, st: _State, ctx: Any):
+    def __init__(self, anchor: Node, st: State, ctx: Any):
         self.anchor = anchor
         self.bindings = st.bindings
         self.nodes: Tuple[Node, ...] = st.nodes

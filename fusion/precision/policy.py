@@ -140,6 +140,10 @@ def dtype_name(dtype) -> str:
         return name
 
 
+#: The dtypes MXNet 1.9 has NDArrays of (see mxnet.ndarray.ndarray._DTYPE_NP_TO_MX).
+PARAM_DTYPES = ("float32", "float64", "float16", "uint8", "int8", "int32", "int64", "bool", "bfloat16")
+
+
 def cpu_flags() -> set:
     """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
     try:
