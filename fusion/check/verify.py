@@ -131,34 +131,34 @@ _MASKING = _MUL | {"_rminus_scalar", "where", "logical_not", "broadcast_logical_
 
 def _length_domain(node: Any, slot: int, shape_of) -> Optional[Tuple]:
     """Valid lengths in [1, S] (selfcheck's draws allow 0, which a user's data never holds)."""
-    from ..engine.selfcheck import _attention_keys, _softmax_length_bound
+    from ..engine.inputs import attention_keys, softmax_length_bound
 
     if node.op in ("softmax", "log_softmax", "masked_softmax") and slot == 1 and node.param("use_length", False):
-        n = _softmax_length_bound(node, shape_of)
+        n = softmax_length_bound(node, shape_of)
         return None if n is None else ("int", 1, n)
     if node.op == "fused_attention" and node.param("mask_kind", "none") == "valid_length" and slot >= 1:
         data = {"plain": 3, "bshd": 3, "packed_qkv": 1, "interleaved": 1,
                 "interleaved_encdec": 2}.get(node.param("layout", "plain"), 3)
         if slot == data:
-            n = _attention_keys(node, shape_of)
+            n = attention_keys(node, shape_of)
             return None if n is None else ("int", 1, n)
     return None
 
 
 def _domain_of(entry_users, users_of, shape_of) -> Optional[Tuple]:
-    from ..engine.selfcheck import _input_domain
+    from ..engine.inputs import input_domain
 
-    return _input_domain(entry_users, users_of, shape_of, domain=_length_domain, max_depth=8)
+    return input_domain(entry_users, users_of, shape_of, domain=_length_domain, max_depth=8)
 
 
 def _is_mask(entry_users, users_of, shape_of, size: int, depth: int = 0) -> bool:
     """Read only by masking ops, at least once multiplied into a larger tensor or made an additive
     mask (``(1 − m)·(−10000)``, BERT's way)."""
-    from ..engine.selfcheck import _PASS_THROUGH
+    from ..engine.inputs import PASS_THROUGH
 
     masks = False
     for node, slot in entry_users:
-        if node.op in _PASS_THROUGH and slot == 0 and depth < 8:
+        if node.op in PASS_THROUGH and slot == 0 and depth < 8:
             if not _is_mask(users_of(node), users_of, shape_of, size, depth + 1):
                 return False
             masks = True
@@ -238,7 +238,7 @@ def random_inputs(symbol: Any, arg_params: Mapping[str, Any], input_shapes: Mapp
                   seed: int = 0, aux_params: Optional[Mapping[str, Any]] = None) -> Dict[str, np.ndarray]:
     """Random values for every argument of ``symbol`` that is not a parameter, each drawn in the
     domain the model reads it in (see the module docs) and of the dtype the model gives it."""
-    from ..engine.selfcheck import _draw
+    from ..engine.inputs import draw
 
     aux_params = aux_params or {}
     data_names = [n for n in symbol.list_arguments() if n not in arg_params]
@@ -252,7 +252,7 @@ def random_inputs(symbol: Any, arg_params: Mapping[str, Any], input_shapes: Mapp
     out = {}
     for n in data_names:
         d = domains.get(n, ("real",))
-        out[n] = _draw(rng, shapes[n], dtypes.get(n, "float32"), None if d[0] == "real" else d)
+        out[n] = draw(rng, shapes[n], dtypes.get(n, "float32"), None if d[0] == "real" else d)
     return out
 
 

@@ -77,7 +77,7 @@ def _view(graph: Graph) -> _View:
     return cached[1]
 
 
-_SIZE_KEEPING = frozenset({"Reshape", "reshape", "_npx_reshape", "_np_reshape", "Flatten", "flatten"})
+SIZE_KEEPING = frozenset({"Reshape", "reshape", "_npx_reshape", "_np_reshape", "Flatten", "flatten"})
 
 
 def misread(op: str, ins: Sequence[Optional[Shape]], out: Optional[Shape]) -> bool:
@@ -86,7 +86,7 @@ def misread(op: str, ins: Sequence[Optional[Shape]], out: Optional[Shape]) -> bo
     then copies past the buffer), or a ``where`` whose branches differ in shape, or whose condition
     is neither their shape nor their leading dims (followed by ones): its shape function accepts
     such shapes, and the kernel reads cond[i // (|x| / |cond|)] -- elsewhere, or divides by zero."""
-    if op in _SIZE_KEEPING:
+    if op in SIZE_KEEPING:
         return bool(ins and ins[0] is not None and out is not None and int(np.prod(ins[0])) != int(np.prod(out)))
     if op == "where" and len(ins) >= 2 and ins[0] is not None and ins[1] is not None:
         c, x = tuple(ins[0]), tuple(ins[1])
@@ -106,7 +106,7 @@ def _sizes_kept(shapes: Mapping[Entry, Shape], among: Optional[Mapping[Entry, Sh
     when given (their inputs' shapes read from ``shapes``)."""
     for e, out in (shapes if among is None else among).items():
         nd = e.node
-        if (nd.op in _SIZE_KEEPING or nd.op == "where") and nd.inputs and \
+        if (nd.op in SIZE_KEEPING or nd.op == "where") and nd.inputs and \
                 misread(nd.op, [shapes.get(i) for i in nd.inputs], out):
             return False
     return True

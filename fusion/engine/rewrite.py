@@ -145,8 +145,8 @@ class Context:
                     v = rng.standard_normal(shape).astype(np.float32)
                 args[name] = mx.nd.array(v, dtype=v.dtype)
             from ..native.env import subgraph_backend
-            from .selfcheck import _misread_nodes
-            if _misread_nodes(sym, args):     # MXNet would misread (or crash on) these shapes
+            from .selfcheck import misread_nodes
+            if misread_nodes(sym, args):     # MXNet would misread (or crash on) these shapes
                 return None
             with subgraph_backend(False):
                 exe = sym.bind(mx.cpu(), args, grad_req="null")

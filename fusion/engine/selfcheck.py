@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..ir.graph import Entry, Node
+from .inputs import SHAPE_ONLY, draw, input_domain
 
 TOLERANCE = 1e-4            # outputs: max|new − old| / max|old|
 # Rewrites of one batch with the same structure, attributes and input shapes (a 100k-node graph
@@ -47,16 +48,6 @@ TOLERANCE = 1e-4            # outputs: max|new − old| / max|old|
 MAX_PER_SIGNATURE = 64
 MAX_PER_SIGNATURE_AT_OTHER_SHAPES = 4
 GRAD_TOLERANCE = 1e-3       # gradients: backward passes re-associate more sums
-
-# Inputs read only for their shape: (op, input slot).
-SHAPE_ONLY = frozenset({("_contrib_arange_like", 0), ("ones_like", 0), ("zeros_like", 0), ("shape_array", 0),
-                        ("size_array", 0), ("broadcast_like", 1), ("reshape_like", 1), ("slice_like", 1)})
-# Ops that pass a value through unchanged in kind (a mask stays a mask, a length a length; trunc and fix
-# leave integers as they are: an ONNX Cast to an integer type is imported as trunc).
-_PASS_THROUGH = frozenset({"Reshape", "reshape", "expand_dims", "squeeze", "Cast", "cast", "amp_cast", "_copy",
-                           "trunc", "fix",
-                           "identity", "repeat", "tile", "broadcast_to", "broadcast_like", "broadcast_axis",
-                           "transpose", "SwapAxis", "slice_axis", "slice", "reshape_like", "Flatten", "flatten"})
 
 
 @dataclass
@@ -95,87 +86,6 @@ class CheckStats:
         return {"checked": self.checked, "sampled": self.sampled, "refused": self.refused, "unchecked": self.unchecked,
                 "unchecked_reasons": dict(self.unchecked_reasons), "worst_rel": self.worst_rel,
                 "worst_at": self.worst_at, "probes": [{k: list(v) for k, v in p.items()} for p in self.probes]}
-
-
-# ---------------------------------------------------------------- what an input means to its readers
-
-def _softmax_length_bound(node: Node, shape_of) -> Optional[int]:
-    s = shape_of(node.inputs[0])
-    return None if s is None else s[node.param("axis", -1)]
-
-
-def _attention_keys(node: Node, shape_of) -> Optional[int]:
-    layout = node.param("layout", "plain")
-    src = {"plain": (1, -2), "bshd": (1, 1), "packed_qkv": (0, 1), "interleaved": (0, 0),
-           "interleaved_encdec": (1, 0)}.get(layout)
-    if src is None:
-        return None
-    s = shape_of(node.inputs[src[0]])
-    return None if s is None else s[src[1]]
-
-
-def _domain(node: Node, slot: int, shape_of) -> Optional[Tuple]:
-    """How ``node`` reads its input ``slot``: ("bool",), ("int", lo, hi) or None (any real value)."""
-    op = node.op
-    if op == "where" and slot == 0:
-        return ("bool",)
-    if op in ("softmax", "log_softmax", "masked_softmax") and slot == 1 and node.param("use_length", False):
-        n = _softmax_length_bound(node, shape_of)
-        return None if n is None else ("int", 0, n)
-    if op in ("SequenceMask", "SequenceLast", "SequenceReverse") and slot == 1:
-        s = shape_of(node.inputs[0])
-        return None if s is None else ("int", 1, s[node.param("axis", 0)])
-    if op == "Embedding" and slot == 0:
-        return ("int", 0, int(node.param("input_dim")) - 1)
-    if op == "one_hot" and slot == 0:
-        return ("int", 0, int(node.param("depth")) - 1)
-    if op in ("take", "pick", "batch_take") and slot == 1:
-        s = shape_of(node.inputs[0])
-        axis = node.param("axis", 0 if op == "take" else -1)
-        return None if s is None or axis is None else ("int", 0, s[axis] - 1)
-    if op == "fused_attention" and slot >= 1:
-        kind = node.param("mask_kind", "none")
-        data = {"plain": 3, "bshd": 3, "packed_qkv": 1, "interleaved": 1,
-                "interleaved_encdec": 2}.get(node.param("layout", "plain"), 3)
-        if slot == data and kind == "boolean":
-            return ("bool",)
-        if slot == data and kind == "valid_length":
-            n = _attention_keys(node, shape_of)
-            return None if n is None else ("int", 0, n)
-    if op == "fused_elemwise" and "where(x%d," % slot in node.attrs.raw("expr", "").replace(" ", ""):
-        return ("bool",)
-    return None
-
-
-def _input_domain(entry_users: List[Tuple[Node, int]], users_of, shape_of, depth: int = 0,
-                  domain=None, max_depth: int = 6) -> Optional[Tuple]:
-    """The domain the first reader that has one reads the value in, looking through pass-through
-    ops; ``domain(node, slot, shape_of)``: another rule tried before ``_domain``."""
-    for node, slot in entry_users:
-        d = (domain and domain(node, slot, shape_of)) or _domain(node, slot, shape_of)
-        if d is not None:
-            return d
-        if node.op in _PASS_THROUGH and (node.op, slot) not in SHAPE_ONLY and slot == 0 and depth < max_depth:
-            d = _input_domain(users_of(node), users_of, shape_of, depth + 1, domain, max_depth)
-            if d is not None:
-                return d
-    return None
-
-
-def _draw(rng: np.random.Generator, shape: tuple, dtype: str, domain: Optional[Tuple]) -> np.ndarray:
-    if domain is not None and domain[0] == "bool":
-        return rng.integers(0, 2, shape).astype(dtype)
-    if domain is not None and domain[0] == "int":
-        lo, hi = domain[1], max(domain[1], domain[2])
-        return rng.integers(lo, hi + 1, shape).astype(dtype)
-    if dtype == "bfloat16":     # MXNet's bfloat16 (an AMP-converted graph): NumPy has no name for it
-        from ..precision.policy import to_bf16
-        return to_bf16(rng.standard_normal(shape, dtype=np.float32))
-    if np.issubdtype(np.dtype(dtype), np.integer):
-        return rng.integers(0, 4, shape).astype(dtype)
-    if np.dtype(dtype) == np.float32:
-        return rng.standard_normal(shape, dtype=np.float32)
-    return rng.standard_normal(shape).astype(dtype)
 
 
 # ---------------------------------------------------------------- which values depend on data
@@ -434,8 +344,8 @@ class SelfCheck:
                 continue
             dtype = ctx.dtype(e) or "float32"
             users = old.users_of_entry(e) + new.users_of_entry(e)
-            domain = _input_domain(users, lambda n: old.users(n) + new.users(n), shape_of)
-            values[e] = _draw(rng, tuple(shape), dtype, domain)
+            domain = input_domain(users, lambda n: old.users(n) + new.users(n), shape_of)
+            values[e] = draw(rng, tuple(shape), dtype, domain)
         if upstream:
             got = self._evaluate(upstream, p)
             if got is None:
@@ -534,7 +444,7 @@ class SelfCheck:
             for names in (v_old, v_new):
                 for n, e in names.items():
                     feed[n] = it.values[e]
-        bad = _misread_nodes(sym, feed)
+        bad = misread_nodes(sym, feed)
         if bad:     # MXNet would run them past their buffers: report without running anything
             out = []
             for it in items:
@@ -611,14 +521,14 @@ class SelfCheck:
 _UNCHECKED = "unchecked"
 
 
-def _misread_nodes(sym: Any, feed: Dict[str, Any]) -> List[Tuple[str, str]]:
+def misread_nodes(sym: Any, feed: Dict[str, Any]) -> List[Tuple[str, str]]:
     """(name, op) of the nodes MXNet 1.9.1 would not run as their inferred shapes say (``facts.misread``:
     a reshape to another size copies past its buffer, a ``where`` condition of another shape is
     read elsewhere or divides by zero)."""
-    from .facts import _SIZE_KEEPING, misread
+    from .facts import SIZE_KEEPING, misread
 
     conf = json.loads(sym.tojson())
-    if not any(n["op"] in _SIZE_KEEPING or n["op"] == "where" for n in conf["nodes"]):
+    if not any(n["op"] in SIZE_KEEPING or n["op"] == "where" for n in conf["nodes"]):
         return []
     internals = sym.get_internals()
     try:
@@ -641,7 +551,7 @@ def _misread_nodes(sym: Any, feed: Dict[str, Any]) -> List[Tuple[str, str]]:
 
     bad = []
     for n in nodes:
-        if (n["op"] in _SIZE_KEEPING or n["op"] == "where") and n["inputs"]:
+        if (n["op"] in SIZE_KEEPING or n["op"] == "where") and n["inputs"]:
             out = by_name.get("%s_output" % n["name"])
             if misread(n["op"], [shape_of(i) for i in n["inputs"]], tuple(out) if out else None):
                 bad.append((n["name"], n["op"]))

@@ -108,7 +108,7 @@ class _State:
         self.shapes: Dict[Tuple[int, int], Tuple[int, ...]] = shapes
         self.dtypes: Dict[Tuple[int, int], str] = dtypes
         self.target, self.opset, self.dynamic = target, opset, dynamic
-        from ..engine.selfcheck import SHAPE_ONLY
+        from ..engine.inputs import SHAPE_ONLY
         # readers of each value, those reading only its shape left out (a projection packed into
         # Attention still feeds them; static exports fold them away)
         self.uses: Dict[Tuple[int, int], int] = {}

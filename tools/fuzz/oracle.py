@@ -86,8 +86,8 @@ def _misreads(sym, values) -> bool:
     (fusion.facts.misread: a where condition of another shape, read as cond[i // ratio]; a reshape
     to another size), or reads past a tensor: softmax lengths longer than the axis they count.
     No input a fused model must reproduce."""
-    from fusion.engine.selfcheck import _misread_nodes
-    if _misread_nodes(sym, values):
+    from fusion.engine.selfcheck import misread_nodes
+    if misread_nodes(sym, values):
         return True
     data = json.loads(sym.tojson())
     nodes = data["nodes"]
