@@ -150,12 +150,12 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     device = check_device(device)
     from .precision.policy import resolve
     precision = resolve(precision, True if device == "gpu" else force, mode)
-    _check_device_precision(device, precision)
-    return _fuse_gc_off(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
+    check_device_precision(device, precision)
+    return fuse_gc_off(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
                         precision=precision, device=device)
 
 
-def _check_device_precision(device: str, precision: str) -> None:
+def check_device_precision(device: str, precision: str) -> None:
     from .precision.policy import FLOAT32
     if device == "gpu" and precision != FLOAT32:
         raise FusionError("precision='bf16' is the CPU's policy (a float32 op reading bfloat16 weights through "
@@ -173,7 +173,8 @@ def check_device(device: Any) -> str:
     return name
 
 
-def _fuse_gc_off(*args, **kwargs) -> FusionResult:
+def fuse_gc_off(*args, **kwargs) -> FusionResult:
+    """``fuse`` on arguments already checked (``fuse`` and the Gluon backend call it)."""
     # The IR allocates many small acyclic objects; Python's cyclic collector would rescan
     # them all again and again on large graphs (a third of the time at 100k nodes).
     gc_was_enabled = gc.isenabled()

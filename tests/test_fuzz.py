@@ -173,13 +173,13 @@ def test_gluon_door_check_finds_a_wrong_fused_block(monkeypatch, family):
         pytest.skip("no %s graph checked at two shapes and in training among the seeds tried" % family)
     assert not out.findings, (seed, [(f.check, f.detail) for f in out.findings])
 
-    real = fusion.api._fuse_gc_off
+    real = fusion.api.fuse_gc_off
 
     def off_by_one_percent(*args, **kwargs):
         res = real(*args, **kwargs)
         res.symbol = mx.sym.Group([o * 1.01 for o in res.symbol])
         return res
-    monkeypatch.setattr(fusion.api, "_fuse_gc_off", off_by_one_percent)
+    monkeypatch.setattr(fusion.api, "fuse_gc_off", off_by_one_percent)
     found = {f.check for f in Oracle(case, only=["gluon"]).run().findings}
     assert {"gluon.values", "gluon.second.values", "gluon.training.values"} <= found, (seed, found)
 

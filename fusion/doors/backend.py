@@ -55,7 +55,7 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
                     ctx: Any = None, **unused: Any):
     """Fuse ``symbol``; add the new parameters to ``args``/``aux`` like MXNet's partitioners (the
     caller's entries stay); return the new symbol."""
-    from ..api import _fuse_gc_off
+    from ..api import fuse_gc_off
     from ..ir.errors import FusionError, ParamsError
 
     nested = unused.pop("backend_opts", None) or {}   # MXNet 2.0 spelling: hybridize(backend_opts={...})
@@ -88,10 +88,10 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
         raise ValueError("mode must be inference or training, not %r" % (mode,))
     from ..precision.policy import resolve
     precision = resolve(precision, str(force).lower() in ("true", "1") or device == "gpu", mode)
-    from ..api import _check_device_precision
-    _check_device_precision(device, precision)
+    from ..api import check_device_precision
+    check_device_precision(device, precision)
     try:
-        result = _fuse_gc_off(symbol, params, aux or {}, rules, mode, shapes, dtypes, True, copy_params=False,
+        result = fuse_gc_off(symbol, params, aux or {}, rules, mode, shapes, dtypes, True, copy_params=False,
                               precision=precision, device=device)
     except ParamsError as e:
         if block is None:

@@ -214,8 +214,8 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
     rules = [r.strip() for r in args.rules.split(",") if r.strip()] if args.rules else None
     from ..precision.policy import FLOAT32, resolve, tolerance
     precision = resolve(args.precision, args.force_precision or args.device == "gpu", args.mode)
-    from ..api import _check_device_precision
-    _check_device_precision(args.device, precision)
+    from ..api import check_device_precision
+    check_device_precision(args.device, precision)
     rtol_given = args.rtol is not None
     if args.rtol is None:
         args.rtol = tolerance(precision)
