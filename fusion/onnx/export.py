@@ -786,9 +786,9 @@ def _export_fused_elemwise(node, **kwargs):
     from onnx import TensorProto, helper
     name, inputs, attrs = node_io(node, kwargs)
     text = str(attrs.get("expr", ""))
-    from patterns.unfuse_elemwise import _parse      # the program as a tree, read without recursion
+    from ..ir.expr import parse_expr      # the program as a tree, read without recursion
     try:
-        tree = _parse(text)
+        tree = parse_expr(text)
     except (AssertionError, IndexError, ValueError):
         raise GraphError("fused_elemwise '%s': cannot export expression %r" % (name, text)) from None
     nodes: List[Any] = []
