@@ -10,7 +10,7 @@ from fusion.ir.pattern import Pattern, Var, op
 from fusion.engine.rule import Rule
 
 
-class _Unfuse(Rule):
+class UnfuseRule(Rule):
     benefit = 1
     family = "unfuse"
 

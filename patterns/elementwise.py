@@ -138,7 +138,7 @@ EXPR["identity"] = lambda n, a: a[0]
 EXPR["fused_elemwise"] = lambda n, a: re.sub(r"\bx(\d+)\b", lambda t: a[int(t.group(1))], n.attrs.raw("expr"))
 
 
-def _batchnorm_scale_shift(node: Node, ctx) -> Optional[tuple]:
+def batchnorm_scale_shift(node: Node, ctx) -> Optional[tuple]:
     """(scale, shift, axis, rank) of an inference BatchNorm with known params, else None."""
     if len(node.inputs) != 5 or ctx.mode != "inference" or node.param("output_mean_var"):
         return None
@@ -265,7 +265,7 @@ def member(node: Node, ctx) -> bool:
     if node.op == "Dropout":
         return _dropout_identity(node, ctx)
     if node.op == "BatchNorm":
-        return _batchnorm_scale_shift(node, ctx) is not None
+        return batchnorm_scale_shift(node, ctx) is not None
     if node.op == "where":
         return len(node.inputs) == 3 and _where_rows(node, ctx) is not None
     if node.op == "fused_elemwise":
@@ -328,7 +328,7 @@ class Elementwise(Rule):
         exprs: Dict[int, str] = {}
         for n in region:                              # topological order
             if n.op == "BatchNorm":
-                scale, shift, axis, rank = _batchnorm_scale_shift(n, m.ctx)
+                scale, shift, axis, rank = batchnorm_scale_shift(n, m.ctx)
                 bshape = [-1] + [1] * (rank - axis - 1)     # (C, 1, …, 1): broadcasts at any batch size
                 s = b.param(n.name + "_scale", scale.reshape(bshape).astype(np.float32))
                 t = b.param(n.name + "_shift", shift.reshape(bshape).astype(np.float32))

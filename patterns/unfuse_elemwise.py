@@ -30,7 +30,7 @@ from fusion.ir.matcher import Match
 from fusion.ir.pattern import Pattern, Var, op
 from fusion.engine.rewrite import Builder
 
-from ._unfuse_base import _Unfuse
+from ._unfuse_base import UnfuseRule
 
 
 _BINARY = {"add": "broadcast_add", "sub": "broadcast_sub", "mul": "broadcast_mul", "div": "broadcast_div",
@@ -200,7 +200,7 @@ class ElemwiseProgram:
         return self._op("where", full)
 
 
-class UnfuseElemwise(_Unfuse):
+class UnfuseElemwise(UnfuseRule):
     def __init__(self):
         super().__init__("fused_elemwise", 8)
 
