@@ -110,10 +110,10 @@ def small_cnn():
 
 def run_mxfuse(capsys, *argv):
     """(exit status, stdout, stderr) of an in-process mxfuse run; argparse's exits included."""
-    from fusion.doors import cli
+    from fusion.doors import mxfuse
 
     try:
-        code = cli.main([str(a) for a in argv])
+        code = mxfuse.main([str(a) for a in argv])
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()

@@ -29,7 +29,7 @@ def listing(folder):
 
 def subprocess_mxfuse(*argv, **kw):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "fusion.doors.cli", *map(str, argv)], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "fusion.doors.mxfuse", *map(str, argv)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, **kw)
 
 
@@ -103,7 +103,7 @@ def test_a_reader_that_goes_away_is_no_error(tmp_model, tmp_path):
     """``mxfuse ... | head``: the report cannot be printed, the model is still written, no traceback."""
     sp, pp = tmp_model()
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.Popen([sys.executable, "-m", "fusion.doors.cli", str(sp), "--params", str(pp), "-o", str(tmp_path / "o"),
+    p = subprocess.Popen([sys.executable, "-m", "fusion.doors.mxfuse", str(sp), "--params", str(pp), "-o", str(tmp_path / "o"),
                           "--explain"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p.stdout.close()                       # the reader is gone before mxfuse prints anything
     err = p.stderr.read().decode()
@@ -155,7 +155,7 @@ def test_entries_naming_missing_outputs_are_refused_before_mxnet_sees_them(tmp_p
         _write_json(tmp_path / ("%s-symbol.json" % name), d)
     script = (
         "import contextlib, io, json, sys\n"
-        "from fusion import cli\n"
+        "from fusion.doors import cli\n"
         "out = {}\n"
         "for name in %r:\n"
         "    for extra in ([], ['--verify', '--shape', 'data=1,3,8,8']):\n"

@@ -234,7 +234,7 @@ def test_progress_through_a_real_terminal(tmp_model, tmp_path):
 
     sp, pp = tmp_model()
     master, slave = pty.openpty()
-    proc = subprocess.run([sys.executable, "-m", "fusion.doors.cli", str(sp), "--params", str(pp), "-o", str(tmp_path / "o"),
+    proc = subprocess.run([sys.executable, "-m", "fusion.doors.mxfuse", str(sp), "--params", str(pp), "-o", str(tmp_path / "o"),
                            "--shape", "data=1,3,8,8", "--verify"], cwd=ROOT, stdout=subprocess.PIPE, stderr=slave,
                           timeout=300)
     os.close(slave)

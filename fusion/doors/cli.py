@@ -22,9 +22,9 @@ import signal
 import sys
 from typing import List, Optional, Tuple
 
-from . import about, batch, progress, serving
+from . import about, progress, serving
 from ..api import FusionResult, fuse, unfuse
-from .argtypes import positive_float, positive_int
+from .argtypes import VERBOSE_HELP, add_batch_arguments, batch_only_flags, positive_float, positive_int
 from ..ir.errors import FusionError
 from ..ir.graph import Graph
 from ..files.modelio import model_files, output_paths, parse_shape, read_graph, read_params, text_file, validate_params
@@ -77,11 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ONNX opset of --to-onnx, 13-21 (default: the input ONNX file's opset, else 17)")
     p.add_argument("--html", metavar="FILE.html", help="write a readable HTML report with drawings of both graphs")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
-    p.add_argument("--verbose", action="store_true", help=batch.VERBOSE_HELP)
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.add_argument("--list-rules", action=about.ListRulesAction,
                    help="list the rules (name, family, inference only or not, what each matches) and exit")
     p.add_argument("--version", action=about.VersionAction, help="print the versions of mxfuse and MXNet and exit")
-    batch.add_batch_arguments(p)
+    add_batch_arguments(p)
     return p
 
 
@@ -99,14 +99,10 @@ def _terminate(signum, frame) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    from .batch import is_batch, main_batch
-
-    if is_batch(argv):          # several inputs, or a directory: one process per model
-        return main_batch(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    if batch.batch_only_flags(args):
-        parser.error(batch.batch_only_flags(args))
+    if batch_only_flags(args):
+        parser.error(batch_only_flags(args))
     args.command_line = argv
     published: List[str] = []
     previous = {}
