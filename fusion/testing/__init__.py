@@ -3,6 +3,12 @@
 BatchNorm statistics are randomized (MXNet initializes mean 0 / variance 1,
 which would make folding trivially exact), so a fold that mixes up the
 channel axis, eps or fix_gamma shows up as a numerical mismatch.
+
+Here: model-zoo networks (``zoo_model``), Gluon blocks exported (``gluon_export``), a small GluonNLP
+BERT (``gluonnlp_bert``), a BERT written as ONNX (``onnx_bert``); in ``gluoncv``, GluonCV's CNN blocks.
+
+May import: any layer of mxnet-fusion but ``fusion.doors`` (ARCHITECTURE.md); the models here
+need none today, only MXNet, GluonNLP and onnx, imported when a model is asked for.
 """
 from __future__ import annotations
 
