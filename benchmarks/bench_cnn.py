@@ -5,7 +5,7 @@
 
 Part 1: batch 1 at 224×224 (299×299 for Inception-v3), random weights and
 randomized BatchNorm statistics.  The original and the fused model are bound
-in the same process and timed round-robin (``fusion.bench.time_interleaved``,
+in the same process and timed round-robin (``fusion.check.bench.time_interleaved``,
 medians), each once with MXNet's default bind (oneDNN subgraph backend on) and
 once with the subgraph backend off.  Ratios above 1 mean the fused model is
 faster:

@@ -4,7 +4,7 @@
                                           [--repeats 30] [--rounds 1]
 
 Batch 1 at 224×224, random weights and randomized BatchNorm statistics.  The networks
-are written as GluonCV writes them (``fusion/testing_gluoncv.py``; DenseNet-121 and
+are written as GluonCV writes them (``fusion/testing/gluoncv.py``; DenseNet-121 and
 ResNet-50 are MXNet's model zoo, which GluonCV's equal).  Original and fused model are
 bound in the same process with MXNet's default bind (its oneDNN subgraph backend on,
 which fuses conv+BN+ReLU(+add) itself) and timed round-robin; per model the median and

@@ -29,7 +29,7 @@ def _native():
         return _native
     except Exception:
         spec = importlib.util.spec_from_file_location("fusion_native_bench",
-                                                      os.path.join(_REPO, "fusion", "_native.py"))
+                                                      os.path.join(_REPO, "fusion", "native", "library.py"))
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod

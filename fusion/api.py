@@ -113,7 +113,7 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     ``arg_params``/``aux_params`` map names to NDArrays (or NumPy arrays); they
     enable parameter transforms such as BatchNorm folding.  They are checked like
     ``mxfuse`` checks a params file (dtypes the graph accepts, no NaN/inf, no negative
-    moving variance): a :class:`~fusion.errors.ParamsError` names the array otherwise.
+    moving variance): a :class:`~fusion.ir.errors.ParamsError` names the array otherwise.
     Neither the symbol nor the arrays passed in are modified, and the result shares no
     memory with them: its params are NDArrays (also for NumPy input), copies of the
     caller's arrays on their own device context, and new arrays (folded parameters, under
@@ -133,7 +133,7 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
 
     ``precision="bf16"`` (inference only): the fused ops' matrix products run in bfloat16
     with float32 accumulation — their weights cast once into new parameters (``<w>_bf16``),
-    everything else float32 as ``fusion/precision.py``'s policy says; the self-check then
+    everything else float32 as ``fusion/precision/policy.py``'s policy says; the self-check then
     accepts the bfloat16 tolerance against the float32 original.  Refused (FusionError, with
     the reason) on a CPU without native bfloat16 unless ``force=True``.  A graph with convolutions
     (which the fused ops have no bfloat16 form of) is converted by MXNet's own AMP first and the
@@ -287,7 +287,7 @@ def _float32_vars(graph: Graph, ctx: Context) -> set:
 
 def _keep_output_names(graph: Graph, names: Optional[list], report: FusionReport,
                        float32_vars: Optional[set] = None) -> None:
-    """The outputs named as the original named them (``fusion/names.py``); the report's fused
+    """The outputs named as the original named them (``fusion/ir/names.py``); the report's fused
     node names follow a fused node renamed on the way."""
     from .ir.names import keep_output_names
 

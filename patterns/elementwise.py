@@ -276,7 +276,7 @@ def member(node: Node, ctx) -> bool:
     return node.op in EXPR
 
 
-MAX_PROGRAM_OPS = 256   # per fused_elemwise; ~600 levels fit a 256 KiB stack (fusion/graph.py: MAX_EXPR_DEPTH)
+MAX_PROGRAM_OPS = 256   # per fused_elemwise; ~600 levels fit a 256 KiB stack (fusion/ir/graph.py: MAX_EXPR_DEPTH)
 
 
 def program_ops(node: Node) -> int:

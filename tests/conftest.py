@@ -1,4 +1,4 @@
-"""Shared test helpers.  Thread settings are applied before mxnet is imported (see fusion/_env.py)."""
+"""Shared test helpers.  Thread settings are applied before mxnet is imported (see fusion/native/env.py)."""
 import os
 import sys
 

@@ -1,4 +1,4 @@
-"""ONNX import/export (fusion/onnx_io.py) against ONNX Runtime.
+"""ONNX import/export (fusion/onnx/importer.py) against ONNX Runtime.
 
 The models are built here with ``onnx.helper`` the way today's exporters
 write them: initializers not listed as graph inputs, symbolic batch (and

@@ -1,4 +1,4 @@
-"""``--to-onnx`` / ``export_onnx`` (fusion/onnx_export.py) on the models people export, in ONNX Runtime.
+"""``--to-onnx`` / ``export_onnx`` (fusion/onnx/export.py) on the models people export, in ONNX Runtime.
 
 Each model is fused, exported for each target (``ort``: ONNX Runtime's contrib ops; ``standard``:
 ai.onnx only) and run in ONNX Runtime against MXNet (``export_onnx`` validates the file on inputs

@@ -1,5 +1,5 @@
-"""The ONNX graph view and chain patterns (fusion/onnx_graph.py), and the chain passes of
-fusion/onnx_passes.py on tiny graphs built inline: each rewrite run in ONNX Runtime against the graph
+"""The ONNX graph view and chain patterns (fusion/onnx/graph.py), and the chain passes of
+fusion/onnx/passes.py on tiny graphs built inline: each rewrite run in ONNX Runtime against the graph
 before it, and left alone when a value it would remove has a second reader or an operand is not
 constant."""
 import numpy as np

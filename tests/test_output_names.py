@@ -1,4 +1,4 @@
-"""The fused model's outputs keep the names the original gave them (fusion/names.py): a rewrite
+"""The fused model's outputs keep the names the original gave them (fusion/ir/names.py): a rewrite
 that replaces the node computing an output (BatchNorm folded, Dropout or an identity removed,
 a two-output fused op, a folded parameter) would otherwise rename it, and code reading outputs
 by name (``executor.output_dict``, metrics' ``output_names``) would miss it."""

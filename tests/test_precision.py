@@ -1,4 +1,4 @@
-"""Reduced precision (fusion/precision.py): fuse(..., precision="bf16"), mxfuse --precision, hybridize.
+"""Reduced precision (fusion/precision/policy.py): fuse(..., precision="bf16"), mxfuse --precision, hybridize.
 
 Tolerances: against the float32 original, ``max|Δ|/max|orig|`` ≤ 2e-2 (the policy's bf16
 tolerance; bf16 rounds each operand by up to 2⁻⁹); against a NumPy reference that rounds

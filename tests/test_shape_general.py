@@ -1,5 +1,5 @@
 """A fused model binds and runs like the original at every input shape the original accepts,
-not only at the shapes it was fused at (probe shapes in fusion/facts.py, checked per rewrite)."""
+not only at the shapes it was fused at (probe shapes in fusion/engine/facts.py, checked per rewrite)."""
 import json
 import math
 

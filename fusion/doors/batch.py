@@ -5,7 +5,7 @@ folder contributes every ``*-symbol.json`` (with the ``NAME-XXXX.params`` of
 the highest epoch beside it) and every ``*.onnx`` at its top level.  A
 ``NAME.shapes.json`` beside a model (``{"data": [1, 3, 224, 224]}``) gives
 that model's input shapes, in place of the ``--shape`` options.  Each
-model is one ``mxfuse`` run (:func:`fusion.cli.main` with that model's
+model is one ``mxfuse`` run (:func:`fusion.doors.cli.main` with that model's
 argv) in a worker process, writing ``OUTDIR/NAME-symbol.json`` and
 ``OUTDIR/NAME-0000.params``.  A model that fails — bad JSON, params that do
 not fit, a verification mismatch, even a crash in native code — is reported
@@ -582,7 +582,7 @@ def build_parser(parser_class: type = _Parser) -> argparse.ArgumentParser:
                    help="writes OUTDIR/NAME-symbol.json and OUTDIR/NAME-0000.params per model")
     add_batch_arguments(p, jobs_type=positive_int if strict else str)
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
-    # passed on to each model's mxfuse run (see mxfuse --help); keep in step with fusion/cli.py
+    # passed on to each model's mxfuse run (see mxfuse --help); keep in step with fusion/doors/cli.py
     p.add_argument("--shape", action="append", default=[], metavar="NAME=D1,D2,...")
     p.add_argument("--rules")
     p.add_argument("--mode", choices=("inference", "training"))

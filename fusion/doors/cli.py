@@ -4,11 +4,12 @@
            [--shape data=1,3,224,224 ...] [--verify] [--benchmark] [--explain] [--report report.json]
     mxfuse model.onnx -o OUT_PREFIX [--shape ...] [--to-onnx fused.onnx]
     mxfuse FUSED-symbol.json --params FUSED-0000.params --unfuse -o OUT_PREFIX
-    mxfuse MODEL_OR_DIR... -o OUTDIR [-j N] [--reports]       (batch: one process per model)
+    mxfuse MODEL_OR_DIR... -o OUTDIR [-j N] [--reports]       (batch: one process per model,
+                                                              fusion/doors/batch.py)
 
 Writes ``OUT_PREFIX-symbol.json`` and ``OUT_PREFIX-0000.params`` (``-o DIR/``
 keeps the model's name), with the reports, all at once or not at all
-(:mod:`fusion.publish`).  Exit status: 0 done, 1 verification failed (nothing
+(:mod:`fusion.files.publish`).  Exit status: 0 done, 1 verification failed (nothing
 written), 2 bad input or usage (one line on stderr, nothing written), 3 the
 ``--to-onnx`` export failed (the MXNet model and reports were written — they
 were verified —; the ONNX file was not; stderr names the node that stopped the
@@ -228,7 +229,7 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
             result = fuse(symbol, arg, aux, rules=rules, mode=args.mode, input_shapes=shapes,
                           self_check=args.self_check, precision=precision, force=True, device=args.device)
     report = result.report
-    if not rtol_given:          # an AMP-converted model is fused as precision='bf16' (fusion/precision.py)
+    if not rtol_given:          # an AMP-converted model is fused as precision='bf16' (fusion/precision/policy.py)
         args.rtol = tolerance(report.precision)
     report.extra.update(about.run_info(getattr(args, "command_line", None), shapes))
     serving.add_note(report, result.graph, paths[0][: -len("-symbol.json")])

@@ -79,7 +79,7 @@ class FusionReport:
     seconds: float = 0.0
     notes: List[str] = field(default_factory=list)
     extra: Dict[str, Any] = field(default_factory=dict)   # verification, benchmark figures
-    self_check: Any = None      # fusion.selfcheck.CheckStats, or None when the self-check was off
+    self_check: Any = None      # fusion.engine.selfcheck.CheckStats, or None when the self-check was off
     _rejected_keys: Dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def reject(self, rule: Any, anchor: str, key: str, reason: str) -> None:

@@ -47,9 +47,9 @@ class Context:
         self.graph = graph
         self.mode = mode
         #: where the fused graph will run, 'cpu' or 'gpu': a library op is emitted only if the
-        #: loaded op library implements it there (fusion._native.capabilities())
+        #: loaded op library implements it there (fusion.native.library.capabilities())
         self.device = device
-        #: 'float32' or 'bfloat16' (fusion/precision.py's policy decides what that changes)
+        #: 'float32' or 'bfloat16' (fusion/precision/policy.py's policy decides what that changes)
         self.precision = precision
         #: under reduced precision: weights cast, and fused ops whose weight stayed float32 (with why)
         self.precision_cast: List[str] = []
@@ -179,7 +179,7 @@ class Context:
 
     @property
     def probes(self) -> List[Dict[str, tuple]]:
-        """Input shapes the facts are inferred at: the user's, then alternates (see fusion/facts.py)."""
+        """Input shapes the facts are inferred at: the user's, then alternates (see fusion/engine/facts.py)."""
         if self._probes is None:
             self._probes = [dict(self.input_shapes)]
         return self._probes
@@ -740,7 +740,7 @@ def run_rules(graph: Graph, rules: Sequence[Any], ctx: Context, report: FusionRe
     """Apply ``rules`` to ``graph`` (in place) until a whole pass changes nothing.
 
     ``checker`` runs each batch of rewrites side by side with what they replace before
-    they are committed (see fusion/selfcheck.py)."""
+    they are committed (see fusion/engine/selfcheck.py)."""
     ordered = sorted(rules, key=lambda r: (-r.benefit, r.name))
     names = [r.name for r in ordered]
     dup = {n for n in names if names.count(n) > 1}

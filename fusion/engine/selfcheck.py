@@ -3,7 +3,7 @@
 Before a batch of rewrites is committed, each matched subgraph ("old") and its
 replacement ("new") are run side by side by MXNet on the same inputs, at every
 probe shape of the pass (the user's input shapes and the alternates of
-``fusion/facts.py``), and compared output by output:
+``fusion/engine/facts.py``), and compared output by output:
 
 * shapes equal, NaN and ±inf at the same positions, and the finite values within
   ``TOLERANCE`` of the old output's scale (``max|new − old| / max|old|``, the same
@@ -435,7 +435,7 @@ class SelfCheck:
         from ..precision.policy import tolerance
 
         training = self.ctx.mode == "training"
-        # reduced precision: the bfloat16 tolerance against the float32 subgraph (fusion/precision.py)
+        # reduced precision: the bfloat16 tolerance against the float32 subgraph (fusion/precision/policy.py)
         tol = max(TOLERANCE, tolerance(getattr(self.ctx, "precision", "float32")))
         text, layout = _build(items)
         sym = mx.sym.load_json(text)

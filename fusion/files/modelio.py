@@ -2,7 +2,7 @@
 
 Reading validates everything a rewrite relies on and raises a one-line
 :class:`GraphError`/:class:`ParamsError` naming the problem.  Writing is
-atomic (:mod:`fusion.publish`): each file goes to a temporary file in the
+atomic (:mod:`fusion.files.publish`): each file goes to a temporary file in the
 target folder and is renamed into place only when every file of the model
 has been written, and never over the files the model was read from.
 """
@@ -381,7 +381,7 @@ def write_model(prefix_paths: Tuple[str, str], symbol: Any, arg: Mapping[str, An
 
 def model_files(prefix_paths: Tuple[str, str], symbol: Any, arg: Mapping[str, Any],
                 aux: Mapping[str, Any]) -> List[Tuple[str, str, Callable[[str], None]]]:
-    """The (what, path, writer) triples of a model's two files, for :func:`fusion.publish.publish`."""
+    """The (what, path, writer) triples of a model's two files, for :func:`fusion.files.publish.publish`."""
     import mxnet as mx
 
     sym_path, params_path = prefix_paths

@@ -5,7 +5,7 @@ A :class:`Graph` is the Symbol JSON (``nodes``, ``arg_nodes``, ``node_row_ptr``,
 a :class:`Node` holds its inputs as :class:`Entry` values ``(node, output
 index, version)``.  Keys of a node that the engine does not interpret (e.g.
 ``subgraphs`` of control-flow ops, ``control_deps``) are carried along
-verbatim.  Attributes are :class:`~fusion.attrs.Attrs`: typed on read,
+verbatim.  Attributes are :class:`~fusion.ir.attrs.Attrs`: typed on read,
 written back in MXNet's spelling, unchanged strings kept as they were.
 
 Nodes are kept in topological order (the order of the JSON).  A rewrite

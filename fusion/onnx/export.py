@@ -37,7 +37,7 @@ input (EmbedLayerNormalization and a bias folded into SkipLayerNormalization add
 another order); none assumes what an input holds (ONNX Runtime's optimizer reads a 0/1 mask as
 right-padded lengths; an exported additive mask stays ``(1 - m)·c`` for any m).  Integer inputs are
 read as int32 where ONNX Runtime's embedding ops need it, as ORT's optimizer casts them.  The clean-up
-passes live in ``fusion/onnx_passes.py``; this module converts and assembles the graph, then calls them.
+passes live in ``fusion/onnx/passes.py``; this module converts and assembles the graph, then calls them.
 
 An export that fails raises :class:`OnnxExportError` naming the node that stopped it.
 """
@@ -833,7 +833,7 @@ def _export_fused_elemwise(node, **kwargs):
             return emit("Min", [emit("Max", [r, const("lo", 0.0)]), const("hi", 1.0)])
         raise GraphError("fused_elemwise '%s': no ONNX export for function %r" % (name, tok))
 
-    # post-order without recursion: programs nest as deep as MXNet loads (fusion/graph.py)
+    # post-order without recursion: programs nest as deep as MXNet loads (fusion/ir/graph.py)
     values: Dict[int, str] = {}
     todo = [(tree, False)]
     while todo:
@@ -1053,7 +1053,7 @@ def _check_exportable(graph_json) -> None:
         op, name = sorted(missing.items())[0]
         ops = ", ".join("%s (node '%s')" % kv for kv in sorted(missing.items()))
         hint = "; call fusion.unfuse first" if any(o.startswith("fused_") for o in missing) else ""
-        raise OnnxExportError("no ONNX exporter for op(s) %s%s, or add one to fusion.onnx_io.FUSED_OP_EXPORTERS"
+        raise OnnxExportError("no ONNX exporter for op(s) %s%s, or add one to fusion.onnx.export.FUSED_OP_EXPORTERS"
                               % (ops, hint), node=name, op=op)
 
 

@@ -1524,5 +1524,5 @@ _KNOWN_ATTRS: Dict[str, set] = {
 SUPPORTED_OPS = tuple(sorted(set(_SYMBOLIC) | set(_FOLD) | {"Constant", "com.microsoft.Gelu"}))
 
 
-# Export lives in fusion/onnx_export.py; its public names are kept here.
+# Export lives in fusion/onnx/export.py; its public names are kept here.
 from .export import DEFAULT_OPSET, FUSED_OP_EXPORTERS, export_onnx, node_io  # noqa: E402,F401

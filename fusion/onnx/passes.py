@@ -1,8 +1,8 @@
-"""The clean-up passes of the ONNX export, over one :class:`~fusion.onnx_graph.GraphView` of the graph.
+"""The clean-up passes of the ONNX export, over one :class:`~fusion.onnx.graph.GraphView` of the graph.
 
-``fusion/onnx_export.py`` converts each MXNet op; these passes then clean the ONNX graph, in the order
+``fusion/onnx/export.py`` converts each MXNet op; these passes then clean the ONNX graph, in the order
 ``onnx_export`` calls them.  Each computes the same function for every input (see that module's
-docstring).  A pass that replaces a chain of ops is a chain pattern (``fusion/onnx_graph.py``) and a
+docstring).  A pass that replaces a chain of ops is a chain pattern (``fusion/onnx/graph.py``) and a
 check on what it bound; the others (constant folding, common subexpressions, the swapped-layout
 regions, the embedding sum) are plain functions over the view.
 

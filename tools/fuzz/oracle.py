@@ -83,7 +83,7 @@ RANDOM_OPS = re.compile(r"^(_random_|random_|_sample_|sample_|_contrib_.*uniform
 
 def _misreads(sym, values) -> bool:
     """Whether MXNet 1.9.1 would not run ``sym`` as its inferred shapes say at these values
-    (fusion.facts.misread: a where condition of another shape, read as cond[i // ratio]; a reshape
+    (fusion.engine.facts.misread: a where condition of another shape, read as cond[i // ratio]; a reshape
     to another size), or reads past a tensor: softmax lengths longer than the axis they count.
     No input a fused model must reproduce."""
     from fusion.engine.selfcheck import misread_nodes
@@ -1177,7 +1177,7 @@ class Oracle:
 
     def _amp_original(self, sym0, x) -> Optional[List[np.ndarray]]:
         """The original as ``fuse(precision="bf16")`` hands it to the rules when MXNet's AMP converts
-        it first (``fusion.precision.convert_convolutions``: float32 outputs), run on ``x``; None
+        it first (``fusion.precision.policy.convert_convolutions``: float32 outputs), run on ``x``; None
         where that cannot be done."""
         from fusion.precision.policy import convert_convolutions
 
