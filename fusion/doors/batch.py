@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Dict, IO, List, Optional, Sequence, Tuple
 
 from .about import command_line as _command_line
-from .argtypes import VERBOSE_HELP, add_batch_arguments
+from .batch_options import VERBOSE_HELP, add_batch_arguments
 
 _SYMBOL_SUFFIX = "-symbol.json"
 SHAPES_SUFFIX = ".shapes.json"

@@ -25,7 +25,8 @@ from typing import List, Optional, Tuple
 
 from . import about, progress, serving
 from ..api import FusionResult, fuse, unfuse
-from .argtypes import VERBOSE_HELP, add_batch_arguments, batch_only_flags, positive_float, positive_int
+from .argtypes import positive_float, positive_int
+from .batch_options import VERBOSE_HELP, add_batch_arguments, batch_only_flags
 from ..ir.errors import FusionError
 from ..ir.graph import Graph
 from ..files.modelio import model_files, output_paths, parse_shape, read_graph, read_params, text_file, validate_params
