@@ -19,6 +19,7 @@
 // Same results as the CPU op (attention_cpu.cc): fully masked rows, causal modes and
 // non-finite values follow the unfused MXNet graph.
 #include "cuda_common.cuh"
+#include "attention_backends.h"
 #include "fused_attention.h"
 
 #include <type_traits>
@@ -635,7 +636,8 @@ constexpr int kBwdRows = 16;  // query rows per step
 // delta[n * Sq + i] = sum_d dO[i, d] o[i, d]; one warp per row
 template <typename T>
 __global__ void attention_delta_kernel(const mxf_attention_args a, const T* __restrict__ dout,
-                                       float* __restrict__ delta) {
+                                       float* __restrict__ delta, const int* gate) {
+  if (gate && *gate == 0) return;
   const int lane = threadIdx.x & 31;
   const int64_t rows = a.B * a.H * a.Sq, wpb = blockDim.x >> 5;
   for (int64_t row = blockIdx.x * wpb + (threadIdx.x >> 5); row < rows; row += gridDim.x * wpb) {
@@ -657,10 +659,14 @@ struct BwdParams {
   float* dq_acc;     // (N, Sq, D)
   float* dmask_acc;  // dmask_numel, or null
   int bkc;           // keys per block (16 or 32)
+  const int* gate;   // null, or run only where *gate != 0 (see attention_backends.h)
 };
+
+__device__ __forceinline__ bool gated_off(const int* gate) { return gate && *gate == 0; }
 
 template <typename T>
 __global__ void __launch_bounds__(kBwdThreads) attention_bwd_kernel(const BwdParams P) {
+  if (gated_off(P.gate)) return;
   const mxf_attention_args& a = P.a;
   const int BK = P.bkc;
   const int64_t D = a.D, Dv = a.Dv, KS = D + 1, VS = Dv + 1;
@@ -819,7 +825,8 @@ __global__ void __launch_bounds__(kBwdThreads) attention_bwd_kernel(const BwdPar
 
 template <typename T>
 __global__ void dq_finish_kernel(const mxf_attention_args a, const float* __restrict__ acc, T* __restrict__ dq,
-                                 int req) {
+                                 int req, const int* gate) {
+  if (gate && *gate == 0) return;
   const int64_t total = a.B * a.H * a.Sq * a.D;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -829,10 +836,21 @@ __global__ void dq_finish_kernel(const mxf_attention_args a, const float* __rest
 }
 
 template <typename T>
-__global__ void flat_finish_kernel(const float* __restrict__ acc, T* __restrict__ out, int64_t n, int req) {
+__global__ void flat_finish_kernel(const float* __restrict__ acc, T* __restrict__ out, int64_t n, int req,
+                                   const int* gate) {
+  if (gate && *gate == 0) return;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x)
     mxf_cuda::store_req(out + e, acc[e], req);
+}
+
+// memset to 0 of n bytes at p (4-byte aligned) that a gate can switch off
+__global__ void zero_kernel(unsigned char* __restrict__ p, int64_t n, const int* gate) {
+  if (gate && *gate == 0) return;
+  const int64_t n4 = n / 4, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t t0 = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  for (int64_t e = t0; e < n4; e += stride) reinterpret_cast<unsigned*>(p)[e] = 0u;
+  for (int64_t e = n4 * 4 + t0; e < n; e += stride) p[e] = 0;
 }
 
 unsigned grid_1d(int64_t n, int threads) {
@@ -868,6 +886,7 @@ __host__ __device__ bool vec_ok(const void* p, int64_t bs, int64_t hs, int64_t r
 // shared memory, from which the block computes dQ = dS K and adds it to the float32 workspace.
 template <typename T, int DMAX, int BR>
 __global__ void __launch_bounds__(kMmaWarps * 32) attention_bwd_mma_kernel(const BwdParams P) {
+  if (gated_off(P.gate)) return;
   constexpr int BC = 16 * kMmaWarps;  // keys per block
   constexpr int STR = DMAX + 8, SSTR = BR + 8;
   constexpr int MT = BR / 16, NT = DMAX / 8;             // dQ tiles: MT x NT over 4 warps
@@ -1174,16 +1193,16 @@ BwdPlan bwd_plan(const mxf_attention_args* a, const mxf_attention_grads* g) {
 
 }  // namespace
 
-extern "C" size_t mxf_attention_forward_workspace_size(const mxf_attention_args* args) {
-  return args_ok(args) ? fwd_ws(args) : 0;
-}
+namespace mxf_attn {
 
-extern "C" int mxf_attention_forward(const mxf_attention_args* args, void* workspace, size_t workspace_size,
-                                     void* stream) {
+bool args_valid(const mxf_attention_args* a) { return args_ok(a); }
+
+size_t own_forward_ws(const mxf_attention_args* args) { return args_ok(args) ? fwd_ws(args) : 0; }
+
+int own_forward(const mxf_attention_args* args, void* workspace, size_t workspace_size, cudaStream_t st) {
   if (!args_ok(args)) return MXF_ERR_BAD_ARGS;
   const int64_t N = args->B * args->H;
   if (N == 0 || args->Sq == 0) return 0;
-  const cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (args->dtype == MXF_F32) {
     dim3 grid(static_cast<unsigned>((args->Sq + kRows - 1) / kRows), static_cast<unsigned>(N));
     const size_t shmem = sizeof(float) * kTile * (args->D + args->Dv);
@@ -1223,19 +1242,17 @@ extern "C" int mxf_attention_forward(const mxf_attention_args* args, void* works
   });
 }
 
-extern "C" size_t mxf_attention_backward_workspace_size(const mxf_attention_args* args,
-                                                        const mxf_attention_grads* grads) {
+size_t own_backward_ws(const mxf_attention_args* args, const mxf_attention_grads* grads) {
   return args_ok(args) ? bwd_plan(args, grads).total : 0;
 }
 
-extern "C" int mxf_attention_backward(const mxf_attention_args* args, const mxf_attention_grads* grads,
-                                      void* workspace, size_t workspace_size, void* stream) {
+int own_backward(const mxf_attention_args* args, const mxf_attention_grads* grads, void* workspace,
+                 size_t workspace_size, cudaStream_t st, const int* gate) {
   if (!args_ok(args) || !grads || !args->lse || !grads->dout) return MXF_ERR_BAD_ARGS;
   for (int q : {grads->req_dq, grads->req_dk, grads->req_dv, grads->req_dmask})
     if (!mxf_cuda::req_ok(q)) return MXF_ERR_BAD_ARGS;
   const BwdPlan plan = bwd_plan(args, grads);
   if (!workspace || workspace_size < plan.total) return MXF_ERR_WORKSPACE;
-  const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int64_t N = args->B * args->H;
   char* ws = static_cast<char*>(workspace);
   BwdPlan pl = plan;
@@ -1246,19 +1263,25 @@ extern "C" int mxf_attention_backward(const mxf_attention_args* args, const mxf_
   P.dq_acc = reinterpret_cast<float*>(ws + pl.dq_off);
   P.dmask_acc = pl.total > pl.dm_off ? reinterpret_cast<float*>(ws + pl.dm_off) : nullptr;
   P.bkc = pl.bkc;
+  P.gate = gate;
   const size_t es = mxf_cuda::dtype_bytes(args->dtype);
+  auto zero = [&](void* p, size_t bytes) -> int {  // a memset the gate can switch off
+    if (!gate) return static_cast<int>(cudaMemsetAsync(p, 0, bytes, st));
+    const int64_t n = static_cast<int64_t>(bytes);
+    zero_kernel<<<grid_1d(n / 4 + 1, 256), 256, 0, st>>>(static_cast<unsigned char*>(p), n, gate);
+    return static_cast<int>(cudaGetLastError());
+  };
   if (N == 0) {
-    if (P.dmask_acc && grads->req_dmask != MXF_REQ_ADD)
-      MXF_CUDA_TRY(cudaMemsetAsync(grads->dmask, 0, grads->dmask_numel * es, st));
+    if (P.dmask_acc && grads->req_dmask != MXF_REQ_ADD) MXF_TRY(zero(grads->dmask, grads->dmask_numel * es));
     return 0;
   }
-  MXF_CUDA_TRY(cudaMemsetAsync(P.dq_acc, 0, static_cast<size_t>(N * args->Sq * args->D) * sizeof(float), st));
-  if (P.dmask_acc) MXF_CUDA_TRY(cudaMemsetAsync(P.dmask_acc, 0, grads->dmask_numel * sizeof(float), st));
+  MXF_TRY(zero(P.dq_acc, static_cast<size_t>(N * args->Sq * args->D) * sizeof(float)));
+  if (P.dmask_acc) MXF_TRY(zero(P.dmask_acc, grads->dmask_numel * sizeof(float)));
   return mxf_cuda::dispatch_dtype(args->dtype, [&](auto t) -> int {
     using T = decltype(t);
     if (args->Sq > 0) {
       attention_delta_kernel<T><<<grid_1d(N * args->Sq * 32, 256), 256, 0, st>>>(
-          *args, static_cast<const T*>(grads->dout), const_cast<float*>(P.delta));
+          *args, static_cast<const T*>(grads->dout), const_cast<float*>(P.delta), gate);
       MXF_CUDA_TRY(cudaGetLastError());
     }
     if (args->Sk > 0 && (grads->req_dq != MXF_REQ_NULL || grads->req_dk != MXF_REQ_NULL ||
@@ -1282,10 +1305,12 @@ extern "C" int mxf_attention_backward(const mxf_attention_args* args, const mxf_
     }
     if (grads->req_dq != MXF_REQ_NULL && args->Sq > 0)
       dq_finish_kernel<T><<<grid_1d(N * args->Sq * args->D, 256), 256, 0, st>>>(
-          *args, P.dq_acc, static_cast<T*>(grads->dq), grads->req_dq);
+          *args, P.dq_acc, static_cast<T*>(grads->dq), grads->req_dq, gate);
     if (P.dmask_acc && grads->dmask_numel > 0)
       flat_finish_kernel<T><<<grid_1d(grads->dmask_numel, 256), 256, 0, st>>>(
-          P.dmask_acc, static_cast<T*>(grads->dmask), grads->dmask_numel, grads->req_dmask);
+          P.dmask_acc, static_cast<T*>(grads->dmask), grads->dmask_numel, grads->req_dmask, gate);
     MXF_CUDA_RETURN_LAST();
   });
 }
+
+}  // namespace mxf_attn
