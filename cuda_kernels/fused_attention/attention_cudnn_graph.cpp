@@ -105,8 +105,9 @@ const Loaded& load() {
     std::string tried;
     void* h = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_NOLOAD);  // already in the process (PyTorch)
     if (!h) {
-      const char* env = std::getenv("MXFUSION_CUDNN_LIB");
-      h = open_first({env ? env : "", in_dir(MXF_CUDNN_LIB_DIR, "libcudnn.so.9"), "libcudnn.so.9"}, &tried);
+      const char* env = std::getenv("MXFUSION_CUDNN_LIB");  // when set, the only place looked at
+      h = env && *env ? open_first({env}, &tried)
+                      : open_first({in_dir(MXF_CUDNN_LIB_DIR, "libcudnn.so.9"), "libcudnn.so.9"}, &tried);
     }
     if (!h) {
       L.why = "libcudnn.so.9 could not be loaded (" + tried + "); pip install nvidia-cudnn-cu13, or set "
