@@ -41,9 +41,12 @@ int cudnn_launch_seqlen(const mxf_attention_args* a, int* seq, cudaStream_t st);
 int cudnn_launch_fixups(const mxf_attention_args* a, float* stats, int* lastbad, const int* seq_kv, cudaStream_t st);
 int cudnn_launch_guard(const mxf_attention_args* a, const mxf_attention_grads* g, int* flag, cudaStream_t st);
 
-// ---- fp32: cuBLASLt products around a masked softmax (attention_gemm.cu) ----
+// ---- fp32: cuBLASLt products around a masked softmax, forward and backward (attention_gemm.cu) ----
 bool gemm_expressible(const mxf_attention_args* a, bool backward, std::string* why);
 size_t gemm_forward_ws(const mxf_attention_args* a);
 int gemm_forward(const mxf_attention_args* a, void* ws, size_t ws_size, cudaStream_t st);
+size_t gemm_backward_ws(const mxf_attention_args* a, const mxf_attention_grads* g);  // g may be null (a query)
+int gemm_backward(const mxf_attention_args* a, const mxf_attention_grads* g, void* ws, size_t ws_size,
+                  cudaStream_t st);
 
 }  // namespace mxf_attn

@@ -2,8 +2,8 @@
 // check whose reasons the caller can read (mxf_attention_backend).
 //  fp16 / bf16: cuDNN's fused flash attention where it computes the op's exact semantics and
 //               cuDNN is loadable and builds the graph; else the own tensor-core kernels.
-//  fp32:        cuBLASLt products around a masked-softmax kernel (forward; the S x S scores in the
-//               workspace); the own kernels for the backward and where the products cannot run.
+//  fp32:        cuBLASLt products around a masked-softmax kernel, forward and backward (the S x S
+//               scores in the workspace); the own kernels where the products cannot run.
 // The workspace-size query and the call take the same decision (cuDNN's graph build is cached
 // per graph key, its failure included).
 #include <cstdlib>
@@ -62,7 +62,7 @@ Choice choose(const mxf_attention_args* a, const mxf_attention_grads* g, bool ba
     std::string r;
     if (gemm_expressible(a, backward, &r)) {
       c.backend = MXF_ATTN_GEMM;
-      c.ws = backward ? 0 : gemm_forward_ws(a);
+      c.ws = backward ? gemm_backward_ws(a, g) : gemm_forward_ws(a);
       return c;
     }
     if (!half || want == MXF_ATTN_GEMM) note("gemm", r);
@@ -115,9 +115,8 @@ extern "C" int mxf_attention_backward(const mxf_attention_args* args, const mxf_
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   switch (c.backend) {
     case MXF_ATTN_CUDNN: return cudnn_backward(args, grads, workspace, workspace_size, st);
-    case MXF_ATTN_OWN:
-    case MXF_ATTN_GEMM:  // no product backward yet: the own kernels compute the fp32 gradients
-      return own_backward(args, grads, workspace, workspace_size, st, nullptr);
+    case MXF_ATTN_GEMM: return gemm_backward(args, grads, workspace, workspace_size, st);
+    case MXF_ATTN_OWN: return own_backward(args, grads, workspace, workspace_size, st, nullptr);
   }
   return c.backend;
 }

@@ -99,11 +99,11 @@ def test_expressible_call_falls_back_only_for_the_machine(lib):
         assert any(s in why for s in ("device", "libcudnn", "frontend", "CUDA runtime", "cannot build")), why
 
 
-def test_fp32_takes_the_products_forward_and_the_own_backward(lib):
-    a = args(dtype=ci.F32, mask_kind=2, mask=5 << 20, m_sb=128, m_sk=1, causal=0)
-    assert ci.attention_backend(lib, a) == ("gemm", "")
-    name, why = ci.attention_backend(lib, args(dtype=ci.F32, lse=7 << 20), backward=True)
-    assert name == "own" and "gemm: the fp32 backward runs on the own kernels" in why
+def test_fp32_takes_the_products(lib):
+    for kw in (dict(mask_kind=2, mask=5 << 20, m_sb=128, m_sk=1), dict(causal=3, mask_value=-1e4),
+               dict(layout="bshd", D=40, Sq=7, Sk=9), lengths(0)):
+        assert ci.attention_backend(lib, args(dtype=ci.F32, **kw)) == ("gemm", "")
+        assert ci.attention_backend(lib, args(dtype=ci.F32, lse=7 << 20, **kw), backward=True) == ("gemm", "")
 
 
 def test_forced_backends(lib):
