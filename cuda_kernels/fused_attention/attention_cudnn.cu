@@ -27,9 +27,9 @@
 //  - backward: a guard kernel looks for non-finite values in q, k, v, dO and lse; where it finds
 //    one, the project's own backward (gated on the guard's flag on the device, no host sync)
 //    overwrites cuDNN's gradients.
-// Graphs are built once per (device, dtype, shapes, strides, mask kind and broadcast, causal
+// Graphs are built once per (thread, device, dtype, shapes, strides, mask kind and broadcast, causal
 // alignment, lengths, scale) and cached (a mutex around the cache; one cuDNN handle per thread and
-// device).  This file: the semantic check and the kernels around cuDNN's; the frontend's part is
+// device, the plans of a thread built and run with its handle).  This file: the semantic check and the kernels around cuDNN's; the frontend's part is
 // attention_cudnn_graph.cpp (host C++ only, compiled by the host compiler: the frontend's headers
 // are heavy).  None of this has run on a GPU yet: compiled for sm_80 / sm_90 only.
 #include "attention_backends.h"

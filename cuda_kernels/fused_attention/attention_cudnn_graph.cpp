@@ -13,6 +13,7 @@
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -216,7 +217,8 @@ std::string key_of(const mxf_attention_args* a, const mxf_attention_grads* g, bo
   float sc = a->scale;
   uint32_t sbits;
   std::memcpy(&sbits, &sc, 4);
-  k << (backward ? 'b' : 'f') << dev << ':' << a->dtype << ':' << a->B << ',' << a->H << ',' << a->Sq << ','
+  // per thread: a plan is built with, and run on, this thread's cuDNN handle
+  k << (backward ? 'b' : 'f') << std::this_thread::get_id() << '/' << dev << ':' << a->dtype << ':' << a->B << ',' << a->H << ',' << a->Sq << ','
     << a->Sk << ',' << a->D << ',' << a->Dv << ':' << a->q_bs << ',' << a->q_hs << ',' << a->q_rs << ','
     << a->k_bs << ',' << a->k_hs << ',' << a->k_rs << ',' << a->v_bs << ',' << a->v_hs << ',' << a->v_rs << ','
     << a->o_bs << ',' << a->o_hs << ',' << a->o_rs << ':' << a->mask_kind << ':' << a->causal << ':' << sbits;

@@ -13,9 +13,13 @@
  *   1 (MXF_CAUSAL_EXCLUDE) dropped, 2 (MXF_CAUSAL_ADD) given score + mask_value,
  *   3 (MXF_CAUSAL_FILL) given the score mask_value (2 and 3 take mask_kind NONE).
  *
- * Forward: flash-style, tiled over keys with an online softmax, O(S*d) memory; fp16 / bf16 on
- * tensor cores (mma.sync m16n8k16, fp32 accumulation), fp32 with fp32 FMAs; key tiles after
- * every row's band (causal exclude, valid lengths) are never read.  lse (may be NULL) receives
+ * Backends (attention_dispatch.cu; mxf_attention_backend() says which one a call takes and why):
+ * fp16 / bf16 on cuDNN's fused flash attention where it computes these semantics exactly (libcudnn
+ * opened at the first call; see attention_cudnn.cu), else on the own kernels; fp32 on cuBLASLt
+ * products around a masked softmax (TF32 only with allow_tf32).  The own forward: flash-style,
+ * tiled over keys with an online softmax, O(S*d) memory; fp16 / bf16 on tensor cores (mma.sync
+ * m16n8k16, fp32 accumulation), fp32 with fp32 FMAs; key tiles after every row's band (causal
+ * exclude, valid lengths) are never read.  Not yet run on a GPU.  lse (may be NULL) receives
  * the log-sum-exp of each row's scores, lse[(b*H + h)*Sq + i] (natural log, of the scaled and
  * masked scores); +inf for a row with no visible key, NaN for a NaN row.
  *
