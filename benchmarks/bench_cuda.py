@@ -182,9 +182,10 @@ def bench_attention_all(lib, torch, ws, reps, quick):
     torch.backends.cudnn.allow_tf32 = False
     print("\n| dtype | pass | case | backend | fused ms | sdpa ms | unfused ms | ratio (target) | ok | max diff |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    longs = [sh for sh in ATTN_LONG if not quick or sh[2] != 2048]  # --quick: S = 1024 and 4096
     for dtype in ("float16", "bfloat16"):
-        for shape in ATTN_BERT + ATTN_LONG:
-            bwd = not quick or shape[2] <= 2048
+        for shape in ATTN_BERT + longs:
+            bwd = True
             _attn_case(lib, torch, ws, dtype, shape, reps, ("cudnn", "own"), bwd)
     for shape in ATTN_BERT + ATTN_FP32_LONG:
         _attn_case(lib, torch, ws, "float32", shape, reps, ("gemm", "own") if shape[2] <= 512 else ("gemm",), True)

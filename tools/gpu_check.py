@@ -110,7 +110,8 @@ def main():
     code, secs, text = run("build", [py, "-c", build_code], logdir, env)
     note = next((ln for ln in text.splitlines() if ln.startswith("op library not built")), "CUDA + op library")
     rows.append(("build", code, secs, note))
-    tests = [t for t in ("tests/kernels/test_cuda_kernels.py", "tests/kernels/test_cuda_semantics.py")
+    tests = [t for t in ("tests/kernels/test_cuda_kernels.py", "tests/kernels/test_cuda_semantics.py",
+                         "tests/kernels/test_attention_backends.py")
              if os.path.exists(os.path.join(REPO, t))]
     code, secs, text = run("kernels", [py, "-m", "pytest", "--noconftest", "-q", "-rs", "-p", "no:cacheprovider"]
                            + tests, logdir, env)
