@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml $(wildcard cuda_kernels/*/*.cc cuda_kernels/*/*.h cuda_kernels/*/*.cu cuda_kernels/common/mxnet_gpu/*.cu)
+$(STAMP): pyproject.toml $(wildcard cuda_kernels/*/*.cc cuda_kernels/*/*.cpp cuda_kernels/*/*.h cuda_kernels/*/*.cu cuda_kernels/common/mxnet_gpu/*.cu)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# With nvcc, the CUDA library's fused_dense is built on cuBLASLt from this wheel (else as stubs)
