@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(_REPO, "cuda_kernels"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cuda_iface as ci  # noqa: E402
+from bench_cuda_elemwise import bench_elemwise  # noqa: E402  (the elementwise section)
 
 ROWS = []    # every row printed: (op, case, fused ms, baseline ms, baseline, ratio, ok, notes)
 COSTS = []   # cost-table entries (see cost())
@@ -161,10 +162,7 @@ def bench_layer_norm(lib, torch, shapes, reps):
              "PyTorch add + layer_norm")
 
 
-from bench_cuda_elemwise import bench_elemwise  # noqa: E402  (the elementwise section)
-
-
-def device_info(torch):
+def device_info(torch, lib):
     import subprocess
     driver = ""
     try:
@@ -172,8 +170,9 @@ def device_info(torch):
                                 capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         pass
+    rt = lib.mxf_cuda_runtime_version()   # the kernels' CUDA runtime (static), e.g. 13000 -> "13.0"
     return {"device": torch.cuda.get_device_name(), "kind": "gpu", "driver": driver,
-            "cuda": str(torch.version.cuda), "date": datetime.date.today().isoformat(),
+            "cuda": "%d.%d" % (rt // 1000, rt % 1000 // 10), "date": datetime.date.today().isoformat(),
             "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
 
 
@@ -196,9 +195,9 @@ def main():
     lib = ci.load()
     ws = ci.Workspace(torch)
     torch.backends.cuda.matmul.allow_tf32 = False
-    info = device_info(torch)
-    print("device: %s, driver %s, torch %s (CUDA %s), cuBLASLt %d; fused_elemwise: %s" % (
-        info["device"], info["driver"], torch.__version__, info["cuda"], lib.mxf_cublaslt_version(),
+    info = device_info(torch, lib)
+    print("device: %s, driver %s, torch %s (CUDA %s; the kernels' runtime %s), cuBLASLt %d; fused_elemwise: %s" % (
+        info["device"], info["driver"], torch.__version__, torch.version.cuda, info["cuda"], lib.mxf_cublaslt_version(),
         lib.mxf_elemwise_jit_status().decode().splitlines()[0]))
     print("| op | case | fused ms | baseline ms | ratio | ok | notes |")
     print("|---|---|---|---|---|---|---|")

@@ -22,7 +22,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_HERE)
 BUILD_DIR = os.path.join(_REPO, "build", "mxfusion_cuda_iface")
 LIB_NAME = "libmxfusion_cuda.so"
-ARCHS = ("80", "90")
+# MXFUSION_CUDA_ARCHS=90 builds for one architecture only (gpu-check builds the GPU's own)
+ARCHS = tuple(a.strip() for a in os.environ.get("MXFUSION_CUDA_ARCHS", "80,90").split(",") if a.strip())
 NVCCFLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-cudart", "static"]
 
 # common/mxf_cuda_types.h
@@ -225,6 +226,7 @@ _SIGNATURES = [
     ("mxf_dtype_size", ctypes.c_int, [ctypes.c_int]),
     ("mxf_cuda_error_string", ctypes.c_char_p, [ctypes.c_int]),
     ("mxf_cublaslt_version", _c_sz, []),
+    ("mxf_cuda_runtime_version", ctypes.c_int, []),
     ("mxf_dense_forward_workspace_size", _c_sz, [ctypes.c_int, _c_i64, _c_i64, _c_i64, ctypes.c_int, _c_i64]),
     ("mxf_dense_forward", ctypes.c_int,
      [ctypes.c_int, _c_vp, _c_vp, _c_vp, _c_vp, _c_i64, _c_i64, _c_i64, ctypes.c_int, ctypes.c_float,

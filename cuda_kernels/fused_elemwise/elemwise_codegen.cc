@@ -66,7 +66,15 @@ MXF_HD float mxf_to_f(mxf_f16 v) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) 
 MXF_HD float mxf_to_f(mxf_bf16 v) { return __uint_as_float(((unsigned)v.x) << 16); }
 MXF_HD void mxf_from_f(float v, float* o) { *o = v; }
 MXF_HD void mxf_from_f(float v, mxf_f16* o) { asm("cvt.rn.f16.f32 %0, %1;" : "=h"(o->x) : "f"(v)); }
-MXF_HD void mxf_from_f(float v, mxf_bf16* o) { asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(o->x) : "f"(v)); }
+MXF_HD void mxf_from_f(float v, mxf_bf16* o) {
+#if __CUDA_ARCH__ >= 800
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(o->x) : "f"(v));
+#else  // nearest even in integer arithmetic; NaN stays NaN (quiet)
+  const unsigned u = __float_as_uint(v);
+  o->x = (u & 0x7fffffffu) > 0x7f800000u ? (mxf_u16)((u >> 16) | 0x40u)
+                                         : (mxf_u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#endif
+}
 template <int B> struct mxf_chunk;
 template <> struct __align__(2) mxf_chunk<2> { unsigned short v; };
 template <> struct __align__(4) mxf_chunk<4> { unsigned v; };

@@ -239,11 +239,12 @@ struct Call {
   std::vector<mxf::expr::Instr> code;  // resolved for the GPU (MXNet's own kernels)
 };
 
-const Call& call_for(const char* expr, int num_args, const int64_t* const* shapes, const int* ndims) {
+std::shared_ptr<const Call> call_for(const char* expr, int num_args, const int64_t* const* shapes,
+                                     const int* ndims) {
   // the program is parsed first: its inputs say how many shapes there are
   static std::mutex mu;
   static std::map<std::pair<std::string, int>, Program> progs;
-  static std::map<std::string, std::unique_ptr<Call>> calls;
+  static std::map<std::string, std::shared_ptr<const Call>> calls;
   Program prog;
   {
     std::lock_guard<std::mutex> lk(mu);
@@ -259,8 +260,8 @@ const Call& call_for(const char* expr, int num_args, const int64_t* const* shape
   }
   std::lock_guard<std::mutex> lk(mu);
   auto it = calls.find(key);
-  if (it != calls.end()) return *it->second;
-  auto c = std::make_unique<Call>();
+  if (it != calls.end()) return it->second;
+  auto c = std::make_shared<Call>();
   c->prog = prog;
   for (int k = 0; k < prog.num_inputs; ++k) {
     if (ndims[k] < 0 || ndims[k] > 32) throw mxf::expr::ExprError("an input's rank is out of range");
@@ -270,8 +271,9 @@ const Call& call_for(const char* expr, int num_args, const int64_t* const* shape
   c->out_shape = mxf::expr::broadcast_shapes(c->shapes);
   c->layout = mxf::expr::collapse(c->out_shape, c->shapes);
   c->code = mxf::expr::resolved(prog, c->ndims, /*dnnl=*/false);
-  if (calls.size() > 4096) calls.clear();  // a bound: shapes that vary call after call
-  return *calls.emplace(key, std::move(c)).first->second;
+  if (calls.size() > 4096) calls.clear();  // a bound: shapes that vary call after call (callers hold theirs)
+  calls.emplace(key, c);
+  return c;
 }
 
 KernelSpec spec_of(const Call& c, bool backward, const int* in_dtypes, int out_dtype, int vec) {
@@ -471,9 +473,9 @@ size_t backward_workspace(const Call& c) {
 extern "C" int mxf_elemwise_forward_ex(const char* expr, int num_args, const int* in_dtypes,
                                        const void* const* inputs, const int64_t* const* shapes, const int* ndims,
                                        int out_dtype, void* out, char* err, int errlen, void* stream) {
-  const Call* c = nullptr;
+  std::shared_ptr<const Call> c;
   try {
-    c = &call_for(expr ? expr : "", num_args, shapes, ndims);
+    c = call_for(expr ? expr : "", num_args, shapes, ndims);
   } catch (const std::exception& e) {
     return fail(err, errlen, MXF_ERR_BAD_ARGS, e.what());
   }
@@ -529,7 +531,7 @@ extern "C" int mxf_elemwise_forward(int dtype, const char* expr, int num_args, c
 extern "C" size_t mxf_elemwise_backward_workspace_size(const char* expr, int num_args, const int64_t* const* shapes,
                                                        const int* ndims) {
   try {
-    return backward_workspace(call_for(expr ? expr : "", num_args, shapes, ndims));
+    return backward_workspace(*call_for(expr ? expr : "", num_args, shapes, ndims));
   } catch (const std::exception&) {
     return 0;  // the backward call reports the problem
   }
@@ -539,9 +541,9 @@ extern "C" int mxf_elemwise_backward(const char* expr, int num_args, int dy_dtyp
                                      const int* in_dtypes, const void* const* inputs, const int64_t* const* shapes,
                                      const int* ndims, const int* grad_dtypes, void* const* grads, const int* reqs,
                                      void* workspace, size_t workspace_size, char* err, int errlen, void* stream) {
-  const Call* cp = nullptr;
+  std::shared_ptr<const Call> cp;
   try {
-    cp = &call_for(expr ? expr : "", num_args, shapes, ndims);
+    cp = call_for(expr ? expr : "", num_args, shapes, ndims);
   } catch (const std::exception& e) {
     return fail(err, errlen, MXF_ERR_BAD_ARGS, e.what());
   }
