@@ -376,9 +376,13 @@ RedGeom red_geom(const Layout& L, int k) {
       g.M *= L.shape[d];
     }
   }
-  // ~16k workers (warps or threads) in all, each summing at least 512 elements
-  const long long want = (16384 + g.M - 1) / g.M;
-  const long long most = std::max(1LL, (g.R + 511) / 512);
+  // enough workers to fill a large GPU with loads in flight: ~8k warps, each summing at least
+  // 1024 elements, where the innermost dim is summed; ~256k threads, each summing at least 64,
+  // where it is kept.  (The element count alone decides: the workspace query gives the same.)
+  const bool inner = L.bcast[k] >> (D - 1) & 1u;
+  const long long workers = inner ? 8192 : 262144, least = inner ? 1024 : 64;
+  const long long want = (workers + g.M - 1) / g.M;
+  const long long most = std::max(1LL, (g.R + least - 1) / least);
   g.P = std::max(1LL, std::min(want, most));
   g.chunk = (g.R + g.P - 1) / g.P;
   return g;
@@ -426,6 +430,7 @@ __global__ void reduce_outer(const float* __restrict__ full, RedGeom g, float* _
   const long long base = kept_offset(g, i);
   const long long end = min(g.R, (p + 1) * g.chunk);
   float s = 0.f;
+#pragma unroll 4
   for (long long r = p * g.chunk; r < end; ++r) s += full[base + red_offset(g, r)];
   partial[i * g.P + p] = s;
 }
