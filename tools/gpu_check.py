@@ -256,7 +256,7 @@ def main():
     steps = []  # (name, status, seconds, what)
     missing = needs(env)
     steps.append(("needs", "FAIL" if missing else "ok", time.time() - _START,
-                  "missing: " + "; ".join(missing) if missing else "all found (sm_%s)" % arch))
+                  "missing: " + "; ".join(missing) if missing else "all found (a GPU of sm_%s)" % arch))
     build_code = ("import importlib.util; spec = importlib.util.spec_from_file_location('n', %r); "
                   "n = importlib.util.module_from_spec(spec); spec.loader.exec_module(n)\n"
                   "print('built', n.build(verbose=True, cuda=True, cpu=False))\n"
@@ -264,8 +264,9 @@ def main():
                   % os.path.join(REPO, "fusion", "_native.py"))
     code, secs, text = run("build", [py, "-c", build_code], logdir, env)
     tail = [ln for ln in text.strip().splitlines() if ln.strip()][-1:] or [""]
+    archs = "sm_" + arch if arch else "sm_80 + sm_90 (no GPU seen)"
     steps.append(("build", "ok" if code == 0 else "FAIL", secs,
-                  "kernels + op library for sm_%s" % arch if code == 0 else "FAIL(%s): %s" % (code, tail[0][:200])))
+                  "kernels + op library for %s" % archs if code == 0 else "%s: %s" % (code, tail[0][:200])))
     kernel_tests = [t for t in ("tests/kernels/test_cuda_kernels.py", "tests/kernels/test_cuda_semantics.py",
                                 "tests/kernels/test_cuda_elemwise.py") if os.path.exists(os.path.join(REPO, t))]
     skips = {}
