@@ -147,6 +147,8 @@ def pytest_counts(text):
 def pytest_status(code, text):
     """(status, what): ok only when tests ran and passed with none skipped."""
     counts, line = pytest_counts(text)
+    if isinstance(code, str):   # timed out: whatever ran, the step did not finish
+        return "FAIL", "%s (%s)" % (code, line)
     skips = [ln.strip() for ln in text.splitlines() if ln.startswith("SKIPPED")]
     ran = counts.get("passed", 0) + counts.get("failed", 0) + counts.get("error", 0)
     if ran == 0:

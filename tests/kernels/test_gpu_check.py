@@ -33,7 +33,7 @@ def test_a_skip_fails_the_step_and_passes_are_ok(gc):
     assert gc.pytest_status(0, "=== 21 passed in 3s ===\n") == ("ok", "21 passed in 3s")
     assert gc.pytest_status(1, "=== 21 passed, 2 failed in 3s ===\n")[0] == "FAIL"
     assert gc.pytest_status(1, "=== 1 error in 0.3s ===\n")[0] == "FAIL"
-    assert gc.pytest_status("timeout 90s", "")[0] == "NOT RUN"
+    assert gc.pytest_status("timeout 90s", "..........")[0] == "FAIL"
 
 
 def test_cost_fragments_merge_into_one_table(gc, tmp_path):
