@@ -35,16 +35,16 @@ test: setup
 bench: setup
 	$(BIN)/python benchmarks/bench_cnn.py
 
-# On a GPU machine with PyTorch and nvcc (no MXNet or venv needed): build, the CUDA kernels'
-# tests, the op library through MXNet's lib_api entry points (tests/kernels/libapi_harness.py),
-# then the benchmark against PyTorch; a summary at the end (tools/gpu_check.py, < 8 minutes).
+# On a GPU machine with PyTorch and nvcc (no MXNet or venv needed): build for that GPU's
+# architecture, the CUDA kernels' GPU tests, the op library through MXNet's lib_api entry points
+# (tests/kernels/libapi_harness.py), a fused float16 BERT-base layer, then the benchmark against
+# PyTorch; one table at the end, logs and costs-gpu.json in $OUT/gpu-check (tools/gpu_check.py, < 8 minutes).
 gpu-check:
 	$(PY) tools/gpu_check.py
 
-# Here (MXNet installed): copy MXNet's lib_api sources to build/mxnet_lib_api, which gpu-check
-# compiles the op library against on a GPU machine where MXNet is not installed, and the cuDNN
-# frontend's headers to build/cudnn_bundle (fused_attention's cuDNN path; the GPU machine's
-# PyTorch has cuDNN itself).
+# Here (MXNet installed): collect what the GPU machine lacks into build/gpu-bundle (MXNet's
+# lib_api sources, oneDNN's headers and library, the cuDNN
+# frontend's headers for fused_attention's cuDNN path) and print the path to carry and its size.
 gpu-bundle: setup
 	$(BIN)/python tools/gpu_check.py --bundle
 

@@ -1,35 +1,45 @@
 """GPU benchmark of the CUDA kernels (C interface) against PyTorch, side by side in one run.
 
-    python3 benchmarks/bench_cuda.py [--quick]
+    python3 benchmarks/bench_cuda.py [--quick] [--json FILE] [--costs FILE] [--sections a,b]
 
 Needs an NVIDIA GPU, PyTorch with CUDA, nvcc and cuBLASLt (the nvidia-cublas wheel); imports
 no MXNet (the library is built from cuda_kernels/ alone, see cuda_kernels/cuda_iface.py).
-Medians of CUDA-event timings, the fused op and its baselines alternating each repetition:
+Medians of CUDA-event timings, the fused op and its baselines alternating each repetition.
+Sections (each returns its rows; --sections picks some):
 
-* fused_attention (fp16, bf16) vs torch scaled_dot_product_attention, S = 1024..4096,
+* attention: fused_attention (fp16, bf16) vs torch scaled_dot_product_attention, S = 1024..4096,
   batch 4 (2 with --quick), 16 heads, D = 64 and 128, causal and not; target: within 1.5x;
-* fused_attention backward (fp16, from the saved lse) vs SDPA's backward (no target);
-* fused_dense + GELU (fp16) vs torch.addmm then gelu; target: within 1.1x;
-* fused_add_layer_norm (fp16) vs (a + b) then torch layer_norm; target: at least as fast;
-* fused_elemwise 6-op chain (fp32, fp16) over 256 MiB of output vs a device-to-device copy
-  of the same bytes (read + write); target: >= 80 % of the copy's bandwidth.
+  its backward (fp16, from the saved lse) vs SDPA's backward (no target);
+* dense: fused_dense + GELU (fp16) vs torch.addmm then gelu; target: within 1.1x;
+* layer_norm: fused_add_layer_norm (fp16) vs (a + b) then torch layer_norm; target: at least as fast;
+* elemwise: fused_elemwise's generated (NVRTC) kernels, and the interpreter, vs PyTorch's separate
+  eager ops and a device-to-device copy: the 6-op chain over 256 MiB (fp32, fp16; target >= 80 %
+  of the copy's bandwidth), x0 * sigmoid(x1 + 3) and relu(x0 + x1) at 64 Mi elements (fp16, fp32),
+  broadcast operands, and the backward passes vs PyTorch autograd; target >= 1.0x PyTorch.
 
 "ratio" is baseline time / fused time (> 1: the fused op is faster); "ok" says whether the
-target is met.  --quick fits in about 3 minutes on an H200 (build excluded).
+target is met.  --json writes every row, --costs the cost-table entries (fused vs unfused time
+per op, dtype, pass and case; the schema of the fusion pass's GPU cost table).  --quick fits in
+about 3 minutes on an H200 (build excluded).
 A machine without a GPU or PyTorch prints why and exits 0 (so scripts can call it anywhere).
 """
 import argparse
 import ctypes
+import datetime
+import json
 import os
 import statistics
 import sys
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(_REPO, "cuda_kernels"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cuda_iface as ci  # noqa: E402
+from bench_cuda_elemwise import bench_elemwise  # noqa: E402  (the elementwise section)
 
-ROWS = []
+ROWS = []    # every row printed: (op, case, fused ms, baseline ms, baseline, ratio, ok, notes)
+COSTS = []   # cost-table entries (see cost())
 
 
 def timed(torch, fns, reps, warmup=3):
@@ -55,10 +65,18 @@ def check(lib, rc, what):
         raise RuntimeError("%s failed: %s" % (what, ci.error(lib, rc)))
 
 
-def row(op, case, fused_ms, base_ms, base_name, target, extra=""):
+def cost(op, dtype, pass_, case, fused_ms, unfused_ms, reference):
+    """One entry of the GPU cost table: the fused op's time and that of the ops it replaces."""
+    COSTS.append({"op": op, "dtype": dtype, "pass": pass_, "case": case, "fused_ms": round(fused_ms, 5),
+                  "unfused_ms": round(unfused_ms, 5), "reference": reference})
+
+
+def row(op, case, fused_ms, base_ms, base_name, target, extra="", quiet=False):
     ratio = base_ms / fused_ms
     ok = ratio >= 1 / target if target else None
     ROWS.append((op, case, fused_ms, base_ms, base_name, ratio, ok, extra))
+    if quiet:   # the caller prints its own row
+        return
     print("| %s | %s | %.3f | %.3f (%s) | %.2f | %s | %s |" % (
         op, case, fused_ms, base_ms, base_name, ratio, "-" if ok is None else ("yes" if ok else "NO"), extra),
         flush=True)
@@ -74,7 +92,6 @@ ATTN_FP32_LONG = [(4, 16, 2048, 2048, 128, False), (2, 16, 1024, 1024, 64, True)
 ATTN_TARGET = {("float16", "forward"): 0.9, ("bfloat16", "forward"): 0.9, ("float16", "backward"): 0.8,
                ("bfloat16", "backward"): 0.8, ("float32", "forward"): 1.0, ("float32", "backward"): 1.0}
 ATTN_ROWS = []   # one per measured case, for the compact table and the cost table
-COST = []        # cost-table entries (schema in benchmarks/README / the cost-table loader)
 
 
 def _attn_unfused(torch, q, k, v, scale, causal):
@@ -168,7 +185,9 @@ def _attn_row(dtype, pas, name, shape, backend, ms, sdpa_ms, unf_ms, diff):
         "unfused/fused" if dtype == "float32" else "sdpa/fused", target, "yes" if ratio >= target else "NO", diff),
         flush=True)
     B, H, Sq, Sk, D, causal = shape
-    COST.append({"op": "fused_attention", "dtype": dtype, "pass": pas,
+    row("attention", "%s %s %s %s" % (dtype, pas, name, backend), ms, base,
+        "PyTorch's unfused path" if dtype == "float32" else "SDPA", 1 / target, "max|diff| %.1e" % diff, quiet=True)
+    COSTS.append({"op": "fused_attention", "dtype": dtype, "pass": pas,
                  "case": {"B": B, "H": H, "Sq": Sq, "Sk": Sk, "D": D, "causal": causal, "mask": "none",
                           "backend": {"gemm": "gemm_softmax"}.get(backend, backend)},
                  "fused_ms": round(ms, 4), "unfused_ms": round(unf_ms, 4), "reference": "unfused cuBLAS path",
@@ -202,23 +221,6 @@ def bench_attention_all(lib, torch, ws, reps, quick):
     print("  %d of %d cases meet their target" % (held, len(best)))
 
 
-def write_cost_table(torch, path):
-    import datetime
-    import json
-    import subprocess
-    try:
-        drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             stdout=subprocess.PIPE, text=True, timeout=20).stdout.strip().splitlines()[0]
-    except Exception:  # noqa: BLE001 -- the table is still useful without it
-        drv = "unknown"
-    table = {"device": torch.cuda.get_device_name(), "kind": "gpu", "driver": drv, "cuda": str(torch.version.cuda),
-             "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv), "entries": COST}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(table, fh, indent=1)
-    print("cost table (%d entries) written to %s" % (len(COST), path))
-
-
 def bench_dense(lib, torch, ws, shapes, reps):
     F = torch.nn.functional
     for M, K, N in shapes:
@@ -233,6 +235,8 @@ def bench_dense(lib, torch, ws, shapes, reps):
         diff = (y.float() - ref().float()).abs().max().item()
         row("dense+gelu", "fp16 %dx%d->%d" % (M, K, N), t[0], t[1], "addmm+gelu", 1.1,
             "%.0f TFLOP/s, max|diff| %.1e" % (2 * M * N * K / t[0] / 1e9, diff))
+        cost("fused_dense", "float16", "forward", {"M": M, "K": K, "N": N, "act": "gelu_erf"}, t[0], t[1],
+             "PyTorch addmm + gelu")
 
 
 def bench_layer_norm(lib, torch, shapes, reps):
@@ -249,31 +253,31 @@ def bench_layer_norm(lib, torch, shapes, reps):
         gbs = 3 * R * C * 2 / t[0] / 1e6
         row("add+layer_norm", "fp16 %dx%d" % (R, C), t[0], t[1], "add+layer_norm", 1.0,
             "%.0f GB/s, max|diff| %.1e" % (gbs, diff))
+        cost("fused_add_layer_norm", "float16", "forward", {"rows": R, "cols": C}, t[0], t[1],
+             "PyTorch add + layer_norm")
 
 
-def bench_elemwise(lib, torch, reps):
-    expr = "mul(sigmoid(add(mul(x0, 1.5), 0.5)), tanh(sub(x0, 0.25)))"
-    for dtype in (torch.float32, torch.float16):
-        n = (256 << 20) // (4 if dtype == torch.float32 else 2)
-        x = torch.randn(n, device="cuda", dtype=dtype)
-        out, dst = torch.empty_like(x), torch.empty_like(x)
-        fused = lambda: check(lib, ci.elemwise(lib, expr, [x], out)[0], "elemwise")  # noqa: E731
-        copy = lambda: dst.copy_(x)  # noqa: E731
-        sep = lambda: torch.sigmoid(x * 1.5 + 0.5) * torch.tanh(x - 0.25)  # noqa: E731
-        t = timed(torch, [fused, copy, sep], reps)
-        fused()
-        diff = (out.float() - sep().float()).abs().max().item()
-        gbs = 2 * n * x.element_size() / t[0] / 1e6
-        # target: >= 80 % of the copy's bandwidth, i.e. copy / fused >= 0.8
-        row("elemwise", "%s 6 ops, 256 MiB" % str(dtype)[6:], t[0], t[1], "d2d copy", 1.25,
-            "%.0f GB/s = %.0f%% of copy; PyTorch ops %.3f ms; max|diff| %.1e" % (gbs, 100 * t[1] / t[0], t[2], diff))
+def device_info(torch, lib):
+    import subprocess
+    driver = ""
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        pass
+    rt = lib.mxf_cuda_runtime_version()   # the kernels' CUDA runtime (static), e.g. 13000 -> "13.0"
+    return {"device": torch.cuda.get_device_name(), "kind": "gpu", "driver": driver,
+            "cuda": "%d.%d" % (rt // 1000, rt % 1000 // 10), "date": datetime.date.today().isoformat(),
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (about 3 minutes)")
-    ap.add_argument("--cost-table", help="where the attention cost table (JSON) goes "
-                    "(default: $OUT/gpu-check/cost_table_attention.json, else out/gpu-check/)")
+    ap.add_argument("--json", help="write every row here (JSON)")
+    ap.add_argument("--costs", help="write the cost-table entries here (JSON)")
+    ap.add_argument("--sections", default="attention,dense,layer_norm,elemwise",
+                    help="comma-separated sections to run (default: all)")
     a = ap.parse_args()
     try:
         import torch
@@ -286,26 +290,47 @@ def main():
     lib = ci.load()
     ws = ci.Workspace(torch)
     torch.backends.cuda.matmul.allow_tf32 = False
-    print("device: %s, torch %s, cuBLASLt %d" % (torch.cuda.get_device_name(), torch.__version__,
-                                                  lib.mxf_cublaslt_version()))
+    info = device_info(torch, lib)
+    print("device: %s, driver %s, torch %s (CUDA %s; the kernels' runtime %s), cuBLASLt %d; fused_elemwise: %s" % (
+        info["device"], info["driver"], torch.__version__, torch.version.cuda, info["cuda"], lib.mxf_cublaslt_version(),
+        lib.mxf_elemwise_jit_status().decode().splitlines()[0]))
     print("| op | case | fused ms | baseline ms | ratio | ok | notes |")
     print("|---|---|---|---|---|---|---|")
     reps = 10 if a.quick else 30
-    seqs = [1024, 2048, 4096]
     print("cuDNN (fused attention): %s" % (lib.mxf_cudnn_version() or "not loaded"))
-    bench_attention_all(lib, torch, ws, reps, a.quick)
-    write_cost_table(torch, a.cost_table or os.path.join(os.environ.get("OUT") or os.path.join(_REPO, "out"),
-                                                         "gpu-check", "cost_table_attention.json"))
     dense_shapes = [(8192, 4096, 4096), (4096, 1024, 4096)] if a.quick else \
         [(8192, 4096, 4096), (4096, 1024, 4096), (4096, 4096, 1024), (16384, 8192, 8192)]
-    bench_dense(lib, torch, ws, dense_shapes, reps)
-    bench_layer_norm(lib, torch, [(16384, 1024), (8192, 4096)] if a.quick else
-                     [(4096, 768), (16384, 1024), (8192, 4096), (32768, 8192)], reps)
-    bench_elemwise(lib, torch, reps)
+    sections = {
+        "attention": lambda: bench_attention_all(lib, torch, ws, reps, a.quick),
+        "dense": lambda: bench_dense(lib, torch, ws, dense_shapes, reps),
+        "layer_norm": lambda: bench_layer_norm(lib, torch, [(16384, 1024), (8192, 4096)] if a.quick else
+                                               [(4096, 768), (16384, 1024), (8192, 4096), (32768, 8192)], reps),
+        "elemwise": lambda: bench_elemwise(lib, torch, ws, reps, row, cost, timed, check),
+    }
+    per_section = {}
+    for name in a.sections.split(","):
+        start = len(ROWS)
+        try:
+            sections[name]()
+        except Exception as e:  # a section that fails still leaves the others' rows
+            print("section %s failed: %s: %s" % (name, type(e).__name__, e), flush=True)
+            per_section[name + " (failed)"] = []
+        per_section[name] = ROWS[start:]
     missed = [r for r in ROWS if r[6] is False]
-    print("\n%d of %d rows meet their target" % (sum(1 for r in ROWS if r[6]), len(ROWS)))
+    print("\n%d of %d rows with a target meet it" % (sum(1 for r in ROWS if r[6]), sum(1 for r in ROWS
+                                                                                    if r[6] is not None)))
     for r in missed:
         print("target missed: %s %s (ratio %.2f)" % (r[0], r[1], r[5]))
+    keys = ("op", "case", "fused_ms", "baseline_ms", "baseline", "ratio", "ok", "notes")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(dict(info, sections={k: [dict(zip(keys, r)) for r in v] for k, v in per_section.items()}),
+                      fh, indent=1)
+    if a.costs:
+        with open(a.costs, "w") as fh:
+            json.dump(dict(info, entries=COSTS), fh, indent=1)
+    if any(k.endswith("(failed)") for k in per_section):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ expression parser) with nvcc for sm_80 and sm_90, the CUDA runtime linked static
 cuBLASLt dynamically, from the ``nvidia-cublas`` wheel's headers and library (CUDA 13:
 ``nvidia/cu13``; ``nvidia/cublas`` for CUDA 12 wheels) or the CUDA toolkit's; fused_attention's cuDNN path from the
 cuDNN frontend's headers (``nvidia-cudnn-frontend`` wheel, or the copy ``make gpu-bundle`` leaves in
-``build/cudnn_bundle``) and cuDNN's (``nvidia-cudnn-cu13``), libcudnn opened at run time (see
+``build/gpu-bundle/cudnn``) and cuDNN's (``nvidia-cudnn-cu13``), libcudnn opened at run time (see
 ``cudnn_dirs()``).
 """
 import ctypes
@@ -24,10 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_HERE)
 BUILD_DIR = os.path.join(_REPO, "build", "mxfusion_cuda_iface")
-# what `make gpu-bundle` copies for a GPU machine whose Python has cuDNN but not the frontend's headers
-CUDNN_BUNDLE = os.path.join(_REPO, "build", "cudnn_bundle")
+# where `make gpu-bundle` puts the cuDNN frontend headers for a GPU machine whose Python lacks them
+CUDNN_BUNDLE = os.path.join(_REPO, "build", "gpu-bundle", "cudnn")
 LIB_NAME = "libmxfusion_cuda.so"
-ARCHS = ("80", "90")
+# MXFUSION_CUDA_ARCHS=90 builds for one architecture only (gpu-check builds the GPU's own)
+ARCHS = tuple(a.strip() for a in os.environ.get("MXFUSION_CUDA_ARCHS", "80,90").split(",") if a.strip())
 NVCCFLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-cudart", "static"]
 
 # common/mxf_cuda_types.h
@@ -101,6 +102,27 @@ def cublas_dirs():
     return None
 
 
+def nvrtc_library():
+    """Path of NVRTC (libnvrtc.so.*): MXFUSION_NVRTC_LIB, the nvidia-cuda-nvrtc wheel (CUDA 13:
+    ``nvidia/cu13/lib``, CUDA 12: ``nvidia/cuda_nvrtc/lib``; PyTorch's CUDA wheels depend on it),
+    then the CUDA toolkit next to nvcc; None when none is found.  The kernels open it at their
+    first elementwise call (fused_elemwise/nvrtc_compile.cc)."""
+    env = os.environ.get("MXFUSION_NVRTC_LIB")
+    if env and os.path.exists(env):
+        return env
+    dirs = [os.path.join(base, sub, "lib") for base in sys.path for sub in ("nvidia/cu13", "nvidia/cuda_nvrtc")]
+    nvcc = nvcc_path()
+    if nvcc:
+        root = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+        dirs += [os.path.join(root, "lib64"), os.path.join(root, "targets", "x86_64-linux", "lib")]
+    for d in dirs:
+        libs = sorted(glob.glob(os.path.join(d, "libnvrtc.so.*[0-9]")), key=len)
+        libs = [p for p in libs if "builtins" not in os.path.basename(p)]
+        if libs:
+            return libs[0]
+    return None
+
+
 def cublas_flags():
     """(compile flags, link flags) for cuBLASLt: the include folder; the library by its file
     name (the wheel ships only the soname, libcublasLt.so.13) with an rpath to its folder."""
@@ -124,7 +146,7 @@ def cudnn_dirs():
     folder or "", "cudart": libcudart.so.13's folder or ""}, or None when the headers are missing.
 
     The frontend's headers: MXFUSION_CUDNN_FRONTEND_INCLUDE, the nvidia-cudnn-frontend wheel
-    (site-packages/include), or build/cudnn_bundle/frontend (``make gpu-bundle``).  cuDNN's headers
+    (site-packages/include), or build/gpu-bundle/cudnn/frontend (``make gpu-bundle``).  cuDNN's headers
     and library: the nvidia-cudnn wheel (nvidia/cudnn, e.g. PyTorch's), else the bundled headers.
     The library is not linked: the build records its folder, where libmxfusion_cuda.so opens it at
     the first cuDNN call (MXFUSION_CUDNN_LIB overrides)."""
@@ -167,9 +189,14 @@ def cudnn_flags():
             '-DMXF_CUDNN_LIB_DIR="%s"' % d["lib"], '-DMXF_CUDART_LIB_DIR="%s"' % d["cudart"]]
 
 
+# plain C++ the kernels share with the op library: the expression parser, its CUDA code
+# generator and the NVRTC loader (fused_elemwise's generated kernels)
+HOST_SOURCES = ("expr_program.cc", "elemwise_codegen.cc", "nvrtc_compile.cc")
+
+
 def sources():
     srcs = sorted(glob.glob(os.path.join(_HERE, "*", "*.cu")))
-    srcs.append(os.path.join(_HERE, "fused_elemwise", "expr_program.cc"))
+    srcs += [os.path.join(_HERE, "fused_elemwise", f) for f in HOST_SOURCES]
     srcs.append(os.path.join(_HERE, "fused_attention", "attention_cudnn_graph.cpp"))  # host C++ (cuDNN frontend)
     deps = sorted(glob.glob(os.path.join(_HERE, "*", "*.h")) + glob.glob(os.path.join(_HERE, "*", "*.cuh")))
     return srcs, deps
@@ -238,7 +265,7 @@ def build(jobs=None, archs=ARCHS):
         list(ex.map(lambda c: _run(c[2]), cmds))
     tmp = "%s.%d.tmp" % (lib, os.getpid())
     _run([nvcc_path()] + NVCCFLAGS + gencode(archs) + ["-shared", "-o", tmp] + [c[1] for c in cmds] +
-         cublas_flags()[1])
+         cublas_flags()[1] + ["-ldl"])
     os.replace(tmp, lib)
     with open(stamp, "w") as fh:
         fh.write(digest + "\n")
@@ -253,6 +280,9 @@ def load(do_build=True):
     global _lib
     if _lib is None:
         path = build() if do_build else library_path()
+        nvrtc = nvrtc_library()   # for fused_elemwise's generated kernels (else found beside cuBLASLt)
+        if nvrtc and not os.environ.get("MXFUSION_NVRTC_LIB"):
+            os.environ["MXFUSION_NVRTC_LIB"] = nvrtc
         lib = ctypes.CDLL(path)
         for name, res, args in _SIGNATURES:
             fn = getattr(lib, name)
@@ -266,6 +296,7 @@ _SIGNATURES = [
     ("mxf_dtype_size", ctypes.c_int, [ctypes.c_int]),
     ("mxf_cuda_error_string", ctypes.c_char_p, [ctypes.c_int]),
     ("mxf_cublaslt_version", _c_sz, []),
+    ("mxf_cuda_runtime_version", ctypes.c_int, []),
     ("mxf_dense_forward_workspace_size", _c_sz, [ctypes.c_int, _c_i64, _c_i64, _c_i64, ctypes.c_int, _c_i64]),
     ("mxf_dense_forward", ctypes.c_int,
      [ctypes.c_int, _c_vp, _c_vp, _c_vp, _c_vp, _c_i64, _c_i64, _c_i64, ctypes.c_int, ctypes.c_float,
@@ -284,6 +315,17 @@ _SIGNATURES = [
       ctypes.c_char_p, ctypes.c_int, _c_vp]),
     ("mxf_attention_backend", ctypes.c_int, [_P(AttnArgs), ctypes.c_int, ctypes.c_char_p, _c_sz]),
     ("mxf_cudnn_version", _c_sz, []),
+    ("mxf_elemwise_forward_ex", ctypes.c_int,
+     [ctypes.c_char_p, ctypes.c_int, _P(ctypes.c_int), _P(_c_vp), _P(_P(_c_i64)), _P(ctypes.c_int), ctypes.c_int,
+      _c_vp, ctypes.c_char_p, ctypes.c_int, _c_vp]),
+    ("mxf_elemwise_backward_workspace_size", _c_sz,
+     [ctypes.c_char_p, ctypes.c_int, _P(_P(_c_i64)), _P(ctypes.c_int)]),
+    ("mxf_elemwise_backward", ctypes.c_int,
+     [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, _c_vp, _P(ctypes.c_int), _P(_c_vp), _P(_P(_c_i64)),
+      _P(ctypes.c_int), _P(ctypes.c_int), _P(_c_vp), _P(ctypes.c_int), _c_vp, _c_sz, ctypes.c_char_p,
+      ctypes.c_int, _c_vp]),
+    ("mxf_elemwise_jit_status", ctypes.c_char_p, []),
+    ("mxf_elemwise_set_jit", ctypes.c_int, [ctypes.c_int]),
     ("mxf_attention_forward_workspace_size", _c_sz, [_P(AttnArgs)]),
     ("mxf_attention_forward", ctypes.c_int, [_P(AttnArgs), _c_vp, _c_sz, _c_vp]),
     ("mxf_attention_backward_workspace_size", _c_sz, [_P(AttnArgs), _P(AttnGrads)]),
@@ -366,6 +408,40 @@ def elemwise(lib, expr, inputs, out, stream=None):
     err = ctypes.create_string_buffer(512)
     rc = lib.mxf_elemwise_forward(dtype_code(out), expr.encode(), n, ptrs, shp_arr, nd, ptr(out), err, 512,
                                   stream)
+    return rc, err.value.decode()
+
+
+def _shapes(tensors):
+    n = len(tensors)
+    shp = [(_c_i64 * max(1, t.dim()))(*t.shape) for t in tensors]
+    arr = (_P(_c_i64) * n)(*[ctypes.cast(s, _P(_c_i64)) for s in shp])
+    nd = (ctypes.c_int * n)(*[t.dim() for t in tensors])
+    return shp, arr, nd
+
+
+def elemwise_ex(lib, expr, inputs, out, stream=None):
+    """Each input and the output in its own dtype; returns (rc, error text)."""
+    n = len(inputs)
+    keep, shp, nd = _shapes(inputs)
+    err = ctypes.create_string_buffer(512)
+    rc = lib.mxf_elemwise_forward_ex(expr.encode(), n, (ctypes.c_int * n)(*[dtype_code(t) for t in inputs]),
+                                     (_c_vp * n)(*[t.data_ptr() for t in inputs]), shp, nd, dtype_code(out),
+                                     ptr(out), err, 512, stream)
+    return rc, err.value.decode()
+
+
+def elemwise_backward(lib, ws, expr, dy, inputs, grads, reqs=None, stream=None):
+    """Gradients of ``expr`` w.r.t. each input into ``grads`` (torch tensors of the inputs' shapes);
+    returns (rc, error text)."""
+    n = len(inputs)
+    keep, shp, nd = _shapes(inputs)
+    p, size = ws.get(lib.mxf_elemwise_backward_workspace_size(expr.encode(), n, shp, nd))
+    err = ctypes.create_string_buffer(512)
+    rc = lib.mxf_elemwise_backward(
+        expr.encode(), n, dtype_code(dy), ptr(dy), (ctypes.c_int * n)(*[dtype_code(t) for t in inputs]),
+        (_c_vp * n)(*[t.data_ptr() for t in inputs]), shp, nd, (ctypes.c_int * n)(*[dtype_code(g) for g in grads]),
+        (_c_vp * n)(*[g.data_ptr() for g in grads]), (ctypes.c_int * n)(*(reqs or [REQ_WRITE] * n)), p, size,
+        err, 512, stream)
     return rc, err.value.decode()
 
 

@@ -3,6 +3,11 @@
 
 extern "C" int mxf_dtype_size(int dtype) { return static_cast<int>(mxf_cuda::dtype_bytes(dtype)); }
 
+extern "C" int mxf_cuda_runtime_version() {
+  int v = 0;
+  return cudaRuntimeGetVersion(&v) == cudaSuccess ? v : 0;
+}
+
 extern "C" const char* mxf_cuda_error_string(int rc) {
   if (rc == MXF_OK) return "success";
   if (rc == MXF_ERR_BAD_ARGS) return "invalid arguments (shape, dtype, layout or code not accepted)";

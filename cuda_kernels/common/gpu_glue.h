@@ -26,6 +26,8 @@ MXReturnValue attention_backward(const Attrs& a, std::vector<MXTensor>* in,
                                  std::vector<MXTensor>* out, const OpResource& res);
 MXReturnValue elemwise_forward(const Attrs& a, std::vector<MXTensor>* in,
                                std::vector<MXTensor>* out, const OpResource& res);
+MXReturnValue elemwise_backward(const Attrs& a, std::vector<MXTensor>* in,
+                                std::vector<MXTensor>* out, const OpResource& res);
 MXReturnValue dense_create_state(const Attrs& a, const MXContext& ctx,
                                  const std::vector<Shape>& in_shapes, const std::vector<int> in_types,
                                  CustomStatefulOp** op);

@@ -38,6 +38,8 @@ enum {
 int mxf_dtype_size(int dtype);
 /* A static string naming a return code of any entry point. */
 const char* mxf_cuda_error_string(int rc);
+/* The CUDA runtime this library is linked with (statically), e.g. 13000. */
+int mxf_cuda_runtime_version(void);
 /* The version of the cuBLASLt library loaded (cublasLtGetVersion()), e.g. 131000. */
 size_t mxf_cublaslt_version(void);
 

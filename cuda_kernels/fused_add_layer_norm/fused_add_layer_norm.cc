@@ -5,7 +5,11 @@
 // last one included); y and s have the broadcast shape.
 // a and b may each be float32 or bfloat16 (inference): the row is widened to float32, the
 // statistics and the normalisation run in float32, and y (and s) are written in a's dtype,
-// rounded to nearest even (gamma and beta stay float32).
+// rounded to nearest even (gamma and beta stay float32).  float16 (AMP's GPU graphs): a, b,
+// gamma, beta, the outputs and the gradients may each be float16; the call runs in float32 on
+// widened copies and its results are rounded once (half.h; correct, not fast).  out_dtype
+// (float32 / float16 / bfloat16) gives y and s another dtype than a's: AMP runs LayerNorm in
+// float32 on float16 values, so its output is float32 there.
 // bf16_copy=True (inference): one more output, last — y rounded to bfloat16 (nearest even), for
 // readers that round y themselves (fuse(..., precision="bf16"): the next fused_dense's data),
 // written from the row while it is in registers; y itself stays as it is for the other readers.
@@ -15,6 +19,7 @@
 #include <cstring>
 
 #include "dnnl_matmul.h"  // to_bf16 / from_bf16
+#include "half.h"
 #include "mxf_common.h"
 #include "vmath_avx512.h"
 #include "gpu_glue.h"  // the "gpu" implementations (a build with nvcc)
@@ -27,6 +32,7 @@ struct LNParams {
   float eps;
   bool output_sum;
   bool bf16_copy;
+  int out_dtype;  // -1: a's dtype
   int num_outputs() const { return (output_sum ? 2 : 1) + (bf16_copy ? 1 : 0); }
 };
 
@@ -35,6 +41,7 @@ LNParams parse(const Attrs& a) {
   p.eps = attr_float(a, "eps", 1e-5f);
   p.output_sum = attr_bool(a, "output_sum", false);
   p.bf16_copy = attr_bool(a, "bf16_copy", false);
+  p.out_dtype = attr_dtype(a, "out_dtype", {kF32, kF16, kBF16});
   const int64_t axis = attr_int(a, "axis", -1);
   if (axis != -1) throw OpError("only axis=-1 (the last axis) is supported, got axis=" +
                                 std::to_string(axis));
@@ -104,20 +111,21 @@ MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
   });
 }
 
-// mshadow's code for bfloat16 (lib_api's MXDType does not name it)
-constexpr int kBfloat16 = 12;
+constexpr int kBfloat16 = kBF16;
 
 MXReturnValue infer_type(const Attrs& a, std::vector<int>* in, std::vector<int>* out) {
   return guarded("fused_add_layer_norm", [&] {
     for (size_t i = 0; i < in->size(); ++i) {
       const int t = (*in)[i];
-      if (t == mxnet::ext::kFloat32 || (i < 2 && t == kBfloat16)) continue;
-      throw OpError(i < 2 ? "input " + std::to_string(i) + " must be float32 or bfloat16, got dtype code " +
-                                std::to_string(t)
-                          : "input " + std::to_string(i) + " (gamma/beta) must be float32");
+      if (t == kF32 || t == kF16 || (i < 2 && t == kBF16)) continue;
+      throw OpError(i < 2 ? "input " + std::to_string(i) + " must be float32, float16 or bfloat16, got " +
+                                dtype_name(t)
+                          : "input " + std::to_string(i) + " (gamma/beta) must be float32 or float16, got " +
+                                dtype_name(t));
     }
-    for (auto& t : *out) t = (*in)[0];
-    if (parse(a).bf16_copy) out->back() = kBfloat16;
+    const LNParams p = parse(a);
+    for (auto& t : *out) t = p.out_dtype >= 0 ? p.out_dtype : (*in)[0];
+    if (p.bf16_copy) out->back() = kBfloat16;
   });
 }
 
@@ -187,14 +195,26 @@ MXReturnValue infer_shape(const Attrs& a, std::vector<Shape>* in, std::vector<Sh
   });
 }
 
+void forward_f32(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out);
+
 MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
                       const OpResource&) {
   return guarded("fused_add_layer_norm", [&] {
+    if (!any_f16(*in, *out)) return forward_f32(a, in, out);
+    Float32Call c(*in, *out);
+    forward_f32(a, &c.in, &c.out);
+    c.finish();
+  });
+}
+
+// The forward pass on float32 and bfloat16 tensors.
+void forward_f32(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out) {
+  {
     LNParams p = parse(a);
     const Bcast bc = bcast_of((*in)[0].shape, (*in)[1].shape);
     const int64_t C = bc.C, R = bc.R;
     const float *G = (*in)[2].data<float>(), *Be = (*in)[3].data<float>();
-    const bool half = (*in)[0].dtype == kBfloat16;  // y and s in bfloat16
+    const bool half = (*out)[0].dtype == kBfloat16;  // y and s in bfloat16
     for (int i = 2; i < 4; ++i) require_f32((*in)[i], "fused_add_layer_norm gamma/beta");
     float* Y = half ? nullptr : (*out)[0].data<float>();
     float* S = p.output_sum && !half ? (*out)[1].data<float>() : nullptr;
@@ -250,14 +270,25 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
         if (Yc) to_bf16(y, Yc + r * C, C);
       }
     }
-  });
+  }
 }
 
 // inputs: [dy, (dsum), a, b, gamma, beta, y, (sum)]; outputs: [da, db, dgamma, dbeta].
 // ds = dL/ds per output element; da and db are ds summed over the axes their operand broadcasts.
+void backward_f32(const Attrs& attrs, std::vector<MXTensor>* in, std::vector<MXTensor>* out);
+
 MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
                        const OpResource&) {
   return guarded("fused_add_layer_norm backward", [&] {
+    if (!any_f16(*in, *out)) return backward_f32(attrs, in, out);
+    Float32Call c(*in, *out);
+    backward_f32(attrs, &c.in, &c.out);
+    c.finish();
+  });
+}
+
+void backward_f32(const Attrs& attrs, std::vector<MXTensor>* in, std::vector<MXTensor>* out) {
+  {
     LNParams p = parse(attrs);
     if (p.bf16_copy) throw OpError("bf16_copy has no backward (reduced precision is for inference)");
     const int k = p.output_sum ? 2 : 1;
@@ -346,7 +377,7 @@ MXReturnValue backward(const Attrs& attrs, std::vector<MXTensor>* in, std::vecto
         if (!bc.full[x])
           for (int64_t i = 0; i < nX[x]; ++i) dX[x][i] += pg[at[x] + i];
     }
-  });
+  }
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include "act.h"
 #include "attention_geom.h"
+#include "half.h"
 #include "gpu_glue.h"  // the "gpu" implementations (a build with nvcc)
 
 namespace mxf {
@@ -307,10 +308,13 @@ MaskView mask_view(const Params& p, const Geom& g, const MXTensor* mask) {
       switch (mask->dtype) {
         case mxnet::ext::kFloat32: m.lengths[i] = (int64_t)static_cast<const float*>(mask->data_ptr)[src]; break;
         case mxnet::ext::kFloat64: m.lengths[i] = (int64_t)static_cast<const double*>(mask->data_ptr)[src]; break;
+        case mxnet::ext::kFloat16:
+          m.lengths[i] = (int64_t)half_to_float(static_cast<const uint16_t*>(mask->data_ptr)[src]);
+          break;
         case mxnet::ext::kInt32: m.lengths[i] = static_cast<const int32_t*>(mask->data_ptr)[src]; break;
         case mxnet::ext::kInt64: m.lengths[i] = static_cast<const int64_t*>(mask->data_ptr)[src]; break;
         case mxnet::ext::kUint8: m.lengths[i] = static_cast<const uint8_t*>(mask->data_ptr)[src]; break;
-        default: throw OpError("valid_length must be float32/float64/int32/int64/uint8");
+        default: throw OpError("valid_length must be float32/float16/float64/int32/int64/uint8");
       }
     }
     return m;
@@ -372,42 +376,50 @@ bool reduced_products(const Attrs& a) {
   return attr_choice(a, "precision", "float32", {"float32", "bfloat16", "tf32"}) == "bfloat16";
 }
 
-// mshadow's code for bfloat16 (lib_api's MXDType does not name it)
-constexpr int kBfloat16 = 12;
+constexpr int kBfloat16 = kBF16;
 
-// out_dtype="bfloat16": the float32 result written rounded to nearest even (for readers that
-// round it to bfloat16 anyway); needs precision="bfloat16", as do bfloat16 data inputs
-bool bf16_output(const Attrs& a) {
-  const bool out = attr_choice(a, "out_dtype", "float32", {"float32", "bfloat16"}) == "bfloat16";
-  if (out && !reduced_products(a)) throw OpError("out_dtype='bfloat16' needs precision='bfloat16'");
+// out_dtype: float32 / float16 / bfloat16, or -1 (unset: the data inputs' dtype where it is float16,
+// else float32).  "bfloat16" is the float32 result written rounded to nearest even (for readers
+// that round it to bfloat16 anyway) and needs precision="bfloat16", as do bfloat16 data inputs.
+int out_dtype_attr(const Attrs& a) {
+  const int out = attr_dtype(a, "out_dtype", {kF32, kBF16, kF16});
+  if (out == kBF16 && !reduced_products(a)) throw OpError("out_dtype='bfloat16' needs precision='bfloat16'");
   return out;
 }
+bool bf16_output(const Attrs& a) { return out_dtype_attr(a) == kBF16; }
 
 MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
   return guarded("fused_attention", [&] {
-    bf16_output(a);
+    out_dtype_attr(a);
     Params p = parse(a);
     *nin = num_data_inputs(p.layout) + (p.mask == MaskKind::none ? 0 : 1);
     *nout = 1;
   });
 }
 
+// float16 (AMP's GPU graphs): every data input float16, the mask float16 or float32; the output
+// float16, or float32 where AMP's graph had it so (its softmax runs in float32, and so does the
+// product with v that reads it).  The CPU computes in float32 on widened copies and rounds once.
 MXReturnValue infer_type(const Attrs& a, std::vector<int>* in, std::vector<int>* out) {
   return guarded("fused_attention", [&] {
     Params p = parse(a);
     const int nd = num_data_inputs(p.layout);
-    const bool bf16_in = (*in)[0] == kBfloat16;
+    const int dt = (*in)[0];
+    if (dt != kF32 && dt != kBF16 && dt != kF16)
+      throw OpError("input 0 must be float32, float16 or bfloat16, got " + dtype_name(dt));
     for (int i = 0; i < nd; ++i)
-      if ((*in)[i] != (bf16_in ? kBfloat16 : mxnet::ext::kFloat32))
-        throw OpError("input " + std::to_string(i) + " must be float32 (or every data input " +
-                      "bfloat16, with precision='bfloat16'), got dtype code " +
-                      std::to_string((*in)[i]));
-    if (bf16_in && !reduced_products(a))
+      if ((*in)[i] != dt)
+        throw OpError("the data inputs must have one dtype (float32, float16, or bfloat16 with "
+                      "precision='bfloat16'): input 0 is " + dtype_name(dt) + ", input " + std::to_string(i) +
+                      " " + dtype_name((*in)[i]));
+    if (dt == kBF16 && !reduced_products(a))
       throw OpError("bfloat16 data inputs need precision='bfloat16'");
     if (p.mask == MaskKind::additive || p.mask == MaskKind::boolean)
-      if ((*in)[nd] != mxnet::ext::kFloat32)
-        throw OpError("additive/boolean mask must be float32 (0/1 values for boolean)");
-    (*out)[0] = bf16_output(a) ? kBfloat16 : mxnet::ext::kFloat32;
+      if ((*in)[nd] != kF32 && (*in)[nd] != kF16)
+        throw OpError("additive/boolean mask must be float32 or float16 (0/1 values for boolean), got " +
+                      dtype_name((*in)[nd]));
+    const int o = out_dtype_attr(a);
+    (*out)[0] = o >= 0 ? o : dt == kF16 ? kF16 : kF32;
   });
 }
 
@@ -444,9 +456,21 @@ std::vector<float*> data_ptrs(std::vector<MXTensor>& t, int nd) {
   return d;
 }
 
+void forward_f32(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out);
+
 MXReturnValue forward_cpu(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
                           const OpResource&) {
   return guarded("fused_attention", [&] {
+    if (!any_f16(*in, *out)) return forward_f32(a, in, out);
+    Float32Call c(*in, *out);
+    forward_f32(a, &c.in, &c.out);
+    c.finish();
+  });
+}
+
+// The forward pass on float32 and bfloat16 tensors.
+void forward_f32(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out) {
+  {
     Params p = parse(a);
     const int nd = num_data_inputs(p.layout);
     std::vector<std::vector<int64_t>> s;
@@ -474,13 +498,24 @@ MXReturnValue forward_cpu(const Attrs& a, std::vector<MXTensor>* in, std::vector
     }
     bind_views(p, &g, data_ptrs(*in, nd), (*out)[0].data<float>());
     forward_reduced(p, g, m, reduced_products(a));
-  });
+  }
 }
 
 // Backward inputs: [d_out, <forward inputs>, out]; outputs: grads of the forward inputs.
+void backward_f32(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out);
+
 MXReturnValue backward_cpu(const Attrs& a, std::vector<MXTensor>* in,
                            std::vector<MXTensor>* out, const OpResource&) {
   return guarded("fused_attention backward", [&] {
+    if (!any_f16(*in, *out)) return backward_f32(a, in, out);
+    Float32Call c(*in, *out);
+    backward_f32(a, &c.in, &c.out);
+    c.finish();
+  });
+}
+
+void backward_f32(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out) {
+  {
     Params p = parse(a);
     const int nd = num_data_inputs(p.layout);
     const bool has_mask = p.mask != MaskKind::none;
@@ -506,7 +541,7 @@ MXReturnValue backward_cpu(const Attrs& a, std::vector<MXTensor>* in,
     // and softmax(use_length=True) give their condition and length inputs
     float* dmask = p.mask == MaskKind::additive ? (*out)[nd].data<float>() : nullptr;
     backward(p, g, m, dout, gg.q, gg.k, gg.v, dmask);
-  });
+  }
 }
 
 }  // namespace

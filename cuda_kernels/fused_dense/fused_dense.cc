@@ -25,6 +25,12 @@
 // activation or GELU, flushing subnormal results to zero).  A head-split output is written
 // through a (M, N) buffer.  Inference only (no backward).  Without oneDNN's matmul the
 // operands are widened to float32 for sgemm.
+//
+// float16 weight (AMP's GPU graphs: FullyConnected runs in float16 there, its data, weight and
+// bias cast to float16): data and bias float16 or float32, output float16 (or out_dtype=
+// 'float32').  The CPU runs it in float32 -- the weight widened once per weight version (and then
+// packed as above), data and bias per call -- and rounds the result once (half.h); the backward
+// likewise.  Correct, not fast: float16 graphs are GPU graphs.
 #include <omp.h>
 
 #include <algorithm>
@@ -33,6 +39,7 @@
 
 #include "act.h"
 #include "dnnl_matmul.h"
+#include "half.h"
 #include "mxf_common.h"
 #include "gpu_glue.h"  // the "gpu" implementations (a build with nvcc)
 
@@ -72,6 +79,7 @@ float bits_float(uint32_t u) {
 
 struct DenseParams {
   bool no_bias, flatten, heads_out, out_bf16;
+  int out_dtype;  // -1: the default (float16 for a float16 weight, else float32)
   int64_t heads, num_hidden;
   Act act;
   float slope;
@@ -86,7 +94,8 @@ DenseParams parse(const Attrs& a) {
   p.num_hidden = attr_int(a, "num_hidden", -1);
   p.heads_out = attr_choice(a, "out_layout", "plain", {"plain", "heads_bhsd"}) == "heads_bhsd";
   p.heads = attr_int(a, "heads", 0);
-  p.out_bf16 = attr_choice(a, "out_dtype", "float32", {"float32", "bfloat16"}) == "bfloat16";
+  p.out_dtype = attr_dtype(a, "out_dtype", {kF32, kBF16, kF16});
+  p.out_bf16 = p.out_dtype == kBF16;
   if (p.out_bf16 && p.heads_out) throw OpError("out_dtype='bfloat16' needs out_layout='plain'");
   if (p.heads_out) {
     if (p.heads <= 0) throw OpError("out_layout='heads_bhsd' needs a positive attribute 'heads'");
@@ -140,27 +149,36 @@ MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
   });
 }
 
-// mshadow's code for bfloat16 (lib_api's MXDType does not name it)
-constexpr int kBfloat16 = 12;
+constexpr int kBfloat16 = kBF16;
 
 MXReturnValue infer_type(const Attrs& a, std::vector<int>* in, std::vector<int>* out) {
   return guarded("fused_dense", [&] {
     const DenseParams p = parse(a);
-    const bool bf16_weight = (*in)[1] == kBfloat16;
+    const int w = (*in)[1];
+    if (w == kF16) {  // AMP's float16 FullyConnected; data or bias may still be float32
+      for (size_t i = 0; i < in->size(); ++i)
+        if (i != 1 && (*in)[i] != kF16 && (*in)[i] != kF32)
+          throw OpError("input " + std::to_string(i) + " must be float16 or float32 with a float16 weight, got " +
+                        dtype_name((*in)[i]));
+      if (p.out_dtype == kBF16) throw OpError("out_dtype='bfloat16' needs a bfloat16 weight (input 1)");
+      (*out)[0] = p.out_dtype >= 0 ? p.out_dtype : kF16;
+      return;
+    }
+    const bool bf16_weight = w == kBfloat16;
     for (size_t i = 0; i < in->size(); ++i) {
       const int t = (*in)[i];
       if (i == 1 && t == kBfloat16) continue;  // reduced precision: the weight
       if (i == 0 && t == kBfloat16 && bf16_weight) continue;  // and data it rounds anyway
       if (t != mxnet::ext::kFloat32)
-        throw OpError(i == 1 ? "input 1 (weight) must be float32 or bfloat16, got dtype code " +
-                                   std::to_string(t)
-                      : i == 0 ? "input 0 (data) must be float32 (or bfloat16 with a bfloat16 "
-                                 "weight), got dtype code " + std::to_string(t)
-                               : "input " + std::to_string(i) + " must be float32, got dtype code " +
-                                     std::to_string(t));
+        throw OpError(i == 1 ? "input 1 (weight) must be float32, float16 or bfloat16, got " + dtype_name(t)
+                      : i == 0 ? "input 0 (data) must be float32 (or bfloat16 with a bfloat16 weight, "
+                                 "float16 with a float16 weight), got " + dtype_name(t)
+                               : "input " + std::to_string(i) + " must be float32 (or float16 with a float16 "
+                                 "weight), got " + dtype_name(t));
     }
     if (p.out_bf16 && !bf16_weight)
       throw OpError("out_dtype='bfloat16' needs a bfloat16 weight (input 1)");
+    if (p.out_dtype == kF16) throw OpError("out_dtype='float16' needs a float16 weight (input 1)");
     (*out)[0] = p.out_bf16 ? kBfloat16 : mxnet::ext::kFloat32;
   });
 }
@@ -222,9 +240,37 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
     return {w.data<float>(), 'T', K};
   }
 
+  // A float16 weight as float32, widened once per weight version into a buffer of this state:
+  // its own version counter (not the weight's) names each widening, so that weight() packs it
+  // again whenever the buffer's contents change, however the float16 weight's identity changes.
+  MXTensor widened_weight(const MXTensor& w) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (w.data_ptr != w16_ptr_ || w.verID != w16_ver_ || wf_.size() != static_cast<size_t>(w.size())) {
+      wf_.resize(w.size());
+      from_f16(static_cast<const uint16_t*>(w.data_ptr), wf_.data(), w.size());
+      w16_ptr_ = w.data_ptr;
+      w16_ver_ = w.verID;
+      ++wf_ver_;
+    }
+    MXTensor t = w;
+    t.data_ptr = wf_.data();
+    t.dtype = mxnet::ext::kFloat32;
+    t.verID = wf_ver_;
+    return t;
+  }
+
   MXReturnValue Forward(std::vector<MXTensor>* in, std::vector<MXTensor>* out,
                         const OpResource&) override {
     return guarded("fused_dense", [&] {
+      if ((*in)[1].dtype == kF16) {  // float32 on widened copies, rounded once
+        std::vector<MXTensor> rest(*in);
+        rest[1].dtype = mxnet::ext::kFloat32;  // widened below, not by Float32Call
+        Float32Call c(rest, *out);
+        c.in[1] = widened_weight((*in)[1]);
+        forward_f32(&c.in, &c.out);
+        c.finish();
+        return;
+      }
       if ((*in)[1].dtype == kBfloat16) {
         if ((*in)[0].dtype != kBfloat16) require_f32((*in)[0], "fused_dense data");
         if (!p_.no_bias) require_f32((*in)[2], "fused_dense bias");
@@ -235,14 +281,19 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
                      (*out)[0].data_ptr);
         return;
       }
-      for (auto& t : *in) require_f32(t, "fused_dense input");
-      Dims d = dims(p_, (*in)[0].shape, (*in)[1].shape);
-      const float* X = (*in)[0].data<float>();
-      const WeightView W = weight((*in)[1], d.N, d.K, !p_.no_bias);
-      const float* bias = p_.no_bias ? nullptr : (*in)[2].data<float>();
-      float* Y = (*out)[0].data<float>();
-      run(d, X, W, bias, Y, (*in)[0].shape);
+      forward_f32(in, out);
     });
+  }
+
+  void forward_f32(std::vector<MXTensor>* in, std::vector<MXTensor>* out) {
+    for (auto& t : *in) require_f32(t, "fused_dense input");
+    require_f32((*out)[0], "fused_dense output");
+    Dims d = dims(p_, (*in)[0].shape, (*in)[1].shape);
+    const float* X = (*in)[0].data<float>();
+    const WeightView W = weight((*in)[1], d.N, d.K, !p_.no_bias);
+    const float* bias = p_.no_bias ? nullptr : (*in)[2].data<float>();
+    float* Y = (*out)[0].data<float>();
+    run(d, X, W, bias, Y, (*in)[0].shape);
   }
 
   void run(const Dims& d, const float* X, const WeightView& W, const float* bias, float* Y,
@@ -444,6 +495,15 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
   MXReturnValue Backward(std::vector<MXTensor>* in, std::vector<MXTensor>* out,
                          const OpResource&) override {
     return guarded("fused_dense backward", [&] {
+      if (!any_f16(*in, *out)) return backward_f32(in, out);
+      Float32Call c(*in, *out);
+      backward_f32(&c.in, &c.out);
+      c.finish();
+    });
+  }
+
+  void backward_f32(std::vector<MXTensor>* in, std::vector<MXTensor>* out) {
+    {
       MXTensor& xT = (*in)[1];
       MXTensor& wT = (*in)[2];
       if (wT.dtype == kBfloat16)
@@ -498,7 +558,7 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
         for (int64_t i = 0; i < M; ++i)
           for (int64_t j = 0; j < N; ++j) db[j] += dzz[i * N + j];
       }
-    });
+    }
   }
 
  private:
@@ -520,6 +580,10 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
   void* wmax_ptr_ = nullptr;  // the bfloat16 weight whose largest magnitude wmax_ holds
   size_t wmax_ver_ = static_cast<size_t>(-1);
   uint32_t wmax_ = 0;
+  std::vector<float> wf_;          // a float16 weight widened (widened_weight)
+  void* w16_ptr_ = nullptr;
+  size_t w16_ver_ = static_cast<size_t>(-1);
+  size_t wf_ver_ = 0;
 };
 
 MXReturnValue create_state(const Attrs& a, const mxnet::ext::MXContext&,

@@ -9,8 +9,11 @@
 // Backward: reverse mode over the same bytecode, block by block; gradients of
 // broadcast inputs are reduced through per-thread accumulators.
 // bfloat16 (inference): any input may be bfloat16 -- widened to float32 a block at a time
-// (a broadcast one once, whole), the program runs in float32, and the output is bfloat16
-// (rounded to nearest even) when every input is, float32 otherwise (the widest input type).
+// (a broadcast one once, whole), the program runs in float32.  float16 (AMP's GPU graphs): any
+// input, the output and, in the backward pass, the gradients may be float16 -- the call runs
+// in float32 on widened copies and its results are rounded once (half.h; correct, not fast).
+// The output's dtype is the inputs' when they all have one, float32 otherwise (the widest), or
+// the attribute out_dtype (float32 / float16 / bfloat16) where the graph had another.
 #include <immintrin.h>
 #include <omp.h>
 #include <unistd.h>
@@ -23,6 +26,7 @@
 #include "dnnl_matmul.h"  // to_bf16 / from_bf16
 #include "elemwise_avx512.h"
 #include "elemwise_eval.h"
+#include "half.h"
 #include "mxf_common.h"
 #include "gpu_glue.h"  // the "gpu" implementations (a build with nvcc)
 
@@ -138,23 +142,32 @@ struct BView {
 MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
   return guarded("fused_elemwise", [&] {
     const Program& p = program_for(a);
+    attr_dtype(a, "out_dtype", {kF32, kF16, kBF16});
     *nin = p.num_inputs;
     *nout = 1;
   });
 }
 
-// mshadow's code for bfloat16 (lib_api's MXDType does not name it)
-constexpr int kBfloat16 = 12;
+constexpr int kBfloat16 = kBF16;
+
+// The output's dtype: out_dtype, else the inputs' one dtype, else float32.
+int output_dtype(const Attrs& a, const std::vector<int>& in) {
+  const int o = attr_dtype(a, "out_dtype", {kF32, kF16, kBF16});
+  if (o >= 0) return o;
+  for (int t : in)
+    if (t != in.front()) return kF32;
+  return in.empty() ? kF32 : in.front();
+}
 
 MXReturnValue infer_type(const Attrs& a, std::vector<int>* in, std::vector<int>* out) {
   return guarded("fused_elemwise", [&] {
-    bool all_bf16 = !in->empty();
     for (size_t i = 0; i < in->size(); ++i) {
-      if ((*in)[i] != mxnet::ext::kFloat32 && (*in)[i] != kBfloat16)
-        throw OpError("input x" + std::to_string(i) + " must be float32 or bfloat16");
-      all_bf16 = all_bf16 && (*in)[i] == kBfloat16;
+      const int t = (*in)[i];
+      if (t != kF32 && t != kF16 && t != kBF16)
+        throw OpError("input x" + std::to_string(i) + " must be float32, float16 or bfloat16, got " +
+                      dtype_name(t));
     }
-    (*out)[0] = all_bf16 ? kBfloat16 : mxnet::ext::kFloat32;
+    (*out)[0] = output_dtype(a, *in);
   });
 }
 
@@ -318,9 +331,21 @@ void stream_copy(float* dst, const float* src, int64_t n) {
   for (; i < n; ++i) dst[i] = src[i];
 }
 
+void forward_f32(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out);
+
 MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
                       const OpResource&) {
   return guarded("fused_elemwise", [&] {
+    if (!any_f16(*in, *out)) return forward_f32(a, in, out);
+    Float32Call c(*in, *out);
+    forward_f32(a, &c.in, &c.out);
+    c.finish();
+  });
+}
+
+// The forward pass on float32 and bfloat16 tensors.
+void forward_f32(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out) {
+  {
     Bound b = bind_inputs(a, *in, 0);
     const bool half_out = (*out)[0].dtype == kBfloat16;
     float* Y = half_out ? nullptr : (*out)[0].data<float>();
@@ -351,7 +376,7 @@ MXReturnValue forward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXT
       }
       if (streaming && !half_out) _mm_sfence();  // order the streaming stores before the op returns
     }
-  });
+  }
 }
 
 // MXNet's hard_sigmoid backward: g * alpha where alpha x + beta (rounded as the forward
@@ -466,12 +491,23 @@ void backprop(const Instr& in, const std::vector<const float*>& v, const float* 
 }
 
 // inputs: [dy, x0..x{n-1}, y]; outputs: [dx0..dx{n-1}]
+void backward_f32(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out);
+
 MXReturnValue backward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
                        const OpResource&) {
   return guarded("fused_elemwise backward", [&] {
     for (const auto& t : *in)
       if (t.dtype == kBfloat16)
-        throw OpError("bfloat16 values have no backward (reduced precision is for inference)");
+        throw OpError("bfloat16 values have no backward on the CPU (reduced precision is for inference)");
+    if (!any_f16(*in, *out)) return backward_f32(a, in, out);
+    Float32Call c(*in, *out);
+    backward_f32(a, &c.in, &c.out);
+    c.finish();
+  });
+}
+
+void backward_f32(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTensor>* out) {
+  {
     Bound b = bind_inputs(a, *in, 1);
     const Program& p = *b.prog;
     const std::vector<Instr>& code = b.code;
@@ -549,7 +585,7 @@ MXReturnValue backward(const Attrs& a, std::vector<MXTensor>* in, std::vector<MX
       for (int t = 0; t < nt; ++t)
         for (int64_t i = 0; i < sz; ++i) dx[i] += acc[k][static_cast<size_t>(t) * sz + i];
     }
-  });
+  }
 }
 
 }  // namespace
@@ -562,5 +598,6 @@ REGISTER_OP(fused_elemwise)
     .setBackward(backward, "cpu")
 #if MXF_WITH_CUDA
     .setForward(mxf::gpu::elemwise_forward, "gpu")
+    .setBackward(mxf::gpu::elemwise_backward, "gpu")
 #endif
     ;

@@ -1,6 +1,8 @@
-// CUDA fused elementwise: the expression is parsed on the host (the same parser as the
-// CPU op) and interpreted by one kernel; each thread evaluates the whole program for its
-// elements (grid-stride loop), so every input is read once and the output written once.
+// CUDA fused elementwise, the interpreter: the expression is parsed on the host (the same
+// parser as the CPU op) and interpreted by one kernel; each thread evaluates the whole program
+// for its elements (grid-stride loop), so every input is read once and the output written once.
+// The fallback of the kernels NVRTC compiles per expression (elemwise_jit.cu), which run where
+// NVRTC can be loaded; interpret() below is what runs otherwise.
 // Storage fp32 / fp16 / bf16, math float32.  Where every input is the output's shape, a
 // single element, or a row broadcast over the last dim (bias-like), and the pointers are
 // 16-byte aligned, a thread takes 16 bytes of elements (4 floats, 8 halves) per step with
@@ -15,8 +17,9 @@
 #include <vector>
 
 #include "cuda_common.cuh"
-#include "fused_elemwise.h"
+#include "elemwise_jit.h"
 #include "expr_program.h"
+#include "fused_elemwise.h"
 
 namespace {
 
@@ -28,6 +31,8 @@ enum { kFull = 0, kScalar = 1, kRow = 2 };  // how an input maps onto the output
 struct EwParams {
   Instr code[kMaxInstr];
   const void* in[kMaxIn];
+  int dtype[kMaxIn];  // per input (elemwise_kernel_any); the templated kernels take one T
+  int out_dtype;
   int64_t stride[kMaxIn][kMaxDim];
   int kind[kMaxIn];
   bool keep[kMaxInstr];  // vector path: the value is read by an instruction other than the next
@@ -139,6 +144,44 @@ __global__ void elemwise_kernel(const EwParams p) {
   }
 }
 
+__device__ __forceinline__ float load_any(const void* p, int dtype, int64_t i) {
+  switch (dtype) {
+    case MXF_F16: return mxf_cuda::to_f(static_cast<const mxf_cuda::half*>(p)[i]);
+    case MXF_BF16: return mxf_cuda::to_f(static_cast<const mxf_cuda::bf16*>(p)[i]);
+  }
+  return static_cast<const float*>(p)[i];
+}
+
+// One element per step, each input and the output in its own dtype.
+__global__ void elemwise_kernel_any(const EwParams p) {
+  using namespace mxf::expr;
+  float v[kMaxInstr];
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < p.total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    for (int i = 0; i < p.ninstr; ++i) {
+      const Instr& c = p.code[i];
+      if (c.op == LOAD) {
+        int64_t rem = e, off = 0;
+        for (int d = p.ndim - 1; d >= 0; --d) {
+          off += (rem % p.oshape[d]) * p.stride[c.input][d];
+          rem /= p.oshape[d];
+        }
+        v[i] = load_any(p.in[c.input], p.dtype[c.input], off);
+      } else if (c.op == CONST) {
+        v[i] = c.imm;
+      } else {
+        v[i] = apply(c, v[c.a], c.b >= 0 ? v[c.b] : 0.f, c.c >= 0 ? v[c.c] : 0.f);
+      }
+    }
+    const float r = v[p.ninstr - 1];
+    switch (p.out_dtype) {
+      case MXF_F16: static_cast<mxf_cuda::half*>(p.out)[e] = mxf_cuda::from_f<mxf_cuda::half>(r); break;
+      case MXF_BF16: static_cast<mxf_cuda::bf16*>(p.out)[e] = mxf_cuda::from_f<mxf_cuda::bf16>(r); break;
+      default: static_cast<float*>(p.out)[e] = r;
+    }
+  }
+}
+
 // 16 bytes of output per step; inputs kFull / kScalar / kRow (row_len a multiple of kN).
 // The previous instruction's values stay in registers (cur); a value is stored to the
 // (local-memory) value array only when an instruction other than the next one reads it
@@ -201,33 +244,32 @@ __global__ void elemwise_vec_kernel(const EwParams p) {
   }
 }
 
-int fail(char* err, int errlen, const std::string& msg) {
-  if (err && errlen > 0) {
-    std::strncpy(err, msg.c_str(), errlen - 1);
-    err[errlen - 1] = 0;
-  }
-  return MXF_ERR_BAD_ARGS;
-}
-
 }  // namespace
 
-extern "C" int mxf_elemwise_forward(int dtype, const char* expr, int num_args, const void* const* inputs,
-                                    const int64_t* const* shapes, const int* ndims, void* out,
-                                    char* err, int errlen, void* stream) {
-  const size_t es = mxf_cuda::dtype_bytes(dtype);
-  if (es == 0) return fail(err, errlen, "unknown dtype code");
-  mxf::expr::Program prog;
-  try {
-    prog = mxf::expr::compile(expr ? expr : "", num_args);
-  } catch (const std::exception& e) {
-    return fail(err, errlen, e.what());
+namespace mxf_ew {
+
+int interpret(const mxf::expr::Program& prog, const int* in_dtypes, const void* const* inputs,
+              const int64_t* const* shapes, const int* ndims, int out_dtype, void* out, std::string* err,
+              cudaStream_t st) {
+  if (static_cast<int>(prog.code.size()) > kMaxInstr) {
+    *err = "program too long for the interpreter (" + std::to_string(prog.code.size()) + " instructions, max " +
+           std::to_string(kMaxInstr) + ")";
+    return MXF_ERR_UNSUPPORTED;
   }
-  if (static_cast<int>(prog.code.size()) > kMaxInstr) return fail(err, errlen, "program too long");
-  if (prog.num_inputs > kMaxIn) return fail(err, errlen, "too many inputs (max 8)");
+  if (prog.num_inputs > kMaxIn) {
+    *err = "too many inputs for the interpreter (max 8)";
+    return MXF_ERR_UNSUPPORTED;
+  }
+  bool uniform = true;
+  for (int k = 0; k < prog.num_inputs; ++k) uniform = uniform && in_dtypes[k] == out_dtype;
+  const size_t es = mxf_cuda::dtype_bytes(out_dtype);
   EwParams p{};
   int ndim = 0;
   for (int k = 0; k < prog.num_inputs; ++k) ndim = std::max(ndim, ndims[k]);
-  if (ndim > kMaxDim) return fail(err, errlen, "rank > 6");
+  if (ndim > kMaxDim) {
+    *err = "rank > 6";
+    return MXF_ERR_BAD_ARGS;
+  }
   p.ndim = ndim;
   for (int d = 0; d < kMaxDim; ++d) p.oshape[d] = 1;
   for (int k = 0; k < prog.num_inputs; ++k)
@@ -236,13 +278,14 @@ extern "C" int mxf_elemwise_forward(int dtype, const char* expr, int num_args, c
       const int64_t s = shapes[k][d];
       if (s == o || s == 1) continue;
       if (o == 1) { o = s; continue; }
-      return fail(err, errlen, "inputs do not broadcast together");
+      *err = "inputs do not broadcast together";
+      return MXF_ERR_BAD_ARGS;
     }
   p.total = 1;
   for (int d = 0; d < ndim; ++d) p.total *= p.oshape[d];
   const int64_t last = ndim > 0 ? p.oshape[ndim - 1] : 1;
   const int vn = static_cast<int>(16 / es);
-  bool vec = p.total % vn == 0 && mxf_cuda::aligned16(out);
+  bool vec = uniform && p.total % vn == 0 && mxf_cuda::aligned16(out);
   p.row_len = last;
   for (int k = 0; k < prog.num_inputs; ++k) {
     int64_t acc = 1, size = 1;
@@ -254,6 +297,7 @@ extern "C" int mxf_elemwise_forward(int dtype, const char* expr, int num_args, c
       size *= s;
     }
     p.in[k] = inputs[k];
+    p.dtype[k] = in_dtypes[k];
     if (size == 1) {
       p.kind[k] = kScalar;
     } else if (size == p.total) {
@@ -284,15 +328,21 @@ extern "C" int mxf_elemwise_forward(int dtype, const char* expr, int num_args, c
   }
   p.nin = prog.num_inputs;
   p.out = out;
+  p.out_dtype = out_dtype;
   if (p.total == 0) return 0;
-  const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int threads = 256;
   const int64_t work = vec ? p.total / vn : p.total;
   const int64_t blocks = std::min<int64_t>((work + threads - 1) / threads, 65535 * 8);
-  return mxf_cuda::dispatch_dtype(dtype, [&](auto t) {
+  if (!uniform) {
+    elemwise_kernel_any<<<static_cast<unsigned>(blocks), threads, 0, st>>>(p);
+    MXF_CUDA_RETURN_LAST();
+  }
+  return mxf_cuda::dispatch_dtype(out_dtype, [&](auto t) {
     using T = decltype(t);
     if (vec) elemwise_vec_kernel<T><<<static_cast<unsigned>(blocks), threads, 0, st>>>(p);
     else elemwise_kernel<T><<<static_cast<unsigned>(blocks), threads, 0, st>>>(p);
     MXF_CUDA_RETURN_LAST();
   });
 }
+
+}  // namespace mxf_ew

@@ -45,8 +45,10 @@ LIB_API_BF16_CASE = ("  case 12:  // bfloat16 (added by mxnet-fusion's build)\n"
                      "    dltensor.dtype.code = 4;  // kDLBfloat\n"
                      "    dltensor.dtype.bits = 16;\n"
                      "    break;\n")
-NVCCFLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-cudart", "static",
-             "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
+# MXFUSION_CUDA_ARCHS (default 80,90): the GPU architectures nvcc builds for (gpu-check: the GPU's own)
+NVCCFLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-cudart", "static"] + [
+    f for a in os.environ.get("MXFUSION_CUDA_ARCHS", "80,90").split(",") if a.strip()
+    for f in ("-gencode", "arch=compute_%s,code=sm_%s" % (a.strip(), a.strip()))]
 # The op library's MXNet "gpu" registrations: compiled by nvcc (lib_api.h types the CUDA stream
 # as cudaStream_t there), linked with the op library; not part of the CUDA C-interface library.
 # (one folder down, out of the kernels' */*.cu, which cuda_iface.py compiles without MXNet's headers)

@@ -256,6 +256,62 @@ class OpLibrary:
             self.lib._opCallDestroyOpState.argtypes = [P]
             self.lib._opCallDestroyOpState(state)
 
+    def prepare(self, op, attrs, inputs, outputs, device, stream=None):
+        """A callable running ``op``'s forward into ``outputs`` with every argument built once, as an
+        executor reuses them (for timing the op, not this module's Python): a stateful op's state
+        is created here; scratch memory is one buffer per call site, kept and grown."""
+        reg = self.ops[op]
+        keep = []
+        scratch = {}
+
+        def gpu_alloc(_, size):
+            buf = scratch.get("gpu")
+            if buf is None or buf.numel() < size:
+                import torch
+                buf = scratch["gpu"] = torch.empty(max(1, size), dtype=torch.uint8, device="cuda")
+            return buf.data_ptr()
+
+        def cpu_alloc(_, size):
+            buf = scratch.get("cpu")
+            if buf is None or buf.size < size:
+                buf = scratch["cpu"] = np.empty(max(1, size), np.uint8)
+            return buf.ctypes.data
+
+        def sparse_alloc(*_):
+            raise RuntimeError("no sparse outputs here")
+
+        cbs = (XPU_MALLOC(cpu_alloc), XPU_MALLOC(gpu_alloc), SPARSE_MALLOC(sparse_alloc))
+        saved, self._keep = self._keep, keep
+        try:
+            i, o = self._tensor_args(inputs), self._tensor_args(outputs)
+        finally:
+            self._keep = saved
+        head = [i["shapes"], i["dims"], i["data"], i["types"], i["ids"], i["dev_type"], i["dev_id"], i["n"],
+                o["shapes"], o["dims"], o["data"], o["types"], o["ids"], o["dev_type"], o["dev_id"], o["n"],
+                cbs[0], None, cbs[1], None, P(stream or 0), cbs[2], None,
+                i["stypes"], o["stypes"], i["nulls"], o["nulls"], i["nulls"], o["nulls"],
+                i["zeros"], o["zeros"], i["zeros"], o["zeros"], None, None]
+        keep += [cbs, inputs, outputs, head]
+        keys, vals, n = self._attrs(attrs)
+        keep += [keys, vals]
+        what = "%s forward (%s)" % (op, device)
+        if device in reg.create:
+            shapes = [_array_info(a)[1] for a in inputs]
+            arrs = [(C.c_uint * max(1, len(s)))(*s) for s in shapes]
+            inshapes = (C.POINTER(C.c_uint) * max(1, len(arrs)))(*[C.cast(a, C.POINTER(C.c_uint)) for a in arrs])
+            indims = (C.c_int * max(1, len(arrs)))(*[len(s) for s in shapes])
+            intypes = (C.c_int * max(1, len(inputs)))(*[_array_info(a)[2] for a in inputs])
+            state = P()
+            self._check(self.lib._opCallCreateOpState(P(reg.create[device]), keys, vals, n, device.encode(), 0,
+                                                      inshapes, indims, len(arrs), intypes, C.byref(state)),
+                        op + " create state (%s)" % device)
+            keep += [arrs, inshapes, indims, intypes, state]
+            call = self.lib._opCallFStatefulCompute
+            return lambda: self._check(call(1, state, *head), what)
+        fn = P(reg.forward[device])
+        call = self.lib._opCallFCompute
+        return lambda: self._check(call(fn, keys, vals, n, *head), what)
+
     def forward(self, op, attrs, inputs, device="cpu", stream=None, empty=None):
         """Outputs of ``op`` on ``inputs``, allocated as the library's shape/type inference says
         (``empty(shape, dtype_name)`` makes them; default NumPy / torch on the inputs' device)."""

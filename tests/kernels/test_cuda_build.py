@@ -37,7 +37,7 @@ def built(tmp_path_factory):
     link = None
     if all(rc == 0 for _, rc, _ in results):
         link = subprocess.run([ci.nvcc_path()] + ci.NVCCFLAGS + ci.gencode() + ["-shared", "-o", lib] +
-                              [c[1] for c in cmds] + ci.cublas_flags()[1],
+                              [c[1] for c in cmds] + ci.cublas_flags()[1] + ["-ldl"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return results, link, lib
 

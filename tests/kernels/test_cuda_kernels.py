@@ -1,7 +1,7 @@
 """CUDA C interface (the standalone build of cuda_kernels/*.cu, see cuda_kernels/cuda_iface.py)
 against float64 references: PyTorch autograd for the gradients, the NumPy references of the CPU
 tests for the forward semantics.  Every op in fp32, fp16 and bf16, forward and backward
-(fused_elemwise: forward only, its backward runs on the CPU).
+(fused_elemwise: forward here, its generated backward in test_cuda_elemwise.py).
 
 Runs only with an NVIDIA GPU, PyTorch with CUDA, nvcc and cuBLASLt (the nvidia-cublas wheel);
 otherwise skipped with the reason.  Imports no MXNet, so on a GPU machine without MXNet it runs as

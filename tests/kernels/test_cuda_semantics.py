@@ -94,13 +94,19 @@ def cuda():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["generated", "interpreter"])
 @pytest.mark.parametrize("fn", FUNCS)
-def test_cuda_kernel_matches_mxnet_semantics(cuda, fn):
+def test_cuda_kernel_matches_mxnet_semantics(cuda, fn, kernel):
+    """Both GPU forms: the kernel NVRTC compiles for the expression, and the interpreter (its fallback)."""
     cuda_iface, lib, torch = cuda
     args, expr = operands(fn)
     ins = [torch.from_numpy(np.ascontiguousarray(a)).cuda() for a in args]
     out = torch.empty(np.broadcast_shapes(*[a.shape for a in args]), device="cuda")
-    rc, err = cuda_iface.elemwise(lib, expr, ins, out)
+    before = lib.mxf_elemwise_set_jit(1 if kernel == "generated" else 0)
+    try:
+        rc, err = cuda_iface.elemwise(lib, expr, ins, out)
+    finally:
+        lib.mxf_elemwise_set_jit(before)
     assert rc == 0, err
     torch.cuda.synchronize()
     check(fn, out.cpu().numpy(), args)

@@ -156,7 +156,7 @@ def _stream(torch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("act", ["none", "relu", "gelu"])
+@pytest.mark.parametrize("act", ["none", "relu", "gelu_erf"])
 def test_gpu_dense(oplib, torch_cuda, act):
     torch = torch_cuda
     need_gpu(oplib, "fused_dense")
@@ -167,7 +167,7 @@ def test_gpu_dense(oplib, torch_cuda, act):
     (y,) = oplib.forward("fused_dense", {"num_hidden": 48, "act": act}, [x, w, b], device="gpu",
                          stream=_stream(torch))
     z = torch.addmm(b, x, w.t())
-    ref = {"none": z, "relu": torch.relu(z), "gelu": torch.nn.functional.gelu(z)}[act]
+    ref = {"none": z, "relu": torch.relu(z), "gelu_erf": torch.nn.functional.gelu(z)}[act]
     torch.cuda.synchronize()
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-3)
 
@@ -259,7 +259,7 @@ def test_gpu_dense_backward(oplib, torch_cuda):
     y = torch.nn.functional.gelu(torch.addmm(b, x, w.t()))
     dy = torch.randn_like(y)
     y.backward(dy)
-    attrs = {"num_hidden": 48, "act": "gelu"}
+    attrs = {"num_hidden": 48, "act": "gelu_erf"}
     ins = [t.detach() for t in (x, w, b)]
     got = oplib.backward("fused_dense", attrs, [dy], ins, [y.detach()], device="gpu", stream=_stream(torch))
     torch.cuda.synchronize()
@@ -283,3 +283,66 @@ def test_gpu_attention_backward(oplib, torch_cuda, causal):
     torch.cuda.synchronize()
     for g_, t in zip(got, (q, k, v)):
         torch.testing.assert_close(g_, t.grad, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_gpu_elemwise_backward(oplib, torch_cuda, dtype):
+    """The generated (NVRTC) backward through lib_api: a row-broadcast input's gradient summed."""
+    torch = torch_cuda
+    need_gpu(oplib, "fused_elemwise", "backward")
+    g = torch.Generator(device="cuda").manual_seed(8)
+    dt = getattr(torch, dtype)
+    x = torch.randn(64, 300, device="cuda", generator=g).to(dt).requires_grad_()
+    b = torch.randn(300, device="cuda", generator=g).to(dt).requires_grad_()
+    ref = x.float() * torch.sigmoid(b.float() + 3)
+    dy = torch.randn_like(ref).to(dt)
+    ref.backward(dy.float())
+    attrs = {"expr": "mul(x0, sigmoid(add(x1, 3.0)))", "num_args": 2}
+    (y,) = oplib.forward("fused_elemwise", attrs, [x.detach(), b.detach()], device="gpu", stream=_stream(torch))
+    gx, gb = oplib.backward("fused_elemwise", attrs, [dy], [x.detach(), b.detach()], [y], device="gpu",
+                            stream=_stream(torch))
+    torch.cuda.synchronize()
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == "float32" else dict(rtol=5e-3, atol=5e-2)
+    torch.testing.assert_close(y.float(), ref.detach(), **tol)
+    torch.testing.assert_close(gx.float(), x.grad.float(), **tol)
+    torch.testing.assert_close(gb.float(), b.grad.float(), **tol)
+
+
+@pytest.mark.gpu
+def test_gpu_amp_float16_dtypes(oplib, torch_cuda):
+    """The dtypes of MXNet's AMP float16 graphs through the "gpu" functions: a float16 fused_dense;
+    LayerNorm of a float16 projection plus a float32 residual with float32 gamma/beta and output
+    (computed in float32: the glue widens); attention on float16 q/k/v with a float32 output."""
+    torch = torch_cuda
+    F = torch.nn.functional
+    g = torch.Generator(device="cuda").manual_seed(9)
+    h = lambda *s: torch.randn(*s, device="cuda", generator=g).half()  # noqa: E731
+    x, w, b = h(4, 16, 64), h(96, 64) * 0.125, h(96)
+    (y,) = oplib.forward("fused_dense", {"num_hidden": 96, "flatten": False}, [x, w, b], device="gpu",
+                         stream=_stream(torch))
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float(), b.float()), rtol=5e-3, atol=5e-3)
+    a, res = h(4, 16, 64), torch.randn(4, 16, 64, device="cuda", generator=g)
+    gam, bet = torch.rand(64, device="cuda", generator=g) + 0.5, torch.randn(64, device="cuda", generator=g)
+    (ln,) = oplib.forward("fused_add_layer_norm", {"out_dtype": "float32"}, [a, res, gam, bet], device="gpu",
+                          stream=_stream(torch))
+    assert ln.dtype == torch.float32
+    torch.testing.assert_close(ln, F.layer_norm(a.float() + res, (64,), gam, bet, 1e-5), rtol=1e-4, atol=1e-4)
+    q, k, v = h(8, 32, 64), h(8, 32, 64), h(8, 32, 64)
+    (o,) = oplib.forward("fused_attention", {"scale": 0.125, "layout": "plain", "out_dtype": "float32"},
+                         [q, k, v], device="gpu", stream=_stream(torch))
+    assert o.dtype == torch.float32
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.125)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(o, ref, rtol=5e-3, atol=5e-3)
+
+
+def test_float16_type_inference_through_lib_api(oplib):
+    f16, f32 = 2, 0
+    assert oplib.infer_type("fused_dense", {"num_hidden": 4}, [f16, f16, f16]) == [f16]
+    assert oplib.infer_type("fused_add_layer_norm", {"out_dtype": "float32"}, [f16, f32, f32, f32]) == [f32]
+    assert oplib.infer_type("fused_attention", {"scale": 0.5}, [f16, f16, f16]) == [f16]
+    assert oplib.infer_type("fused_elemwise", {"expr": "add(x0, x1)"}, [f16, f32]) == [f32]
+    with pytest.raises(LibError, match="input 0 \\(data\\) must be float32"):
+        oplib.infer_type("fused_dense", {"num_hidden": 4}, [f16, f32, f32])

@@ -15,15 +15,19 @@
 // where no GPU context exists and these functions are never called.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "act.h"
 #include "gpu_glue.h"
+#include "half.h"
 #include "mxf_common.h"
 #include "fused_add_layer_norm/fused_add_layer_norm.h"
 #include "fused_attention/attention_geom.h"
@@ -51,7 +55,9 @@ struct Kernels {
   decltype(&mxf_add_layer_norm_forward) add_layer_norm_forward = nullptr;
   decltype(&mxf_add_layer_norm_backward_workspace_size) add_layer_norm_backward_ws = nullptr;
   decltype(&mxf_add_layer_norm_backward) add_layer_norm_backward = nullptr;
-  decltype(&mxf_elemwise_forward) elemwise_forward = nullptr;
+  decltype(&mxf_elemwise_forward_ex) elemwise_forward = nullptr;
+  decltype(&mxf_elemwise_backward_workspace_size) elemwise_backward_ws = nullptr;
+  decltype(&mxf_elemwise_backward) elemwise_backward = nullptr;
   std::string error;  // why the library could not be used (empty: it can)
 };
 
@@ -98,7 +104,9 @@ const Kernels& kernels() {
     bind(h, "mxf_add_layer_norm_forward", &k.add_layer_norm_forward, &k.error);
     bind(h, "mxf_add_layer_norm_backward_workspace_size", &k.add_layer_norm_backward_ws, &k.error);
     bind(h, "mxf_add_layer_norm_backward", &k.add_layer_norm_backward, &k.error);
-    bind(h, "mxf_elemwise_forward", &k.elemwise_forward, &k.error);
+    bind(h, "mxf_elemwise_forward_ex", &k.elemwise_forward, &k.error);
+    bind(h, "mxf_elemwise_backward_workspace_size", &k.elemwise_backward_ws, &k.error);
+    bind(h, "mxf_elemwise_backward", &k.elemwise_backward, &k.error);
     if (!k.error.empty()) k.error = "the CUDA kernel library " + path + ": " + k.error;
   });
   if (!k.error.empty()) throw OpError(k.error);
@@ -187,6 +195,85 @@ class Workspace {
   char* base_ = nullptr;
 };
 
+// ---- one dtype for a kernel that takes one --------------------------------------------------------
+
+__device__ __forceinline__ float load_as_float(const void* p, int dt, int64_t i) {
+  if (dt == MXF_F16) return __half2float(static_cast<const __half*>(p)[i]);
+  if (dt == MXF_BF16) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  return static_cast<const float*>(p)[i];
+}
+
+// dst = src in another dtype (kernel codes), rounded to nearest even; with `saturate` a finite
+// value beyond float16's range becomes its largest finite value (an additive mask's "very
+// negative" stays very negative instead of turning into -inf), inf and NaN stay.
+__global__ void convert_kernel(const void* src, int sdt, void* dst, int ddt, int64_t n, bool saturate) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float v = load_as_float(src, sdt, i);
+    if (saturate && ddt == MXF_F16 && isfinite(v)) v = fminf(fmaxf(v, -65504.f), 65504.f);
+    if (ddt == MXF_F16) static_cast<__half*>(dst)[i] = __float2half_rn(v);
+    else if (ddt == MXF_BF16) static_cast<__nv_bfloat16*>(dst)[i] = __float2bfloat16_rn(v);
+    else static_cast<float*>(dst)[i] = v;
+  }
+}
+
+void convert(const void* src, int sdt, void* dst, int ddt, int64_t n, cudaStream_t st, bool saturate = false) {
+  if (n <= 0) return;
+  const int64_t blocks = std::min<int64_t>((n + 255) / 256, 4096);
+  convert_kernel<<<static_cast<unsigned>(blocks), 256, 0, st>>>(src, sdt, dst, ddt, n, saturate);
+  check_cuda(cudaGetLastError(), "converting a tensor's dtype");
+}
+
+// The tensors of a call in the one dtype its kernel takes (`kd`, a kernel code): each tensor of
+// another dtype gets a workspace copy, converted before the kernel (an input) or after it (an
+// output: written whole, lib_api's req is write).  Plan with add() before Workspace::allocate().
+class OneDtype {
+ public:
+  explicit OneDtype(int kd) : kd_(kd) {}
+  int dtype() const { return kd_; }
+  void add(Workspace* ws, const MXTensor* t, bool output, bool saturate = false) {
+    const int d = kernel_dtype(t->dtype);
+    if (d < 0)
+      throw OpError("the GPU kernels take float32, float16 or bfloat16, got " + dtype_name(t->dtype));
+    if (d == kd_) return;
+    parts_.push_back({t, ws->add(static_cast<size_t>(numel(t->shape)) * mxf_cuda_dtype_bytes(kd_)), output,
+                      saturate, d});
+  }
+  void* ptr(const Workspace& ws, const MXTensor* t) const {
+    for (const Part& p : parts_)
+      if (p.t == t) return ws.at(p.off);
+    return t->data_ptr;
+  }
+  void before(const Workspace& ws, cudaStream_t st) const {
+    for (const Part& p : parts_)
+      if (!p.output) convert(p.t->data_ptr, p.dt, ws.at(p.off), kd_, numel(p.t->shape), st, p.saturate);
+  }
+  void after(const Workspace& ws, cudaStream_t st) const {
+    for (const Part& p : parts_)
+      if (p.output) convert(ws.at(p.off), kd_, p.t->data_ptr, p.dt, numel(p.t->shape), st);
+  }
+
+ private:
+  static size_t mxf_cuda_dtype_bytes(int kd) { return kd == MXF_F32 ? 4 : 2; }
+  struct Part {
+    const MXTensor* t;
+    size_t off;
+    bool output, saturate;
+    int dt;
+  };
+  int kd_;
+  std::vector<Part> parts_;
+};
+
+// The kernel dtype of tensors that may differ: their one dtype, or float32 where they differ.
+int one_or_float32(const std::vector<const MXTensor*>& ts) {
+  for (const MXTensor* t : ts)
+    if (t->dtype != ts.front()->dtype) return MXF_F32;
+  const int d = kernel_dtype(ts.front()->dtype);
+  if (d < 0) throw OpError("the GPU kernels take float32, float16 or bfloat16, got " + dtype_name(ts.front()->dtype));
+  return d;
+}
+
 // ---- fused_add_layer_norm --------------------------------------------------------------------
 
 // b's rows pair with a's rows modulo b_rows: the one broadcast the CUDA kernels take (b over a's
@@ -255,10 +342,8 @@ AttnCall attention_call(const Attrs& a, const std::vector<const MXTensor*>& data
   const Params& p = c.p;
   std::vector<std::vector<int64_t>> s;
   std::vector<float*> d;
-  std::vector<const MXTensor*> typed(data);
-  typed.push_back(out);
-  if (p.mask != MaskKind::none && p.mask != MaskKind::valid_length) typed.push_back(mask);
-  c.k.dtype = common_dtype(typed, "fused_attention (gpu)");
+  // the data inputs' one dtype; an output or a mask of another is converted by the caller (OneDtype)
+  c.k.dtype = common_dtype(data, "fused_attention (gpu)");
   for (const MXTensor* t : data) {
     s.push_back(t->shape);
     d.push_back(static_cast<float*>(t->data_ptr));  // views are only pointer arithmetic in elements
@@ -381,19 +466,26 @@ class DenseGpu : public CustomStatefulOp {
       require_gpu(*in, "input");
       std::vector<const MXTensor*> ts;
       for (auto& t : *in) ts.push_back(&t);
-      ts.push_back(&(*out)[0]);
-      const int dt = common_dtype(ts, "fused_dense (gpu)");
+      // the inputs' one dtype (AMP: float16 data, weight and bias), else float32; an output of
+      // another dtype (out_dtype) is converted
+      OneDtype od(one_or_float32(ts));
+      const int dt = od.dtype();
       const Dims d = dims((*in)[0], (*in)[1]);
       if (d.M == 0 || d.N == 0) return;
       const Kernels& k = kernels();
       const int64_t H = heads_out_ ? heads_ : 0;
       Workspace ws;
+      for (auto& t : *in) od.add(&ws, &t, false);
+      od.add(&ws, &(*out)[0], true);
       const size_t part = ws.add(k.dense_forward_ws(dt, d.M, d.N, d.K, d.act, H));
       ws.allocate(res);
-      check(k.dense_forward(dt, (*in)[0].data_ptr, (*in)[1].data_ptr, no_bias_ ? nullptr : (*in)[2].data_ptr,
-                            (*out)[0].data_ptr, d.M, d.N, d.K, d.act, slope_, H, d.S, ws.at(part),
-                            ws.total() - part, stream_of(res)),
+      const cudaStream_t st = stream_of(res);
+      od.before(ws, st);
+      check(k.dense_forward(dt, od.ptr(ws, &(*in)[0]), od.ptr(ws, &(*in)[1]),
+                            no_bias_ ? nullptr : od.ptr(ws, &(*in)[2]), od.ptr(ws, &(*out)[0]), d.M, d.N, d.K,
+                            d.act, slope_, H, d.S, ws.at(part), ws.total() - part, st),
             "fused_dense (gpu)");
+      od.after(ws, st);
     });
   }
 
@@ -405,22 +497,29 @@ class DenseGpu : public CustomStatefulOp {
       std::vector<const MXTensor*> ts;
       for (auto& t : *in) ts.push_back(&t);
       for (auto& t : *out) ts.push_back(&t);
-      const int dt = common_dtype(ts, "fused_dense backward (gpu)");
+      OneDtype od(one_or_float32(ts));
+      const int dt = od.dtype();
       const MXTensor &x = (*in)[1], &w = (*in)[2];
       const Dims d = dims(x, w);
       if (d.M == 0 || d.N == 0) return;
       const Kernels& k = kernels();
       const int64_t H = heads_out_ ? heads_ : 0;
       Workspace ws;
+      for (auto& t : *in) od.add(&ws, &t, false);
+      for (auto& t : *out) od.add(&ws, &t, true);
       const size_t part = ws.add(k.dense_backward_ws(dt, d.M, d.N, d.K, d.act, H));
       ws.allocate(res);
-      const void* bias = no_bias_ ? nullptr : (*in)[3].data_ptr;
-      const void* y = (*in)[no_bias_ ? 3 : 4].data_ptr;
-      check(k.dense_backward(dt, (*in)[0].data_ptr, x.data_ptr, w.data_ptr, bias, y, (*out)[0].data_ptr,
-                             (*out)[1].data_ptr, no_bias_ ? nullptr : (*out)[2].data_ptr, MXF_REQ_WRITE,
-                             MXF_REQ_WRITE, no_bias_ ? MXF_REQ_NULL : MXF_REQ_WRITE, d.M, d.N, d.K, d.act,
-                             slope_, H, d.S, ws.at(part), ws.total() - part, stream_of(res)),
+      const cudaStream_t st = stream_of(res);
+      od.before(ws, st);
+      auto P = [&](const MXTensor& t) { return od.ptr(ws, &t); };
+      const void* bias = no_bias_ ? nullptr : P((*in)[3]);
+      const void* y = P((*in)[no_bias_ ? 3 : 4]);
+      check(k.dense_backward(dt, P((*in)[0]), P(x), P(w), bias, y, P((*out)[0]), P((*out)[1]),
+                             no_bias_ ? nullptr : P((*out)[2]), MXF_REQ_WRITE, MXF_REQ_WRITE,
+                             no_bias_ ? MXF_REQ_NULL : MXF_REQ_WRITE, d.M, d.N, d.K, d.act, slope_, H, d.S,
+                             ws.at(part), ws.total() - part, st),
             "fused_dense backward (gpu)");
+      od.after(ws, st);
     });
   }
 
@@ -442,18 +541,27 @@ MXReturnValue add_layer_norm_forward(const Attrs& a, std::vector<MXTensor>* in,
     std::vector<const MXTensor*> ts;
     for (auto& t : *in) ts.push_back(&t);
     for (auto& t : *out) ts.push_back(&t);
-    const int dt = common_dtype(ts, "fused_add_layer_norm (gpu)");
+    // one dtype: as it is; mixed (AMP: a float16 projection plus a float32 residual, float32
+    // gamma, beta and output): in float32, the others converted -- what AMP's graph computes
+    OneDtype od(one_or_float32(ts));
     const float eps = attr_float(a, "eps", 1e-5f);
     const bool output_sum = attr_bool(a, "output_sum", false);
     const auto& as = (*in)[0].shape;
     const int64_t C = as.back(), R = numel(as) / std::max<int64_t>(C, 1);
     const int64_t BR = b_rows_of(as, (*in)[1].shape);
     if (R == 0 || C == 0) return;
-    check(kernels().add_layer_norm_forward(dt, (*in)[0].data_ptr, (*in)[1].data_ptr, (*in)[2].data_ptr,
-                                           (*in)[3].data_ptr, (*out)[0].data_ptr,
-                                           output_sum ? (*out)[1].data_ptr : nullptr, nullptr, nullptr,
-                                           R, C, BR, eps, stream_of(res)),
+    Workspace ws;
+    for (auto& t : *in) od.add(&ws, &t, false);
+    for (auto& t : *out) od.add(&ws, &t, true);
+    ws.allocate(res);
+    const cudaStream_t st = stream_of(res);
+    od.before(ws, st);
+    check(kernels().add_layer_norm_forward(od.dtype(), od.ptr(ws, &(*in)[0]), od.ptr(ws, &(*in)[1]),
+                                           od.ptr(ws, &(*in)[2]), od.ptr(ws, &(*in)[3]), od.ptr(ws, &(*out)[0]),
+                                           output_sum ? od.ptr(ws, &(*out)[1]) : nullptr, nullptr, nullptr,
+                                           R, C, BR, eps, st),
           "fused_add_layer_norm (gpu)");
+    od.after(ws, st);
   });
 }
 
@@ -465,7 +573,8 @@ MXReturnValue add_layer_norm_backward(const Attrs& a, std::vector<MXTensor>* in,
     std::vector<const MXTensor*> ts;
     for (auto& t : *in) ts.push_back(&t);
     for (auto& t : *out) ts.push_back(&t);
-    const int dt = common_dtype(ts, "fused_add_layer_norm backward (gpu)");
+    OneDtype od(one_or_float32(ts));
+    const int dt = od.dtype();
     const float eps = attr_float(a, "eps", 1e-5f);
     const bool output_sum = attr_bool(a, "output_sum", false);
     const int k = output_sum ? 2 : 1;
@@ -475,14 +584,19 @@ MXReturnValue add_layer_norm_backward(const Attrs& a, std::vector<MXTensor>* in,
     if (R == 0 || C == 0) return;
     const Kernels& kn = kernels();
     Workspace ws;
+    for (auto& t : *in) od.add(&ws, &t, false);
+    for (auto& t : *out) od.add(&ws, &t, true);
     const size_t part = ws.add(kn.add_layer_norm_backward_ws(dt, R, C, BR));
     ws.allocate(res);
-    check(kn.add_layer_norm_backward(dt, (*in)[0].data_ptr, output_sum ? (*in)[1].data_ptr : nullptr,
-                                     A.data_ptr, B.data_ptr, G.data_ptr, nullptr, nullptr, (*out)[0].data_ptr,
-                                     (*out)[1].data_ptr, (*out)[2].data_ptr, (*out)[3].data_ptr,
+    const cudaStream_t st = stream_of(res);
+    od.before(ws, st);
+    auto P = [&](const MXTensor& t) { return od.ptr(ws, &t); };
+    check(kn.add_layer_norm_backward(dt, P((*in)[0]), output_sum ? P((*in)[1]) : nullptr, P(A), P(B), P(G),
+                                     nullptr, nullptr, P((*out)[0]), P((*out)[1]), P((*out)[2]), P((*out)[3]),
                                      MXF_REQ_WRITE, MXF_REQ_WRITE, MXF_REQ_WRITE, MXF_REQ_WRITE, R, C, BR, eps,
-                                     ws.at(part), ws.total() - part, stream_of(res)),
+                                     ws.at(part), ws.total() - part, st),
           "fused_add_layer_norm backward (gpu)");
+    od.after(ws, st);
   });
 }
 
@@ -500,11 +614,21 @@ MXReturnValue attention_forward(const Attrs& a, std::vector<MXTensor>* in,
     if (c.g.B * c.g.H * c.g.Sq == 0) return;
     const Kernels& k = kernels();
     Workspace ws;
+    // AMP's float16 attention has a float32 output (its softmax runs in float32); a float32 mask
+    // over float16 data is converted, saturating
+    OneDtype od(c.k.dtype);
+    od.add(&ws, &(*out)[0], true);
+    const bool mask_data = p.mask == attn::MaskKind::additive || p.mask == attn::MaskKind::boolean;
+    if (mask_data) od.add(&ws, mask, false, true);
     const size_t len_off = ws.add(c.lengths.size() * sizeof(int32_t));
     const size_t fwd_off = ws.add(k.attention_forward_ws(&c.k));
     ws.allocate(res);
     place_lengths(&c, ws, len_off, stream);
+    od.before(ws, stream);
+    c.k.o = od.ptr(ws, &(*out)[0]);
+    if (mask_data) c.k.mask = od.ptr(ws, mask);
     check(k.attention_forward(&c.k, ws.at(fwd_off), ws.total() - fwd_off, stream), "fused_attention (gpu)");
+    od.after(ws, stream);
   });
 }
 
@@ -525,13 +649,12 @@ MXReturnValue attention_backward(const Attrs& a, std::vector<MXTensor>* in,
     cudaStream_t stream = stream_of(res);
     AttnCall c = attention_call(a, data, &o, mask, stream);
     // gradients: one per data input (q/k/v views bound to them as the inputs are), then the mask's
-    std::vector<const MXTensor*> gdata, typed{&(*in)[0], &o};
+    std::vector<const MXTensor*> gdata, typed(data);
     for (int i = 0; i < nd; ++i) {
       gdata.push_back(&(*out)[i]);
       typed.push_back(&(*out)[i]);
     }
-    if (p.mask == attn::MaskKind::additive) typed.push_back(&(*out)[nd]);
-    common_dtype(typed, "fused_attention backward (gpu)");
+    common_dtype(typed, "fused_attention backward (gpu)");  // inputs and their gradients
     const void *dq, *dk, *dv;   // the gradients share their inputs' layout
     place_qkv(p, c.g, gdata, &dq, &dk, &dv);
     if (has_mask && p.mask != attn::MaskKind::additive) {  // where() and lengths get no gradient
@@ -542,7 +665,7 @@ MXReturnValue attention_backward(const Attrs& a, std::vector<MXTensor>* in,
     if (c.g.B * c.g.H * c.g.Sq == 0) return;
     const Kernels& k = kernels();
     const int64_t rows = c.g.B * c.g.H * c.g.Sq;
-    const size_t eb = dtype_bytes(o.dtype);
+    const size_t eb = c.k.dtype == MXF_F32 ? 4 : 2;  // the recomputed output, in the data's dtype
     mxf_attention_args fwd = c.k;                 // the recomputation: its own output, and lse
     fwd.o_bs = c.g.H * c.g.Sq * c.g.Dv;
     fwd.o_hs = c.g.Sq * c.g.Dv;
@@ -561,6 +684,13 @@ MXReturnValue attention_backward(const Attrs& a, std::vector<MXTensor>* in,
       gr.req_dmask = MXF_REQ_NULL;
     }
     Workspace ws;
+    // d_out and the output in another dtype than the data (AMP: float32), the mask's gradient too
+    OneDtype od(c.k.dtype);
+    od.add(&ws, &(*in)[0], false);
+    od.add(&ws, &o, false);
+    const bool mask_data = p.mask == attn::MaskKind::additive || p.mask == attn::MaskKind::boolean;
+    if (mask_data) od.add(&ws, mask, false, true);
+    if (p.mask == attn::MaskKind::additive) od.add(&ws, &(*out)[nd], true);
     const size_t len_off = ws.add(c.lengths.size() * sizeof(int32_t));
     const size_t lse_off = ws.add(static_cast<size_t>(rows) * sizeof(float));
     const size_t o_off = ws.add(static_cast<size_t>(rows) * c.g.Dv * eb);
@@ -568,6 +698,11 @@ MXReturnValue attention_backward(const Attrs& a, std::vector<MXTensor>* in,
     const size_t bwd_off = ws.add(k.attention_backward_ws(&c.k, &gr));
     ws.allocate(res);
     place_lengths(&c, ws, len_off, stream);
+    od.before(ws, stream);
+    c.k.o = od.ptr(ws, &o);
+    gr.dout = od.ptr(ws, &(*in)[0]);
+    if (mask_data) c.k.mask = fwd.mask = od.ptr(ws, mask);
+    if (p.mask == attn::MaskKind::additive) gr.dmask = od.ptr(ws, &(*out)[nd]);
     fwd.lengths = c.k.lengths;
     fwd.o = ws.at(o_off);
     fwd.lse = static_cast<float*>(ws.at(lse_off));
@@ -576,7 +711,20 @@ MXReturnValue attention_backward(const Attrs& a, std::vector<MXTensor>* in,
     c.k.lse = fwd.lse;
     check(k.attention_backward(&c.k, &gr, ws.at(bwd_off), ws.total() - bwd_off, stream),
           "fused_attention backward (gpu)");
+    od.after(ws, stream);
   });
+}
+
+// The kernels' dtype codes of tensors (each its own: the elementwise kernels take any mix).
+std::vector<int> kernel_dtypes(const std::vector<const MXTensor*>& ts, const char* op) {
+  std::vector<int> d;
+  for (const MXTensor* t : ts) {
+    d.push_back(kernel_dtype(t->dtype));
+    if (d.back() < 0)
+      throw OpError(std::string(op) + ": the GPU kernels take float32, float16 or bfloat16, got " +
+                    dtype_name(t->dtype));
+  }
+  return d;
 }
 
 MXReturnValue elemwise_forward(const Attrs& a, std::vector<MXTensor>* in,
@@ -593,16 +741,55 @@ MXReturnValue elemwise_forward(const Attrs& a, std::vector<MXTensor>* in,
       shapes.push_back(t.shape.data());
       ndims.push_back(static_cast<int>(t.shape.size()));
     }
-    ts.push_back(&(*out)[0]);
-    const int dt = common_dtype(ts, "fused_elemwise (gpu)");
+    const std::vector<int> dts = kernel_dtypes(ts, "fused_elemwise (gpu)");
+    const int odt = kernel_dtypes({&(*out)[0]}, "fused_elemwise (gpu)")[0];
     if ((*out)[0].size() == 0) return;
     char err[512] = {0};
     const std::string expr = attr_str(a, "expr", "");
-    const int rc = kernels().elemwise_forward(dt, expr.c_str(), static_cast<int>(ptrs.size()), ptrs.data(),
-                                              shapes.data(), ndims.data(), (*out)[0].data_ptr, err, sizeof(err),
-                                              stream_of(res));
-    if (rc == MXF_ERR_BAD_ARGS && err[0]) throw OpError(err);
+    const int n = static_cast<int>(attr_int(a, "num_args", -1));
+    const int rc = kernels().elemwise_forward(expr.c_str(), n, dts.data(), ptrs.data(), shapes.data(), ndims.data(),
+                                              odt, (*out)[0].data_ptr, err, sizeof(err), stream_of(res));
+    if (rc < 0 && err[0]) throw OpError(err);
     check(rc, "fused_elemwise (gpu)");
+  });
+}
+
+// inputs: [dy, x0..x{n-1}, y]; outputs: [dx0..dx{n-1}].  The generated backward kernel (NVRTC):
+// the gradient of the expression from the same program as the CPU op's backward.
+MXReturnValue elemwise_backward(const Attrs& a, std::vector<MXTensor>* in,
+                                std::vector<MXTensor>* out, const OpResource& res) {
+  return guarded("fused_elemwise backward (gpu)", [&] {
+    require_gpu(*in, "input");
+    const size_t n = out->size();
+    std::vector<const MXTensor*> xs, gs;
+    std::vector<const void*> ptrs;
+    std::vector<void*> grads;
+    std::vector<const int64_t*> shapes;
+    std::vector<int> ndims, reqs(n, MXF_REQ_WRITE);
+    for (size_t k = 0; k < n; ++k) {
+      const MXTensor& x = (*in)[1 + k];
+      xs.push_back(&x);
+      gs.push_back(&(*out)[k]);
+      ptrs.push_back(x.data_ptr);
+      grads.push_back((*out)[k].data_ptr);
+      shapes.push_back(x.shape.data());
+      ndims.push_back(static_cast<int>(x.shape.size()));
+    }
+    const std::vector<int> dts = kernel_dtypes(xs, "fused_elemwise backward (gpu)");
+    const std::vector<int> gdts = kernel_dtypes(gs, "fused_elemwise backward (gpu)");
+    const int dydt = kernel_dtypes({&(*in)[0]}, "fused_elemwise backward (gpu)")[0];
+    const std::string expr = attr_str(a, "expr", "");
+    const int na = static_cast<int>(attr_int(a, "num_args", -1));
+    const Kernels& k = kernels();
+    Workspace ws;
+    const size_t part = ws.add(k.elemwise_backward_ws(expr.c_str(), na, shapes.data(), ndims.data()));
+    ws.allocate(res);
+    char err[512] = {0};
+    const int rc = k.elemwise_backward(expr.c_str(), na, dydt, (*in)[0].data_ptr, dts.data(), ptrs.data(),
+                                       shapes.data(), ndims.data(), gdts.data(), grads.data(), reqs.data(),
+                                       ws.at(part), ws.total() - part, err, sizeof(err), stream_of(res));
+    if (rc < 0 && err[0]) throw OpError(err);
+    check(rc, "fused_elemwise backward (gpu)");
   });
 }
 
