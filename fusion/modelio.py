@@ -19,7 +19,7 @@ import numpy as np
 from .errors import FusionError, GraphError, ParamsError
 from .graph import Graph, _first_line, symbol_json
 from .precision import dtype_name
-from .publish import TEMP_PREFIX, publish  # noqa: F401  (TEMP_PREFIX: batch.py reads it here)
+from .publish import TEMP_PREFIX, publish  # noqa: F401  (TEMP_PREFIX: for callers that read it here)
 
 
 def read_graph(path: str) -> Graph:
