@@ -239,6 +239,8 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
                             "activation (MXNet 1.9.1's oneDNN backend otherwise hands the other readers the "
                             "activation's result): %s" % (len(guarded), ", ".join(guarded[:5])
                                                           + (" …" if len(guarded) > 5 else "")))
+    from .shape_hints import hint_param_shapes     # Module.bind / SymbolBlock: shapes from the data alone
+    hint_param_shapes(graph, ctx)
     report.nodes_after, report.ops_after = len(graph.nodes), len(graph.op_nodes())
     sym = graph.to_symbol()
     arg_out, aux_out = _collect_params(graph, ctx, set(sym.list_auxiliary_states()), copy_params)
