@@ -227,6 +227,10 @@ def _hash(archs):
     srcs, deps = sources()
     h = hashlib.sha256()
     h.update(" ".join(NVCCFLAGS + gencode(archs) + sum(cublas_flags(), []) + cudnn_flags()).encode())
+    exports = os.path.join(_HERE, "common", "cuda_exports.map")    # the link's version script
+    h.update(b"--version-script")
+    with open(exports, "rb") as fh:
+        h.update(fh.read())
     for f in srcs + deps:
         h.update(os.path.relpath(f, _HERE).encode())
         with open(f, "rb") as fh:
@@ -264,8 +268,10 @@ def build(jobs=None, archs=ARCHS):
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as ex:
         list(ex.map(lambda c: _run(c[2]), cmds))
     tmp = "%s.%d.tmp" % (lib, os.getpid())
+    # only the C interface (mxf_*) is exported: common/cuda_exports.map says why
+    exports = ["-Xlinker", "--version-script=" + os.path.join(_HERE, "common", "cuda_exports.map")]
     _run([nvcc_path()] + NVCCFLAGS + gencode(archs) + ["-shared", "-o", tmp] + [c[1] for c in cmds] +
-         cublas_flags()[1] + ["-ldl"])
+         cublas_flags()[1] + ["-ldl"] + exports)
     os.replace(tmp, lib)
     with open(stamp, "w") as fh:
         fh.write(digest + "\n")

@@ -13,7 +13,7 @@ from .ir.graph import Graph, GraphError
 from .engine.report import FusionReport
 from .engine.rewrite import Context, run_rules
 from .engine.selfcheck import SelfCheck
-from .engine.workarounds import guard_layer_outputs, strip_guards
+from .engine.workarounds import backend_hazards, guard_layer_outputs, strip_guards
 
 MODES = ("inference", "training")
 DEVICES = ("cpu", "gpu")
@@ -206,6 +206,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     graph = _as_graph(symbol)
     names = _output_names(given, graph)
     graph.canonicalize_ops()
+    miscomputed = backend_hazards(graph)       # the model as given, under MXNet's default bind
     rule_list = resolve_rules(rules)
     if arg_params or aux_params:
         check_param_values(graph, None, arg_params or {}, aux_params or {}, input_dtypes)
@@ -220,6 +221,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     report = FusionReport(mode=mode)
     report.precision = precision
     report.device = device
+    _note_miscomputed(report, miscomputed)
     graph.compact()
     report.nodes_before, report.ops_before = len(graph.nodes), len(graph.op_nodes())
     strip_guards(graph)
@@ -240,6 +242,8 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
                             "activation (MXNet 1.9.1's oneDNN backend otherwise hands the other readers the "
                             "activation's result): %s" % (len(guarded), ", ".join(guarded[:5])
                                                           + (" …" if len(guarded) > 5 else "")))
+    from .engine.shape_hints import hint_param_shapes     # Module.bind / SymbolBlock: shapes from the data alone
+    hint_param_shapes(graph, ctx)
     report.nodes_after, report.ops_after = len(graph.nodes), len(graph.op_nodes())
     sym = graph.to_symbol()
     arg_out, aux_out = _collect_params(graph, ctx, set(sym.list_auxiliary_states()), copy_params)
@@ -247,6 +251,20 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
         1 for n in list(arg_out) + list(aux_out) if n in ctx.arg_params or n in ctx.aux_params)
     report.seconds = time.perf_counter() - start
     return FusionResult(sym, arg_out, aux_out, report, graph)
+
+
+def _note_miscomputed(report: FusionReport, miscomputed: Sequence[str]) -> None:
+    """Where MXNet's own default bind computes the model as given wrong (fusion/engine/workarounds.py): said
+    in the report (``mxfuse`` also warns on stderr), with what the fused model does instead."""
+    if not miscomputed:
+        return
+    report.extra["mxnet_miscomputes_original"] = list(miscomputed)
+    report.notes.append(
+        "warning: MXNet 1.9.1's default bind (its oneDNN subgraph backend) computes this model wrong as given: "
+        "%d layer output(s) are graph outputs or read elsewhere while it fuses a reader into the layer (%s), and "
+        "those outputs get the reader's value; the fused model routes such reads through an identity Reshape "
+        "and runs right (compare with MXNET_SUBGRAPH_BACKEND=NONE)"
+        % (len(miscomputed), ", ".join(miscomputed[:5]) + (" …" if len(miscomputed) > 5 else "")))
 
 
 def _output_names(symbol: Any, graph: Graph) -> Optional[list]:
@@ -447,4 +465,5 @@ def unfuse(symbol: Any, input_shapes: Optional[Mapping[str, Sequence[int]]] = No
         reasons = "; ".join(r for rr in report.rules.values() for r in rr.rejected.values())
         raise FusionError("cannot unfuse %s: %s" % (", ".join(left), reasons or "no stock form"))
     _keep_output_names(graph, names, report)
+    guard_layer_outputs(graph)      # stock ops again: keep them clear of MXNet's oneDNN backend bug
     return graph.to_symbol()

@@ -29,12 +29,32 @@ def slow_after_a(argv, report, keep):
     return result
 
 
+def late_writer_after_a(argv, report, keep):
+    """slow_after_a, whose workers (all but 'a') take a moment to stop on SIGTERM and then write into
+    the staging folder, as publish() does (it makes the folder again): what a worker in the middle of
+    writing a large model did when the batch removed the folder while it still ran."""
+    name = os.path.basename(argv[0])[: -len("-symbol.json")]
+    if name != "a":
+        staging = argv[argv.index("-o") + 1]
+
+        def finish_late(signum, frame):
+            time.sleep(1.0)
+            os.makedirs(staging, exist_ok=True)
+            with open(os.path.join(staging, name + "-0000.params"), "w") as f:
+                f.write("a model written after the signal")
+            os._exit(128 + signum)
+
+        signal.signal(signal.SIGTERM, finish_late)
+    return slow_after_a(argv, report, keep)
+
+
 DRIVER = """
 import sys
 sys.path[:0] = [%r, %r]
 from fusion.doors import batch
-from test_batch_signals import slow_after_a
-sys.exit(batch.main_batch(sys.argv[1:], _job=slow_after_a))
+import test_batch_signals
+job = getattr(test_batch_signals, sys.argv.pop(1))
+sys.exit(batch.main_batch(sys.argv[1:], _job=job))
 """ % (ROOT, HERE)
 
 
@@ -53,9 +73,11 @@ def _wait_for(cond, seconds, what):
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("target,sig", [("group", signal.SIGINT), ("parent", signal.SIGINT),
-                                        ("parent", signal.SIGTERM)])
-def test_signal_stops_the_batch_and_the_message_is_true(tmp_path, target, sig):
+@pytest.mark.parametrize("target,sig,job", [("group", signal.SIGINT, "slow_after_a"),
+                                            ("parent", signal.SIGINT, "slow_after_a"),
+                                            ("parent", signal.SIGTERM, "slow_after_a"),
+                                            ("group", signal.SIGINT, "late_writer_after_a")])
+def test_signal_stops_the_batch_and_the_message_is_true(tmp_path, target, sig, job):
     models, out, marks = tmp_path / "models", tmp_path / "out", tmp_path / "marks"
     models.mkdir()
     marks.mkdir()
@@ -65,7 +87,7 @@ def test_signal_stops_the_batch_and_the_message_is_true(tmp_path, target, sig):
         sym.save(str(models / (name + "-symbol.json")))
     env = dict(os.environ, MXFUSE_TEST_MARKS=str(marks))
     # like a shell's foreground job: its own process group, SIGINT handled (not inherited as ignored)
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(models), "-o", str(out), "-j", "2"],
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, job, str(models), "-o", str(out), "-j", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                             start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -95,3 +117,20 @@ def test_signal_stops_the_batch_and_the_message_is_true(tmp_path, target, sig):
     assert "Traceback" not in stderr, stderr
     rows = {ln.split()[0]: ln.split()[1] for ln in stdout.splitlines()[1:-1]}
     assert rows == {"a": "ok", "b": "interrupted", "c": "interrupted"}, stdout
+
+
+def test_staging_folder_of_a_killed_batch_is_removed_by_the_next_run(tmp_path):
+    """A batch killed outright (SIGKILL: no cleanup runs) leaves its staging folder, named as publish's
+    temporary files: the next run into that folder removes it, and not one of a batch still running."""
+    from fusion.files import publish
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    tag = publish._host_tag()
+    stale = tmp_path / (".mxfuse-%d-%s-batch-abcd1234" % (dead.pid, tag))
+    live = tmp_path / (".mxfuse-%d-%s-batch-efgh5678" % (os.getpid(), tag))     # this process: alive
+    for folder in (stale, live):
+        folder.mkdir()
+        (folder / "m-0000.params").write_text("a staged model")
+    removed = publish.remove_stale_temps(str(tmp_path))
+    assert removed == [stale.name] and not stale.exists() and (live / "m-0000.params").exists()

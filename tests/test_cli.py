@@ -163,3 +163,14 @@ def test_onnx_with_params_is_an_error(tmp_path, capsys):
     onnx_file = os.path.join(os.path.dirname(__file__), "data", "torch_tiny_bert.onnx")
     code, _, err = run_cli(capsys, onnx_file, "--params", "x.params", "-o", tmp_path / "o")
     assert code == 2 and "drop --params" in err
+
+
+def test_to_onnx_into_a_folder_that_does_not_exist(tmp_model, tmp_path, capsys):
+    sp, pp = tmp_model()
+    target = tmp_path / "new" / "deeper" / "m.onnx"
+    code, out, err = run_cli(capsys, sp, "--params", pp, "-o", tmp_path / "fused", "--shape", "data=1,3,8,8",
+                             "--to-onnx", target, "--no-self-check")
+    assert code == 0, err
+    assert "Traceback" not in err and target.exists() and "ONNX Runtime vs MXNet" in out
+    assert os.listdir(tmp_path / "new" / "deeper") == ["m.onnx"]       # no staged file left anywhere
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".mxfuse-")]

@@ -100,9 +100,32 @@ bool shape_unknown(const Shape& s) {
 void require_known_shapes(const std::vector<Shape>& in) {
   for (size_t i = 0; i < in.size(); ++i)
     if (shape_unknown(in[i]))
-      throw OpError("the shape of input " + std::to_string(i) + " is unknown; fused ops cannot "
-                    "infer input shapes, so give the shapes of all inputs (e.g. of the bound "
-                    "parameters) when binding");
+      throw OpError("the shape of input " + std::to_string(i) + " is unknown and cannot be inferred "
+                    "from the op's data and attributes; give it when binding (e.g. the bound "
+                    "parameter's shape)");
+}
+
+void require_known_input(const std::vector<Shape>& in, size_t i, const char* what) {
+  if (i < in.size() && shape_unknown(in[i]))
+    throw OpError("the shape of input " + std::to_string(i) + " (" + what + ") is unknown; the op "
+                  "infers its parameters' shapes from it, not the reverse");
+}
+
+void fill_input(std::vector<Shape>* in, size_t i, const Shape& want, const char* what) {
+  Shape& s = (*in)[i];
+  if (!shape_unknown(s)) return;
+  bool agrees = s.empty() || s.size() == want.size();
+  for (size_t d = 0; agrees && !s.empty() && d < s.size(); ++d)
+    agrees = s[d] == static_cast<unsigned int>(-1) || s[d] == want[d];
+  if (!agrees) {
+    std::string given = "(";
+    for (size_t d = 0; d < s.size(); ++d)
+      given += (d ? "," : "") + (s[d] == static_cast<unsigned int>(-1) ? std::string("?")
+                                                                       : std::to_string(s[d]));
+    throw OpError("input " + std::to_string(i) + " (" + what + ") is given as " + given +
+                  ")" + " but must be " + shape_str(want));
+  }
+  s = want;
 }
 
 int64_t numel(const std::vector<int64_t>& s) {

@@ -80,9 +80,22 @@ std::string shape_str(const std::vector<int64_t>& s);
 int64_t numel(const std::vector<int64_t>& s);
 // A shape MXNet has not inferred yet (no dims, or the unknown-dim marker).
 bool shape_unknown(const Shape& s);
-// MXNet 1.9's wrapper for library ops cannot infer input shapes backwards (and
-// mis-sizes its buffers when one is unknown), so every input shape must be known.
+// Shape inference in both directions, as far as MXNet 1.9's wrapper for library ops carries it.
+// It hands the op an input MXNet does not know yet as no dims (an unknown dim as the marker
+// 0xFFFFFFFF) and copies back whatever the op leaves there.  An op fills the inputs it derives
+// from its data and attributes (a weight from the data and num_hidden, as FullyConnected does)
+// with fill_input(); an input still unknown then fails in require_known_shapes() -- left as it
+// was, MXNet would take no dims for a scalar and the marker for a size.  The wrapper also
+// mis-sizes its buffer when an input has no dims at all (a crash in MXNet, before the op runs,
+// where the unknown inputs are as many as the known inputs' dims): fuse() writes every
+// parameter's shape into the graph (a variable's __shape__), which MXNet reads before it asks
+// the op, and Gluon's exported graphs carry such hints (a deferred dim as 0, which the op fills).
 void require_known_shapes(const std::vector<Shape>& in);
+// Input i must be known already (data the op cannot derive); `what` names it in the error.
+void require_known_input(const std::vector<Shape>& in, size_t i, const char* what);
+// Input i is `want`: set where MXNet does not know it (wholly or some dims), else left for the
+// op's own checks; an error where its known dims disagree with `want`.
+void fill_input(std::vector<Shape>* in, size_t i, const Shape& want, const char* what);
 
 void require_f32(const MXTensor& t, const char* what);
 

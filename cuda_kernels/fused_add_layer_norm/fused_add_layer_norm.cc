@@ -183,9 +183,14 @@ MXF_AVX512 void row_avx512(const float* a, const float* b, int64_t C, float eps,
 
 MXReturnValue infer_shape(const Attrs& a, std::vector<Shape>* in, std::vector<Shape>* out) {
   return guarded("fused_add_layer_norm", [&] {
-    require_known_shapes(*in);
+    // gamma and beta (C,) from the sum's last axis, as LayerNorm infers them
+    require_known_input(*in, 0, "a");
+    require_known_input(*in, 1, "b");
     const Bcast bc = bcast_of(dims((*in)[0]), dims((*in)[1]));
     const int64_t C = bc.C;
+    fill_input(in, 2, Shape{static_cast<unsigned int>(C)}, "gamma");
+    fill_input(in, 3, Shape{static_cast<unsigned int>(C)}, "beta");
+    require_known_shapes(*in);
     for (int i = 2; i < 4; ++i)
       if (!((*in)[i].size() == 1 && static_cast<int64_t>((*in)[i][0]) == C))
         throw OpError(std::string(i == 2 ? "gamma" : "beta") + " must have shape (" +

@@ -41,8 +41,21 @@ MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
 
 MXReturnValue infer_shape(const Attrs& a, std::vector<Shape>* in, std::vector<Shape>* out) {
   return guarded("fused_concat_scale_act", [&] {
-    require_known_shapes(*in);
     const int k = parse(a).num_args;
+    // scale and shift as the rule writes them, (C, 1, ..., 1) of the pieces' rank less one, C
+    // the pieces' channels together (a BatchNorm's per-channel values)
+    unsigned int channels = 0;
+    for (int i = 0; i < k; ++i) {
+      require_known_input(*in, i, "a piece");
+      if ((*in)[i].size() >= 2) channels += (*in)[i][1];
+    }
+    if ((*in)[0].size() >= 2) {
+      Shape per_channel((*in)[0].size() - 1, 1);
+      per_channel[0] = channels;
+      fill_input(in, k, per_channel, "scale");
+      fill_input(in, k + 1, per_channel, "shift");
+    }
+    require_known_shapes(*in);
     Shape o = (*in)[0];
     if (o.size() < 2) throw OpError("pieces must have rank >= 2, got " + shape_str(o));
     unsigned C = 0;

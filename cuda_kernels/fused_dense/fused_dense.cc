@@ -186,6 +186,21 @@ MXReturnValue infer_type(const Attrs& a, std::vector<int>* in, std::vector<int>*
 MXReturnValue infer_shape(const Attrs& a, std::vector<Shape>* in, std::vector<Shape>* out) {
   return guarded("fused_dense", [&] {
     DenseParams p = parse(a);
+    // the weight (N, K) and bias (N,) from the data and num_hidden, as FullyConnected infers them
+    require_known_input(*in, 0, "data");
+    const Shape& x = (*in)[0];
+    unsigned int K = 1;
+    if (p.flatten)
+      for (size_t i = 1; i < x.size(); ++i) K *= x[i];
+    else
+      K = x.back();
+    int64_t N = p.num_hidden;
+    if (N < 0 && !shape_unknown((*in)[1])) N = (*in)[1][0];
+    if (N < 0 && !p.no_bias && !shape_unknown((*in)[2])) N = (*in)[2][0];
+    if (N >= 0) {
+      fill_input(in, 1, Shape{static_cast<unsigned int>(N), K}, "weight");
+      if (!p.no_bias) fill_input(in, 2, Shape{static_cast<unsigned int>(N)}, "bias");
+    }
     require_known_shapes(*in);
     std::vector<int64_t> xs((*in)[0].begin(), (*in)[0].end()), ws((*in)[1].begin(), (*in)[1].end());
     Dims d = dims(p, xs, ws);

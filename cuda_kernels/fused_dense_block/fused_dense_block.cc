@@ -416,11 +416,29 @@ void expect(const Shape& got, const Shape& want, const char* what, int64_t l) {
 
 MXReturnValue infer_shape(const Attrs& attrs, std::vector<Shape>* in, std::vector<Shape>* out) {
   return guarded("fused_dense_block", [&] {
-    require_known_shapes(*in);
     const Params p = parse(attrs);
+    require_known_input(*in, 0, "x");
     const Shape& x = (*in)[0];
     if (x.size() != 4) throw OpError("x must be (N, C, H, W), got " + shape_str(x));
     const unsigned B = static_cast<unsigned>(p.B), k = static_cast<unsigned>(p.k);
+    // every layer's parameters from x, growth and bottleneck (the layer's channels so far)
+    for (int64_t l = 0; l <= p.L; ++l) {
+      const unsigned C = x[1] + static_cast<unsigned>(l) * k;
+      if (l == p.L) {
+        if (p.post) {
+          fill_input(in, slot(l, 0), Shape{C, 1, 1}, "the output's scale");
+          fill_input(in, slot(l, 1), Shape{C, 1, 1}, "the output's shift");
+        }
+        break;
+      }
+      fill_input(in, slot(l, 0), Shape{C, 1, 1}, "a pre-activation scale");
+      fill_input(in, slot(l, 1), Shape{C, 1, 1}, "a pre-activation shift");
+      fill_input(in, slot(l, 2), Shape{B, C, 1, 1}, "a 1x1 weight");
+      fill_input(in, slot(l, 3), Shape{B}, "a 1x1 bias");
+      fill_input(in, slot(l, 4), Shape{k, B, 3, 3}, "a 3x3 weight");
+      fill_input(in, slot(l, 5), Shape{k}, "a 3x3 bias");
+    }
+    require_known_shapes(*in);
     for (int64_t l = 0; l < p.L; ++l) {
       const unsigned C = x[1] + static_cast<unsigned>(l) * k;
       expect((*in)[slot(l, 0)], Shape{C, 1, 1}, "the pre-activation scale", l);

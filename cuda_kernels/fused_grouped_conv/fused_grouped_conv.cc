@@ -273,13 +273,17 @@ MXReturnValue parse_attrs(const Attrs& a, int* nin, int* nout) {
 
 MXReturnValue infer_shape(const Attrs& a, std::vector<Shape>* in, std::vector<Shape>* out) {
   return guarded("fused_grouped_conv", [&] {
-    require_known_shapes(*in);
     const Params p = parse(a);
+    require_known_input(*in, 0, "x");
     const Shape& x = (*in)[0];
     if (x.size() != 4) throw OpError("x must be (N, C, H, W), got " + shape_str(x));
     if (x[1] % p.G) throw OpError("x's channels " + std::to_string(x[1]) + " are not num_group groups");
     const Shape want{static_cast<unsigned>(p.O), static_cast<unsigned>(x[1] / p.G),
                      static_cast<unsigned>(p.KH), static_cast<unsigned>(p.KW)};
+    // weight and bias from x, num_filter, num_group and kernel, as Convolution infers them
+    fill_input(in, 1, want, "weight");
+    if (p.bias) fill_input(in, 2, Shape{static_cast<unsigned>(p.O)}, "bias");
+    require_known_shapes(*in);
     if ((*in)[1] != want) throw OpError("weight must be " + shape_str(want) + ", got " + shape_str((*in)[1]));
     if (p.bias && !((*in)[2].size() == 1 && static_cast<int64_t>((*in)[2][0]) == p.O))
       throw OpError("bias must be (" + std::to_string(p.O) + ",), got " + shape_str((*in)[2]));

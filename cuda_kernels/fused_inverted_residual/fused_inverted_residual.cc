@@ -335,13 +335,31 @@ void expect(const Shape& got, const Shape& want, const char* what) {
 
 MXReturnValue infer_shape(const Attrs& attrs, std::vector<Shape>* in, std::vector<Shape>* out) {
   return guarded("fused_inverted_residual", [&] {
-    require_known_shapes(*in);
     const Params p = parse(attrs);
     const Slots s = slots(p);
+    require_known_input(*in, 0, "x");
     const Shape& x = (*in)[0];
     if (x.size() != 4) throw OpError("x must be (N, C, H, W), got " + shape_str(x));
     const unsigned C = x[1], E = static_cast<unsigned>(p.E), O = static_cast<unsigned>(p.O),
                    K = static_cast<unsigned>(p.K);
+    // the convolutions' weights and biases from x, num_expand, num_filter, kernel (and the SE's
+    // num_hidden), as Convolution infers them
+    if (p.expand) {
+      fill_input(in, s.we, Shape{E, C, 1, 1}, "the expand weight");
+      fill_input(in, s.be, Shape{E}, "the expand bias");
+    }
+    fill_input(in, s.wd, Shape{E, 1, K, K}, "the depthwise weight");
+    fill_input(in, s.bd, Shape{E}, "the depthwise bias");
+    if (p.se && has_attr(attrs, "num_hidden")) {
+      const unsigned M = static_cast<unsigned>(attr_int(attrs, "num_hidden", 0));
+      fill_input(in, s.w1, Shape{M, E, 1, 1}, "the SE's first weight");
+      fill_input(in, s.b1, Shape{M}, "the SE's first bias");
+      fill_input(in, s.w2, Shape{E, M, 1, 1}, "the SE's second weight");
+      fill_input(in, s.b2, Shape{E}, "the SE's second bias");
+    }
+    fill_input(in, s.wp, Shape{O, E, 1, 1}, "the projection weight");
+    fill_input(in, s.bp, Shape{O}, "the projection bias");
+    require_known_shapes(*in);
     if (!p.expand && C != E) throw OpError("without expand, x's channels must be num_expand");
     if (p.residual && C != O) throw OpError("the residual add needs x's channels to be num_filter");
     if (p.expand) {

@@ -96,9 +96,23 @@ int64_t prod_from(const Shape& s, size_t k) {
 
 MXReturnValue infer_shape(const Attrs& a, std::vector<Shape>* in, std::vector<Shape>* out) {
   return guarded("fused_se", [&] {
-    require_known_shapes(*in);
     SEParams p = parse(a);
     Slots s = slots(p);
+    // the layers' weights and biases from x, num_hidden and fc1/fc2 (each a 1x1 Convolution's
+    // (O, I, 1, 1) or a FullyConnected's (O, I)), the residual as x
+    require_known_input(*in, 0, "x");
+    if ((*in)[0].size() == 4 && has_attr(a, "num_hidden")) {
+      const unsigned int C = (*in)[0][1], Cm = static_cast<unsigned int>(attr_int(a, "num_hidden", 0));
+      auto layer = [&](const char* fc, unsigned int o, unsigned int i) {
+        return attr_str(a, fc, "conv") == "dense" ? Shape{o, i} : Shape{o, i, 1, 1};
+      };
+      fill_input(in, s.w1, layer("fc1", Cm, C), "w1");
+      fill_input(in, s.w2, layer("fc2", C, Cm), "w2");
+      if (p.bias1) fill_input(in, s.b1, Shape{Cm}, "b1");
+      if (p.bias2) fill_input(in, s.b2, Shape{C}, "b2");
+      if (p.residual) fill_input(in, s.res, (*in)[0], "residual");
+    }
+    require_known_shapes(*in);
     const Shape& x = (*in)[0];
     if (x.size() != 4) throw OpError("x must be (N, C, H, W), got " + shape_str(x));
     const int64_t C = x[1];

@@ -77,9 +77,21 @@ int64_t numel(const Shape& s) {
 
 MXReturnValue infer_shape(const Attrs& a, std::vector<Shape>* in, std::vector<Shape>* out) {
   return guarded("fused_split_attention", [&] {
-    require_known_shapes(*in);
     const SAParams p = parse(a);
     const Slots s = slots(p);
+    // the two grouped 1x1 layers' weights and biases from x, radix, num_hidden and the groups,
+    // as Convolution infers them
+    require_known_input(*in, 0, "x");
+    const Shape& xs = (*in)[0];
+    if (xs.size() == 4 && has_attr(a, "num_hidden") && p.radix > 0 && xs[1] % p.radix == 0 &&
+        p.groups1 > 0 && p.groups2 > 0) {
+      const unsigned int RC = xs[1], C = RC / p.radix, Cm = static_cast<unsigned int>(attr_int(a, "num_hidden", 0));
+      fill_input(in, s.w1, Shape{Cm, C / static_cast<unsigned int>(p.groups1), 1, 1}, "w1");
+      fill_input(in, s.w2, Shape{RC, Cm / static_cast<unsigned int>(p.groups2), 1, 1}, "w2");
+      if (p.bias1) fill_input(in, s.b1, Shape{Cm}, "b1");
+      if (p.bias2) fill_input(in, s.b2, Shape{RC}, "b2");
+    }
+    require_known_shapes(*in);
     const Shape& x = (*in)[0];
     if (x.size() != 4) throw OpError("x must be (N, R·C, H, W), got " + shape_str(x));
     if (x[1] % p.radix) throw OpError("x's channels " + std::to_string(x[1]) + " are not radix " +

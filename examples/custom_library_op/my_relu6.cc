@@ -1,6 +1,9 @@
 // A user's own C++ operator, outside mxnet-fusion: my_relu6(x) = min(max(x, 0), 6).
 // Built with
-//   g++ -shared -fPIC -std=c++17 -O2 -I<mxnet>/include my_relu6.cc <mxnet>/src/lib_api.cc -o libmy_relu6.so
+//   g++ -shared -fPIC -std=c++17 -O2 -I<mxnet>/include my_relu6.cc <mxnet>/src/lib_api.cc -o libmy_relu6.so \
+//       -Wl,--version-script=lib_api.map -Wl,-Bsymbolic
+// (lib_api.map: export only MXNet's entry points, so that the library's copy of lib_api.cc stays its
+// own beside a libmxnet.so loaded RTLD_GLOBAL, as Horovod loads it)
 // and loaded with mx.library.load(path); rules.py lowers clip(x, 0, 6) onto it.
 #include <algorithm>
 #include <string>

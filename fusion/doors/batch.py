@@ -14,10 +14,13 @@ the exit status is 1 when any model failed (2: bad usage, nothing to do).
 
 Each worker writes into a hidden staging folder inside OUTDIR; the parent
 moves a model's files into OUTDIR (publishes it) when its job has succeeded.
-SIGINT (Ctrl-C) and SIGTERM stop the batch at once: the parent stops
+SIGINT (Ctrl-C), SIGTERM and SIGHUP stop the batch at once: the parent stops
 publishing, terminates the workers (which ignore SIGINT themselves, so a
-Ctrl-C sent to the whole process group gives no tracebacks) and says exactly
-which models were written and which were not; exit status 128 + the signal.
+Ctrl-C sent to the whole process group gives no tracebacks), waits until they
+are gone, removes the staging folder, and says exactly which models were
+written and which were not; exit status 128 + the signal.  The staging folder
+is named like publish's temporary files (``.mxfuse-PID-HOST-batch-…``): one a
+killed batch left behind is removed by the next run into OUTDIR.
 
 Workers are started with ``spawn``: MXNet is not fork-safe once its engine
 threads run.  Each worker imports MXNet itself, with ``OMP_NUM_THREADS`` set
@@ -337,6 +340,31 @@ class _Stop:
                 proc.terminate()
             except (OSError, ValueError, AttributeError):
                 pass
+        _reap(processes)
+
+
+def _reap(processes, grace: float = 3.0) -> None:
+    """Wait until the terminated workers are gone (SIGKILL after ``grace`` seconds): a worker handles
+    SIGTERM when its main thread next runs Python -- after the C call it is in (MXNet writing a large
+    params file), and after the renames publish() holds signals for -- so without the wait it could
+    still put a finished model into the staging folder after the batch has removed it."""
+    deadline = time.monotonic() + grace
+    for proc in processes:
+        try:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        except (OSError, ValueError, AttributeError, AssertionError):
+            pass
+
+
+def _remove_staging(staging: str) -> None:
+    """Remove the staging folder (the workers are gone); a second try for anything written meanwhile."""
+    for _ in range(2):
+        shutil.rmtree(staging, ignore_errors=True)
+        if not os.path.lexists(staging):
+            return
 
 
 @contextlib.contextmanager
@@ -345,7 +373,7 @@ def _signals_stop(stop: _Stop):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    saved = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    saved = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
@@ -502,8 +530,10 @@ def run_batch(inputs: Sequence[str], outdir: str, *, jobs: Optional[int] = None,
     stop = _Stop()
 
     with _signals_stop(stop), _worker_threads(jobs):
-        from ..files.modelio import TEMP_PREFIX
-        staging = tempfile.mkdtemp(prefix=TEMP_PREFIX + "batch-", dir=outdir)
+        from ..files.publish import remove_stale_temps, temp_prefix
+        remove_stale_temps(outdir)      # staging folders of batches that were killed (SIGKILL) included
+        # named as publish's temporary files (.mxfuse-PID-HOST-...): a later run removes it if this one is killed
+        staging = tempfile.mkdtemp(prefix=temp_prefix() + "batch-", dir=outdir)
 
         def finish(k: int, outcome: Outcome) -> None:
             if outcome.ok:
@@ -544,7 +574,7 @@ def run_batch(inputs: Sequence[str], outdir: str, *, jobs: Optional[int] = None,
                             stop)
         finally:
             bar.close()
-            shutil.rmtree(staging, ignore_errors=True)
+            _remove_staging(staging)
     if stop.signum is not None:
         why = "not written: interrupted by %s" % signal.Signals(stop.signum).name
         for k, m in enumerate(models):

@@ -230,6 +230,7 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
             result = fuse(symbol, arg, aux, rules=rules, mode=args.mode, input_shapes=shapes,
                           self_check=args.self_check, precision=precision, force=True, device=args.device)
     report = result.report
+    _warn_miscomputed(report)
     if not rtol_given:          # an AMP-converted model is fused as precision='bf16' (fusion/precision/policy.py)
         args.rtol = tolerance(report.precision)
     report.extra.update(about.run_info(getattr(args, "command_line", None), shapes))
@@ -260,7 +261,7 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
 
             from ..files.publish import temp_prefix
             fd, staged = tempfile.mkstemp(prefix=temp_prefix(), suffix=".onnx",
-                                          dir=os.path.dirname(os.path.abspath(args.to_onnx)))
+                                          dir=_nearest_folder(args.to_onnx))
             os.close(fd)
             try:
                 with progress.stage("exporting to ONNX"):
@@ -296,6 +297,24 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
             _say("wrote %s (ONNX Runtime vs MXNet: %s)" % (args.to_onnx, onnx_said[0]))
         _say("wrote %s and %s" % paths)
     return 0
+
+
+def _warn_miscomputed(report) -> None:
+    """One stderr line when MXNet's own default bind computes the input model wrong (the report has the note)."""
+    places = report.extra.get("mxnet_miscomputes_original")
+    if places:
+        progress.message("mxfuse: warning: MXNet's default bind computes the input model wrong at %d layer "
+                         "output(s) that are also outputs or read elsewhere (%s); the written model does not "
+                         "(see the report)" % (len(places), ", ".join(places[:3]) + (" …" if len(places) > 3 else "")))
+
+
+def _nearest_folder(path: str) -> str:
+    """The folder of ``path``, or the nearest one above it that exists: the export is staged there
+    (publish() creates the missing folders when it writes the files, as for -o)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    return folder
 
 
 def _onnx_options(args, symbol, arg) -> dict:

@@ -9,7 +9,18 @@ wheel, subgraph backend on vs off):
   output, a second activation, another layer — depending on the order of the readers):
   ``Group([relu(fc), fc])`` returns ``relu(fc)`` twice, ``Group([relu(fc), tanh(fc)])``
   returns ``tanh(relu(fc))``, ``Group([fc2(fc), relu(fc)])`` a wrong ``relu(fc)``;
-* Convolution read by such an op and also a graph output (either order).
+* Convolution read by such an op and also a graph output (either order);
+* more generally, a member of the chain its convolution pass fuses -- Convolution →
+  [BatchNorm] → [elemwise_add] → [activation] -- that is a graph output while the chain goes
+  on past it: ``Group([relu(bn(conv)), bn(conv)])`` returns ``relu(bn(conv))`` twice, and so
+  do an add after a Convolution or its BatchNorm (each measured 2.8–7.7 off).  A chain member
+  read by another *op* is seen by the pass (the chain stops there); a graph output is not.
+
+MXNet 1.9.1's oneDNN ("MKLDNN") backend registers five passes: convolution (the chain above),
+FullyConnected (with one activation or elementwise op: its selector keeps every reader of the
+layer as one of the fused op's, hence the FullyConnected rule above), BatchNorm → relu, and
+GluonNLP's interleaved self-attention products (single ops: nothing read from inside).  BatchNorm
+→ relu with the BatchNorm also an output, or read by another op, measured right.
 
 A rewrite can create that shape where the original graph did not have it (GELU
 written out after a FullyConnected becomes ``LeakyReLU(gelu)``; a folded BatchNorm
@@ -17,11 +28,13 @@ puts the activation right after the convolution).  So after fusion, a layer outp
 that is read more than once, by at least one op the backend fuses into the layer,
 reaches that op through ``Reshape(x, shape=(-2,))`` — the identity for every rank
 (code −2 copies all remaining dimensions), which the backend does not fuse into the
-layer, so every reader gets the value the graph says.
+layer, so every reader gets the value the graph says.  The same holds for the graphs
+``unfuse`` writes, and :func:`backend_hazards` names the places where a graph as given
+(a user's model) would be miscomputed, for the report.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 from ..ir.graph import Entry, Graph, Node
 
@@ -30,6 +43,60 @@ FUSED_AFTER: Dict[str, frozenset] = {
     "FullyConnected": frozenset({"Activation", "LeakyReLU", "square", "sqrt", "exp", "abs", "clip"}),
     "Convolution": frozenset({"Activation", "LeakyReLU", "clip", "elemwise_add", "BatchNorm"}),
 }
+
+
+# A member of the chain MXNet 1.9.1's convolution pass fuses (Convolution -> [BatchNorm] ->
+# [elemwise_add] -> [Activation / LeakyReLU / clip]) -> ops that continue the chain after it.
+_ACTS = frozenset({"Activation", "LeakyReLU", "clip"})
+CONV_CHAIN_NEXT: Dict[str, frozenset] = {
+    "Convolution": FUSED_AFTER["Convolution"] | {"_npi_add"},
+    "BatchNorm": frozenset({"elemwise_add", "_npi_add"}) | _ACTS,
+    "elemwise_add": _ACTS,
+    "_npi_add": _ACTS,
+}
+
+
+def _in_conv_chain(nd: Node) -> bool:
+    """Whether the convolution pass can take ``nd`` into a Convolution's chain: the Convolution, a
+    BatchNorm of its output, an add of either."""
+    if nd.op == "Convolution":
+        return True
+    if nd.op == "BatchNorm":
+        return bool(nd.inputs) and nd.inputs[0].node.op == "Convolution" and nd.inputs[0].index == 0
+    if nd.op in ("elemwise_add", "_npi_add"):
+        return any(e.index == 0 and (e.node.op == "Convolution" or (e.node.op == "BatchNorm" and _in_conv_chain(e.node)))
+                   for e in nd.inputs)
+    return False
+
+
+def _hazards(graph: Graph) -> List[Tuple[Node, List[Tuple[Node, int]]]]:
+    """(node, the readers MXNet's backend would fuse into it) for each node whose other uses the
+    default bind would hand a wrong value: the FullyConnected and conv-chain cases above."""
+    users = graph.consumers()
+    heads: Dict[Entry, int] = {}
+    for e in graph.heads:
+        heads[e] = heads.get(e, 0) + 1
+    found = []
+    for nd in graph.nodes:
+        if nd.op == "FullyConnected":
+            fused_ops = FUSED_AFTER["FullyConnected"]
+        elif nd.op in CONV_CHAIN_NEXT and _in_conv_chain(nd):
+            fused_ops = CONV_CHAIN_NEXT[nd.op]
+        else:
+            continue
+        readers = [(u, slot) for u, slot in users.get(nd, ()) if u.inputs[slot].index == 0]
+        fusable = [(u, slot) for u, slot in readers if u.op in fused_ops]
+        as_head = heads.get(Entry(nd), 0)
+        if not fusable or len(readers) + as_head < 2 or (nd.op != "FullyConnected" and not as_head):
+            continue
+        found.append((nd, fusable))
+    return found
+
+
+def backend_hazards(graph: Graph) -> List[str]:
+    """Where MXNet 1.9.1's default bind would miscompute ``graph`` as it is: "node -> reader" for each
+    layer output also handed out elsewhere while the backend fuses a reader into it."""
+    return ["%s -> %s" % (nd.name, u.name) for nd, fusable in _hazards(graph) for u, _ in fusable]
 
 
 def _is_guard(nd: Node) -> bool:
@@ -56,22 +123,9 @@ def strip_guards(graph: Graph) -> None:
 
 def guard_layer_outputs(graph: Graph) -> List[str]:
     """Insert the guards described above (in place); returns the names of the layers guarded."""
-    users = graph.consumers()
-    heads = {}
-    for e in graph.heads:
-        heads[e] = heads.get(e, 0) + 1
     guarded: List[str] = []
     added: List[Node] = []
-    for nd in list(graph.nodes):
-        fused_ops = FUSED_AFTER.get(nd.op)
-        if fused_ops is None:
-            continue
-        readers = [(u, slot) for u, slot in users.get(nd, ()) if u.inputs[slot].index == 0]
-        is_head = heads.get(Entry(nd), 0) > 0
-        uses = len(readers) + heads.get(Entry(nd), 0)
-        fusable = [(u, slot) for u, slot in readers if u.op in fused_ops]
-        if not fusable or uses < 2 or (nd.op == "Convolution" and not is_head):
-            continue
+    for nd, fusable in _hazards(graph):
         names = {n.name for n in graph.nodes}
         for u, slot in fusable:
             guard = Node("Reshape", graph.unique_name(u.name + "_guard", names), None, [Entry(nd)])

@@ -19,7 +19,7 @@ import numpy as np
 from ..ir.errors import FusionError, GraphError, ParamsError
 from ..ir.graph import Graph, first_line, symbol_json
 from ..precision.policy import PARAM_DTYPES, dtype_name
-from .publish import TEMP_PREFIX, publish  # noqa: F401  (TEMP_PREFIX: batch.py reads it here)
+from .publish import TEMP_PREFIX, publish  # noqa: F401  (TEMP_PREFIX: for callers that read it here)
 
 
 def read_graph(path: str) -> Graph:

@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -112,7 +113,10 @@ def remove_stale_temps(folder: str) -> List[str]:
         if _writer_alive(int(pid), path):
             continue
         try:
-            os.unlink(path)
+            if os.path.isdir(path) and not os.path.islink(path):    # a batch's staging folder
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
             removed.append(name)
         except OSError:
             pass

@@ -54,6 +54,9 @@ NVCCFLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-cudart", "static"] + 
 # (one folder down, out of the kernels' */*.cu, which cuda_iface.py compiles without MXNet's headers)
 GPU_GLUE = os.path.join("common", "mxnet_gpu", "gpu_glue.cu")
 GPU_DEFINE = "-DMXF_WITH_CUDA=1"
+# The op library exports only the entry points looked up by name (the map says which and why):
+# its own copy of lib_api.cc stays its own where libmxnet.so was loaded RTLD_GLOBAL (Horovod).
+EXPORTS_MAP = os.path.join("common", "exports.map")
 
 _loaded = None
 
@@ -111,6 +114,9 @@ def source_hash(cuda=False, gpu=None):
     srcs, deps = _sources(cuda, gpu)
     h = hashlib.sha256()
     h.update(" ".join(NVCCFLAGS if cuda else CXXFLAGS + LIB_API_FLAGS + [LIB_API_BF16_CASE]).encode())
+    h.update(" ".join(_link_flags(gpu)).replace(KERNEL_DIR, "").encode())    # where the tree is: no matter
+    with open(os.path.join(KERNEL_DIR, EXPORTS_MAP), "rb") as fh:
+        h.update(fh.read())
     if gpu:
         h.update((" gpu " + " ".join(NVCCFLAGS)).encode())
     for f in srcs + deps:
@@ -211,9 +217,9 @@ def _compile(cuda, lib, verbose, jobs, gpu=False):
         objs.append(o)
     if gpu:   # nvcc links the CUDA runtime statically (it opens libcuda itself, on first use)
         link = [nvcc_path()] + NVCCFLAGS + ["-shared", "-Xcompiler", "-fopenmp", "-o", tmp] + objs + [
-            "-lgomp", "-ldl"]
+            "-lgomp", "-ldl"] + _link_flags(gpu)
     else:
-        link = ["g++", "-shared", "-fopenmp", "-o", tmp] + objs + ["-ldl"]
+        link = ["g++", "-shared", "-fopenmp", "-o", tmp] + objs + ["-ldl"] + _link_flags(gpu)
     try:
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as ex:
             list(ex.map(lambda c: _run(c, verbose), cmds))
@@ -228,6 +234,15 @@ def _compile(cuda, lib, verbose, jobs, gpu=False):
     os.replace(tmp, lib)  # atomic: a process loading the library never sees half a file
     os.replace(tmp + ".sha256", _hash_file(lib))
     return lib
+
+
+def _link_flags(nvcc=False):
+    """Linker flags of the op library: export only what EXPORTS_MAP names (everything else, its copy
+    of lib_api.cc included, is bound inside the library at link time), and -Bsymbolic so that the
+    exported entry points, which libmxnet.so also exports, bind to our own too where called from
+    inside.  (Compiled code is unchanged; nvcc passes them through to the host linker.)"""
+    flags = ["--version-script=" + os.path.join(KERNEL_DIR, EXPORTS_MAP), "-Bsymbolic"]
+    return [x for f in flags for x in ("-Xlinker", f)] if nvcc else ["-Wl," + f for f in flags]
 
 
 # Under nvcc lib_api.h includes <curand_kernel.h> for one typedef (the type of the GPU random
