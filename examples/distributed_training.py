@@ -207,37 +207,45 @@ def free_port():
 
 
 def launch(args, variant, out, workers=2, timeout=600):
-    """One dist_sync cluster on loopback for ``variant``; the workers' results."""
+    """One dist_sync cluster on loopback for ``variant``; the workers' results.  A cluster that fails
+    (its port taken since free_port() chose it, say) is started once more on another port."""
+    roles = ["scheduler", "server"] + ["worker"] * workers
+    cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant, "--out", out,
+           "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+           "--warmup", str(args.warmup), "--api", args.api]
     for attempt in range(2):
         env = dict(os.environ, DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()),
                    DMLC_NUM_SERVER="1", DMLC_NUM_WORKER=str(workers), DMLC_NODE_HOST="127.0.0.1",
                    PS_VERBOSE="0")
-        cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant, "--out", out,
-               "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-               "--warmup", str(args.warmup), "--api", args.api]
-        roles = ["scheduler", "server"] + ["worker"] * workers
-        procs = [subprocess.Popen(cmd, env=dict(env, DMLC_ROLE=r), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True) for r in roles]
-        try:
-            outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-        except subprocess.TimeoutExpired:
-            outputs = None
+        logs = [tempfile.TemporaryFile(mode="w+") for _ in roles]
+        procs = [subprocess.Popen(cmd, env=dict(env, DMLC_ROLE=r), stdout=log, stderr=subprocess.STDOUT)
+                 for r, log in zip(roles, logs)]
+        deadline = time.monotonic() + timeout
+        try:               # until all are done, one failed (the others would wait for it), or the time is up
+            while time.monotonic() < deadline:
+                codes = [p.poll() for p in procs]
+                if None not in codes or any(c not in (None, 0) for c in codes):
+                    break
+                time.sleep(0.2)
         finally:
             for p in procs:           # this launch's own processes only
                 if p.poll() is None:
                     p.kill()
                     p.wait()
         results = [os.path.join(out, "%s-%d.json" % (variant, r)) for r in range(workers)]
-        if outputs is not None and all(p.returncode == 0 for p in procs) and all(map(os.path.exists, results)):
+        if all(p.returncode == 0 for p in procs) and all(map(os.path.exists, results)):
             data = []
             for path in results:
                 with open(path) as f:
                     data.append(json.load(f))
             return data
-        if attempt == 1 or outputs is not None:
-            tails = "\n".join("--- %s (exit %s)\n%s" % (r, p.returncode, (o or "")[-1500:])
-                              for r, p, o in zip(roles, procs, outputs or [""] * len(procs)))
-            raise SystemExit("the %s dist_sync run failed:\n%s" % (variant, tails))
+        if attempt == 1:
+            texts = []
+            for log in logs:
+                log.seek(0)
+                texts.append(log.read()[-1500:])
+            raise SystemExit("the %s dist_sync run failed:\n%s" % (variant, "\n".join(
+                "--- %s (exit %s)\n%s" % (r, p.returncode, t) for r, p, t in zip(roles, procs, texts))))
     raise AssertionError("unreachable")
 
 
