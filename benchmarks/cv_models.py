@@ -55,6 +55,22 @@ def _randomize_batchnorm(sym, arg: Dict, aux: Dict, seed: int) -> None:
             store[name] = mx.nd.array(value)
 
 
+def _initializer():
+    """Xavier for weights, ones for vectors: GluonCV's SSD gives some BatchNorm parameters an
+    initializer of their own, which Xavier would then be asked to apply to a vector."""
+    import mxnet as mx
+
+    @mx.init.register
+    class XavierOrOnes(mx.init.Xavier):
+        def _init_weight(self, name, arr):
+            if len(arr.shape) < 2:
+                arr[:] = 1.0
+            else:
+                super()._init_weight(name, arr)
+
+    return XavierOrOnes
+
+
 def build(name: str, seed: int = 0):
     """(symbol, arg_params, aux_params, input shape) of GluonCV model ``name`` (a key of MODELS)."""
     import mxnet as mx
@@ -66,7 +82,7 @@ def build(name: str, seed: int = 0):
     if zoo_name != "resnet50_v2":
         kwargs["pretrained_base"] = False
     net = model_zoo.get_model(zoo_name, **kwargs)
-    net.initialize(mx.init.Xavier(magnitude=2.0), force_reinit=True)
+    net.initialize(_initializer()(magnitude=2.0), force_reinit=True)
     net.hybridize()
     net(mx.nd.zeros(shape))
     sym = net._cached_graph[1]

@@ -25,7 +25,8 @@ conservative rule decides (``fallback``):
 * CPU: decline where the case says the replacement puts a library op where MXNet's oneDNN
   ops keep their blocked layout (``"adds_reorders": true``: MXNet reorders every value a
   library op reads or writes there) or takes apart ops its oneDNN subgraph backend would fuse
-  at bind (``"breaks_onednn_fusion": true``); fuse otherwise, as without a table.
+  at bind (``"breaks_onednn_fusion": true``) or gives MXNet an op form it runs outside oneDNN's
+  kernel (``"adds_slow_path": true``: a Deconvolution with a bias); fuse otherwise, as before.
 * GPU: fuse (the decision the rules made before any table existed); a measured GPU table
   overrides it entry by entry.
 
@@ -190,6 +191,10 @@ def fallback(op: str, case: Mapping[str, Any], kind: str) -> Decision:
             return Decision(False, "no cost table measured on this CPU for %s (%s): declined, as it would put a library "
                                    "op where MXNet's oneDNN ops keep their blocked layout (tools/measure_cpu_costs.py "
                                    "measures one)" % (op, _describe(case)))
+        if case.get("adds_slow_path"):
+            return Decision(False, "no cost table measured on this CPU for %s (%s): declined, as it would give MXNet "
+                                   "an op form that runs outside oneDNN's kernel (tools/measure_cpu_costs.py measures "
+                                   "one)" % (op, _describe(case)))
         if case.get("breaks_onednn_fusion"):
             return Decision(False, "no cost table measured on this CPU for %s (%s): declined, as it would take apart ops "
                                    "MXNet's oneDNN backend fuses at bind (tools/measure_cpu_costs.py measures one)"
