@@ -47,8 +47,9 @@ from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tup
 #: The CPU flags a table is measured under: a table measured with one of them present (or absent)
 #: is not taken for a CPU that differs (oneDNN picks other kernels).
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-#: A fused op must beat the ops it replaces by this fraction of their time to be made.
-WIN_MARGIN = 0.02
+#: A fused op must beat the ops it replaces by this fraction of their time to be made: a smaller
+#: difference is within the noise of the shared 2-core machines the tables are measured on.
+WIN_MARGIN = 0.05
 KINDS = ("cpu", "gpu")
 #: The folder of the tables shipped with the package.
 TABLES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cost_tables")
