@@ -143,10 +143,12 @@ def _tables(folders: Tuple[str, ...]) -> Tuple[Dict[str, Any], ...]:
 
 def table_for(kind: str = "cpu", device: Optional[str] = None,
               cpu_flags: Optional[Iterable[str]] = None) -> Optional[Dict[str, Any]]:
-    """The table measured on this device (CPU: this model name and FLAGS unless given), or None.
-    A table in a folder of MXFUSION_COST_TABLES wins over the shipped one of the same device."""
+    """The table measured on this device (CPU: this model name and FLAGS unless given; GPU: the
+    name given), or None.  A table in a folder of MXFUSION_COST_TABLES wins over the shipped one."""
     if kind not in KINDS:
         raise ValueError("kind must be one of %s, got %r" % (", ".join(KINDS), kind))
+    if kind != "cpu" and device is None:
+        return None             # a GPU table is taken only for the GPU it was measured on
     if kind == "cpu" and (device is None or cpu_flags is None):
         here, flags = cpu_identity()
         device = here if device is None else device

@@ -65,38 +65,25 @@ def _between_convs(channels: int, side: int, relu: bool):
 
 
 def measure_elemwise(repeats: int):
-    import fusion
-    from fusion.bench import executor, time_samples
-    from patterns.elementwise import layout_case
     from fusion.graph import Graph
     from fusion.rewrite import Context
+    from patterns.elementwise import layout_case
 
     entries = []
     for label, relu in ELEMWISE_OPS:
         for channels, side in ELEMWISE_SIZES:
             sym, arg, aux, shape = _between_convs(channels, side, relu)
-            os.environ["MXFUSION_NO_COST"] = "1"
-            try:
-                fused = fusion.fuse(sym, arg, aux, rules=["elementwise"], input_shapes={"data": shape},
-                                    self_check=False)
-            finally:
-                os.environ.pop("MXFUSION_NO_COST", None)
+            fused, f, u = _timed_pair(sym, arg, aux, shape, "elementwise", repeats)
             if "fused_elemwise" not in fused.symbol.tojson():
                 raise SystemExit("measure_cpu_costs: the elementwise rule did not fuse %s at %s" % (label, shape))
             graph = Graph.from_symbol(sym)
-            ctx = Context(graph, arg, aux, "inference", {"data": shape})
             region = [n for n in graph.nodes if n.op in ("BatchNorm", "Activation")]
-            case = layout_case(region, ctx)
-            inputs = {"data": np.random.default_rng(0).standard_normal(shape).astype(np.float32)}
-            systems = {"fused": executor(fused.symbol, fused.arg_params, fused.aux_params, inputs),
-                       "unfused": executor(sym, arg, aux, inputs)}
-            ms = {k: float(np.median(v)) * 1e3 for k, v in time_samples(systems, repeats=repeats).items()}
+            case = layout_case(region, Context(graph, arg, aux, "inference", {"data": shape}))
             entries.append({"op": "fused_elemwise", "dtype": "float32", "pass": "forward", "case": case,
-                            "fused_ms": round(ms["fused"], 4), "unfused_ms": round(ms["unfused"], 4),
-                            "reference": "MXNet default bind",
+                            "fused_ms": round(f, 4), "unfused_ms": round(u, 4), "reference": "MXNet default bind",
                             "graph": "conv 1x1 + x -> %s -> conv 1x1, %d channels, %dx%d" % (label, channels, side, side)})
             print("fused_elemwise %-16s C=%-5d %3dx%-3d fused %8.3f ms  unfused %8.3f ms  %.2fx"
-                  % (label, channels, side, side, ms["fused"], ms["unfused"], ms["unfused"] / ms["fused"]))
+                  % (label, channels, side, side, f, u, u / f))
             sys.stdout.flush()
     return entries
 
