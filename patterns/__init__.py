@@ -26,7 +26,10 @@ MODULES = ("constant_fold", "attention", "squeeze_excitation", "split_attention"
 #: (benchmarks/bench_cnn_blocks.py, DenseNet-121).  ``grouped_convolution`` likewise: in ResNeXt's block,
 #: with the reorders from and to MXNet's layouts, oneDNN 3.x's grouped convolution measured
 #: 0.76-0.99x of MXNet's own (benchmarks/bench_grouped_conv.py).
-OPT_IN = ("concat_bn_act", "grouped_conv")
+#: ``deconvolution`` likewise: oneDNN 3.x's transposed convolution measured 1.14-1.46x of MXNet's at
+#: one thread, but at parity or slower at two on the shared 2-core machines once the reorders around
+#: it are paid (tools/measure_cpu_costs.py); it is also gated by the CPU's cost table (fusion/engine/cost.py).
+OPT_IN = ("concat_bn_act", "grouped_conv", "deconv_act")
 
 #: Family name -> the module whose rules it groups (modules of a single rule form no family).
 FAMILIES: Dict[str, str] = {
@@ -39,6 +42,7 @@ FAMILIES: Dict[str, str] = {
     "grouped_convolution": "grouped_conv",
     "dense_concat": "concat_bn_act",
     "densenet": "dense_block",
+    "deconvolution": "deconv_act",
 }
 
 

@@ -31,6 +31,10 @@ folded convolution is what MXNet's own oneDNN backend then fuses with it.
   scale does not line up with output channels and the match is rejected.
 * At inference BatchNorm uses its moving statistics whatever ``use_global_stats``
   says, so folding is exact there; in training it is not, and is refused.
+* On the CPU a BatchNorm after a ``Deconvolution`` without a bias is folded only where the
+  CPU's cost table (``fusion/engine/cost.py``) says it pays: the fold adds a bias, which MXNet 1.9.1's
+  default bind adds in a pass of its own after oneDNN's deconvolution (GluonCV's simple-pose head
+  measured 0.91× with it folded).  Without a table it stays, with the reason in the report.
 """
 from __future__ import annotations
 
@@ -135,7 +139,31 @@ class ConvBN(Rule):
             if v is not None and v.size != channels:
                 return ("'%s' has %d entries but %s '%s' has %d output channels"
                         % (m.node(name).name, v.size, conv.op, conv.name, channels))
-        return None
+        return self._deconv_bias_cost_reason(m)
+
+    @staticmethod
+    def _deconv_bias_cost_reason(m: Match) -> Optional[str]:
+        """Why a BatchNorm stays after a Deconvolution without a bias on the CPU (None: fold it).
+
+        Folding gives the Deconvolution a bias, and MXNet 1.9.1's default bind runs a
+        Deconvolution's bias outside oneDNN's kernel (a separate pass over the output), while
+        the BatchNorm it replaces runs in oneDNN's layout: measured slower (GluonCV's simple-pose
+        head, 0.91x).  Decided by this CPU's cost table (``fusion/engine/cost.py``)."""
+        conv = m.node("conv")
+        if conv.op != "Deconvolution" or m.has("b") and not conv.param("no_bias") or m.ctx.device != "cpu":
+            return None
+        from fusion.engine import cost
+
+        case = {"conv": "Deconvolution", "adds_slow_path": True,
+                "act": m.node("act").attrs.get("act_type", m.node("act").op) if m.has("act") else "none"}
+        out = m.ctx.shape(Entry(conv))
+        if out is not None and len(out) >= 3:
+            case["c_out"], case["out_pixels"] = int(out[1]), int(np.prod(out[2:]))
+        decision = cost.decide("bn_folding", "float32", "forward", case, kind="cpu")
+        if decision.fuse:
+            return None
+        return ("BatchNorm '%s' stays after Deconvolution '%s': folding would give it a bias, which MXNet's "
+                "default bind adds outside oneDNN's kernel; %s" % (m.node("bn").name, conv.name, decision.reason))
 
     @staticmethod
     def _axis_reason(conv: Node, bn: Node) -> Optional[str]:

@@ -226,6 +226,68 @@ def _onednn_bind(ctx) -> bool:
     return getattr(ctx, "device", "cpu") == "cpu"
 
 
+#: Ops whose oneDNN forms write oneDNN's blocked layouts under MXNet 1.9.1's default bind on the CPU.
+_BLOCKED_SOURCES = ("Convolution", "Deconvolution", "_sg_mkldnn_conv")
+#: Ops MXNet runs in oneDNN keeping the layout they read (a blocked input gives a blocked output),
+#: with the Activation kinds it runs there.
+_LAYOUT_KEEPING = {"BatchNorm": None, "Pooling": None, "Concat": None, "LRN": None,
+                   "Activation": ("relu", "sigmoid", "tanh", "softrelu"),
+                   "elemwise_add": None, "_plus": None, "_add": None, "_Plus": None}
+
+
+def _keeps_layout(node: Node) -> bool:
+    kinds = _LAYOUT_KEEPING.get(node.op, ())
+    return node.op in _LAYOUT_KEEPING and (kinds is None or node.attrs.get("act_type") in kinds)
+
+
+def _blocked(node: Node, depth: int = 32) -> bool:
+    """Whether MXNet's default bind holds ``node``'s output in oneDNN's blocked layout: a
+    convolution wrote it, through ops that keep the layout they read."""
+    while depth > 0 and _keeps_layout(node) and node.inputs:
+        if len(node.inputs) > 1 and node.op != "BatchNorm":
+            return any(_blocked(e.node, depth - 1) for e in node.inputs)
+        node, depth = node.inputs[0].node, depth - 1
+    return node.op in _BLOCKED_SOURCES
+
+
+def layout_case(region: List[Node], ctx) -> Dict[str, object]:
+    """The cost case of replacing ``region`` by one fused_elemwise on the CPU (``fusion.engine.cost``):
+    which ops it replaces, whether that adds layout reorders, and the output's size.
+
+    Reorders are added where MXNet would run the whole region in oneDNN's blocked layout: every
+    op of it keeps the layout (BatchNorm, relu, ...) and it reads a value a convolution wrote in
+    that layout.  A library op there makes MXNet reorder its input to NCHW and its output back
+    for the next convolution; elsewhere MXNet reorders as much either way."""
+    inside = {id(n) for n in region}
+    onednn_only = all(_keeps_layout(n) for n in region)
+    reads_blocked = any(_blocked(e.node) for n in region for e in n.inputs if id(e.node) not in inside)
+    labels = sorted({n.attrs.get("act_type") if n.op == "Activation" else
+                     "add" if n.op != "BatchNorm" and _keeps_layout(n) else n.op for n in region})
+    case: Dict[str, object] = {"ops": "+".join(str(x) for x in labels),
+                               "adds_reorders": bool(onednn_only and reads_blocked)}
+    shape = ctx.shape(Entry(region[-1]))
+    if shape is not None:
+        case["elements"] = int(np.prod(shape))
+    return case
+
+
+def layout_cost_reason(region: List[Node], ctx) -> Optional[str]:
+    """Why ``region`` stays MXNet's on the CPU (None: fuse it): a fused_elemwise there would add
+    layout reorders that the measured costs of this CPU (or, without them, the conservative rule
+    of ``fusion.engine.cost``) say do not pay back."""
+    from fusion.engine import cost
+
+    case = layout_case(region, ctx)
+    if not case["adds_reorders"]:
+        return None
+    decision = cost.decide("fused_elemwise", "float32", "forward", case, kind="cpu")
+    if decision.fuse:
+        return None
+    return ("%s stays MXNet's: it sits where MXNet's oneDNN ops keep their blocked layout, which a "
+            "fused_elemwise would make MXNet reorder; %s" % (", ".join("'%s'" % n.name for n in region[:3]) +
+                                                           (", ..." if len(region) > 3 else ""), decision.reason))
+
+
 def why_not(node: Node, ctx) -> Optional[str]:
     """The reportable reasons an elementwise op stays out of every region."""
     if _training_comparison(node, ctx):
@@ -301,6 +363,8 @@ class Elementwise(Rule):
         region = m["region"]
         if all(n.op in ("Dropout", "_copy", "identity") for n in region):
             return "only identity ops"
+        if _onednn_bind(m.ctx) and m.ctx.mode == "inference":
+            return layout_cost_reason(region, m.ctx)
         return None
 
     def rewrite(self, m: Match, b: Builder) -> Entry:

@@ -16,6 +16,7 @@ fused_split_attention      [expand_dims → Reshape → sum] → Pooling(global 
                            → Convolution 1×1 → Reshape → SwapAxis → softmax | sigmoid → Reshape
                            → broadcast_mul [→ sum]
 fused_grouped_conv         Convolution [→ Activation(relu)]
+fused_deconv               Deconvolution [→ Activation(relu)]
 fused_inverted_residual               [Convolution 1×1 → act] → Convolution depthwise → act [→ the SE's stock ops]
                            → Convolution 1×1 [→ elemwise_add]   (act: Activation(relu) | hard-swish ops)
 fused_dense_block          per layer: broadcast_mul → broadcast_add → Activation(relu) → Convolution 1×1
@@ -39,7 +40,7 @@ from ._unfuse_base import UnfuseRule
 from ._unfuse_ops import activation, is_bf16_value
 from .unfuse_elemwise import ElemwiseProgram, UnfuseElemwise
 from .unfuse_attention import UnfuseAttention
-from .unfuse_cnn import UnfuseDenseBlock, UnfuseGroupedConv, UnfuseInvertedResidual, UnfuseSplitAttention
+from .unfuse_cnn import UnfuseDeconv, UnfuseDenseBlock, UnfuseGroupedConv, UnfuseInvertedResidual, UnfuseSplitAttention
 
 
 # ---------------------------------------------------------------- fused_dense
@@ -158,7 +159,7 @@ class UnfuseConcatScaleAct(UnfuseRule):
         return activation(b, y, f.attrs.get("act", "none"), 0.0, f.name)
 
 
-RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseSplitAttention(), UnfuseGroupedConv(), UnfuseInvertedResidual(), UnfuseDenseBlock(),
+RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseSplitAttention(), UnfuseGroupedConv(), UnfuseDeconv(), UnfuseInvertedResidual(), UnfuseDenseBlock(),
                      UnfuseConcatScaleAct(), UnfuseElemwise(), UnfuseAttention()]
 
 

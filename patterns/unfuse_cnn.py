@@ -1,6 +1,7 @@
 """Un-fusing the CNN ops: ``fused_split_attention`` → the stock ops GluonCV's ``SplitAttentionConv``
 writes (see ``patterns/split_attention.py``; a folded BatchNorm stays folded into the first layer);
-``fused_grouped_conv`` → ``Convolution`` [→ ``Activation(relu)``]; ``fused_inverted_residual`` → its three convolutions
+``fused_grouped_conv`` → ``Convolution`` [→ ``Activation(relu)``]; ``fused_deconv`` → ``Deconvolution``
+[→ ``Activation(relu)``]; ``fused_inverted_residual`` → its three convolutions
 with their activations, SE and residual add as stock ops; ``fused_dense_block`` → its layers and concatenations."""
 from __future__ import annotations
 
@@ -58,6 +59,20 @@ class UnfuseGroupedConv(UnfuseRule):
                  if k in f.attrs}
         attrs["no_bias"] = bool(f.param("no_bias", False))
         y = b.op("Convolution", list(self.inputs(m)), attrs=attrs, name=f.name + "_conv")
+        if f.attrs.get("act", "none") != "none":
+            y = b.op("Activation", [y], attrs={"act_type": "relu"}, name=f.name)
+        return y
+
+
+class UnfuseDeconv(UnfuseRule):
+    def __init__(self):
+        super().__init__("fused_deconv", 3)
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        f = m.node("f")
+        attrs = {k: f.attrs[k] for k in ("kernel", "stride", "pad", "adj", "dilate", "num_filter") if k in f.attrs}
+        attrs["no_bias"] = bool(f.param("no_bias", False))
+        y = b.op("Deconvolution", list(self.inputs(m)), attrs=attrs, name=f.name + "_deconv")
         if f.attrs.get("act", "none") != "none":
             y = b.op("Activation", [y], attrs={"act_type": "relu"}, name=f.name)
         return y

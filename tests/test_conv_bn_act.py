@@ -60,11 +60,37 @@ def test_conv1d_and_conv3d(kernel, shape):
     {"num_filter": 6, "kernel": (3, 3), "num_group": 3, "no_bias": False, "pad": (1, 1)},
     {"num_filter": 6, "kernel": (3, 3), "num_group": 6, "no_bias": True},
 ])
-def test_deconvolution_weight_layout(deconv_kw):
+def test_deconvolution_weight_layout(deconv_kw, monkeypatch):
+    monkeypatch.setenv("MXFUSION_NO_COST", "1")      # the fold's exactness, whatever this CPU's costs
     y = bn(mx.sym.Deconvolution(mx.sym.var("data"), name="conv", **deconv_kw), fix_gamma=False, eps=1e-5)
     res = fuse_and_check(y, X4)
     only(res, "conv_bn")
     assert ops(res) == {"Deconvolution": 1}
+
+
+def test_batchnorm_after_biasless_deconvolution_kept_without_a_cost_table(tmp_path, monkeypatch):
+    # folding would give the Deconvolution a bias, which MXNet's default bind adds outside oneDNN
+    from fusion.engine import cost
+    monkeypatch.delenv("MXFUSION_NO_COST", raising=False)
+    monkeypatch.setenv("MXFUSION_COST_TABLES", "")
+    monkeypatch.setattr(cost, "TABLES_DIR", str(tmp_path))
+    cost._tables.cache_clear()
+    try:
+        y0 = mx.sym.Activation(bn(mx.sym.Deconvolution(mx.sym.var("data"), num_filter=4, kernel=(2, 2), stride=(2, 2),
+                                                       name="conv"), fix_gamma=False), act_type="relu")
+        res = fuse_and_check(y0, X4)
+        assert ops(res)["BatchNorm"] == 1
+        text = res.report.to_text()
+        assert "stays after Deconvolution 'conv'" in text and "no cost table measured on this CPU" in text, text
+        # with a bias already there, folding adds nothing MXNet runs outside oneDNN: folded
+        y = mx.sym.Activation(bn(mx.sym.Deconvolution(mx.sym.var("data"), num_filter=4, kernel=(2, 2), stride=(2, 2),
+                                                      no_bias=False, name="conv"), fix_gamma=False), act_type="relu")
+        assert "BatchNorm" not in ops(fuse_and_check(y, X4))
+        # on the GPU there is no oneDNN: folded
+        res = fusion.fuse(y0, *random_params(y0, X4), device="gpu", self_check=False)
+        assert "BatchNorm" not in ops(res)
+    finally:
+        cost._tables.cache_clear()
 
 
 @pytest.mark.parametrize("act", [

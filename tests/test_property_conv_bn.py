@@ -30,6 +30,7 @@ from typing import Dict, Set, Tuple
 
 import mxnet as mx
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -307,6 +308,20 @@ def conv_feeds_nonchannel_bn(spec) -> bool:
 
 
 CONV_BN_RULES = {r.name for r in rules_by_name()["bn_folding"]}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def folds_whatever_the_cost():
+    """The property is about exact folding: cost decisions off (fusion/engine/cost.py; on the CPU a
+    BatchNorm after a bias-less Deconvolution is otherwise kept where no table says folding pays)."""
+    import os
+    old = os.environ.get("MXFUSION_NO_COST")
+    os.environ["MXFUSION_NO_COST"] = "1"
+    yield
+    if old is None:
+        os.environ.pop("MXFUSION_NO_COST", None)
+    else:
+        os.environ["MXFUSION_NO_COST"] = old
 
 
 # ---------------------------------------------------------------------------- the property

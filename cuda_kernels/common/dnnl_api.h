@@ -23,6 +23,7 @@ namespace mxf {
   X(dnnl_memory_create) X(dnnl_memory_set_data_handle) X(dnnl_memory_get_data_handle)    \
   X(dnnl_memory_destroy)                                                                 \
   X(dnnl_matmul_primitive_desc_create) X(dnnl_convolution_forward_primitive_desc_create) \
+  X(dnnl_deconvolution_forward_primitive_desc_create)                                    \
   X(dnnl_reorder_primitive_desc_create) X(dnnl_eltwise_forward_primitive_desc_create)    \
   X(dnnl_binary_primitive_desc_create) X(dnnl_pooling_forward_primitive_desc_create)     \
   X(dnnl_primitive_desc_query_md) X(dnnl_primitive_desc_destroy)                         \
