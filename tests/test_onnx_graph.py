@@ -269,3 +269,105 @@ def test_unsqueeze_of_unsqueeze_as_one():
     assert ops(after) == ["Unsqueeze"]
     same_outputs(m, after, {"x": np.arange(6, dtype=np.float32).reshape(2, 3)})
     assert ops(_list_pass(build(True), peephole)) == ["Unsqueeze", "Unsqueeze"]     # u is a graph output
+
+
+def test_repeated_pattern_matches_any_number_of_ops_none_included():
+    pat = Op("Neg", Op("Identity", Op("Abs", Var("x"), name="abs"), repeat=True), name="neg")
+    for k in range(3):
+        nodes = [helper.make_node("Abs", ["x"], ["v0"])]
+        nodes += [helper.make_node("Identity", ["v%d" % i], ["v%d" % (i + 1)]) for i in range(k)]
+        nodes.append(helper.make_node("Neg", ["v%d" % k], ["y"]))
+        view = GraphView.of(model_of(nodes, [("x", [2])], [("y", [2])]))
+        m = match(view, pat, view.nodes[-1])
+        assert m is not None and m["x"] == "x" and m["abs"].op_type == "Abs"
+    nodes = [helper.make_node("Identity", ["x"], ["i"]), helper.make_node("Neg", ["i"], ["y"])]
+    view = GraphView.of(model_of(nodes, [("x", [2])], [("y", [2])]))
+    assert match(view, pat, view.nodes[-1]) is None          # no Abs under the Identities
+    with pytest.raises(ValueError):
+        Op("Identity", Var("x"), Var("y"), repeat=True)
+
+
+def _int_input_model(to_inner, to_outer, identities, second_reader=False, in_type=TensorProto.INT64):
+    """Cast(Cast(ids, to_inner) [-> Identity...], to_outer), ids an integer graph input (2, 3)."""
+    nodes = [helper.make_node("Cast", ["ids"], ["f"], to=to_inner)]
+    prev = "f"
+    for i in range(identities):
+        nodes.append(helper.make_node("Identity", [prev], ["i%d" % i]))
+        prev = "i%d" % i
+    nodes.append(helper.make_node("Cast", [prev], ["y"], to=to_outer))
+    outputs = [helper.make_tensor_value_info("y", to_outer, [2, 3])]
+    if second_reader:
+        nodes.append(helper.make_node("Neg", ["f"], ["z"]))
+        outputs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 3]))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", in_type, [2, 3])], outputs)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.mark.parametrize("identities", [0, 1, 3])
+@pytest.mark.parametrize("outer", [TensorProto.INT64, TensorProto.INT32])
+def test_cast_round_trip_of_an_integer_input(identities, outer):
+    m = _int_input_model(TensorProto.FLOAT, outer, identities, second_reader=identities == 1)
+
+    def peephole(nodes, inits, outputs):
+        return onnx_passes.peephole(nodes, inits, {"ids": TensorProto.INT64}, frozenset(outputs))
+    after = _list_pass(m, peephole)
+    last = [n for n in after.graph.node if n.output[0] == "y"][0]
+    assert list(last.input) == ["ids"] and last.op_type == ("Identity" if outer == TensorProto.INT64 else "Cast")
+    feed = {"ids": np.array([[0, 5, 7], [30521, 2, 1]], np.int64)}
+    for a, b in zip(run(m, feed), run(after, feed)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_cast_round_trip_left_alone_when_not_integer_to_integer():
+    def peephole(nodes, inits, outputs):
+        return onnx_passes.peephole(nodes, inits, {"ids": TensorProto.INT64}, frozenset(outputs))
+    for m in (_int_input_model(TensorProto.FLOAT, TensorProto.FLOAT, 1),          # ends in float
+              _int_input_model(TensorProto.FLOAT, TensorProto.INT64, 0, in_type=TensorProto.FLOAT)):
+        types = {"ids": m.graph.input[0].type.tensor_type.elem_type}
+        after = _list_pass(m, lambda nodes, inits, outputs: onnx_passes.peephole(nodes, inits, types,
+                                                                                   frozenset(outputs)))
+        assert ops(after) == ops(m)
+        last = [n for n in after.graph.node if n.output[0] == "y"][0]
+        assert list(last.input) != ["ids"]
+
+
+def _skip_ln_model(bias_shape=(4,), add_read_twice=False, bias_first=False):
+    """SkipLayerNormalization(Add(MatMul(x, W), b), skip, gamma, beta) of x (2, 3, 4)."""
+    rng = np.random.default_rng(0)
+    add_in = ["b", "mm"] if bias_first else ["mm", "b"]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"]), helper.make_node("Add", add_in, ["a"]),
+             helper.make_node("SkipLayerNormalization", ["a", "skip", "gamma", "beta"], ["y"], domain="com.microsoft",
+                              epsilon=1e-5)]
+    outputs = [("y", [2, 3, 4])]
+    if add_read_twice:
+        nodes.append(helper.make_node("Neg", ["a"], ["z"]))
+        outputs.append(("z", [2, 3, 4]))
+    inits = {"W": rng.standard_normal((4, 4)).astype(np.float32), "b": rng.standard_normal(bias_shape).astype(np.float32),
+             "gamma": rng.standard_normal(4).astype(np.float32), "beta": rng.standard_normal(4).astype(np.float32)}
+    return model_of(nodes, [("x", [2, 3, 4]), ("skip", [2, 3, 4])], outputs, inits)
+
+
+@pytest.mark.parametrize("bias_first", [False, True])
+def test_matmul_bias_folded_into_skip_layer_norm(bias_first):
+    m = _skip_ln_model(bias_first=bias_first)
+
+    def peephole(nodes, inits, outputs):
+        return onnx_passes.peephole(nodes, inits, {}, frozenset(outputs))
+    after = _list_pass(m, peephole)
+    onnx_passes.drop_dead(after)
+    assert ops(after) == ["MatMul", "SkipLayerNormalization"]
+    assert list(after.graph.node[1].input) == ["mm", "skip", "gamma", "beta", "b"]
+    rng = np.random.default_rng(1)
+    feed = {k: rng.standard_normal((2, 3, 4)).astype(np.float32) for k in ("x", "skip")}
+    for a, b in zip(run(m, feed), run(after, feed)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_bias_left_alone_when_the_add_is_read_twice_or_the_bias_is_not_1d():
+    def peephole(nodes, inits, outputs):
+        return onnx_passes.peephole(nodes, inits, {}, frozenset(outputs))
+    for m in (_skip_ln_model(add_read_twice=True), _skip_ln_model(bias_shape=(1, 4))):
+        after = _list_pass(m, peephole)
+        assert [list(n.input) for n in after.graph.node] == [list(n.input) for n in m.graph.node]

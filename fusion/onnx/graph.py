@@ -21,7 +21,8 @@ the node that reads it last::
   restricts its number of inputs, ``where`` is a predicate on the node.  An interior ``Op`` is read by
   exactly one input and is no graph output (``one_reader=False`` lifts that); ``optional=True`` lets
   the chain skip it (its first input's pattern is then matched at the value itself);
-  ``commutative=True`` tries two inputs in both orders, as written first.
+  ``commutative=True`` tries two inputs in both orders, as written first; ``repeat=True`` (an op of one
+  input, e.g. ``Identity``) matches it any number of times, none included (it implies ``optional``).
 * ``Var(name)`` is any value (bound twice, it must be the same value); ``Input(name)`` a graph input.
 * ``Const(name, pred)`` is a constant operand (initializer or ``Constant`` node), ``Init`` an
   initializer only; ``pred`` is a predicate on its NumPy value; ``optional=True`` accepts a missing
@@ -254,12 +255,14 @@ class Op(Pat):
 
     def __init__(self, op_type: Any, *inputs: Pat, name: Optional[str] = None, domain: Optional[str] = "",
                  one_reader: bool = True, commutative: bool = False, arity: Optional[Sequence[int]] = None,
-                 optional: bool = False, where: Optional[Callable[[Any], bool]] = None):
+                 optional: bool = False, where: Optional[Callable[[Any], bool]] = None, repeat: bool = False):
         self.op_type, self.inputs, self.name, self.domain = op_type, inputs, name, domain
         self.one_reader, self.commutative, self.arity = one_reader, commutative, arity
-        self.optional, self.where = optional, where
+        self.optional, self.where, self.repeat = optional or repeat, where, repeat
         if commutative and len(inputs) != 2:
             raise ValueError("a commutative pattern takes two inputs")
+        if repeat and (len(inputs) != 1 or name is not None):
+            raise ValueError("a repeated pattern takes one input and binds no name")
 
 
 class Match:
@@ -311,6 +314,14 @@ def _bind(m: Match, key: Optional[str], value: Any, name: str) -> bool:
 
 def _value(view: GraphView, pat: Pat, name: str, m: Match) -> Optional[Match]:
     """``m`` extended by ``pat`` matched at value ``name`` (None: no match)."""
+    if isinstance(pat, Op) and pat.repeat:     # the longest run of such ops that lets the rest match
+        node = view.producer(name)
+        if node is not None and node.input and _node_ok(view, pat, node) and \
+                (not pat.one_reader or view.single_reader(name)):
+            got = _value(view, pat, node.input[0], m)
+            if got is not None:
+                return got
+        return _value(view, pat.inputs[0], name, m)
     if isinstance(pat, Op):
         node = view.producer(name)
         if node is None or not _node_ok(view, pat, node) or (pat.one_reader and not view.single_reader(name)):

@@ -61,63 +61,61 @@ def _attr(node, name: str, default=None):
 # while the graph is assembled (node list, initializer dict, output names)
 # --------------------------------------------------------------------------------------------
 
-def _unsqueeze_axes(view: GraphView, n) -> Optional[List[int]]:
-    if n.op_type != "Unsqueeze" or len(n.input) != 2:
-        return None
-    axes = view.ints(n.input[1])
-    return axes if axes is not None and all(a >= 0 for a in axes) else None
+def _nonnegative(v: np.ndarray) -> bool:
+    return v.ndim <= 1 and bool(np.all(v >= 0))
+
+
+# Cast(Cast(x) [through Identities]): x an integer graph input, cast to float and back to an integer
+# type (the ids MXNet reads as float32, as the exporter declares them integer); the values between
+# may be read elsewhere too
+CAST_ROUNDTRIP = Op("Cast", Op("Identity", Op("Cast", Var("x"), name="inner", one_reader=False),
+                               one_reader=False, repeat=True), name="cast")
+# Add(MatMul(...), b), b a 1-D initializer: a matmul's bias add (the MatMul may be read elsewhere)
+BIASED_MATMUL = Op("Add", Op("MatMul", name="mm", one_reader=False), Init("bias", lambda v: v.ndim == 1),
+                   commutative=True, name="add")
+# Unsqueeze(Unsqueeze(x, a1), a2), both axes initializers and non-negative, the inner value read only here
+UNSQUEEZE_TWICE = Op("Unsqueeze", Op("Unsqueeze", Var("x"), Init("a1", _nonnegative), arity=(2,), name="first"),
+                     Init("a2", _nonnegative), arity=(2,), name="second")
 
 
 def peephole(nodes: List[Any], inits: Dict[str, Any], input_types: Mapping[str, int],
              graph_outputs: frozenset = frozenset()) -> List[Any]:
-    """Small exact clean-ups: Cast(int → float → int) of an input back to the input; a matmul's bias
-    add folded into the SkipLayerNormalization that reads it; Unsqueeze of Unsqueeze as one."""
+    """Small exact clean-ups, each a chain pattern: Cast(int → float → int) of an input back to the
+    input (CAST_ROUNDTRIP); a matmul's bias add folded into the SkipLayerNormalization that reads it
+    (BIASED_MATMUL); Unsqueeze of Unsqueeze as one (UNSQUEEZE_TWICE).  The view is the graph as it
+    came: a node written here is not matched again."""
     from onnx import TensorProto, helper
     view = GraphView(nodes, inits, graph_outputs)
     ints = {TensorProto.INT64, TensorProto.INT32}
     out = []
     for n in nodes:
-        if n.op_type == "Cast" and view.producer(n.input[0]) is not None:
-            p = view.producer(n.input[0])
-            while p.op_type == "Identity" and view.producer(p.input[0]) is not None:   # (trunc of whole numbers)
-                p = view.producer(p.input[0])
-            to = _attr(n, "to")
-            if p.op_type == "Cast" and input_types.get(p.input[0]) in ints and to in ints:
-                n = helper.make_node("Identity" if to == input_types[p.input[0]] else "Cast", [p.input[0]],
-                                     list(n.output), name=n.name, **({} if to == input_types[p.input[0]]
-                                                                     else {"to": to}))
+        m = match(view, CAST_ROUNDTRIP, n)
+        if m is not None:
+            x, to = m["x"], _attr(n, "to")
+            if input_types.get(x) in ints and to in ints:
+                n = helper.make_node("Identity" if to == input_types[x] else "Cast", [x], list(n.output),
+                                     name=n.name, **({} if to == input_types[x] else {"to": to}))
         if n.op_type == "SkipLayerNormalization" and n.domain == MS and len(n.input) == 4:
             for slot in (0, 1):
-                a = view.producer(n.input[slot])
-                if a is None or a.op_type != "Add" or view.uses(n.input[slot]) != 1:
-                    continue
-                mm, bias = a.input
-                if bias not in inits or _op_of(view, mm) != "MatMul":
-                    mm, bias = bias, mm
-                if bias in inits and _op_of(view, mm) == "MatMul" and len(inits[bias].dims) == 1:
-                    n.input[slot] = mm
-                    n.input.append(bias)
+                add = view.producer(n.input[slot])
+                m = None if add is None or view.uses(n.input[slot]) != 1 else match(view, BIASED_MATMUL, add)
+                if m is not None:
+                    n.input[slot] = m.name("mm")
+                    n.input.append(m.name("bias"))
                     break
-        if n.op_type == "Unsqueeze" and view.producer(n.input[0]) is not None and view.single_reader(n.input[0]):
-            first, second = view.producer(n.input[0]), _unsqueeze_axes(view, n)
-            a1 = _unsqueeze_axes(view, first)
-            if a1 is not None and second is not None and first in out:
-                dims = ["x"] * 64
-                for a in sorted(a1):
-                    dims.insert(a, 1)
-                for a in sorted(second):
-                    dims.insert(a, 1)
-                axes = [i for i, d in enumerate(dims) if d == 1]
-                name = view.add_init(np.array(axes, np.int64), n.output[0] + "__axes")
-                out.remove(first)
-                n = helper.make_node("Unsqueeze", [first.input[0], name], list(n.output), name=n.name)
+        m = match(view, UNSQUEEZE_TWICE, n)
+        if m is not None and m["first"] in out:
+            dims: List[Any] = ["x"] * 64
+            for a in sorted(_flat(m["a1"])):
+                dims.insert(a, 1)
+            for a in sorted(_flat(m["a2"])):
+                dims.insert(a, 1)
+            axes = [i for i, d in enumerate(dims) if d == 1]
+            name = view.add_init(np.array(axes, np.int64), n.output[0] + "__axes")
+            out.remove(m["first"])
+            n = helper.make_node("Unsqueeze", [m["x"], name], list(n.output), name=n.name)
         out.append(n)
     return out
-
-
-def _op_of(view: GraphView, name: str) -> Optional[str]:
-    p = view.producer(name)
-    return None if p is None else p.op_type
 
 
 def drop_identities(nodes: List[Any], inits: Mapping[str, Any], graph_outputs: set) -> List[Any]:
