@@ -11,7 +11,7 @@ ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from fusion.onnx import passes as onnx_passes  # noqa: E402
-from fusion.onnx.graph import Const, GraphView, Init, Input, Op, Var, match, matches  # noqa: E402
+from fusion.onnx.graph import Const, GraphView, Init, Input, Op, Sum, Var, match, match_sum, matches  # noqa: E402
 
 RTOL = 1e-6
 
@@ -371,3 +371,83 @@ def test_matmul_bias_left_alone_when_the_add_is_read_twice_or_the_bias_is_not_1d
     for m in (_skip_ln_model(add_read_twice=True), _skip_ln_model(bias_shape=(1, 4))):
         after = _list_pass(m, peephole)
         assert [list(n.input) for n in after.graph.node] == [list(n.input) for n in m.graph.node]
+
+
+SUM = Sum(Op("Neg", Var("a"), name="neg"), Init("c"), optional=[Op("Abs", Var("b"), name="abs")])
+
+
+@pytest.mark.parametrize("shape", ["left", "right", "flat"])
+def test_sum_pattern_matches_any_tree_of_adds(shape):
+    nodes = [helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Abs", ["y"], ["ab"])]
+    if shape == "left":         # (n + ab) + c
+        nodes += [helper.make_node("Add", ["n", "ab"], ["s1"]), helper.make_node("Add", ["s1", "c"], ["s"])]
+    elif shape == "right":      # c + (ab + n)
+        nodes += [helper.make_node("Add", ["ab", "n"], ["s1"]), helper.make_node("Add", ["c", "s1"], ["s"])]
+    else:                       # n + c, ab elsewhere: the optional term stays empty
+        nodes += [helper.make_node("Add", ["n", "c"], ["s"]), helper.make_node("Relu", ["ab"], ["z"])]
+    nodes.append(helper.make_node("Relu", ["s"], ["o"]))     # the sum's one reader
+    outputs = [("o", [2])] + ([("z", [2])] if shape == "flat" else [])
+    view = GraphView.of(model_of(nodes, [("x", [2]), ("y", [2])], outputs, {"c": np.ones(2, np.float32)}))
+    m = match_sum(view, SUM, ["s"])
+    assert m is not None and m["a"] == "x" and m.name("c") == "c"
+    assert ("abs" in m) == (shape != "flat") and len(m.adds) == (1 if shape == "flat" else 2)
+
+
+def test_sum_pattern_refuses_a_leaf_no_term_takes_or_a_missing_term():
+    nodes = [helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Add", ["n", "y"], ["s"])]
+    view = GraphView.of(model_of(nodes, [("x", [2]), ("y", [2])], [("s", [2])]))
+    assert match_sum(view, SUM, ["s"]) is None                 # y is no constant: no term takes it
+    nodes = [helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Add", ["n", "c"], ["s"]),
+             helper.make_node("Add", ["s", "c"], ["t"])]
+    view = GraphView.of(model_of(nodes, [("x", [2])], [("t", [2]), ("s", [2])], {"c": np.ones(2, np.float32)}))
+    assert match_sum(view, SUM, ["t"]) is None                 # s is read twice: a leaf, and no term takes it
+
+
+def _embedding_model(segments, order):
+    """LayerNormalization(word[ids] (+ seg[types]) + P), ids (2, 5) int64, hidden 8, the Adds in ``order``."""
+    rng = np.random.default_rng(0)
+    inits = {"word": rng.standard_normal((30, 8)).astype(np.float32), "pos": rng.standard_normal((5, 8)).astype(np.float32),
+             "gamma": rng.standard_normal(8).astype(np.float32), "beta": rng.standard_normal(8).astype(np.float32)}
+    nodes = [helper.make_node("Gather", ["word", "ids"], ["w"])]
+    terms = ["w", "pos"]
+    if segments:
+        inits["seg"] = rng.standard_normal((2, 8)).astype(np.float32)
+        nodes.append(helper.make_node("Gather", ["seg", "types"], ["t"]))
+        terms.append("t")
+    terms = [terms[i] for i in order[:len(terms)]]
+    acc = terms[0]
+    for i, t in enumerate(terms[1:]):
+        nodes.append(helper.make_node("Add", [t, acc] if i % 2 else [acc, t], ["sum%d" % i]))
+        acc = "sum%d" % i
+    nodes.append(helper.make_node("LayerNormalization", [acc, "gamma", "beta"], ["y"], axis=-1, epsilon=1e-5))
+    ids = [helper.make_tensor_value_info(n, TensorProto.INT64, [2, 5]) for n in (["ids", "types"] if segments else ["ids"])]
+    g = helper.make_graph(nodes, "g", ids, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 8])],
+                          [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.mark.parametrize("segments,order", [(False, (0, 1)), (False, (1, 0)), (True, (0, 1, 2)), (True, (2, 1, 0)),
+                                            (True, (1, 2, 0))])
+def test_embedding_sum_as_embed_layer_normalization(segments, order):
+    m = _embedding_model(segments, order)
+    after = onnx.ModelProto()
+    after.CopyFrom(m)
+    after = onnx_passes.embed_layer_norm(after)
+    assert "EmbedLayerNormalization" in ops(after) and "Gather" not in ops(after) and "Add" not in ops(after)
+    rng = np.random.default_rng(2)
+    feed = {"ids": rng.integers(0, 30, (2, 5)).astype(np.int64)}
+    if segments:
+        feed["types"] = rng.integers(0, 2, (2, 5)).astype(np.int64)
+    np.testing.assert_allclose(run(after, feed)[0], run(m, feed)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_sum_left_alone_with_a_second_constant():
+    m = _embedding_model(False, (0, 1))
+    extra = numpy_helper.from_array(np.ones((5, 8), np.float32), "pos2")
+    m.graph.initializer.append(extra)
+    ln = m.graph.node[-1]
+    m.graph.node.insert(len(m.graph.node) - 1, helper.make_node("Add", [ln.input[0], "pos2"], ["more"]))
+    ln.input[0] = "more"
+    assert "EmbedLayerNormalization" not in ops(onnx_passes.embed_layer_norm(m))

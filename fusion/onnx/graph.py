@@ -28,6 +28,15 @@ the node that reads it last::
   initializer only; ``pred`` is a predicate on its NumPy value; ``optional=True`` accepts a missing
   trailing input (bound to ``None``).
 
+A sum pattern describes a value that is a sum of terms through ``Add`` nodes of any tree shape::
+
+    EMBEDDING_SUM = Sum(Op("Gather", Init("table"), Input("ids"), name="word"), Init("position"),
+                        optional=[Op("Gather", Init("seg_table"), Input("seg_ids"), name="segment")])
+
+:func:`match_sum` walks the ``Add`` nodes under one or more root values (each ``Add`` read only there)
+and matches each leaf with one term, in any order; every leaf takes a term, every term but the
+optional ones a leaf (the ``Add`` nodes are ``m.adds``).
+
 :func:`match` returns a :class:`Match` (``m["slice"]`` the node, ``m["x"]`` the value name, ``m["starts"]``
 the array, ``m.name("starts")`` its value name) or ``None``.
 """
@@ -265,12 +274,21 @@ class Op(Pat):
             raise ValueError("a repeated pattern takes one input and binds no name")
 
 
+class Sum:
+    """A sum of ``terms`` (and of any of ``optional``) through ``Add`` nodes; see :func:`match_sum`."""
+
+    def __init__(self, *terms: Pat, optional: Sequence[Pat] = ()):
+        self.terms, self.optional = tuple(terms), tuple(optional)
+
+
 class Match:
-    """What a pattern bound: nodes (``Op`` names), value names (``Var``), arrays (``Const``)."""
+    """What a pattern bound: nodes (``Op`` names), value names (``Var``), arrays (``Const``); for a
+    sum, its ``Add`` nodes (``adds``)."""
 
     def __init__(self):
         self.bound: Dict[str, Any] = {}
         self.names: Dict[str, str] = {}
+        self.adds: List[Any] = []
 
     def __getitem__(self, key: str):
         return self.bound[key]
@@ -284,7 +302,7 @@ class Match:
 
     def _copy(self) -> "Match":
         m = Match()
-        m.bound, m.names = dict(self.bound), dict(self.names)
+        m.bound, m.names, m.adds = dict(self.bound), dict(self.names), list(self.adds)
         return m
 
 
@@ -379,3 +397,46 @@ def matches(view: GraphView, pattern: Op) -> Iterator[Tuple[Any, Match]]:
         m = match(view, pattern, n)
         if m is not None:
             yield n, m
+
+
+def sum_leaves(view: GraphView, roots: Sequence[str]) -> Tuple[List[str], List[Any]]:
+    """(leaves, Add nodes) of the sum computing the values ``roots``: an ``Add`` whose value is read
+    only once (and is no graph output) is walked into, anything else is a leaf."""
+    leaves: List[str] = []
+    adds: List[Any] = []
+    todo = list(reversed(roots))
+    while todo:
+        x = todo.pop()
+        p = view.producer(x, "Add")
+        if p is not None and len(p.input) == 2 and view.single_reader(x):
+            adds.append(p)
+            todo += reversed(list(p.input))
+        else:
+            leaves.append(x)
+    return leaves, adds
+
+
+def match_sum(view: GraphView, pattern: Sum, roots: Sequence[str]) -> Optional[Match]:
+    """``pattern`` matched with the sum of the values ``roots`` (see the module docstring), else None."""
+    leaves, adds = sum_leaves(view, roots)
+    terms = list(pattern.terms) + list(pattern.optional)
+    if not len(pattern.terms) <= len(leaves) <= len(terms):
+        return None
+
+    def assign(k: int, free: List[str], m: Match) -> Optional[Match]:
+        if k == len(terms):
+            return m if not free else None
+        for leaf in free:
+            got = _value(view, terms[k], leaf, m)
+            if got is not None:
+                got = assign(k + 1, [f for f in free if f != leaf], got)
+                if got is not None:
+                    return got
+        if k >= len(pattern.terms) and len(free) < len(terms) - k:     # an optional term may stay empty
+            return assign(k + 1, free, m)
+        return None
+
+    m = assign(0, leaves, Match())
+    if m is not None:
+        m.adds = adds
+    return m

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from .graph import Const, GraphView, Init, Input, Op, Var, drop_dead, is_standard, match, matches
+from .graph import Const, GraphView, Init, Input, Op, Sum, Var, drop_dead, is_standard, match, match_sum, matches
 
 MS = "com.microsoft"
 
@@ -664,9 +664,19 @@ def fused_gemm(model):
     return model
 
 
+def _gather_rows(name: str) -> Op:
+    """table[ids] along axis 0, the table an initializer and the ids a graph input."""
+    return Op("Gather", Init(name + "_table"), Input(name + "_ids"), name=name,
+              where=lambda n: all(a.name != "axis" or a.i == 0 for a in n.attribute))
+
+
+# word[ids] (+ segment[types]) + P: embedding rows plus one constant block, through Adds of any shape
+EMBEDDING_SUM = Sum(_gather_rows("word"), Init("position"), optional=[_gather_rows("segment")])
+
+
 def _embedding_sum(view: GraphView, ln):
     """(gathers, position constant, inner Adds, gamma, beta, eps) when LayerNorm ``ln`` reads
-    word[ids] (+ segment[types]) + P through Adds read only there; else None."""
+    word[ids] (+ segment[types]) + P (EMBEDDING_SUM); else None."""
     if ln.op_type == "LayerNormalization" and is_standard(ln) and len(ln.output) == 1 and \
             all(a.name != "axis" or a.i == -1 for a in ln.attribute):
         roots, gamma, beta = [ln.input[0]], ln.input[1], ln.input[2] if len(ln.input) > 2 else ""
@@ -675,30 +685,11 @@ def _embedding_sum(view: GraphView, ln):
     else:
         return None
     eps = next((a.f for a in ln.attribute if a.name == "epsilon"), 1e-5)
-    leaves, inner = [], []
-    todo = list(roots)
-    while todo:
-        x = todo.pop()
-        p = view.producer(x)
-        if p is not None and p.op_type == "Add" and view.single_reader(x):
-            inner.append(p)
-            todo += list(p.input)
-        else:
-            leaves.append(x)
-    gathers, consts = [], []
-    for x in leaves:
-        p = view.producer(x)
-        if p is not None and p.op_type == "Gather" and view.single_reader(x) and p.input[0] in view.inits and \
-                p.input[1] in view.inputs and all(a.name != "axis" or a.i == 0 for a in p.attribute):
-            gathers.append(p)
-        elif x in view.inits:
-            consts.append(x)
-        else:
-            return None
-    if len(consts) != 1 or len(gathers) not in (1, 2) or gamma not in view.inits or \
-            (beta and beta not in view.inits):
+    m = match_sum(view, EMBEDDING_SUM, roots)
+    if m is None or gamma not in view.inits or (beta and beta not in view.inits):
         return None
-    return gathers, consts[0], inner, gamma, beta, eps
+    gathers = [m["word"]] + ([m["segment"]] if "segment" in m else [])
+    return gathers, m.name("position"), m.adds, gamma, beta, eps
 
 
 def embed_layer_norm(model):
