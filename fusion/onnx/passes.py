@@ -3,8 +3,9 @@
 ``fusion/onnx/export.py`` converts each MXNet op; these passes then clean the ONNX graph, in the order
 ``onnx_export`` calls them.  Each computes the same function for every input (see that module's
 docstring).  A pass that replaces a chain of ops is a chain pattern (``fusion/onnx/graph.py``) and a
-check on what it bound; the others (constant folding, common subexpressions, the swapped-layout
-regions, the embedding sum) are plain functions over the view.
+check on what it bound, the embedding sum a sum pattern; the others (constant folding, common
+subexpressions, the swapped-layout regions, Identity removal) compute over the whole view, not a
+chain, and are plain functions over it.
 
 While the graph is assembled (``_finish``), on the node list:
 
