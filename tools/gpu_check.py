@@ -12,6 +12,8 @@ Steps, each under its own time limit (all together within 8 minutes), logs in ``
                test_cuda_semantics.py, test_cuda_elemwise.py) against PyTorch / float64;
 3. harness  -- tests/kernels/test_libapi_harness.py: the op library through lib_api's entry points,
                the way MXNet calls it, on PyTorch CUDA tensors and stream (and NumPy on the CPU);
+               tests/kernels/test_attention_backends.py: which attention backend each call gets
+               on this machine, and why;
 4. bert     -- benchmarks/bench_bert_layer_gpu.py: a fused float16 BERT-base encoder layer through
                the harness against PyTorch's eager layer and its SDPA layer on the same weights;
 5. bench    -- benchmarks/bench_cuda.py --quick: each op against SDPA / cuBLAS / PyTorch eager and
@@ -288,7 +290,8 @@ def main():
                                 "tests/kernels/test_cuda_elemwise.py") if os.path.exists(os.path.join(REPO, t))]
     skips = {}
     for name, cmd in (("kernels", [py] + PYTEST + ["-m", "gpu"] + kernel_tests),
-                      ("harness", [py] + PYTEST + ["tests/kernels/test_libapi_harness.py"])):
+                      ("harness", [py] + PYTEST + ["tests/kernels/test_libapi_harness.py",
+                                                 "tests/kernels/test_attention_backends.py"])):
         code, secs, text = run(name, cmd, logdir, env)
         status, what = pytest_status(code, text)
         steps.append((name, status, secs, what))
