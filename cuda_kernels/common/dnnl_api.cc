@@ -2,6 +2,7 @@
 #include "dnnl_api.h"
 
 #include <mutex>
+#include <string>
 
 #include "mxf_common.h"
 
@@ -27,6 +28,13 @@ const DnnlApi& dnnl() {
     }
   });
   return a;
+}
+
+bool dnnl_reference_impl(const_dnnl_primitive_desc_t pd) {
+  const char* name = nullptr;
+  if (!pd || dnnl().dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &name) != dnnl_success || !name)
+    return false;
+  return std::string(name).compare(0, 4, "ref:") == 0;
 }
 
 dnnl_stream_t dnnl_thread_stream() {

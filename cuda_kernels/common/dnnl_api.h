@@ -26,7 +26,8 @@ namespace mxf {
   X(dnnl_deconvolution_forward_primitive_desc_create)                                    \
   X(dnnl_reorder_primitive_desc_create) X(dnnl_eltwise_forward_primitive_desc_create)    \
   X(dnnl_binary_primitive_desc_create) X(dnnl_pooling_forward_primitive_desc_create)     \
-  X(dnnl_primitive_desc_query_md) X(dnnl_primitive_desc_destroy)                         \
+  X(dnnl_primitive_desc_query_md) X(dnnl_primitive_desc_query)                           \
+  X(dnnl_primitive_desc_destroy)                                                         \
   X(dnnl_primitive_create) X(dnnl_primitive_execute) X(dnnl_primitive_destroy)           \
   X(dnnl_post_ops_create) X(dnnl_post_ops_append_eltwise) X(dnnl_post_ops_append_binary) \
   X(dnnl_post_ops_append_sum) X(dnnl_post_ops_append_dw) X(dnnl_post_ops_destroy)        \
@@ -44,6 +45,12 @@ struct DnnlApi {
 
 // The table, bound once (thread-safe).  Usable when `engine` is set.
 const DnnlApi& dnnl();
+
+// Whether oneDNN implements `pd` with its reference code (implementation name "ref:..."): what it
+// falls back to where no optimised kernel takes the layouts asked for on this CPU, e.g. 16-channel
+// blocked convolutions on a CPU without AVX-512 -- orders of magnitude slower than the ops' own
+// direct loops, so the ops never run it.
+bool dnnl_reference_impl(const_dnnl_primitive_desc_t pd);
 
 // The calling thread's in-order oneDNN stream on dnnl().engine (MXNet may run ops from
 // several engine threads); null when none can be created.

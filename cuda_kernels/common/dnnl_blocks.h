@@ -60,9 +60,12 @@ struct DnnlObjects {
     mems.push_back(m);
     return m;
   }
-  dnnl_primitive_t prim(dnnl_primitive_desc_t pd) {
+  // a primitive of `pd`; null where oneDNN has only its reference code for it (dnnl_reference_impl:
+  // the op then takes another layout or its direct loops), unless `reference_ok` (reorders)
+  dnnl_primitive_t prim(dnnl_primitive_desc_t pd, bool reference_ok = false) {
     dnnl_primitive_t p = nullptr;
-    if (!pd || !MXF_OK(api.dnnl_primitive_create(&p, pd))) return nullptr;
+    if (!pd || (!reference_ok && dnnl_reference_impl(pd))) return nullptr;
+    if (!MXF_OK(api.dnnl_primitive_create(&p, pd))) return nullptr;
     prims.push_back(p);
     return p;
   }
@@ -73,7 +76,7 @@ struct DnnlObjects {
     dnnl_primitive_desc_t pd = nullptr;
     if (!MXF_OK(api.dnnl_reorder_primitive_desc_create(&pd, from, api.engine, to, api.engine, nullptr))) return false;
     pds.push_back(pd);
-    *out = prim(pd);
+    *out = prim(pd, true);
     return *out != nullptr;
   }
 };

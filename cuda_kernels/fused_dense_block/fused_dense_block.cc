@@ -169,8 +169,29 @@ struct Block : DnnlObjects {
     return (*uw_mem && *w_mem && *b_mem) ? c : nullptr;
   }
 
+  // whether oneDNN has optimised (not reference) code for a stride-1 convolution of `in` to `out`
+  // channels, kernel `K`, over nChw16c src and dst (its AVX-512 kernels; a CPU without AVX-512 has
+  // none, and the block then runs NHWC)
+  bool blocked_conv_fast(int64_t in, int64_t out, int64_t K, int64_t H, int64_t W) {
+    const dnnl_dims_t sd = {1, in, H, W}, dd = {1, out, H, W}, wd = {out, in, K, K}, bd = {out};
+    const_dnnl_memory_desc_t s = md(4, sd, dnnl_nChw16c), d = md(4, dd, dnnl_nChw16c),
+                             w = md(4, wd, dnnl_format_tag_any), b = md(1, bd, dnnl_a);
+    if (!s || !d || !w || !b) return false;
+    const int64_t P = K / 2;
+    const dnnl_dims_t strides = {1, 1}, dil = {0, 0}, pad = {P, P};
+    dnnl_primitive_desc_t pd = nullptr;
+    if (!MXF_OK(api.dnnl_convolution_forward_primitive_desc_create(&pd, api.engine, dnnl_forward_inference,
+                                                                   dnnl_convolution_direct, s, w, b, d, strides,
+                                                                   dil, pad, pad, nullptr)))
+      return false;
+    const bool fast = !dnnl_reference_impl(pd);
+    api.dnnl_primitive_desc_destroy(pd);
+    return fast;
+  }
+
   bool create(const Params& p, const Geometry& g) {
-    if (!p.nhwc && g.C0 % 16 == 0 && p.k % 16 == 0 && p.B % 16 == 0) {
+    if (!p.nhwc && g.C0 % 16 == 0 && p.k % 16 == 0 && p.B % 16 == 0 &&
+        blocked_conv_fast(g.C0, p.B, 1, g.H, g.W) && blocked_conv_fast(p.B, p.k, 3, g.H, g.W)) {
       blocked = true;
       return create_blocked(p, g);
     }

@@ -108,6 +108,7 @@ struct Prim {
     if (attr) a.dnnl_primitive_attr_destroy(attr);
     if (!made) return false;
     pds.push_back(pd);
+    if (dnnl_reference_impl(pd)) return false;  // only oneDNN's reference code: the direct loops instead
     if (a.dnnl_primitive_create(&conv, pd) != dnnl_success) return false;
     prims.push_back(conv);
     const_dnnl_memory_desc_t csm = a.dnnl_primitive_desc_query_md(pd, dnnl_query_src_md, 0),
