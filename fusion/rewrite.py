@@ -32,6 +32,7 @@ from .matcher import Match, Trace, _State, match_pattern
 from .modelio import PARAM_DTYPES
 from .pattern import required_ops
 from .precision import FLOAT32, BF16_CODE, cast_slots, dtype_name, is_bf16, reduced_attrs, to_bf16
+from .reasons import NearMiss
 from .report import FusionReport
 from .selfcheck import Candidate, SelfCheck
 
@@ -557,7 +558,7 @@ class _Pass:
             matches.append(accepted)
             self.report.forget_rejections(rule, _key(rule, accepted), fused_at=anchor.name)
             rr.near_misses.pop(anchor.name, None)
-        elif first_reason is not None and rule.quiet_refusals:
+        elif first_reason is not None and (rule.quiet_refusals or isinstance(first_reason, NearMiss)):
             rr.near_misses[anchor.name] = first_reason         # --explain lists it; not news otherwise
         elif first_reason is not None:
             self.report.reject(rule, anchor.name, first_key, first_reason)

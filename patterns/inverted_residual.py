@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Tuple
 from fusion.graph import Entry
 from fusion.matcher import Match
 from fusion.pattern import Const, Pattern, Var, op
+from fusion.reasons import NearMiss
 from fusion.rewrite import Builder
 from fusion.rule import Rule
 
@@ -124,11 +125,15 @@ class InvertedResidual(Rule):
                 return "Convolution '%s' has layout %s (only NCHW)" % (conv.name, conv.param("layout"))
             if tag != "dw":
                 reason = pointwise_conv_reason(conv)
-                if reason:
-                    return reason
+                if reason:      # not this block's 1×1 layer (a ResNet bottleneck's strided or 3×3 one)
+                    return NearMiss(reason)
                 if conv.param("num_group") != 1:
-                    return "Convolution '%s' is grouped (num_group=%d)" % (conv.name, conv.param("num_group"))
+                    return NearMiss("Convolution '%s' is grouped (num_group=%d)" % (conv.name, conv.param("num_group")))
                 continue
+            if int(conv.param("num_group")) != int(conv.param("num_filter")):
+                # not a depthwise layer: every ResNet-style block looks like this; --explain lists them
+                return NearMiss("Convolution '%s' is not depthwise (num_group=%d, num_filter=%d)" % (
+                    conv.name, conv.param("num_group"), conv.param("num_filter")))
             kernel, stride = tuple(conv.param("kernel")), tuple(conv.param("stride")) or (1, 1)
             pad, dilate = tuple(conv.param("pad")) or (0, 0), tuple(conv.param("dilate")) or (1, 1)
             if len(kernel) != 2 or kernel[0] != kernel[1]:
@@ -139,9 +144,6 @@ class InvertedResidual(Rule):
                 return "Convolution '%s' is dilated (dilate=%s)" % (conv.name, dilate)
             if pad != ((kernel[0] - 1) // 2,) * 2:
                 return "Convolution '%s' pads %s, not (K-1)/2 = %d" % (conv.name, pad, (kernel[0] - 1) // 2)
-            if int(conv.param("num_group")) != int(conv.param("num_filter")):
-                return "Convolution '%s' is not depthwise (num_group=%d, num_filter=%d)" % (
-                    conv.name, conv.param("num_group"), conv.param("num_filter"))
         return None
 
     @staticmethod
