@@ -189,6 +189,7 @@ class FusionReport:
             lines.append("  verify: max abs error %.3g, max rel error %.3g (tolerance %.3g): %s"
                          % (v["max_abs"], v["max_rel"], v["rtol"], v.get("status") or ("OK" if v["ok"] else "MISMATCH")))
             lines.extend("  verify: " + p for p in v.get("problems", ()))
+            lines.extend("  verify: " + d for d in v.get("details", ()))
         b = self.extra.get("benchmark")
         if b:
             from .bench import benchmark_lines

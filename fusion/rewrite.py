@@ -477,6 +477,16 @@ def _quantized_reason(m: Match) -> Optional[str]:
     return None
 
 
+def _not_a_candidate(rule, m: Match) -> Optional[str]:
+    """The rule's own reason when it says ``m`` only looks like its candidate (a NearMiss): an engine
+    filter's refusal of such a match (an interior value read outside) is no news either."""
+    try:
+        reason = rule.check(m)
+    except Exception:   # a rule's bug shows where the match is a real candidate
+        return None
+    return reason if isinstance(reason, NearMiss) else None
+
+
 def _internal(rule, e: Exception) -> str:
     return "internal error in rule %s (%s: %s); the subgraph is left as it was" % (
         rule.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -547,6 +557,8 @@ class _Pass:
                 reason = rule.training_reason
             if reason is None:
                 reason = rule.check(m)
+            elif first_reason is None:
+                reason = _not_a_candidate(rule, m) or reason
             if reason is None:
                 accepted = m
                 break
