@@ -426,3 +426,54 @@ def _sizes_apart(data_names: Sequence[str], start: ShapeDict, param_dims: set, a
                 probe = cand
                 moved += 1
     return probe if moved else None
+
+
+# ---------------------------------------------------------------- the self-check's small probes
+
+SHRINK_TO = 64          # sizes of the data inputs above this are shrunk for the self-check's probes, to an
+                        # eighth (then a quarter, a half) but never below it: a stride-32 CNN keeps 2×2 maps
+
+
+def _divides_sizes(graph: Graph) -> bool:
+    """Whether a reshape infers a size by division (-1, or a -4 split): at an input smaller than
+    the user's, MXNet 1.9.1 may infer 0 there and divide by it in a later reshape (a crash)."""
+    for nd in graph.nodes:
+        if nd.op in _SIZE_KEEPING and nd.op not in ("Flatten", "flatten"):
+            spec = nd.attrs.get("shape", nd.attrs.get("newshape"))
+            if "target_shape" in nd.attrs or spec is None or any(int(v) in (-1, -4) for v in tuple(spec)):
+                return True
+    return False
+
+
+def small_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: Mapping[str, Shape]
+                 ) -> Tuple[List[Tuple[ShapeDict, Optional[Dict[Entry, Shape]]]], int]:
+    """Probes like ``make_probes``' but around a smaller copy of the user's input shapes: every
+    size above ``SHRINK_TO`` after the batch axis shrunk to an eighth (then a quarter, a half, then
+    only the sizes no parameter has), at least ``SHRINK_TO``, where the original graph accepts it.
+
+    The self-check runs a rewrite that is the same at every size (see ``selfcheck.size_free``) at
+    these instead of the user's sizes: a 480×480 segmentation model is checked at 64×64.
+    Returns (probes with their inferred shapes, the smallest shrunk size), or ([], 0) when
+    nothing shrinks or the graph has a reshape that divides sizes (see ``_divides_sizes``)."""
+    data_names = sorted(nd.name for nd in graph.variables() if nd.name not in param_shapes and nd.name in input_shapes)
+    if not data_names or _divides_sizes(graph):
+        return [], 0
+    param_dims = {d for s in param_shapes.values() for d in s}
+
+    def shrunk(divisor: int, keep_param_dims: bool) -> ShapeDict:
+        return {n: tuple(s[:1]) + tuple(
+            max(SHRINK_TO, d // divisor) if d > SHRINK_TO and not (keep_param_dims and d in param_dims) else d
+            for d in s[1:]) for n, s in ((n, tuple(input_shapes[n])) for n in data_names)}
+
+    base = {n: tuple(input_shapes[n]) for n in data_names}
+    for divisor, keep in ((8, False), (4, False), (2, False), (8, True)):
+        small = shrunk(divisor, keep)
+        if small == base:
+            continue
+        if infer(graph, {**param_shapes, **small}, complete=True)[0]:
+            smallest = min(d for n in data_names for d, b in zip(small[n][1:], base[n][1:]) if d != b)
+            probes = make_probes(graph, param_shapes, {**input_shapes, **small})
+            if len(probes) > 2 and all(probes[2][0][n][:1] != small[n][:1] for n in data_names if small[n]):
+                del probes[1]   # the sizes' alternate changes the batch too: one run fewer, the same sizes changed
+            return probes, smallest
+    return [], 0

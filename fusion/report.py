@@ -176,6 +176,8 @@ class FusionReport:
             line = "  self-check: %d rewrite(s) checked at %d input shape(s)" % (c.checked, max(1, len(c.probes)))
             if c.checked:
                 line += ", worst relative error %.2g (%s)" % (c.worst_rel, c.worst_at)
+            if getattr(c, "size_free", 0):
+                line += "; %d of them at smaller input shapes only (they name no size)" % c.size_free
             if c.sampled:
                 line += "; %d more identical in structure and shapes to checked ones" % c.sampled
             if c.refused:

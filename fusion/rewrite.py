@@ -65,6 +65,7 @@ class Context:
         self.memo: Dict[Any, Any] = {}      # rules' derived facts about values (they never change)
         self.input_shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
         self._probes: Optional[List[Dict[str, tuple]]] = None
+        self._small: Optional[Tuple[List[Dict[str, tuple]], int]] = None
         self._fact_cache: Dict[int, list] = {}
         self.arg_params = dict(arg_params)
         self.aux_params = dict(aux_params)
@@ -199,6 +200,34 @@ class Context:
             if shapes:
                 self._fact_cache[k] = [dict(shapes), {}, self.graph.version, set(self.graph.nodes)]
 
+    def small_probes(self) -> Tuple[List[Dict[str, tuple]], int]:
+        """The self-check's probes around a smaller copy of the input shapes, and the smallest size
+        shrunk (fusion/facts.small_probes; ([], 0) when none).  Made on first use, from the graph as
+        the self-check first sees it (before any rewrite is committed).  Their facts are kept after
+        ``probes``': probe index ``len(probes) + k``."""
+        if self._small is None:
+            self._small = ([], 0)
+            if self.input_shapes:
+                from .facts import small_probes
+                params = {nd.name: self._param_shape(nd.name) for nd in self.graph.variables()
+                          if self._param_shape(nd.name) is not None}
+                self.graph.compact()
+                found, smallest = small_probes(self.graph, params, self.input_shapes)
+                base = len(self.probes)
+                for k, (_, shapes) in enumerate(found):
+                    if shapes:
+                        self._fact_cache[base + k] = [dict(shapes), {}, self.graph.version, set(self.graph.nodes)]
+                self._small = ([p for p, _ in found], smallest)
+        return self._small
+
+    def probe_shapes(self, probe: int) -> Dict[str, tuple]:
+        """The input shapes of probe ``probe``: one of ``probes``, or after them the small ones."""
+        if probe < len(self.probes):
+            return self.probes[probe]
+        small = self._small[0] if self._small else []
+        k = probe - len(self.probes)
+        return small[k] if k < len(small) else {}
+
     def _facts(self, probe: int):
         """(shapes, dtypes) of the current graph at probe ``probe``, kept across graph versions:
         rewrites keep every surviving value's shape, so values not seen yet are inferred again
@@ -233,8 +262,8 @@ class Context:
             return True
         params = {nd.name: self._param_shape(nd.name) for nd in new
                   if nd.is_variable and self._param_shape(nd.name) is not None}
-        params.update({nd.name: self.probes[probe][nd.name] for nd in new
-                       if nd.is_variable and nd.name in self.probes[probe]})
+        params.update({nd.name: self.probe_shapes(probe)[nd.name] for nd in new
+                       if nd.is_variable and nd.name in self.probe_shapes(probe)})
         got = infer_nodes(new, cache[0], cache[1] if probe == 0 else None, params,
                           {nd.name: self._param_dtype(nd.name) for nd in new
                            if nd.is_variable and self._param_dtype(nd.name)} if probe == 0 else None)
@@ -246,7 +275,7 @@ class Context:
         return True
 
     def _variable_shapes(self, probe: int) -> Dict[str, tuple]:
-        shapes = dict(self.probes[probe]) if probe < len(self.probes) else {}
+        shapes = dict(self.probe_shapes(probe))
         for nd in self.graph.variables():
             s = self._param_shape(nd.name)
             if s is not None:
@@ -628,6 +657,8 @@ class _Pass:
                 e = replaced[e]
             return e
 
+        if self.checker is not None:
+            self.checker.committed(replaced)
         graph = self.graph
         graph.nodes.extend(created)
         graph.nodes.extend(self.ctx.pending_params)
