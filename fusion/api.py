@@ -226,6 +226,8 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     checker = SelfCheck(ctx, enabled=self_check)
     run_rules(graph, rule_list, ctx, report, checker)
     report.self_check = checker.stats if self_check else None
+    if not input_shapes:
+        _count_wanting_shapes(report)
     if mode == "inference":
         from .precision import between_ops
         ctx.precision_between = between_ops(graph, precision)
@@ -246,6 +248,16 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
         1 for n in list(arg_out) + list(aux_out) if n in ctx.arg_params or n in ctx.aux_params)
     report.seconds = time.perf_counter() - start
     return FusionResult(sym, arg_out, aux_out, report, graph)
+
+
+def _count_wanting_shapes(report: FusionReport) -> None:
+    """How many candidates were refused only for want of input shapes (fusion/reasons.py): the
+    summary line says so, and the JSON report's ``more_with_input_shapes``."""
+    from .reasons import wants_shapes
+
+    n = sum(1 for r in report.rules.values() for reason in r.rejected.values() if wants_shapes(reason))
+    if n:
+        report.extra["more_with_input_shapes"] = n
 
 
 def _output_names(symbol: Any, graph: Graph) -> Optional[list]:

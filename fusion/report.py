@@ -143,6 +143,9 @@ class FusionReport:
                  % (self.mode, ("" if self.precision == "float32" else ", precision=" + self.precision)
                     + ("" if self.device == "cpu" else ", device=" + self.device),
                     self.fused_count, self.ops_before, self.ops_after, self.nodes_before, self.nodes_after, self.passes, self.seconds)]
+        wanting = self.extra.get("more_with_input_shapes")
+        if wanting:     # refused for want of input shapes only: the summary says what they would give
+            lines[0] += "; up to %d more rewrite(s) with input shapes (--shape / input_shapes)" % wanting
         width = max([len(r.name) for r in self.rules.values()] + [4])
         lines.append("  %-*s  %6s  %8s  %13s  %6s" % (width, "rule", "fused", "rejected", "nodes removed", "params"))
         quiet = []

@@ -66,6 +66,7 @@ class Context:
         self.input_shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
         self._probes: Optional[List[Dict[str, tuple]]] = None
         self._small: Optional[Tuple[List[Dict[str, tuple]], int]] = None
+        self._partial: Optional[Dict[Entry, tuple]] = None
         self._fact_cache: Dict[int, list] = {}
         self.arg_params = dict(arg_params)
         self.aux_params = dict(aux_params)
@@ -219,6 +220,39 @@ class Context:
                         self._fact_cache[base + k] = [dict(shapes), {}, self.graph.version, set(self.graph.nodes)]
                 self._small = ([p for p, _ in found], smallest)
         return self._small
+
+    def partial_shape(self, entry: Entry) -> Optional[tuple]:
+        """The shape of ``entry`` as far as it is known without the data inputs' sizes: its rank, with
+        None for each size that depends on them (fusion/facts.partial_shapes: channels come from the
+        weights, batch and spatial sizes do not); the whole shape where it is known.  Found once, on
+        the graph before its first rewrite, and carried to the values that replace those values."""
+        full = self.shape(entry)
+        if full is None and entry.node.is_variable:
+            full = self._param_shape(entry.node.name)
+        if full is not None:
+            return full
+        if self._partial is None:
+            self._find_partial()
+        return self._partial.get(entry)
+
+    def _find_partial(self) -> None:
+        from .facts import partial_shapes
+        self._partial = {}
+        if not self.input_shapes:
+            params = {nd.name: self._param_shape(nd.name) for nd in self.graph.variables()
+                      if self._param_shape(nd.name) is not None}
+            self.graph.compact()
+            self._partial = partial_shapes(self.graph, params)
+
+    def committed(self, replaced: Mapping[Entry, Entry]) -> None:
+        """A batch of rewrites is about to be committed (the graph is still as before it): facts
+        known only here (partial shapes) pass to the values that replace the old ones."""
+        if self._partial is None and not self.input_shapes:
+            self._find_partial()        # before the first library op joins the graph
+        if self._partial:
+            for old, new in replaced.items():
+                if old in self._partial and new not in self._partial:
+                    self._partial[new] = self._partial[old]
 
     def probe_shapes(self, probe: int) -> Dict[str, tuple]:
         """The input shapes of probe ``probe``: one of ``probes``, or after them the small ones."""
@@ -657,6 +691,7 @@ class _Pass:
                 e = replaced[e]
             return e
 
+        self.ctx.committed(replaced)
         if self.checker is not None:
             self.checker.committed(replaced)
         graph = self.graph

@@ -31,7 +31,7 @@ layouts other than NCHW, values other than float32, and ``mode='training'`` (no 
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from fusion.graph import Entry
 from fusion.matcher import Match
@@ -40,6 +40,7 @@ from fusion.reasons import NearMiss
 from fusion.rewrite import Builder
 from fusion.rule import Rule
 
+from ._block_shapes import nchw_block
 from ._dtypes import float32_reason
 from .squeeze_excitation import pointwise_conv_reason
 
@@ -76,16 +77,6 @@ def _true(v) -> bool:
 
 def _kind(nd) -> str:
     return "relu" if nd.op == "Activation" else "hard_swish"
-
-
-def nchw_input_shapes(m: Match) -> Tuple[Optional[str], tuple]:
-    """(why not, shapes at every probe) of a CNN block's input ``x``: it must be known and (N, C, H, W)."""
-    xs = m.ctx.shapes(m["x"])
-    if not xs:
-        return "the block's input shape is unknown (pass input shapes)", xs
-    if any(len(s) != 4 for s in xs):
-        return "the block's input has shape %s, not (N, C, H, W)" % (xs[0],), xs
-    return None, xs
 
 
 class InvertedResidual(Rule):
@@ -186,7 +177,7 @@ class InvertedResidual(Rule):
         return None
 
     def _shapes_reason(self, m: Match) -> Optional[str]:
-        reason, xs = nchw_input_shapes(m)
+        reason, xs, shapes, _ = nchw_block(m)
         if reason:
             return reason
         C = int(xs[0][1])
@@ -209,7 +200,9 @@ class InvertedResidual(Rule):
                 return "the SE's weights are %s and %s, not (M, %d, 1, 1) and (%d, M, 1, 1)" % (w1, w2, E, E)
         if m.has("add"):
             for entry in (Entry(m.node("add")), Entry(m.node("project"))):
-                got = m.ctx.shapes(entry)
+                # the sum adds the block's input itself: at filled-in sizes too, what the convolutions
+                # make of any plane (stride 1, "same" padding) decides it
+                got = shapes(entry)
                 if len(got) != len(xs) or any(tuple(a) != tuple(b) for a, b in zip(got, xs)):
                     return "the residual add broadcasts: the projection and the sum must have the block input's shape"
         return None

@@ -47,9 +47,11 @@ import numpy as np
 from fusion.graph import Entry
 from fusion.matcher import Match
 from fusion.pattern import Const, OneOf, Pattern, Var, op
+from fusion.reasons import NeedsShapes
 from fusion.rewrite import Builder
 from fusion.rule import Rule
 
+from ._block_shapes import block_shapes
 from ._dtypes import float32_reason
 from .elementwise import _batchnorm_scale_shift
 from .squeeze_excitation import pointwise_conv_reason
@@ -165,12 +167,14 @@ class SplitAttention(Rule):
 
     def _shapes_reason(self, m: Match) -> Optional[str]:
         ctx = m.ctx
-        xs = ctx.shapes(m["x"])
+        # without input shapes: the block's own ops at filled-in sizes (its channels from the weights)
+        shapes, _ = block_shapes(m, m["x"])
+        xs = shapes(m["x"]) if shapes is not None else ()
         if not xs:
-            return "the shape of the split map is unknown (pass input shapes)"
+            return NeedsShapes("the shape of the split map is unknown")
         if any(len(s) != 4 for s in xs):
             return "the split map has shape %s, not (N, R·C, H, W)" % (xs[0],)
-        shp = lambda name: ctx.shapes(Entry(m.node(name)))  # noqa: E731
+        shp = lambda name: shapes(Entry(m.node(name)))  # noqa: E731
         if self.radix:
             split = shp("split")
             if not split or len(split) != len(xs) or any(
@@ -192,7 +196,7 @@ class SplitAttention(Rule):
         n_hw = [(x[0], C, x[2], x[3]) for x in xs]
         pooled = tuple((x[0], C, 1, 1) for x in xs)
         if not _same(shp("pool"), pooled):
-            return "the pool's output is %s, not the whole-plane mean %s" % (ctx.shape(Entry(m.node("pool"))),
+            return "the pool's output is %s, not the whole-plane mean %s" % ((shp("pool") or (None,))[0],
                                                                               pooled[0])
         w1, w2 = ctx.shape(m["w1"]), ctx.shape(m["w2"])
         if w1 is None or w2 is None:
@@ -223,7 +227,7 @@ class SplitAttention(Rule):
             want = pooled
         if not _same(shp("att_view"), want):
             return "the attention weights have shape %s where the product needs %s" % (
-                ctx.shape(Entry(m.node("att_view"))), want[0])
+                (shp("att_view") or (None,))[0], want[0])
         out = shp("wsum" if self.radix else "mul")
         if not _same(out, tuple(n_hw)):
             return "the result has shape %s, not (N, C, H, W) %s" % (out[0] if out else None, n_hw[0])
@@ -234,7 +238,8 @@ class SplitAttention(Rule):
         act = m.node("act")
         kind = act.attrs["act_type"] if act.op == "Activation" else "relu"
         fc1, fc2 = m.node("fc1"), m.node("fc2")
-        view = m.ctx.shape(Entry(m.node("att_shape")))
+        shapes, _ = block_shapes(m, m["x"])     # (A, R, C/A) do not depend on the sizes: the first probe's
+        view = shapes(Entry(m.node("att_shape")))[0]
         attrs = {"radix": int(view[2]), "att_groups": int(view[1]),
                  "num_group1": int(fc1.param("num_group")), "num_group2": int(fc2.param("num_group")),
                  "act": "act_relu" if (act.op == "Activation" and kind == "relu") else kind,

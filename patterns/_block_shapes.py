@@ -1,0 +1,48 @@
+"""Shapes a CNN block rule decides from, with or without input shapes.
+
+With input shapes they are the graph's facts at every probe (``Context.shapes``).  Without, a
+block's channels still come from its weights, and how its values relate comes from its own ops:
+the match's nodes inferred at fillings of the sizes MXNet leaves unknown
+(``fusion/localfacts.py``).  Either way a rule asks ``shapes(entry)`` for a value's shape at every
+probe or filling.  What a rule cannot decide from its ops (whether an add of two inputs
+broadcasts at some sizes) it refuses without input shapes with a ``NeedsShapes`` reason.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Tuple
+
+from fusion.graph import Entry
+from fusion.localfacts import match_shapes
+from fusion.matcher import Match
+from fusion.reasons import NeedsShapes
+
+Shapes = Callable[[Entry], Tuple[tuple, ...]]
+
+
+def block_shapes(m: Match, source: Entry, extra: Sequence[Entry] = ()) -> Tuple[Optional[Shapes], bool]:
+    """(shapes, assumed): the graph's facts when ``source``'s shape is known; without input shapes,
+    the match's own at filled-in sizes (``assumed``); (None, False) when neither is known."""
+    ctx = m.ctx
+    if ctx.shapes(source) or ctx.input_shapes:
+        return ctx.shapes, False
+    local = match_shapes(ctx, m.nodes, extra)
+    return (local, True) if local is not None else (None, False)
+
+
+def nchw_block(m: Match, source: Optional[Entry] = None, extra: Sequence[Entry] = ()
+               ) -> Tuple[Optional[str], tuple, Optional[Shapes], bool]:
+    """(why not, the block input's shapes, shapes, assumed): the input ``source`` (default ``x``)
+    must be (N, C, H, W) with C known."""
+    x = m["x"] if source is None else source
+    shapes, assumed = block_shapes(m, x, extra)
+    xs = shapes(x) if shapes is not None else ()
+    if not xs:
+        return NeedsShapes("the block's input shape is unknown"), xs, shapes, assumed
+    if any(len(s) != 4 for s in xs):
+        return "the block's input has shape %s, not (N, C, H, W)" % (xs[0],), xs, shapes, assumed
+    return None, xs, shapes, assumed
+
+
+def broadcasting_add(op: str) -> bool:
+    """Whether an add op broadcasts (its operands' shapes may differ), as broadcast_add does."""
+    return op.startswith("broadcast_")
