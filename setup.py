@@ -14,7 +14,7 @@ class BuildWithKernels(build_py):
         super().run()
         here = os.path.dirname(os.path.abspath(__file__))
         spec = importlib.util.spec_from_file_location(
-            "_mxf_native", os.path.join(here, "fusion", "_native.py"))
+            "_mxf_native", os.path.join(here, "fusion", "native", "library.py"))
         native = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(native)
         native.build(verbose=True, lib_dir=os.path.join(self.build_lib, "fusion", "_lib"))

@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fusion import _env  # noqa: E402
+from fusion.native import env as _env  # noqa: E402
 
 _env.configure_threads()
 
@@ -34,8 +34,8 @@ import mxnet as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import fusion  # noqa: E402
-from fusion.bench import executor, time_interleaved  # noqa: E402
-from fusion.verify import run as run_model  # noqa: E402
+from fusion.check.bench import executor, time_interleaved  # noqa: E402
+from fusion.check.verify import run as run_model  # noqa: E402
 
 S = mx.sym
 

@@ -5,7 +5,7 @@
 
 Part 1: batch 1 at 224×224 (299×299 for Inception-v3), random weights and
 randomized BatchNorm statistics.  The original and the fused model are bound
-in the same process and timed round-robin (``fusion.bench.time_interleaved``,
+in the same process and timed round-robin (``fusion.check.bench.time_interleaved``,
 medians), each once with MXNet's default bind (oneDNN subgraph backend on) and
 once with the subgraph backend off.  Ratios above 1 mean the fused model is
 faster:
@@ -30,16 +30,16 @@ import time
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
 
-from fusion._env import configure_threads  # noqa: E402  (must run before mxnet is imported)
+from fusion.native.env import configure_threads  # noqa: E402  (must run before mxnet is imported)
 
 configure_threads()
 
 import numpy as np  # noqa: E402
 
 import fusion  # noqa: E402
-from fusion.bench import fused_vs_original  # noqa: E402
+from fusion.check.bench import fused_vs_original  # noqa: E402
 from fusion.testing import zoo_model  # noqa: E402
-from fusion.verify import random_inputs  # noqa: E402
+from fusion.check.verify import random_inputs  # noqa: E402
 
 MODELS = ("resnet18_v1", "resnet50_v1", "mobilenetv2_1.0", "densenet121", "inceptionv3",
           "squeezenet1.0", "vgg11_bn")

@@ -4,7 +4,7 @@
                                           [--repeats 30] [--rounds 1]
 
 Batch 1 at 224×224, random weights and randomized BatchNorm statistics.  The networks
-are written as GluonCV writes them (``fusion/testing_gluoncv.py``; DenseNet-121 and
+are written as GluonCV writes them (``fusion/testing/gluoncv.py``; DenseNet-121 and
 ResNet-50 are MXNet's model zoo, which GluonCV's equal).  Original and fused model are
 bound in the same process with MXNet's default bind (its oneDNN subgraph backend on,
 which fuses conv+BN+ReLU(+add) itself) and timed round-robin; per model the median and
@@ -28,18 +28,18 @@ import sys
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
 
-from fusion._env import configure_threads  # noqa: E402  (must run before mxnet is imported)
+from fusion.native.env import configure_threads  # noqa: E402  (must run before mxnet is imported)
 
 configure_threads()
 
 import numpy as np  # noqa: E402
 
 import fusion  # noqa: E402
-from fusion.bench import executor, time_samples  # noqa: E402
+from fusion.check.bench import executor, time_samples  # noqa: E402
 from fusion.testing import zoo_model  # noqa: E402
-from fusion.testing_gluoncv import MODELS as GLUONCV  # noqa: E402
-from fusion.testing_gluoncv import gluoncv_model  # noqa: E402
-from fusion.verify import random_inputs  # noqa: E402
+from fusion.testing.gluoncv import MODELS as GLUONCV  # noqa: E402
+from fusion.testing.gluoncv import gluoncv_model  # noqa: E402
+from fusion.check.verify import random_inputs  # noqa: E402
 
 MODELS = ("se_resnext50_32x4d", "resnest50", "mobilenetv3_large", "densenet121", "densenet121+dense_concat", "resnet50_v1",
           "se_resnet50_v1")

@@ -19,6 +19,7 @@ target is met.  --quick fits in about 3 minutes on an H200 (build excluded).
 A machine without a GPU or PyTorch prints why and exits 0 (so scripts can call it anywhere).
 """
 import argparse
+import ctypes
 import os
 import statistics
 import sys
@@ -63,51 +64,159 @@ def row(op, case, fused_ms, base_ms, base_name, target, extra=""):
         flush=True)
 
 
-def bench_attention(lib, torch, ws, seqs, batch, reps):
-    F = torch.nn.functional
-    H = 16
-    for dtype in (torch.float16, torch.bfloat16):
-        for D in (64, 128):
-            for causal in (False, True):
-                for S in seqs:
-                    q, k, v = (torch.randn(batch, H, S, D, device="cuda", dtype=dtype) for _ in range(3))
-                    o = torch.empty_like(q)
-                    args = ci.attention_args(q, k, v, o, D ** -0.5, causal="exclude" if causal else "none")
-                    fused = lambda: check(lib, ci.attention(lib, ws, args), "attention")  # noqa: E731
-                    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
-                    t = timed(torch, [fused, sdpa], reps if S <= 2048 else max(3, reps // 2))
-                    fused()
-                    diff = (o.float() - sdpa().float()).abs().max().item()
-                    fl = 4 * batch * H * S * S * D / (2 if causal else 1)
-                    row("attention", "%s D=%d S=%d%s" % (str(dtype)[6:], D, S, " causal" if causal else ""),
-                        t[0], t[1], "sdpa", 1.5, "%.0f TFLOP/s, max|diff| %.1e" % (fl / t[0] / 1e9, diff))
+# ---------------------------------------------------------------------------- attention
+# Shapes (B, H, Sq, Sk, D, causal): the BERT ones, then long sequences.  Targets: fp16 / bf16 forward
+# >= 0.9x SDPA's speed, backward >= 0.8x SDPA's backward; fp32 >= 1.0x the unfused cuBLAS path
+# (matmul -> softmax -> matmul, TF32 off), forward and backward.
+ATTN_BERT = [(32, 12, 128, 128, 64, False), (8, 16, 512, 512, 64, False)]
+ATTN_LONG = [(2, 16, S, S, D, c) for D in (64, 128) for c in (False, True) for S in (1024, 2048, 4096)]
+ATTN_FP32_LONG = [(4, 16, 2048, 2048, 128, False), (2, 16, 1024, 1024, 64, True)]
+ATTN_TARGET = {("float16", "forward"): 0.9, ("bfloat16", "forward"): 0.9, ("float16", "backward"): 0.8,
+               ("bfloat16", "backward"): 0.8, ("float32", "forward"): 1.0, ("float32", "backward"): 1.0}
+ATTN_ROWS = []   # one per measured case, for the compact table and the cost table
+COST = []        # cost-table entries (schema in benchmarks/README / the cost-table loader)
 
 
-def bench_attention_backward(lib, torch, ws, seqs, batch, reps):
-    """Backward only: ours from the saved lse vs SDPA's backward (autograd.grad on a kept graph)."""
+def _attn_unfused(torch, q, k, v, scale, causal):
+    """The unfused graph's path: matmul -> (mask) -> softmax -> matmul, in q's dtype."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        Sq, Sk = s.shape[-2], s.shape[-1]
+        band = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(Sk - Sq)
+        s = s.masked_fill(~band, float("-inf"))
+    return torch.matmul(torch.softmax(s, -1), v)
+
+
+def _attn_case(lib, torch, ws, dtype, shape, reps, backends, bwd):
+    """Times one shape: ours per backend, SDPA (fp16 / bf16), the unfused path; forward and backward."""
     F = torch.nn.functional
-    H = 16
-    for D in (64, 128):
-        for causal in (False, True):
-            for S in seqs:
-                dt = torch.float16
-                q, k, v = (torch.randn(batch, H, S, D, device="cuda", dtype=dt) for _ in range(3))
-                o, dout = torch.empty_like(q), torch.randn_like(q)
-                lse = torch.empty(batch * H * S, device="cuda")
-                args = ci.attention_args(q, k, v, o, D ** -0.5, causal="exclude" if causal else "none", lse=lse)
-                check(lib, ci.attention(lib, ws, args), "attention")
-                dq, dk, dv = (torch.empty_like(q) for _ in range(3))
-                g = ci.AttnGrads(dout=dout.data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(),
-                                 req_dq=ci.REQ_WRITE, req_dk=ci.REQ_WRITE, req_dv=ci.REQ_WRITE)
-                qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
-                out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
-                fused = lambda: check(lib, ci.attention_backward(lib, ws, args, g), "attention backward")  # noqa: E731
-                ref = lambda: torch.autograd.grad(out, (qr, kr, vr), dout, retain_graph=True)  # noqa: E731
-                t = timed(torch, [fused, ref], max(3, reps // 2))
-                fused()
-                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip((dq, dk, dv), ref()))
-                row("attention bwd", "fp16 D=%d S=%d%s" % (D, S, " causal" if causal else ""), t[0], t[1],
-                    "sdpa bwd", None, "max|diff| %.1e" % diff)
+    B, H, Sq, Sk, D, causal = shape
+    dt = getattr(torch, dtype)
+    q = torch.randn(B, H, Sq, D, device="cuda", dtype=dt)
+    k, v = (torch.randn(B, H, Sk, D, device="cuda", dtype=dt) for _ in range(2))
+    o, dout = torch.empty_like(q), torch.randn_like(q)
+    lse = torch.empty(B * H * Sq, device="cuda")
+    scale = D ** -0.5
+    name = "B%d H%d S%d%s D%d%s" % (B, H, Sq, "" if Sq == Sk else "/%d" % Sk, D, " causal" if causal else "")
+    r = reps if Sq * Sk <= 2048 * 2048 else max(3, reps // 2)
+    cases = {}
+    for be in backends:
+        args = ci.attention_args(q, k, v, o, scale, causal="exclude" if causal else "none", lse=lse)
+        args.backend = ci.BACKENDS[be]
+        chosen, why = ci.attention_backend(lib, args)
+        if chosen != be:
+            print("  %s %s %s: backend %s not available (%s)" % (dtype, name, be, be, why), flush=True)
+            continue
+        cases[be] = args
+    sdpa = (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)) \
+        if dtype != "float32" else None
+    unf = lambda: _attn_unfused(torch, q, k, v, scale, causal)  # noqa: E731
+    fns = [(lambda a=a: check(lib, ci.attention(lib, ws, a), "attention")) for a in cases.values()]
+    refs = ([sdpa] if sdpa else []) + [unf]
+    t = timed(torch, fns + refs, r, warmup=2)
+    sdpa_ms = t[len(fns)] if sdpa else None
+    unf_ms = t[-1]
+    want = (sdpa or unf)().float()
+    for (be, a), ms in zip(cases.items(), t):
+        check(lib, ci.attention(lib, ws, a), "attention")
+        diff = (o.float() - want).abs().max().item()
+        _attn_row(dtype, "forward", name, shape, be, ms, sdpa_ms, unf_ms, diff)
+    if not bwd:
+        return
+    # backward: ours from the saved lse; SDPA's and the unfused path's autograd backward on kept graphs
+    qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    outs = []
+    if sdpa:
+        outs.append(F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal, scale=scale))
+    outs.append(_attn_unfused(torch, qr, kr, vr, scale, causal))
+    refs = [(lambda out=out: torch.autograd.grad(out, (qr, kr, vr), dout, retain_graph=True)) for out in outs]
+    dq, dk, dv = (torch.empty_like(q) for _ in range(3))
+    g = ci.AttnGrads(dout=dout.data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(),
+                     req_dq=ci.REQ_WRITE, req_dk=ci.REQ_WRITE, req_dv=ci.REQ_WRITE)
+    bfns, bnames = [], []
+    for be, a in cases.items():
+        check(lib, ci.attention(lib, ws, a), "attention")  # lse of this backend's forward
+        chosen, why = ci.attention_backend(lib, a, backward=True)
+        if chosen != be:  # e.g. the fp32 products have no backward: the call runs what AUTO picks
+            b = ci.AttnArgs()
+            ctypes.memmove(ctypes.byref(b), ctypes.byref(a), ctypes.sizeof(a))
+            b.backend = ci.BACKENDS["auto"]
+            chosen, _ = ci.attention_backend(lib, b, backward=True)
+            print("  %s %s %s backward: runs %s (%s)" % (dtype, name, be, chosen, why), flush=True)
+            if chosen in bnames:
+                continue
+            a, be = b, chosen
+        bfns.append(lambda a=a: check(lib, ci.attention_backward(lib, ws, a, g), "attention backward"))
+        bnames.append(be)
+    t = timed(torch, bfns + refs, max(3, r // 2), warmup=1)
+    sdpa_ms = t[len(bfns)] if sdpa else None
+    unf_ms = t[-1]
+    want = refs[0]()
+    for be, f, ms in zip(bnames, bfns, t):
+        f()
+        diff = max((x.float() - y.float()).abs().max().item() for x, y in zip((dq, dk, dv), want))
+        _attn_row(dtype, "backward", name, shape, be, ms, sdpa_ms, unf_ms, diff)
+
+
+def _attn_row(dtype, pas, name, shape, backend, ms, sdpa_ms, unf_ms, diff):
+    base = unf_ms if dtype == "float32" else sdpa_ms
+    target = ATTN_TARGET[(dtype, pas)]
+    ratio = base / ms
+    ATTN_ROWS.append((dtype, pas, name, backend, ms, sdpa_ms, unf_ms, ratio, target, ratio >= target, diff))
+    print("| %s | %s | %s | %s | %.3f | %s | %.3f | %.2f (%s >= %.1f) | %s | %.1e |" % (
+        dtype, pas, name, backend, ms, "-" if sdpa_ms is None else "%.3f" % sdpa_ms, unf_ms, ratio,
+        "unfused/fused" if dtype == "float32" else "sdpa/fused", target, "yes" if ratio >= target else "NO", diff),
+        flush=True)
+    B, H, Sq, Sk, D, causal = shape
+    COST.append({"op": "fused_attention", "dtype": dtype, "pass": pas,
+                 "case": {"B": B, "H": H, "Sq": Sq, "Sk": Sk, "D": D, "causal": causal, "mask": "none",
+                          "backend": {"gemm": "gemm_softmax"}.get(backend, backend)},
+                 "fused_ms": round(ms, 4), "unfused_ms": round(unf_ms, 4), "reference": "unfused cuBLAS path",
+                 "sdpa_ms": None if sdpa_ms is None else round(sdpa_ms, 4)})
+
+
+def bench_attention_all(lib, torch, ws, reps, quick):
+    """fused_attention per backend vs SDPA vs the unfused path, fp32 / fp16 / bf16, forward and
+    backward; prints its rows, then a compact table against the targets."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    print("\n| dtype | pass | case | backend | fused ms | sdpa ms | unfused ms | ratio (target) | ok | max diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    longs = [sh for sh in ATTN_LONG if not quick or sh[2] != 2048]  # --quick: S = 1024 and 4096
+    for dtype in ("float16", "bfloat16"):
+        for shape in ATTN_BERT + longs:
+            bwd = True
+            _attn_case(lib, torch, ws, dtype, shape, reps, ("cudnn", "own"), bwd)
+    for shape in ATTN_BERT + ATTN_FP32_LONG:
+        _attn_case(lib, torch, ws, "float32", shape, reps, ("gemm", "own") if shape[2] <= 512 else ("gemm",), True)
+    print("\nattention targets (best backend per case):")
+    best = {}
+    for r in ATTN_ROWS:
+        key = r[:3]
+        if key not in best or r[7] > best[key][7]:
+            best[key] = r
+    held = sum(1 for r in best.values() if r[9])
+    for r in best.values():
+        if not r[9]:
+            print("  target missed: %s %s %s: best %s %.2f < %.1f" % (r[0], r[1], r[2], r[3], r[7], r[8]))
+    print("  %d of %d cases meet their target" % (held, len(best)))
+
+
+def write_cost_table(torch, path):
+    import datetime
+    import json
+    import subprocess
+    try:
+        drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             stdout=subprocess.PIPE, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except Exception:  # noqa: BLE001 -- the table is still useful without it
+        drv = "unknown"
+    table = {"device": torch.cuda.get_device_name(), "kind": "gpu", "driver": drv, "cuda": str(torch.version.cuda),
+             "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv), "entries": COST}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(table, fh, indent=1)
+    print("cost table (%d entries) written to %s" % (len(COST), path))
 
 
 def bench_dense(lib, torch, ws, shapes, reps):
@@ -163,6 +272,8 @@ def bench_elemwise(lib, torch, reps):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (about 3 minutes)")
+    ap.add_argument("--cost-table", help="where the attention cost table (JSON) goes "
+                    "(default: $OUT/gpu-check/cost_table_attention.json, else out/gpu-check/)")
     a = ap.parse_args()
     try:
         import torch
@@ -181,8 +292,10 @@ def main():
     print("|---|---|---|---|---|---|---|")
     reps = 10 if a.quick else 30
     seqs = [1024, 2048, 4096]
-    bench_attention(lib, torch, ws, seqs, 2 if a.quick else 4, reps)
-    bench_attention_backward(lib, torch, ws, [2048] if a.quick else seqs, 2 if a.quick else 4, reps)
+    print("cuDNN (fused attention): %s" % (lib.mxf_cudnn_version() or "not loaded"))
+    bench_attention_all(lib, torch, ws, reps, a.quick)
+    write_cost_table(torch, a.cost_table or os.path.join(os.environ.get("OUT") or os.path.join(_REPO, "out"),
+                                                         "gpu-check", "cost_table_attention.json"))
     dense_shapes = [(8192, 4096, 4096), (4096, 1024, 4096)] if a.quick else \
         [(8192, 4096, 4096), (4096, 1024, 4096), (4096, 4096, 1024), (16384, 8192, 8192)]
     bench_dense(lib, torch, ws, dense_shapes, reps)

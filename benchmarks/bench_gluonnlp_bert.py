@@ -13,13 +13,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fusion import _env  # noqa: E402
+from fusion.native import env as _env  # noqa: E402
 
 _env.configure_threads()
 
 
 import fusion  # noqa: E402
-from fusion.bench import fused_vs_original  # noqa: E402
+from fusion.check.bench import fused_vs_original  # noqa: E402
 
 
 def main():

@@ -19,15 +19,15 @@ import sys
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
 
-from fusion._env import configure_threads  # noqa: E402  (must run before mxnet is imported)
+from fusion.native.env import configure_threads  # noqa: E402  (must run before mxnet is imported)
 
 configure_threads()
 
 import numpy as np  # noqa: E402
 
 import fusion  # noqa: E402
-from fusion.bench import executor, time_samples  # noqa: E402
-from fusion.verify import random_inputs  # noqa: E402
+from fusion.check.bench import executor, time_samples  # noqa: E402
+from fusion.check.verify import random_inputs  # noqa: E402
 
 # (channels, plane size, channels per group): ResNeXt-50 32x4d's stages
 CASES = ((128, 56, 4), (256, 28, 8), (512, 14, 16))

@@ -25,11 +25,11 @@ sys.path.insert(0, _REPO)
 
 def _native():
     try:
-        from fusion import _native
+        from fusion.native import library as _native
         return _native
     except Exception:
         spec = importlib.util.spec_from_file_location("fusion_native_bench",
-                                                      os.path.join(_REPO, "fusion", "_native.py"))
+                                                      os.path.join(_REPO, "fusion", "native", "library.py"))
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod

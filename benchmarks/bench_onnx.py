@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fusion import _env  # noqa: E402
+from fusion.native import env as _env  # noqa: E402
 
 _env.configure_threads()
 
@@ -56,7 +56,7 @@ def _ort_optimized(src, dst, layers_heads_hidden):
 
 def _ours(src, dst, shapes, opset):
     import fusion
-    from fusion.onnx_io import export_onnx, import_onnx
+    from fusion.onnx.importer import export_onnx, import_onnx
 
     t0 = time.perf_counter()
     sym, arg, aux = import_onnx(src, input_shapes=shapes)

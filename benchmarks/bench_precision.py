@@ -35,7 +35,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fusion import _env  # noqa: E402
+from fusion.native import env as _env  # noqa: E402
 
 _env.configure_threads()
 
@@ -43,9 +43,9 @@ import mxnet as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import fusion  # noqa: E402
-from fusion.bench import executor, time_samples  # noqa: E402
-from fusion.precision import BF16, native_bf16_reason, to_bf16  # noqa: E402
-from fusion.verify import run as run_model  # noqa: E402
+from fusion.check.bench import executor, time_samples  # noqa: E402
+from fusion.precision.policy import BF16, native_bf16_reason, to_bf16  # noqa: E402
+from fusion.check.verify import run as run_model  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_bert import encoder, random_weights  # noqa: E402
@@ -195,7 +195,7 @@ def ceiling(args):
     import subprocess
     import tempfile
 
-    from fusion._native import _dnnl_include
+    from fusion.native.library import _dnnl_include
     if not shutil.which("g++"):
         print("\nceiling: no g++ here")
         return

@@ -18,7 +18,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
 sys.path.insert(0, os.path.join(_REPO, "tests"))
 
-from fusion._env import configure_threads  # noqa: E402
+from fusion.native.env import configure_threads  # noqa: E402
 
 configure_threads()
 

@@ -7,7 +7,10 @@ Imports neither MXNet nor the ``fusion`` package, so all of them run on a GPU ma
 PyTorch and nvcc but no MXNet: ``build()`` compiles ``cuda_kernels/*/*.cu`` (plus the
 expression parser) with nvcc for sm_80 and sm_90, the CUDA runtime linked statically and
 cuBLASLt dynamically, from the ``nvidia-cublas`` wheel's headers and library (CUDA 13:
-``nvidia/cu13``; ``nvidia/cublas`` for CUDA 12 wheels) or the CUDA toolkit's.
+``nvidia/cu13``; ``nvidia/cublas`` for CUDA 12 wheels) or the CUDA toolkit's; fused_attention's cuDNN path from the
+cuDNN frontend's headers (``nvidia-cudnn-frontend`` wheel, or the copy ``make gpu-bundle`` leaves in
+``build/cudnn_bundle``) and cuDNN's (``nvidia-cudnn-cu13``), libcudnn opened at run time (see
+``cudnn_dirs()``).
 """
 import ctypes
 import glob
@@ -21,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_HERE)
 BUILD_DIR = os.path.join(_REPO, "build", "mxfusion_cuda_iface")
+# what `make gpu-bundle` copies for a GPU machine whose Python has cuDNN but not the frontend's headers
+CUDNN_BUNDLE = os.path.join(_REPO, "build", "cudnn_bundle")
 LIB_NAME = "libmxfusion_cuda.so"
 ARCHS = ("80", "90")
 NVCCFLAGS = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-cudart", "static"]
@@ -34,6 +39,11 @@ ACTS = ["none", "relu", "sigmoid", "tanh", "softrelu", "leaky", "gelu_erf", "gel
 # mxf_attention_args.mask_kind / .causal
 MASK_KINDS = {"none": 0, "additive": 1, "boolean": 2, "valid_length": 3}
 CAUSAL = {"none": 0, "exclude": 1, "add": 2, "fill": 3}
+# mxf_attention_args.backend, .lengths_hint
+BACKENDS = {"auto": 0, "own": 1, "cudnn": 2, "gemm": 3}
+BACKEND_NAMES = {v: k for k, v in BACKENDS.items()}
+LEN_PER_BATCH, LEN_NONZERO = 1, 2
+ERR_CUDNN = -2000
 
 _c_i64, _c_vp, _c_sz = ctypes.c_int64, ctypes.c_void_p, ctypes.c_size_t
 
@@ -49,7 +59,8 @@ class AttnArgs(ctypes.Structure):
                 [(n, _c_i64) for n in ("m_sb", "m_sh", "m_sq", "m_sk")] +
                 [("lengths", _c_vp), ("len_sn", _c_i64), ("len_sq", _c_i64),
                  ("scale", ctypes.c_float), ("mask_value", ctypes.c_float), ("causal", ctypes.c_int32),
-                 ("lse", _c_vp)])
+                 ("lse", _c_vp), ("backend", ctypes.c_int32), ("allow_tf32", ctypes.c_int32),
+                 ("lengths_hint", ctypes.c_int32)])
 
 
 class AttnGrads(ctypes.Structure):
@@ -100,9 +111,66 @@ def cublas_flags():
     return ["-I" + inc], ["-L" + lib, "-l:" + name, "-Xlinker", "-rpath=" + lib]
 
 
+def _find(rel, extra=()):
+    """The first folder of sys.path (then `extra`) holding `rel`."""
+    for base in list(sys.path) + list(extra):
+        if base and os.path.exists(os.path.join(base, rel)):
+            return base
+    return None
+
+
+def cudnn_dirs():
+    """{"frontend": include folder of cudnn_frontend.h, "include": cudnn.h's folder, "lib": libcudnn.so.9's
+    folder or "", "cudart": libcudart.so.13's folder or ""}, or None when the headers are missing.
+
+    The frontend's headers: MXFUSION_CUDNN_FRONTEND_INCLUDE, the nvidia-cudnn-frontend wheel
+    (site-packages/include), or build/cudnn_bundle/frontend (``make gpu-bundle``).  cuDNN's headers
+    and library: the nvidia-cudnn wheel (nvidia/cudnn, e.g. PyTorch's), else the bundled headers.
+    The library is not linked: the build records its folder, where libmxfusion_cuda.so opens it at
+    the first cuDNN call (MXFUSION_CUDNN_LIB overrides)."""
+    fe = os.environ.get("MXFUSION_CUDNN_FRONTEND_INCLUDE")
+    if not (fe and os.path.exists(os.path.join(fe, "cudnn_frontend.h"))):
+        base = _find(os.path.join("include", "cudnn_frontend.h"), [os.path.join(CUDNN_BUNDLE, "frontend")])
+        fe = os.path.join(base, "include") if base else None
+    base = _find(os.path.join("nvidia", "cudnn", "include", "cudnn.h"))
+    if base:
+        inc = os.path.join(base, "nvidia", "cudnn", "include")
+    elif os.path.exists(os.path.join(CUDNN_BUNDLE, "cudnn", "include", "cudnn.h")):
+        inc = os.path.join(CUDNN_BUNDLE, "cudnn", "include")
+    else:
+        inc = None
+    if not fe or not inc:
+        return None
+    libbase = _find(os.path.join("nvidia", "cudnn", "lib", "libcudnn.so.9"))
+    rt = _find(os.path.join("nvidia", "cu13", "lib", "libcudart.so.13"))
+    cudart = os.path.join(rt, "nvidia", "cu13", "lib") if rt else ""
+    nvcc = nvcc_path()
+    if not cudart and nvcc:
+        root = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+        for d in (os.path.join(root, "lib64"), os.path.join(root, "targets", "x86_64-linux", "lib"),
+                  "/usr/local/cuda/lib64"):
+            if os.path.exists(os.path.join(d, "libcudart.so.13")):
+                cudart = d
+                break
+    return {"frontend": fe, "include": inc, "lib": os.path.join(libbase, "nvidia", "cudnn", "lib") if libbase else "",
+            "cudart": cudart}
+
+
+def cudnn_flags():
+    """nvcc flags of the cuDNN path (none without the headers: it then compiles as 'not built')."""
+    d = cudnn_dirs()
+    if not d:
+        return []
+    # the frontend's JSON (serialisation) is not used; -O1: its headers take minutes to compile at -O3
+    return ["-I" + d["frontend"], "-I" + d["include"], "-DMXF_WITH_CUDNN=1", "-DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING",
+            "-DCUDNN_FRONTEND_SKIP_JSON_LIB", "-Xcompiler", "-O1",
+            '-DMXF_CUDNN_LIB_DIR="%s"' % d["lib"], '-DMXF_CUDART_LIB_DIR="%s"' % d["cudart"]]
+
+
 def sources():
     srcs = sorted(glob.glob(os.path.join(_HERE, "*", "*.cu")))
     srcs.append(os.path.join(_HERE, "fused_elemwise", "expr_program.cc"))
+    srcs.append(os.path.join(_HERE, "fused_attention", "attention_cudnn_graph.cpp"))  # host C++ (cuDNN frontend)
     deps = sorted(glob.glob(os.path.join(_HERE, "*", "*.h")) + glob.glob(os.path.join(_HERE, "*", "*.cuh")))
     return srcs, deps
 
@@ -118,10 +186,12 @@ def compile_commands(objdir, archs=ARCHS, extra=()):
     """nvcc commands for every source: [(source, object, argv)]."""
     cflags, _ = cublas_flags()
     inc = ["-I" + _HERE, "-I" + os.path.join(_HERE, "common")] + cflags
+    dnn = cudnn_flags()
     out = []
     for s in sources()[0]:
         o = os.path.join(objdir, os.path.basename(os.path.dirname(s)) + "_" + os.path.basename(s) + ".o")
-        out.append((s, o, [nvcc_path()] + NVCCFLAGS + gencode(archs) + inc + list(extra) +
+        own = dnn if os.path.basename(s) == "attention_cudnn_graph.cpp" else []
+        out.append((s, o, [nvcc_path()] + NVCCFLAGS + gencode(archs) + inc + own + list(extra) +
                     ["-x", "cu" if s.endswith(".cu") else "c++", "-c", s, "-o", o]))
     return out
 
@@ -129,7 +199,7 @@ def compile_commands(objdir, archs=ARCHS, extra=()):
 def _hash(archs):
     srcs, deps = sources()
     h = hashlib.sha256()
-    h.update(" ".join(NVCCFLAGS + gencode(archs) + sum(cublas_flags(), [])).encode())
+    h.update(" ".join(NVCCFLAGS + gencode(archs) + sum(cublas_flags(), []) + cudnn_flags()).encode())
     for f in srcs + deps:
         h.update(os.path.relpath(f, _HERE).encode())
         with open(f, "rb") as fh:
@@ -212,6 +282,8 @@ _SIGNATURES = [
     ("mxf_elemwise_forward", ctypes.c_int,
      [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, _P(_c_vp), _P(_P(_c_i64)), _P(ctypes.c_int), _c_vp,
       ctypes.c_char_p, ctypes.c_int, _c_vp]),
+    ("mxf_attention_backend", ctypes.c_int, [_P(AttnArgs), ctypes.c_int, ctypes.c_char_p, _c_sz]),
+    ("mxf_cudnn_version", _c_sz, []),
     ("mxf_attention_forward_workspace_size", _c_sz, [_P(AttnArgs)]),
     ("mxf_attention_forward", ctypes.c_int, [_P(AttnArgs), _c_vp, _c_sz, _c_vp]),
     ("mxf_attention_backward_workspace_size", _c_sz, [_P(AttnArgs), _P(AttnGrads)]),
@@ -313,6 +385,13 @@ def attention_args(q, k, v, o, scale, layout="bhsd", causal="none", mask_value=-
     (a.q_bs, a.q_hs, a.q_rs), (a.k_bs, a.k_hs, a.k_rs) = st(q), st(k)
     (a.v_bs, a.v_hs, a.v_rs), (a.o_bs, a.o_hs, a.o_rs) = st(v), st(o)
     return a
+
+
+def attention_backend(lib, args, backward=False):
+    """(backend name, reason text) the library chooses for these arguments (no GPU needed)."""
+    why = ctypes.create_string_buffer(1024)
+    rc = lib.mxf_attention_backend(ctypes.byref(args), int(backward), why, 1024)
+    return BACKEND_NAMES.get(rc, "error %d" % rc), why.value.decode()
 
 
 def attention(lib, ws, args, stream=None):

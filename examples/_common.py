@@ -5,7 +5,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from fusion import _env  # noqa: E402
+from fusion.native import env as _env  # noqa: E402
 
 _env.configure_threads()
 

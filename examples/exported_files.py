@@ -12,7 +12,7 @@ import tempfile
 
 from _common import MODEL, repeats
 
-from fusion import cli
+from fusion.doors import cli
 
 with tempfile.TemporaryDirectory() as out:
     code = cli.main([MODEL + "-symbol.json", "--params", MODEL + "-0000.params", "-o", out + "/",

@@ -8,7 +8,7 @@ import mxnet as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import fusion
-from fusion.bench import executor, time_interleaved
+from fusion.check.bench import executor, time_interleaved
 
 sym, arg, aux = mx.model.load_checkpoint(MODEL, 0)
 result = fusion.fuse(sym, arg, aux, input_shapes={"data": (1, 3, 224, 224)})

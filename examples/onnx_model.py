@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fusion import _env  # noqa: E402
+from fusion.native import env as _env  # noqa: E402
 
 _env.configure_threads()   # before mxnet is imported: OMP_NUM_THREADS, MXNET_CPU_PARALLEL_SIZE
 
@@ -22,10 +22,10 @@ import onnx  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import fusion  # noqa: E402
-from fusion.bench import executor, time_interleaved  # noqa: E402
-from fusion.graph import Graph  # noqa: E402
-from fusion.onnx_io import import_onnx  # noqa: E402
-from fusion.verify import random_inputs  # noqa: E402
+from fusion.check.bench import executor, time_interleaved  # noqa: E402
+from fusion.ir.graph import Graph  # noqa: E402
+from fusion.onnx.importer import import_onnx  # noqa: E402
+from fusion.check.verify import random_inputs  # noqa: E402
 
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data",

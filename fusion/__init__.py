@@ -10,24 +10,25 @@
 Importing ``fusion`` sets ``OMP_NUM_THREADS`` (to the core count) and
 ``MXNET_CPU_PARALLEL_SIZE`` when they are unset and mxnet is not imported
 yet: MXNet 1.9.1 otherwise runs on half the cores and slows down 1.3–4×
-after the first large NumPy conversion (see ``fusion/_env.py``).
+after the first large NumPy conversion (see ``fusion/native/env.py``).
 """
-from . import _env
+from .native import env as _env
 
 _env.configure_threads()
 
 from .api import FusionResult, fuse, unfuse  # noqa: E402
-from .backend import BACKEND, install as _install_backend  # noqa: E402
-from .errors import FusionError, GraphError, ParamsError, VerificationError  # noqa: E402
-from .graph import Entry, Graph, Node  # noqa: E402
-from .report import FusionReport  # noqa: E402
-from .rule import Rule  # noqa: E402
-from .serving import load_library, load_model  # noqa: E402
-from .verify import VerifyResult, verify  # noqa: E402
+from .doors.backend import BACKEND, install as _install_backend  # noqa: E402
+from .ir.errors import FusionError, GraphError, ParamsError, VerificationError  # noqa: E402
+from .ir.graph import Entry, Graph, Node  # noqa: E402
+from .engine.report import FusionReport  # noqa: E402
+from .engine.rule import Rule  # noqa: E402
+from .doors.serving import load_library, load_model  # noqa: E402
+from .check.verify import VerifyResult, verify  # noqa: E402
+from .version import __version__  # noqa: E402
 
 _install_backend()
 
-from .precision import guard_amp as _guard_amp  # noqa: E402
+from .precision.policy import guard_amp as _guard_amp  # noqa: E402
 
 _guard_amp()
 
@@ -36,10 +37,10 @@ def _load_native_ops() -> None:
     import os
     import sys
 
-    from . import _native
+    from .native import library as _native
 
-    if sys.argv[:1] == ["-m"] and "fusion.build" in getattr(sys, "orig_argv", ["fusion.build"]):
-        return                     # `python -m fusion.build` is what makes the library
+    if sys.argv[:1] == ["-m"] and "fusion.native.build" in getattr(sys, "orig_argv", ["fusion.native.build"]):
+        return                     # `python -m fusion.native.build` is what makes the library
 
     try:
         if os.environ.get("MXFUSION_AUTOBUILD") == "1":   # developers and the test suite: rebuild when stale
@@ -57,4 +58,3 @@ _load_native_ops()
 
 __all__ = ["fuse", "unfuse", "load_model", "load_library", "FusionResult", "verify", "VerifyResult", "Graph", "Node", "Entry", "Rule", "BACKEND",
            "FusionReport", "FusionError", "GraphError", "ParamsError", "VerificationError"]
-__version__ = "0.1.0"

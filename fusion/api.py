@@ -8,12 +8,12 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .errors import FusionError
-from .graph import Graph, GraphError
-from .report import FusionReport
-from .rewrite import Context, run_rules
-from .selfcheck import SelfCheck
-from .workarounds import guard_layer_outputs, strip_guards
+from .ir.errors import FusionError
+from .ir.graph import Graph, GraphError
+from .engine.report import FusionReport
+from .engine.rewrite import Context, run_rules
+from .engine.selfcheck import SelfCheck
+from .engine.workarounds import guard_layer_outputs, strip_guards
 
 MODES = ("inference", "training")
 DEVICES = ("cpu", "gpu")
@@ -54,7 +54,7 @@ def load_user_rules(spec: str) -> list:
     import os
     import sys
 
-    from .rule import Rule
+    from .engine.rule import Rule
 
     module_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path:          # like `python -m`: modules beside the user are importable
@@ -113,7 +113,7 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     ``arg_params``/``aux_params`` map names to NDArrays (or NumPy arrays); they
     enable parameter transforms such as BatchNorm folding.  They are checked like
     ``mxfuse`` checks a params file (dtypes the graph accepts, no NaN/inf, no negative
-    moving variance): a :class:`~fusion.errors.ParamsError` names the array otherwise.
+    moving variance): a :class:`~fusion.ir.errors.ParamsError` names the array otherwise.
     Neither the symbol nor the arrays passed in are modified, and the result shares no
     memory with them: its params are NDArrays (also for NumPy input), copies of the
     caller's arrays on their own device context, and new arrays (folded parameters, under
@@ -133,7 +133,7 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
 
     ``precision="bf16"`` (inference only): the fused ops' matrix products run in bfloat16
     with float32 accumulation — their weights cast once into new parameters (``<w>_bf16``),
-    everything else float32 as ``fusion/precision.py``'s policy says; the self-check then
+    everything else float32 as ``fusion/precision/policy.py``'s policy says; the self-check then
     accepts the bfloat16 tolerance against the float32 original.  Refused (FusionError, with
     the reason) on a CPU without native bfloat16 unless ``force=True``.  A graph with convolutions
     (which the fused ops have no bfloat16 form of) is converted by MXNet's own AMP first and the
@@ -148,15 +148,15 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     if mode not in MODES:
         raise ValueError("mode must be one of %s, not %r" % (", ".join(MODES), mode))
     device = check_device(device)
-    from .precision import resolve
+    from .precision.policy import resolve
     precision = resolve(precision, True if device == "gpu" else force, mode)
-    _check_device_precision(device, precision)
-    return _fuse_gc_off(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
+    check_device_precision(device, precision)
+    return fuse_gc_off(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
                         precision=precision, device=device)
 
 
-def _check_device_precision(device: str, precision: str) -> None:
-    from .precision import FLOAT32
+def check_device_precision(device: str, precision: str) -> None:
+    from .precision.policy import FLOAT32
     if device == "gpu" and precision != FLOAT32:
         raise FusionError("precision='bf16' is the CPU's policy (a float32 op reading bfloat16 weights through "
                           "oneDNN); the GPU kernels take one dtype for all their tensors: fuse for "
@@ -173,7 +173,8 @@ def check_device(device: Any) -> str:
     return name
 
 
-def _fuse_gc_off(*args, **kwargs) -> FusionResult:
+def fuse_gc_off(*args, **kwargs) -> FusionResult:
+    """``fuse`` on arguments already checked (``fuse`` and the Gluon backend call it)."""
     # The IR allocates many small acyclic objects; Python's cyclic collector would rescan
     # them all again and again on large graphs (a third of the time at 100k nodes).
     gc_was_enabled = gc.isenabled()
@@ -189,18 +190,18 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
           copy_params: bool = True, precision: str = "float32", device: str = "cpu") -> FusionResult:
     """``fuse`` itself; ``copy_params=False`` returns the caller's arrays themselves (the backend,
     which hands only the new ones on)."""
-    from .modelio import check_param_values
+    from .files.modelio import check_param_values
 
     start = time.perf_counter()
     given = symbol
     amp_convs = None
     if precision != "float32" and copy_params and mode == "inference" and device == "cpu":
-        from .precision import convert_convolutions   # the convolutions run in bfloat16 through MXNet's AMP
+        from .precision.policy import convert_convolutions   # the convolutions run in bfloat16 through MXNet's AMP
         amp_convs = convert_convolutions(symbol, arg_params, aux_params, input_shapes, input_dtypes)
         if amp_convs is not None:
             symbol, arg_params, aux_params, amp_convs = amp_convs
     elif precision != "float32" and mode == "inference" and device == "cpu":
-        from .precision import kept_convolutions
+        from .precision.policy import kept_convolutions
         amp_convs = kept_convolutions(symbol)
     graph = _as_graph(symbol)
     names = _output_names(given, graph)
@@ -211,7 +212,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     amp = None
     if copy_params and mode == "inference" and device == "cpu":   # (the backend hands on only new
         # params: not there; the GPU kernels take float32 only: an AMP graph keeps AMP's casts there)
-        from .precision import BFLOAT16, read_amp
+        from .precision.policy import BFLOAT16, read_amp
         amp = read_amp(graph, arg_params or {}, aux_params or {}) if amp_convs is None else None
         if amp is not None:
             arg_params, aux_params, amp = amp
@@ -229,7 +230,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     if not input_shapes:
         _count_wanting_shapes(report)
     if mode == "inference":
-        from .precision import between_ops
+        from .precision.policy import between_ops
         ctx.precision_between = between_ops(graph, precision)
     _precision_notes(graph, ctx, report, amp, amp_convs)
     if device != "cpu":
@@ -251,9 +252,9 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
 
 
 def _count_wanting_shapes(report: FusionReport) -> None:
-    """How many candidates were refused only for want of input shapes (fusion/reasons.py): the
+    """How many candidates were refused only for want of input shapes (fusion/engine/reasons.py): the
     summary line says so, and the JSON report's ``more_with_input_shapes``."""
-    from .reasons import wants_shapes
+    from .engine.reasons import wants_shapes
 
     n = sum(1 for r in report.rules.values() for reason in r.rejected.values() if wants_shapes(reason))
     if n:
@@ -298,9 +299,9 @@ def _float32_vars(graph: Graph, ctx: Context) -> set:
 
 def _keep_output_names(graph: Graph, names: Optional[list], report: FusionReport,
                        float32_vars: Optional[set] = None) -> None:
-    """The outputs named as the original named them (``fusion/names.py``); the report's fused
+    """The outputs named as the original named them (``fusion/ir/names.py``); the report's fused
     node names follow a fused node renamed on the way."""
-    from .names import keep_output_names
+    from .ir.names import keep_output_names
 
     if not names:
         return
@@ -316,7 +317,7 @@ def _keep_output_names(graph: Graph, names: Optional[list], report: FusionReport
 
 
 def _device_note(device: str, mode: str, report: FusionReport) -> None:
-    from . import _native
+    from .native import library as _native
 
     kind = "backward" if mode == "training" else "forward"
     ops = sorted(op for op, c in _native.capabilities().items()
@@ -330,7 +331,7 @@ def _device_note(device: str, mode: str, report: FusionReport) -> None:
 def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read: Optional[dict] = None,
                      amp_convs: Optional[dict] = None) -> None:
     """What reduced precision changed, and what it could not (AMP-converted graphs included)."""
-    from .precision import BF16_COPIES, BFLOAT16, FLOAT32_KEPT, tolerance
+    from .precision.policy import BF16_COPIES, BFLOAT16, FLOAT32_KEPT, tolerance
 
     if amp_convs is not None and "kept" in amp_convs:
         report.notes.append("precision bf16: the %d convolution(s) stay float32: %s" % (amp_convs["converted"],
@@ -435,7 +436,7 @@ def unfuse(symbol: Any, input_shapes: Optional[Mapping[str, Sequence[int]]] = No
     """
     from patterns.unfuse import RULES, only_nodes
 
-    from .precision import BF16_CODE, BFLOAT16, FLOAT32
+    from .precision.policy import BF16_CODE, BFLOAT16, FLOAT32
 
     rules = RULES if nodes is None else [only_nodes(r, set(nodes)) for r in RULES]
     graph = _as_graph(symbol)

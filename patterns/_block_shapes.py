@@ -3,7 +3,7 @@
 With input shapes they are the graph's facts at every probe (``Context.shapes``).  Without, a
 block's channels still come from its weights, and how its values relate comes from its own ops:
 the match's nodes inferred at fillings of the sizes MXNet leaves unknown
-(``fusion/localfacts.py``).  Either way a rule asks ``shapes(entry)`` for a value's shape at every
+(``fusion/engine/localfacts.py``).  Either way a rule asks ``shapes(entry)`` for a value's shape at every
 probe or filling.  What a rule cannot decide from its ops (whether an add of two inputs
 broadcasts at some sizes) it refuses without input shapes with a ``NeedsShapes`` reason.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, Tuple
 
-from fusion.graph import Entry
-from fusion.localfacts import match_shapes
-from fusion.matcher import Match
-from fusion.reasons import NeedsShapes
+from fusion.ir.graph import Entry
+from fusion.engine.localfacts import match_shapes
+from fusion.ir.matcher import Match
+from fusion.engine.reasons import NeedsShapes
 
 Shapes = Callable[[Entry], Tuple[tuple, ...]]
 

@@ -5,8 +5,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from fusion.graph import Entry
-from fusion.precision import is_bf16
+from fusion.ir.graph import Entry
+from fusion.precision.policy import is_bf16
 
 # MXNet's dtype codes (mshadow): 0 float32, 1 float64, 2 float16, 3 uint8, 4 int32, 5 int8, 6 int64, ...
 _FLOAT32_NAMES = {"float32", "0", None}
@@ -52,7 +52,7 @@ def _types_without_shapes(ctx) -> dict:
         return {}
     key = ("types_without_shapes", graph.version)
     if key not in ctx.memo:
-        from fusion.facts import infer_dtypes
+        from fusion.engine.facts import infer_dtypes
         given = dict(getattr(ctx, "input_dtypes", {}) or {})
         stores = [getattr(ctx, k, None) or {} for k in ("new_args", "new_aux", "arg_params", "aux_params")]
         for nd in graph.variables():

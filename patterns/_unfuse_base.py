@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from typing import List
 
-from fusion.errors import FusionError
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.pattern import Pattern, Var, op
-from fusion.rule import Rule
+from fusion.ir.errors import FusionError
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Pattern, Var, op
+from fusion.engine.rule import Rule
 
 
-class _Unfuse(Rule):
+class UnfuseRule(Rule):
     benefit = 1
     family = "unfuse"
 

@@ -88,11 +88,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from fusion.graph import Entry, Node
-from fusion.matcher import Match
-from fusion.pattern import Chain, Const, OneOf, Pattern, Var, op, scalar
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.graph import Entry, Node
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Chain, Const, OneOf, Pattern, Var, op, scalar
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
 from ._dtypes import float32_reason
 

@@ -32,15 +32,15 @@ from typing import List, Optional
 
 import numpy as np
 
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.pattern import Const, Pattern, Var, op
-from fusion.reasons import NeedsShapes
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Const, Pattern, Var, op
+from fusion.engine.reasons import NeedsShapes
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
 from ._dtypes import float32_reason
-from .elementwise import _batchnorm_scale_shift
+from .elementwise import batchnorm_scale_shift
 
 MAX_PIECES = 128
 MAX_DEPTH = 64          # nested Concats opened by one rewrite (DenseNet-201's longest block: 48)
@@ -99,14 +99,14 @@ class ConcatBNAct(Rule):
                 cat.name, first.node.name)
         if bn.param("output_mean_var"):
             return "BatchNorm '%s' also returns its mean and variance" % bn.name
-        if _batchnorm_scale_shift(bn, m.ctx) is None:
+        if batchnorm_scale_shift(bn, m.ctx) is None:
             return ("BatchNorm '%s' is not a known scale and shift (its parameters are not all given, or a "
                     "variance + eps is not positive)" % bn.name)
         return None
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
         bn = m.node("bn")
-        scale, shift, axis, rank = _batchnorm_scale_shift(bn, m.ctx)
+        scale, shift, axis, rank = batchnorm_scale_shift(bn, m.ctx)
         shape = [-1] + [1] * (rank - 2)
         s = b.param(bn.name + "_scale", scale.reshape(shape).astype(np.float32))
         t = b.param(bn.name + "_shift", shift.reshape(shape).astype(np.float32))

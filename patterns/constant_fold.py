@@ -38,12 +38,12 @@ from typing import List, Optional
 
 import numpy as np
 
-from fusion.errors import FusionError
-from fusion.graph import Entry, Node
-from fusion.matcher import Match
-from fusion.pattern import Chain, Pattern, Region, Var, op
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.errors import FusionError
+from fusion.ir.graph import Entry, Node
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Chain, Pattern, Region, Var, op
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
 from .attention import chain_shape
 

@@ -38,11 +38,11 @@ from typing import List, Optional
 
 import numpy as np
 
-from fusion.graph import Entry, Node
-from fusion.matcher import Match
-from fusion.pattern import Const, OneOf, Pattern, Var, op
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.graph import Entry, Node
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Const, OneOf, Pattern, Var, op
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
 from ._dtypes import not_float32
 

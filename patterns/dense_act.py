@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.report import no_value_reason
-from fusion.pattern import Const, OneOf, Pattern, Var, op
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.engine.report import no_value_reason
+from fusion.ir.pattern import Const, OneOf, Pattern, Var, op
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
 from ._dtypes import float32_reason
 from .gelu import TRAINING_REASON as GELU_TRAINING_REASON

@@ -54,15 +54,15 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.pattern import Const, Pattern, Var, op
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Const, Pattern, Var, op
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
 from ._block_shapes import nchw_block
 from ._dtypes import float32_reason
-from .elementwise import _batchnorm_scale_shift
+from .elementwise import batchnorm_scale_shift
 
 MAX_LAYERS = 64          # per op (DenseNet-264's longest block: 48)
 
@@ -113,7 +113,7 @@ def _batchnorm_reason(n, ctx) -> Optional[str]:
         return "BatchNorm '%s' normalizes axis %d, not the channel axis 1" % (n.name, n.param("axis"))
     if n.param("output_mean_var"):
         return "BatchNorm '%s' also returns its mean and variance" % n.name
-    if _batchnorm_scale_shift(n, ctx) is None:
+    if batchnorm_scale_shift(n, ctx) is None:
         return ("BatchNorm '%s' is not a known scale and shift (its parameters are not all given, or a "
                 "variance + eps is not positive)" % n.name)
     return None
@@ -242,7 +242,7 @@ class DenseBlock(Rule):
         for d in range(L - 1, -1, -1):
             if m.has("bn%d" % d):
                 bn = m.node("bn%d" % d)
-                scale, shift, _, _ = _batchnorm_scale_shift(bn, m.ctx)
+                scale, shift, _, _ = batchnorm_scale_shift(bn, m.ctx)
                 inputs.append(b.param(bn.name + "_scale", scale.reshape(-1, 1, 1).astype(np.float32)))
                 inputs.append(b.param(bn.name + "_shift", shift.reshape(-1, 1, 1).astype(np.float32)))
             else:
@@ -250,7 +250,7 @@ class DenseBlock(Rule):
             conv1, conv2 = m.node("conv1_%d" % d), m.node("conv2_%d" % d)
             B, k = m.shape("w1_%d" % d)[0], m.shape("w2_%d" % d)[0]
             if m.has("bn2_%d" % d):
-                s2, t2, _, _ = _batchnorm_scale_shift(m.node("bn2_%d" % d), m.ctx)
+                s2, t2, _, _ = batchnorm_scale_shift(m.node("bn2_%d" % d), m.ctx)
                 w1 = m.value("w1_%d" % d).astype(np.float64) * s2.reshape(-1, 1, 1, 1)
                 b1 = (m.value("b1_%d" % d).astype(np.float64) if m.has("b1_%d" % d) else 0.0) * s2 + t2
                 inputs.append(b.param(conv1.name + "_folded_weight", w1.astype(np.float32)))
@@ -267,7 +267,7 @@ class DenseBlock(Rule):
         if m.has("actpost"):
             if m.has("bnpost"):
                 bn = m.node("bnpost")
-                scale, shift, _, _ = _batchnorm_scale_shift(bn, m.ctx)
+                scale, shift, _, _ = batchnorm_scale_shift(bn, m.ctx)
                 inputs.append(b.param(bn.name + "_scale", scale.reshape(-1, 1, 1).astype(np.float32)))
                 inputs.append(b.param(bn.name + "_shift", shift.reshape(-1, 1, 1).astype(np.float32)))
             else:

@@ -48,12 +48,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from fusion.errors import FusionError
-from fusion.graph import Entry, Node
-from fusion.matcher import Match
-from fusion.pattern import Pattern, Region
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.errors import FusionError
+from fusion.ir.graph import Entry, Node
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Pattern, Region
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
 from ._dtypes import not_float32 as _heuristic_not_float32
 
@@ -138,7 +138,7 @@ EXPR["identity"] = lambda n, a: a[0]
 EXPR["fused_elemwise"] = lambda n, a: re.sub(r"\bx(\d+)\b", lambda t: a[int(t.group(1))], n.attrs.raw("expr"))
 
 
-def _batchnorm_scale_shift(node: Node, ctx) -> Optional[tuple]:
+def batchnorm_scale_shift(node: Node, ctx) -> Optional[tuple]:
     """(scale, shift, axis, rank) of an inference BatchNorm with known params, else None."""
     if len(node.inputs) != 5 or ctx.mode != "inference" or node.param("output_mean_var"):
         return None
@@ -216,7 +216,7 @@ def _training_comparison(node: Node, ctx) -> bool:
     functions check for an all-zero gradient) or run it on zeros (Activation, LeakyReLU: 0 · NaN is
     NaN where their derivative is); a program's backward cannot tell which op a value came from,
     so in training the comparison stays a stock op."""
-    from fusion.workarounds import ZERO_GRADIENT
+    from fusion.engine.workarounds import ZERO_GRADIENT
 
     return ctx.mode == "training" and node.op in ZERO_GRADIENT
 
@@ -266,7 +266,7 @@ def member(node: Node, ctx) -> bool:
     if node.op == "Dropout":
         return _dropout_identity(node, ctx)
     if node.op == "BatchNorm":
-        return _batchnorm_scale_shift(node, ctx) is not None
+        return batchnorm_scale_shift(node, ctx) is not None
     if node.op == "where":
         return len(node.inputs) == 3 and _where_rows(node, ctx) is not None
     if node.op == "fused_elemwise":
@@ -277,7 +277,7 @@ def member(node: Node, ctx) -> bool:
     return node.op in EXPR
 
 
-MAX_PROGRAM_OPS = 256   # per fused_elemwise; ~600 levels fit a 256 KiB stack (fusion/graph.py: MAX_EXPR_DEPTH)
+MAX_PROGRAM_OPS = 256   # per fused_elemwise; ~600 levels fit a 256 KiB stack (fusion/ir/graph.py: MAX_EXPR_DEPTH)
 
 
 def program_ops(node: Node) -> int:
@@ -329,7 +329,7 @@ class Elementwise(Rule):
         exprs: Dict[int, str] = {}
         for n in region:                              # topological order
             if n.op == "BatchNorm":
-                scale, shift, axis, rank = _batchnorm_scale_shift(n, m.ctx)
+                scale, shift, axis, rank = batchnorm_scale_shift(n, m.ctx)
                 bshape = [-1] + [1] * (rank - axis - 1)     # (C, 1, …, 1): broadcasts at any batch size
                 s = b.param(n.name + "_scale", scale.reshape(bshape).astype(np.float32))
                 t = b.param(n.name + "_shift", shift.reshape(bshape).astype(np.float32))

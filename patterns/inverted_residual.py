@@ -33,12 +33,12 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.pattern import Const, Pattern, Var, op
-from fusion.reasons import NearMiss
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Const, Pattern, Var, op
+from fusion.engine.reasons import NearMiss
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
 from ._block_shapes import nchw_block
 from ._dtypes import float32_reason

@@ -25,11 +25,11 @@ from __future__ import annotations
 from typing import List, Optional
 
 
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.pattern import Const, Pattern, Var, op, scalar
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Const, Pattern, Var, op, scalar
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
 
 def _centered(x: Pattern, name: str, mean_name: str) -> Pattern:
@@ -49,7 +49,7 @@ def layer_norm_pattern() -> Pattern:
     return scaled.optional(lambda s: op.add(s, Const("beta"), name="shift"))
 
 
-def _axis(node) -> Optional[int]:
+def reduced_axis(node) -> Optional[int]:
     axis = node.param("axis", None)
     if isinstance(axis, tuple):
         axis = axis[0] if len(axis) == 1 else None
@@ -74,7 +74,7 @@ class DecomposedLayerNorm(Rule):
         return layer_norm_pattern()
 
     def check(self, m: Match) -> Optional[str]:
-        axes = {n: _axis(m.node(n)) for n in ("mean", "var") + (("mean_var",) if m.has("mean_var") else ())}
+        axes = {n: reduced_axis(m.node(n)) for n in ("mean", "var") + (("mean_var",) if m.has("mean_var") else ())}
         if None in axes.values():
             return "the means must reduce one axis (axis=%s)" % ", ".join("%r" % m.node(n).param("axis", None) for n in axes)
         if len(set(axes.values())) != 1:
@@ -96,7 +96,7 @@ class DecomposedLayerNorm(Rule):
         return plan if isinstance(plan, str) else None
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
-        axis = _axis(m.node("mean"))
+        axis = reduced_axis(m.node("mean"))
         eps = _scalar_value(m, "eps", "eps_value")
         c, shapes = _affine_plan(m)
         params = []
@@ -125,7 +125,7 @@ def _affine_plan(m: Match):
     the result keeps x's shape.  With ``a`` the last axis and a 1-D γ this holds for every
     shape of x; otherwise it is decided from x's shape at every probe.
     """
-    axis = _axis(m.node("mean"))
+    axis = reduced_axis(m.node("mean"))
     shapes = {}
     for name in ("gamma", "beta"):
         if m.has(name):

@@ -23,13 +23,13 @@ from typing import List, Optional
 
 import numpy as np
 
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.pattern import Const, Pattern, Var, op
-from fusion.precision import BFLOAT16, from_bf16, is_bf16
-from fusion.report import no_value_reason
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Const, Pattern, Var, op
+from fusion.precision.policy import BFLOAT16, from_bf16, is_bf16
+from fusion.engine.report import no_value_reason
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
 PROJ = ("q", "k", "v")
 

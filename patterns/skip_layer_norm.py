@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.pattern import Pattern, Var, op
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Pattern, Var, op
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
 from ._dtypes import float32_reason
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.pattern import Pattern, Var, op
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Pattern, Var, op
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
-from .layer_norm import _axis
+from .layer_norm import reduced_axis
 
 
 def softmax_pattern() -> Pattern:
@@ -50,7 +50,7 @@ class DecomposedSoftmax(Rule):
             return ("exp(x)/sum(exp(x)) without the max subtracted overflows (x > 88) and gives 0/0 where "
                     "a whole row is below −87, where softmax stays finite: not the same function")
         names = ("sum", "max")
-        axes = [_axis(m.node(n)) for n in names]
+        axes = [reduced_axis(m.node(n)) for n in names]
         if None in axes:
             return "the reductions must be over one axis"
         if len(set(axes)) != 1:
@@ -61,7 +61,7 @@ class DecomposedSoftmax(Rule):
         return None
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
-        axis = _axis(m.node("sum"))
+        axis = reduced_axis(m.node("sum"))
         y = b.op("softmax", [m["x"]], attrs={"axis": axis})
         top = b.op("max", [m["x"]], attrs={"axis": axis, "keepdims": True})
         row_nan = b.op("elemwise_sub", [top, top])           # NaN on rows the written form makes NaN

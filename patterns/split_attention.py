@@ -44,18 +44,18 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.pattern import Const, OneOf, Pattern, Var, op
-from fusion.reasons import NeedsShapes
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Const, OneOf, Pattern, Var, op
+from fusion.engine.reasons import NeedsShapes
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
 from ._block_shapes import block_shapes
 from ._dtypes import float32_reason
-from .elementwise import _batchnorm_scale_shift
+from .elementwise import batchnorm_scale_shift
 from .squeeze_excitation import pointwise_conv_reason
-from .squeeze_excitation import HIDDEN_ACTS, SqueezeExcitation, _pool, _same
+from .squeeze_excitation import HIDDEN_ACTS, SqueezeExcitation, average_pool, same_shapes
 
 RESHAPE = ("Reshape", "reshape")
 SWAP = ("SwapAxis", "swapaxes")
@@ -76,7 +76,7 @@ def split_attention_pattern(radix: bool) -> Pattern:
                 | op(*RESHAPE)(x, name="split"))
 
     gap = op.sum(split(), name="radix_sum") if radix else x
-    h = op.Convolution(_pool(gap), Const("w1"), Const("b1", optional=True), name="fc1")
+    h = op.Convolution(average_pool(gap), Const("w1"), Const("b1", optional=True), name="fc1")
     h = h.optional(lambda v: op.BatchNorm(v, Const("gamma"), Const("beta"), Const("mean"), Const("var"),
                                           name="bn1"))
     h = op.Activation(h, act_type=OneOf(*HIDDEN_ACTS), name="act") | op.relu(h, name="act")
@@ -137,7 +137,7 @@ class SplitAttention(Rule):
             return "BatchNorm '%s' normalizes axis %d, not the channel axis 1" % (bn.name, bn.param("axis"))
         if bn.param("output_mean_var"):
             return "BatchNorm '%s' also returns its mean and variance" % bn.name
-        if _batchnorm_scale_shift(bn, m.ctx) is None or m.value("w1") is None or (
+        if batchnorm_scale_shift(bn, m.ctx) is None or m.value("w1") is None or (
                 m.has("b1") and not m.node("fc1").param("no_bias") and m.value("b1") is None):
             return ("BatchNorm '%s' cannot be folded: its parameters or the layer's are not all given, or a "
                     "variance + eps is not positive" % bn.name)
@@ -195,7 +195,7 @@ class SplitAttention(Rule):
                 return "the channels change with the input shape"
         n_hw = [(x[0], C, x[2], x[3]) for x in xs]
         pooled = tuple((x[0], C, 1, 1) for x in xs)
-        if not _same(shp("pool"), pooled):
+        if not same_shapes(shp("pool"), pooled):
             return "the pool's output is %s, not the whole-plane mean %s" % ((shp("pool") or (None,))[0],
                                                                               pooled[0])
         w1, w2 = ctx.shape(m["w1"]), ctx.shape(m["w2"])
@@ -225,11 +225,11 @@ class SplitAttention(Rule):
             want = tuple((x[0], R, C, 1, 1) for x in xs)
         else:
             want = pooled
-        if not _same(shp("att_view"), want):
+        if not same_shapes(shp("att_view"), want):
             return "the attention weights have shape %s where the product needs %s" % (
                 (shp("att_view") or (None,))[0], want[0])
         out = shp("wsum" if self.radix else "mul")
-        if not _same(out, tuple(n_hw)):
+        if not same_shapes(out, tuple(n_hw)):
             return "the result has shape %s, not (N, C, H, W) %s" % (out[0] if out else None, n_hw[0])
         return None
 
@@ -249,7 +249,7 @@ class SplitAttention(Rule):
         w1 = m["w1"]
         b1 = m["b1"] if has_b1 else None
         if m.has("bn1"):
-            scale, shift, _, _ = _batchnorm_scale_shift(m.node("bn1"), m.ctx)
+            scale, shift, _, _ = batchnorm_scale_shift(m.node("bn1"), m.ctx)
             w = m.value("w1").astype(np.float64)
             bias = m.value("b1").astype(np.float64).ravel() if has_b1 else np.zeros(w.shape[0])
             w1 = b.param(fc1.name + "_folded_weight", (w * scale.reshape(-1, 1, 1, 1)).astype(np.float32))

@@ -38,12 +38,12 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.pattern import Chain, Const, OneOf, Pattern, Var, op, scalar
-from fusion.reasons import NeedsShapes
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Chain, Const, OneOf, Pattern, Var, op, scalar
+from fusion.engine.reasons import NeedsShapes
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
 from ._block_shapes import block_shapes, broadcasting_add
 from ._dtypes import float32_reason
@@ -62,7 +62,7 @@ def hard_swish_pattern(z: Pattern, prefix: str) -> Pattern:
     return op.mul(z, gate, name=prefix + "mul")
 
 
-def _pool(x: Pattern) -> Pattern:
+def average_pool(x: Pattern) -> Pattern:
     return (op._contrib_AdaptiveAvgPooling2D(x, name="pool")
             | op.Pooling(x, name="pool", pool_type="avg")
             | op.mean(x, name="pool"))
@@ -84,7 +84,7 @@ def se_pattern(in_hard_swish: bool, with_add: bool) -> Pattern:
     def feature() -> Pattern:
         return hard_swish_pattern(Var("z"), "hs_") if in_hard_swish else Var("x")
 
-    h = _layer(_pool(feature()), 1)
+    h = _layer(average_pool(feature()), 1)
     h = op.Activation(h, act_type=OneOf(*HIDDEN_ACTS), name="act") | op.relu(h, name="act")
     g = Chain(RESHAPES, _gate(_layer(h, 2)), "gate_shape")
     y = op.mul(feature(), g, name="mul")
@@ -94,7 +94,7 @@ def se_pattern(in_hard_swish: bool, with_add: bool) -> Pattern:
     return y
 
 
-def _same(shapes_a, shapes_b) -> bool:
+def same_shapes(shapes_a, shapes_b) -> bool:
     return bool(shapes_a) and len(shapes_a) == len(shapes_b) and all(
         tuple(a) == tuple(b) for a, b in zip(shapes_a, shapes_b))
 
@@ -193,17 +193,17 @@ class SqueezeExcitation(Rule):
         if any(len(s) != 4 for s in xs):
             return "the scaled map has shape %s, not (N, C, H, W)" % (xs[0],)
         pooled = tuple((s[0], s[1], 1, 1) for s in xs)
-        if not _same(shapes(Entry(m.node("pool"))), pooled):
+        if not same_shapes(shapes(Entry(m.node("pool"))), pooled):
             return "the pool's output is %s, not the whole-plane mean %s" % (
                 (shapes(Entry(m.node("pool"))) or (None,))[0], pooled[0])
         gate = m["gate_shape"][0] if m["gate_shape"] else Entry(m.node("gate"))
-        if not _same(shapes(gate), pooled):
+        if not same_shapes(shapes(gate), pooled):
             return "the gate has shape %s where the scale needs %s (one value per sample and channel)" % (
                 (shapes(gate) or (None,))[0], pooled[0])
         w1, w2 = ctx.shape(m["w1"]), ctx.shape(m["w2"])
         if w1 is None or w2 is None:
             return "the layers' weight shapes are unknown"
-        if not _same(shapes(Entry(m.node("mul"))), xs):
+        if not same_shapes(shapes(Entry(m.node("mul"))), xs):
             return "the product does not have the map's shape"
         if m.has("residual"):
             if m["residual"] == Entry(m.node("mul")):
@@ -213,7 +213,7 @@ class SqueezeExcitation(Rule):
                 # some input size is for the input shapes to say (the fused op adds it elementwise)
                 return NeedsShapes("%s '%s' may broadcast the residual at some input sizes"
                                    % (m.node("add").op, m.node("add").name))
-            if not _same(shapes(m["residual"]), xs):
+            if not same_shapes(shapes(m["residual"]), xs):
                 return "the residual has shape %s, not the map's %s" % ((shapes(m["residual"]) or (None,))[0], xs[0])
         return None
 

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 from typing import List
 
-from fusion.errors import FusionError
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.rewrite import Builder
-from fusion.rule import Rule
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.engine.rewrite import Builder
+from fusion.engine.rule import Rule
 
-from ._unfuse_base import _Unfuse
+from ._unfuse_base import UnfuseRule
+from ._unfuse_ops import activation, is_bf16_value
 from .unfuse_elemwise import ElemwiseProgram, UnfuseElemwise
 from .unfuse_attention import UnfuseAttention
 from .unfuse_cnn import UnfuseDenseBlock, UnfuseGroupedConv, UnfuseInvertedResidual, UnfuseSplitAttention
@@ -44,27 +44,8 @@ from .unfuse_cnn import UnfuseDenseBlock, UnfuseGroupedConv, UnfuseInvertedResid
 
 # ---------------------------------------------------------------- fused_dense
 
-def _activation(b: Builder, x: Entry, act: str, slope: float, name: str) -> Entry:
-    if act in ("none", "", None):
-        return x
-    if act == "act_relu":
-        return b.op("Activation", [x], attrs={"act_type": "relu"}, name=name)
-    if act == "relu":
-        return b.op("relu", [x], name=name)
-    if act in ("sigmoid", "tanh", "softrelu"):
-        return b.op("Activation", [x], attrs={"act_type": act}, name=name)
-    if act == "leaky":
-        return b.op("LeakyReLU", [x], attrs={"act_type": "leaky", "slope": slope}, name=name)
-    if act == "gelu_erf":
-        return b.op("LeakyReLU", [x], attrs={"act_type": "gelu"}, name=name)
-    if act == "gelu_tanh":
-        return ElemwiseProgram(b, [x], name).build(
-            "mul(mul(x0, 0.5), add(tanh(mul(add(x0, mul(mul(mul(x0, x0), x0), 0.044715)), 0.7978845608028654)), 1))")
-    raise FusionError("fused_dense activation %r has no stock equivalent" % act)
-
-
 def _is_bf16_weight(m: Match, w: Entry) -> bool:
-    from fusion.precision import BF16_CODE, is_bf16
+    from fusion.precision.policy import BF16_CODE, is_bf16
     if m.ctx.dtype(w) == "bfloat16":
         return True
     value = m.ctx.value(w)
@@ -73,19 +54,7 @@ def _is_bf16_weight(m: Match, w: Entry) -> bool:
     return w.node.is_variable and str(w.node.attrs.get("__dtype__")) == str(BF16_CODE)
 
 
-def _is_bf16_value(m: Match, e: Entry) -> bool:
-    """A value between ops held in bfloat16 (fusion.precision.between_ops), fused or unfused already."""
-    if m.ctx.dtype(e) == "bfloat16":
-        return True
-    from fusion.precision import is_bf16_copy
-    if is_bf16_copy(e):
-        return True
-    src = e.node
-    key = {"fused_dense": "out_dtype", "fused_attention": "out_dtype", "amp_cast": "dtype"}.get(src.op)
-    return key is not None and str(src.attrs.raw(key)) == "bfloat16"
-
-
-class UnfuseDense(_Unfuse):
+class UnfuseDense(UnfuseRule):
     def __init__(self):
         super().__init__("fused_dense", 3)
 
@@ -95,23 +64,23 @@ class UnfuseDense(_Unfuse):
         no_bias = bool(f.param("no_bias", False))
         attrs = {"num_hidden": int(f.attrs["num_hidden"]), "flatten": bool(f.param("flatten", True)),
                  "no_bias": no_bias}
-        if _is_bf16_value(m, ins[0]):   # data held in bfloat16 (widened exactly)
+        if is_bf16_value(m, ins[0]):   # data held in bfloat16 (widened exactly)
             ins = [b.op("amp_cast", [ins[0]], attrs={"dtype": "float32"}, name=f.name + "_data_fp32")] + ins[1:]
         if _is_bf16_weight(m, ins[1]):   # precision="bf16": FullyConnected takes it widened back to float32
             ins = [ins[0], b.op("amp_cast", [ins[1]], attrs={"dtype": "float32"}, name=f.name + "_weight_fp32")] + ins[2:]
         if str(f.attrs.raw("out_dtype", "float32")) == "bfloat16":
             # written rounded to bfloat16 for readers that round it anyway: so do the stock ops
-            y = _activation(b, b.op("FullyConnected", ins[:2] if no_bias else ins[:3], attrs=attrs,
+            y = activation(b, b.op("FullyConnected", ins[:2] if no_bias else ins[:3], attrs=attrs,
                                     name=f.name + "_fc"), f.attrs.get("act", "none"),
                             float(f.param("slope", 0.25)), f.name + "_act")
             return b.op("amp_cast", [y], attrs={"dtype": "bfloat16"}, name=f.name)
         fc = b.op("FullyConnected", ins[:2] if no_bias else ins[:3], attrs=attrs, name=f.name + "_fc")
-        return _activation(b, fc, f.attrs.get("act", "none"), float(f.param("slope", 0.25)), f.name)
+        return activation(b, fc, f.attrs.get("act", "none"), float(f.param("slope", 0.25)), f.name)
 
 
 # ---------------------------------------------------------------- fused_add_layer_norm
 
-class UnfuseAddLayerNorm(_Unfuse):
+class UnfuseAddLayerNorm(UnfuseRule):
     def __init__(self):
         super().__init__("fused_add_layer_norm", 4)
 
@@ -130,7 +99,7 @@ class UnfuseAddLayerNorm(_Unfuse):
 
 # ---------------------------------------------------------------- fused_se
 
-class UnfuseSE(_Unfuse):
+class UnfuseSE(UnfuseRule):
     def __init__(self):
         super().__init__("fused_se", 6)
 
@@ -152,7 +121,7 @@ class UnfuseSE(_Unfuse):
         p = b.op("Pooling", [x], attrs={"global_pool": True, "pool_type": "avg", "kernel": (1, 1)},
                  name=f.name + "_pool")
         h = self._layer(b, f, 1, p, w1, b1, int(f.attrs["num_hidden"]))
-        h = _activation(b, h, f.attrs.get("act", "relu"), float(f.param("slope", 0.25)), f.name + "_act")
+        h = activation(b, h, f.attrs.get("act", "relu"), float(f.param("slope", 0.25)), f.name + "_act")
         g = self._layer(b, f, 2, h, w2, b2, int(f.attrs["num_channels"]))
         gate = f.attrs.get("gate", "sigmoid")
         if gate == "sigmoid":
@@ -169,13 +138,13 @@ class UnfuseSE(_Unfuse):
         y = b.op("broadcast_mul", [x, g], name=f.name + "_scale")
         if residual is not None:
             y = b.op("elemwise_add", [y, residual], name=f.name + "_add")
-            y = _activation(b, y, f.attrs.get("out_act", "none"), 0.0, f.name)
+            y = activation(b, y, f.attrs.get("out_act", "none"), 0.0, f.name)
         return y
 
 
 # ---------------------------------------------------------------- fused_concat_scale_act
 
-class UnfuseConcatScaleAct(_Unfuse):
+class UnfuseConcatScaleAct(UnfuseRule):
     def __init__(self):
         super().__init__("fused_concat_scale_act", 130)
 
@@ -186,7 +155,7 @@ class UnfuseConcatScaleAct(_Unfuse):
         cat = b.op("Concat", pieces, attrs={"dim": 1, "num_args": len(pieces)}, name=f.name + "_concat")
         y = b.op("broadcast_mul", [cat, s], name=f.name + "_scale")
         y = b.op("broadcast_add", [y, t], name=f.name + "_shift")
-        return _activation(b, y, f.attrs.get("act", "none"), 0.0, f.name)
+        return activation(b, y, f.attrs.get("act", "none"), 0.0, f.name)
 
 
 RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseSplitAttention(), UnfuseGroupedConv(), UnfuseInvertedResidual(), UnfuseDenseBlock(),

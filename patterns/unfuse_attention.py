@@ -23,15 +23,16 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fusion.errors import FusionError
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.rewrite import Builder
+from fusion.ir.errors import FusionError
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.engine.rewrite import Builder
 
-from ._unfuse_base import _Unfuse
+from ._unfuse_base import UnfuseRule
+from ._unfuse_ops import is_bf16_value
 
 
-class UnfuseAttention(_Unfuse):
+class UnfuseAttention(UnfuseRule):
     def __init__(self):
         super().__init__("fused_attention", 4)
 
@@ -125,7 +126,6 @@ class UnfuseAttention(_Unfuse):
         return self._attention(m, b, f, f.name)
 
     def _attention(self, m: Match, b: Builder, f, name: str) -> Entry:
-        from .unfuse import _is_bf16_value     # (unfuse imports this module)
         ins = self.inputs(m)
         layout = f.param("layout", "plain")
         heads = int(f.param("heads", 1))
@@ -136,7 +136,7 @@ class UnfuseAttention(_Unfuse):
         data = {"plain": 3, "bshd": 3, "packed_qkv": 1, "interleaved": 1, "interleaved_encdec": 2}[layout]
         # data held in bfloat16 (precision.between_ops): widened exactly
         ins = [b.op("amp_cast", [e], attrs={"dtype": "float32"}, name="%s_data%d_fp32" % (f.name, i))
-               if i < data and _is_bf16_value(m, e) else e for i, e in enumerate(ins)]
+               if i < data and is_bf16_value(m, e) else e for i, e in enumerate(ins)]
         mask = ins[data] if mask_kind != "none" else None
         q_shape = m.ctx.shape(ins[0])
         rank = 3

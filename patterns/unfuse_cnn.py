@@ -4,20 +4,20 @@ writes (see ``patterns/split_attention.py``; a folded BatchNorm stays folded int
 with their activations, SE and residual add as stock ops; ``fused_dense_block`` → its layers and concatenations."""
 from __future__ import annotations
 
-from fusion.errors import FusionError
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.rewrite import Builder
+from fusion.ir.errors import FusionError
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.engine.rewrite import Builder
 
-from ._unfuse_base import _Unfuse
+from ._unfuse_base import UnfuseRule
+from ._unfuse_ops import activation
 
 
-class UnfuseSplitAttention(_Unfuse):
+class UnfuseSplitAttention(UnfuseRule):
     def __init__(self):
         super().__init__("fused_split_attention", 5)
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
-        from .unfuse import _activation
         f = m.node("f")
         x, w1, b1, w2, b2, _ = self.two_layer_inputs(m)
         R, A, C = int(f.param("radix", 2)), int(f.param("att_groups", 1)), int(f.attrs["num_channels"])
@@ -32,7 +32,7 @@ class UnfuseSplitAttention(_Unfuse):
         h = b.op("Convolution", [p, w1] + ([b1] if b1 is not None else []),
                  attrs={"kernel": (1, 1), "num_filter": int(f.attrs["num_hidden"]), "no_bias": b1 is None,
                         "num_group": int(f.param("num_group1", 1))}, name=name + "_fc1")
-        h = _activation(b, h, f.attrs.get("act", "relu"), float(f.param("slope", 0.25)), name + "_act")
+        h = activation(b, h, f.attrs.get("act", "relu"), float(f.param("slope", 0.25)), name + "_act")
         a = b.op("Convolution", [h, w2] + ([b2] if b2 is not None else []),
                  attrs={"kernel": (1, 1), "num_filter": R * C, "no_bias": b2 is None,
                         "num_group": int(f.param("num_group2", 1))}, name=name + "_fc2")
@@ -48,7 +48,7 @@ class UnfuseSplitAttention(_Unfuse):
         return b.op("broadcast_mul", [a, x], name=name)
 
 
-class UnfuseGroupedConv(_Unfuse):
+class UnfuseGroupedConv(UnfuseRule):
     def __init__(self):
         super().__init__("fused_grouped_conv", 3)
 
@@ -63,7 +63,7 @@ class UnfuseGroupedConv(_Unfuse):
         return y
 
 
-class UnfuseInvertedResidual(_Unfuse):
+class UnfuseInvertedResidual(UnfuseRule):
     """``fused_inverted_residual`` → [Convolution 1×1 → act] → Convolution depthwise → act [→ the SE's stock ops]
     → Convolution 1×1 [→ elemwise_add(·, x)]; act: Activation(relu) or the hard-swish ops."""
 
@@ -117,7 +117,7 @@ class UnfuseInvertedResidual(_Unfuse):
         return y
 
 
-class UnfuseDenseBlock(_Unfuse):
+class UnfuseDenseBlock(UnfuseRule):
     """``fused_dense_block`` → per layer broadcast_mul(·, s) → broadcast_add(·, t) → Activation(relu) | relu →
     Convolution 1×1 → Activation(relu) → Convolution 3×3 pad 1 → Concat(·, ·, dim=1) [→ broadcast_mul → broadcast_add
     → Activation(relu) | relu (post_act)]."""

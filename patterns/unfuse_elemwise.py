@@ -21,16 +21,16 @@ included, at any input shapes the fused op accepts:
 """
 from __future__ import annotations
 
-import re
 from typing import List, Optional
 
-from fusion.errors import FusionError
-from fusion.graph import Entry
-from fusion.matcher import Match
-from fusion.pattern import Pattern, Var, op
-from fusion.rewrite import Builder
+from fusion.ir.errors import FusionError
+from fusion.ir.expr import parse_expr
+from fusion.ir.graph import Entry
+from fusion.ir.matcher import Match
+from fusion.ir.pattern import Pattern, Var, op
+from fusion.engine.rewrite import Builder
 
-from ._unfuse_base import _Unfuse
+from ._unfuse_base import UnfuseRule
 
 
 _BINARY = {"add": "broadcast_add", "sub": "broadcast_sub", "mul": "broadcast_mul", "div": "broadcast_div",
@@ -49,44 +49,6 @@ _UNARY = {"neg": "negative", "abs": "abs", "exp": "exp", "log": "log", "sqrt": "
           "tanh": "tanh", "sigmoid": "sigmoid", "relu": "relu", "erf": "erf", "square": "square",
           "log1p": "log1p", "expm1": "expm1"}
 _ACTIVATION = {"act_relu": "relu", "softrelu": "softrelu", "softsign": "softsign"}
-_TOKEN = re.compile(r"\s*(?:(?P<num>[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|inf|nan))"
-                    r"|(?P<name>[A-Za-z_][A-Za-z_0-9]*)|(?P<punct>[(),]))")
-
-
-def _parse(text: str):
-    """The program as a tree: ("num", v) | ("in", k) | (fn, [args]); the builder adds
-    ("val", v) leaves for values it has emitted already.  Without recursion: a program may
-    nest as deep as MXNet loads (fusion/graph.py: MAX_EXPR_DEPTH)."""
-    tokens = [(t.lastgroup, t.group(t.lastgroup)) for t in _TOKEN.finditer(text)]
-    frames: list = []           # (fn, args) of the calls still open
-    result = None
-    k = 0
-    while k < len(tokens):
-        kind, val = tokens[k]
-        k += 1
-        if kind == "punct":
-            if val == ")":
-                assert frames, "unbalanced ) in %r" % text[:80]
-                node = tuple(frames.pop())
-            else:
-                assert val == "," and frames, "unexpected %r in %r" % (val, text[:80])
-                continue
-        elif kind == "num":
-            node = ("num", float(val))
-        elif re.fullmatch(r"x\d+", val):
-            node = ("in", int(val[1:]))
-        else:
-            assert k < len(tokens) and tokens[k] == ("punct", "("), "expected ( after %s" % val
-            k += 1
-            frames.append((val, []))
-            continue
-        if frames:
-            frames[-1][1].append(node)
-        else:
-            assert result is None, "more than one expression in %r" % text[:80]
-            result = node
-    assert result is not None and not frames, "incomplete expression %r" % text[:80]
-    return result
 
 
 def _spell(v: float) -> str:
@@ -112,7 +74,7 @@ class ElemwiseProgram:
         self._all_zero: Optional[Entry] = None
 
     def build(self, text: str) -> Entry:
-        tree = _parse(text)
+        tree = parse_expr(text)
         out = self._emit(tree)
         if isinstance(out, float):
             return self._fill(out, self._zero_all())
@@ -238,7 +200,7 @@ class ElemwiseProgram:
         return self._op("where", full)
 
 
-class UnfuseElemwise(_Unfuse):
+class UnfuseElemwise(UnfuseRule):
     def __init__(self):
         super().__init__("fused_elemwise", 8)
 

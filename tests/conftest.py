@@ -1,4 +1,4 @@
-"""Shared test helpers.  Thread settings are applied before mxnet is imported (see fusion/_env.py)."""
+"""Shared test helpers.  Thread settings are applied before mxnet is imported (see fusion/native/env.py)."""
 import os
 import sys
 
@@ -6,7 +6,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 os.environ.setdefault("MXFUSION_AUTOBUILD", "1")    # build the fused-op library if missing or stale
 
-from fusion import _env  # noqa: E402
+from fusion.native import env as _env  # noqa: E402
 
 _env.configure_threads()
 
@@ -59,7 +59,7 @@ def fuse_and_check(sym, input_shapes, arg=None, aux=None, rtol=RTOL, **kwargs):
 
 def ops(result_or_sym):
     """Op name -> count in a FusionResult's graph or a Symbol."""
-    from fusion.graph import Graph
+    from fusion.ir.graph import Graph
 
     g = result_or_sym.graph if hasattr(result_or_sym, "graph") else Graph.from_symbol(result_or_sym)
     return g.count_ops()
@@ -110,10 +110,10 @@ def small_cnn():
 
 def run_mxfuse(capsys, *argv):
     """(exit status, stdout, stderr) of an in-process mxfuse run; argparse's exits included."""
-    from fusion import cli
+    from fusion.doors import mxfuse
 
     try:
-        code = cli.main([str(a) for a in argv])
+        code = mxfuse.main([str(a) for a in argv])
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import fusion
-from fusion import cli
-from fusion.errors import ParamsError
+from fusion.doors import cli
+from fusion.ir.errors import ParamsError
 
 from conftest import random_params
 

@@ -37,7 +37,7 @@ def assert_same(got, want, rtol, what=""):
 def _run(sym, values, train, head_seed):
     """Outputs (and, when ``train``, gradients of every float32 argument) of ``sym`` bound with the
     subgraph backend off."""
-    from fusion.bench import subgraph_backend
+    from fusion.native.env import subgraph_backend
 
     args = {n: mx.nd.array(values[n], dtype=values[n].dtype) for n in sym.list_arguments()}
     grads = {n: mx.nd.zeros(a.shape) for n, a in args.items() if a.dtype == np.float32} if train else None

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import fusion
-from fusion.graph import Graph
+from fusion.ir.graph import Graph
 
 from test_attention import _run, assert_same
 

@@ -5,7 +5,7 @@ import pytest
 from mxnet import autograd, gluon
 
 import fusion
-from fusion.graph import Graph
+from fusion.ir.graph import Graph
 from fusion.testing import randomize_batchnorm
 
 RTOL = 1e-4
@@ -223,7 +223,7 @@ def test_inference_only_ops_in_a_trainable_block(model):
     """A hybridized block builds the gradient graph of its whole graph even for inference, and its
     parameters want gradients: ops fused for inference only (fused_se, fused_split_attention) must
     not make MXNet refuse the block; training such a fused graph fails with a message that says why."""
-    from fusion import testing_gluoncv as gcv
+    from fusion.testing import gluoncv as gcv
     build = {"se_resnext": lambda: gcv.se_resnext(layers=(1, 1), cardinality=4, bottleneck_width=4, classes=10),
              "resnest": lambda: gcv.resnest(layers=(1, 1), radix=2, bottleneck_width=16, stem_width=8,
                                             classes=10)}[model]
@@ -248,7 +248,7 @@ def test_inference_only_ops_in_a_trainable_block(model):
 
 
 def test_ops_fused_for_inference_only_report_no_backward():
-    from fusion import _native
+    from fusion.native import library as _native
     caps = _native.capabilities()
     for op in ("fused_se", "fused_split_attention", "fused_grouped_conv", "fused_concat_scale_act",
                "fused_inverted_residual", "fused_dense_block"):

@@ -6,7 +6,7 @@ import os
 import mxnet as mx
 import numpy as np
 
-from fusion import batch
+from fusion.doors import batch
 
 from conftest import RTOL, random_params, small_cnn
 
@@ -161,7 +161,7 @@ def test_per_model_shapes_file(tmp_path):
 
 
 def test_help_lists_batch_mode(capsys):
-    from fusion import cli
+    from fusion.doors import cli
 
     text = cli.build_parser().format_help()
     for flag in ("-j N, --jobs N", "--reports", "--verbose", "NAME.shapes.json", "batch mode"):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fusion import batch
+from fusion.doors import batch
 
 from conftest import random_params, small_cnn
 
@@ -32,7 +32,7 @@ def slow_after_a(argv, report, keep):
 DRIVER = """
 import sys
 sys.path[:0] = [%r, %r]
-from fusion import batch
+from fusion.doors import batch
 from test_batch_signals import slow_after_a
 sys.exit(batch.main_batch(sys.argv[1:], _job=slow_after_a))
 """ % (ROOT, HERE)

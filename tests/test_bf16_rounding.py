@@ -1,6 +1,6 @@
 """The library's float32 -> bfloat16 rounding and widening (``to_bf16`` / ``from_bf16`` in
 cuda_kernels/common/dnnl_matmul.cc): every bf16 kernel writes and reads these bits.  Checked
-against the NumPy rounding of ``fusion.precision`` (nearest even, NaN kept quiet, subnormals
+against the NumPy rounding of ``fusion.precision.policy`` (nearest even, NaN kept quiet, subnormals
 rounded, not flushed) on special values and random bit patterns, with the AVX-512 loops and
 with the portable ones (``MXFUSION_DISABLE_AVX512=1``, in a subprocess)."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 
 import numpy as np
 
-from fusion import _native
-from fusion import precision as P
+from fusion.native import library as _native
+from fusion.precision import policy as P
 
 
 def _special_bits() -> np.ndarray:

@@ -7,7 +7,7 @@ import sys
 import mxnet as mx
 import numpy as np
 
-from fusion import cli
+from fusion.doors import cli
 
 from conftest import random_params, small_cnn
 
@@ -136,7 +136,7 @@ def test_never_writes_over_inputs(tmp_model, tmp_path, capsys):
 
 def test_console_script_runs_without_traceback(tmp_path):
     exe = os.path.join(os.path.dirname(sys.executable), "mxfuse")
-    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "fusion.cli"]
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "fusion.doors.mxfuse"]
     p = subprocess.run(cmd + [str(tmp_path / "missing.json"), "-o", str(tmp_path / "o")],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2

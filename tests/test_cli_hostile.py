@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from fusion import cli
+from fusion.doors import cli
 
 from conftest import run_mxfuse
 
@@ -29,7 +29,7 @@ def listing(folder):
 
 def subprocess_mxfuse(*argv, **kw):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "fusion.cli", *map(str, argv)], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "fusion.doors.mxfuse", *map(str, argv)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, **kw)
 
 
@@ -103,7 +103,7 @@ def test_a_reader_that_goes_away_is_no_error(tmp_model, tmp_path):
     """``mxfuse ... | head``: the report cannot be printed, the model is still written, no traceback."""
     sp, pp = tmp_model()
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.Popen([sys.executable, "-m", "fusion.cli", str(sp), "--params", str(pp), "-o", str(tmp_path / "o"),
+    p = subprocess.Popen([sys.executable, "-m", "fusion.doors.mxfuse", str(sp), "--params", str(pp), "-o", str(tmp_path / "o"),
                           "--explain"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p.stdout.close()                       # the reader is gone before mxfuse prints anything
     err = p.stderr.read().decode()
@@ -155,7 +155,7 @@ def test_entries_naming_missing_outputs_are_refused_before_mxnet_sees_them(tmp_p
         _write_json(tmp_path / ("%s-symbol.json" % name), d)
     script = (
         "import contextlib, io, json, sys\n"
-        "from fusion import cli\n"
+        "from fusion.doors import cli\n"
         "out = {}\n"
         "for name in %r:\n"
         "    for extra in ([], ['--verify', '--shape', 'data=1,3,8,8']):\n"
@@ -177,7 +177,7 @@ def test_entries_naming_missing_outputs_are_refused_before_mxnet_sees_them(tmp_p
 
 def test_api_refuses_json_naming_missing_outputs():
     import fusion
-    from fusion.errors import GraphError
+    from fusion.ir.errors import GraphError
     d = _cnn_json()
     d["heads"] = [[_last_op(d), 1, 0]]
     with pytest.raises(GraphError, match="head 0 uses output 1 of node 17"):
@@ -339,8 +339,8 @@ def test_file_size_limit_is_one_line_and_loses_nothing(tmp_model, tmp_path):
 
 
 def test_a_failed_rename_puts_back_what_was_replaced(tmp_path, monkeypatch):
-    from fusion import publish as pub
-    from fusion.errors import FusionError
+    from fusion.files import publish as pub
+    from fusion.ir.errors import FusionError
 
     (tmp_path / "a").write_text("old a")
     real_replace = os.replace
@@ -362,8 +362,8 @@ def test_a_failed_rename_puts_back_what_was_replaced(tmp_path, monkeypatch):
 
 
 def test_folders_made_for_a_failed_write_are_removed(tmp_path):
-    from fusion import publish as pub
-    from fusion.errors import FusionError
+    from fusion.files import publish as pub
+    from fusion.ir.errors import FusionError
 
     def fail(tmp):
         raise OSError(27, "File too large")
@@ -383,7 +383,7 @@ def slow_save(path, data):           # the params temp file is written; then the
     open(marker, "w").close()
     time.sleep(120)
 mx.nd.save = slow_save
-from fusion import cli
+from fusion.doors import cli
 sys.exit(cli.main(sys.argv[1:]))
 """
 
@@ -418,7 +418,7 @@ def test_term_and_hup_while_writing_leave_no_temp_files(tmp_model, tmp_path, sig
 def test_a_signal_during_the_renames_waits_until_all_are_in_place(tmp_path, monkeypatch):
     import signal
 
-    from fusion import publish as pub
+    from fusion.files import publish as pub
     real_replace = os.replace
 
     def replace_then_signal(src, dst):
@@ -444,7 +444,7 @@ def test_a_signal_during_the_renames_waits_until_all_are_in_place(tmp_path, monk
 def test_stale_temp_files_of_dead_runs_are_removed(tmp_model, tmp_path, capsys):
     import time
 
-    from fusion import publish as pub
+    from fusion.files import publish as pub
 
     sp, pp = tmp_model()
     out_dir = tmp_path / "out"
@@ -488,7 +488,7 @@ def test_publishing_waits_for_another_run_holding_the_prefix(tmp_path):
     import threading
     import time
 
-    from fusion import publish as pub
+    from fusion.files import publish as pub
 
     lock = tmp_path / ".o.mxfuse.lock"
     assert pub.lock_path(str(tmp_path / "o-symbol.json")) == str(lock)
@@ -567,7 +567,7 @@ def _relu_chain_json(n):
 
 
 def _expr_depths(symbol_json):
-    from fusion.graph import expr_depth
+    from fusion.ir.graph import expr_depth
     return [expr_depth(n["attrs"]["expr"]) for n in symbol_json["nodes"] if n["op"] == "fused_elemwise"]
 
 

@@ -190,7 +190,7 @@ def test_bn_extra_outputs_used():
 @pytest.mark.parametrize("bad,text", [(-1.0, "negative moving variance in 'bn_moving_var'"),
                                       (np.nan, "'bn_moving_var' contains NaN")])
 def test_bad_variance_refused(bad, text):
-    # fuse() checks params as mxfuse does (fusion/modelio.py): refused before any rule runs
+    # fuse() checks params as mxfuse does (fusion/files/modelio.py): refused before any rule runs
     y = bn(conv(mx.sym.var("data")), eps=1e-5)
     arg, aux = random_params(y, X4)
     v = aux["bn_moving_var"].asnumpy()

@@ -173,7 +173,7 @@ def test_gluon_backend():
         x = mx.nd.array(rng.standard_normal(shape))
         a, b = net(x).asnumpy(), ref(x).asnumpy()
         assert np.abs(a - b).max() / np.abs(b).max() <= 1e-4, shape
-    from fusion.graph import Graph
+    from fusion.ir.graph import Graph
     assert Graph.from_symbol(net._cached_graph[1]).count_ops().get("fused_dense_block") == 1
 
 

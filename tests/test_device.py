@@ -1,6 +1,6 @@
 """fuse(..., device=): library ops are emitted only where the op library implements them.
 
-The library's own capability query (``fusion._native.capabilities()``) decides; tests that
+The library's own capability query (``fusion.native.library.capabilities()``) decides; tests that
 need a particular set of GPU implementations give the engine that table (the real one
 depends on whether the library was built with nvcc), and one test checks the real table.
 """
@@ -10,7 +10,8 @@ import mxnet as mx
 import pytest
 
 import fusion
-from fusion import _native, cli
+from fusion.native import library as _native
+from fusion.doors import cli
 
 from conftest import fuse_and_check, ops, random_params
 

@@ -129,7 +129,7 @@ def test_integer_inputs_stay_out():
 # fused and un-fused at two batch sizes: test_elementwise_roundtrip.py)
 
 def _run(sym, inputs, arg=None):
-    from fusion.verify import run
+    from fusion.check.verify import run
     return run(sym, arg or {}, {}, inputs)
 
 

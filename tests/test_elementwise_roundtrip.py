@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import fusion
-from fusion.verify import run as run_graph
-from fusion.graph import Graph
+from fusion.check.verify import run as run_graph
+from fusion.ir.graph import Graph
 
 S = mx.sym
 B, C, H = 3, 4, 5
@@ -181,7 +181,7 @@ def test_unfuse_is_total(expr, shapes):
 def test_unfuse_of_a_program_nested_as_deep_as_mxnet_loads():
     """A program nested thousands deep (one written by hand, or by another tool: the rules emit at
     most 256 ops) unfuses like any other — the parser and builder do not recurse."""
-    from fusion.graph import MAX_EXPR_DEPTH
+    from fusion.ir.graph import MAX_EXPR_DEPTH
 
     expr = "x0"
     for i in range(MAX_EXPR_DEPTH - 1):

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 import fusion
-from fusion.bench import subgraph_backend
+from fusion.native.env import subgraph_backend
 
 ULPS = 4
 F32_MIN = np.float32(1.1754944e-38)

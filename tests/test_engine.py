@@ -5,9 +5,9 @@ import pytest
 
 import fusion
 from fusion import Rule
-from fusion.errors import FusionError
-from fusion.graph import Entry, Graph
-from fusion.pattern import AnyOf, Const, OneOf, Var, op, scalar
+from fusion.ir.errors import FusionError
+from fusion.ir.graph import Entry, Graph
+from fusion.ir.pattern import AnyOf, Const, OneOf, Var, op, scalar
 
 from conftest import ops
 
@@ -130,8 +130,8 @@ def test_exported_interior_overlap_is_rejected():
     s = x + y
     out = mx.sym.Group([mx.sym.relu(s), mx.sym.relu(s)])
     # one pass: the second relu's candidate shares the exported add with the first -> overlap
-    from fusion.report import FusionReport
-    from fusion.rewrite import Context, _Pass
+    from fusion.engine.report import FusionReport
+    from fusion.engine.rewrite import Context, _Pass
     g = Graph.from_symbol(out)
     report = FusionReport()
     assert _Pass(g, Context(g, {}, {}, "inference"), report).run_rule(ReluOfAdd()) == 1
@@ -306,7 +306,7 @@ def test_a_rule_that_raises_costs_only_its_candidates():
 def test_user_rules_by_module_name(tmp_path, monkeypatch):
     (tmp_path / "my_rules.py").write_text(
         "from fusion import Rule\n"
-        "from fusion.pattern import Var, scalar\n"
+        "from fusion.ir.pattern import Var, scalar\n"
         "class Double(Rule):\n"
         "    name = 'double_mul'\n"
         "    def pattern(self):\n"

@@ -173,13 +173,13 @@ def test_gluon_door_check_finds_a_wrong_fused_block(monkeypatch, family):
         pytest.skip("no %s graph checked at two shapes and in training among the seeds tried" % family)
     assert not out.findings, (seed, [(f.check, f.detail) for f in out.findings])
 
-    real = fusion.api._fuse_gc_off
+    real = fusion.api.fuse_gc_off
 
     def off_by_one_percent(*args, **kwargs):
         res = real(*args, **kwargs)
         res.symbol = mx.sym.Group([o * 1.01 for o in res.symbol])
         return res
-    monkeypatch.setattr(fusion.api, "_fuse_gc_off", off_by_one_percent)
+    monkeypatch.setattr(fusion.api, "fuse_gc_off", off_by_one_percent)
     found = {f.check for f in Oracle(case, only=["gluon"]).run().findings}
     assert {"gluon.values", "gluon.second.values", "gluon.training.values"} <= found, (seed, found)
 
@@ -201,7 +201,7 @@ def test_bf16_check_finds_a_wrong_bf16_fuse(monkeypatch, family):
     moves the original: up to ~20 % on attention graphs with large scores, whose softmax magnifies
     it) a finding on every graph, at both shapes on most."""
 
-    from fusion.precision import native_bf16_reason
+    from fusion.precision.policy import native_bf16_reason
     from tools.fuzz.oracle import Oracle
 
     if native_bf16_reason() is not None:
@@ -230,7 +230,7 @@ def test_bf16_check_allows_mxnet_amps_own_rounding_but_not_more(monkeypatch):
     the float32 original at one element, further than the random bfloat16 runs move it (tanh
     saturates there).  The fused graph, equal to AMP's, is no finding; off by 10 % it is."""
 
-    from fusion.precision import native_bf16_reason
+    from fusion.precision.policy import native_bf16_reason
     from tools.fuzz.case import Invalid
     from tools.fuzz.generator import generate
     from tools.fuzz.oracle import RTOL_BF16, Oracle, forward

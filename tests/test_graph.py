@@ -5,9 +5,9 @@ import mxnet as mx
 import pytest
 
 import fusion
-from fusion.attrs import Attrs, format_value, parse_value
-from fusion.errors import GraphError
-from fusion.graph import Graph
+from fusion.ir.attrs import Attrs, format_value, parse_value
+from fusion.ir.errors import GraphError
+from fusion.ir.graph import Graph
 
 
 def _roundtrip(sym):

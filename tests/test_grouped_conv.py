@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import fusion
-from fusion.testing_gluoncv import export, se_resnext
+from fusion.testing.gluoncv import export, se_resnext
 
 from conftest import assert_unfuse_round_trip, fuse_and_check, ops, random_params
 

@@ -8,9 +8,9 @@ import mxnet as mx
 import pytest
 
 import fusion
-from fusion import html_report
-from fusion.errors import FusionError
-from fusion.graph import Graph
+from fusion.doors import html_report
+from fusion.ir.errors import FusionError
+from fusion.ir.graph import Graph
 
 from conftest import random_params
 

@@ -9,7 +9,7 @@ import mxnet as mx
 import pytest
 
 import fusion
-from fusion.testing_gluoncv import _blocks, export, mobilenetv3
+from fusion.testing.gluoncv import _blocks, export, mobilenetv3
 
 from conftest import assert_unfuse_round_trip, fuse_and_check, ops, random_params
 

@@ -1,5 +1,5 @@
 """Block rules without input shapes: channels and kernels come from the weights, how a block's values
-relate from its own ops (fusion/localfacts.py); what only the sizes can say is refused with that reason.
+relate from its own ops (fusion/engine/localfacts.py); what only the sizes can say is refused with that reason.
 
 Each block is fused without ``input_shapes``, then bound at real shapes and compared with the original
 (tolerance 1e-4 of the output's scale, as ``fusion.verify``).
@@ -78,7 +78,7 @@ def test_summary_counts_the_rewrites_input_shapes_would_decide():
 
 
 def test_gluoncv_se_resnext_block_fuses_without_shapes():
-    from fusion.testing_gluoncv import export, se_resnext
+    from fusion.testing.gluoncv import export, se_resnext
 
     with mx.name.NameManager():
         sym, arg, aux = export(se_resnext(layers=(1, 1, 1, 1), classes=10), (1, 3, 64, 64))

@@ -1,4 +1,4 @@
-"""ONNX import/export (fusion/onnx_io.py) against ONNX Runtime.
+"""ONNX import/export (fusion/onnx/importer.py) against ONNX Runtime.
 
 The models are built here with ``onnx.helper`` the way today's exporters
 write them: initializers not listed as graph inputs, symbolic batch (and
@@ -21,9 +21,9 @@ ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import fusion  # noqa: E402
-from fusion.errors import FusionError, GraphError  # noqa: E402
-from fusion.onnx_io import DEFAULT_OPSET, export_onnx, import_onnx  # noqa: E402
-from fusion.verify import compare, run  # noqa: E402
+from fusion.ir.errors import FusionError, GraphError  # noqa: E402
+from fusion.onnx.importer import DEFAULT_OPSET, export_onnx, import_onnx  # noqa: E402
+from fusion.check.verify import compare, run  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
@@ -344,7 +344,7 @@ def test_export_refuses_op_without_exporter(tmp_path):
 def test_export_refuses_fused_op_without_exporter(tmp_path, monkeypatch):
     import mxnet as mx   # `import fusion` loaded the fused ops
 
-    from fusion import onnx_io
+    from fusion.onnx import importer as onnx_io
     monkeypatch.delitem(onnx_io.FUSED_OP_EXPORTERS, "fused_elemwise")
     sym = mx.sym.fused_elemwise(mx.sym.var("a"), mx.sym.var("b"), expr="add(x0, x1)", num_args=2, name="ew")
     with pytest.raises(GraphError) as e:

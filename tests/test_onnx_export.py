@@ -1,4 +1,4 @@
-"""``--to-onnx`` / ``export_onnx`` (fusion/onnx_export.py) on the models people export, in ONNX Runtime.
+"""``--to-onnx`` / ``export_onnx`` (fusion/onnx/export.py) on the models people export, in ONNX Runtime.
 
 Each model is fused, exported for each target (``ort``: ONNX Runtime's contrib ops; ``standard``:
 ai.onnx only) and run in ONNX Runtime against MXNet (``export_onnx`` validates the file on inputs
@@ -22,7 +22,7 @@ ort = pytest.importorskip("onnxruntime")
 import mxnet as mx  # noqa: E402
 
 import fusion  # noqa: E402
-from fusion.onnx_export import DEFAULT_OPSET, OnnxExportError, export_onnx  # noqa: E402
+from fusion.onnx.export import DEFAULT_OPSET, OnnxExportError, export_onnx  # noqa: E402
 
 S = mx.sym
 MS = "com.microsoft"
@@ -110,7 +110,7 @@ def test_gluonnlp_bert_batch_of_two(tmp_path):
     rng = np.random.default_rng(4)
     feed = {"data0": rng.integers(0, 100, (2, 8)).astype(np.float32),
             "data1": rng.integers(0, 2, (2, 8)).astype(np.float32), "data2": np.array([5, 8], np.float32)}
-    from fusion.verify import run
+    from fusion.check.verify import run
     ref = run(fs, fa, fx, feed)
     got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feed)
     for x, y in zip(ref, got):
@@ -122,7 +122,7 @@ def test_lengths_read_as_mask_index_only_when_they_repeat_one_length(gluonnlp_be
     zeros: with a nonzero constant the attention bias stays a bias."""
     from onnx import numpy_helper
 
-    from fusion import onnx_export
+    from fusion.onnx import export as onnx_export
     (_, _, _, shapes), (fs, fa, fx) = gluonnlp_bert
     monkeypatch.setattr(onnx_export, "_repeated_lengths_as_mask_index", lambda m: m)
     path = tmp_path / "bias.onnx"
@@ -394,7 +394,7 @@ def test_dynamic_export_of_a_fused_layer_runs_at_other_sizes(tmp_path):
     rng = np.random.default_rng(0)
     feed = {"data": rng.standard_normal((3, 9, 32)).astype(np.float32),
             "mask": rng.standard_normal((1, 1, 9)).astype(np.float32)}
-    from fusion.verify import run
+    from fusion.check.verify import run
     ref = run(fs, fa, fx, feed)
     got = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, feed)
     assert np.max(np.abs(ref[0] - got[0])) / np.max(np.abs(ref[0])) <= RTOL
@@ -403,7 +403,7 @@ def test_dynamic_export_of_a_fused_layer_runs_at_other_sizes(tmp_path):
 def test_dynamic_bert_export_reads_lengths_from_the_packed_input(tmp_path):
     """A dynamic export takes the sequence length the attention bias is expanded to from Attention's own
     input (no q / k projection kept alive only for its Shape), and runs at another batch size."""
-    from fusion.onnx_io import import_onnx
+    from fusion.onnx.importer import import_onnx
     from fusion.testing import onnx_bert
     src = str(tmp_path / "bert.onnx")
     onnx.save(onnx_bert(layers=2, hidden=32, heads=4, ffn=64, vocab_size=50, max_positions=16, opset=17), src)
@@ -552,7 +552,7 @@ def test_layer_norm_form_by_opset(opset, tmp_path):
 def test_fused_elemwise_program_nested_as_deep_as_mxnet_loads(tmp_path):
     """A program nested 4095 deep (written by hand or by another tool) exports and matches: the
     program is read and written out without recursion."""
-    from fusion.graph import MAX_EXPR_DEPTH
+    from fusion.ir.graph import MAX_EXPR_DEPTH
 
     expr = "x0"
     for i in range(MAX_EXPR_DEPTH - 1):

@@ -1,5 +1,5 @@
-"""The ONNX graph view and chain patterns (fusion/onnx_graph.py), and the chain passes of
-fusion/onnx_passes.py on tiny graphs built inline: each rewrite run in ONNX Runtime against the graph
+"""The ONNX graph view and chain patterns (fusion/onnx/graph.py), and the chain passes of
+fusion/onnx/passes.py on tiny graphs built inline: each rewrite run in ONNX Runtime against the graph
 before it, and left alone when a value it would remove has a second reader or an operand is not
 constant."""
 import numpy as np
@@ -10,8 +10,8 @@ ort = pytest.importorskip("onnxruntime")
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from fusion import onnx_passes  # noqa: E402
-from fusion.onnx_graph import Const, GraphView, Init, Input, Op, Var, match, matches  # noqa: E402
+from fusion.onnx import passes as onnx_passes  # noqa: E402
+from fusion.onnx.graph import Const, GraphView, Init, Input, Op, Var, match, matches  # noqa: E402
 
 RTOL = 1e-6
 

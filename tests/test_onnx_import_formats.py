@@ -14,9 +14,9 @@ ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import fusion  # noqa: E402
-from fusion.errors import GraphError  # noqa: E402
-from fusion.onnx_io import import_onnx  # noqa: E402
-from fusion.verify import compare, run  # noqa: E402
+from fusion.ir.errors import GraphError  # noqa: E402
+from fusion.onnx.importer import import_onnx  # noqa: E402
+from fusion.check.verify import compare, run  # noqa: E402
 
 
 from test_onnx import ort_run  # noqa: E402  (ONNX Runtime on one thread, CPU)

@@ -1,4 +1,4 @@
-"""The fused model's outputs keep the names the original gave them (fusion/names.py): a rewrite
+"""The fused model's outputs keep the names the original gave them (fusion/ir/names.py): a rewrite
 that replaces the node computing an output (BatchNorm folded, Dropout or an identity removed,
 a two-output fused op, a folded parameter) would otherwise rename it, and code reading outputs
 by name (``executor.output_dict``, metrics' ``output_names``) would miss it."""
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import fusion
-from fusion.graph import Graph
-from fusion.names import keep_output_names
+from fusion.ir.graph import Graph
+from fusion.ir.names import keep_output_names
 
 from conftest import fuse_and_check, ops, random_params
 
@@ -100,7 +100,7 @@ def test_a_name_no_node_can_spell_is_reported_not_forced():
 
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
 def test_names_kept_in_a_transformer_block(precision):
-    from fusion.precision import native_bf16_reason
+    from fusion.precision.policy import native_bf16_reason
     if precision == "bf16" and native_bf16_reason() is not None:
         pytest.skip(native_bf16_reason())
     x = S.var("data")

@@ -1,4 +1,4 @@
-"""Reduced precision (fusion/precision.py): fuse(..., precision="bf16"), mxfuse --precision, hybridize.
+"""Reduced precision (fusion/precision/policy.py): fuse(..., precision="bf16"), mxfuse --precision, hybridize.
 
 Tolerances: against the float32 original, ``max|Δ|/max|orig|`` ≤ 2e-2 (the policy's bf16
 tolerance; bf16 rounds each operand by up to 2⁻⁹); against a NumPy reference that rounds
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import fusion
-from fusion import precision as P
-from fusion.errors import FusionError
+from fusion.precision import policy as P
+from fusion.ir.errors import FusionError
 
 from conftest import ops, random_params, run_mxfuse
 
@@ -650,7 +650,7 @@ def _dense_chain(act1, readers=("fc2",)):
 def _without_between(res):
     """The fused graph with float32 values between its ops: no out_dtype, and the readers of a
     bf16_copy output read the float32 output it copies."""
-    from fusion.graph import Entry
+    from fusion.ir.graph import Entry
     g = res.graph
     for nd in g.op_nodes():
         if "out_dtype" in nd.attrs:
@@ -871,7 +871,7 @@ def test_bf16_on_a_cnn_runs_its_convolutions_in_bf16_through_amp():
                                          {k: v.copy() for k, v in aux.items()}, target_dtype="bfloat16",
                                          cast_optional_params=True)
     x = np.random.default_rng(0).standard_normal(shapes["data"]).astype(np.float32)
-    from fusion.verify import run as run_model     # (AMP's graph names its input twice: bound by position)
+    from fusion.check.verify import run as run_model     # (AMP's graph names its input twice: bound by position)
     got = run_model(res.symbol, res.arg_params, res.aux_params, {"data": x})[0]
     want = run_model(asym, aarg, aaux, {"data": x})[0].astype(np.float32)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
@@ -1029,7 +1029,7 @@ def test_attention_values_held_in_bf16_are_exact():
 def test_attention_values_stay_float32_where_a_reader_needs_them(monkeypatch):
     """Causal attention (its band bounds read float32 q and k), a CPU without bf16 products (forced), an
     attention output that is also a graph output: those values stay float32."""
-    from fusion.graph import Entry
+    from fusion.ir.graph import Entry
     sym, arg, aux, shapes = _bert(layers=1)
     res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
     g = res.graph

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fusion
-from fusion import precision as P
+from fusion.precision import policy as P
 
 from conftest import ops, random_params
 
@@ -89,7 +89,7 @@ def test_outputs_amp_leaves_in_bf16_are_cast_back_even_where_type_inference_cann
     arg, aux = random_params(sym, shapes)
     res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
     assert "MXNet's AMP converted the graph first" in res.report.to_text()
-    from fusion.verify import run as run_model
+    from fusion.check.verify import run as run_model
     outs = run_model(res.symbol, res.arg_params, res.aux_params,
                      {k: np.ones(v, np.float32) for k, v in shapes.items()})
     assert [o.dtype for o in outs] == [np.float32, np.float32]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import fusion
-from fusion import precision as P
+from fusion.precision import policy as P
 
 from conftest import ops
 

@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fusion
-from fusion.bench import subgraph_backend
+from fusion.native.env import subgraph_backend
 from patterns import rules_by_name
 
 RTOL = 1e-4

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fusion
-from fusion import precision as P
+from fusion.precision import policy as P
 from patterns import default_rules
 
 from conftest import ops, random_params

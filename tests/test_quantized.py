@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import fusion
-from fusion.pattern import Var, op
-from fusion.rule import Rule
+from fusion.ir.pattern import Var, op
+from fusion.engine.rule import Rule
 
 from conftest import random_params
 

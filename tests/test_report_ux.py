@@ -73,7 +73,7 @@ def test_report_records_versions_shapes_and_command_line(tmp_model, tmp_path, ca
 def test_batch_reports_record_the_batch_command(tmp_path):
     import io
 
-    from fusion import batch
+    from fusion.doors import batch
 
     sym = small_cnn()
     arg, aux = random_params(sym, {"data": (1, 3, 8, 8)})
@@ -146,7 +146,8 @@ def test_an_input_of_the_graph_is_not_blamed_on_missing_params():
 
 
 def test_benchmark_figures_spread_like_for_like_and_slower_warning():
-    from fusion import bench
+    from fusion.check import bench
+    from fusion.engine.report import benchmark_lines
 
     ms = [i / 1e3 for i in range(1, 11)]                     # 1..10 ms: median 5.5, p10 1.9, p90 9.1
     b = bench.figures({"original": ms, "fused": [t * 2 for t in ms],
@@ -169,18 +170,18 @@ def test_benchmark_figures_spread_like_for_like_and_slower_warning():
                            "fused": [3.9438 + d for d in (-0.02, 0, 0.02)] * 4,
                            "original_no_subgraph": ms, "fused_no_subgraph": ms})
     assert close["warnings"] == [] and len(close["within_noise"]) == 1
-    lines = bench.benchmark_lines(b)
+    lines = benchmark_lines(b)
     assert lines[0].startswith("benchmark (ms, median [p10-p90] of 10 interleaved rounds): original 5.500 "
                                "[1.900-9.100], fused 11.000 [3.800-18.200]")
     assert lines[1] == ("speed-up, like for like: 0.50x with the subgraph backend on (MXNet's default bind), "
                         "3.93x with it off on both")
     assert lines[-1].startswith("with the subgraph backend on (MXNet's default bind) the fused model's median")
     assert not any(ln.startswith("WARNING") for ln in lines)
-    assert bench.benchmark_lines(far)[-1].startswith("WARNING: with the subgraph backend on")
+    assert benchmark_lines(far)[-1].startswith("WARNING: with the subgraph backend on")
 
 
 def test_cli_benchmark_prints_like_for_like_and_warns_when_slower(tmp_model, tmp_path, capsys, monkeypatch):
-    from fusion import bench
+    from fusion.check import bench
 
     real = bench.time_samples
 
@@ -221,7 +222,7 @@ def test_progress_redraws_one_line_on_a_terminal():
     import io
     import time
 
-    from fusion import progress
+    from fusion.doors import progress
 
     class Tty(io.StringIO):
         def isatty(self):
@@ -244,7 +245,7 @@ def test_progress_through_a_real_terminal(tmp_model, tmp_path):
 
     sp, pp = tmp_model()
     master, slave = pty.openpty()
-    proc = subprocess.run([sys.executable, "-m", "fusion.cli", str(sp), "--params", str(pp), "-o", str(tmp_path / "o"),
+    proc = subprocess.run([sys.executable, "-m", "fusion.doors.mxfuse", str(sp), "--params", str(pp), "-o", str(tmp_path / "o"),
                            "--shape", "data=1,3,8,8", "--verify"], cwd=ROOT, stdout=subprocess.PIPE, stderr=slave,
                           timeout=300)
     os.close(slave)
@@ -339,7 +340,7 @@ def test_no_serving_note_for_stock_ops_only(tmp_model, tmp_path, capsys):
 
 
 def test_no_loading_note_when_verify_refuses_and_nothing_is_written(tmp_model, tmp_path, capsys, monkeypatch):
-    from fusion import cli
+    from fusion.doors import cli
 
     x = mx.sym.var("data")
     y = mx.sym.Convolution(x, num_filter=4, kernel=(3, 3), pad=(1, 1), name="conv0")

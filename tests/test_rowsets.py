@@ -1,4 +1,4 @@
-"""fusion.verify on outputs of sorting and NMS (fusion/rowsets.py): rows compared as sets.
+"""fusion.verify on outputs of sorting and NMS (fusion/check/rowsets.py): rows compared as sets.
 
 Two detections whose scores are nearly tied change places under arithmetic in another order: the
 same rows, another order.  Such outputs are compared as sets of rows (and say so); a real error
@@ -11,8 +11,8 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from fusion.rowsets import RowLayout, align_rows, row_layouts
-from fusion.verify import verify
+from fusion.check.rowsets import RowLayout, align_rows, row_layouts
+from fusion.check.verify import verify
 
 from conftest import run_mxfuse
 
@@ -139,7 +139,7 @@ def test_mxfuse_verify_says_how_it_compared(tmp_path, capsys):
 
 
 def test_mxfuse_verify_fails_a_planted_one_percent_error_on_a_detector(tmp_path, capsys, monkeypatch):
-    from fusion import cli
+    from fusion.doors import cli
 
     arg, _ = near_tie()
     sp, pp = tmp_path / "det-symbol.json", tmp_path / "det-0000.params"
@@ -163,7 +163,7 @@ def test_mxfuse_verify_fails_a_planted_one_percent_error_on_a_detector(tmp_path,
 def test_real_ssd_detections_compared_as_sets(tmp_path):
     pytest.importorskip("gluoncv")
     import fusion
-    from fusion.testing_gcv_zoo import gcv_zoo_model
+    from fusion.testing.gcv_zoo import gcv_zoo_model
 
     shape = (1, 3, 128, 128)
     sym, arg, aux = gcv_zoo_model("ssd_512_mobilenet1.0_voc", shape)

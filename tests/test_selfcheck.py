@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import fusion
-from fusion.pattern import Const, Var, op
-from fusion.rule import Rule
-from fusion.verify import run
+from fusion.ir.pattern import Const, Var, op
+from fusion.engine.rule import Rule
+from fusion.check.verify import run
 
 from conftest import random_params
 
@@ -230,7 +230,7 @@ _READERS = {
 def test_guard_list_covers_every_op_mxnet_fuses_after_a_layer(layer):
     """Measured against the installed MXNet: an op that reads a layer output which is also a graph
     output and comes out different with the oneDNN backend on is in the guard list."""
-    from fusion.workarounds import FUSED_AFTER
+    from fusion.engine.workarounds import FUSED_AFTER
     x = S.var("x")
     if layer == "FullyConnected":
         lay, shapes = S.FullyConnected(x, num_hidden=2, name="L"), {"x": (3, 4), "r": (3, 2)}

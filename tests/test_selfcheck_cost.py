@@ -1,6 +1,6 @@
 """The self-check at small probe sizes, on the graph's own values: what it still catches.
 
-A rewrite that names no size is checked at a smaller copy of the input shapes (fusion/facts.py
+A rewrite that names no size is checked at a smaller copy of the input shapes (fusion/engine/facts.py
 ``small_probes``); one that names a size the small shapes could stand below (a gather of the
 first 128 rows) is checked at the user's.  The inputs of a candidate are the values the graph
 computes there, except where they could not tell a wrong rewrite (constant, not finite): drawn.
@@ -9,8 +9,8 @@ import mxnet as mx
 import numpy as np
 
 import fusion
-from fusion.pattern import Var, op
-from fusion.rule import Rule
+from fusion.ir.pattern import Var, op
+from fusion.engine.rule import Rule
 
 S = mx.sym
 
@@ -80,8 +80,8 @@ def test_an_error_only_above_the_small_sizes_is_caught_at_the_users():
     reason = " | ".join(res.report.rules["max_of_first_rows"].rejected.values())
     assert reason.startswith("self-check: output differs by"), reason       # at the user's 400 rows
     assert res.report.self_check.size_free == 0
-    from fusion.facts import small_probes
-    from fusion.graph import Graph
+    from fusion.engine.facts import small_probes
+    from fusion.ir.graph import Graph
     found, smallest = small_probes(Graph.from_symbol(sym), {k: v.shape for k, v in arg.items()}, {"data": shape})
     assert smallest == 64 and all(p["data"][2] <= 128 for p, _ in found), found    # none would show it
     # the same rewrite at those sizes is right: it is exact up to 128 rows

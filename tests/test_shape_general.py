@@ -1,5 +1,5 @@
 """A fused model binds and runs like the original at every input shape the original accepts,
-not only at the shapes it was fused at (probe shapes in fusion/facts.py, checked per rewrite)."""
+not only at the shapes it was fused at (probe shapes in fusion/engine/facts.py, checked per rewrite)."""
 import json
 import math
 
@@ -9,10 +9,10 @@ import pytest
 from mxnet import gluon
 
 import fusion
-from fusion import cli
-from fusion.facts import make_probes
-from fusion.graph import Graph
-from fusion.verify import run
+from fusion.doors import cli
+from fusion.engine.facts import make_probes
+from fusion.ir.graph import Graph
+from fusion.check.verify import run
 
 from conftest import random_params
 
@@ -209,8 +209,8 @@ def test_where_condition_misread_at_a_probe_is_not_a_probe(tmp_path):
         import sys, json
         sys.path.insert(0, %r)
         import mxnet as mx, numpy as np, fusion
-        from fusion.facts import make_probes
-        from fusion.graph import Graph
+        from fusion.engine.facts import make_probes
+        from fusion.ir.graph import Graph
         S = mx.sym
         x = S.reshape(S.var("x"), shape=(-3, 0, 0))
         y = S.relu(S.where(S.var("c"), x * 2, x))
@@ -282,8 +282,8 @@ def test_probe_sizes_never_shrink(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = ("import sys; sys.path.insert(0, %r)\n"
             "import mxnet as mx, fusion\n"
-            "from fusion.facts import make_probes\n"
-            "from fusion.graph import Graph\n"
+            "from fusion.engine.facts import make_probes\n"
+            "from fusion.ir.graph import Graph\n"
             "S = mx.sym\n"
             "h = S.reshape(S.transpose(S.reshape(S.var('v'), shape=(0, 0, 4, -1)), axes=(0, 2, 1, 3)), shape=(-3, 0, 0))\n"
             "y = S.reshape(S.SwapAxis(S.reshape(h, reverse=True, shape=(-1, 4, 0, 0)), dim1=1, dim2=2), shape=(0, 0, -1))\n"
@@ -300,8 +300,8 @@ def test_library_op_never_gets_an_unknown_shape_from_inference():
     input's shape is unknown, and a where of branches of two shapes leaves its output unknown
     without an error.  Facts of a graph holding library ops are inferred in stages, each library
     op only once its inputs are known: here no facts, and no crash (a probe of unfuse met this)."""
-    from fusion.facts import infer
-    from fusion.graph import Graph
+    from fusion.engine.facts import infer
+    from fusion.ir.graph import Graph
 
     c, x, y, b = (mx.sym.var(n) for n in "cxyb")
     sym = mx.sym.fused_elemwise(mx.sym.softsign(mx.sym.where(c, x / 3, y)), b, expr="ge(exp(x0), x1)",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fusion
-from fusion.testing_gluoncv import _blocks, export, resnest
+from fusion.testing.gluoncv import _blocks, export, resnest
 
 from conftest import assert_unfuse_round_trip, fuse_and_check, ops
 

@@ -5,7 +5,7 @@ import mxnet as mx
 import pytest
 
 import fusion
-from fusion.graph import Graph
+from fusion.ir.graph import Graph
 
 from conftest import random_params
 

@@ -5,9 +5,10 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from fusion import Rule, cli
-from fusion.pattern import Var, op
-from fusion.verify import compare, input_domains, random_inputs, verify
+from fusion import Rule
+from fusion.doors import cli
+from fusion.ir.pattern import Var, op
+from fusion.check.verify import compare, input_domains, random_inputs, verify
 
 from conftest import random_params
 

@@ -30,7 +30,7 @@ _START = time.time()
 
 def native():
     spec = importlib.util.spec_from_file_location("mxfusion_native_gpu_check",
-                                                  os.path.join(REPO, "fusion", "_native.py"))
+                                                  os.path.join(REPO, "fusion", "native", "library.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -66,6 +66,27 @@ def bundle():
         os.makedirs(os.path.dirname(os.path.join(BUNDLE, rel)), exist_ok=True)
         shutil.copy(os.path.join(src, rel), os.path.join(BUNDLE, rel))
     print("MXNet's lib_api sources copied to", BUNDLE)
+    return bundle_cudnn()
+
+
+def bundle_cudnn():
+    """Copy the cuDNN frontend's headers (and cuDNN's, for a machine whose cuDNN wheel lacks them)
+    into build/cudnn_bundle, where cuda_iface.cudnn_dirs() finds them on the GPU machine."""
+    import shutil
+    sys.path.insert(0, os.path.join(REPO, "cuda_kernels"))
+    import cuda_iface
+    d = cuda_iface.cudnn_dirs()
+    if not d:
+        print("cuDNN frontend / cuDNN headers not found here (pip install nvidia-cudnn-frontend nvidia-cudnn-cu13):"
+              " the GPU build will not have the cuDNN attention path")
+        return 0
+    for src, dst in ((d["frontend"], os.path.join(cuda_iface.CUDNN_BUNDLE, "frontend", "include")),
+                     (d["include"], os.path.join(cuda_iface.CUDNN_BUNDLE, "cudnn", "include"))):
+        if os.path.realpath(src).startswith(os.path.realpath(cuda_iface.CUDNN_BUNDLE)):
+            continue  # already the bundle
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    print("cuDNN frontend and cuDNN headers copied to", cuda_iface.CUDNN_BUNDLE)
     return 0
 
 
@@ -85,11 +106,12 @@ def main():
                   "print('built', n.build(verbose=True, cuda=True, cpu=False))\n"
                   "try:\n    print('built', n.build(verbose=True, cuda=True, gpu=True))\n"
                   "except RuntimeError as e:\n    print('op library not built:', str(e).splitlines()[0])\n"
-                  % os.path.join(REPO, "fusion", "_native.py"))
+                  % os.path.join(REPO, "fusion", "native", "library.py"))
     code, secs, text = run("build", [py, "-c", build_code], logdir, env)
     note = next((ln for ln in text.splitlines() if ln.startswith("op library not built")), "CUDA + op library")
     rows.append(("build", code, secs, note))
-    tests = [t for t in ("tests/kernels/test_cuda_kernels.py", "tests/kernels/test_cuda_semantics.py")
+    tests = [t for t in ("tests/kernels/test_cuda_kernels.py", "tests/kernels/test_cuda_semantics.py",
+                         "tests/kernels/test_attention_backends.py")
              if os.path.exists(os.path.join(REPO, t))]
     code, secs, text = run("kernels", [py, "-m", "pytest", "--noconftest", "-q", "-rs", "-p", "no:cacheprovider"]
                            + tests, logdir, env)

@@ -8,7 +8,8 @@ extern "C" const char* mxf_cuda_error_string(int rc) {
   if (rc == MXF_ERR_BAD_ARGS) return "invalid arguments (shape, dtype, layout or code not accepted)";
   if (rc == MXF_ERR_WORKSPACE) return "workspace missing or smaller than the size query's answer";
   if (rc == MXF_ERR_UNSUPPORTED) return "combination not implemented by the CUDA kernels";
-  if (rc <= MXF_ERR_CUBLAS) {
+  if (rc == MXF_ERR_CUDNN) return "cuDNN: a fused attention graph failed to run";
+  if (rc <= MXF_ERR_CUBLAS && rc > MXF_ERR_CUDNN) {
     switch (MXF_ERR_CUBLAS - rc) {
       case 1: return "cuBLASLt: not initialized";
       case 3: return "cuBLASLt: allocation failed";

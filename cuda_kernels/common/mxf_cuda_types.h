@@ -30,7 +30,8 @@ enum {
   MXF_ERR_BAD_ARGS = -1,         /* shapes / codes / pointers the kernel does not accept */
   MXF_ERR_WORKSPACE = -2,        /* workspace NULL or smaller than *_workspace_size() */
   MXF_ERR_UNSUPPORTED = -3,      /* a valid combination this build does not implement */
-  MXF_ERR_CUBLAS = -1000         /* -1000 - cublasStatus_t: cuBLASLt failed */
+  MXF_ERR_CUBLAS = -1000,        /* -1000 - cublasStatus_t: cuBLASLt failed */
+  MXF_ERR_CUDNN = -2000          /* cuDNN (fused attention) failed to run a graph it had built */
 };
 
 /* Bytes per element of a dtype code (0 for an unknown code). */

@@ -366,9 +366,10 @@ std::vector<std::vector<int64_t>> to64(const std::vector<Shape>& s, size_t n) {
   return r;
 }
 
-// precision="bfloat16": the two products in bfloat16 (fuse(..., precision="bf16"))
+// precision="bfloat16": the two products in bfloat16 (fuse(..., precision="bf16")); "tf32": the GPU's
+// fp32 products may run on TF32 tensor cores (the CPU computes float32 as for "float32")
 bool reduced_products(const Attrs& a) {
-  return attr_choice(a, "precision", "float32", {"float32", "bfloat16"}) == "bfloat16";
+  return attr_choice(a, "precision", "float32", {"float32", "bfloat16", "tf32"}) == "bfloat16";
 }
 
 // mshadow's code for bfloat16 (lib_api's MXDType does not name it)

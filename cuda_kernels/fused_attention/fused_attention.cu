@@ -19,8 +19,11 @@
 // Same results as the CPU op (attention_cpu.cc): fully masked rows, causal modes and
 // non-finite values follow the unfused MXNet graph.
 #include "cuda_common.cuh"
+#include "attention_backends.h"
 #include "fused_attention.h"
 
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 namespace {
@@ -292,6 +295,7 @@ struct MmaParams {
   mxf_attention_args a;
   const int* lastbad;  // per (n, column): last key whose v is not finite, or -1 (skipping modes)
   bool vec_q, vec_k, vec_v;
+  bool vec_o;  // output rows 16-byte aligned and Dv % 8 == 0: staged 16-byte stores
 };
 
 // rows [0, rows) x cols [0, DMAX) of dst (row stride STR) from rows row0.. of src (row stride rs),
@@ -415,7 +419,15 @@ __device__ void row_limits(const mxf_attention_args& a, int64_t n, int64_t row0,
   __syncthreads();
 }
 
-template <typename T, int DMAX, int BC>
+// kV2 (the default; MXFUSION_ATTN_OWN_KERNEL=v1 selects the kernel before it, for bisecting):
+//  - interior key tiles (no additive / boolean mask, no add / fill band, every row of the block
+//    sees the whole tile) skip the per-element bookkeeping: the scale is folded into one FFMA
+//    before exp2 (the row max taken on the raw products, exact for a positive scale), and a NaN or
+//    +inf score is found at the end from the row sum (it makes the sum NaN);
+//  - the output goes through shared memory (each warp's own 16 rows of the Q tile) and out in
+//    16-byte stores along the rows (rows 16-byte aligned, Dv % 8 == 0), not 4-byte stores
+//    strided by the row.
+template <typename T, int DMAX, int BC, bool kV2>
 __global__ void __launch_bounds__(kMmaWarps * 32)
 attention_fwd_mma_kernel(const MmaParams P) {
   constexpr int STR = DMAX + 8;
@@ -437,8 +449,15 @@ attention_fwd_mma_kernel(const MmaParams P) {
   const bool transform = a.causal == MXF_CAUSAL_ADD || a.causal == MXF_CAUSAL_FILL;
 
   row_limits<T>(a, n, row0, s_lim, s_band, &s_emin, &s_knmax);
-  int64_t kmax = 0;
-  for (int r = 0; r < kBR; ++r) kmax = s_lim[r] > kmax ? s_lim[r] : kmax;
+  int64_t kmax = 0, kmin = a.Sk;  // the most / fewest keys a row of the block sees (rows past Sq: 0)
+  for (int r = 0; r < kBR; ++r) {
+    kmax = s_lim[r] > kmax ? s_lim[r] : kmax;
+    if (row0 + r < a.Sq) kmin = s_lim[r] < kmin ? s_lim[r] : kmin;
+  }
+  // tiles before `interior` need no per-element work (kV2): every row sees all their keys
+  const bool plain_scores = a.mask_kind != MXF_MASK_ADDITIVE && a.mask_kind != MXF_MASK_BOOLEAN && !transform &&
+                            a.scale > 0.f;
+  const int64_t interior = kV2 && plain_scores ? kmin : 0;
   load_tile<T, DMAX>(Qs, Qg, a.q_rs, row0, kBR, a.Sq, a.D, P.vec_q);
   if (kmax > 0) {  // stage 0: the first key tile, in flight with Q
     load_tile<T, DMAX>(KV, Kg, a.k_rs, 0, BC, a.Sk, a.D, P.vec_k);
@@ -450,7 +469,7 @@ attention_fwd_mma_kernel(const MmaParams P) {
   const int64_t i_lo = row0 + rl, i_hi = i_lo + 8;
   const int64_t lim_lo = s_lim[rl], lim_hi = s_lim[rl + 8];
   const int64_t band_lo = s_band[rl], band_hi = s_band[rl + 8];
-  const float sl2 = a.scale;
+  const float sl2 = a.scale, sl2l = a.scale * kLog2e;
   const int ksteps = static_cast<int>((a.D + 15) / 16), dsteps = static_cast<int>((a.Dv + 7) / 8);
 
   float oacc[DMAX / 8][4];
@@ -501,6 +520,16 @@ attention_fwd_mma_kernel(const MmaParams P) {
     }
     // scale, mask, causal modes; non-finite scores flag the row; log2 domain
     float mx_lo = -INFINITY, mx_hi = -INFINITY;
+    const bool fast = kV2 && j0 + BC <= interior;
+    if (fast) {  // raw products: the max first, scaled once (sl2 > 0 keeps the order)
+#pragma unroll
+      for (int nt = 0; nt < BC / 8; ++nt) {
+        mx_lo = fmaxf(mx_lo, fmaxf(sacc[nt][0], sacc[nt][1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(sacc[nt][2], sacc[nt][3]));
+      }
+      mx_lo *= sl2l;
+      mx_hi *= sl2l;
+    } else {
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt) {
 #pragma unroll
@@ -527,6 +556,7 @@ attention_fwd_mma_kernel(const MmaParams P) {
         if (hi) mx_hi = fmaxf(mx_hi, s); else mx_lo = fmaxf(mx_lo, s);
       }
     }
+    }
     mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
     mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
     mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
@@ -537,14 +567,26 @@ attention_fwd_mma_kernel(const MmaParams P) {
     m_lo = mn_lo;
     m_hi = mn_hi;
     float ps_lo = 0.f, ps_hi = 0.f;
+    if (fast) {  // p = 2^(x * scale * log2e - max): one FFMA and the exp2
 #pragma unroll
-    for (int nt = 0; nt < BC / 8; ++nt) {
-      sacc[nt][0] = exp2f(sacc[nt][0] - mu_lo);
-      sacc[nt][1] = exp2f(sacc[nt][1] - mu_lo);
-      sacc[nt][2] = exp2f(sacc[nt][2] - mu_hi);
-      sacc[nt][3] = exp2f(sacc[nt][3] - mu_hi);
-      ps_lo += sacc[nt][0] + sacc[nt][1];
-      ps_hi += sacc[nt][2] + sacc[nt][3];
+      for (int nt = 0; nt < BC / 8; ++nt) {
+        sacc[nt][0] = exp2f(fmaf(sacc[nt][0], sl2l, -mu_lo));
+        sacc[nt][1] = exp2f(fmaf(sacc[nt][1], sl2l, -mu_lo));
+        sacc[nt][2] = exp2f(fmaf(sacc[nt][2], sl2l, -mu_hi));
+        sacc[nt][3] = exp2f(fmaf(sacc[nt][3], sl2l, -mu_hi));
+        ps_lo += sacc[nt][0] + sacc[nt][1];
+        ps_hi += sacc[nt][2] + sacc[nt][3];
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < BC / 8; ++nt) {
+        sacc[nt][0] = exp2f(sacc[nt][0] - mu_lo);
+        sacc[nt][1] = exp2f(sacc[nt][1] - mu_lo);
+        sacc[nt][2] = exp2f(sacc[nt][2] - mu_hi);
+        sacc[nt][3] = exp2f(sacc[nt][3] - mu_hi);
+        ps_lo += sacc[nt][0] + sacc[nt][1];
+        ps_hi += sacc[nt][2] + sacc[nt][3];
+      }
     }
     l_lo = l_lo * al_lo + ps_lo;
     l_hi = l_hi * al_hi + ps_hi;
@@ -579,6 +621,7 @@ attention_fwd_mma_kernel(const MmaParams P) {
     __syncthreads();  // this stage's readers are done before the next step refills it
   }
   cp_async_wait<0>();  // nothing left in flight (no key tile at all: Q's copies)
+  if (kV2) __syncthreads();  // every thread's Q copies landed before a warp reuses its Q rows
 
   l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
   l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
@@ -586,6 +629,13 @@ attention_fwd_mma_kernel(const MmaParams P) {
   l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
   bad_lo = __shfl_xor_sync(0xffffffffu, bad_lo ? 1 : 0, 1) | __shfl_xor_sync(0xffffffffu, bad_lo ? 1 : 0, 2) | bad_lo;
   bad_hi = __shfl_xor_sync(0xffffffffu, bad_hi ? 1 : 0, 1) | __shfl_xor_sync(0xffffffffu, bad_hi ? 1 : 0, 2) | bad_hi;
+  if (kV2) {  // an interior tile's NaN / +inf score made the row's sum NaN
+    bad_lo |= isnan(l_lo);
+    bad_hi |= isnan(l_hi);
+  }
+  // kV2: the warp's 16 output rows staged in its own rows of the Q tile (no other warp reads them)
+  const bool staged = kV2 && P.vec_o;
+  T* Ow = Qs + warp * 16 * STR;
   const bool skips = a.causal != MXF_CAUSAL_NONE || a.mask_kind == MXF_MASK_VALID_LENGTH;
   T* Og = static_cast<T*>(a.o) + b * a.o_bs + h * a.o_hs;
 #pragma unroll
@@ -606,8 +656,18 @@ attention_fwd_mma_kernel(const MmaParams P) {
         if (d >= a.Dv) continue;
         float y = (!bad && l > 0.f) ? oacc[nd][half_ * 2 + e] * inv : fill;
         if (skips && lim < a.Sk && P.lastbad[n * a.Dv + d] >= lim) y = nanf("");
-        Og[i * a.o_rs + d] = from_f<T>(y);
+        if (staged) Ow[(g + half_ * 8) * STR + d] = from_f<T>(y);
+        else Og[i * a.o_rs + d] = from_f<T>(y);
       }
+    }
+  }
+  if (staged) {
+    __syncwarp();
+    const int chunks = static_cast<int>(a.Dv / 8);  // 16-byte pieces of a row
+    for (int c = lane; c < 16 * chunks; c += 32) {
+      const int r = c / chunks, d = (c % chunks) * 8;
+      const int64_t i = row0 + warp * 16 + r;
+      if (i < a.Sq) *reinterpret_cast<uint4*>(Og + i * a.o_rs + d) = *reinterpret_cast<const uint4*>(Ow + r * STR + d);
     }
   }
 }
@@ -635,7 +695,8 @@ constexpr int kBwdRows = 16;  // query rows per step
 // delta[n * Sq + i] = sum_d dO[i, d] o[i, d]; one warp per row
 template <typename T>
 __global__ void attention_delta_kernel(const mxf_attention_args a, const T* __restrict__ dout,
-                                       float* __restrict__ delta) {
+                                       float* __restrict__ delta, const int* gate) {
+  if (gate && *gate == 0) return;
   const int lane = threadIdx.x & 31;
   const int64_t rows = a.B * a.H * a.Sq, wpb = blockDim.x >> 5;
   for (int64_t row = blockIdx.x * wpb + (threadIdx.x >> 5); row < rows; row += gridDim.x * wpb) {
@@ -657,10 +718,14 @@ struct BwdParams {
   float* dq_acc;     // (N, Sq, D)
   float* dmask_acc;  // dmask_numel, or null
   int bkc;           // keys per block (16 or 32)
+  const int* gate;   // null, or run only where *gate != 0 (see attention_backends.h)
 };
+
+__device__ __forceinline__ bool gated_off(const int* gate) { return gate && *gate == 0; }
 
 template <typename T>
 __global__ void __launch_bounds__(kBwdThreads) attention_bwd_kernel(const BwdParams P) {
+  if (gated_off(P.gate)) return;
   const mxf_attention_args& a = P.a;
   const int BK = P.bkc;
   const int64_t D = a.D, Dv = a.Dv, KS = D + 1, VS = Dv + 1;
@@ -819,7 +884,8 @@ __global__ void __launch_bounds__(kBwdThreads) attention_bwd_kernel(const BwdPar
 
 template <typename T>
 __global__ void dq_finish_kernel(const mxf_attention_args a, const float* __restrict__ acc, T* __restrict__ dq,
-                                 int req) {
+                                 int req, const int* gate) {
+  if (gate && *gate == 0) return;
   const int64_t total = a.B * a.H * a.Sq * a.D;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -829,10 +895,21 @@ __global__ void dq_finish_kernel(const mxf_attention_args a, const float* __rest
 }
 
 template <typename T>
-__global__ void flat_finish_kernel(const float* __restrict__ acc, T* __restrict__ out, int64_t n, int req) {
+__global__ void flat_finish_kernel(const float* __restrict__ acc, T* __restrict__ out, int64_t n, int req,
+                                   const int* gate) {
+  if (gate && *gate == 0) return;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x)
     mxf_cuda::store_req(out + e, acc[e], req);
+}
+
+// memset to 0 of n bytes at p (4-byte aligned) that a gate can switch off
+__global__ void zero_kernel(unsigned char* __restrict__ p, int64_t n, const int* gate) {
+  if (gate && *gate == 0) return;
+  const int64_t n4 = n / 4, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t t0 = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  for (int64_t e = t0; e < n4; e += stride) reinterpret_cast<unsigned*>(p)[e] = 0u;
+  for (int64_t e = n4 * 4 + t0; e < n; e += stride) p[e] = 0;
 }
 
 unsigned grid_1d(int64_t n, int threads) {
@@ -868,6 +945,7 @@ __host__ __device__ bool vec_ok(const void* p, int64_t bs, int64_t hs, int64_t r
 // shared memory, from which the block computes dQ = dS K and adds it to the float32 workspace.
 template <typename T, int DMAX, int BR>
 __global__ void __launch_bounds__(kMmaWarps * 32) attention_bwd_mma_kernel(const BwdParams P) {
+  if (gated_off(P.gate)) return;
   constexpr int BC = 16 * kMmaWarps;  // keys per block
   constexpr int STR = DMAX + 8, SSTR = BR + 8;
   constexpr int MT = BR / 16, NT = DMAX / 8;             // dQ tiles: MT x NT over 4 warps
@@ -1133,11 +1211,19 @@ int launch_bwd_mma(const BwdParams& P, cudaStream_t st) {
   MXF_CUDA_RETURN_LAST();
 }
 
+bool own_kernel_v1() {  // MXFUSION_ATTN_OWN_KERNEL=v1: the forward kernel before the kV2 changes
+  static const bool v1 = [] {
+    const char* e = std::getenv("MXFUSION_ATTN_OWN_KERNEL");
+    return e && std::string(e) == "v1";
+  }();
+  return v1;
+}
+
 template <typename T, int DMAX, int BC>
 int launch_mma(const MmaParams& P, cudaStream_t st) {
   const mxf_attention_args& a = P.a;
   const size_t smem = sizeof(T) * (kBR + 4 * BC) * (DMAX + 8);  // Q + two stages of K, V
-  auto kernel = attention_fwd_mma_kernel<T, DMAX, BC>;
+  auto kernel = own_kernel_v1() ? attention_fwd_mma_kernel<T, DMAX, BC, false> : attention_fwd_mma_kernel<T, DMAX, BC, true>;
   if (smem > 48 * 1024)
     MXF_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   dim3 grid(static_cast<unsigned>((a.Sq + kBR - 1) / kBR), static_cast<unsigned>(a.B * a.H));
@@ -1174,16 +1260,16 @@ BwdPlan bwd_plan(const mxf_attention_args* a, const mxf_attention_grads* g) {
 
 }  // namespace
 
-extern "C" size_t mxf_attention_forward_workspace_size(const mxf_attention_args* args) {
-  return args_ok(args) ? fwd_ws(args) : 0;
-}
+namespace mxf_attn {
 
-extern "C" int mxf_attention_forward(const mxf_attention_args* args, void* workspace, size_t workspace_size,
-                                     void* stream) {
+bool args_valid(const mxf_attention_args* a) { return args_ok(a); }
+
+size_t own_forward_ws(const mxf_attention_args* args) { return args_ok(args) ? fwd_ws(args) : 0; }
+
+int own_forward(const mxf_attention_args* args, void* workspace, size_t workspace_size, cudaStream_t st) {
   if (!args_ok(args)) return MXF_ERR_BAD_ARGS;
   const int64_t N = args->B * args->H;
   if (N == 0 || args->Sq == 0) return 0;
-  const cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (args->dtype == MXF_F32) {
     dim3 grid(static_cast<unsigned>((args->Sq + kRows - 1) / kRows), static_cast<unsigned>(N));
     const size_t shmem = sizeof(float) * kTile * (args->D + args->Dv);
@@ -1201,6 +1287,7 @@ extern "C" int mxf_attention_forward(const mxf_attention_args* args, void* works
   P.vec_q = vec_ok(args->q, args->q_bs, args->q_hs, args->q_rs);
   P.vec_k = vec_ok(args->k, args->k_bs, args->k_hs, args->k_rs);
   P.vec_v = vec_ok(args->v, args->v_bs, args->v_hs, args->v_rs);
+  P.vec_o = vec_ok(args->o, args->o_bs, args->o_hs, args->o_rs) && args->Dv % 8 == 0;
   const int64_t dmax = args->D > args->Dv ? args->D : args->Dv;
   return mxf_cuda::dispatch_dtype(args->dtype, [&](auto t) -> int {
     using T = decltype(t);
@@ -1223,19 +1310,17 @@ extern "C" int mxf_attention_forward(const mxf_attention_args* args, void* works
   });
 }
 
-extern "C" size_t mxf_attention_backward_workspace_size(const mxf_attention_args* args,
-                                                        const mxf_attention_grads* grads) {
+size_t own_backward_ws(const mxf_attention_args* args, const mxf_attention_grads* grads) {
   return args_ok(args) ? bwd_plan(args, grads).total : 0;
 }
 
-extern "C" int mxf_attention_backward(const mxf_attention_args* args, const mxf_attention_grads* grads,
-                                      void* workspace, size_t workspace_size, void* stream) {
+int own_backward(const mxf_attention_args* args, const mxf_attention_grads* grads, void* workspace,
+                 size_t workspace_size, cudaStream_t st, const int* gate) {
   if (!args_ok(args) || !grads || !args->lse || !grads->dout) return MXF_ERR_BAD_ARGS;
   for (int q : {grads->req_dq, grads->req_dk, grads->req_dv, grads->req_dmask})
     if (!mxf_cuda::req_ok(q)) return MXF_ERR_BAD_ARGS;
   const BwdPlan plan = bwd_plan(args, grads);
   if (!workspace || workspace_size < plan.total) return MXF_ERR_WORKSPACE;
-  const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int64_t N = args->B * args->H;
   char* ws = static_cast<char*>(workspace);
   BwdPlan pl = plan;
@@ -1246,19 +1331,25 @@ extern "C" int mxf_attention_backward(const mxf_attention_args* args, const mxf_
   P.dq_acc = reinterpret_cast<float*>(ws + pl.dq_off);
   P.dmask_acc = pl.total > pl.dm_off ? reinterpret_cast<float*>(ws + pl.dm_off) : nullptr;
   P.bkc = pl.bkc;
+  P.gate = gate;
   const size_t es = mxf_cuda::dtype_bytes(args->dtype);
+  auto zero = [&](void* p, size_t bytes) -> int {  // a memset the gate can switch off
+    if (!gate) return static_cast<int>(cudaMemsetAsync(p, 0, bytes, st));
+    const int64_t n = static_cast<int64_t>(bytes);
+    zero_kernel<<<grid_1d(n / 4 + 1, 256), 256, 0, st>>>(static_cast<unsigned char*>(p), n, gate);
+    return static_cast<int>(cudaGetLastError());
+  };
   if (N == 0) {
-    if (P.dmask_acc && grads->req_dmask != MXF_REQ_ADD)
-      MXF_CUDA_TRY(cudaMemsetAsync(grads->dmask, 0, grads->dmask_numel * es, st));
+    if (P.dmask_acc && grads->req_dmask != MXF_REQ_ADD) MXF_TRY(zero(grads->dmask, grads->dmask_numel * es));
     return 0;
   }
-  MXF_CUDA_TRY(cudaMemsetAsync(P.dq_acc, 0, static_cast<size_t>(N * args->Sq * args->D) * sizeof(float), st));
-  if (P.dmask_acc) MXF_CUDA_TRY(cudaMemsetAsync(P.dmask_acc, 0, grads->dmask_numel * sizeof(float), st));
+  MXF_TRY(zero(P.dq_acc, static_cast<size_t>(N * args->Sq * args->D) * sizeof(float)));
+  if (P.dmask_acc) MXF_TRY(zero(P.dmask_acc, grads->dmask_numel * sizeof(float)));
   return mxf_cuda::dispatch_dtype(args->dtype, [&](auto t) -> int {
     using T = decltype(t);
     if (args->Sq > 0) {
       attention_delta_kernel<T><<<grid_1d(N * args->Sq * 32, 256), 256, 0, st>>>(
-          *args, static_cast<const T*>(grads->dout), const_cast<float*>(P.delta));
+          *args, static_cast<const T*>(grads->dout), const_cast<float*>(P.delta), gate);
       MXF_CUDA_TRY(cudaGetLastError());
     }
     if (args->Sk > 0 && (grads->req_dq != MXF_REQ_NULL || grads->req_dk != MXF_REQ_NULL ||
@@ -1282,10 +1373,12 @@ extern "C" int mxf_attention_backward(const mxf_attention_args* args, const mxf_
     }
     if (grads->req_dq != MXF_REQ_NULL && args->Sq > 0)
       dq_finish_kernel<T><<<grid_1d(N * args->Sq * args->D, 256), 256, 0, st>>>(
-          *args, P.dq_acc, static_cast<T*>(grads->dq), grads->req_dq);
+          *args, P.dq_acc, static_cast<T*>(grads->dq), grads->req_dq, gate);
     if (P.dmask_acc && grads->dmask_numel > 0)
       flat_finish_kernel<T><<<grid_1d(grads->dmask_numel, 256), 256, 0, st>>>(
-          P.dmask_acc, static_cast<T*>(grads->dmask), grads->dmask_numel, grads->req_dmask);
+          P.dmask_acc, static_cast<T*>(grads->dmask), grads->dmask_numel, grads->req_dmask, gate);
     MXF_CUDA_RETURN_LAST();
   });
 }
+
+}  // namespace mxf_attn

@@ -13,9 +13,13 @@
  *   1 (MXF_CAUSAL_EXCLUDE) dropped, 2 (MXF_CAUSAL_ADD) given score + mask_value,
  *   3 (MXF_CAUSAL_FILL) given the score mask_value (2 and 3 take mask_kind NONE).
  *
- * Forward: flash-style, tiled over keys with an online softmax, O(S*d) memory; fp16 / bf16 on
- * tensor cores (mma.sync m16n8k16, fp32 accumulation), fp32 with fp32 FMAs; key tiles after
- * every row's band (causal exclude, valid lengths) are never read.  lse (may be NULL) receives
+ * Backends (attention_dispatch.cu; mxf_attention_backend() says which one a call takes and why):
+ * fp16 / bf16 on cuDNN's fused flash attention where it computes these semantics exactly (libcudnn
+ * opened at the first call; see attention_cudnn.cu), else on the own kernels; fp32 on cuBLASLt
+ * products around a masked softmax (TF32 only with allow_tf32).  The own forward: flash-style,
+ * tiled over keys with an online softmax, O(S*d) memory; fp16 / bf16 on tensor cores (mma.sync
+ * m16n8k16, fp32 accumulation), fp32 with fp32 FMAs; key tiles after every row's band (causal
+ * exclude, valid lengths) are never read.  Not yet run on a GPU.  lse (may be NULL) receives
  * the log-sum-exp of each row's scores, lse[(b*H + h)*Sq + i] (natural log, of the scaled and
  * masked scores); +inf for a row with no visible key, NaN for a NaN row.
  *
@@ -37,6 +41,13 @@ extern "C" {
 
 enum { MXF_MASK_NONE = 0, MXF_MASK_ADDITIVE = 1, MXF_MASK_BOOLEAN = 2, MXF_MASK_VALID_LENGTH = 3 };
 enum { MXF_CAUSAL_NONE = 0, MXF_CAUSAL_EXCLUDE = 1, MXF_CAUSAL_ADD = 2, MXF_CAUSAL_FILL = 3 };
+/* Backends: the project's own kernels; cuDNN's fused flash attention (fp16 / bf16, through the cuDNN
+ * frontend's graph API, libcudnn loaded at the first call); for fp32, cuBLASLt batched products around
+ * a masked-softmax kernel with the S x S scores in the workspace. */
+enum { MXF_ATTN_AUTO = 0, MXF_ATTN_OWN = 1, MXF_ATTN_CUDNN = 2, MXF_ATTN_GEMM = 3 };
+/* lengths_hint bits: every row of batch element b has the length of row 0 of head (b, 0)
+ * (MXF_LEN_PER_BATCH), and every length, clamped to [0, Sk], is at least 1 (MXF_LEN_NONZERO). */
+enum { MXF_LEN_PER_BATCH = 1, MXF_LEN_NONZERO = 2 };
 
 typedef struct {
   int32_t dtype;                  /* MXF_F32 / MXF_F16 / MXF_BF16 */
@@ -52,6 +63,11 @@ typedef struct {
   float scale, mask_value;        /* mask_value: boolean fill, or the causal add / fill value */
   int32_t causal;                 /* MXF_CAUSAL_*: what happens to keys after the band */
   float* lse;                     /* forward: output, or NULL; backward: input (required) */
+  /* Appended fields; zero (a zero-initialised struct) keeps the defaults. */
+  int32_t backend;                /* MXF_ATTN_*: AUTO chooses by the capability check; another forces
+                                     that backend (MXF_ERR_UNSUPPORTED where it cannot run the call) */
+  int32_t allow_tf32;             /* fp32 products on TF32 tensor cores (the op's precision="tf32") */
+  int32_t lengths_hint;           /* MXF_LEN_* facts about `lengths` the caller checked on the host */
 } mxf_attention_args;
 
 typedef struct {
@@ -61,6 +77,15 @@ typedef struct {
   int64_t dmask_numel;            /* elements of the mask tensor (dmask) */
   int32_t req_dq, req_dk, req_dv, req_dmask;
 } mxf_attention_grads;
+
+/* The backend a call with these arguments runs (MXF_ATTN_OWN / CUDNN / GEMM) for the forward
+ * (backward = 0) or the backward (1), or a negative MXF_ERR_* code for arguments no backend takes.
+ * `why` (may be NULL) receives, NUL-terminated, why the faster backends were not chosen (empty when
+ * the first choice runs), e.g. "cudnn: boolean mask (a fully masked row averages v, cuDNN cannot
+ * express the fill value)".  Callable without a GPU: the semantic checks need no device; cuDNN's
+ * own support check (its graph build) needs one and says so.  The environment variable
+ * MXFUSION_ATTN_BACKEND=own|cudnn|gemm overrides AUTO (for bisecting). */
+int mxf_attention_backend(const mxf_attention_args* args, int backward, char* why, size_t why_size);
 
 size_t mxf_attention_forward_workspace_size(const mxf_attention_args* args);
 int mxf_attention_forward(const mxf_attention_args* args, void* workspace, size_t workspace_size,

@@ -14,11 +14,11 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 def native_module():
     try:
-        from fusion import _native
+        from fusion.native import library as _native
         return _native
     except ImportError:  # the package itself failed to import; the builder stands alone
         spec = importlib.util.spec_from_file_location(
-            "fusion_native_standalone", os.path.join(_REPO, "fusion", "_native.py"))
+            "fusion_native_standalone", os.path.join(_REPO, "fusion", "native", "library.py"))
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod

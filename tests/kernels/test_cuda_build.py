@@ -89,3 +89,25 @@ def test_dense_is_built_on_cublaslt(built):
     needed = subprocess.run(["readelf", "-d", lib_path], stdout=subprocess.PIPE, text=True).stdout
     assert re.search(r"NEEDED.*libcublasLt\.so\.\d+", needed), needed
     assert "libcudart" not in needed  # the CUDA runtime is static
+
+
+def test_cudnn_attention_path_is_built(built):
+    """fused_attention's cuDNN path compiles (frontend in dynamic-loading mode, sm_80 + sm_90 build)
+    and links without libcudnn: the library loads here, no GPU or cuDNN needed."""
+    _, link, lib_path = built
+    if ci.cudnn_dirs() is None:
+        pytest.skip("cuDNN frontend / cuDNN headers not found (pip install nvidia-cudnn-frontend "
+                    "nvidia-cudnn-cu13): fused_attention compiled without its cuDNN path")
+    cmd = [c for c in ci.compile_commands("/tmp") if c[0].endswith("attention_cudnn_graph.cpp")][0][2]
+    assert "-DMXF_WITH_CUDNN=1" in cmd and "-DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING" in cmd
+    needed = subprocess.run(["readelf", "-d", lib_path], stdout=subprocess.PIPE, text=True).stdout
+    assert "libcudnn" not in needed, needed
+    lib = ctypes.CDLL(lib_path)
+    why = ctypes.create_string_buffer(512)
+    args = ci.AttnArgs(dtype=ci.F16, B=1, H=1, Sq=8, Sk=8, D=64, Dv=64, q=256, k=512, v=768, o=1024,
+                       q_rs=64, k_rs=64, v_rs=64, o_rs=64, q_hs=512, k_hs=512, v_hs=512, o_hs=512,
+                       q_bs=512, k_bs=512, v_bs=512, o_bs=512, scale=0.125)
+    rc = lib.mxf_attention_backend(ctypes.byref(args), 0, why, ctypes.c_size_t(512))
+    assert rc in (1, 2), rc  # own here (no GPU), cudnn where a GPU and cuDNN are
+    assert b"this build has no cuDNN frontend" not in why.value, why.value
+

@@ -153,6 +153,10 @@ def test_attention_forward(cuda, dtype, B, H, Sq, Sk, D, mode):
             want = np.where(np.isfinite(m[..., 0]), (m + np.log(np.exp(s - np.where(np.isfinite(m), m, 0)).sum(-1,
                             keepdims=True)))[..., 0], np.inf)
         close(f64(c["lse"]).reshape(want.shape), want, dtype, "lse")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", MODES)
 def test_attention_forward_strided_layout(cuda, dtype, mode):
     lib, torch, ws = cuda
     c = attn_case(torch, dtype, 2, 3, 40, 40, 64, mode, "bshd")
@@ -296,6 +300,237 @@ def test_attention_backward_full_mask_strided_layout(cuda, dtype, D):
     close(nsd(dk, Sk) - 1.0, K.grad.numpy(), dtype, "dk")
     close(nsd(dv, Sk) - 1.0, V.grad.numpy(), dtype, "dv")
     close(f64(dmask).reshape(B * H, Sq, Sk) - 1.0, M.grad.numpy(), dtype, "dmask")
+
+
+# ----------------------------------------------------------------------------- attention backends
+# Each backend forced (args.backend) against the float64 reference: cuDNN (fp16 / bf16) and the
+# cuBLASLt products (fp32) where the capability check takes the call, the own kernels always.  A
+# forced backend that cannot take a call is skipped with the check's reason (printed by -rs).
+
+BACKENDS = {"float32": ["gemm", "own"], "float16": ["cudnn", "own"], "bfloat16": ["cudnn", "own"]}
+BE_CASES = [  # B, H, Sq, Sk, D, mode
+    (2, 3, 64, 64, 64, "none"), (2, 4, 128, 256, 128, "causal"), (1, 2, 96, 96, 64, "causal"),
+    (2, 2, 1, 4096, 64, "none"), (2, 3, 70, 136, 40, "additive"), (3, 2, 64, 128, 64, "additive_full"),
+    (3, 2, 80, 80, 64, "valid_length"), (2, 2, 64, 64, 64, "causal_valid_length"), (1, 2, 64, 64, 256, "none"),
+    (2, 2, 64, 64, 64, "large")]
+
+
+def be_case(torch, dtype, B, H, Sq, Sk, D, mode, layout="bhsd", seed=1):
+    """Inputs, args and the float64 reference of a case every backend may take."""
+    rs = np.random.RandomState(seed)
+    hi = 12.0 if mode == "large" else 1.0  # "large": scores with a spread of hundreds
+    if layout == "bhsd":
+        q, k, v = (rand(torch, s, dtype, -hi, hi, seed=seed + i) for i, s in
+                   enumerate(((B, H, Sq, D), (B, H, Sk, D), (B, H, Sk, D))))
+        o = torch.empty((B, H, Sq, D), dtype=q.dtype, device="cuda")
+    else:  # bshd views of one packed (B, S, 3, H, D) buffer
+        buf = rand(torch, (B, max(Sq, Sk), 3, H, D), dtype, -hi, hi, seed=seed)
+        q, k, v = buf[:, :Sq, 0], buf[:, :Sk, 1], buf[:, :Sk, 2]
+        o = torch.empty((B, Sq, H, D), dtype=q.dtype, device="cuda")
+    lse = torch.empty((B * H * Sq,), dtype=torch.float32, device="cuda")
+    causal = "exclude" if mode.startswith("causal") else "none"
+    a = ci.attention_args(q, k, v, o, D ** -0.5, layout=layout, causal=causal, lse=lse)
+    keep, mask, kind, rmask = [], None, "none", None
+    if mode in ("additive", "additive_full"):
+        shape = (B, 1, 1, Sk) if mode == "additive" else (B, H, Sq, Sk)
+        m = np.where(rs.rand(*shape) > 0.3, rs.uniform(-2, 2, shape), -1e4).astype(np.float32)
+        m[..., 0] = 0.5  # no fully masked row (those are tested below)
+        tm = torch.from_numpy(m).to(q.dtype).cuda()
+        keep.append(tm)
+        a.mask_kind, a.mask = 1, tm.data_ptr()
+        a.m_sb, a.m_sh, a.m_sq, a.m_sk = (Sk, 0, 0, 1) if mode == "additive" else (H * Sq * Sk, Sq * Sk, Sk, 1)
+        kind, rmask = "additive", np.broadcast_to(f64(tm), (B, H, Sq, Sk)).reshape(B * H, Sq, Sk)
+    elif mode.endswith("valid_length"):
+        per_b = rs.randint(1, Sk + 1, B).astype(np.int32)
+        lens = np.repeat(per_b, H * Sq)  # the (b*H + h, row) table, one length per batch element
+        tl = torch.from_numpy(lens).cuda()
+        keep.append(tl)
+        a.mask_kind, a.lengths, a.len_sn, a.len_sq = 3, tl.data_ptr(), Sq, 1
+        a.lengths_hint = ci.LEN_PER_BATCH | ci.LEN_NONZERO
+        kind, rmask = "valid_length", np.repeat(per_b, H)
+
+    def nsd(t, S, Dx):
+        x = f64(t)
+        x = x if layout == "bhsd" else x.transpose(0, 2, 1, 3)
+        return x.reshape(B * H, S, Dx)
+
+    want = ref_attention(nsd(q, Sq, D), nsd(k, Sk, D), nsd(v, Sk, D), D ** -0.5, rmask, kind,
+                         causal=causal != "none")
+    return dict(q=q, k=k, v=v, o=o, lse=lse, args=a, keep=keep, want=want, nsd=nsd, kind=kind, rmask=rmask,
+                causal=causal)
+
+
+def force(lib, a, backend, backward=False):
+    a.backend = ci.BACKENDS[backend]
+    name, why = ci.attention_backend(lib, a, backward)
+    if name != backend:
+        pytest.skip("backend %s does not take this call: %s" % (backend, why))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("B,H,Sq,Sk,D,mode", BE_CASES)
+def test_attention_backend_forward(cuda, dtype, which, B, H, Sq, Sk, D, mode):
+    lib, torch, ws = cuda
+    backend = BACKENDS[dtype][which]
+    c = be_case(torch, dtype, B, H, Sq, Sk, D, mode)
+    force(lib, c["args"], backend)
+    ok(lib, ci.attention(lib, ws, c["args"]))
+    torch.cuda.synchronize()
+    close(c["nsd"](c["o"], Sq, D), c["want"], dtype, "%s out" % backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("mode", ["none", "causal", "additive", "valid_length"])
+def test_attention_backend_strided(cuda, dtype, which, mode):
+    """bshd views of one packed buffer (the op's packed / interleaved layouts)."""
+    lib, torch, ws = cuda
+    backend = BACKENDS[dtype][which]
+    c = be_case(torch, dtype, 2, 3, 64, 64, 64, mode, layout="bshd")
+    force(lib, c["args"], backend)
+    ok(lib, ci.attention(lib, ws, c["args"]))
+    torch.cuda.synchronize()
+    close(c["nsd"](c["o"], 64, 64), c["want"], dtype, "%s out" % backend)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("B,H,Sq,Sk,D,mode", [(2, 4, 128, 256, 128, "causal"), (2, 2, 1, 4096, 64, "none"),
+                                              (2, 2, 64, 64, 64, "large"), (3, 2, 80, 80, 64, "valid_length")])
+def test_attention_error_within_twice_sdpa(cuda, dtype, B, H, Sq, Sk, D, mode):
+    """Against float64, the chosen backend's error is within 2x PyTorch SDPA's own (same dtype)."""
+    lib, torch, ws = cuda
+    c = be_case(torch, dtype, B, H, Sq, Sk, D, mode)
+    ok(lib, ci.attention(lib, ws, c["args"]))
+    F = torch.nn.functional
+    am = None
+    if c["kind"] == "valid_length":
+        L = torch.tensor(c["rmask"].reshape(B, H)[:, 0], device="cuda")
+        am = (torch.arange(Sk, device="cuda")[None, :] < L[:, None])[:, None, None, :]
+    ref = F.scaled_dot_product_attention(c["q"], c["k"], c["v"], attn_mask=am, is_causal=c["causal"] != "none"
+                                         and Sq == Sk, scale=D ** -0.5) if not (c["causal"] != "none" and Sq != Sk) \
+        else None
+    torch.cuda.synchronize()
+    err = np.abs(c["nsd"](c["o"], Sq, D) - c["want"]).max()
+    if ref is None:  # SDPA's is_causal is top-left: compare with the tolerance instead
+        assert err <= TOL[dtype] * (1 + np.abs(c["want"]).max())
+        return
+    err_sdpa = np.abs(c["nsd"](ref, Sq, D) - c["want"]).max()
+    assert err <= 2 * err_sdpa + 1e-6, (err, err_sdpa)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("B,H,Sq,Sk,D,mode", [(2, 3, 64, 64, 64, "none"), (2, 2, 128, 256, 128, "causal"),
+                                              (2, 2, 64, 128, 64, "additive"), (3, 2, 80, 80, 64, "valid_length"),
+                                              (1, 2, 64, 64, 256, "none")])
+def test_attention_backend_backward(cuda, dtype, which, B, H, Sq, Sk, D, mode):
+    lib, torch, ws = cuda
+    backend = BACKENDS[dtype][which]
+    c = be_case(torch, dtype, B, H, Sq, Sk, D, mode, seed=5)
+    a = c["args"]
+    a.backend = 0
+    ok(lib, ci.attention(lib, ws, a))  # the lse any forward gives
+    dout = rand(torch, c["o"].shape, dtype, seed=9)
+    dq, dk, dv = (torch.empty_like(t) for t in (c["q"], c["k"], c["v"]))
+    g = ci.AttnGrads(dout=dout.data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dv.data_ptr(),
+                     req_dq=ci.REQ_WRITE, req_dk=ci.REQ_WRITE, req_dv=ci.REQ_WRITE)
+    dmask = None
+    if c["kind"] == "additive":
+        dmask = torch.zeros((B, 1, 1, Sk), dtype=c["q"].dtype, device="cuda")
+        g.dmask, g.dmask_numel, g.req_dmask = dmask.data_ptr(), B * Sk, ci.REQ_WRITE
+    force(lib, a, backend, backward=True)
+    rc = ci.attention_backward(lib, ws, a, g)
+    if rc == ci.ERR_UNSUPPORTED:  # the gradients asked for (e.g. cuDNN's dBias of this mask shape)
+        pytest.skip("backend %s refused the backward with these gradients" % backend)
+    ok(lib, rc)
+    torch.cuda.synchronize()
+    nsd = c["nsd"]
+    Q, K, V = (torch.tensor(nsd(t, S, D), requires_grad=True) for t, S in ((c["q"], Sq), (c["k"], Sk), (c["v"], Sk)))
+    m = None
+    if c["kind"] == "additive":
+        m = torch.tensor(c["rmask"].copy(), requires_grad=True)
+    elif c["kind"] == "valid_length":
+        m = torch.tensor(c["rmask"].astype(np.int64))
+    out = torch_attention(torch, Q, K, V, D ** -0.5, m, c["kind"], c["causal"])
+    out.backward(torch.tensor(nsd(dout, Sq, D)))
+    close(nsd(dq, Sq, D), Q.grad.numpy(), dtype, "%s dq" % backend)
+    close(nsd(dk, Sk, D), K.grad.numpy(), dtype, "%s dk" % backend)
+    close(nsd(dv, Sk, D), V.grad.numpy(), dtype, "%s dv" % backend)
+    if dmask is not None:
+        close(f64(dmask).reshape(B, Sk), m.grad.numpy().reshape(B, H * Sq, Sk).sum(1), dtype, "%s dmask" % backend)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_attention_cudnn_nonfinite_semantics(cuda, dtype):
+    """The cuDNN path keeps the op's edge semantics: a NaN score row and an all -inf (masked) row are
+    NaN; under a causal band a column whose v is inf at a key some rows skip is NaN in those rows;
+    a backward with a NaN input gives what the own kernels give (its guard hands it to them)."""
+    lib, torch, ws = cuda
+    B, H, S, D = 1, 2, 64, 64
+    q, k, v = (rand(torch, (B, H, S, D), dtype, seed=i) for i in range(3))
+    q[0, 0, 3, 0] = float("nan")
+    mask = torch.zeros((B, 1, 1, S), dtype=q.dtype, device="cuda")
+    o = torch.empty_like(q)
+    lse = torch.empty(B * H * S, device="cuda")
+    a = ci.attention_args(q, k, v, o, 0.125, lse=lse)
+    a.mask_kind, a.mask, a.m_sb, a.m_sk = 1, mask.data_ptr(), S, 1
+    force(lib, a, "cudnn")
+    ok(lib, ci.attention(lib, ws, a))
+    torch.cuda.synchronize()
+    got = f64(o)
+    assert np.isnan(got[0, 0, 3]).all() and np.isfinite(np.delete(got[0, 0], 3, 0)).all()
+    assert np.isfinite(got[0, 1]).all() and np.isnan(f64(lse).reshape(H, S)[0, 3])
+    mask.fill_(float("-inf"))
+    ok(lib, ci.attention(lib, ws, a))
+    torch.cuda.synchronize()
+    assert np.isnan(f64(o)).all()
+    # causal: v[.., 40, 5] = inf; rows i < 40 skip key 40 -> NaN in column 5, rows >= 40 see it
+    q2 = rand(torch, (B, H, S, D), dtype, seed=7)
+    v2 = v.clone()
+    v2[0, 1, 40, 5] = float("inf")
+    a = ci.attention_args(q2, k, v2, o, 0.125, causal="exclude", lse=lse)
+    force(lib, a, "cudnn")
+    ok(lib, ci.attention(lib, ws, a))
+    torch.cuda.synchronize()
+    got = f64(o)[0, 1]
+    assert np.isnan(got[:40, 5]).all() and np.isfinite(np.delete(got[:40], 5, 1)).all()
+    assert not np.isfinite(got[40:, 5]).any()
+    assert np.isfinite(f64(o)[0, 0]).all()
+    # backward with a NaN in q: cuDNN's result is replaced by the own kernels'
+    outs = {}
+    for be in ("own", "cudnn"):
+        a = ci.attention_args(q, k, v, o, 0.125, lse=lse)
+        ok(lib, ci.attention(lib, ws, a))
+        dout = rand(torch, q.shape, dtype, seed=11)
+        grads = [torch.empty_like(q) for _ in range(3)]
+        g = ci.AttnGrads(dout=dout.data_ptr(), dq=grads[0].data_ptr(), dk=grads[1].data_ptr(),
+                         dv=grads[2].data_ptr(), req_dq=ci.REQ_WRITE, req_dk=ci.REQ_WRITE, req_dv=ci.REQ_WRITE)
+        force(lib, a, be, backward=True)
+        ok(lib, ci.attention_backward(lib, ws, a, g))
+        torch.cuda.synchronize()
+        outs[be] = [f64(t) for t in grads]
+    for x, y in zip(outs["own"], outs["cudnn"]):
+        assert (np.isnan(x) == np.isnan(y)).all()
+        fin = np.isfinite(x)
+        assert (np.isfinite(y) == fin).all()
+        assert np.allclose(x[fin], y[fin], rtol=1e-2, atol=1e-3)  # float32 atomics, rounded to the dtype
+
+
+def test_attention_fp32_tf32_only_when_asked(cuda):
+    """The fp32 products: full fp32 by default (1e-4 of float64); allow_tf32 runs and stays within
+    TF32's error."""
+    lib, torch, ws = cuda
+    c = be_case(torch, "float32", 2, 4, 256, 256, 64, "none")
+    force(lib, c["args"], "gemm")
+    ok(lib, ci.attention(lib, ws, c["args"]))
+    torch.cuda.synchronize()
+    close(c["nsd"](c["o"], 256, 64), c["want"], "float32", "fp32 products")
+    c["args"].allow_tf32 = 1
+    ok(lib, ci.attention(lib, ws, c["args"]))
+    torch.cuda.synchronize()
+    err = np.abs(c["nsd"](c["o"], 256, 64) - c["want"]).max()
+    assert err <= 5e-3 * (1 + np.abs(c["want"]).max()), err
 
 
 def test_attention_rejects_bad_arguments(cuda):

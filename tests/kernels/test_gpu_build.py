@@ -79,8 +79,8 @@ def test_no_cuda_switch_builds_the_cpu_only_library(fused_ops, tmp_path):
     built beside (not over) the one this run uses, and loaded by MXNet in a fresh process."""
     code = r"""
 import ctypes, importlib.util, json, os, sys
-# fusion/_native.py alone: importing the package would load (and rebuild) this run's library
-spec = importlib.util.spec_from_file_location("native_alone", os.path.join(%r, "fusion", "_native.py"))
+# fusion/native/library.py alone: importing the package would load (and rebuild) this run's library
+spec = importlib.util.spec_from_file_location("native_alone", os.path.join(%r, "fusion", "native", "library.py"))
 _native = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(_native)
 lib_dir = sys.argv[1]

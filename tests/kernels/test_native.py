@@ -1,4 +1,4 @@
-"""fusion._native: the build/load contract (clear errors for a missing or stale library)."""
+"""fusion.native.library: the build/load contract (clear errors for a missing or stale library)."""
 import os
 import shutil
 
@@ -19,13 +19,13 @@ def test_missing_and_stale_library_errors(fused_ops, tmp_path, monkeypatch):
     built = fused_ops.library_path()
     monkeypatch.setattr(fused_ops, "_loaded", None)
     monkeypatch.setattr(fused_ops, "LIB_DIR", str(tmp_path))
-    with pytest.raises(RuntimeError, match="missing.*python -m fusion.build"):
+    with pytest.raises(RuntimeError, match="missing.*python -m fusion.native.build"):
         fused_ops.load()
     lib = os.path.join(str(tmp_path), fused_ops.CPU_LIB)
     shutil.copy(built, lib)
     with open(lib + ".sha256", "w") as fh:
         fh.write("0" * 64 + "\n")
-    with pytest.raises(RuntimeError, match="stale.*python -m fusion.build"):
+    with pytest.raises(RuntimeError, match="stale.*python -m fusion.native.build"):
         fused_ops.load()
 
 

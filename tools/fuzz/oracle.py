@@ -83,11 +83,11 @@ RANDOM_OPS = re.compile(r"^(_random_|random_|_sample_|sample_|_contrib_.*uniform
 
 def _misreads(sym, values) -> bool:
     """Whether MXNet 1.9.1 would not run ``sym`` as its inferred shapes say at these values
-    (fusion.facts.misread: a where condition of another shape, read as cond[i // ratio]; a reshape
+    (fusion.engine.facts.misread: a where condition of another shape, read as cond[i // ratio]; a reshape
     to another size), or reads past a tensor: softmax lengths longer than the axis they count.
     No input a fused model must reproduce."""
-    from fusion.selfcheck import _misread_nodes
-    if _misread_nodes(sym, values):
+    from fusion.engine.selfcheck import misread_nodes
+    if misread_nodes(sym, values):
         return True
     data = json.loads(sym.tojson())
     nodes = data["nodes"]
@@ -418,7 +418,7 @@ def _noise_dominated(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray], r
 def forward(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray], subgraph: bool = False) -> List[np.ndarray]:
     """Inference outputs of ``sym`` (parameters and inputs by name), as NumPy arrays."""
     import mxnet as mx
-    from fusion.bench import subgraph_backend
+    from fusion.native.env import subgraph_backend
 
     sym = _rounding_runs(sym, arg, aux, inputs)
 
@@ -440,7 +440,7 @@ def forward(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray], subgraph: 
 def train_step(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray], seed: int):
     """forward(is_train=True) + backward with seeded head gradients: (outputs, {argument: gradient})."""
     import mxnet as mx
-    from fusion.bench import subgraph_backend
+    from fusion.native.env import subgraph_backend
 
     sym = _rounding_runs(sym, arg, aux, inputs)
 
@@ -475,7 +475,7 @@ def gluon_runs(sym, arg: Dict, aux: Dict, inputs: Sequence[Dict[str, np.ndarray]
     a list of output lists.  With ``train_seed``: one call under ``autograd.record()``, backward
     with ``train_step``'s head gradients; returns (outputs, {parameter: gradient})."""
     import mxnet as mx
-    from fusion.bench import subgraph_backend
+    from fusion.native.env import subgraph_backend
 
     names = list(inputs[0])
     with warnings.catch_warnings():
@@ -1122,7 +1122,7 @@ class Oracle:
         self._compare_training("gluon.training", sym0, x1, names, ref_out, ref_grad, out, grad)
 
     def _bf16(self, sym0, ref, x1, ref2, x2, names, random) -> None:
-        from fusion.precision import native_bf16_reason
+        from fusion.precision.policy import native_bf16_reason
 
         c = self.case
         if native_bf16_reason() is not None:
@@ -1177,9 +1177,9 @@ class Oracle:
 
     def _amp_original(self, sym0, x) -> Optional[List[np.ndarray]]:
         """The original as ``fuse(precision="bf16")`` hands it to the rules when MXNet's AMP converts
-        it first (``fusion.precision.convert_convolutions``: float32 outputs), run on ``x``; None
+        it first (``fusion.precision.policy.convert_convolutions``: float32 outputs), run on ``x``; None
         where that cannot be done."""
-        from fusion.precision import convert_convolutions
+        from fusion.precision.policy import convert_convolutions
 
         c = self.case
         try:

@@ -30,7 +30,7 @@ import base64                                                       # noqa: E402
 import numpy as np                                                  # noqa: E402
 import mxnet as mx                                                  # noqa: E402
 import fusion                                                       # noqa: E402
-from fusion.bench import subgraph_backend                           # noqa: E402
+from fusion.native.env import subgraph_backend                           # noqa: E402
 
 S, I = mx.sym, mx.sym._internal
 RTOL, ATOL, RTOL_GRAD, ATOL_GRAD = 1e-4, 1e-6, 1e-3, 1e-4
@@ -215,7 +215,7 @@ if inputs2 is not None:         # fused at the first shape, trained at the secon
 sys.exit(1 if bad else 0)
 ''',
     "output_names": r'''
-from fusion.precision import native_bf16_reason
+from fusion.precision.policy import native_bf16_reason
 want, bad = sym.list_outputs(), False
 tries = [("inference", {}), ("training", dict(mode="training"))]
 if native_bf16_reason() is None:

@@ -364,7 +364,7 @@ def _write_crash_repro(seed: int, family: str, check: str, detail: str, out_dir:
     """Reproducer of a crash, written here (the worker is gone)."""
     try:
         sys.path.insert(0, ROOT)
-        from fusion import _env
+        from fusion.native import env as _env
 
         _env.configure_threads()
         from . import repro

@@ -308,7 +308,16 @@ AttnCall attention_call(const Attrs& a, const std::vector<const MXTensor*>& data
     c.k.mask_kind = MXF_MASK_VALID_LENGTH;
     c.k.len_sn = g.Sq;
     c.k.len_sq = 1;
+    // what the kernels' cuDNN path may rely on: one length per batch element, none of them 0
+    bool per_batch = true, nonzero = g.Sk > 0;
+    const int64_t rows_per_b = g.H * g.Sq;
+    for (size_t e = 0; e < c.lengths.size(); ++e) {
+      per_batch &= c.lengths[e] == c.lengths[(e / rows_per_b) * rows_per_b];
+      nonzero &= c.lengths[e] > 0;
+    }
+    c.k.lengths_hint = (per_batch ? MXF_LEN_PER_BATCH : 0) | (nonzero ? MXF_LEN_NONZERO : 0);
   }
+  c.k.allow_tf32 = attr_str(a, "precision", "float32") == "tf32";  // precision="tf32": TF32 products
   return c;
 }
 

@@ -1,0 +1,533 @@
+"""Numerical verification: run the original and the fused model on the same inputs and compare.
+
+``max_rel`` is, per output, ``max|fused − original| / max|original|`` over the
+elements finite in both (the error relative to the output's scale, which stays
+meaningful where single elements are near zero), and the largest over all
+outputs is reported.  NaN and ±inf are compared on their own: a NaN/inf where
+the original has a finite value (or the reverse, or another NaN/inf) fails
+verification, with the count; NaN/inf in the original at the same places in
+the fused model are reported, not hidden.
+
+The inputs are drawn to fit how the model reads each one (``input_domains``):
+token and segment ids feeding an ``Embedding`` (also through Cast/Reshape/slice
+…) are integers in ``[0, input_dim)``; valid lengths feeding a softmax
+``length``, a ``SequenceMask`` or an attention valid length are in ``[1, S]``;
+``where`` conditions and masks multiplied into a larger tensor are 0/1; other
+inputs are N(0, 1).  Two different draws are run (or the user's own inputs,
+``verify(..., inputs=...)``/``mxfuse --inputs FILE.npz``), and an output that is
+one constant over every element of every draw is reported: it cannot tell a
+right model from a wrong one ("verification is weak").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..ir.errors import FusionError
+
+DEFAULT_RTOL = 1e-4
+DRAWS = 2           # random draws compared when no inputs are given
+
+
+@dataclass
+class VerifyResult:
+    """The comparison of every output: errors on the finite elements, NaN/inf apart.
+
+    ``nonfinite`` lists outputs whose NaN/inf differ from the original's (a failure);
+    ``notes`` what the original computes as NaN/inf (compared at the same places);
+    ``constant`` the outputs that are one constant over all verification inputs.
+    """
+
+    max_abs: float
+    max_rel: float
+    per_output: List[Tuple[str, float, float]] = field(default_factory=list)   # (name, abs, rel)
+    # (output index, name, NaN/inf where the original is finite, finite where it is not, other NaN/inf)
+    nonfinite_mismatch: List[Tuple[int, str, int, int, int]] = field(default_factory=list)
+    # (output index, name, NaN/inf elements of the original, elements) — summed over the draws
+    nonfinite_original: List[Tuple[int, str, int, int]] = field(default_factory=list)
+    constant: List[str] = field(default_factory=list)
+    # outputs of sorting/NMS compared as sets of rows (fusion/check/rowsets.py): {output index: RowLayout}
+    row_sets: Dict[int, Any] = field(default_factory=dict)
+    moved_rows: Dict[int, int] = field(default_factory=dict)      # rows that changed places (worst draw)
+    positional_max_rel: Optional[float] = None                    # the error had they been compared in place
+    positional_per_output: Dict[int, float] = field(default_factory=dict)
+    # the original's own spread: its outputs with MXNet's oneDNN backend on (its default bind) against off
+    spread: Optional[float] = None
+    spread_per_output: List[Tuple[str, float]] = field(default_factory=list)
+
+    @property
+    def nonfinite(self) -> List[str]:
+        """The NaN/inf mismatches, one line per output (a failure)."""
+        out = []
+        for i, name, lost, gained, changed in self.nonfinite_mismatch:
+            parts = [s for s in ("%d NaN/inf where the original is finite" % lost if lost else "",
+                                 "%d finite where the original is NaN/inf" % gained if gained else "",
+                                 "%d other NaN/inf than the original's" % changed if changed else "") if s]
+            out.append("%s: %s" % (_label(i, name), ", ".join(parts)))
+        return out
+
+    @property
+    def notes(self) -> List[str]:
+        """What the original computes as NaN/inf (reported, compared position by position)."""
+        return ["%s: the original computes NaN/inf at %d of %d element(s); errors are over the elements "
+                "finite in both" % (_label(i, name), bad, size) for i, name, bad, size in self.nonfinite_original]
+
+    def ok(self, rtol: float = DEFAULT_RTOL) -> bool:
+        return bool(np.isfinite(self.max_rel)) and self.max_rel <= rtol and not self.nonfinite
+
+    @property
+    def weak(self) -> bool:
+        return bool(self.constant)
+
+    def status(self, rtol: float = DEFAULT_RTOL) -> str:
+        """"MISMATCH", "WEAK" (matches, but an output is constant) or "OK"."""
+        return "MISMATCH" if not self.ok(rtol) else "WEAK" if self.weak else "OK"
+
+    def problems(self) -> List[str]:
+        """One line each: NaN/inf mismatches, NaN/inf of the original, constant outputs."""
+        out = list(self.nonfinite) + list(self.notes)
+        if self.constant:
+            out.append("verification is weak: %s %s constant over the verification inputs (a wrong model "
+                       "could match it)" % (", ".join(self.constant), "is" if len(self.constant) == 1 else "are"))
+        return out
+
+    def failure(self, rtol: float = DEFAULT_RTOL) -> Optional[str]:
+        """Why verification failed (one line), or None."""
+        if self.ok(rtol):
+            return None
+        if self.nonfinite:
+            return "fused outputs differ from the original: " + "; ".join(self.nonfinite)
+        spread = "" if self.spread is None else "; the original's own spread, MXNet's backend on vs off: %.3g" % (
+            self.spread)
+        return "fused outputs differ from the original (max rel error %.3g > %.3g%s)" % (self.max_rel, rtol, spread)
+
+    def comparison(self, index: int) -> str:
+        """How output ``index`` was compared: "by position" or as a set of rows (and which)."""
+        layout = self.row_sets.get(index)
+        return "by position" if layout is None else "as " + layout.describe()
+
+    def details(self) -> List[str]:
+        """How the outputs of sorting ops were compared (one line per sorting op's layout), and the
+        original's own spread."""
+        out = []
+        groups: Dict[Any, List[int]] = {}
+        for i, layout in sorted(self.row_sets.items()):
+            groups.setdefault(layout, []).append(i)
+        for layout, members in groups.items():
+            labels = ", ".join(_label(i, self.per_output[i][0] if i < len(self.per_output) else "?") for i in members)
+            moved = max(self.moved_rows.get(i, 0) for i in members)
+            by_place = max(self.positional_per_output.get(i, 0.0) for i in members)
+            out.append("%s compared as %s: %s" % (
+                labels, layout.describe(), "%d row(s) changed places (compared by position: max rel error %.3g)"
+                % (moved, by_place) if moved else "no row changed places"))
+        if self.spread is not None:
+            out.append("the original's own spread (its outputs with MXNet's oneDNN backend on vs off, compared "
+                       "the same way): max rel %.3g" % self.spread)
+        return out
+
+    def to_dict(self, rtol: float = DEFAULT_RTOL) -> Dict[str, Any]:
+        return {"max_abs": self.max_abs, "max_rel": self.max_rel, "rtol": rtol, "ok": self.ok(rtol),
+                "status": self.status(rtol), "problems": self.problems(), "failure": self.failure(rtol),
+                "comparison": [{"output": name, "kind": "row_set" if i in self.row_sets else "positional",
+                                **({"row_axis": self.row_sets[i].row_axis, "lines": list(self.row_sets[i].lines),
+                                    "source": self.row_sets[i].source, "moved_rows": self.moved_rows.get(i, 0),
+                                    "positional_max_rel": self.positional_per_output.get(i)}
+                                   if i in self.row_sets else {})}
+                               for i, (name, _, _) in enumerate(self.per_output)],
+                "positional_max_rel": self.positional_max_rel,
+                "original_spread": None if self.spread is None else {
+                    "max_rel": self.spread, "per_output": [{"output": n, "max_rel": r}
+                                                           for n, r in self.spread_per_output]},
+                "details": self.details()}
+
+    def __str__(self) -> str:
+        text = "max abs error %.3g, max rel error %.3g over %d output(s)" % (
+            self.max_abs, self.max_rel, len(self.per_output))
+        return "; ".join([text] + self.problems() + self.details())
+
+
+def _unpack(model: Any, params: Any = None):
+    """(symbol, arg_params, aux_params) from a Symbol, a FusionResult or a tuple."""
+    if hasattr(model, "symbol") and hasattr(model, "arg_params"):
+        return model.symbol, dict(model.arg_params), dict(model.aux_params)
+    if isinstance(model, (tuple, list)):
+        sym, arg, aux = (tuple(model) + ({}, {}))[:3]
+        return sym, dict(arg or {}), dict(aux or {})
+    arg, aux = {}, {}
+    if isinstance(params, (tuple, list)):
+        arg, aux = dict(params[0] or {}), dict(params[1] or {})
+    elif isinstance(params, Mapping):
+        aux_names = set(model.list_auxiliary_states())
+        arg = {k: v for k, v in params.items() if k not in aux_names}
+        aux = {k: v for k, v in params.items() if k in aux_names}
+    return model, arg, aux
+
+
+# ---------------------------------------------------------------- inputs that exercise the model
+
+# A multiplication by an input that broadcasts into a larger operand masks it when the input
+# is otherwise only read by masking ops (1 - m, comparisons, where).
+_MUL = frozenset({"elemwise_mul", "broadcast_mul", "_mul", "_Mul"})
+_MASKING = _MUL | {"_rminus_scalar", "where", "logical_not", "broadcast_logical_and", "broadcast_logical_or",
+                   "_equal_scalar", "_not_equal_scalar"}
+
+
+def _length_domain(node: Any, slot: int, shape_of) -> Optional[Tuple]:
+    """Valid lengths in [1, S] (selfcheck's draws allow 0, which a user's data never holds)."""
+    from ..engine.inputs import attention_keys, softmax_length_bound
+
+    if node.op in ("softmax", "log_softmax", "masked_softmax") and slot == 1 and node.param("use_length", False):
+        n = softmax_length_bound(node, shape_of)
+        return None if n is None else ("int", 1, n)
+    if node.op == "fused_attention" and node.param("mask_kind", "none") == "valid_length" and slot >= 1:
+        data = {"plain": 3, "bshd": 3, "packed_qkv": 1, "interleaved": 1,
+                "interleaved_encdec": 2}.get(node.param("layout", "plain"), 3)
+        if slot == data:
+            n = attention_keys(node, shape_of)
+            return None if n is None else ("int", 1, n)
+    return None
+
+
+def _domain_of(entry_users, users_of, shape_of) -> Optional[Tuple]:
+    from ..engine.inputs import input_domain
+
+    return input_domain(entry_users, users_of, shape_of, domain=_length_domain, max_depth=8)
+
+
+def _is_mask(entry_users, users_of, shape_of, size: int, depth: int = 0) -> bool:
+    """Read only by masking ops, at least once multiplied into a larger tensor or made an additive
+    mask (``(1 − m)·(−10000)``, BERT's way)."""
+    from ..engine.inputs import PASS_THROUGH
+
+    masks = False
+    for node, slot in entry_users:
+        if node.op in PASS_THROUGH and slot == 0 and depth < 8:
+            if not _is_mask(users_of(node), users_of, shape_of, size, depth + 1):
+                return False
+            masks = True
+            continue
+        if node.op not in _MASKING:
+            return False
+        if node.op in _MUL and len(node.inputs) == 2:
+            other = shape_of(node.inputs[1 - slot])
+            if other is None or int(np.prod(other)) <= size:
+                return False
+            masks = True
+        elif node.op == "_rminus_scalar":
+            if float(node.param("scalar", 0)) != 1.0:
+                return False
+            if _additive_mask(users_of(node), users_of):
+                masks = True
+    return masks
+
+
+def _additive_mask(entry_users, users_of) -> bool:
+    """``x·c`` with ``|c| ≥ 1000`` (a large negative or positive bias where ``x`` is 1), added to something."""
+    if not entry_users:
+        return False
+    for node, _ in entry_users:
+        if node.op != "_mul_scalar" or abs(float(node.param("scalar", 0))) < 1e3:
+            return False
+        if not all(u.op in ("elemwise_add", "broadcast_add", "_plus", "_Plus") for u, _ in users_of(node)):
+            return False
+    return True
+
+
+def input_domains(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any],
+                  input_shapes: Mapping[str, Sequence[int]]) -> Dict[str, Tuple]:
+    """How the model reads each data input (of ``input_shapes``): name -> ("int", lo, hi) (both
+    included), ("bool",) or ("real",)."""
+    from ..engine.facts import infer
+    from ..ir.graph import Entry, Graph
+
+    graph = Graph.from_symbol(symbol)
+    known = {k: tuple(v.shape) for k, v in list(arg_params.items()) + list(aux_params.items())}
+    known.update({k: tuple(v) for k, v in input_shapes.items()})
+    shapes, _ = infer(graph, known)
+    users = graph.consumers()
+
+    def users_of(node):
+        return users.get(node, [])
+
+    def shape_of(e: Entry):
+        return shapes.get(e)
+
+    out: Dict[str, Tuple] = {}
+    for nd in graph.variables():
+        if nd.name in arg_params or nd.name in aux_params or nd.name not in input_shapes:
+            continue
+        d = _domain_of(users_of(nd), users_of, shape_of)
+        if d is None and _is_mask(users_of(nd), users_of, shape_of, int(np.prod(input_shapes[nd.name]))):
+            d = ("bool",)
+        out[nd.name] = d or ("real",)
+    return out
+
+
+def input_dtypes(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any]) -> Dict[str, str]:
+    """The dtype MXNet's type inference gives each data input with the parameters' dtypes
+    (float32, or the float dtype the parameters need; see ``modelio.fitting_input_dtypes``)."""
+    from ..files.modelio import fitting_input_dtypes
+    from ..precision.policy import is_bf16
+
+    # bfloat16 parameters (AMP's, or precision="bf16") cannot be given to MXNet's Python type
+    # inference by name; their variables declare it in the graph
+    given = {k: np.dtype(v.dtype).name for k, v in list(arg_params.items()) + list(aux_params.items())
+             if not is_bf16(v.dtype)}
+    types = fitting_input_dtypes(symbol, given) or {}
+    return {n: types.get(n, "float32") for n in symbol.list_arguments() if n not in arg_params}
+
+
+def random_inputs(symbol: Any, arg_params: Mapping[str, Any], input_shapes: Mapping[str, Sequence[int]],
+                  seed: int = 0, aux_params: Optional[Mapping[str, Any]] = None) -> Dict[str, np.ndarray]:
+    """Random values for every argument of ``symbol`` that is not a parameter, each drawn in the
+    domain the model reads it in (see the module docs) and of the dtype the model gives it."""
+    from ..engine.inputs import draw
+
+    aux_params = aux_params or {}
+    data_names = [n for n in symbol.list_arguments() if n not in arg_params]
+    missing = [n for n in data_names if n not in input_shapes]
+    if missing:
+        raise FusionError("no shape given for input(s) %s (use --shape NAME=D1,D2,...)" % ", ".join(missing))
+    shapes = {n: tuple(input_shapes[n]) for n in data_names}
+    domains = input_domains(symbol, arg_params, aux_params, shapes)
+    dtypes = input_dtypes(symbol, arg_params, aux_params)
+    rng = np.random.default_rng(seed)
+    out = {}
+    for n in data_names:
+        d = domains.get(n, ("real",))
+        out[n] = draw(rng, shapes[n], dtypes.get(n, "float32"), None if d[0] == "real" else d)
+    return out
+
+
+def load_inputs(path: str, symbol: Any, arg_params: Mapping[str, Any],
+                aux_params: Optional[Mapping[str, Any]] = None,
+                input_shapes: Optional[Mapping[str, Sequence[int]]] = None) -> Dict[str, np.ndarray]:
+    """The inputs in ``path`` (an ``.npz`` of arrays named like the model's inputs), each cast to
+    the dtype the model gives it; a one-line error when the file, the names or the shapes given
+    in ``input_shapes`` do not fit."""
+    import zipfile
+
+    data_names = [n for n in symbol.list_arguments() if n not in arg_params]
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            loaded = {k: f[k] for k in f.files}
+    except FileNotFoundError:
+        raise FusionError("cannot read inputs file '%s': no such file" % path) from None
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise FusionError("cannot read inputs file '%s' (expected an .npz of arrays named like the inputs): %s"
+                          % (path, str(e).splitlines()[0] if str(e) else type(e).__name__)) from None
+    if not isinstance(loaded, dict):
+        raise FusionError("inputs file '%s' is one array; save an .npz with one array per input (%s)"
+                          % (path, ", ".join(data_names)))
+    extra = sorted(set(loaded) - set(data_names))
+    missing = [n for n in data_names if n not in loaded]
+    if extra or missing:
+        raise FusionError("inputs file '%s' does not name the model's inputs: %s (inputs: %s)" % (
+            path, "; ".join(x for x in ("missing %s" % ", ".join(missing) if missing else "",
+                                        "not inputs: %s" % ", ".join(extra) if extra else "") if x),
+            ", ".join(data_names)))
+    dtypes = input_dtypes(symbol, arg_params, aux_params or {})
+    out = {}
+    for n in data_names:
+        a = loaded[n]
+        if a.dtype.kind not in "biuf":
+            raise FusionError("input '%s' in '%s' has dtype %s; expected numbers" % (n, path, a.dtype))
+        want = (input_shapes or {}).get(n)
+        if want is not None and tuple(want) != a.shape:
+            raise FusionError("input '%s' in '%s' has shape %s but --shape gives %s"
+                              % (n, path, ",".join(map(str, a.shape)), ",".join(map(str, want))))
+        out[n] = a.astype(dtypes.get(n, "float32"), copy=False)
+    return out
+
+
+# ---------------------------------------------------------------- running and comparing
+
+def run(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any],
+        inputs: Mapping[str, np.ndarray], ctx: Any = None, subgraph: bool = False) -> List[np.ndarray]:
+    """Bind ``symbol`` for inference and return its outputs as NumPy arrays.
+
+    By default MXNet's oneDNN subgraph backend is off: verification compares the
+    arithmetic of the graphs, and MXNet 1.9.1's backend aborts the process on some
+    valid graphs (e.g. Convolution → BatchNorm over a non-channel axis).
+    """
+    from ..native.env import subgraph_backend
+
+    with subgraph_backend(subgraph):
+        exe = bind(symbol, arg_params, aux_params, inputs, ctx)
+    return [o.asnumpy() for o in exe.forward(is_train=False)]
+
+
+def bind(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any],
+         inputs: Mapping[str, Any], ctx: Any = None):
+    """An executor of ``symbol`` with parameters and inputs bound (no gradients)."""
+    import mxnet as mx
+
+    ctx = ctx or mx.cpu()
+    args = {}
+    for name in symbol.list_arguments():
+        v = inputs.get(name, arg_params.get(name))
+        if v is None:
+            raise FusionError("argument '%s' has neither a value nor an input shape" % name)
+        args[name] = v.as_in_context(ctx) if isinstance(v, mx.nd.NDArray) else mx.nd.array(v, ctx=ctx, dtype=v.dtype)
+    aux = {}
+    for name in symbol.list_auxiliary_states():
+        v = aux_params.get(name)
+        if v is None:
+            raise FusionError("auxiliary state '%s' has no value" % name)
+        aux[name] = v.as_in_context(ctx) if isinstance(v, mx.nd.NDArray) else mx.nd.array(v, ctx=ctx, dtype=v.dtype)
+    return symbol.bind(ctx, args, aux_states=aux, grad_req="null")
+
+
+def _run_or_say(symbol, arg, aux, feed, what: str) -> List[np.ndarray]:
+    """``run``, with MXNet's refusal as a one-line error (e.g. a float16 model on a CPU without fp16 GEMM)."""
+    import mxnet as mx
+
+    from ..ir.graph import first_line
+
+    try:
+        return run(symbol, arg, aux, feed)
+    except mx.base.MXNetError as e:
+        raise FusionError("%s does not run on the verification inputs: %s" % (what, first_line(str(e)))) from None
+
+
+def _label(index: int, name: str) -> str:
+    return "output %d ('%s')" % (index, name)
+
+
+def compare(reference: Sequence[np.ndarray], candidate: Sequence[np.ndarray], names: Sequence[str]) -> VerifyResult:
+    """Errors on the elements finite in both; NaN/±inf compared position by position."""
+    if len(reference) != len(candidate):
+        raise FusionError("the fused model has %d outputs, the original %d" % (len(candidate), len(reference)))
+    result = VerifyResult(0.0, 0.0)
+    for i, (name, a, b) in enumerate(zip(names, reference, candidate)):
+        if a.shape != b.shape:
+            raise FusionError("output '%s' has shape %s after fusion, %s before" % (name, b.shape, a.shape))
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        fin_a, fin_b = np.isfinite(a64), np.isfinite(b64)
+        both = fin_a & fin_b
+        # a NaN/inf where the other is finite, or another NaN/inf (NaN vs inf, +inf vs -inf)
+        lost = int(np.count_nonzero(fin_a & ~fin_b))
+        gained = int(np.count_nonzero(~fin_a & fin_b))
+        other = ~fin_a & ~fin_b
+        changed = int(np.count_nonzero(other & ~((np.isnan(a64) & np.isnan(b64)) | (a64 == b64))))
+        if lost or gained or changed:
+            result.nonfinite_mismatch.append((i, name, lost, gained, changed))
+        n_bad = int(np.count_nonzero(~fin_a))
+        if n_bad:
+            result.nonfinite_original.append((i, name, n_bad, a.size))
+        if both.any():
+            diff = np.abs(a64[both] - b64[both])
+            abs_err = float(diff.max())
+            scale = float(np.abs(a64[both]).max())
+            rel = abs_err / scale if scale > 0 else abs_err
+        else:
+            abs_err = rel = 0.0
+        result.per_output.append((name, abs_err, rel))
+        result.max_abs, result.max_rel = max(result.max_abs, abs_err), max(result.max_rel, rel)
+    return result
+
+
+def _constant(draws: Sequence[np.ndarray]) -> bool:
+    """One value at every element of every draw (NaN counts as a value)."""
+    first = draws[0].ravel()[:1]
+    if first.size == 0:
+        return False
+    for d in draws:
+        flat = d.ravel()
+        same = np.array_equal(flat, np.broadcast_to(first, flat.shape), equal_nan=np.issubdtype(flat.dtype, np.floating))
+        if not same:
+            return False
+    return True
+
+
+def _merge(results: Sequence[VerifyResult]) -> VerifyResult:
+    """One result over several draws: the worst errors, NaN/inf counts summed per output."""
+    out = VerifyResult(0.0, 0.0)
+    mismatch: Dict[Tuple[int, str], List[int]] = {}
+    original: Dict[Tuple[int, str], List[int]] = {}
+    for r in results:
+        out.max_abs, out.max_rel = max(out.max_abs, r.max_abs), max(out.max_rel, r.max_rel)
+        for i, name, *counts in r.nonfinite_mismatch:
+            acc = mismatch.setdefault((i, name), [0] * len(counts))
+            acc[:] = [x + y for x, y in zip(acc, counts)]
+        for i, name, *counts in r.nonfinite_original:
+            acc = original.setdefault((i, name), [0] * len(counts))
+            acc[:] = [x + y for x, y in zip(acc, counts)]
+    out.nonfinite_mismatch = [(i, name, *c) for (i, name), c in sorted(mismatch.items())]
+    out.nonfinite_original = [(i, name, *c) for (i, name), c in sorted(original.items())]
+    out.per_output = [(name, max(r.per_output[i][1] for r in results), max(r.per_output[i][2] for r in results))
+                      for i, (name, _, _) in enumerate(results[0].per_output)]
+    return out
+
+
+def verify(original: Any, fused: Any, params: Any = None, input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
+           *, seed: int = 0, inputs: Optional[Mapping[str, np.ndarray]] = None, spread: bool = True) -> VerifyResult:
+    """Bind the original and the fused model on the same inputs and compare every output.
+
+    ``original`` is an ``mx.sym.Symbol`` (its parameters in ``params``: a tuple
+    ``(arg_params, aux_params)`` or one dict) or a tuple ``(symbol, arg, aux)``;
+    ``fused`` is a :class:`~fusion.api.FusionResult` or such a tuple.  Without
+    ``inputs``, two random draws fitted to the inputs' use (``random_inputs``,
+    seeds ``seed`` and ``seed + 1``) are compared.
+
+    Outputs that hold the rows of a sorting op (NMS, topk, argsort, sort) are compared as
+    sets of rows (``fusion/check/rowsets.py``; ``result.comparison(i)`` says how each output was);
+    with ``spread`` the original is also run with MXNet's oneDNN backend on, and how far its
+    own outputs move (``result.spread``) is reported beside the error.
+    """
+    from .rowsets import align_rows, row_layouts
+
+    sym0, arg0, aux0 = _unpack(original, params)
+    sym1, arg1, aux1 = _unpack(fused)
+    if inputs is not None:
+        draws = [dict(inputs)]
+    else:
+        draws = [random_inputs(sym0, arg0, input_shapes or {}, seed + k, aux0) for k in range(DRAWS)]
+    fused_args = set(sym1.list_arguments())
+    names = sym0.list_outputs()
+    layouts = row_layouts(sym0, arg0, aux0, {k: v.shape for k, v in draws[0].items()})
+    results, refs, positional, spreads, moved, positional_per_output = [], [], [], [], {}, {}
+    for feed in draws:
+        ref = _run_or_say(sym0, arg0, aux0, feed, "the original model")
+        out = _run_or_say(sym1, arg1, aux1, {k: v for k, v in feed.items() if k in fused_args}, "the fused model")
+        aligned, moved_now = align_rows(ref, out, layouts)
+        results.append(compare(ref, aligned, names))
+        if layouts:
+            by_place = compare(ref, out, names)
+            positional.append(by_place.max_rel)
+            for i in layouts:
+                result_i = by_place.per_output[i][2]
+                positional_per_output[i] = max(positional_per_output.get(i, 0.0), result_i)
+        for i, n in moved_now.items():
+            moved[i] = max(moved.get(i, 0), n)
+        if spread:
+            own = _original_with_backend(sym0, arg0, aux0, feed)
+            if own is not None:
+                spreads.append(compare(ref, align_rows(ref, own, layouts)[0], names))
+        refs.append(ref)
+    result = _merge(results)
+    result.constant = [_label(i, name) for i, name in enumerate(names) if _constant([r[i] for r in refs])]
+    result.row_sets, result.moved_rows = dict(layouts), moved
+    result.positional_max_rel = max(positional) if positional else None
+    result.positional_per_output = positional_per_output
+    if spreads and len(spreads) == len(draws):
+        merged = _merge(spreads)
+        result.spread = merged.max_rel
+        result.spread_per_output = [(name, rel) for name, _, rel in merged.per_output]
+    return result
+
+
+def _original_with_backend(symbol, arg, aux, feed) -> Optional[List[np.ndarray]]:
+    """The original's outputs as MXNet's default bind computes them (oneDNN subgraph backend on);
+    None where MXNet cannot run it so."""
+    import mxnet as mx
+
+    from ..native.env import quiet_native_stderr
+
+    try:
+        with quiet_native_stderr():            # MXNet's INFO line on binding with the backend
+            return run(symbol, arg, aux, feed, subgraph=True)
+    except mx.base.MXNetError:
+        return None

@@ -1,0 +1,10 @@
+"""Dtypes and the reduced-precision policy.
+
+* ``policy`` — dtype names (MXNet's bfloat16 included), bfloat16 rounding, the one table of what
+  runs in bfloat16 under ``precision="bf16"``, the tolerances of each precision, reading an
+  AMP-converted graph and converting convolutions with MXNet's AMP.
+
+It sits under the engine: the rewriter applies the policy as it builds each replacement.
+
+May import: ``fusion.ir``, ``fusion.native``.
+"""
