@@ -5,7 +5,16 @@ block's channels still come from its weights, and how its values relate comes fr
 the match's nodes inferred at fillings of the sizes MXNet leaves unknown
 (``fusion/engine/localfacts.py``).  Either way a rule asks ``shapes(entry)`` for a value's shape at every
 probe or filling.  What a rule cannot decide from its ops (whether an add of two inputs
-broadcasts at some sizes) it refuses without input shapes with a ``NeedsShapes`` reason.
+broadcasts at some sizes) it refuses without input shapes with a ``NeedsShapes`` reason, and so a
+relation between values' shapes that fails at the filled-in sizes (``at_filled_sizes``: a gate
+reshaped to a batch of 1 fits the user's batch only if it is 1); the report counts them.
+
+Why two fillings suffice: the block rules accept only ops whose output sizes follow from their
+inputs' by the op's own arithmetic (global pooling, 1×1 and stride-1 "same" convolutions,
+reshapes that copy or split the fixed channel axis); a relation such as "the projection has the
+input's plane" holds at two different sizes of at least 7 only where it holds at every size
+(a strided convolution shrinks the plane at both).  A size the graph fixes without the weights
+(a crop to 7 rows) counts as fixed (``facts.partial_shapes`` sees it equal at its two samples).
 """
 from __future__ import annotations
 
@@ -41,6 +50,13 @@ def nchw_block(m: Match, source: Optional[Entry] = None, extra: Sequence[Entry] 
     if any(len(s) != 4 for s in xs):
         return "the block's input has shape %s, not (N, C, H, W)" % (xs[0],), xs, shapes, assumed
     return None, xs, shapes, assumed
+
+
+def at_filled_sizes(reason: str, assumed: bool) -> str:
+    """A shape relation that failed: with the sizes filled in (no input shapes) it may hold at the
+    user's sizes (a gate reshaped to batch 1 fits a batch of 1 only), so that is for the input
+    shapes to say (``NeedsShapes``); with the graph's own shapes it is the reason as it is."""
+    return NeedsShapes("%s, at sizes filled in for the unknown ones" % reason) if assumed else reason
 
 
 def broadcasting_add(op: str) -> bool:

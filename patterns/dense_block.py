@@ -60,7 +60,7 @@ from fusion.ir.pattern import Const, Pattern, Var, op
 from fusion.engine.rewrite import Builder
 from fusion.engine.rule import Rule
 
-from ._block_shapes import nchw_block
+from ._block_shapes import at_filled_sizes, nchw_block
 from ._dtypes import float32_reason
 from .elementwise import batchnorm_scale_shift
 
@@ -139,7 +139,7 @@ class DenseBlock(Rule):
         reason = float32_reason(ins, m.ctx)
         if reason:
             return reason
-        reason, xs, shapes, _ = nchw_block(m)
+        reason, xs, shapes, assumed = nchw_block(m)
         if reason:
             return reason
         C = int(xs[0][1])
@@ -170,7 +170,8 @@ class DenseBlock(Rule):
             cat = m.node("cat%d" % d)
             for s in shapes(Entry(cat)):
                 if len(s) != 4 or int(s[1]) != C + k:
-                    return "Concat '%s' has shape %s, not (N, %d, H, W)" % (cat.name, tuple(s), C + k)
+                    return at_filled_sizes("Concat '%s' has shape %s, not (N, %d, H, W)" % (cat.name, tuple(s), C + k),
+                                           assumed)
             C += k
         return None
 

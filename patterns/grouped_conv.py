@@ -69,7 +69,6 @@ class GroupedConv(Rule):
 
     def check(self, m: Match) -> Optional[str]:
         conv = m.node("conv")
-        groups = int(conv.param("num_group"))
         if len(tuple(conv.param("kernel"))) != 2:
             return "Convolution '%s' is not 2-D" % conv.name
         if conv.param("layout") not in (None, "NCHW"):

@@ -40,7 +40,7 @@ from fusion.engine.reasons import NearMiss
 from fusion.engine.rewrite import Builder
 from fusion.engine.rule import Rule
 
-from ._block_shapes import nchw_block
+from ._block_shapes import at_filled_sizes, nchw_block
 from ._dtypes import float32_reason
 from .squeeze_excitation import pointwise_conv_reason
 
@@ -177,7 +177,7 @@ class InvertedResidual(Rule):
         return None
 
     def _shapes_reason(self, m: Match) -> Optional[str]:
-        reason, xs, shapes, _ = nchw_block(m)
+        reason, xs, shapes, assumed = nchw_block(m)
         if reason:
             return reason
         C = int(xs[0][1])
@@ -204,7 +204,8 @@ class InvertedResidual(Rule):
                 # make of any plane (stride 1, "same" padding) decides it
                 got = shapes(entry)
                 if len(got) != len(xs) or any(tuple(a) != tuple(b) for a, b in zip(got, xs)):
-                    return "the residual add broadcasts: the projection and the sum must have the block input's shape"
+                    return at_filled_sizes("the residual add broadcasts: the projection and the sum must have the "
+                                           "block input's shape", assumed)
         return None
 
     # -- rewrite ---------------------------------------------------------------

@@ -51,7 +51,7 @@ from fusion.engine.reasons import NeedsShapes
 from fusion.engine.rewrite import Builder
 from fusion.engine.rule import Rule
 
-from ._block_shapes import block_shapes
+from ._block_shapes import at_filled_sizes, block_shapes
 from ._dtypes import float32_reason
 from .elementwise import batchnorm_scale_shift
 from .squeeze_excitation import pointwise_conv_reason
@@ -165,10 +165,20 @@ class SplitAttention(Rule):
             return "softmax '%s' casts to %s" % (sm.name, sm.param("dtype"))
         return None
 
+    #: the checks of ``_shapes_reason`` that compare values' shapes (the others read weights and attributes)
+    SIZED = ("the radix view", "the channels change", "the pool's output", "the logits are viewed",
+             "the attention groups change", "the attention weights have shape", "the result has shape")
+
     def _shapes_reason(self, m: Match) -> Optional[str]:
-        ctx = m.ctx
         # without input shapes: the block's own ops at filled-in sizes (its channels from the weights)
-        shapes, _ = block_shapes(m, m["x"])
+        shapes, assumed = block_shapes(m, m["x"])
+        reason = self._relations_reason(m, shapes)
+        if reason and not isinstance(reason, NeedsShapes) and reason.startswith(self.SIZED):
+            return at_filled_sizes(reason, assumed)
+        return reason
+
+    def _relations_reason(self, m: Match, shapes) -> Optional[str]:
+        ctx = m.ctx
         xs = shapes(m["x"]) if shapes is not None else ()
         if not xs:
             return NeedsShapes("the shape of the split map is unknown")

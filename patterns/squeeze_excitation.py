@@ -45,7 +45,7 @@ from fusion.engine.reasons import NeedsShapes
 from fusion.engine.rewrite import Builder
 from fusion.engine.rule import Rule
 
-from ._block_shapes import block_shapes, broadcasting_add
+from ._block_shapes import at_filled_sizes, block_shapes, broadcasting_add
 from ._dtypes import float32_reason
 
 HIDDEN_ACTS = ("relu", "sigmoid", "tanh", "softrelu")
@@ -194,17 +194,17 @@ class SqueezeExcitation(Rule):
             return "the scaled map has shape %s, not (N, C, H, W)" % (xs[0],)
         pooled = tuple((s[0], s[1], 1, 1) for s in xs)
         if not same_shapes(shapes(Entry(m.node("pool"))), pooled):
-            return "the pool's output is %s, not the whole-plane mean %s" % (
-                (shapes(Entry(m.node("pool"))) or (None,))[0], pooled[0])
+            return at_filled_sizes("the pool's output is %s, not the whole-plane mean %s" % (
+                (shapes(Entry(m.node("pool"))) or (None,))[0], pooled[0]), assumed)
         gate = m["gate_shape"][0] if m["gate_shape"] else Entry(m.node("gate"))
         if not same_shapes(shapes(gate), pooled):
-            return "the gate has shape %s where the scale needs %s (one value per sample and channel)" % (
-                (shapes(gate) or (None,))[0], pooled[0])
+            return at_filled_sizes("the gate has shape %s where the scale needs %s (one value per sample and channel)"
+                                   % ((shapes(gate) or (None,))[0], pooled[0]), assumed)
         w1, w2 = ctx.shape(m["w1"]), ctx.shape(m["w2"])
         if w1 is None or w2 is None:
             return "the layers' weight shapes are unknown"
         if not same_shapes(shapes(Entry(m.node("mul"))), xs):
-            return "the product does not have the map's shape"
+            return at_filled_sizes("the product does not have the map's shape", assumed)
         if m.has("residual"):
             if m["residual"] == Entry(m.node("mul")):
                 return "the residual is the product itself"
@@ -214,7 +214,8 @@ class SqueezeExcitation(Rule):
                 return NeedsShapes("%s '%s' may broadcast the residual at some input sizes"
                                    % (m.node("add").op, m.node("add").name))
             if not same_shapes(shapes(m["residual"]), xs):
-                return "the residual has shape %s, not the map's %s" % ((shapes(m["residual"]) or (None,))[0], xs[0])
+                return at_filled_sizes("the residual has shape %s, not the map's %s" % (
+                    (shapes(m["residual"]) or (None,))[0], xs[0]), assumed)
         return None
 
     # -- rewrite ---------------------------------------------------------------

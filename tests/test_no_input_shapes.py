@@ -160,3 +160,42 @@ def test_mxfuse_report_counts_what_input_shapes_would_add(tmp_path, capsys, tmp_
     assert code == 0, err
     assert "more rewrite(s) with input shapes" in out.splitlines()[0], out
     assert json.loads((tmp_path / "r.json").read_text())["more_with_input_shapes"] >= 1
+
+
+def test_a_stride_one_block_adding_with_broadcast_add_fuses_at_every_size():
+    """A stride-1, "same"-padded block keeps the plane at every size, so its broadcast_add adds equal
+    shapes wherever the graph runs: decided from the convolutions, no input shapes needed.  Checked
+    down to a 1x1 plane and at other batch sizes."""
+    x = S.var("data")
+    hs = lambda z: z * (S.clip(z + 3., 0, 6) / 6.)          # noqa: E731
+    y = conv(hs(conv(hs(conv(x, "expand", 24, k=1)), "dw", 24, k=3, p=1, g=24)), "project", 8)
+    sym = S.Activation(S.broadcast_add(y, S.Activation(x, act_type="relu")), act_type="relu")
+    arg, aux = random_params(sym, {"data": (1, 8, 9, 9)})
+    res = fused_without_shapes(sym, arg, aux, [(1, 8, 9, 9), (3, 8, 12, 7), (2, 8, 1, 1)])
+    assert ops(res).get("fused_inverted_residual") == 1, res.report.to_text(explain=True)
+
+
+def test_se_whose_gate_reshape_names_the_batch_needs_the_input_shapes():
+    """A gate reshaped to (1, C, 1, 1) runs at batch 1 only: without input shapes the block's ops do
+    not run at the filled-in sizes, so nothing says what the gate is; refused for want of shapes
+    (counted in the summary), fused with them."""
+    x = S.var("data")
+    y = S.Activation(conv(x, "c0", 16, k=3, p=1), act_type="relu")
+    h = S.relu(S.FullyConnected(S.contrib.AdaptiveAvgPooling2D(y, output_size=1), num_hidden=4, name="fc1"))
+    g = S.reshape(S.sigmoid(S.FullyConnected(h, num_hidden=16, name="fc2")), shape=(1, 16, 1, 1))
+    sym = S.broadcast_mul(y, g)
+    arg, aux = random_params(sym, {"data": (1, 3, 9, 9)})
+    res = fused_without_shapes(sym, arg, aux, [(1, 3, 9, 9), (1, 3, 5, 12)], rules=["squeeze_excitation"])
+    assert "fused_se" not in ops(res), ops(res)
+    assert "(pass input shapes)" in " | ".join(res.report.rules["se"].rejected.values()), res.report.to_text(True)
+    assert res.report.to_dict()["more_with_input_shapes"] >= 1
+    res = fusion.fuse(sym, arg, aux, rules=["squeeze_excitation"], input_shapes={"data": (1, 3, 9, 9)})
+    assert ops(res).get("fused_se") == 1, res.report.to_text(explain=True)
+
+
+def test_dense_block_fused_without_shapes_is_right_down_to_a_one_pixel_plane():
+    from test_dense_block import dense_block
+
+    sym, arg, aux = dense_block(layers=2, post=False)
+    res = fused_without_shapes(sym, arg, aux, [(2, 16, 1, 1), (1, 16, 3, 17)])
+    assert ops(res).get("fused_dense_block") == 1, res.report.to_text(explain=True)
