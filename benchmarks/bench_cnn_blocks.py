@@ -14,6 +14,12 @@ machines are shared: look at the spread across rounds).  Every fused model is ve
 against the original first (max relative error, ``fusion.verify``).  ``MODEL+RULES`` fuses
 with opt-in rules besides the default ones (``densenet121+dense_concat``).
 
+``--no-input-shapes`` fuses each model twice, with ``input_shapes`` and without (the README's
+first example), prints how many rewrites each made and how many more the report says input shapes
+would allow, verifies the model fused without shapes at 224×224 batch 1 and at 2×3×160×192
+(DenseNet: 2×3×240×232), and
+times the original and both fused models round-robin.
+
 ``--dense-blocks`` times DenseNet-121's four dense blocks alone instead (MXNet's model zoo
 block, C0/H/L = 64/56/6, 128/28/12, 256/14/24, 512/7/16, batch 1): each block as MXNet's
 default bind runs it against the block fused (``fused_dense_block``).
@@ -86,6 +92,44 @@ def bench(name: str, repeats: int, rounds: int) -> None:
         sys.stdout.flush()
 
 
+def bench_without_shapes(name: str, repeats: int, rounds: int) -> None:
+    """The model fused with and without ``input_shapes``: rewrites made by each, then timed together."""
+    model, _, opt_in = name.partition("+")
+    sym, arg, aux = load(model)
+    rules = [opt_in, "default"] if opt_in else None
+    with_shapes = fusion.fuse(sym, arg, aux, rules=rules, input_shapes={"data": SHAPE})
+    without = fusion.fuse(sym, arg, aux, rules=rules)
+    errors = []
+    # right at any size it is bound at, not only the usual one (DenseNet's 7x7 classifier pooling
+    # takes 224-255 only: 2x3x240x232 there)
+    other = (2, 3, 240, 232) if model.startswith("densenet") else (2, 3, 160, 192)
+    for shape in (SHAPE, other):
+        errors.append("%.1e at %s" % (fusion.verify((sym, arg, aux), without, input_shapes={"data": shape}).max_rel,
+                                      "x".join(map(str, shape))))
+    after_with, after_without = counts(with_shapes.symbol), counts(without.symbol)
+    print("\n%s: rewrites with input shapes %d, without %d (report: %s more with input shapes); ops %d -> %d "
+          "with, %d without; fused without shapes verified: max rel err %s"
+          % (name, with_shapes.report.fused_count, without.report.fused_count,
+             without.report.extra.get("more_with_input_shapes", 0), sum(counts(sym).values()),
+             sum(after_with.values()), sum(after_without.values()), ", ".join(errors)))
+    print("  fused ops with shapes: " + ", ".join("%s %d" % (op, after_with[op]) for op in WATCHED[:6] if after_with.get(op)))
+    print("  fused ops without:     " + ", ".join("%s %d" % (op, after_without[op]) for op in WATCHED[:6]
+                                                  if after_without.get(op)))
+    inputs = random_inputs(sym, arg, {"data": SHAPE})
+    systems = {"original": executor(sym, arg, aux, inputs),
+               "with_shapes": executor(with_shapes.symbol, with_shapes.arg_params, with_shapes.aux_params, inputs),
+               "without": executor(without.symbol, without.arg_params, without.aux_params, inputs)}
+    for r in range(rounds):
+        s = time_samples(systems, repeats=repeats)
+        ms = {k: np.asarray(v) * 1e3 for k, v in s.items()}
+        med = {k: float(np.median(v)) for k, v in ms.items()}
+        print("  round %d: " % (r + 1) + "  ".join(
+            "%s %.2f ms [%.2f-%.2f]" % (k, med[k], np.percentile(ms[k], 10), np.percentile(ms[k], 90)) for k in ms)
+              + "  speed-up with shapes %.2fx, without %.2fx" % (med["original"] / med["with_shapes"],
+                                                                 med["original"] / med["without"]))
+        sys.stdout.flush()
+
+
 def dense_block(c0: int, h: int, layers: int):
     """One dense block of MXNet's model zoo DenseNet (growth 32, bottleneck 128), random weights
     and randomized BatchNorm statistics: (symbol, arg_params, aux_params)."""
@@ -142,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=30, help="timed calls per system per round (default 30)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds per model (default 1)")
     ap.add_argument("--dense-blocks", action="store_true", help="time DenseNet-121's dense blocks alone")
+    ap.add_argument("--no-input-shapes", action="store_true",
+                    help="fuse with and without input_shapes: rewrites of each, both timed against the original")
     args = ap.parse_args(argv)
     import mxnet as mx
     print("mxnet %s, OMP_NUM_THREADS=%s, batch 1, 224x224; medians of interleaved calls, [p10-p90]"
@@ -153,7 +199,7 @@ def main(argv=None) -> int:
         if name.partition("+")[0] not in tuple(GLUONCV) + ZOO:
             print("unknown model %r" % name, file=sys.stderr)
             return 2
-        bench(name, args.repeats, args.rounds)
+        (bench_without_shapes if args.no_input_shapes else bench)(name, args.repeats, args.rounds)
     return 0
 
 

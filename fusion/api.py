@@ -229,6 +229,8 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     checker = SelfCheck(ctx, enabled=self_check)
     run_rules(graph, rule_list, ctx, report, checker)
     report.self_check = checker.stats if self_check else None
+    if not input_shapes:
+        _count_wanting_shapes(report)
     if mode == "inference":
         from .precision.policy import between_ops
         ctx.precision_between = between_ops(graph, precision)
@@ -265,6 +267,16 @@ def _note_miscomputed(report: FusionReport, miscomputed: Sequence[str]) -> None:
         "those outputs get the reader's value; the fused model routes such reads through an identity Reshape "
         "and runs right (compare with MXNET_SUBGRAPH_BACKEND=NONE)"
         % (len(miscomputed), ", ".join(miscomputed[:5]) + (" …" if len(miscomputed) > 5 else "")))
+
+
+def _count_wanting_shapes(report: FusionReport) -> None:
+    """How many candidates were refused only for want of input shapes (fusion/engine/reasons.py): the
+    summary line says so, and the JSON report's ``more_with_input_shapes``."""
+    from .engine.reasons import wants_shapes
+
+    n = sum(1 for r in report.rules.values() for reason in r.rejected.values() if wants_shapes(reason))
+    if n:
+        report.extra["more_with_input_shapes"] = n
 
 
 def _output_names(symbol: Any, graph: Graph) -> Optional[list]:

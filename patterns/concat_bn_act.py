@@ -35,6 +35,7 @@ import numpy as np
 from fusion.ir.graph import Entry
 from fusion.ir.matcher import Match
 from fusion.ir.pattern import Const, Pattern, Var, op
+from fusion.engine.reasons import NeedsShapes
 from fusion.engine.rewrite import Builder
 from fusion.engine.rule import Rule
 
@@ -85,9 +86,9 @@ class ConcatBNAct(Rule):
         reason = float32_reason(_pieces(m) + [m[k] for k in ("gamma", "beta", "mean", "var")], m.ctx)
         if reason:
             return reason
-        shape = m.ctx.shape(Entry(cat))
+        shape = m.ctx.partial_shape(Entry(cat))     # its rank is all it needs (known without input shapes)
         if shape is None:
-            return "the shape of Concat '%s' is unknown (pass input shapes)" % cat.name
+            return NeedsShapes("the shape of Concat '%s' is unknown" % cat.name)
         if _dim(cat) % len(shape) != 1:
             return "Concat '%s' joins axis %d, not the channel axis 1" % (cat.name, _dim(cat))
         if bn.param("axis") % len(shape) != 1:

@@ -60,8 +60,8 @@ from fusion.ir.pattern import Const, Pattern, Var, op
 from fusion.engine.rewrite import Builder
 from fusion.engine.rule import Rule
 
+from ._block_shapes import at_filled_sizes, nchw_block
 from ._dtypes import float32_reason
-from .inverted_residual import nchw_input_shapes
 from .elementwise import batchnorm_scale_shift
 
 MAX_LAYERS = 64          # per op (DenseNet-264's longest block: 48)
@@ -139,7 +139,7 @@ class DenseBlock(Rule):
         reason = float32_reason(ins, m.ctx)
         if reason:
             return reason
-        reason, xs = nchw_input_shapes(m)
+        reason, xs, shapes, assumed = nchw_block(m)
         if reason:
             return reason
         C = int(xs[0][1])
@@ -168,9 +168,10 @@ class DenseBlock(Rule):
             if w2 != (k, B, 3, 3):
                 return "Convolution '%s' has weight %s, not (%d, %d, 3, 3)" % (m.node("conv2_%d" % d).name, w2, k, B)
             cat = m.node("cat%d" % d)
-            for s in m.ctx.shapes(Entry(cat)):
+            for s in shapes(Entry(cat)):
                 if len(s) != 4 or int(s[1]) != C + k:
-                    return "Concat '%s' has shape %s, not (N, %d, H, W)" % (cat.name, tuple(s), C + k)
+                    return at_filled_sizes("Concat '%s' has shape %s, not (N, %d, H, W)" % (cat.name, tuple(s), C + k),
+                                           assumed)
             C += k
         return None
 

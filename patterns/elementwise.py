@@ -145,7 +145,8 @@ def batchnorm_scale_shift(node: Node, ctx) -> Optional[tuple]:
     vals = [ctx.value(e) for e in node.inputs[1:]]
     if any(v is None for v in vals[1:]) or (vals[0] is None and not node.param("fix_gamma")):
         return None
-    shape = ctx.shape(node.inputs[0])
+    # its rank is all this needs: known without input shapes too
+    shape = ctx.partial_shape(node.inputs[0]) if hasattr(ctx, "partial_shape") else ctx.shape(node.inputs[0])
     if shape is None:
         return None
     gamma, beta, mean, var = (v.astype(np.float64).ravel() if v is not None else None for v in vals)

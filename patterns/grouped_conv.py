@@ -18,9 +18,10 @@ Opt-in (``--rules grouped_convolution``): in ResNeXt's block (benchmarks/bench_g
 the reorders from and to MXNet's layouts cost more than the kernel saves — measured 0.83–0.88× of
 MXNet's default bind at 2 threads (0.76–0.99× at 1–2 threads under heavy load) on a shared 2-core machine.
 
+Decided from the attributes and the weight (O, C/G, kh, kw) alone, so input shapes are not needed.
 Refused: channels per group outside 4–16 (not measured: depthwise convolutions, wide groups),
-kernels other than 2-D, layouts other than NCHW, values other than float32, unknown input
-shapes, and ``mode='training'`` (the op has no backward).  A ``relu`` op (NaN stays NaN) is
+kernels other than 2-D, layouts other than NCHW, values other than float32, and
+``mode='training'`` (the op has no backward).  A ``relu`` op (NaN stays NaN) is
 left after the fused convolution.
 """
 from __future__ import annotations
@@ -68,7 +69,6 @@ class GroupedConv(Rule):
 
     def check(self, m: Match) -> Optional[str]:
         conv = m.node("conv")
-        groups = int(conv.param("num_group"))
         if len(tuple(conv.param("kernel"))) != 2:
             return "Convolution '%s' is not 2-D" % conv.name
         if conv.param("layout") not in (None, "NCHW"):
@@ -76,17 +76,15 @@ class GroupedConv(Rule):
         reason = float32_reason([m["x"], m["w"]] + ([m["b"]] if m.has("b") else []), m.ctx)
         if reason:
             return reason
-        shapes = m.ctx.shapes(m["x"])
-        if not shapes:
-            return "the input shape of Convolution '%s' is unknown (pass input shapes)" % conv.name
-        if any(len(s) != 4 for s in shapes):
-            return "the input of Convolution '%s' has shape %s, not (N, C, H, W)" % (conv.name, shapes[0])
-        per_group = shapes[0][1] // groups
+        # a 2-D kernel takes an (N, C, H, W) input (MXNet checks it), and the weight (O, C/G, kh, kw)
+        # gives the channels per group: nothing here depends on the input's sizes
+        weight = _weight_shape(m)
+        if weight is None:
+            return "the weight shape of Convolution '%s' is unknown" % conv.name
+        per_group = int(weight[1])
         if not MIN_PER_GROUP <= per_group <= MAX_PER_GROUP:
             return ("Convolution '%s' has %d channels per group, outside the measured range %d-%d"
                     % (conv.name, per_group, MIN_PER_GROUP, MAX_PER_GROUP))
-        if _weight_shape(m) is None:
-            return "the weight shape of Convolution '%s' is unknown" % conv.name
         return None
 
     def rewrite(self, m: Match, b: Builder) -> Entry:

@@ -31,14 +31,16 @@ layouts other than NCHW, values other than float32, and ``mode='training'`` (no 
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from fusion.ir.graph import Entry
 from fusion.ir.matcher import Match
 from fusion.ir.pattern import Const, Pattern, Var, op
+from fusion.engine.reasons import NearMiss
 from fusion.engine.rewrite import Builder
 from fusion.engine.rule import Rule
 
+from ._block_shapes import at_filled_sizes, nchw_block
 from ._dtypes import float32_reason
 from .squeeze_excitation import pointwise_conv_reason
 
@@ -75,16 +77,6 @@ def _true(v) -> bool:
 
 def _kind(nd) -> str:
     return "relu" if nd.op == "Activation" else "hard_swish"
-
-
-def nchw_input_shapes(m: Match) -> Tuple[Optional[str], tuple]:
-    """(why not, shapes at every probe) of a CNN block's input ``x``: it must be known and (N, C, H, W)."""
-    xs = m.ctx.shapes(m["x"])
-    if not xs:
-        return "the block's input shape is unknown (pass input shapes)", xs
-    if any(len(s) != 4 for s in xs):
-        return "the block's input has shape %s, not (N, C, H, W)" % (xs[0],), xs
-    return None, xs
 
 
 class InvertedResidual(Rule):
@@ -124,11 +116,15 @@ class InvertedResidual(Rule):
                 return "Convolution '%s' has layout %s (only NCHW)" % (conv.name, conv.param("layout"))
             if tag != "dw":
                 reason = pointwise_conv_reason(conv)
-                if reason:
-                    return reason
+                if reason:      # not this block's 1×1 layer (a ResNet bottleneck's strided or 3×3 one)
+                    return NearMiss(reason)
                 if conv.param("num_group") != 1:
-                    return "Convolution '%s' is grouped (num_group=%d)" % (conv.name, conv.param("num_group"))
+                    return NearMiss("Convolution '%s' is grouped (num_group=%d)" % (conv.name, conv.param("num_group")))
                 continue
+            if int(conv.param("num_group")) != int(conv.param("num_filter")):
+                # not a depthwise layer: every ResNet-style block looks like this; --explain lists them
+                return NearMiss("Convolution '%s' is not depthwise (num_group=%d, num_filter=%d)" % (
+                    conv.name, conv.param("num_group"), conv.param("num_filter")))
             kernel, stride = tuple(conv.param("kernel")), tuple(conv.param("stride")) or (1, 1)
             pad, dilate = tuple(conv.param("pad")) or (0, 0), tuple(conv.param("dilate")) or (1, 1)
             if len(kernel) != 2 or kernel[0] != kernel[1]:
@@ -139,9 +135,6 @@ class InvertedResidual(Rule):
                 return "Convolution '%s' is dilated (dilate=%s)" % (conv.name, dilate)
             if pad != ((kernel[0] - 1) // 2,) * 2:
                 return "Convolution '%s' pads %s, not (K-1)/2 = %d" % (conv.name, pad, (kernel[0] - 1) // 2)
-            if int(conv.param("num_group")) != int(conv.param("num_filter")):
-                return "Convolution '%s' is not depthwise (num_group=%d, num_filter=%d)" % (
-                    conv.name, conv.param("num_group"), conv.param("num_filter"))
         return None
 
     @staticmethod
@@ -184,7 +177,7 @@ class InvertedResidual(Rule):
         return None
 
     def _shapes_reason(self, m: Match) -> Optional[str]:
-        reason, xs = nchw_input_shapes(m)
+        reason, xs, shapes, assumed = nchw_block(m)
         if reason:
             return reason
         C = int(xs[0][1])
@@ -207,9 +200,12 @@ class InvertedResidual(Rule):
                 return "the SE's weights are %s and %s, not (M, %d, 1, 1) and (%d, M, 1, 1)" % (w1, w2, E, E)
         if m.has("add"):
             for entry in (Entry(m.node("add")), Entry(m.node("project"))):
-                got = m.ctx.shapes(entry)
+                # the sum adds the block's input itself: at filled-in sizes too, what the convolutions
+                # make of any plane (stride 1, "same" padding) decides it
+                got = shapes(entry)
                 if len(got) != len(xs) or any(tuple(a) != tuple(b) for a, b in zip(got, xs)):
-                    return "the residual add broadcasts: the projection and the sum must have the block input's shape"
+                    return at_filled_sizes("the residual add broadcasts: the projection and the sum must have the "
+                                           "block input's shape", assumed)
         return None
 
     # -- rewrite ---------------------------------------------------------------

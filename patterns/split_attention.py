@@ -47,9 +47,11 @@ import numpy as np
 from fusion.ir.graph import Entry
 from fusion.ir.matcher import Match
 from fusion.ir.pattern import Const, OneOf, Pattern, Var, op
+from fusion.engine.reasons import NeedsShapes
 from fusion.engine.rewrite import Builder
 from fusion.engine.rule import Rule
 
+from ._block_shapes import at_filled_sizes, block_shapes
 from ._dtypes import float32_reason
 from .elementwise import batchnorm_scale_shift
 from .squeeze_excitation import pointwise_conv_reason
@@ -163,14 +165,26 @@ class SplitAttention(Rule):
             return "softmax '%s' casts to %s" % (sm.name, sm.param("dtype"))
         return None
 
+    #: the checks of ``_shapes_reason`` that compare values' shapes (the others read weights and attributes)
+    SIZED = ("the radix view", "the channels change", "the pool's output", "the logits are viewed",
+             "the attention groups change", "the attention weights have shape", "the result has shape")
+
     def _shapes_reason(self, m: Match) -> Optional[str]:
+        # without input shapes: the block's own ops at filled-in sizes (its channels from the weights)
+        shapes, assumed = block_shapes(m, m["x"])
+        reason = self._relations_reason(m, shapes)
+        if reason and not isinstance(reason, NeedsShapes) and reason.startswith(self.SIZED):
+            return at_filled_sizes(reason, assumed)
+        return reason
+
+    def _relations_reason(self, m: Match, shapes) -> Optional[str]:
         ctx = m.ctx
-        xs = ctx.shapes(m["x"])
+        xs = shapes(m["x"]) if shapes is not None else ()
         if not xs:
-            return "the shape of the split map is unknown (pass input shapes)"
+            return NeedsShapes("the shape of the split map is unknown")
         if any(len(s) != 4 for s in xs):
             return "the split map has shape %s, not (N, R·C, H, W)" % (xs[0],)
-        shp = lambda name: ctx.shapes(Entry(m.node(name)))  # noqa: E731
+        shp = lambda name: shapes(Entry(m.node(name)))  # noqa: E731
         if self.radix:
             split = shp("split")
             if not split or len(split) != len(xs) or any(
@@ -192,7 +206,7 @@ class SplitAttention(Rule):
         n_hw = [(x[0], C, x[2], x[3]) for x in xs]
         pooled = tuple((x[0], C, 1, 1) for x in xs)
         if not same_shapes(shp("pool"), pooled):
-            return "the pool's output is %s, not the whole-plane mean %s" % (ctx.shape(Entry(m.node("pool"))),
+            return "the pool's output is %s, not the whole-plane mean %s" % ((shp("pool") or (None,))[0],
                                                                               pooled[0])
         w1, w2 = ctx.shape(m["w1"]), ctx.shape(m["w2"])
         if w1 is None or w2 is None:
@@ -223,7 +237,7 @@ class SplitAttention(Rule):
             want = pooled
         if not same_shapes(shp("att_view"), want):
             return "the attention weights have shape %s where the product needs %s" % (
-                ctx.shape(Entry(m.node("att_view"))), want[0])
+                (shp("att_view") or (None,))[0], want[0])
         out = shp("wsum" if self.radix else "mul")
         if not same_shapes(out, tuple(n_hw)):
             return "the result has shape %s, not (N, C, H, W) %s" % (out[0] if out else None, n_hw[0])
@@ -234,7 +248,8 @@ class SplitAttention(Rule):
         act = m.node("act")
         kind = act.attrs["act_type"] if act.op == "Activation" else "relu"
         fc1, fc2 = m.node("fc1"), m.node("fc2")
-        view = m.ctx.shape(Entry(m.node("att_shape")))
+        shapes, _ = block_shapes(m, m["x"])     # (A, R, C/A) do not depend on the sizes: the first probe's
+        view = shapes(Entry(m.node("att_shape")))[0]
         attrs = {"radix": int(view[2]), "att_groups": int(view[1]),
                  "num_group1": int(fc1.param("num_group")), "num_group2": int(fc2.param("num_group")),
                  "act": "act_relu" if (act.op == "Activation" and kind == "relu") else kind,

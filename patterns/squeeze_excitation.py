@@ -41,9 +41,11 @@ import numpy as np
 from fusion.ir.graph import Entry
 from fusion.ir.matcher import Match
 from fusion.ir.pattern import Chain, Const, OneOf, Pattern, Var, op, scalar
+from fusion.engine.reasons import NeedsShapes
 from fusion.engine.rewrite import Builder
 from fusion.engine.rule import Rule
 
+from ._block_shapes import at_filled_sizes, block_shapes, broadcasting_add
 from ._dtypes import float32_reason
 
 HIDDEN_ACTS = ("relu", "sigmoid", "tanh", "softrelu")
@@ -183,29 +185,37 @@ class SqueezeExcitation(Rule):
     def _shapes_reason(self, m: Match) -> Optional[str]:
         ctx = m.ctx
         x = Entry(m.node("hs_mul")) if self.in_hard_swish else m["x"]
-        xs = ctx.shapes(x)
+        # without input shapes: the block's own ops at filled-in sizes (C from the weights)
+        shapes, assumed = block_shapes(m, x, [m["residual"]] if m.has("residual") else [])
+        xs = shapes(x) if shapes is not None else ()
         if not xs:
-            return "the shape of the scaled map is unknown (pass input shapes)"
+            return NeedsShapes("the shape of the scaled map is unknown")
         if any(len(s) != 4 for s in xs):
             return "the scaled map has shape %s, not (N, C, H, W)" % (xs[0],)
         pooled = tuple((s[0], s[1], 1, 1) for s in xs)
-        if not same_shapes(ctx.shapes(Entry(m.node("pool"))), pooled):
-            return "the pool's output is %s, not the whole-plane mean %s" % (
-                ctx.shape(Entry(m.node("pool"))), pooled[0])
+        if not same_shapes(shapes(Entry(m.node("pool"))), pooled):
+            return at_filled_sizes("the pool's output is %s, not the whole-plane mean %s" % (
+                (shapes(Entry(m.node("pool"))) or (None,))[0], pooled[0]), assumed)
         gate = m["gate_shape"][0] if m["gate_shape"] else Entry(m.node("gate"))
-        if not same_shapes(ctx.shapes(gate), pooled):
-            return "the gate has shape %s where the scale needs %s (one value per sample and channel)" % (
-                ctx.shape(gate), pooled[0])
+        if not same_shapes(shapes(gate), pooled):
+            return at_filled_sizes("the gate has shape %s where the scale needs %s (one value per sample and channel)"
+                                   % ((shapes(gate) or (None,))[0], pooled[0]), assumed)
         w1, w2 = ctx.shape(m["w1"]), ctx.shape(m["w2"])
         if w1 is None or w2 is None:
             return "the layers' weight shapes are unknown"
-        if not same_shapes(ctx.shapes(Entry(m.node("mul"))), xs):
-            return "the product does not have the map's shape"
+        if not same_shapes(shapes(Entry(m.node("mul"))), xs):
+            return at_filled_sizes("the product does not have the map's shape", assumed)
         if m.has("residual"):
             if m["residual"] == Entry(m.node("mul")):
                 return "the residual is the product itself"
-            if not same_shapes(ctx.shapes(m["residual"]), xs):
-                return "the residual has shape %s, not the map's %s" % (ctx.shape(m["residual"]), xs[0])
+            if assumed and broadcasting_add(m.node("add").op):
+                # the residual was filled in at the map's sizes: whether it broadcasts over the map at
+                # some input size is for the input shapes to say (the fused op adds it elementwise)
+                return NeedsShapes("%s '%s' may broadcast the residual at some input sizes"
+                                   % (m.node("add").op, m.node("add").name))
+            if not same_shapes(shapes(m["residual"]), xs):
+                return at_filled_sizes("the residual has shape %s, not the map's %s" % (
+                    (shapes(m["residual"]) or (None,))[0], xs[0]), assumed)
         return None
 
     # -- rewrite ---------------------------------------------------------------

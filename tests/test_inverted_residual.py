@@ -109,11 +109,16 @@ def test_interior_value_used_elsewhere_is_refused():
     assert "fused_inverted_residual" not in ops(res)
 
 
-def test_unknown_shapes_refuse_with_reason():
+def test_fuses_without_input_shapes_and_is_right_at_other_sizes():
+    """Channels come from the weights, the plane is kept by the stride-1 "same" convolutions: no
+    input shapes needed (more in tests/test_no_input_shapes.py)."""
     sym = block()
     arg, aux = random_params(sym, X)
     res = fusion.fuse(sym, arg, aux)
-    assert "fused_inverted_residual" not in ops(res)
+    assert ops(res) == {"fused_inverted_residual": 1}, res.report.to_text(explain=True)
+    for shape in ((1, 8, 7, 7), (3, 8, 5, 11)):
+        v = fusion.verify((sym, arg, aux), res, input_shapes={"data": shape})
+        assert v.max_rel <= 1e-4, (shape, v)
 
 
 def test_training_mode_is_refused():

@@ -48,6 +48,14 @@ class VerifyResult:
     # (output index, name, NaN/inf elements of the original, elements) — summed over the draws
     nonfinite_original: List[Tuple[int, str, int, int]] = field(default_factory=list)
     constant: List[str] = field(default_factory=list)
+    # outputs of sorting/NMS compared as sets of rows (fusion/check/rowsets.py): {output index: RowLayout}
+    row_sets: Dict[int, Any] = field(default_factory=dict)
+    moved_rows: Dict[int, int] = field(default_factory=dict)      # rows that changed places (worst draw)
+    positional_max_rel: Optional[float] = None                    # the error had they been compared in place
+    positional_per_output: Dict[int, float] = field(default_factory=dict)
+    # the original's own spread: its outputs with MXNet's oneDNN backend on (its default bind) against off
+    spread: Optional[float] = None
+    spread_per_output: List[Tuple[str, float]] = field(default_factory=list)
 
     @property
     def nonfinite(self) -> List[str]:
@@ -91,16 +99,53 @@ class VerifyResult:
             return None
         if self.nonfinite:
             return "fused outputs differ from the original: " + "; ".join(self.nonfinite)
-        return "fused outputs differ from the original (max rel error %.3g > %.3g)" % (self.max_rel, rtol)
+        spread = "" if self.spread is None else "; the original's own spread, MXNet's backend on vs off: %.3g" % (
+            self.spread)
+        return "fused outputs differ from the original (max rel error %.3g > %.3g%s)" % (self.max_rel, rtol, spread)
+
+    def comparison(self, index: int) -> str:
+        """How output ``index`` was compared: "by position" or as a set of rows (and which)."""
+        layout = self.row_sets.get(index)
+        return "by position" if layout is None else "as " + layout.describe()
+
+    def details(self) -> List[str]:
+        """How the outputs of sorting ops were compared (one line per sorting op's layout), and the
+        original's own spread."""
+        out = []
+        groups: Dict[Any, List[int]] = {}
+        for i, layout in sorted(self.row_sets.items()):
+            groups.setdefault(layout, []).append(i)
+        for layout, members in groups.items():
+            labels = ", ".join(_label(i, self.per_output[i][0] if i < len(self.per_output) else "?") for i in members)
+            moved = max(self.moved_rows.get(i, 0) for i in members)
+            by_place = max(self.positional_per_output.get(i, 0.0) for i in members)
+            out.append("%s compared as %s: %s" % (
+                labels, layout.describe(), "%d row(s) changed places (compared by position: max rel error %.3g)"
+                % (moved, by_place) if moved else "no row changed places"))
+        if self.spread is not None:
+            out.append("the original's own spread (its outputs with MXNet's oneDNN backend on vs off, compared "
+                       "the same way): max rel %.3g" % self.spread)
+        return out
 
     def to_dict(self, rtol: float = DEFAULT_RTOL) -> Dict[str, Any]:
         return {"max_abs": self.max_abs, "max_rel": self.max_rel, "rtol": rtol, "ok": self.ok(rtol),
-                "status": self.status(rtol), "problems": self.problems(), "failure": self.failure(rtol)}
+                "status": self.status(rtol), "problems": self.problems(), "failure": self.failure(rtol),
+                "comparison": [{"output": name, "kind": "row_set" if i in self.row_sets else "positional",
+                                **({"row_axis": self.row_sets[i].row_axis, "lines": list(self.row_sets[i].lines),
+                                    "source": self.row_sets[i].source, "moved_rows": self.moved_rows.get(i, 0),
+                                    "positional_max_rel": self.positional_per_output.get(i)}
+                                   if i in self.row_sets else {})}
+                               for i, (name, _, _) in enumerate(self.per_output)],
+                "positional_max_rel": self.positional_max_rel,
+                "original_spread": None if self.spread is None else {
+                    "max_rel": self.spread, "per_output": [{"output": n, "max_rel": r}
+                                                           for n, r in self.spread_per_output]},
+                "details": self.details()}
 
     def __str__(self) -> str:
         text = "max abs error %.3g, max rel error %.3g over %d output(s)" % (
             self.max_abs, self.max_rel, len(self.per_output))
-        return "; ".join([text] + self.problems())
+        return "; ".join([text] + self.problems() + self.details())
 
 
 def _unpack(model: Any, params: Any = None):
@@ -418,7 +463,7 @@ def _merge(results: Sequence[VerifyResult]) -> VerifyResult:
 
 
 def verify(original: Any, fused: Any, params: Any = None, input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
-           *, seed: int = 0, inputs: Optional[Mapping[str, np.ndarray]] = None) -> VerifyResult:
+           *, seed: int = 0, inputs: Optional[Mapping[str, np.ndarray]] = None, spread: bool = True) -> VerifyResult:
     """Bind the original and the fused model on the same inputs and compare every output.
 
     ``original`` is an ``mx.sym.Symbol`` (its parameters in ``params``: a tuple
@@ -426,7 +471,14 @@ def verify(original: Any, fused: Any, params: Any = None, input_shapes: Optional
     ``fused`` is a :class:`~fusion.api.FusionResult` or such a tuple.  Without
     ``inputs``, two random draws fitted to the inputs' use (``random_inputs``,
     seeds ``seed`` and ``seed + 1``) are compared.
+
+    Outputs that hold the rows of a sorting op (NMS, topk, argsort, sort) are compared as
+    sets of rows (``fusion/check/rowsets.py``; ``result.comparison(i)`` says how each output was);
+    with ``spread`` the original is also run with MXNet's oneDNN backend on, and how far its
+    own outputs move (``result.spread``) is reported beside the error.
     """
+    from .rowsets import align_rows, row_layouts
+
     sym0, arg0, aux0 = _unpack(original, params)
     sym1, arg1, aux1 = _unpack(fused)
     if inputs is not None:
@@ -435,12 +487,47 @@ def verify(original: Any, fused: Any, params: Any = None, input_shapes: Optional
         draws = [random_inputs(sym0, arg0, input_shapes or {}, seed + k, aux0) for k in range(DRAWS)]
     fused_args = set(sym1.list_arguments())
     names = sym0.list_outputs()
-    results, refs = [], []
+    layouts = row_layouts(sym0, arg0, aux0, {k: v.shape for k, v in draws[0].items()})
+    results, refs, positional, spreads, moved, positional_per_output = [], [], [], [], {}, {}
     for feed in draws:
         ref = _run_or_say(sym0, arg0, aux0, feed, "the original model")
         out = _run_or_say(sym1, arg1, aux1, {k: v for k, v in feed.items() if k in fused_args}, "the fused model")
-        results.append(compare(ref, out, names))
+        aligned, moved_now = align_rows(ref, out, layouts)
+        results.append(compare(ref, aligned, names))
+        if layouts:
+            by_place = compare(ref, out, names)
+            positional.append(by_place.max_rel)
+            for i in layouts:
+                result_i = by_place.per_output[i][2]
+                positional_per_output[i] = max(positional_per_output.get(i, 0.0), result_i)
+        for i, n in moved_now.items():
+            moved[i] = max(moved.get(i, 0), n)
+        if spread:
+            own = _original_with_backend(sym0, arg0, aux0, feed)
+            if own is not None:
+                spreads.append(compare(ref, align_rows(ref, own, layouts)[0], names))
         refs.append(ref)
     result = _merge(results)
     result.constant = [_label(i, name) for i, name in enumerate(names) if _constant([r[i] for r in refs])]
+    result.row_sets, result.moved_rows = dict(layouts), moved
+    result.positional_max_rel = max(positional) if positional else None
+    result.positional_per_output = positional_per_output
+    if spreads and len(spreads) == len(draws):
+        merged = _merge(spreads)
+        result.spread = merged.max_rel
+        result.spread_per_output = [(name, rel) for name, _, rel in merged.per_output]
     return result
+
+
+def _original_with_backend(symbol, arg, aux, feed) -> Optional[List[np.ndarray]]:
+    """The original's outputs as MXNet's default bind computes them (oneDNN subgraph backend on);
+    None where MXNet cannot run it so."""
+    import mxnet as mx
+
+    from ..native.env import quiet_native_stderr
+
+    try:
+        with quiet_native_stderr():            # MXNet's INFO line on binding with the backend
+            return run(symbol, arg, aux, feed, subgraph=True)
+    except mx.base.MXNetError:
+        return None

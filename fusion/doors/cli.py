@@ -234,7 +234,6 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
     if not rtol_given:          # an AMP-converted model is fused as precision='bf16' (fusion/precision/policy.py)
         args.rtol = tolerance(report.precision)
     report.extra.update(about.run_info(getattr(args, "command_line", None), shapes))
-    serving.add_note(report, result.graph, paths[0][: -len("-symbol.json")])
     status = 0
     if args.verify:
         from ..check.verify import verify
@@ -243,6 +242,8 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
         report.extra["verify"] = v.to_dict(args.rtol)
         if not v.ok(args.rtol):
             status = 1
+    if status == 0:     # how to load the files, only where they will be written
+        serving.add_note(report, result.graph, paths[0][: -len("-symbol.json")])
     if args.benchmark and status == 0:
         with progress.stage("benchmarking"):
             report.extra["benchmark"] = _benchmark(symbol, arg, aux, result, shapes, args.repeats)

@@ -453,6 +453,7 @@ def _summary(report: Any) -> List[str]:
                       _num(v.get("max_rel"), "%.3g"), _num(v.get("rtol"), "%.3g"),
                       _esc(v.get("status") or ("OK" if ok else "MISMATCH"))))
         out.extend('<p class="verify bad">%s</p>' % _esc(p) for p in v.get("problems") or ())
+        out.extend('<p>%s</p>' % _esc(d) for d in v.get("details") or ())
     b = report.extra.get("benchmark")
     if b:
         p10, p90 = b.get("p10_ms") or {}, b.get("p90_ms") or {}

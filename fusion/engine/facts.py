@@ -426,3 +426,225 @@ def _sizes_apart(data_names: Sequence[str], start: ShapeDict, param_dims: set, a
                 probe = cand
                 moved += 1
     return probe if moved else None
+
+
+# ---------------------------------------------------------------- the self-check's small probes
+
+SHRINK_TO = 64          # sizes of the data inputs above this are shrunk for the self-check's probes, to an
+                        # eighth (then a quarter, a half) but never below it: a stride-32 CNN keeps 2×2 maps
+
+
+def reshape_divides(nd: Node) -> bool:
+    """Whether reshape ``nd`` infers a size by division (-1, or a -4 split): at an input smaller than
+    the user's, MXNet 1.9.1 may infer 0 there and divide by it in a later reshape (a crash)."""
+    if nd.op not in SIZE_KEEPING or nd.op in ("Flatten", "flatten"):
+        return False
+    spec = nd.attrs.get("shape", nd.attrs.get("newshape"))
+    return "target_shape" in nd.attrs or spec is None or any(int(v) in (-1, -4) for v in tuple(spec))
+
+
+def _divides_sizes(graph: Graph) -> bool:
+    return any(reshape_divides(nd) for nd in graph.nodes)
+
+
+def small_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: Mapping[str, Shape]
+                 ) -> Tuple[List[Tuple[ShapeDict, Optional[Dict[Entry, Shape]]]], int]:
+    """Probes like ``make_probes``' but around a smaller copy of the user's input shapes: every
+    size above ``SHRINK_TO`` after the batch axis shrunk to an eighth (then a quarter, a half, then
+    only the sizes no parameter has), at least ``SHRINK_TO``, where the original graph accepts it.
+
+    The self-check runs a rewrite that is the same at every size (see ``selfcheck.size_free``) at
+    these instead of the user's sizes: a 480×480 segmentation model is checked at 64×64.
+    Returns (probes with their inferred shapes, the smallest shrunk size), or ([], 0) when
+    nothing shrinks or the graph has a reshape that divides sizes (see ``_divides_sizes``)."""
+    data_names = sorted(nd.name for nd in graph.variables() if nd.name not in param_shapes and nd.name in input_shapes)
+    if not data_names or _divides_sizes(graph):
+        return [], 0
+    param_dims = {d for s in param_shapes.values() for d in s}
+
+    def shrunk(divisor: int, keep_param_dims: bool) -> ShapeDict:
+        return {n: tuple(s[:1]) + tuple(
+            max(SHRINK_TO, d // divisor) if d > SHRINK_TO and not (keep_param_dims and d in param_dims) else d
+            for d in s[1:]) for n, s in ((n, tuple(input_shapes[n])) for n in data_names)}
+
+    base = {n: tuple(input_shapes[n]) for n in data_names}
+    for divisor, keep in ((8, False), (4, False), (2, False), (8, True)):
+        small = shrunk(divisor, keep)
+        if small == base:
+            continue
+        if infer(graph, {**param_shapes, **small}, complete=True)[0]:
+            smallest = min(d for n in data_names for d, b in zip(small[n][1:], base[n][1:]) if d != b)
+            probes = make_probes(graph, param_shapes, {**input_shapes, **small})
+            if len(probes) > 2 and all(probes[2][0][n][:1] != small[n][:1] for n in data_names if small[n]):
+                del probes[1]   # the sizes' alternate changes the batch too: one run fewer, the same sizes changed
+            return probes, smallest
+    return [], 0
+
+
+# ---------------------------------------------------------------- facts without the input shapes
+
+MAX_RANK_TRIED = 6
+PartialShape = Tuple[Optional[int], ...]
+
+
+def partial_shapes(graph: Graph, param_shapes: Mapping[str, Shape]) -> Dict[Entry, PartialShape]:
+    """What MXNet infers of every value without the data inputs' sizes: its rank, and the sizes
+    the parameters fix (channels from the weights); a size that depends on the data's is None.
+
+    From two shapes the graph accepts, as far apart as it allows (``_samples``: each data input's
+    rank and channels from the convolution it feeds): a size the same at both is fixed by the
+    parameters, one that differs is None.  Where no convolution tells a data input's channels,
+    MXNet's own partial inference, each data input at the one rank MXNet accepts with all its
+    sizes unknown (up to ``MAX_RANK_TRIED``; an op that refuses unknown sizes, a pooling window
+    checked against the plane, gives no facts there).
+    Graphs with library ops give none (MXNet 1.9.1's wrapper of a library op's shape function
+    overruns a buffer on unknown sizes)."""
+    try:
+        view = _view(graph)
+    except Exception:       # MXNet cannot load the graph: no facts
+        return {}
+    if view.has_library_ops:
+        return {}
+    params = {"__n%d" % i: tuple(param_shapes[name]) for i, name in view.variables if name in param_shapes}
+    data = [(i, name) for i, name in view.variables if name not in param_shapes]
+    samples = _samples(graph, param_shapes, [name for _, name in data])
+    if len(samples) == 2:
+        out: Dict[Entry, PartialShape] = {}
+        for e, s in samples[0].items():
+            t = samples[1].get(e)
+            if t is not None and len(t) == len(s):
+                out[e] = tuple(a if a == b else None for a, b in zip(s, t))
+        return out
+
+    def accepted(shapes: Dict[str, tuple]) -> Optional[list]:
+        try:
+            return view.internals.infer_shape_partial(**params, **shapes)[1]
+        except Exception:   # that rank does not fit an op, or an op refuses unknown sizes
+            return None
+
+    ranks: Dict[str, int] = {}
+    for i, name in data:
+        fits = [r for r in range(1, MAX_RANK_TRIED + 1) if accepted({"__n%d" % i: (0,) * r}) is not None]
+        if len(fits) == 1:
+            ranks["__n%d" % i] = fits[0]
+    got = accepted({k: (0,) * r for k, r in ranks.items()}) if len(ranks) == len(data) else None
+    return {e: tuple(int(d) if d else None for d in s) for e, s in zip(view.entries, got or ()) if s}
+
+
+#: image sides tried for ``_samples`` (the first the graph accepts is paired with a larger one)
+SAMPLE_SIDES = (224, 256, 320, 512, 480, 300, 416, 608, 128, 64, 32)
+
+
+def _samples(graph: Graph, param_shapes: Mapping[str, Shape], data_names: Sequence[str]) -> List[Dict[Entry, Shape]]:
+    """The graph's shapes at two data shapes it accepts, as far apart as it allows: (1, C, s, s)
+    and (2, C, s', s') with s' = s + s/4 + 1, else s + 1, else s (then every size is fixed but
+    the batch).  Each data input's rank and channels come from the convolution it feeds (through
+    rank- and channel-keeping ops); [] when an input feeds none, or no side is accepted."""
+    templates = {}
+    for name in data_names:
+        t = _conv_input_template(graph, name, param_shapes)
+        if t is None:
+            return []
+        templates[name] = t
+
+    def at(batch: int, side: int) -> Optional[Dict[Entry, Shape]]:
+        shapes = {n: (batch, c) + (side,) * (rank - 2) for n, (rank, c) in templates.items()}
+        got, _ = infer(graph, {**param_shapes, **shapes}, complete=True)
+        return got or None
+
+    for side in SAMPLE_SIDES:
+        first = at(1, side)
+        if first is None:
+            continue
+        for other in (side + side // 4 + 1, side + 1, side):
+            second = at(2, other)
+            if second is not None:
+                return [first, second]
+        return []
+    return []
+
+
+_CHANNEL_KEEPING = frozenset({"BatchNorm", "Activation", "LeakyReLU", "relu", "sigmoid", "Cast", "cast",
+                              "identity", "_copy", "clip", "Dropout"})
+
+
+def _conv_input_template(graph: Graph, name: str, param_shapes: Mapping[str, Shape]) -> Optional[Tuple[int, int]]:
+    """(rank, channels) of data input ``name`` from the first convolution it reaches through ops
+    that keep rank and channels (a leading BatchNorm, a cast, a scalar op): NC… layouts only."""
+    users = graph.consumers()
+    frontier = [nd for nd in graph.variables() if nd.name == name]
+    for _ in range(4):
+        nxt = []
+        for src in frontier:
+            for user, slot in users.get(src, ()):
+                if user.op == "Convolution" and slot == 0:
+                    w = user.inputs[1]
+                    ws = param_shapes.get(w.node.name) if w.node.is_variable else None
+                    layout = user.param("layout", None)
+                    if ws is None or layout not in (None, "NCW", "NCHW", "NCDHW"):
+                        return None
+                    return len(tuple(user.param("kernel"))) + 2, int(ws[1]) * int(user.param("num_group") or 1)
+                if slot == 0 and (user.op in _CHANNEL_KEEPING or user.op.endswith("_scalar")):
+                    nxt.append(user)
+        frontier = nxt
+    return None
+
+
+def reshape_output(shape: Sequence[int], spec: Sequence[int], reverse: bool = False) -> Optional[Shape]:
+    """The shape MXNet 1.9.1's Reshape infers for an input of ``shape`` (every size known) and
+    the target ``spec`` (codes 0, -1, -2, -3, -4), computed as its InferReshapeShape does; None
+    where MXNet would refuse it, infer a size of 0 or divide by one (a crash in a later reshape)."""
+    src, tgt = list(shape), list(spec)
+    if reverse:
+        src, tgt = src[::-1], tgt[::-1]
+    out: List[int] = []
+    i = k = 0
+    infer_at = -1
+    while i < len(tgt):
+        code = int(tgt[i])
+        if code == 0:
+            if k >= len(src):
+                return None
+            out.append(src[k])
+            k += 1
+        elif code == -1:
+            if infer_at >= 0:
+                return None
+            infer_at = len(out)
+            out.append(1)
+            k += 1
+        elif code == -2:
+            out.extend(src[k:])
+            k = len(src)
+        elif code == -3:
+            if k + 1 >= len(src):
+                return None
+            out.append(src[k] * src[k + 1])
+            k += 2
+        elif code == -4:
+            if i + 2 >= len(tgt) or k >= len(src):
+                return None
+            d0, d1, d2 = src[k], int(tgt[i + 1]), int(tgt[i + 2])
+            k += 1
+            i += 2
+            if d1 == -1 and d2 == -1 or 0 in (d1, d2):
+                return None
+            d1 = d0 // d2 if d1 == -1 else d1
+            d2 = d0 // d1 if d2 == -1 else d2
+            if d1 <= 0 or d2 <= 0 or d1 * d2 != d0:
+                return None
+            out.extend((d1, d2))
+        elif code > 0:
+            out.append(code)
+            k += 1
+        else:
+            return None
+        i += 1
+    if infer_at >= 0:
+        rest = int(np.prod(out))
+        if rest <= 0 or int(np.prod(src)) % rest:
+            return None
+        out[infer_at] = int(np.prod(src)) // rest
+    if any(d <= 0 for d in out) or int(np.prod(out)) != int(np.prod(src)):
+        return None
+    return tuple(out[::-1] if reverse else out)

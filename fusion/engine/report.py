@@ -143,6 +143,9 @@ class FusionReport:
                  % (self.mode, ("" if self.precision == "float32" else ", precision=" + self.precision)
                     + ("" if self.device == "cpu" else ", device=" + self.device),
                     self.fused_count, self.ops_before, self.ops_after, self.nodes_before, self.nodes_after, self.passes, self.seconds)]
+        wanting = self.extra.get("more_with_input_shapes")
+        if wanting:     # refused for want of input shapes only: the summary says what they would give
+            lines[0] += "; up to %d more rewrite(s) with input shapes (--shape / input_shapes)" % wanting
         width = max([len(r.name) for r in self.rules.values()] + [4])
         lines.append("  %-*s  %6s  %8s  %13s  %6s" % (width, "rule", "fused", "rejected", "nodes removed", "params"))
         quiet = []
@@ -176,6 +179,8 @@ class FusionReport:
             line = "  self-check: %d rewrite(s) checked at %d input shape(s)" % (c.checked, max(1, len(c.probes)))
             if c.checked:
                 line += ", worst relative error %.2g (%s)" % (c.worst_rel, c.worst_at)
+            if getattr(c, "size_free", 0):
+                line += "; %d of them at smaller input shapes only (they name no size)" % c.size_free
             if c.sampled:
                 line += "; %d more identical in structure and shapes to checked ones" % c.sampled
             if c.refused:
@@ -189,6 +194,7 @@ class FusionReport:
             lines.append("  verify: max abs error %.3g, max rel error %.3g (tolerance %.3g): %s"
                          % (v["max_abs"], v["max_rel"], v["rtol"], v.get("status") or ("OK" if v["ok"] else "MISMATCH")))
             lines.extend("  verify: " + p for p in v.get("problems", ()))
+            lines.extend("  verify: " + d for d in v.get("details", ()))
         b = self.extra.get("benchmark")
         if b:
             lines.extend("  " + ln for ln in benchmark_lines(b))
@@ -213,5 +219,6 @@ def benchmark_lines(b: Mapping[str, Any]) -> List[str]:
                  "speed-up: %.2fx vs MXNet default bind" % b["speedup_vs_mxnet_default"])
     if "speedup_vs_subgraph_off" in b:
         lines.append("fused (backend on) vs original with the backend off: %.2fx" % b["speedup_vs_subgraph_off"])
+    lines.extend(b.get("within_noise", ()))
     lines.extend("WARNING: " + w for w in b.get("warnings", ()))
     return lines

@@ -31,6 +31,7 @@ from ..ir.graph import Entry, Graph, Node
 from ..ir.matcher import Match, State, Trace, match_pattern
 from ..ir.pattern import required_ops
 from ..precision.policy import FLOAT32, BF16_CODE, PARAM_DTYPES, cast_slots, dtype_name, is_bf16, reduced_attrs, to_bf16
+from .reasons import NearMiss
 from .report import FusionReport
 from .selfcheck import Candidate, SelfCheck
 
@@ -63,6 +64,8 @@ class Context:
         self.memo: Dict[Any, Any] = {}      # rules' derived facts about values (they never change)
         self.input_shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
         self._probes: Optional[List[Dict[str, tuple]]] = None
+        self._small: Optional[Tuple[List[Dict[str, tuple]], int]] = None
+        self._partial: Optional[Dict[Entry, tuple]] = None
         self._fact_cache: Dict[int, list] = {}
         self.arg_params = dict(arg_params)
         self.aux_params = dict(aux_params)
@@ -197,6 +200,67 @@ class Context:
             if shapes:
                 self._fact_cache[k] = [dict(shapes), {}, self.graph.version, set(self.graph.nodes)]
 
+    def small_probes(self) -> Tuple[List[Dict[str, tuple]], int]:
+        """The self-check's probes around a smaller copy of the input shapes, and the smallest size
+        shrunk (fusion/facts.small_probes; ([], 0) when none).  Made on first use, from the graph as
+        the self-check first sees it (before any rewrite is committed).  Their facts are kept after
+        ``probes``': probe index ``len(probes) + k``."""
+        if self._small is None:
+            self._small = ([], 0)
+            if self.input_shapes:
+                from .facts import small_probes
+                params = {nd.name: self._param_shape(nd.name) for nd in self.graph.variables()
+                          if self._param_shape(nd.name) is not None}
+                self.graph.compact()
+                found, smallest = small_probes(self.graph, params, self.input_shapes)
+                base = len(self.probes)
+                for k, (_, shapes) in enumerate(found):
+                    if shapes:
+                        self._fact_cache[base + k] = [dict(shapes), {}, self.graph.version, set(self.graph.nodes)]
+                self._small = ([p for p, _ in found], smallest)
+        return self._small
+
+    def partial_shape(self, entry: Entry) -> Optional[tuple]:
+        """The shape of ``entry`` as far as it is known without the data inputs' sizes: its rank, with
+        None for each size that depends on them (fusion/facts.partial_shapes: channels come from the
+        weights, batch and spatial sizes do not); the whole shape where it is known.  Found once, on
+        the graph before its first rewrite, and carried to the values that replace those values."""
+        full = self.shape(entry)
+        if full is None and entry.node.is_variable:
+            full = self._param_shape(entry.node.name)
+        if full is not None:
+            return full
+        if self._partial is None:
+            self._find_partial()
+        return self._partial.get(entry)
+
+    def _find_partial(self) -> None:
+        from .facts import partial_shapes
+        self._partial = {}
+        if not self.input_shapes:
+            params = {nd.name: self._param_shape(nd.name) for nd in self.graph.variables()
+                      if self._param_shape(nd.name) is not None}
+            self.graph.compact()
+            self._partial = partial_shapes(self.graph, params)
+
+    def committed(self, replaced: Mapping[Entry, Entry]) -> None:
+        """A batch of rewrites is about to be committed (the graph is still as before it): facts
+        known only here (partial shapes) pass to the values that replace the old ones."""
+        if self._partial is None and not self.input_shapes:
+            self._find_partial()        # before the first library op joins the graph
+        if self._partial:
+            for old, new in replaced.items():
+                if old in self._partial and new not in self._partial:
+                    self._partial[new] = self._partial[old]
+
+    def probe_shapes(self, probe: int) -> Dict[str, tuple]:
+        """The input shapes of probe ``probe``: one of ``probes``, or after them the small ones."""
+        if probe < len(self.probes):
+            return self.probes[probe]
+        small = self._small[0] if self._small else []
+        k = probe - len(self.probes)
+        return small[k] if k < len(small) else {}
+
     def _facts(self, probe: int):
         """(shapes, dtypes) of the current graph at probe ``probe``, kept across graph versions:
         rewrites keep every surviving value's shape, so values not seen yet are inferred again
@@ -231,8 +295,8 @@ class Context:
             return True
         params = {nd.name: self._param_shape(nd.name) for nd in new
                   if nd.is_variable and self._param_shape(nd.name) is not None}
-        params.update({nd.name: self.probes[probe][nd.name] for nd in new
-                       if nd.is_variable and nd.name in self.probes[probe]})
+        params.update({nd.name: self.probe_shapes(probe)[nd.name] for nd in new
+                       if nd.is_variable and nd.name in self.probe_shapes(probe)})
         got = infer_nodes(new, cache[0], cache[1] if probe == 0 else None, params,
                           {nd.name: self._param_dtype(nd.name) for nd in new
                            if nd.is_variable and self._param_dtype(nd.name)} if probe == 0 else None)
@@ -244,7 +308,7 @@ class Context:
         return True
 
     def _variable_shapes(self, probe: int) -> Dict[str, tuple]:
-        shapes = dict(self.probes[probe]) if probe < len(self.probes) else {}
+        shapes = dict(self.probe_shapes(probe))
         for nd in self.graph.variables():
             s = self._param_shape(nd.name)
             if s is not None:
@@ -475,6 +539,16 @@ def _quantized_reason(m: Match) -> Optional[str]:
     return None
 
 
+def _not_a_candidate(rule, m: Match) -> Optional[str]:
+    """The rule's own reason when it says ``m`` only looks like its candidate (a NearMiss): an engine
+    filter's refusal of such a match (an interior value read outside) is no news either."""
+    try:
+        reason = rule.check(m)
+    except Exception:   # a rule's bug shows where the match is a real candidate
+        return None
+    return reason if isinstance(reason, NearMiss) else None
+
+
 def _internal(rule, e: Exception) -> str:
     return "internal error in rule %s (%s: %s); the subgraph is left as it was" % (
         rule.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -545,6 +619,8 @@ class _Pass:
                 reason = rule.training_reason
             if reason is None:
                 reason = rule.check(m)
+            elif first_reason is None:
+                reason = _not_a_candidate(rule, m) or reason
             if reason is None:
                 accepted = m
                 break
@@ -556,7 +632,7 @@ class _Pass:
             matches.append(accepted)
             self.report.forget_rejections(rule, _key(rule, accepted), fused_at=anchor.name)
             rr.near_misses.pop(anchor.name, None)
-        elif first_reason is not None and rule.quiet_refusals:
+        elif first_reason is not None and (rule.quiet_refusals or isinstance(first_reason, NearMiss)):
             rr.near_misses[anchor.name] = first_reason         # --explain lists it; not news otherwise
         elif first_reason is not None:
             self.report.reject(rule, anchor.name, first_key, first_reason)
@@ -614,6 +690,9 @@ class _Pass:
                 e = replaced[e]
             return e
 
+        self.ctx.committed(replaced)
+        if self.checker is not None:
+            self.checker.committed(replaced)
         graph = self.graph
         graph.nodes.extend(created)
         graph.nodes.extend(self.ctx.pending_params)

@@ -33,6 +33,7 @@ fails to bind or run, it is bisected to the candidates that fail.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -73,6 +74,7 @@ class CheckStats:
     sampled: int = 0        # same structure and shapes as rewrites checked in the same batch
     refused: int = 0
     unchecked: int = 0
+    size_free: int = 0      # of those checked, checked at the small probes alone (see ``size_free``)
     unchecked_reasons: Dict[str, int] = field(default_factory=dict)
     worst_rel: float = 0.0
     worst_at: str = ""
@@ -84,6 +86,7 @@ class CheckStats:
 
     def to_dict(self) -> Dict[str, Any]:
         return {"checked": self.checked, "sampled": self.sampled, "refused": self.refused, "unchecked": self.unchecked,
+                "checked_at_small_shapes": self.size_free,
                 "unchecked_reasons": dict(self.unchecked_reasons), "worst_rel": self.worst_rel,
                 "worst_at": self.worst_at, "probes": [{k: list(v) for k, v in p.items()} for p in self.probes]}
 
@@ -271,24 +274,35 @@ class SelfCheck:
                 self.stats.note_unchecked("no input shapes given")
             return reasons
         probes = ctx.probes
-        self.stats.probes = probes
+        small, smallest = ctx.small_probes()
+        # a rewrite that names no size is checked at the small probes alone; the others at the user's
+        general = [bool(small) and size_free(c, ctx, smallest) for c in candidates]
+        schedule = [(len(probes) + k, k == 0, [i for i, g in enumerate(general) if g]) for k in range(len(small))]
+        schedule += [(p, p == 0, [i for i, g in enumerate(general) if not g]) for p in range(len(probes))]
         checked = [False] * len(candidates)
         signatures = [_signature(c, ctx) for c in candidates]
-        for p in range(len(probes)):
-            items = []
-            quota = MAX_PER_SIGNATURE if p == 0 else MAX_PER_SIGNATURE_AT_OTHER_SHAPES
+        for p, first, members in schedule:
+            if not members:
+                continue
+            shapes = ctx.probe_shapes(p)
+            if shapes not in self.stats.probes:
+                self.stats.probes.append(shapes)
+            quota = MAX_PER_SIGNATURE if first else MAX_PER_SIGNATURE_AT_OTHER_SHAPES
             seen: Dict[Any, int] = {}
-            for i, c in enumerate(candidates):
+            chosen = []
+            for i in members:
                 if reasons[i] is not None:
                     continue
                 seen[signatures[i]] = seen.get(signatures[i], 0) + 1
                 if seen[signatures[i]] > quota:
-                    if p == 0:
+                    if first:
                         self.stats.sampled += 1
                     continue
-                prepared = self._prepare(i, c, p)
+                chosen.append(i)
+            items = []
+            for i, prepared in zip(chosen, self._prepare_all([(i, candidates[i]) for i in chosen], p)):
                 if isinstance(prepared, str):
-                    if p == 0:
+                    if first:
                         self.stats.note_unchecked(prepared)
                     continue
                 items.append(prepared)
@@ -301,24 +315,40 @@ class SelfCheck:
                         self.stats.worst_rel = rel
                         self.stats.worst_at = "%s at '%s'" % (rule.name, candidates[i].match.anchor.name)
                 elif reason is not _UNCHECKED:
-                    reasons[i] = "self-check%s: %s" % ("" if p == 0 else " at input shapes %s" % _fmt(probes[p]),
+                    reasons[i] = "self-check%s: %s" % ("" if p == 0 else " at input shapes %s" % _fmt(shapes),
                                                       reason)
         for i, ok in enumerate(checked):
             if reasons[i] is not None:
                 self.stats.refused += 1
             elif ok:
                 self.stats.checked += 1
+                if general[i]:
+                    self.stats.size_free += 1
         return reasons
 
     # -- inputs ------------------------------------------------------------------------
     def _shape_at(self, p: int):
         return lambda e: self.ctx._lookup(e, p, 0)
 
-    def _prepare(self, i: int, c: Candidate, p: int):
-        ctx = self.ctx
+    def _sides(self, c: Candidate) -> Tuple[_Side, _Side]:
         keys = list(c.mapping)
         old = _Side(sorted(c.match.nodes, key=lambda n: n.pos) + c.old_extra, keys)
         new = _Side(c.created + c.new_extra, [c.mapping[k] for k in keys])
+        return old, new
+
+    def _prepare_all(self, indexed: Sequence[Tuple[int, Candidate]], p: int) -> List[Any]:
+        """A _Prepared (or why not) per candidate: its inputs at probe ``p``.  The values the
+        candidates read from the graph are the graph's own at that probe, computed in one run of
+        the graph on random data inputs (``_activations``); one that is not finite or is constant
+        there while it depends on the data is drawn instead (it could not tell a wrong rewrite)."""
+        sides = [self._sides(c) for _, c in indexed]
+        computed = _unique([e for old, new in sides for e in old.external + new.external
+                            if not e.node.is_variable])
+        acts = self._activations(computed, p) if computed else {}
+        return [self._prepare(i, c, p, old, new, acts) for (i, c), (old, new) in zip(indexed, sides)]
+
+    def _prepare(self, i: int, c: Candidate, p: int, old: _Side, new: _Side, acts: Dict[Entry, Any]):
+        ctx = self.ctx
         created = {id(n) for n in c.created + c.new_extra}
         shape_at = self._shape_at(p)
 
@@ -326,67 +356,130 @@ class SelfCheck:
             return None if id(e.node) in created else shape_at(e)
 
         values: Dict[Entry, np.ndarray] = {}
-        upstream: List[Entry] = []
         rng = np.random.default_rng(self.seed + 7919 * i + p)
+        data = None
         for e in _unique(old.external + new.external):
             if e.node.is_variable:
                 v = ctx.array(e)
                 if v is not None:
                     values[e] = v
                     continue
-                shape = ctx.probes[p].get(e.node.name)
+                if data is None:
+                    data = self._data(p)
+                if e.node.name in data:
+                    values[e] = data[e.node.name]
+                    continue
+                shape = ctx.probe_shapes(p).get(e.node.name)
             else:
                 shape = shape_at(e)
             if shape is None:
                 return "the shape of '%s' is unknown" % e.node.name
-            if not e.node.is_variable and not self.depends(e.node):
-                upstream.append(e)
+            got = acts.get(e)
+            reads_data = e.node.is_variable or self.depends(e.node)
+            if not reads_data:
+                if got is None:
+                    return "values computed from shapes could not be evaluated"
+                values[e] = got
+                continue
+            if got is not None and tuple(got.shape) == tuple(shape) and self._telling(e, got, p) and \
+                    np.dtype(got.dtype) == np.dtype(ctx.dtype(e) or got.dtype):
+                values[e] = got
                 continue
             dtype = ctx.dtype(e) or "float32"
             users = old.users_of_entry(e) + new.users_of_entry(e)
             domain = input_domain(users, lambda n: old.users(n) + new.users(n), shape_of)
             values[e] = draw(rng, tuple(shape), dtype, domain)
-        if upstream:
-            got = self._evaluate(upstream, p)
-            if got is None:
-                return "values computed from shapes could not be evaluated"
-            values.update(got)
         return _Prepared(i, old, new, values)
 
-    def _evaluate(self, entries: List[Entry], p: int) -> Optional[Dict[Entry, np.ndarray]]:
-        """Values that depend on shapes and parameters only, computed by MXNet from the graph."""
+    def _data(self, p: int) -> Dict[str, np.ndarray]:
+        """The graph's data inputs at probe ``p``, drawn once in the domain the graph reads each in."""
+        import mxnet as mx
+
+        ctx = self.ctx
+        key = ("selfcheck-data", p)
+        if key not in ctx.memo:
+            users = ctx.graph.consumers()
+            shape_at = self._shape_at(p)
+            rng = np.random.default_rng(self.seed + 15485863 + p)
+            out = {}
+            for nd in ctx.graph.variables():
+                shape = ctx.probe_shapes(p).get(nd.name)
+                if ctx.value(Entry(nd)) is not None or shape is None:
+                    continue
+                domain = input_domain(users.get(nd, []), lambda n: users.get(n, []), shape_at)
+                dtype = ctx.input_dtypes.get(nd.name) or ctx.dtype(Entry(nd)) or "float32"
+                v = draw(rng, tuple(shape), dtype, domain)
+                out[nd.name] = mx.nd.array(v, dtype=v.dtype)      # made once, bound as it is
+            ctx.memo[key] = out
+        return ctx.memo[key]
+
+    def _activations(self, entries: List[Entry], p: int) -> Dict[Entry, Any]:
+        """The values of ``entries`` at probe ``p``, computed by MXNet from the graph on the data
+        inputs of ``_data`` (None where it cannot run the graph there).  Kept for later rule
+        applications: a rewrite keeps every value it does not replace."""
+        ctx = self.ctx
+        cache = ctx.memo.setdefault(("selfcheck-activations", p), {})
+        missing = [e for e in entries if e not in cache]
+        if missing:
+            if p >= len(ctx.probes):     # a small probe: every value at once, for every later rule too
+                missing = _unique(missing + [Entry(nd, k) for nd in ctx.graph.nodes if not nd.is_variable
+                                             for k in range(nd.num_outputs) if Entry(nd, k) not in cache])
+            got = self._evaluate(missing, p)
+            for e in missing:
+                cache[e] = None if got is None else got[e]
+        return {e: cache[e] for e in entries}
+
+    def _telling(self, e: Entry, value: Any, p: int) -> bool:
+        """``_telling`` of the graph's value of ``e`` at probe ``p``, decided once."""
+        memo = self.ctx.memo.setdefault(("selfcheck-telling", p), {})
+        if e not in memo:
+            memo[e] = _telling(value.asnumpy() if hasattr(value, "asnumpy") else value)
+        return memo[e]
+
+    def committed(self, replaced: Dict[Entry, Entry]) -> None:
+        """A batch of rewrites was committed: each new value is the value it replaces (checked so),
+        so the values kept for the old ones serve the new ones too (no new run of the graph)."""
+        for key, cache in self.ctx.memo.items():
+            if isinstance(key, tuple) and key and key[0] == "selfcheck-activations":
+                for old, new in replaced.items():
+                    if new not in cache and cache.get(old) is not None:
+                        cache[new] = cache[old]
+
+    def _evaluate(self, entries: List[Entry], p: int) -> Optional[Dict[Entry, Any]]:
+        """The values of ``entries`` computed by MXNet from the graph at probe ``p``, on the data inputs
+        of ``_data``: one run of the graph for every value the candidates of a rule read."""
         import mxnet as mx
 
         from ..native.env import subgraph_backend
 
         ctx = self.ctx
-        key = ("selfcheck-upstream", p)
-        cache = ctx.memo.setdefault(key, {})
-        missing = [e for e in entries if e not in cache]
-        if missing:
-            data = ctx.graph.to_json()
-            data["heads"] = [[int(e.node.pos), e.index, 0] for e in missing]
-            try:
-                sym = mx.sym.load_json(json.dumps(data))
-                args = {}
-                by_name = {nd.name: nd for nd in ctx.graph.variables()}
-                for name in sym.list_arguments():
-                    v = ctx.value(Entry(by_name[name]))
-                    if v is None:
-                        shape = ctx.probes[p].get(name)
-                        if shape is None:
-                            return None
-                        v = np.zeros(shape, dtype=ctx.input_dtypes.get(name, "float32"))
-                    args[name] = mx.nd.array(v, dtype=v.dtype)
-                aux = {name: mx.nd.array(ctx.value(Entry(by_name[name]))) for name in sym.list_auxiliary_states()}
-                with subgraph_backend(False):
-                    exe = sym.bind(mx.cpu(), args, aux_states=aux, grad_req="null")
-                outs = [o.asnumpy() for o in exe.forward(is_train=False)]
-            except Exception:       # MXNet cannot compute them here: the candidates stay unchecked
+        data = self._data(p)
+        graph = ctx.graph
+        graph.compact()
+        spec = graph.to_json()
+        spec["heads"] = [[int(e.node.pos), e.index, 0] for e in entries]
+        try:
+            sym = mx.sym.load_json(json.dumps(spec))
+            by_name = {nd.name: nd for nd in graph.variables()}
+            feed = {}
+            for name in sym.list_arguments() + sym.list_auxiliary_states():
+                v = ctx.array(Entry(by_name[name]))
+                if v is None:
+                    v = data.get(name)
+                if v is None:
+                    return None
+                feed[name] = v
+            if misread_nodes(sym, feed):       # MXNet would run a node past its buffers here
                 return None
-            for e, v in zip(missing, outs):
-                cache[e] = v
-        return {e: cache[e] for e in entries}
+            args, aux = _arrays(sym, feed, _written(sym.tojson()))
+            with subgraph_backend(False):
+                exe = sym.bind(mx.cpu(), args, aux_states=aux, grad_req="null")
+            outs = exe.forward(is_train=False)
+            for o in outs:      # kept as NDArrays: bound as they are, no copy to NumPy and back
+                o.wait_to_read()
+        except Exception:       # MXNet cannot run the graph here: the candidates' inputs are drawn
+            return None
+        return dict(zip(entries, outs))
 
     # -- running -----------------------------------------------------------------------
     def _run_group(self, items: List[_Prepared], p: int):
@@ -632,3 +725,60 @@ def _first_line(text: str) -> str:
         if "Check failed" in ln or "Error" in ln:
             return ln[:300]
     return (lines[-1] if lines else text)[:300]
+
+
+def _telling(a: np.ndarray) -> bool:
+    """Whether a value can tell a wrong rewrite from a right one: finite, and not one constant."""
+    from ..precision.policy import from_bf16, is_bf16
+
+    if a.size == 0:
+        return False
+    if is_bf16(a.dtype):
+        a = from_bf16(a)
+    if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
+        return False
+    return a.size == 1 or not bool((a == a.flat[0]).all())
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?")
+
+
+def _integers(attrs: Dict[str, str]) -> set:
+    """The integers an op's attributes (as MXNet writes them) name; decimals and exponents skipped."""
+    out = set()
+    for v in attrs.values():
+        for tok in _NUMBER.findall(str(v)):
+            if "." not in tok and "e" not in tok.lower():
+                out.add(abs(int(tok)))
+    return out
+
+
+def size_free(c: Candidate, ctx: Any, smallest: int) -> bool:
+    """Whether the replacement names no size that the small probes could stand below.
+
+    A rewrite that bakes a size (a reshape to the user's 480×480, 64 rows of a gather) may be right
+    at every size under it and wrong above: checked at the small probes alone it could pass.  So a
+    rewrite is checked there alone only when every integer of at least ``smallest`` (the smallest
+    size the small probes shrank) in its new ops' attributes and its new parameters' shapes is one
+    the matched ops' attributes or the parameters they read already have (a weight's channel count,
+    or the product or quotient of two such dimensions)."""
+    known: set = set()
+    dims: set = set()
+    for nd in c.match.nodes:
+        known |= _integers(nd.attrs.to_json())
+        for e in nd.inputs:
+            if e.node.is_variable:
+                s = ctx._param_shape(e.node.name)
+                if s:
+                    dims |= {int(d) for d in s}
+    known |= dims
+    known |= {a * b for a in dims for b in dims} | {a // b for a in dims for b in dims if b and a % b == 0}
+    for nd in c.created + c.new_extra:
+        if nd.is_variable:
+            s = ctx._param_shape(nd.name)
+            found = {int(d) for d in s} if s else set()
+        else:
+            found = _integers(nd.attrs.to_json())
+        if any(v >= smallest and v not in known for v in found):
+            return False
+    return True

@@ -29,7 +29,7 @@ def configure_threads() -> bool:
 
 
 @contextmanager
-def _quiet_native_stderr():
+def quiet_native_stderr():
     """Silence what MXNet's C++ side prints to fd 2 (its INFO line on every bind with the backend off)."""
     import sys
 
@@ -58,7 +58,7 @@ def subgraph_backend(enabled: bool):
         os.environ.pop(key, None)
     else:
         os.environ[key] = "NONE"
-    quiet = _quiet_native_stderr() if not enabled else None
+    quiet = quiet_native_stderr() if not enabled else None
     if quiet is not None:
         quiet.__enter__()
     try:

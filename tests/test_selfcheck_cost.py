@@ -1,0 +1,125 @@
+"""The self-check at small probe sizes, on the graph's own values: what it still catches.
+
+A rewrite that names no size is checked at a smaller copy of the input shapes (fusion/engine/facts.py
+``small_probes``); one that names a size the small shapes could stand below (a gather of the
+first 128 rows) is checked at the user's.  The inputs of a candidate are the values the graph
+computes there, except where they could not tell a wrong rewrite (constant, not finite): drawn.
+"""
+import mxnet as mx
+import numpy as np
+
+import fusion
+from fusion.ir.pattern import Var, op
+from fusion.engine.rule import Rule
+
+S = mx.sym
+
+
+class MaxOfFirstRows(Rule):
+    """Wrong above 128 rows: max(x, axis=2) → max(take(x, 0..127, axis=2, mode=clip), axis=2).
+
+    Exact while the axis has at most 128 rows (clip repeats the last row, which leaves a maximum
+    as it is); above, the rows past 127 are never read.  The rule reads no shape: only the size it
+    bakes (a parameter of 128 indices) says it is not the same rewrite at every size."""
+    name = "max_of_first_rows"
+    benefit = 1
+
+    def pattern(self):
+        return op.max(Var("x"), name="m", axis=lambda a: tuple(a) == (2,) if isinstance(a, tuple) else a == 2)
+
+    def check(self, m):
+        return "rewritten already" if m["x"].node.op == "take" else None
+
+    def rewrite(self, m, b):
+        rows = b.param("first_rows", np.arange(128, dtype=np.float32))
+        t = b.op("take", [m["x"], rows], attrs={"axis": 2, "mode": "clip"})
+        return b.op("max", [t], attrs=m.node("m").attrs, name=m.anchor.name)
+
+
+class ScaleByOnePercent(Rule):
+    """Wrong wherever x is not 0: relu(x) → relu(x) · 1.01."""
+    name = "scale_by_one_percent"
+    benefit = 1
+
+    def pattern(self):
+        return op.relu(Var("x"), name="r")
+
+    def rewrite(self, m, b):
+        return b.op("_mul_scalar", [b.op("relu", [m["x"]])], attrs={"scalar": 1.01}, name=m.anchor.name)
+
+
+class ReluToSigmoid(Rule):
+    name = "relu_to_sigmoid"
+    benefit = 1
+
+    def pattern(self):
+        return op.relu(Var("x"), name="r")
+
+    def rewrite(self, m, b):
+        return b.op("sigmoid", [m["x"]], name=m.anchor.name)
+
+
+def conv_net(head):
+    x = S.var("data")
+    y = S.Convolution(x, num_filter=4, kernel=(3, 3), pad=(1, 1), name="c")
+    return head(y)
+
+
+def params(sym, shape):
+    rng = np.random.default_rng(0)
+    arg_shapes, _, _ = sym.infer_shape(data=shape)
+    return {n: mx.nd.array(rng.standard_normal(s)) for n, s in zip(sym.list_arguments(), arg_shapes) if n != "data"}
+
+
+def test_an_error_only_above_the_small_sizes_is_caught_at_the_users():
+    shape = (1, 3, 400, 6)                          # 400 rows: the small probes have 64 and 80
+    sym = conv_net(lambda y: S.max(y, axis=2))
+    arg = params(sym, shape)
+    res = fusion.fuse(sym, arg, {}, rules=[MaxOfFirstRows()], input_shapes={"data": shape})
+    assert res.report.fused_count == 0
+    reason = " | ".join(res.report.rules["max_of_first_rows"].rejected.values())
+    assert reason.startswith("self-check: output differs by"), reason       # at the user's 400 rows
+    assert res.report.self_check.size_free == 0
+    from fusion.engine.facts import small_probes
+    from fusion.ir.graph import Graph
+    found, smallest = small_probes(Graph.from_symbol(sym), {k: v.shape for k, v in arg.items()}, {"data": shape})
+    assert smallest == 64 and all(p["data"][2] <= 128 for p, _ in found), found    # none would show it
+    # the same rewrite at those sizes is right: it is exact up to 128 rows
+    res = fusion.fuse(sym, arg, {}, rules=[MaxOfFirstRows()], input_shapes={"data": (1, 3, 64, 6)})
+    assert res.report.fused_count == 1, res.report.to_text()
+
+
+def test_a_rewrite_that_names_no_size_is_checked_at_small_shapes_and_still_refused():
+    shape = (1, 3, 160, 136)
+    sym = conv_net(S.relu)
+    res = fusion.fuse(sym, params(sym, shape), {}, rules=[ReluToSigmoid()], input_shapes={"data": shape})
+    assert res.report.fused_count == 0
+    reason = " | ".join(res.report.rules["relu_to_sigmoid"].rejected.values())
+    assert reason.startswith("self-check at input shapes data=1,3,64,64: output differs"), reason
+    assert res.report.self_check.refused == 1
+
+
+def test_right_size_free_rewrites_are_reported_as_checked_at_small_shapes():
+    shape = (1, 3, 96, 80)
+    x = S.var("data")
+    y = S.Activation(S.BatchNorm(S.Convolution(x, num_filter=4, kernel=(3, 3), pad=(1, 1), name="c"),
+                                 name="bn"), act_type="relu")
+    arg_shapes, _, aux_shapes = y.infer_shape(data=shape)
+    rng = np.random.default_rng(0)
+    arg = {n: mx.nd.array(rng.standard_normal(s)) for n, s in zip(y.list_arguments(), arg_shapes) if n != "data"}
+    aux = {n: mx.nd.array(rng.uniform(0.5, 2, s)) for n, s in zip(y.list_auxiliary_states(), aux_shapes)}
+    res = fusion.fuse(y, arg, aux, input_shapes={"data": shape})
+    c = res.report.self_check
+    assert res.report.fused_count == 1 and c.checked == 1 and c.size_free == 1
+    assert {"data": shape} not in c.probes and all(p["data"][3] <= 80 for p in c.probes), c.probes
+    assert "1 of them at smaller input shapes only" in res.report.to_text()
+
+
+def test_a_constant_value_of_the_graph_is_drawn_instead():
+    """relu(x) · 1.01 is right where x is 0: the graph computes x = 0 · conv here, a constant, which
+    could not tell the wrong rewrite; the check draws that input instead and refuses it."""
+    shape = (1, 3, 8, 8)
+    sym = conv_net(lambda y: S.relu(y * 0.0))
+    res = fusion.fuse(sym, params(sym, shape), {}, rules=[ScaleByOnePercent()], input_shapes={"data": shape})
+    assert res.report.fused_count == 0
+    assert "self-check: output differs" in " ".join(res.report.rules["scale_by_one_percent"].rejected.values())
