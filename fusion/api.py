@@ -180,14 +180,28 @@ def fuse_gc_off(*args, **kwargs) -> FusionResult:
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _fuse(*args, **kwargs)
+        try:
+            return _fuse(*args, **kwargs)
+        except _HalfNotLowered as e:        # AMP's float16 graph fused as it is, casts and all
+            result = _fuse(*args, read_half=False, **kwargs)
+            result.report.notes.insert(0, e.note)
+            return result
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
+class _HalfNotLowered(Exception):
+    """A float16 graph whose lowering MXNet does not take: fused again as it is (``note`` says why)."""
+
+    def __init__(self, note: str):
+        super().__init__(note)
+        self.note = note
+
+
 def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
-          copy_params: bool = True, precision: str = "float32", device: str = "cpu") -> FusionResult:
+          copy_params: bool = True, precision: str = "float32", device: str = "cpu",
+          read_half: bool = True) -> FusionResult:
     """``fuse`` itself; ``copy_params=False`` returns the caller's arrays themselves (the backend,
     which hands only the new ones on)."""
     from .files.modelio import check_param_values
@@ -218,8 +232,13 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
         if amp is not None:
             arg_params, aux_params, amp = amp
             precision = BFLOAT16
+    half, half_refused = None, None
+    if device == "gpu" and read_half:
+        half, half_refused, arg_params, aux_params = _read_half(graph, arg_params, aux_params, input_dtypes, mode)
     report = FusionReport(mode=mode)
     report.precision = precision
+    if half_refused:
+        report.notes.append(half_refused)
     report.device = device
     _note_miscomputed(report, miscomputed)
     graph.compact()
@@ -232,6 +251,11 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     if mode == "inference":
         from .precision.policy import between_ops
         ctx.precision_between = between_ops(graph, precision)
+    fused16 = None
+    if half is not None:
+        from .precision.half import FLOAT16, lower_half
+        fused16 = lower_half(graph, half, ctx.origins, ctx.lineage, ctx.arg_params, ctx.aux_params)
+        report.precision = FLOAT16
     _precision_notes(graph, ctx, report, amp, amp_convs)
     if device != "cpu":
         _device_note(device, mode, report)
@@ -247,10 +271,51 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     report.nodes_after, report.ops_after = len(graph.nodes), len(graph.op_nodes())
     sym = graph.to_symbol()
     arg_out, aux_out = _collect_params(graph, ctx, set(sym.list_auxiliary_states()), copy_params)
+    if half is not None:
+        _check_half(sym, half, fused16, arg_out, aux_out, input_shapes, report)
     report.params_removed = (len(ctx.arg_params) + len(ctx.aux_params)) - sum(
         1 for n in list(arg_out) + list(aux_out) if n in ctx.arg_params or n in ctx.aux_params)
     report.seconds = time.perf_counter() - start
     return FusionResult(sym, arg_out, aux_out, report, graph)
+
+
+def _read_half(graph: Graph, arg_params, aux_params, input_dtypes, mode: str):
+    """AMP's float16 graph read as its float32 model for device='gpu' (fusion/precision/half.py):
+    ``(HalfGraph or None, why it is not read or None, arg_params, aux_params)``."""
+    from .precision.half import HalfRefused, is_half_graph, read_half
+
+    arg_params, aux_params = arg_params or {}, aux_params or {}
+    if not is_half_graph(graph, arg_params, aux_params):
+        return None, None, arg_params, aux_params
+    why = None
+    if mode != "inference":
+        why = "float16 graphs are read for inference only"
+    else:
+        try:
+            half, arg_params, aux_params = read_half(graph, arg_params, aux_params, input_dtypes)
+            return half, None, arg_params, aux_params
+        except HalfRefused as e:
+            why = str(e)
+    return None, ("float16 graph not read for device='gpu' (%s): the fused ops take only its float32 parts, "
+                  "its float16 parts stay MXNet's" % why), arg_params, aux_params
+
+
+def _check_half(sym, half, fused16, arg_out, aux_out, input_shapes, report: FusionReport) -> None:
+    """The lowered float16 graph as MXNet infers it: its outputs in AMP's dtypes, or fused again as it is."""
+    from .precision.half import check_lowered
+
+    why = check_lowered(sym, half, arg_out, aux_out, input_shapes)
+    if why is not None:
+        raise _HalfNotLowered("float16 graph not read for device='gpu' (%s): fused as it is, the fused ops "
+                              "take only its float32 parts" % why)
+    made = ", ".join("%d %s" % (n, op) for op, n in sorted(fused16.items())) or "none"
+    report.extra["float16"] = {"casts_read": half.casts, "params_float16": len(half.params16),
+                               "fused_float16": dict(fused16)}
+    report.notes.append("the graph is MXNet's AMP float16 (%d amp_cast/amp_multicast read through, %d float16 "
+                        "parameter(s) widened for the rules and kept float16): fused as its float32 model, then every "
+                        "op given the dtypes AMP gave it -- fused ops computing in float16: %s; casts kept where "
+                        "MXNet's own ops read another dtype; the self-check ran in float32 on the CPU"
+                        % (half.casts, len(half.params16), made))
 
 
 def _note_miscomputed(report: FusionReport, miscomputed: Sequence[str]) -> None:
@@ -358,7 +423,7 @@ def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read:
                                "; %d op(s) AMP ran in bfloat16 stay MXNet's and now run in float32: %s"
                                % (len(left), ", ".join(left[:5]) + (" …" if len(left) > 5 else "")) if left else ""))
     amp = sorted({n.op for n in graph.op_nodes() if n.op in ("amp_cast", "amp_multicast")})
-    if amp and amp_read is None and amp_convs is None:
+    if amp and amp_read is None and amp_convs is None and report.precision != "float16":
         report.notes.append("the graph was converted by MXNet's AMP (%s): the fused ops compute in float32 and "
                             "take no bfloat16/float16 values, so the reduced-precision parts stay MXNet's own "
                             "ops; for fused bfloat16 fuse the float32 model with precision='bf16' instead"

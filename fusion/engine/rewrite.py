@@ -59,6 +59,11 @@ class Context:
         #: parameter variables shared by the replacements of a batch (bfloat16 weights): they join
         #: the graph when a batch commits (compact() drops those no committed node reads)
         self.pending_params: List[Node] = []
+        #: what each committed replacement stands for: a node a rule created -> the nodes of the user's
+        #: graph it replaces (through earlier replacements), and a replacing value -> the user's value
+        #: it replaces (read by fusion/precision/half.py, which gives fused ops the dtypes AMP gave those)
+        self.origins: Dict[Node, Tuple[Node, ...]] = {}
+        self.lineage: Dict[Entry, Entry] = {}
         self.input_dtypes = {k: str(v) for k, v in (input_dtypes or {}).items()}
         self.memo: Dict[Any, Any] = {}      # rules' derived facts about values (they never change)
         self.input_shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
@@ -601,6 +606,7 @@ class _Pass:
                 continue
             replaced.update(c.replaces)
             created.extend(b.created)
+            self._note_origins(m, b, c.replaces)
             applied += 1
             rr.fused.append({"anchor": m.anchor.name, "nodes": [n.name for n in m.nodes],
                              "new": [n.name for n in b.created if not n.is_variable]})
@@ -624,6 +630,18 @@ class _Pass:
         graph.mark_changed()
         graph.compact()
         return applied
+
+
+    def _note_origins(self, m: Match, b: "Builder", replaces: Dict[Entry, Entry]) -> None:
+        origins = self.ctx.origins
+        mine = tuple(o for n in m.nodes for o in origins.get(n, (n,)))
+        for n in b.created:
+            if not n.is_variable:
+                origins[n] = mine
+        made = set(b.created)
+        for old, new in replaces.items():
+            if new.node in made:        # a value the rewrite made (not one it forwards, as a removed Dropout)
+                self.ctx.lineage[new] = self.ctx.lineage.get(old, old)
 
 
 def _candidate(rule, m: Match, b: "Builder", mapping: Dict[Entry, Entry], graph: Graph) -> Candidate:
