@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence
@@ -245,6 +246,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     report.nodes_before, report.ops_before = len(graph.nodes), len(graph.op_nodes())
     strip_guards(graph)
     ctx = Context(graph, arg_params or {}, aux_params or {}, mode, input_shapes, input_dtypes, precision, device)
+    ctx.half = half
     checker = SelfCheck(ctx, enabled=self_check)
     run_rules(graph, rule_list, ctx, report, checker)
     report.self_check = checker.stats if self_check else None
@@ -259,6 +261,8 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     _precision_notes(graph, ctx, report, amp, amp_convs)
     if device != "cpu":
         _device_note(device, mode, report)
+        if os.environ.get("MXFUSION_NO_COST", "") in ("", "0"):
+            _cost_note(report)
     _keep_output_names(graph, names, report, _float32_vars(graph, ctx))
     guarded = guard_layer_outputs(graph)
     if guarded:
@@ -313,7 +317,7 @@ def _check_half(sym, half, fused16, arg_out, aux_out, input_shapes, report: Fusi
                                "fused_float16": dict(fused16)}
     report.notes.append("the graph is MXNet's AMP float16 (%d amp_cast/amp_multicast read through, %d float16 "
                         "parameter(s) widened for the rules and kept float16): fused as its float32 model, then every "
-                        "op given the dtypes AMP gave it -- fused ops computing in float16: %s; casts kept where "
+                        "op given the dtypes AMP gave it -- fused ops reading float16 (fused_dense and fused_attention computing their products in it): %s; casts kept where "
                         "MXNet's own ops read another dtype; the self-check ran in float32 on the CPU"
                         % (half.casts, len(half.params16), made))
 
@@ -385,6 +389,24 @@ def _keep_output_names(graph: Graph, names: Optional[list], report: FusionReport
         report.notes.append("%d output name(s) changed (an op's own output name, or a parameter handed out "
                             "that is held in another dtype now, which no node can be named as): %s"
                             % (len(lost), ", ".join(lost[:5]) + (" …" if len(lost) > 5 else "")))
+
+
+def _cost_note(report: FusionReport) -> None:
+    """Which GPU cost table decided (or that none was measured for this GPU), and how many rewrites
+    were declined for speed (each with its reason among the rejections)."""
+    from .engine import cost
+
+    name = cost.gpu_name()
+    table = cost.table_for("gpu", name) if name else None
+    declined = sum(1 for rr in report.rules.values() for r in rr.rejected.values()
+                   if r.startswith("declined for speed"))
+    if table is not None:
+        which = "the cost table of %s measured %s (%s)" % (table["device"], table["date"], table.get("path", ""))
+    else:
+        which = ("no cost table measured for %s: its conservative rule (fusion/engine/cost.py GPU_FALLBACK, from what "
+                 "an H200 measured; `make gpu-check` on the GPU measures a table)" % (name or "an unnamed GPU "
+                                                                                         "(set MXFUSION_GPU)"))
+    report.notes.append("GPU costs: %s decided; %d rewrite(s) declined for speed" % (which, declined))
 
 
 def _device_note(device: str, mode: str, report: FusionReport) -> None:
