@@ -256,7 +256,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     fused16 = None
     if half is not None:
         from .precision.half import FLOAT16, lower_half
-        fused16 = lower_half(graph, half, ctx.origins, ctx.lineage, ctx.arg_params, ctx.aux_params)
+        fused16 = lower_half(graph, half, ctx.origins, ctx.lineage, ctx.arg_params, ctx.aux_params, ctx.new_args)
         report.precision = FLOAT16
     _precision_notes(graph, ctx, report, amp, amp_convs)
     if device != "cpu":

@@ -322,12 +322,13 @@ class _Lowering:
 
 
 def lower_half(graph: Graph, half: HalfGraph, origins: Mapping[Node, Sequence[Node]],
-               lineage: Mapping[Entry, Entry], arg_params: Dict[str, Any], aux_params: Dict[str, Any]
-               ) -> Dict[str, int]:
+               lineage: Mapping[Entry, Entry], arg_params: Dict[str, Any], aux_params: Dict[str, Any],
+               new_params: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, int]:
     """Give the fused float32 graph the dtypes AMP gave it (in place; see the module docstring):
     casts put back where ops read another dtype than AMP handed them, fused ops' ``out_dtype``,
-    the float16 parameters' own arrays back in ``arg_params``/``aux_params``.  Returns how many
-    fused ops of each kind compute in float16."""
+    the float16 parameters' own arrays back in ``arg_params``/``aux_params``; a parameter the rules
+    made (``new_params``, NumPy arrays) that only casts to float16 read is stored in float16 (the
+    same rounding, once).  Returns how many fused ops of each kind compute in float16."""
     for store in (arg_params, aux_params):
         for k in list(store):
             if k in half.params16:
@@ -344,7 +345,30 @@ def lower_half(graph: Graph, half: HalfGraph, origins: Mapping[Node, Sequence[No
     graph.nodes.extend(low.added)
     graph.mark_changed()
     graph.compact()
+    if new_params:
+        _store_cast_params(graph, new_params)
     return low.fused16
+
+
+def _store_cast_params(graph: Graph, new_params: Dict[str, np.ndarray]) -> None:
+    users = graph.consumers()
+    forward: Dict[Entry, Entry] = {}
+    for nd in graph.variables():
+        if nd.name not in new_params or new_params[nd.name].dtype != np.float32:
+            continue
+        readers = users.get(nd, [])
+        if not readers or not all(r.op == "amp_cast" and str(r.attrs.raw("dtype")) == FLOAT16 for r, _ in readers):
+            continue
+        new_params[nd.name] = new_params[nd.name].astype(np.float16)     # round to nearest even, as amp_cast
+        for r, _ in readers:
+            forward[Entry(r)] = Entry(nd)
+    if not forward:
+        return
+    for nd in graph.nodes:
+        nd.inputs = [forward.get(e, e) for e in nd.inputs]
+    graph.heads = [forward.get(e, e) for e in graph.heads]
+    graph.mark_changed()
+    graph.compact()
 
 
 class _After:
