@@ -322,3 +322,22 @@ def test_gpu_cases_speak_the_benchmark_s_features(op, attrs, shapes, dtype, case
     assert got == case
     assert unseen == (("expr", "shapes") if op == "fused_elemwise" else ())
     assert cost.gpu_case(op, attrs, [None], dtype) == ({}, ())
+
+
+def test_a_table_as_gpu_check_writes_it_decides(tmp_path, monkeypatch):
+    """costs-gpu.json as tools/gpu_check.py merges bench_cuda.py's entries (extra fields: driver, cuda,
+    sdpa_ms; one attention entry per backend): the backend the op runs on decides."""
+    case = {"B": 32, "H": 12, "Sq": 128, "Sk": 128, "D": 64, "causal": False, "mask": "none"}
+    entries = [dict(_entry("fused_attention", dict(case, backend=be), fused, 0.30), sdpa_ms=0.2,
+                    reference="unfused cuBLAS path") for be, fused in (("cudnn", 0.12), ("own", 0.45))]
+    folder = tmp_path / "tables"
+    folder.mkdir()
+    (folder / "costs-gpu.json").write_text(json.dumps({
+        "device": "NVIDIA H200", "kind": "gpu", "driver": "580.65", "cuda": "13.0", "date": "2027-01-02",
+        "command": "make gpu-check", "entries": entries}))
+    cost._tables.cache_clear()
+    monkeypatch.setenv("MXFUSION_GPU", "NVIDIA H200")
+    got, unseen = cost.gpu_case("fused_attention", {"layout": "packed_qkv", "heads": "12"}, [(32, 128, 2304)],
+                                "float16")
+    d = cost.decide("fused_attention", "float16", "forward", got, kind="gpu", unseen=unseen)
+    assert d.fuse and "fused_attention 0.120 ms vs 0.300 ms" in d.reason, d.reason
