@@ -3,8 +3,9 @@ float32 model, fused, then given the dtypes AMP gave them.
 
 MXNet's CPU cannot run AMP's float16 graph itself (no float16 FullyConnected or interleaved
 attention products on the CPU), so the reference is AMP's graph as a GPU runs it, emulated on the
-CPU (``amp_graph_on_cpu``: those ops computed in float32 from their float16 inputs and rounded to
-float16 once, as cuBLAS's float16 GEMMs with float32 accumulation do), and the float32 model.
+CPU (``fusion.check.verify.run`` does so through ``precision.half.as_the_gpu_computes``: those ops
+computed in float32 from their float16 inputs and rounded to float16 once, as cuBLAS's float16
+GEMMs with float32 accumulation do), and the float32 model.
 Tolerances, max|Δ|/max|ref|: 1e-3 against either (a 2-layer BERT measured 9e-5 and 6e-5; the
 policy's float16 tolerance is 1e-2).  The fused ops' float16 CPU paths are exercised here (float32
 arithmetic on widened copies, rounded once); none of the GPU code runs here.
@@ -17,8 +18,6 @@ import pytest
 
 import fusion
 from fusion.engine import cost
-from fusion.ir.attrs import Attrs
-from fusion.ir.graph import Entry, Graph, Node
 from fusion.precision import half as H
 from fusion.check.verify import run as run_model
 
@@ -28,9 +27,6 @@ gluonnlp = pytest.importorskip("gluonnlp")
 S = mx.sym
 TOL = 1e-3
 INPUTS = ("data0", "data1", "data2")
-#: ops MXNet's CPU runs in float32 only, emulated as the GPU runs them in float16
-_GPU_HALF_OPS = ("FullyConnected", "_contrib_interleaved_matmul_selfatt_qk",
-                 "_contrib_interleaved_matmul_selfatt_valatt")
 
 
 @pytest.fixture(autouse=True)
@@ -60,29 +56,6 @@ def bert():
     feed = {"data0": rng.integers(0, 100, (1, 16)).astype(np.float32),
             "data1": rng.integers(0, 2, (1, 16)).astype(np.float32), "data2": np.array([11], np.float32)}
     return sym, arg, aux, shapes, asym, aarg, aaux, feed
-
-
-def amp_graph_on_cpu(asym, params, inputs=INPUTS):
-    """AMP's float16 graph runnable on the CPU: each float16 op of ``_GPU_HALF_OPS`` computed in
-    float32 from its inputs widened, its output rounded to float16 (the GPU's arithmetic)."""
-    g = Graph.from_symbol(asym)
-    dtypes = H.value_dtypes(g, {**{k: np.dtype(v.dtype).name for k, v in params.items()},
-                                **{k: "float32" for k in inputs}})
-    for nd in list(g.op_nodes()):
-        if nd.op not in _GPU_HALF_OPS or dtypes.get(Entry(nd)) != "float16":
-            continue
-        wide = []
-        for k, e in enumerate(nd.inputs):
-            c = Node("amp_cast", "%s_in%d_f32" % (nd.name, k), Attrs.from_values({"dtype": "float32"}), [e],
-                     pos=nd.pos - 0.5 + 0.01 * k)
-            g.nodes.append(c)
-            wide.append(Entry(c))
-        f32 = Node(nd.op, nd.name + "_f32", nd.attrs, wide, pos=nd.pos - 0.1)
-        g.nodes.append(f32)
-        nd.op, nd.attrs, nd.inputs = "amp_cast", Attrs.from_values({"dtype": "float16"}), [Entry(f32)]
-    g.mark_changed()
-    g.compact()
-    return g.to_symbol()
 
 
 def rel(a, b):
@@ -140,7 +113,7 @@ def test_fused_float16_bert_computes_what_amp_computes(bert):
     sym, arg, aux, shapes, asym, aarg, aaux, feed = bert
     res = fusion.fuse(asym, aarg, aaux, input_shapes=shapes, device="gpu")
     fused = run_model(res.symbol, res.arg_params, res.aux_params, feed)[0]
-    amp_cpu = run_model(amp_graph_on_cpu(asym, {**aarg, **aaux}), aarg, aaux, feed)[0]
+    amp_cpu = run_model(asym, aarg, aaux, feed)[0]     # its float16 products as the GPU computes them
     f32 = run_model(sym, arg, aux, feed)[0]
     assert 0 < rel(fused, amp_cpu) <= TOL
     assert rel(fused, f32) <= TOL
@@ -268,7 +241,7 @@ def test_a_gpu_table_declines_a_slower_fused_dense_with_the_measured_figures(ber
             "PyTorch addmm + gelu)") in text, text
     assert "GPU costs: the cost table of NVIDIA H200 measured 2026-01-01" in text and "2 rewrite(s) declined" in text
     assert ops(res).get("fused_dense") == 6         # the two GELU products stay MXNet's FullyConnected
-    fused = run_model(amp_graph_on_cpu(res.symbol, res.arg_params), res.arg_params, res.aux_params, feed)[0]
+    fused = run_model(res.symbol, res.arg_params, res.aux_params, feed)[0]
     assert rel(fused, run_model(sym, arg, aux, feed)[0]) <= TOL
     # measured at least as fast (a tie is enough on a GPU): made
     _gpu_table(tmp_path, [_entry("fused_dense", {"M": 16, "K": 64, "N": 128, "act": "gelu_erf"}, 0.01, 0.01)])
@@ -341,3 +314,24 @@ def test_a_table_as_gpu_check_writes_it_decides(tmp_path, monkeypatch):
                                 "float16")
     d = cost.decide("fused_attention", "float16", "forward", got, kind="gpu", unseen=unseen)
     assert d.fuse and "fused_attention 0.120 ms vs 0.300 ms" in d.reason, d.reason
+
+
+def test_mxfuse_verifies_an_amp_float16_model_for_the_gpu(bert, tmp_path, capsys):
+    """--verify on the CPU: the original's float16 FullyConnected computed as the GPU computes it."""
+    from fusion.doors.cli import main
+    sym, arg, aux, shapes, asym, aarg, aaux, feed = bert
+    asym.save(str(tmp_path / "m-symbol.json"), remove_amp_cast=False)
+    names = set(asym.list_arguments())
+    mx.nd.save(str(tmp_path / "m-0000.params"), {"arg:" + k: v for k, v in aarg.items() if k in names})
+    code = main([str(tmp_path / "m-symbol.json"), "--params", str(tmp_path / "m-0000.params"), "--shape", "data0=1,16",
+                 "--shape", "data1=1,16", "--shape", "data2=1", "--device", "gpu", "-o", str(tmp_path / "out"),
+                 "--verify", "--report", str(tmp_path / "r.json")])
+    assert code == 0, capsys.readouterr()
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["precision"] == "float16" and rep["verify"]["ok"] and rep["verify"]["max_rel"] <= TOL, rep["verify"]
+    assert rep["verify"]["rtol"] == 1e-2
+
+
+def test_as_the_gpu_computes_leaves_float32_graphs_alone():
+    sym = S.FullyConnected(S.var("x"), num_hidden=4, name="fc")
+    assert H.as_the_gpu_computes(sym, {"fc_weight": mx.nd.ones((4, 3))}, {}, {"x": "float32"}) is sym

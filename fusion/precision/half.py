@@ -423,3 +423,50 @@ def check_lowered(symbol, half: HalfGraph, arg_params: Mapping[str, Any], aux_pa
         if w and g and g != w:
             return "output %d would be %s where AMP's graph gives %s" % (k, g, w)
     return None
+
+
+# ----------------------------------------------------------------------- on the CPU, as the GPU computes
+#: Ops MXNet 1.9.1's CPU runs in float32 only, which a GPU runs in float16 (cuBLAS, float32 accumulation).
+GPU_ONLY_HALF_OPS = ("FullyConnected", "_contrib_interleaved_matmul_selfatt_qk",
+                     "_contrib_interleaved_matmul_selfatt_valatt", "_contrib_interleaved_matmul_encdec_qk",
+                     "_contrib_interleaved_matmul_encdec_valatt")
+
+
+def as_the_gpu_computes(symbol, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any],
+                        input_dtypes: Mapping[str, Any]):
+    """``symbol`` runnable on MXNet's CPU where it holds float16 ops of ``GPU_ONLY_HALF_OPS``: each
+    computed in float32 from its inputs widened (exact) and its output rounded to float16 once —
+    the arithmetic of the GPU's float16 GEMMs with float32 accumulation, up to the summation order.
+    The symbol as it is where there is none (or its dtypes cannot be inferred)."""
+    import mxnet as mx
+
+    text = symbol.tojson(remove_amp_cast=False) if hasattr(symbol, "tojson") else ""
+    if not any('"%s"' % op in text for op in GPU_ONLY_HALF_OPS) or "float16" not in text and not any(
+            dtype_name(v.dtype) == FLOAT16 for store in (arg_params, aux_params) for v in store.values()):
+        return symbol
+    graph = Graph.from_json(text)
+    known = {k: dtype_name(v.dtype) for store in (arg_params, aux_params) for k, v in store.items()}
+    known.update({k: dtype_name(np.dtype(v)) for k, v in input_dtypes.items()})
+    dtypes = value_dtypes(graph, known)
+    if not dtypes:
+        return symbol
+    changed = False
+    for nd in list(graph.op_nodes()):
+        if nd.op not in GPU_ONLY_HALF_OPS or dtypes.get(Entry(nd)) != FLOAT16:
+            continue
+        wide = []
+        for k, e in enumerate(nd.inputs):
+            c = Node("amp_cast", graph.unique_name("%s_in%d_float32" % (nd.name, k)),
+                     Attrs.from_values({"dtype": FLOAT32}), [e], pos=nd.pos - 0.5 + 0.01 * k)
+            graph.nodes.append(c)
+            wide.append(Entry(c))
+        f32 = Node(nd.op, graph.unique_name(nd.name + "_float32"), nd.attrs, wide, pos=nd.pos - 0.1,
+                   num_outputs=nd.num_outputs)
+        graph.nodes.append(f32)
+        nd.op, nd.attrs, nd.inputs = "amp_cast", Attrs.from_values({"dtype": FLOAT16}), [Entry(f32)]
+        changed = True
+    if not changed:
+        return symbol
+    graph.mark_changed()
+    graph.compact()
+    return mx.sym.load_json(graph.to_json_str())
