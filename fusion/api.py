@@ -236,6 +236,9 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     half, half_refused = None, None
     if device == "gpu" and read_half:
         half, half_refused, arg_params, aux_params = _read_half(graph, arg_params, aux_params, input_dtypes, mode)
+        if half is not None and input_dtypes:       # the rules see the float32 model's inputs
+            input_dtypes = {k: "float32" if str(np.dtype(v) if not isinstance(v, str) else v) == "float16" else v
+                            for k, v in input_dtypes.items()}
     report = FusionReport(mode=mode)
     report.precision = precision
     if half_refused:
@@ -315,9 +318,9 @@ def _check_half(sym, half, fused16, arg_out, aux_out, input_shapes, report: Fusi
     made = ", ".join("%d %s" % (n, op) for op, n in sorted(fused16.items())) or "none"
     report.extra["float16"] = {"casts_read": half.casts, "params_float16": len(half.params16),
                                "fused_float16": dict(fused16)}
-    report.notes.append("the graph is MXNet's AMP float16 (%d amp_cast/amp_multicast read through, %d float16 "
+    report.notes.append("float16 graph for the GPU (MXNet's AMP: %d amp_cast/amp_multicast read through; %d float16 "
                         "parameter(s) widened for the rules and kept float16): fused as its float32 model, then every "
-                        "op given the dtypes AMP gave it -- fused ops reading float16 (fused_dense and fused_attention computing their products in it): %s; casts kept where "
+                        "op given the dtypes the graph gave it -- fused ops reading float16 (fused_dense and fused_attention computing their products in it): %s; casts kept where "
                         "MXNet's own ops read another dtype; the self-check ran in float32 on the CPU"
                         % (half.casts, len(half.params16), made))
 

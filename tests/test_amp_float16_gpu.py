@@ -106,7 +106,7 @@ def test_amp_float16_bert_fuses_into_float16_ops_on_gpu(bert):
         if k in aarg:
             assert v.dtype == aarg[k].dtype, k
     text = res.report.to_text()
-    assert "the graph is MXNet's AMP float16" in text and "2 fused_attention, 8 fused_dense" in text, text
+    assert "float16 graph for the GPU (MXNet's AMP: " in text and "2 fused_attention, 8 fused_dense" in text, text
 
 
 def test_fused_float16_bert_computes_what_amp_computes(bert):
@@ -335,3 +335,25 @@ def test_mxfuse_verifies_an_amp_float16_model_for_the_gpu(bert, tmp_path, capsys
 def test_as_the_gpu_computes_leaves_float32_graphs_alone():
     sym = S.FullyConnected(S.var("x"), num_hidden=4, name="fc")
     assert H.as_the_gpu_computes(sym, {"fc_weight": mx.nd.ones((4, 3))}, {}, {"x": "float32"}) is sym
+
+
+def test_a_float16_model_without_amp_casts_fuses_in_float16():
+    """A model cast to float16 as a whole (parameters and inputs float16, no AMP casts) reads the same way."""
+    x = S.var("x")
+    fc = S.FullyConnected(x, num_hidden=16, flatten=False, name="fc")
+    sym = S.LayerNorm(S.relu(fc) + S.var("r"), S.var("g"), S.var("b"), name="ln")
+    shapes = {"x": (2, 12, 16), "r": (2, 12, 16)}
+    arg, _, _, _ = _amp(sym, shapes)
+    arg16 = {k: v.astype("float16") for k, v in arg.items()}
+    res = fusion.fuse(sym, arg16, {}, input_shapes=shapes, input_dtypes={"x": "float16", "r": "float16"},
+                      device="gpu")
+    assert ops(res) == {"fused_dense": 1, "fused_add_layer_norm": 1}, res.report.to_text()
+    types = node_dtypes(res.symbol, res.arg_params, {"x": "float16", "r": "float16"})
+    assert {t[0]: t[2] for t in types.values() if t[0].startswith("fused_")} == {
+        "fused_dense": "float16", "fused_add_layer_norm": "float16"}
+    rng = np.random.default_rng(2)
+    feed = {k: rng.standard_normal(v).astype(np.float16) for k, v in shapes.items()}
+    got = run_model(res.symbol, res.arg_params, {}, feed)[0]
+    want = run_model(sym, {k: v.astype("float32") for k, v in arg16.items()}, {},
+                     {k: v.astype(np.float32) for k, v in feed.items()})[0]
+    assert got.dtype == np.float16 and rel(got, want) <= TOL
