@@ -677,7 +677,7 @@ class _Pass:
 
     def _note_origins(self, m: Match, b: "Builder", replaces: Dict[Entry, Entry]) -> None:
         origins = self.ctx.origins
-        mine = tuple(o for n in m.nodes for o in origins.get(n, (n,)))
+        mine = tuple(dict.fromkeys(o for n in m.nodes for o in origins.get(n, (n,))))    # each once
         for n in b.created:
             if not n.is_variable:
                 origins[n] = mine
