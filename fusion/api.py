@@ -144,7 +144,11 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     if the loaded op library implements it on that device (its capability query; in training,
     its backward too): other candidates are refused with that reason.  On "gpu" the choices
     that only serve MXNet's CPU (oneDNN) backend -- leaving convolution tails and BatchNorm
-    after a Concat to it -- do not apply.  The self-check still runs on the CPU.
+    after a Concat to it -- do not apply.  The self-check still runs on the CPU.  On "gpu" a
+    library op is also emitted only where the GPU's cost table (fusion/engine/cost.py; without
+    one, its conservative rule) says it is at least as fast as the ops it replaces, and a float16
+    graph (MXNet's AMP float16, inference) is fused as its float32 model and then given back the
+    dtypes AMP gave it: float16 fused ops where AMP ran float16 (fusion/precision/half.py).
     """
     if mode not in MODES:
         raise ValueError("mode must be one of %s, not %r" % (", ".join(MODES), mode))
