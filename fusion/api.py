@@ -324,7 +324,8 @@ def _check_half(sym, half, fused16, arg_out, aux_out, input_shapes, report: Fusi
                                "fused_float16": dict(fused16)}
     report.notes.append("float16 graph for the GPU (MXNet's AMP: %d amp_cast/amp_multicast read through; %d float16 "
                         "parameter(s) widened for the rules and kept float16): fused as its float32 model, then every "
-                        "op given the dtypes the graph gave it -- fused ops reading float16 (fused_dense and fused_attention computing their products in it): %s; casts kept where "
+                        "op given the dtypes the graph gave it -- fused ops reading float16 (fused_dense and "
+                        "fused_attention computing their products in it): %s; casts kept where "
                         "MXNet's own ops read another dtype; the self-check ran in float32 on the CPU"
                         % (half.casts, len(half.params16), made))
 

@@ -162,7 +162,8 @@ def test_dense_layer_norm_in_float16_and_casts_kept_for_stock_readers():
     as it comes) also reads: fused_dense writes float16, they read it as before."""
     x = S.var("x")
     fc = S.FullyConnected(x, num_hidden=16, flatten=False, name="fc")
-    sym = S.Group([S.LayerNorm(fc + S.var("r"), S.var("g"), S.var("b"), name="ln"), S.Reshape(fc * 2.0, shape=(0, -1), name="act")])
+    sym = S.Group([S.LayerNorm(fc + S.var("r"), S.var("g"), S.var("b"), name="ln"),
+                   S.Reshape(fc * 2.0, shape=(0, -1), name="act")])
     shapes = {"x": (2, 12, 16), "r": (2, 12, 16)}
     arg, asym, aarg, aaux = _amp(sym, shapes)
     res = fusion.fuse(asym, aarg, aaux, input_shapes=shapes, device="gpu")

@@ -118,10 +118,10 @@ def read_half(graph: Graph, arg_params: Mapping[str, Any], aux_params: Mapping[s
         if nd.op in AMP_OPS:
             continue
         for slot, e in enumerate(nd.inputs):
-            t = had.get(e)
+            t = had.get(Entry(e.node, e.index))        # (an entry's variable version aside)
             if t is not None:
                 want[(nd, slot)] = t
-    heads = [had.get(e, "") for e in graph.heads]
+    heads = [had.get(Entry(e.node, e.index), "") for e in graph.heads]
     if any(t not in _FLOATS and e.node.op in AMP_OPS for t, e in zip(heads, graph.heads)):
         raise HalfRefused("an output of the graph is a cast of unknown dtype")
     for nd in graph.nodes:
@@ -210,7 +210,12 @@ class _Lowering:
         self.fused16: Dict[str, int] = {}
 
     def orig(self, e: Entry) -> Entry:
-        return self.lineage.get(e, e)
+        e = self.lineage.get(e, e)
+        return Entry(e.node, e.index)
+
+    def dt(self, e: Entry) -> Optional[str]:
+        """The dtype ``e`` has in the graph being lowered (None: not known)."""
+        return self.dtype.get(Entry(e.node, e.index))
 
     def amp_dtype(self, e: Entry) -> Optional[str]:
         return self.half.had.get(self.orig(e))
@@ -269,12 +274,12 @@ class _Lowering:
 
     def _stock(self, nd: Node) -> None:
         for slot, e in enumerate(nd.inputs):
-            have, want = self.dtype.get(e), self.wanted(nd, slot)
+            have, want = self.dt(e), self.wanted(nd, slot)
             if want is not None and have in _FLOATS and want in _FLOATS and have != want:
                 nd.inputs[slot] = self.cast(e, want, nd)
         outs = [self.amp_dtype(Entry(nd, k)) for k in range(nd.num_outputs)]
         if any(t is None for t in outs):
-            outs = _node_types(nd, [self.dtype.get(e) for e in nd.inputs]) or outs
+            outs = _node_types(nd, [self.dt(e) for e in nd.inputs]) or outs
         for k, t in enumerate(outs):
             if t is not None:
                 self.dtype[Entry(nd, k)] = t
@@ -283,19 +288,19 @@ class _Lowering:
         how = HALF_INPUTS.get(nd.op)
         if how == "product":
             slots = _product_slots(nd)
-            first = self.wanted(nd, slots[0], narrowest=True) or self.dtype.get(nd.inputs[slots[0]])
+            first = self.wanted(nd, slots[0], narrowest=True) or self.dt(nd.inputs[slots[0]])
             for slot in slots:
-                if self.dtype.get(nd.inputs[slot]) in _FLOATS and self.dtype[nd.inputs[slot]] != first:
+                if self.dt(nd.inputs[slot]) in _FLOATS and self.dt(nd.inputs[slot]) != first:
                     nd.inputs[slot] = self.cast(nd.inputs[slot], first, nd)
         elif how is None:
             self._stock(nd)
             return
-        computes = {self.dtype.get(nd.inputs[s]) for s in (_product_slots(nd) if how == "product" else
+        computes = {self.dt(nd.inputs[s]) for s in (_product_slots(nd) if how == "product" else
                                                            range(len(nd.inputs)))}
         out = self._out_dtype(nd, users)
         if out is not None and out in _FLOATS:
             nd.attrs["out_dtype"] = out
-        types = _node_types(nd, [self.dtype.get(e) for e in nd.inputs])
+        types = _node_types(nd, [self.dt(e) for e in nd.inputs])
         for k in range(nd.num_outputs):
             t = types[k] if types else out
             if t is not None:
@@ -340,7 +345,7 @@ def lower_half(graph: Graph, half: HalfGraph, origins: Mapping[Node, Sequence[No
     low.run({**arg_params, **aux_params})
     for k, e in enumerate(graph.heads):         # model outputs keep the dtypes AMP's graph gave them
         want = half.heads[k] if k < len(half.heads) else ""
-        if want in _FLOATS and low.dtype.get(e) in _FLOATS and low.dtype[e] != want:
+        if want in _FLOATS and low.dt(e) in _FLOATS and low.dt(e) != want:
             graph.heads[k] = low.cast(e, want, _After(e.node))
     graph.nodes.extend(low.added)
     graph.mark_changed()
@@ -390,7 +395,7 @@ def _node_types(nd: Node, in_types: Sequence[Optional[str]]) -> Optional[List[Op
     n = len(nd.inputs)
     try:
         sym = mx.sym.load_json(json.dumps({
-            "nodes": jnodes, "arg_nodes": list(range(n)), "node_row_ptr": list(range(n + 1)) + [n + 1 + nd.num_outputs - 1],
+            "nodes": jnodes, "arg_nodes": list(range(n)), "node_row_ptr": list(range(n + 1)) + [n + nd.num_outputs],
             "heads": [[n, k, 0] for k in range(nd.num_outputs)], "attrs": {"mxnet_version": ["int", 10901]}}))
         known = {"__v%d" % i: t for i, t in enumerate(in_types) if t is not None}
         names = set(sym.list_arguments()) | set(sym.list_auxiliary_states())
