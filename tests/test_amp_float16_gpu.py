@@ -331,6 +331,13 @@ def test_mxfuse_verifies_an_amp_float16_model_for_the_gpu(bert, tmp_path, capsys
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["precision"] == "float16" and rep["verify"]["ok"] and rep["verify"]["max_rel"] <= TOL, rep["verify"]
     assert rep["verify"]["rtol"] == 1e-2
+    # --benchmark times on this CPU, which cannot run the float16 model: said in one line, the model written
+    code = main([str(tmp_path / "m-symbol.json"), "--params", str(tmp_path / "m-0000.params"), "--shape", "data0=1,16",
+                 "--shape", "data1=1,16", "--shape", "data2=1", "--device", "gpu", "-o", str(tmp_path / "out2"),
+                 "--benchmark", "--no-self-check"])
+    err = capsys.readouterr().err
+    assert code == 0 and "mxfuse: warning: --benchmark not run: the model is float16 for the GPU" in err, err
+    assert (tmp_path / "out2" / "m-symbol.json").exists() or (tmp_path / "out2-symbol.json").exists()
 
 
 def test_as_the_gpu_computes_leaves_float32_graphs_alone():
