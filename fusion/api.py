@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence
@@ -143,7 +144,11 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     if the loaded op library implements it on that device (its capability query; in training,
     its backward too): other candidates are refused with that reason.  On "gpu" the choices
     that only serve MXNet's CPU (oneDNN) backend -- leaving convolution tails and BatchNorm
-    after a Concat to it -- do not apply.  The self-check still runs on the CPU.
+    after a Concat to it -- do not apply.  The self-check still runs on the CPU.  On "gpu" a
+    library op is also emitted only where the GPU's cost table (fusion/engine/cost.py; without
+    one, its conservative rule) says it is at least as fast as the ops it replaces, and a float16
+    graph (MXNet's AMP float16, inference) is fused as its float32 model and then given back the
+    dtypes AMP gave it: float16 fused ops where AMP ran float16 (fusion/precision/half.py).
     """
     if mode not in MODES:
         raise ValueError("mode must be one of %s, not %r" % (", ".join(MODES), mode))
@@ -180,14 +185,28 @@ def fuse_gc_off(*args, **kwargs) -> FusionResult:
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _fuse(*args, **kwargs)
+        try:
+            return _fuse(*args, **kwargs)
+        except _HalfNotLowered as e:        # AMP's float16 graph fused as it is, casts and all
+            result = _fuse(*args, read_half=False, **kwargs)
+            result.report.notes.insert(0, e.note)
+            return result
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
+class _HalfNotLowered(Exception):
+    """A float16 graph whose lowering MXNet does not take: fused again as it is (``note`` says why)."""
+
+    def __init__(self, note: str):
+        super().__init__(note)
+        self.note = note
+
+
 def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
-          copy_params: bool = True, precision: str = "float32", device: str = "cpu") -> FusionResult:
+          copy_params: bool = True, precision: str = "float32", device: str = "cpu",
+          read_half: bool = True) -> FusionResult:
     """``fuse`` itself; ``copy_params=False`` returns the caller's arrays themselves (the backend,
     which hands only the new ones on)."""
     from .files.modelio import check_param_values
@@ -218,14 +237,23 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
         if amp is not None:
             arg_params, aux_params, amp = amp
             precision = BFLOAT16
+    half, half_refused = None, None
+    if device == "gpu" and read_half:
+        half, half_refused, arg_params, aux_params = _read_half(graph, arg_params, aux_params, input_dtypes, mode)
+        if half is not None and input_dtypes:       # the rules see the float32 model's inputs
+            input_dtypes = {k: "float32" if str(np.dtype(v) if not isinstance(v, str) else v) == "float16" else v
+                            for k, v in input_dtypes.items()}
     report = FusionReport(mode=mode)
     report.precision = precision
+    if half_refused:
+        report.notes.append(half_refused)
     report.device = device
     _note_miscomputed(report, miscomputed)
     graph.compact()
     report.nodes_before, report.ops_before = len(graph.nodes), len(graph.op_nodes())
     strip_guards(graph)
     ctx = Context(graph, arg_params or {}, aux_params or {}, mode, input_shapes, input_dtypes, precision, device)
+    ctx.half = half
     checker = SelfCheck(ctx, enabled=self_check)
     run_rules(graph, rule_list, ctx, report, checker)
     report.self_check = checker.stats if self_check else None
@@ -234,9 +262,16 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     if mode == "inference":
         from .precision.policy import between_ops
         ctx.precision_between = between_ops(graph, precision)
+    fused16 = None
+    if half is not None:
+        from .precision.half import FLOAT16, lower_half
+        fused16 = lower_half(graph, half, ctx.origins, ctx.lineage, ctx.arg_params, ctx.aux_params, ctx.new_args)
+        report.precision = FLOAT16
     _precision_notes(graph, ctx, report, amp, amp_convs)
     if device != "cpu":
         _device_note(device, mode, report)
+        if os.environ.get("MXFUSION_NO_COST", "") in ("", "0"):
+            _cost_note(report)
     _keep_output_names(graph, names, report, _float32_vars(graph, ctx))
     guarded = guard_layer_outputs(graph)
     if guarded:
@@ -249,10 +284,52 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     report.nodes_after, report.ops_after = len(graph.nodes), len(graph.op_nodes())
     sym = graph.to_symbol()
     arg_out, aux_out = _collect_params(graph, ctx, set(sym.list_auxiliary_states()), copy_params)
+    if half is not None:
+        _check_half(sym, half, fused16, arg_out, aux_out, input_shapes, report)
     report.params_removed = (len(ctx.arg_params) + len(ctx.aux_params)) - sum(
         1 for n in list(arg_out) + list(aux_out) if n in ctx.arg_params or n in ctx.aux_params)
     report.seconds = time.perf_counter() - start
     return FusionResult(sym, arg_out, aux_out, report, graph)
+
+
+def _read_half(graph: Graph, arg_params, aux_params, input_dtypes, mode: str):
+    """AMP's float16 graph read as its float32 model for device='gpu' (fusion/precision/half.py):
+    ``(HalfGraph or None, why it is not read or None, arg_params, aux_params)``."""
+    from .precision.half import HalfRefused, is_half_graph, read_half
+
+    arg_params, aux_params = arg_params or {}, aux_params or {}
+    if not is_half_graph(graph, arg_params, aux_params):
+        return None, None, arg_params, aux_params
+    why = None
+    if mode != "inference":
+        why = "float16 graphs are read for inference only"
+    else:
+        try:
+            half, arg_params, aux_params = read_half(graph, arg_params, aux_params, input_dtypes)
+            return half, None, arg_params, aux_params
+        except HalfRefused as e:
+            why = str(e)
+    return None, ("float16 graph not read for device='gpu' (%s): the fused ops take only its float32 parts, "
+                  "its float16 parts stay MXNet's" % why), arg_params, aux_params
+
+
+def _check_half(sym, half, fused16, arg_out, aux_out, input_shapes, report: FusionReport) -> None:
+    """The lowered float16 graph as MXNet infers it: its outputs in AMP's dtypes, or fused again as it is."""
+    from .precision.half import check_lowered
+
+    why = check_lowered(sym, half, arg_out, aux_out, input_shapes)
+    if why is not None:
+        raise _HalfNotLowered("float16 graph not read for device='gpu' (%s): fused as it is, the fused ops "
+                              "take only its float32 parts" % why)
+    made = ", ".join("%d %s" % (n, op) for op, n in sorted(fused16.items())) or "none"
+    report.extra["float16"] = {"casts_read": half.casts, "params_float16": len(half.params16),
+                               "fused_float16": dict(fused16)}
+    report.notes.append("float16 graph for the GPU (MXNet's AMP: %d amp_cast/amp_multicast read through; %d float16 "
+                        "parameter(s) widened for the rules and kept float16): fused as its float32 model, then every "
+                        "op given the dtypes the graph gave it -- fused ops reading float16 (fused_dense and "
+                        "fused_attention computing their products in it): %s; casts kept where "
+                        "MXNet's own ops read another dtype; the self-check ran in float32 on the CPU"
+                        % (half.casts, len(half.params16), made))
 
 
 def _note_miscomputed(report: FusionReport, miscomputed: Sequence[str]) -> None:
@@ -334,6 +411,24 @@ def _keep_output_names(graph: Graph, names: Optional[list], report: FusionReport
                             % (len(lost), ", ".join(lost[:5]) + (" …" if len(lost) > 5 else "")))
 
 
+def _cost_note(report: FusionReport) -> None:
+    """Which GPU cost table decided (or that none was measured for this GPU), and how many rewrites
+    were declined for speed (each with its reason among the rejections)."""
+    from .engine import cost
+
+    name = cost.gpu_name()
+    table = cost.table_for("gpu", name) if name else None
+    declined = sum(1 for rr in report.rules.values() for r in rr.rejected.values()
+                   if r.startswith("declined for speed"))
+    if table is not None:
+        which = "the cost table of %s measured %s (%s)" % (table["device"], table["date"], table.get("path", ""))
+    else:
+        which = ("no cost table measured for %s: its conservative rule (fusion/engine/cost.py GPU_FALLBACK, from what "
+                 "an H200 measured; `make gpu-check` on the GPU measures a table)" % (name or "an unnamed GPU "
+                                                                                         "(set MXFUSION_GPU)"))
+    report.notes.append("GPU costs: %s decided; %d rewrite(s) declined for speed" % (which, declined))
+
+
 def _device_note(device: str, mode: str, report: FusionReport) -> None:
     from .native import library as _native
 
@@ -370,7 +465,7 @@ def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read:
                                "; %d op(s) AMP ran in bfloat16 stay MXNet's and now run in float32: %s"
                                % (len(left), ", ".join(left[:5]) + (" …" if len(left) > 5 else "")) if left else ""))
     amp = sorted({n.op for n in graph.op_nodes() if n.op in ("amp_cast", "amp_multicast")})
-    if amp and amp_read is None and amp_convs is None:
+    if amp and amp_read is None and amp_convs is None and report.precision != "float16":
         report.notes.append("the graph was converted by MXNet's AMP (%s): the fused ops compute in float32 and "
                             "take no bfloat16/float16 values, so the reduced-precision parts stay MXNet's own "
                             "ops; for fused bfloat16 fuse the float32 model with precision='bf16' instead"

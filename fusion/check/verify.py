@@ -348,12 +348,21 @@ def run(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any
         inputs: Mapping[str, np.ndarray], ctx: Any = None, subgraph: bool = False) -> List[np.ndarray]:
     """Bind ``symbol`` for inference and return its outputs as NumPy arrays.
 
+    On the CPU, float16 ops MXNet's CPU runs only in float32 (FullyConnected, the interleaved
+    attention products of an AMP float16 graph) are computed as a GPU computes them: in float32
+    from their float16 inputs, the output rounded to float16 (``precision.half.as_the_gpu_computes``).
+
     By default MXNet's oneDNN subgraph backend is off: verification compares the
     arithmetic of the graphs, and MXNet 1.9.1's backend aborts the process on some
     valid graphs (e.g. Convolution → BatchNorm over a non-channel axis).
     """
     from ..native.env import subgraph_backend
 
+    if ctx is None or getattr(ctx, "device_type", "cpu") == "cpu":     # float16 GEMMs: as a GPU computes them
+        from ..precision.half import as_the_gpu_computes
+        symbol = as_the_gpu_computes(symbol, arg_params, aux_params,
+                                     {k: np.asarray(v).dtype if not hasattr(v, "dtype") else v.dtype
+                                      for k, v in inputs.items()})
     with subgraph_backend(subgraph):
         exe = bind(symbol, arg_params, aux_params, inputs, ctx)
     return [o.asnumpy() for o in exe.forward(is_train=False)]

@@ -244,7 +244,12 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
             status = 1
     if status == 0:     # how to load the files, only where they will be written
         serving.add_note(report, result.graph, paths[0][: -len("-symbol.json")])
-    if args.benchmark and status == 0:
+    if args.benchmark and status == 0 and report.precision == "float16":
+        why = ("--benchmark not run: the model is float16 for the GPU, and MXNet's CPU, which --benchmark times "
+               "on, has no float16 FullyConnected; time it on the GPU")
+        report.notes.append(why)
+        print("mxfuse: warning: %s" % why, file=sys.stderr)
+    elif args.benchmark and status == 0:
         with progress.stage("benchmarking"):
             report.extra["benchmark"] = _benchmark(symbol, arg, aux, result, shapes, args.repeats)
     if not args.quiet:

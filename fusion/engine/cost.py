@@ -27,8 +27,23 @@ conservative rule decides (``fallback``):
   library op reads or writes there) or takes apart ops its oneDNN subgraph backend would fuse
   at bind (``"breaks_onednn_fusion": true``) or gives MXNet an op form it runs outside oneDNN's
   kernel (``"adds_slow_path": true``: a Deconvolution with a bias); fuse otherwise, as before.
-* GPU: fuse (the decision the rules made before any table existed); a measured GPU table
-  overrides it entry by entry.
+* GPU (``GPU_FALLBACK``): what an NVIDIA H200 measured before a table existed (the project's
+  issue on GPU graphs), conservatively — ``fused_attention`` in float32 is declined (its earlier
+  kernel measured 5-16x slower than the ops it replaces; the cuBLASLt path that replaced it is not
+  measured), in float16/bfloat16 made (cuDNN's fused attention, not measured here either);
+  ``fused_dense`` made (cuBLASLt with the bias and activation in its epilogue: 0.88-1.19x PyTorch's
+  addmm + GELU, parity); ``fused_add_layer_norm`` made (1.4-1.8x); ``fused_elemwise`` made in
+  float32 (its interpreter kernel 1.11-1.18x) and declined in float16/bfloat16 (0.62-0.63x; the
+  NVRTC kernels that replaced it are not measured) and declined for the backward (not measured).
+
+A GPU's table is found by the GPU's name: ``MXFUSION_GPU`` (as nvidia-smi names it, e.g. "NVIDIA
+H200"), else the first GPU ``nvidia-smi`` lists on the machine that fuses (``gpu_name``).  To
+measure one: ``make gpu-check`` on that GPU writes ``$OUT/gpu-check/costs-gpu.json`` (this schema:
+the device, driver, CUDA, date, command and ``benchmarks/bench_cuda.py``'s entries — fused op
+against PyTorch's eager ops per dtype, pass and case); copy it to
+``fusion/engine/cost_tables/gpu-<name>.json`` and commit it (or point ``MXFUSION_COST_TABLES`` at
+its folder).  GPU timings (CUDA events, medians) are steady: a fused op is made where it is at
+least as fast (``WIN_MARGINS``).
 
 ``MXFUSION_NO_COST=1`` turns the decisions off (every rewrite the rules allow is made: how the
 tables' fused side is measured).
@@ -42,7 +57,7 @@ import functools
 import json
 import math
 import os
-from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 #: The CPU flags a table is measured under: a table measured with one of them present (or absent)
 #: is not taken for a CPU that differs (oneDNN picks other kernels).
@@ -50,6 +65,32 @@ FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 #: A fused op must beat the ops it replaces by this fraction of their time to be made: a smaller
 #: difference is within the noise of the shared 2-core machines the tables are measured on.
 WIN_MARGIN = 0.05
+#: The margin per device kind: on a GPU (CUDA-event medians) at least as fast is enough.
+WIN_MARGINS = {"cpu": WIN_MARGIN, "gpu": 0.0}
+
+_H200 = "on an NVIDIA H200 (before any table: the issue on GPU graphs)"
+#: The GPU's conservative rule without a measured entry: (op, dtype or "*", pass or "*") -> (make it?, why).
+GPU_FALLBACK: Dict[Tuple[str, str, str], Tuple[bool, str]] = {
+    ("fused_attention", "float32", "*"): (False, "fused_attention in float32 measured 5-16x slower than the ops it "
+                                                 "replaces %s; its cuBLASLt path is not measured yet" % _H200),
+    ("fused_attention", "float16", "*"): (True, "fused_attention in float16 runs cuDNN's fused attention (not "
+                                                "measured on this GPU)"),
+    ("fused_attention", "bfloat16", "*"): (True, "fused_attention in bfloat16 runs cuDNN's fused attention (not "
+                                                 "measured on this GPU)"),
+    ("fused_dense", "*", "*"): (True, "fused_dense (cuBLASLt, bias and activation in the epilogue) measured "
+                                      "0.88-1.19x PyTorch's addmm + GELU %s: parity" % _H200),
+    ("fused_add_layer_norm", "*", "*"): (True, "fused_add_layer_norm measured 1.4-1.8x PyTorch's add + layer_norm %s"
+                                         % _H200),
+    ("fused_elemwise", "*", "backward"): (False, "fused_elemwise's GPU backward (NVRTC) is not measured yet"),
+    ("fused_elemwise", "float32", "forward"): (True, "fused_elemwise in float32 measured 1.11-1.18x PyTorch's "
+                                                     "separate ops %s (its interpreter kernel)" % _H200),
+    ("fused_elemwise", "float16", "forward"): (False, "fused_elemwise in float16 measured 0.62-0.63x PyTorch's "
+                                                      "separate ops %s (its interpreter kernel; the NVRTC kernels "
+                                                      "that replaced it are not measured yet)" % _H200),
+    ("fused_elemwise", "bfloat16", "forward"): (False, "fused_elemwise in bfloat16: its float16 interpreter kernel "
+                                                       "measured 0.62-0.63x PyTorch's separate ops %s (the NVRTC "
+                                                       "kernels are not measured yet)" % _H200),
+}
 KINDS = ("cpu", "gpu")
 #: The folder of the tables shipped with the package.
 TABLES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cost_tables")
@@ -187,6 +228,48 @@ def _describe(case: Mapping[str, Any]) -> str:
     return ", ".join("%s=%s" % (k, json.dumps(v)) for k, v in sorted(case.items()))
 
 
+def gpu_name() -> Optional[str]:
+    """The name of the GPU the fused graph is for: ``MXFUSION_GPU``, else the first GPU nvidia-smi
+    lists here (None without either)."""
+    name = os.environ.get("MXFUSION_GPU", "").strip()
+    return name or _nvidia_smi_name()
+
+
+@functools.lru_cache(maxsize=None)
+def _nvidia_smi_name() -> Optional[str]:
+    import shutil
+    import subprocess
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0].strip() if out and out[0].strip() else None
+
+
+def gpu_fallback(op: str, dtype: str, pass_: str, device: Optional[str] = None, no_entry: bool = False) -> Decision:
+    """``GPU_FALLBACK``'s decision, its reason naming the GPU that has no table and how to measure one."""
+    rule = None
+    for key in ((op, dtype, pass_), (op, dtype, "*"), (op, "*", pass_), (op, "*", "*")):
+        if key in GPU_FALLBACK:
+            rule = GPU_FALLBACK[key]
+            break
+    if no_entry:
+        where = "the cost table of %s has no %s %s %s entry" % (device, op, dtype, pass_)
+    elif device:
+        where = "no cost table measured on this GPU (%s)" % device
+    else:
+        where = "no GPU named for the cost table (MXFUSION_GPU, or nvidia-smi where the model is fused)"
+
+    if rule is None:
+        return Decision(True, "%s; %s %s %s: made, as before any table" % (where, op, dtype, pass_))
+    fuse, why = rule
+    return Decision(fuse, "%s: %s; %s (make gpu-check on the GPU measures a table)" % (
+        where, "made" if fuse else "declined", why))
+
+
 def fallback(op: str, case: Mapping[str, Any], kind: str) -> Decision:
     """The conservative rule for a device without a measured entry (see the module docstring)."""
     if kind == "cpu":
@@ -207,30 +290,102 @@ def fallback(op: str, case: Mapping[str, Any], kind: str) -> Decision:
 
 
 def decide(op: str, dtype: str, pass_: str, case: Mapping[str, Any], kind: str = "cpu",
-           device: Optional[str] = None, table: Optional[Mapping[str, Any]] = None) -> Decision:
+           device: Optional[str] = None, table: Optional[Mapping[str, Any]] = None,
+           unseen: Iterable[str] = ()) -> Decision:
     """Whether to make a rewrite emitting ``op`` (or named ``op``) for ``case`` on this device, and why.
 
-    ``pass_`` is "forward" (inference) or "backward"; ``table`` overrides the lookup (tests)."""
+    ``pass_`` is "forward" (inference) or "backward"; ``table`` overrides the lookup (tests);
+    ``unseen`` names features a table's entries have that the case cannot state (a benchmark's
+    own expression): they are left out of the comparison.  On a GPU, ``device`` defaults to
+    ``gpu_name()``."""
     if os.environ.get("MXFUSION_NO_COST", "") not in ("", "0"):
         return Decision(True, "cost decisions off (MXFUSION_NO_COST)")
+    if kind == "gpu" and device is None and table is None:
+        device = gpu_name()
     if table is None:
         table = table_for(kind, device)
     if table is None:
-        return fallback(op, case, kind)
+        return gpu_fallback(op, dtype, pass_, device) if kind == "gpu" else fallback(op, case, kind)
     best: Optional[Tuple[float, Mapping[str, Any]]] = None
+    unseen = set(unseen)
     for e in table["entries"]:
         if e["op"] != op or e["dtype"] != dtype or e["pass"] != pass_:
             continue
-        d = _distance(case, e["case"])
+        d = _distance(case, {k: v for k, v in e["case"].items() if k not in unseen})
         if d is not None and (best is None or d < best[0]):
             best = (d, e)
     if best is None:
+        if kind == "gpu":
+            return gpu_fallback(op, dtype, pass_, table["device"], no_entry=True)
         return fallback(op, case, kind)
     e = best[1]
     fused, unfused = float(e["fused_ms"]), float(e["unfused_ms"])
     near = "" if best[0] == 0 else " (nearest measured: %s)" % _describe(e["case"])
     where = "measured on %s, %s: %s %.3f ms vs %.3f ms for the ops it replaces under %s%s" % (
         table["device"], table["date"], op, fused, unfused, e["reference"], near)
-    if fused <= unfused * (1.0 - WIN_MARGIN):
+    if fused <= unfused * (1.0 - WIN_MARGINS.get(table["kind"], WIN_MARGIN)):
         return Decision(True, where)
     return Decision(False, "slower or no faster than what it replaces (%s)" % where)
+
+
+# ---------------------------------------------------------------------------- GPU cases
+def _prod(dims: Sequence[int]) -> int:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
+
+
+def gpu_case(op: str, attrs: Mapping[str, str], shapes: Sequence[Optional[Tuple[int, ...]]],
+             dtype: str) -> Tuple[Dict[str, Any], Tuple[str, ...]]:
+    """The case of a GPU fused op as ``benchmarks/bench_cuda.py --costs`` writes its entries, from the
+    op's attributes (as strings), its inputs' shapes and the dtype it computes in; and the entry
+    features it cannot state (``decide``'s ``unseen``).  Empty where a shape is unknown (no entry
+    matches it: the fallback decides)."""
+    def flag(key: str) -> bool:
+        return str(attrs.get(key, "False")).lower() in ("true", "1")
+
+    if not shapes or any(s is None for s in shapes):
+        return {}, ()
+    try:
+        if op == "fused_dense":
+            x = shapes[0]
+            flat = str(attrs.get("flatten", "True")).lower() in ("true", "1")
+            return {"M": int(x[0]) if flat else _prod(x[:-1]), "K": _prod(x[1:]) if flat else int(x[-1]),
+                    "N": int(attrs["num_hidden"]), "act": str(attrs.get("act", "none"))}, ()
+        if op == "fused_add_layer_norm":
+            a = shapes[0]
+            return {"rows": _prod(a[:-1]), "cols": int(a[-1])}, ()
+        if op == "fused_attention":
+            layout, heads = str(attrs.get("layout", "plain")), int(attrs.get("heads", 1))
+            q = shapes[0]
+            if layout == "plain":
+                b, h, sq, sk, d = _prod(q[:-2]), 1, q[-2], shapes[1][-2], q[-1]
+            elif layout == "bshd":
+                b, h, sq, sk, d = q[0], heads, q[1], shapes[1][1], q[2] // heads
+            elif layout == "packed_qkv":
+                b, h, sq, sk, d = q[0], heads, q[1], q[1], q[2] // (3 * heads)
+            elif layout == "interleaved":
+                b, h, sq, sk, d = q[1], heads, q[0], q[0], q[2] // (3 * heads)
+            else:                           # interleaved_encdec
+                b, h, sq, sk, d = q[1], heads, q[0], shapes[1][0], q[2] // heads
+            return {"B": int(b), "H": int(h), "Sq": int(sq), "Sk": int(sk), "D": int(d), "causal": flag("causal"),
+                    "mask": str(attrs.get("mask_kind", "none")),
+                    "backend": "gemm_softmax" if dtype == "float32" else "cudnn"}, ()
+        if op == "fused_elemwise":
+            import re
+            out = tuple(max(dims) for dims in zip(*[(1,) * (max(map(len, shapes)) - len(s)) + tuple(s)
+                                                    for s in shapes]))
+            if len(shapes) == 1:
+                kind = "chain"
+            elif all(tuple(s) == out for s in shapes):
+                kind = "binary"
+            elif all(tuple(s) == out or tuple(out[len(out) - len(s):]) == tuple(s) for s in shapes):
+                kind = "broadcast row"
+            else:
+                kind = "broadcast channel"
+            return {"elements": _prod(out), "ops": len(re.findall(r"[a-z_]+\(", str(attrs.get("expr", "")))),
+                    "kind": kind}, ("expr", "shapes")
+    except (KeyError, ValueError, IndexError, TypeError, ZeroDivisionError):
+        return {}, ()
+    return {}, ()

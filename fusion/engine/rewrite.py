@@ -60,6 +60,13 @@ class Context:
         #: parameter variables shared by the replacements of a batch (bfloat16 weights): they join
         #: the graph when a batch commits (compact() drops those no committed node reads)
         self.pending_params: List[Node] = []
+        #: what each committed replacement stands for: a node a rule created -> the nodes of the user's
+        #: graph it replaces (through earlier replacements), and a replacing value -> the user's value
+        #: it replaces (read by fusion/precision/half.py, which gives fused ops the dtypes AMP gave those)
+        self.origins: Dict[Node, Tuple[Node, ...]] = {}
+        self.lineage: Dict[Entry, Entry] = {}
+        #: an MXNet AMP float16 graph read as its float32 model (fusion.precision.half.HalfGraph), or None
+        self.half: Any = None
         self.input_dtypes = {k: str(v) for k, v in (input_dtypes or {}).items()}
         self.memo: Dict[Any, Any] = {}      # rules' derived facts about values (they never change)
         self.input_shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
@@ -346,6 +353,18 @@ class Context:
         """The dtype of ``entry`` ('float32', 'int32', ...) from MXNet's type inference, or None."""
         return self._lookup(entry, 0, 1)
 
+    def run_dtype(self, nodes: Sequence[Node]) -> str:
+        """The dtype a fused op replacing ``nodes`` will compute in on the GPU: float16 where MXNet's
+        AMP handed any of the ops it replaces a float16 value (fusion/precision/half.py gives it
+        those dtypes after the rules), float32 otherwise."""
+        half = self.half
+        if half is None:
+            return FLOAT32
+        for n in (o for nd in nodes for o in self.origins.get(nd, (nd,))):
+            if any(half.want.get((n, k)) == "float16" for k in range(len(n.inputs))):
+                return "float16"
+        return FLOAT32
+
     def unique_name(self, base: str) -> str:
         name = base
         k = 1
@@ -368,6 +387,30 @@ def device_refusal(op: str, device: str, mode: str) -> Optional[str]:
         return "%s has no %s implementation in this build" % (op, device)
     if mode == "training" and device not in caps["backward"]:
         return "%s has no %s backward in this build (training needs one)" % (op, device)
+    return None
+
+
+class SlowerOnDevice(FusionError):
+    """A rewrite declined for speed: the device's cost table (or its conservative rule) says the
+    fused op is slower than the ops it replaces (the message is the report's reason)."""
+
+
+def speed_refusal(ctx: Context, op: str, attrs: Attrs, inputs: Sequence[Entry], nodes: Sequence[Node]) -> Optional[str]:
+    """Why ``op`` is not emitted on the GPU for speed (None: it is at least as fast), decided by
+    fusion/engine/cost.py from the case bench_cuda.py measures (sizes from the inputs' shapes)."""
+    if ctx.device != "gpu" or not op.startswith("fused_"):
+        return None
+    from . import cost
+
+    dtype = ctx.run_dtype(nodes)
+    shapes = [ctx.shape(e) if not e.node.is_variable else ctx._param_shape(e.node.name) or ctx.shape(e)
+              for e in inputs]
+    case, unseen = cost.gpu_case(op, attrs.to_json(), shapes, dtype)
+    for pass_ in ("forward", "backward") if ctx.mode == "training" else ("forward",):
+        d = cost.decide(op, dtype, pass_, case, kind="gpu", unseen=unseen)
+        if not d.fuse:
+            return "declined for speed on the GPU (%s %s%s): %s" % (
+                dtype, op, "" if pass_ == "forward" else " backward", d.reason)
     return None
 
 
@@ -414,6 +457,9 @@ class Builder:
         if reason:
             raise FusionError(reason)
         a = attrs.copy() if isinstance(attrs, Attrs) else Attrs.from_values(attrs or {})
+        slow = speed_refusal(self.ctx, op, a, inputs, self._match.nodes if self._match is not None else ())
+        if slow:
+            raise SlowerOnDevice(slow)
         if self.ctx.mode != "training":
             a.update(reduced_attrs(op, self.ctx.precision))
         slots = cast_slots(op, self.ctx.precision)
@@ -655,6 +701,8 @@ class _Pass:
                 out = rule.rewrite(m, b)
                 mapping = out if isinstance(out, dict) else {m.anchor_entry: out}
                 reason = _outputs_reason(m, mapping, self.graph) or _training_reason(m, b, mapping, self.ctx)
+            except SlowerOnDevice as e:
+                reason = str(e)
             except FusionError as e:
                 reason = "rewrite failed: %s" % e
             except Exception as e:   # a rule's bug: keep the original subgraph, say so
@@ -677,6 +725,7 @@ class _Pass:
                 continue
             replaced.update(c.replaces)
             created.extend(b.created)
+            self._note_origins(m, b, c.replaces)
             applied += 1
             rr.fused.append({"anchor": m.anchor.name, "nodes": [n.name for n in m.nodes],
                              "new": [n.name for n in b.created if not n.is_variable]})
@@ -703,6 +752,18 @@ class _Pass:
         graph.mark_changed()
         graph.compact()
         return applied
+
+
+    def _note_origins(self, m: Match, b: "Builder", replaces: Dict[Entry, Entry]) -> None:
+        origins = self.ctx.origins
+        mine = tuple(dict.fromkeys(o for n in m.nodes for o in origins.get(n, (n,))))    # each once
+        for n in b.created:
+            if not n.is_variable:
+                origins[n] = mine
+        made = set(b.created)
+        for old, new in replaces.items():
+            if new.node in made:        # a value the rewrite made (not one it forwards, as a removed Dropout)
+                self.ctx.lineage[new] = self.ctx.lineage.get(old, old)
 
 
 def _candidate(rule, m: Match, b: "Builder", mapping: Dict[Entry, Entry], graph: Graph) -> Candidate:

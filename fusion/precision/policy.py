@@ -109,8 +109,10 @@ FLOAT32_KEPT = ("values between ops other than fused_dense -> fused_dense, fused
                 "fused_attention's softmax statistics, mask and scaling (its q·kᵀ and p·v run in bfloat16)",
                 "LayerNorm statistics", "fused_elemwise chains and reductions", "ops left to MXNet")
 
-#: max|fused − original| / max|original| accepted by verify and the self-check, per precision.
-TOLERANCE = {FLOAT32: 1e-4, BFLOAT16: 2e-2}
+#: max|fused − original| / max|original| accepted by verify and the self-check, per precision
+#: (float16: an AMP float16 graph fused for the GPU, fusion/precision/half.py — its values rounded
+#: at other places than AMP's graph rounds them, 2⁻¹¹ relative each; a 2-layer BERT measured 1e-4).
+TOLERANCE = {FLOAT32: 1e-4, BFLOAT16: 2e-2, "float16": 1e-2}
 
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) that stop below avx512_core_bf16
 _ISA_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
