@@ -27,6 +27,20 @@ needs_bf16 = pytest.mark.skipif(P.native_bf16_reason() is not None,
                                 reason="CPU without native bfloat16 (fuse refuses precision='bf16' there)")
 
 
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        return []
+
+
+# MXNet 1.9.1's oneDNN 2.x has bfloat16 convolutions only with AVX-512: an AMP bfloat16 CNN does not
+# run on an AVX2-only CPU ("could not create a primitive descriptor iterator"), with or without fusion
+needs_mxnet_bf16_conv = pytest.mark.skipif("avx512f" not in _cpu_flags(),
+                                           reason="CPU without AVX-512: MXNet's oneDNN has no bfloat16 convolution")
+
+
 def bf16_round(a):
     return P.from_bf16(P.to_bf16(a))
 
@@ -201,8 +215,8 @@ def test_add_layer_norm_reads_and_writes_bf16(b_dtype, output_sum, b_shape):
     with pytest.raises(mx.base.MXNetError, match="bfloat16 inputs have no backward"):
         exe.backward([mx.nd.ones(o.shape, dtype=P.BF16) for o in exe.outputs])
         mx.nd.waitall()
-    with pytest.raises(mx.base.MXNetError, match="gamma/beta.*must be float32"):
-        mx.nd.fused_add_layer_norm(mx.nd.ones((2, 4)), mx.nd.ones((2, 4)), mx.nd.ones(4, dtype="float16"),
+    with pytest.raises(mx.base.MXNetError, match=r"gamma/beta\) must be float32 or float16, got int32"):
+        mx.nd.fused_add_layer_norm(mx.nd.ones((2, 4)), mx.nd.ones((2, 4)), mx.nd.ones(4, dtype="int32"),
                                    mx.nd.ones(4)).asnumpy()
 
 
@@ -318,8 +332,8 @@ def test_fused_dense_bf16_refuses_other_dtypes_and_backward():
     b = mx.nd.zeros((3,))
     with pytest.raises(mx.base.MXNetError, match=r"input 0 \(data\) must be float32"):
         mx.nd.fused_dense(mx.nd.amp_cast(x, dtype=P.BF16), w, b, num_hidden=3).asnumpy()
-    with pytest.raises(mx.base.MXNetError, match="weight.*float32 or bfloat16"):
-        mx.nd.fused_dense(x, w.astype("float16"), b, num_hidden=3).asnumpy()
+    with pytest.raises(mx.base.MXNetError, match=r"weight\) must be float32, float16 or bfloat16, got int32"):
+        mx.nd.fused_dense(x, w.astype("int32"), b, num_hidden=3).asnumpy()
     wb = mx.nd.amp_cast(w, dtype=P.BF16)
     sym = S.fused_dense(S.var("x"), S.var("w", dtype=P.BF16), S.var("b"), num_hidden=3)
     exe = sym.bind(mx.cpu(), {"x": x, "w": wb, "b": b}, args_grad={"x": mx.nd.zeros((4, 8))},
@@ -435,6 +449,7 @@ def test_gluon_hybridize_precision_bf16():
     assert all(np.dtype(p.dtype) == np.float32 for p in net.collect_params().values())   # the block's own
 
 
+@needs_bf16
 def test_gluon_hybridize_precision_bf16_says_the_convolutions_stay_float32():
     """The Gluon backend cannot run MXNet's AMP conversion (new bfloat16 parameters for the block's
     own): the convolutions stay float32 there, and the report says so and where bfloat16 runs them."""
@@ -547,6 +562,7 @@ def test_amp_multicast_read_through():
     assert fusion.verify((sym, arg, {}), res, input_shapes=shapes).max_rel <= BF16_TOL
 
 
+@needs_mxnet_bf16_conv
 def test_amp_cnn_keeps_its_bf16_convolutions():
     """A convolution AMP runs in bfloat16 has no fused bfloat16 form: the AMP graph is not read as
     precision='bf16' (its convolutions would turn float32); the self-check draws bfloat16 values."""
@@ -574,6 +590,7 @@ def test_amp_cnn_keeps_its_bf16_convolutions():
     assert not any("self-check" in why for why in reasons), reasons
 
 
+@needs_mxnet_bf16_conv
 def test_amp_converted_block_in_the_backend_stays_amp():
     """The Gluon backend hands on only new params, so it does not widen AMP's: the AMP graph's
     float32 parts fuse and its bfloat16 parts stay MXNet's, as the report says."""
@@ -831,6 +848,7 @@ def test_bf16_copy_of_a_layer_norm_unfuses_and_verifies():
     assert again.symbol.tojson() == res.symbol.tojson()
 
 
+@needs_bf16
 def test_unfuse_keeps_the_bf16_hand_over():
     sym = _dense_chain("gelu")
     shapes = {"x": (2, 8, 16)}
@@ -974,9 +992,9 @@ def test_attention_bf16_io_checked():
         mx.nd.fused_attention(xb, heads=2, layout="packed_qkv", scale=1.0).asnumpy()
     with pytest.raises(mx.base.MXNetError, match="out_dtype"):
         mx.nd.fused_attention(x, heads=2, layout="packed_qkv", scale=1.0, precision="bfloat16",
-                              out_dtype="float16").asnumpy()
+                              out_dtype="float64").asnumpy()
     q = mx.nd.ones((1, 4, 8))
-    with pytest.raises(mx.base.MXNetError, match="every data input bfloat16"):
+    with pytest.raises(mx.base.MXNetError, match="the data inputs must have one dtype"):
         mx.nd.fused_attention(mx.nd.amp_cast(q, dtype=P.BF16), q, q, scale=1.0, precision="bfloat16").asnumpy()
     # no backward in bfloat16
     sym = S.fused_attention(S.var("x", dtype=P.BF16), heads=2, layout="packed_qkv", scale=1.0, precision="bfloat16")

@@ -8,7 +8,7 @@
 // messages long) and a process that tries many shapes grows without bound.
 //
 // The library therefore exports its own pair (lib_api.cc is compiled with its pair
-// renamed out of the way, see fusion/_native.py): the messages of one failure are
+// renamed out of the way, see fusion/native/library.py): the messages of one failure are
 // handed over, and dropped when the next failure reports (those lib_api.cc itself
 // adds included).
 #include <mutex>

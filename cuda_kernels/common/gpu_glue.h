@@ -1,6 +1,6 @@
 // The "gpu" implementations of the fused ops that have a CUDA kernel (mxnet_gpu/gpu_glue.cu).
 //
-// Declared only in a library built with nvcc (MXF_WITH_CUDA=1, see fusion/_native.py);
+// Declared only in a library built with nvcc (MXF_WITH_CUDA=1, see fusion/native/library.py);
 // each op's registration adds them under `#if MXF_WITH_CUDA`.  Plain C++: no CUDA type
 // appears here, so the op files stay ordinary C++ compiled by g++.
 #pragma once

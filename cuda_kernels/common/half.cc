@@ -14,6 +14,10 @@ std::string dtype_name(int code) {
     case kF16: return "float16";
     case kBF16: return "bfloat16";
     case mxnet::ext::kFloat64: return "float64";
+    case mxnet::ext::kUint8: return "uint8";
+    case mxnet::ext::kInt32: return "int32";
+    case mxnet::ext::kInt8: return "int8";
+    case mxnet::ext::kInt64: return "int64";
     default: return "dtype code " + std::to_string(code);
   }
 }

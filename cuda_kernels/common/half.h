@@ -15,12 +15,12 @@
 
 namespace mxf {
 
-// mshadow's dtype codes (lib_api's MXDType names float16; bfloat16 is 12, see fusion/_native.py)
+// mshadow's dtype codes (lib_api's MXDType names float16; bfloat16 is 12, see fusion/native/library.py)
 constexpr int kF32 = mxnet::ext::kFloat32;
 constexpr int kF16 = mxnet::ext::kFloat16;
 constexpr int kBF16 = 12;
 
-// "float32", "float16", "bfloat16", or "dtype code N"
+// "float32", "float16", "bfloat16", "float64", the integer types' names, or "dtype code N"
 std::string dtype_name(int code);
 // The code of out_dtype-style names: "float32" / "float16" / "bfloat16"; -1 for "" (unset).
 int dtype_code(const std::string& name);
