@@ -19,7 +19,6 @@ Times: medians of CUDA events, the three layers alternating.  Exit status 1 when
 import argparse
 import json
 import os
-import statistics
 import sys
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,21 +86,7 @@ def fused_layer(torch, lib, W, x, stream):
     return run, out
 
 
-def timed(torch, fns, reps):
-    for _ in range(3):
-        for f in fns:
-            f()
-    torch.cuda.synchronize()
-    ts = [[] for _ in fns]
-    for _ in range(reps):
-        for i, f in enumerate(fns):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            f()
-            b.record()
-            b.synchronize()
-            ts[i].append(a.elapsed_time(b))
-    return [statistics.median(t) for t in ts]
+from bench_cuda import timed  # noqa: E402  (median ms per callable, CUDA events, alternating)
 
 
 def main():

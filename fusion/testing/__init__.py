@@ -35,6 +35,29 @@ def randomize_batchnorm(arg: Dict, aux: Dict, seed: int = 0) -> None:
                 store[name] = mx.nd.array(rng.uniform(0.5, 2.0, shape))
 
 
+def randomize_batchnorm_of(sym, arg: Dict, aux: Dict, seed: int = 0) -> None:
+    """Every BatchNorm's gamma, beta, mean and (positive) variance of ``sym`` drawn at random (in
+    place), found by the BatchNorm nodes' inputs rather than by parameter names (GluonCV's SSD heads
+    name some statistics like weights)."""
+    import json
+
+    import mxnet as mx
+
+    rng = np.random.default_rng(seed)
+    nodes = json.loads(sym.tojson())["nodes"]
+    ranges = ((0.5, 1.5), None, None, (0.5, 2.0))      # gamma, beta, mean, var
+    for n in nodes:
+        if n["op"] != "BatchNorm":
+            continue
+        for k, (src, _, _) in enumerate(n["inputs"][1:5]):
+            name = nodes[src]["name"]
+            store = arg if name in arg else aux if name in aux else None
+            if store is not None:
+                lo_hi = ranges[k]
+                shape = store[name].shape
+                store[name] = mx.nd.array(rng.uniform(*lo_hi, shape) if lo_hi else rng.normal(0.0, 0.2, shape))
+
+
 def zoo_model(name: str, input_shape: Tuple[int, ...] = (1, 3, 224, 224), seed: int = 0, **kwargs):
     """(symbol, arg_params, aux_params) of ``mxnet.gluon.model_zoo.vision`` network ``name``."""
     import mxnet as mx

@@ -9,20 +9,28 @@ MXNet 1.9.1 needs).
 """
 from __future__ import annotations
 
+import functools
 from typing import Tuple
 
 import numpy as np
 
 
-def gcv_zoo_model(name: str, input_shape: Tuple[int, ...], seed: int = 0, **kwargs):
+def gcv_zoo_model(name: str, input_shape: Tuple[int, ...], seed: int = 0, bn_by_nodes: bool = False, **kwargs):
+    """(symbol, arg_params, aux_params); ``bn_by_nodes``: the BatchNorm parameters found by the nodes'
+    inputs (``randomize_batchnorm_of``: also those GluonCV's SSD heads name like weights) rather than
+    by their names."""
     import gluoncv
     import mxnet as mx
 
-    from . import randomize_batchnorm
+    from . import randomize_batchnorm, randomize_batchnorm_of
 
     mx.random.seed(seed)
+    kwargs = dict(pretrained=False, **kwargs)
     with mx.name.NameManager():
-        net = gluoncv.model_zoo.get_model(name, pretrained=False, pretrained_base=False, **kwargs)
+        try:
+            net = gluoncv.model_zoo.get_model(name, **dict({"pretrained_base": False}, **kwargs))
+        except TypeError:       # a classifier (e.g. resnet50_v2): no pretrained base to leave out
+            net = gluoncv.model_zoo.get_model(name, **kwargs)
     net.initialize(_xavier())
     net.hybridize()
     net(mx.nd.zeros(input_shape))
@@ -31,7 +39,10 @@ def gcv_zoo_model(name: str, input_shape: Tuple[int, ...], seed: int = 0, **kwar
     aux_names = set(sym.list_auxiliary_states())
     arg = {k: v for k, v in params.items() if k not in aux_names}
     aux = {k: v for k, v in params.items() if k in aux_names}
-    randomize_batchnorm(arg, aux, seed)
+    if bn_by_nodes:
+        randomize_batchnorm_of(sym, arg, aux, seed)
+    else:
+        randomize_batchnorm(arg, aux, seed)
     rng = np.random.default_rng(seed + 1)
     for k in sorted(arg):
         if k.endswith("_bias"):
@@ -42,6 +53,12 @@ def gcv_zoo_model(name: str, input_shape: Tuple[int, ...], seed: int = 0, **kwar
 def _xavier():
     """Xavier for weights of 2 or more axes; a vector some GluonCV head asks Xavier for (a BatchNorm's
     γ) gets ones (randomized afterwards), where plain Xavier refuses it."""
+    return _xavier_or_ones()(magnitude=2.0)
+
+
+@functools.lru_cache(maxsize=None)
+def _xavier_or_ones():
+    """The initializer class, registered with MXNet once."""
     import mxnet as mx
 
     @mx.init.register
@@ -52,4 +69,4 @@ def _xavier():
             else:
                 super()._init_weight(name, arr)
 
-    return _XavierOrOnes(magnitude=2.0)
+    return _XavierOrOnes
