@@ -265,3 +265,29 @@ def test_bert_verify_ok(bert_files, tmp_path, capsys):
     code, out, err = run_cli(capsys, sp, "--params", pp, "-o", tmp_path / "ok", *shapes, "--verify")
     assert code == 0, err
     assert "verify:" in out and ": OK" in out and "NaN" not in out
+
+
+def test_verify_never_runs_the_backend_where_it_aborts():
+    """MXNet's oneDNN backend aborts the process (SIGABRT, no exception) on a Convolution read by a
+    BatchNorm over a non-channel axis: verify's backend-on run (the original's own spread) is left out
+    there, in a child process so that a regression cannot take the test run down."""
+    import subprocess
+    import sys
+    code = (
+        "import mxnet as mx, numpy as np, fusion\n"
+        "from fusion.check.verify import _backend_aborts\n"
+        "x = mx.sym.var('data')\n"
+        "c = mx.sym.Convolution(x, num_filter=4, kernel=(3, 3), pad=(1, 1), name='c')\n"
+        "y = mx.sym.BatchNorm(c, axis=2, name='bn')\n"
+        "ok = mx.sym.BatchNorm(c, name='bn1')\n"
+        "assert _backend_aborts(y) and not _backend_aborts(ok)\n"
+        "rng = np.random.default_rng(0)\n"
+        "arg = {'c_weight': mx.nd.array(rng.standard_normal((4, 3, 3, 3))), 'c_bias': mx.nd.zeros(4),\n"
+        "       'bn_gamma': mx.nd.ones(6), 'bn_beta': mx.nd.zeros(6)}\n"
+        "aux = {'bn_moving_mean': mx.nd.zeros(6), 'bn_moving_var': mx.nd.ones(6)}\n"
+        "res = fusion.fuse(y, arg, aux, input_shapes={'data': (1, 3, 6, 6)})\n"
+        "v = fusion.verify((y, arg, aux), res, input_shapes={'data': (1, 3, 6, 6)})\n"
+        "assert v.spread is None and v.max_rel <= 1e-5, v\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
