@@ -68,7 +68,15 @@ def test_quantize_then_fuse_keeps_the_quantized_ops(block):
     assert quant_ops(res.symbol) == before                         # every quantization op, as quantize_model made it
     assert ops(res.symbol)["fused_attention"] == 1 and ops(res.symbol)["fused_add_layer_norm"] == 1
     want, got = run(qsym, qarg, qaux), run(res.symbol, res.arg_params, res.aux_params)
-    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    # The fused attention's float result differs from MXNet's ops by float rounding (the CPU's vector
+    # width decides the summation order); the output projection quantizes it to int8 at run time
+    # (quantize_v2, calib_mode='none'), so a value at a rounding boundary moves by one int8 step
+    # (1/127 of its range). Measured on an AVX2-only CPU: 31 of 512 outputs moved, by up to 2.3e-3 of
+    # the largest; on AVX-512 CPUs none. Most outputs agree to float rounding, none by more than a step.
+    d = np.abs(got - want)
+    scale = np.abs(want).max()
+    assert (d <= 1e-5 * scale).mean() >= 0.9, (d > 1e-5 * scale).sum()
+    assert d.max() <= scale / 127, d.max() / scale
 
 
 def test_fusing_first_hides_the_dense_layers_from_quantize_model(block):
