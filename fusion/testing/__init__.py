@@ -67,12 +67,13 @@ def zoo_model(name: str, input_shape: Tuple[int, ...] = (1, 3, 224, 224), seed: 
     return gluon_export(vision.get_model(name, **kwargs), input_shape, seed)
 
 
-def gluon_export(net, input_shape: Tuple[int, ...], seed: int = 0):
+def gluon_export(net, input_shape: Tuple[int, ...], seed: int = 0, init=None, bn_by_nodes: bool = False):
     """(symbol, arg_params, aux_params) of a Gluon block (the global MXNet seed set by the caller):
-    Xavier weights, randomized BatchNorm statistics."""
+    Xavier weights (or ``init``), randomized BatchNorm statistics (found by name, or with
+    ``bn_by_nodes`` by the BatchNorm nodes' inputs: ``randomize_batchnorm_of``)."""
     import mxnet as mx
 
-    net.initialize(mx.init.Xavier(magnitude=2.0))
+    net.initialize(init if init is not None else mx.init.Xavier(magnitude=2.0))
     net.hybridize()
     net(mx.nd.zeros(input_shape))
     sym = net._cached_graph[1]
@@ -80,7 +81,10 @@ def gluon_export(net, input_shape: Tuple[int, ...], seed: int = 0):
     aux_names = set(sym.list_auxiliary_states())
     arg = {k: v for k, v in params.items() if k not in aux_names}
     aux = {k: v for k, v in params.items() if k in aux_names}
-    randomize_batchnorm(arg, aux, seed)
+    if bn_by_nodes:
+        randomize_batchnorm_of(sym, arg, aux, seed)
+    else:
+        randomize_batchnorm(arg, aux, seed)
     return sym, arg, aux
 
 

@@ -22,7 +22,7 @@ def gcv_zoo_model(name: str, input_shape: Tuple[int, ...], seed: int = 0, bn_by_
     import gluoncv
     import mxnet as mx
 
-    from . import randomize_batchnorm, randomize_batchnorm_of
+    from . import gluon_export
 
     mx.random.seed(seed)
     kwargs = dict(pretrained=False, **kwargs)
@@ -31,18 +31,7 @@ def gcv_zoo_model(name: str, input_shape: Tuple[int, ...], seed: int = 0, bn_by_
             net = gluoncv.model_zoo.get_model(name, **dict({"pretrained_base": False}, **kwargs))
         except TypeError:       # a classifier (e.g. resnet50_v2): no pretrained base to leave out
             net = gluoncv.model_zoo.get_model(name, **kwargs)
-    net.initialize(_xavier())
-    net.hybridize()
-    net(mx.nd.zeros(input_shape))
-    sym = net._cached_graph[1]
-    params = {p.var().name: p.data() for p in net.collect_params().values()}
-    aux_names = set(sym.list_auxiliary_states())
-    arg = {k: v for k, v in params.items() if k not in aux_names}
-    aux = {k: v for k, v in params.items() if k in aux_names}
-    if bn_by_nodes:
-        randomize_batchnorm_of(sym, arg, aux, seed)
-    else:
-        randomize_batchnorm(arg, aux, seed)
+    sym, arg, aux = gluon_export(net, input_shape, seed, init=_xavier(), bn_by_nodes=bn_by_nodes)
     rng = np.random.default_rng(seed + 1)
     for k in sorted(arg):
         if k.endswith("_bias"):
