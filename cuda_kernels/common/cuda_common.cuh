@@ -10,19 +10,10 @@
 #include <cstdint>
 
 #include "mxf_cuda_types.h"
+#include "cuda_try.h"
 
 // Every launcher returns 0 on success, else a cudaError_t value (or a negative MXF_ERR_*).
 #define MXF_CUDA_RETURN_LAST() return static_cast<int>(cudaGetLastError())
-#define MXF_CUDA_TRY(expr)                                      \
-  do {                                                          \
-    const cudaError_t mxf_e_ = (expr);                          \
-    if (mxf_e_ != cudaSuccess) return static_cast<int>(mxf_e_); \
-  } while (0)
-#define MXF_TRY(expr)                  \
-  do {                                 \
-    const int mxf_rc_ = (expr);        \
-    if (mxf_rc_ != 0) return mxf_rc_;  \
-  } while (0)
 
 namespace mxf_cuda {
 

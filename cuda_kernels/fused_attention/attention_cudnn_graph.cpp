@@ -19,17 +19,8 @@
 
 #include "attention_backends.h"
 #include "mxf_cuda_types.h"
+#include "cuda_try.h"
 
-#define MXF_CUDA_TRY(expr)                                      \
-  do {                                                          \
-    const cudaError_t mxf_e_ = (expr);                          \
-    if (mxf_e_ != cudaSuccess) return static_cast<int>(mxf_e_); \
-  } while (0)
-#define MXF_TRY(expr)                 \
-  do {                                \
-    const int mxf_rc_ = (expr);       \
-    if (mxf_rc_ != 0) return mxf_rc_; \
-  } while (0)
 
 #if defined(MXF_WITH_CUDNN) && !defined(NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING)
 #error "the cuDNN path is built in the frontend's dynamic-loading mode only (cuda_iface.cudnn_flags())"
