@@ -22,6 +22,7 @@ fused_inverted_residual               [Convolution 1×1 → act] → Convolution
 fused_dense_block          per layer: broadcast_mul → broadcast_add → Activation(relu) → Convolution 1×1
                            → Activation(relu) → Convolution 3×3 → Concat(dim=1)
 fused_concat_scale_act     Concat(dim=1) → broadcast_mul(scale) → broadcast_add(shift) [→ Activation(relu) | relu]
+fused_box_nms              _contrib_box_nms (the same attributes)
 fused_elemwise             the program's ops (broadcast_*, scalar ops, where on broadcast_like'd operands)
 fused_attention            head split (Reshape/transpose/slice_axis) → batch_dot(q, k, transpose_b) ·scale
                            [+ mask | where] → softmax [use_length] → batch_dot(·, v) → head merge
@@ -159,8 +160,22 @@ class UnfuseConcatScaleAct(UnfuseRule):
         return activation(b, y, f.attrs.get("act", "none"), 0.0, f.name)
 
 
+# ---------------------------------------------------------------- fused_box_nms
+
+class UnfuseBoxNMS(UnfuseRule):
+    def __init__(self):
+        super().__init__("fused_box_nms", 1)
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        from .box_nms import ATTRS
+        f = m.node("f")
+        attrs = {k: f.attrs[k] for k in ATTRS if k in f.attrs}
+        out, kept = b.op("_contrib_box_nms", self.inputs(m), attrs=attrs, name=f.name, num_outputs=2)
+        return {Entry(f, 0): out, Entry(f, 1): kept}
+
+
 RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseSplitAttention(), UnfuseGroupedConv(), UnfuseDeconv(), UnfuseInvertedResidual(), UnfuseDenseBlock(),
-                     UnfuseConcatScaleAct(), UnfuseElemwise(), UnfuseAttention()]
+                     UnfuseConcatScaleAct(), UnfuseBoxNMS(), UnfuseElemwise(), UnfuseAttention()]
 
 
 class _OnlyNodes(Rule):

@@ -143,7 +143,7 @@ MXReturnValue infer_type_float32(const Attrs&, std::vector<int>* in, std::vector
   return guarded("fused op", [&] {
     for (size_t i = 0; i < in->size(); ++i)
       if ((*in)[i] != mxnet::ext::kFloat32) throw OpError("input " + std::to_string(i) + " must be float32");
-    (*out)[0] = mxnet::ext::kFloat32;
+    for (auto& t : *out) t = mxnet::ext::kFloat32;
   });
 }
 

@@ -64,7 +64,7 @@ struct ClipGate {
 ClipGate parse_clip_gate(const Attrs& a);
 
 // Type inference of an op that computes in float32 only: every input float32 (else an error naming
-// it), one float32 output.
+// it), every output float32.
 MXReturnValue infer_type_float32(const Attrs& attrs, std::vector<int>* in, std::vector<int>* out);
 
 std::string attr_str(const Attrs& a, const char* name, const char* dflt);

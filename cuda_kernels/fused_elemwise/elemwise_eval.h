@@ -24,14 +24,7 @@ constexpr int64_t kSlot = kBlock + 48;
 #define MXF_CLONES
 #endif
 
-// Loops whose exact rounding matters (a product and a sum that MXNet rounds separately)
-// are compiled without floating-point contraction: GCC would otherwise fuse a * s + t
-// into one multiply-add, which rounds once and changes results (and overflows) bitwise.
-#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
-#define MXF_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
-#else
-#define MXF_NO_CONTRACT
-#endif
+#include "no_contract.h"
 
 // MXNet's softrelu: x > 20 ? x : log1p(exp(x))
 inline float softrelu(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
