@@ -1,0 +1,85 @@
+"""``_contrib_box_nms`` as MXNet runs it against ``fused_box_nms``, on the detection heads' shapes.
+
+    python benchmarks/bench_box_nms.py [--repeats 7]
+
+The shapes and attributes of the GluonCV detectors' NMS calls (batch 1): YOLOv3 on COCO (every
+anchor × 80 classes: 851,760 rows, top 400), SSD-512 on VOC (122,640 rows, top 400), Faster
+R-CNN's proposal NMS (28,500 rows, top 6,000, no classes) and its per-class detection NMS (20 × 300
+rows).  Rows are random: scores uniform in [0, 1), class ids uniform, boxes 5–100 px wide in a
+500 px image, so most rows are valid and many overlap.  Both ops run interleaved on the same
+input; per case the median and p10–p90 of each (ms), the ratio, and whether both outputs are equal
+bit for bit.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)
+
+from fusion.native.env import configure_threads  # noqa: E402  (must run before mxnet is imported)
+
+configure_threads()
+
+import numpy as np  # noqa: E402
+
+CASES = [
+    ("yolo3_mobilenet1.0_coco", (1, 851760, 6),
+     dict(coord_start=2, score_index=1, id_index=0, force_suppress=False, overlap_thresh=0.45, topk=400,
+          valid_thresh=0.01)),
+    ("ssd_512_mobilenet1.0_voc", (1, 122640, 6),
+     dict(coord_start=2, score_index=1, id_index=0, force_suppress=False, overlap_thresh=0.45, topk=400,
+          valid_thresh=0.01)),
+    ("faster_rcnn proposals", (1, 28500, 5),
+     dict(coord_start=1, score_index=0, id_index=-1, force_suppress=True, overlap_thresh=0.7, topk=6000)),
+    ("faster_rcnn detections", (20, 300, 6),
+     dict(coord_start=2, score_index=1, id_index=0, force_suppress=False, overlap_thresh=0.3, topk=400,
+          valid_thresh=0.0001)),
+]
+
+
+def rows(rng, shape, attrs):
+    x = rng.uniform(0, 1, size=shape).astype(np.float32)
+    if attrs["id_index"] >= 0:
+        x[..., attrs["id_index"]] = rng.randint(0, 80, size=shape[:-1])
+    c0 = attrs["coord_start"]
+    xy = rng.uniform(0, 500, size=shape[:-1] + (2,))
+    x[..., c0:c0 + 2] = xy
+    x[..., c0 + 2:c0 + 4] = xy + rng.uniform(5, 100, size=xy.shape)
+    return x
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args(argv)
+    import time
+
+    import mxnet as mx
+
+    from fusion.native import library
+    library.load()
+    rng = np.random.RandomState(0)
+    print("%-24s %-16s %22s %22s %8s  %s" % ("case", "rows", "MXNet ms [p10-p90]", "fused ms [p10-p90]",
+                                             "speed-up", "equal"))
+    for name, shape, attrs in CASES:
+        x = mx.nd.array(rows(rng, shape, attrs))
+        calls = {"mxnet": lambda: mx.nd.contrib.box_nms(x, **attrs),
+                 "fused": lambda: mx.nd.fused_box_nms(x, **attrs)}
+        outs = {k: f().asnumpy() for k, f in calls.items()}
+        times = {k: [] for k in calls}
+        for _ in range(args.repeats):
+            for k, f in calls.items():
+                t0 = time.perf_counter()
+                f().wait_to_read()
+                times[k].append((time.perf_counter() - t0) * 1e3)
+        q = {k: np.percentile(v, [50, 10, 90]) for k, v in times.items()}
+        print("%-24s %-16s %8.2f [%6.2f-%6.2f] %8.2f [%6.2f-%6.2f] %7.1fx  %s" % (
+            name, "x".join(map(str, shape)), *q["mxnet"], *q["fused"], q["mxnet"][0] / q["fused"][0],
+            np.array_equal(outs["mxnet"], outs["fused"])))
+
+
+if __name__ == "__main__":
+    main()

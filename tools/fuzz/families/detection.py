@@ -1,0 +1,79 @@
+"""box_nms: a detection head's rows → non-maximum suppression → [the first rows].
+
+Grammar::
+
+    graph   := rows → nms [→ tail]
+    rows    := x (B, N, W)                                              (the rows as data: W = 6 | 7 | 5)
+             | decoded(x)  ids = floor(|x₀|·k), score = sigmoid(x₁), xy = x₂₃·s, wh = exp(x₄₅)
+                           → concat(ids, score, xy, xy + wh | wh, dim=2)  (SSD / YOLO decoders; corner | center)
+             | head(x)     FullyConnected(x (B, F)) → Reshape(0, N, 6) → decoded
+    nms     := _contrib_box_nms(overlap_thresh, valid_thresh, topk = -1 | 0 | small | ≥ N, id_index = 0 | -1,
+                                background_id, force_suppress, in_format, out_format)
+               column layouts: [id, score, box] | [score, box] (coord_start 1, score_index 0) | [box, id, x, score]
+             | near: the rows cast to float16 first                        (refused: float32 only)
+    tail    := none | slice_axis(·, axis=-2, 0, k) | + 1 | the hidden second output also an output (rare)
+"""
+from __future__ import annotations
+
+import json
+
+from .pieces import S
+
+
+def _decoded(b, x, n_cls: int, fmt: str):
+    d = b.d
+    col = lambda i: S.slice_axis(x, axis=2, begin=i, end=i + 1)  # noqa: E731
+    ids = S.floor(S.abs(col(0)) * n_cls)
+    score = S.sigmoid(col(1))
+    scale = d.choice([4.0, 1.0, 16.0], label="box scale")
+    xy = S.slice_axis(x, axis=2, begin=2, end=4) * scale
+    wh = S.exp(S.slice_axis(x, axis=2, begin=4, end=6))
+    return S.concat(ids, score, xy, xy + wh if fmt == "corner" else wh, dim=2)
+
+
+def build(b):
+    d = b.d
+    b.dim("B", [1, 2, 3])
+    n = b.size([12, 30, 5, 1, 64], [600, 2000], label="boxes")
+    fmt = d.choice(["corner", "center"], label="in_format")
+    source = d.choice(["data", "decoded", "head"], [3, 3, 1], label="rows")
+    layout = "id_score_box"
+    if source == "data":
+        layout = d.choice(["id_score_box", "score_box", "box_id_x_score"], [4, 2, 1], label="layout")
+        width = {"id_score_box": d.choice([6, 7], label="width"), "score_box": 5, "box_id_x_score": 7}[layout]
+        x = b.input("data", ("B", n, width), kind=d.choice(["unit", "pos", "normal"], label="values"))
+    elif source == "decoded":
+        x = _decoded(b, b.input("data", ("B", n, 6)), d.choice([3, 1, 20], label="classes"), fmt)
+    else:
+        f = d.choice([4, 8], label="features")
+        h = S.FullyConnected(b.input("data", ("B", f)), b.param("head_weight", (6 * n, f), kind="weight"),
+                             b.param("head_bias", (6 * n,)), num_hidden=6 * n, name=b.name("head"))
+        x = _decoded(b, S.reshape(h, shape=(0, n, 6)), d.choice([3, 1, 20], label="classes"), fmt)
+    cols = {"id_score_box": dict(coord_start=2, score_index=1, id_index=0),
+            "score_box": dict(coord_start=1, score_index=0, id_index=-1),
+            "box_id_x_score": dict(coord_start=0, score_index=6, id_index=4)}[layout]
+    if cols["id_index"] >= 0 and d.maybe(0.25, label="no class"):
+        cols["id_index"] = -1
+    attrs = dict(cols,
+                 overlap_thresh=d.choice([0.5, 0.45, 0.3, 0.7, 0.0, 1.0], label="overlap"),
+                 valid_thresh=d.choice([0.0, 0.01, 0.5, -1.0], label="valid"),
+                 topk=d.choice([-1, 400, 3, 0, n + 5, 1], label="topk"),
+                 force_suppress=d.maybe(0.4, label="force"),
+                 in_format=fmt, out_format=d.choice([fmt, "corner", "center"], label="out_format"))
+    if cols["id_index"] >= 0 and d.maybe(0.3, label="background"):
+        attrs["background_id"] = d.choice([0, 1, -1], label="background id")
+    if d.maybe(0.06, label="float16 rows"):
+        x = S.cast(x, dtype="float16")
+    name = b.name("nms")
+    y = S.contrib.box_nms(x, name=name, **attrs)
+    tail = d.choice(["none", "slice", "add", "hidden"], [3, 3, 1, 1], label="tail")
+    if tail == "slice":
+        y = S.slice_axis(y, axis=-2, begin=0, end=min(n, d.choice([1, 5, 10], label="kept rows")))
+    elif tail == "add":
+        y = y + 1
+    elif tail == "hidden":
+        js = json.loads(S.Group([y]).tojson())
+        node = [i for i, nd in enumerate(js["nodes"]) if nd["name"] == name][0]
+        js["heads"].append([node, 1, 0])
+        return [S.load_json(json.dumps(js))]
+    return [y]
