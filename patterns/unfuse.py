@@ -23,6 +23,7 @@ fused_dense_block          per layer: broadcast_mul → broadcast_add → Activa
                            → Activation(relu) → Convolution 3×3 → Concat(dim=1)
 fused_concat_scale_act     Concat(dim=1) → broadcast_mul(scale) → broadcast_add(shift) [→ Activation(relu) | relu]
 fused_box_nms              _contrib_box_nms (the same attributes)
+fused_max_pool             Pooling(pool_type='max', the same kernel, stride, pad, convention)
 fused_elemwise             the program's ops (broadcast_*, scalar ops, where on broadcast_like'd operands)
 fused_attention            head split (Reshape/transpose/slice_axis) → batch_dot(q, k, transpose_b) ·scale
                            [+ mask | where] → softmax [use_length] → batch_dot(·, v) → head merge
@@ -174,8 +175,21 @@ class UnfuseBoxNMS(UnfuseRule):
         return {Entry(f, 0): out, Entry(f, 1): kept}
 
 
+# ---------------------------------------------------------------- fused_max_pool
+
+class UnfuseMaxPool(UnfuseRule):
+    def __init__(self):
+        super().__init__("fused_max_pool", 1)
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        f = m.node("f")
+        attrs = {k: f.attrs[k] for k in ("kernel", "stride", "pad", "pooling_convention") if k in f.attrs}
+        attrs["pool_type"] = "max"
+        return b.op("Pooling", self.inputs(m), attrs=attrs, name=f.name)
+
+
 RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseSplitAttention(), UnfuseGroupedConv(), UnfuseDeconv(), UnfuseInvertedResidual(), UnfuseDenseBlock(),
-                     UnfuseConcatScaleAct(), UnfuseBoxNMS(), UnfuseElemwise(), UnfuseAttention()]
+                     UnfuseConcatScaleAct(), UnfuseBoxNMS(), UnfuseMaxPool(), UnfuseElemwise(), UnfuseAttention()]
 
 
 class _OnlyNodes(Rule):

@@ -1,8 +1,12 @@
-"""box_nms: a detection head's rows → non-maximum suppression → [the first rows].
+"""box_nms, max_pool: a detection head's rows → non-maximum suppression; heatmap peaks by max pooling.
 
 Grammar::
 
-    graph   := rows → nms [→ tail]
+    graph   := rows → nms [→ tail] | peaks
+    peaks   := h = heat(x (B, C, H, W)) → p = Pooling(h, max, kernel k×k', stride, pad < kernel, valid | full)
+               → [broadcast_mul(broadcast_equal(p, h), h)]                           (CenterNet's decoder)
+    heat    := sigmoid(x) | x (an input) | relu(x) · 2 | a library op's output (a dense layer + relu, reshaped)
+             | near: Convolution 1×1 (oneDNN's layout: refused), Activation(sigmoid) (refused), avg pooling (refused)
     rows    := x (B, N, W)                                              (the rows as data: W = 6 | 7 | 5)
              | decoded(x)  ids = floor(|x₀|·k), score = sigmoid(x₁), xy = x₂₃·s, wh = exp(x₄₅)
                            → concat(ids, score, xy, xy + wh | wh, dim=2)  (SSD / YOLO decoders; corner | center)
@@ -31,8 +35,46 @@ def _decoded(b, x, n_cls: int, fmt: str):
     return S.concat(ids, score, xy, xy + wh if fmt == "corner" else wh, dim=2)
 
 
+def _peaks(b):
+    d = b.d
+    b.dim("B", [1, 2])
+    c = d.choice([2, 3, 5], label="heat channels")
+    b.dim("H", [6, 9, 4, 13])
+    b.dim("W", [7, 8, 5, 16])
+    x = b.input("data", ("B", c, "H", "W"), kind=d.choice(["normal", "unit"], label="values"))
+    heat = d.choice(["sigmoid", "input", "relu", "library", "conv", "activation"], [4, 2, 1, 1, 1, 1], label="heat")
+    if heat == "sigmoid":
+        h = S.sigmoid(x)
+    elif heat == "relu":
+        h = S.relu(x) * 2
+    elif heat == "library":
+        hw = b.fixed("H") * b.fixed("W")
+        flat = S.reshape(x, shape=(0, -1))
+        fc = S.FullyConnected(flat, b.param("heat_weight", (c * hw, c * hw), kind="weight"),
+                              b.param("heat_bias", (c * hw,)), num_hidden=c * hw, name=b.name("heat_fc"))
+        h = S.reshape(S.relu(fc), shape=(0, c, b.dims["H"], b.dims["W"]))
+    elif heat == "conv":
+        h = S.Convolution(x, b.param("heat_weight", (c, c, 1, 1), kind="weight"), kernel=(1, 1), num_filter=c,
+                          no_bias=True, name=b.name("heat_conv"))
+    elif heat == "activation":
+        h = S.Activation(x, act_type="sigmoid")
+    else:
+        h = x
+    k = (d.choice([3, 2, 1, 5], label="kernel h"), d.choice([3, 2, 1, 4], label="kernel w"))
+    s = (d.choice([1, 2, 3], label="stride h"), d.choice([1, 2], label="stride w"))
+    pad = (d.int(0, k[0] - 1, label="pad h"), d.int(0, k[1] - 1, label="pad w"))
+    kind = d.choice(["max", "avg"], [9, 1], label="pool type")
+    p = S.Pooling(h, kernel=k, stride=s, pad=pad, pool_type=kind,
+                  pooling_convention=d.choice(["valid", "full"], label="convention"), name=b.name("pool"))
+    if d.maybe(0.6, label="keep peaks") and s == (1, 1) and all(2 * q == kk - 1 for q, kk in zip(pad, k)):
+        return [S.broadcast_mul(S.broadcast_equal(p, h), h)]
+    return [p]
+
+
 def build(b):
     d = b.d
+    if d.maybe(0.4, label="peaks"):
+        return _peaks(b)
     b.dim("B", [1, 2, 3])
     n = b.size([12, 30, 5, 1, 64], [600, 2000], label="boxes")
     fmt = d.choice(["corner", "center"], label="in_format")
@@ -64,6 +106,7 @@ def build(b):
         attrs["background_id"] = d.choice([0, 1, -1], label="background id")
     if d.maybe(0.06, label="float16 rows"):
         x = S.cast(x, dtype="float16")
+        b.flag("no_train")      # MXNet 1.9.1 itself aborts (SIGABRT) training a float16 box_nms at a second shape
     name = b.name("nms")
     y = S.contrib.box_nms(x, name=name, **attrs)
     tail = d.choice(["none", "slice", "add", "hidden"], [3, 3, 1, 1], label="tail")
