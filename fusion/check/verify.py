@@ -56,6 +56,10 @@ class VerifyResult:
     # the original's own spread: its outputs with MXNet's oneDNN backend on (its default bind) against off
     spread: Optional[float] = None
     spread_per_output: List[Tuple[str, float]] = field(default_factory=list)
+    # where the whole comparison failed and the model has NMS: the comparison cut at the NMS inputs
+    # (fusion/check/cuts.py): {"cuts": [names], "whole_max_rel": the whole comparison's error,
+    # "inputs": [(cut name, rel)]}; the errors above are then the piecewise ones
+    piecewise: Optional[Dict[str, Any]] = None
 
     @property
     def nonfinite(self) -> List[str]:
@@ -122,6 +126,12 @@ class VerifyResult:
             out.append("%s compared as %s: %s" % (
                 labels, layout.describe(), "%d row(s) changed places (compared by position: max rel error %.3g)"
                 % (moved, by_place) if moved else "no row changed places"))
+        if self.piecewise is not None:
+            pw = self.piecewise
+            out.append("compared piecewise at the inputs of %s (the whole model: max rel error %.3g, NMS choosing "
+                       "among near-ties): each NMS input max rel %s, the outputs from the original's NMS inputs "
+                       "max rel %.3g" % (", ".join("'%s'" % c for c in pw["cuts"]), pw["whole_max_rel"],
+                                         ", ".join("%.3g" % r for _, r in pw["inputs"]), pw["outputs_max_rel"]))
         if self.spread is not None:
             out.append("the original's own spread (its outputs with MXNet's oneDNN backend on vs off, compared "
                        "the same way): max rel %.3g" % self.spread)
@@ -137,6 +147,10 @@ class VerifyResult:
                                    if i in self.row_sets else {})}
                                for i, (name, _, _) in enumerate(self.per_output)],
                 "positional_max_rel": self.positional_max_rel,
+                "piecewise": None if self.piecewise is None else {
+                    "cuts": list(self.piecewise["cuts"]), "whole_max_rel": self.piecewise["whole_max_rel"],
+                    "inputs": [{"cut": c, "max_rel": r} for c, r in self.piecewise["inputs"]],
+                    "outputs_max_rel": self.piecewise["outputs_max_rel"]},
                 "original_spread": None if self.spread is None else {
                     "max_rel": self.spread, "per_output": [{"output": n, "max_rel": r}
                                                            for n, r in self.spread_per_output]},
@@ -483,6 +497,8 @@ def verify(original: Any, fused: Any, params: Any = None, input_shapes: Optional
 
     Outputs that hold the rows of a sorting op (NMS, topk, argsort, sort) are compared as
     sets of rows (``fusion/check/rowsets.py``; ``result.comparison(i)`` says how each output was);
+    where that fails and the graphs share NMS nodes, the model is also compared piecewise, cut at
+    the NMS inputs (``fusion/check/cuts.py``; ``result.piecewise``), and passes if every piece does;
     with ``spread`` the original is also run with MXNet's oneDNN backend on, and how far its
     own outputs move (``result.spread``) is reported beside the error.
     """
@@ -517,6 +533,8 @@ def verify(original: Any, fused: Any, params: Any = None, input_shapes: Optional
                 spreads.append(compare(ref, align_rows(ref, own, layouts)[0], names))
         refs.append(ref)
     result = _merge(results)
+    if not result.ok():
+        _try_piecewise(result, (sym0, arg0, aux0), (sym1, arg1, aux1), draws, names, layouts)
     result.constant = [_label(i, name) for i, name in enumerate(names) if _constant([r[i] for r in refs])]
     result.row_sets, result.moved_rows = dict(layouts), moved
     result.positional_max_rel = max(positional) if positional else None
@@ -526,6 +544,38 @@ def verify(original: Any, fused: Any, params: Any = None, input_shapes: Optional
         result.spread = merged.max_rel
         result.spread_per_output = [(name, rel) for name, _, rel in merged.per_output]
     return result
+
+
+def _try_piecewise(result: VerifyResult, original, fused, draws, names, layouts) -> None:
+    """Where it passes better: the piecewise comparison at the NMS inputs replaces the errors
+    of ``result`` (the whole comparison's kept in ``result.piecewise``)."""
+    from .cuts import piecewise
+
+    outs, cuts_cmp, cut_names = [], [], None
+    for feed in draws:
+        try:
+            got = piecewise(*original, *fused, feed, names, layouts, run, compare)
+        except (FusionError, ValueError, KeyError):
+            return
+        except Exception as e:  # noqa: BLE001  (MXNet refusing the cut graph: the whole comparison stands)
+            if type(e).__name__ != "MXNetError":
+                raise
+            return
+        if got is None:
+            return
+        outs.append(got[0])
+        cuts_cmp.append(got[1])
+        cut_names = got[2]
+    out, at_cuts = _merge(outs), _merge(cuts_cmp)
+    worst = max(out.max_rel, at_cuts.max_rel)
+    if at_cuts.nonfinite_mismatch or out.nonfinite_mismatch or not worst < result.max_rel:
+        return
+    result.piecewise = {"cuts": cut_names, "whole_max_rel": result.max_rel,
+                        "inputs": [(c, rel) for c, (_, _, rel) in zip(cut_names, at_cuts.per_output)],
+                        "outputs_max_rel": out.max_rel}
+    result.max_abs, result.max_rel = max(out.max_abs, at_cuts.max_abs), worst
+    result.per_output = out.per_output
+    result.nonfinite_mismatch = out.nonfinite_mismatch
 
 
 def _backend_aborts(symbol) -> bool:

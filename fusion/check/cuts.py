@@ -1,0 +1,82 @@
+"""Verifying a detection model piecewise: cut at the inputs of its NMS, where the outputs stop
+depending continuously on the values before them.
+
+Non-maximum suppression keeps the best-scored box of each overlapping group and drops the rest.
+Two scores a rounding apart can change which box survives, and a box that survives an earlier
+NMS (Faster R-CNN's proposals) decides what every later op computes: a fused model whose every
+value before an NMS agrees with the original's to float rounding can still end in other
+detections — on a random-weight network, whose scores are all near-ties, it does (Faster
+R-CNN's fused dense layers of its box head move its scores by 1e-7, and 1 in 20 detections
+changes).  Compared as a whole, such a model looks wrong; it is not.
+
+So where the whole comparison fails and the original has NMS nodes that the fused graph still
+has by name (MXNet's ``_contrib_box_nms`` or the library's ``fused_box_nms``), the fused graph is
+also compared **piecewise**: every NMS input of the fused graph is cut off and fed the
+original's value at that point, and
+
+* each NMS input the fused graph computes (from the original's values at the cuts before it) is
+  compared with the original's — the segments before the NMS;
+* its outputs (from the original's NMS inputs) are compared with the original's — the NMS itself
+  and everything after it, compared as the whole comparison compares them (rows as sets where
+  they come out of sorting).
+
+Every op of the fused graph is then checked against the original on the original's own values;
+a wrong rewrite anywhere still fails (a weight off by 1 % moves the NMS inputs by about that),
+only the NMS's choice among near-ties no longer counts.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..ir.graph import Entry, Graph, Node
+from .rowsets import NMS, align_rows
+
+#: the NMS ops a fused graph may hold in place of the original's (by the original node's name)
+NMS_LIKE = NMS | {"fused_box_nms"}
+CUT_PREFIX = "__verify_cut_"
+
+
+def cut_points(original: Any, fused: Any) -> List[str]:
+    """Names of the original's NMS nodes that the fused graph holds as an NMS of the same name."""
+    g0, g1 = Graph.from_symbol(original), Graph.from_symbol(fused)
+    fused_nms = {nd.name for nd in g1.nodes if nd.op in NMS_LIKE and nd.inputs}
+    return [nd.name for nd in g0.nodes if nd.op in NMS and nd.inputs and nd.name in fused_nms]
+
+
+def piecewise(original: Any, arg0: Mapping[str, Any], aux0: Mapping[str, Any],
+              fused: Any, arg1: Mapping[str, Any], aux1: Mapping[str, Any],
+              feed: Mapping[str, np.ndarray], names: Sequence[str], layouts, run, compare
+              ) -> Optional[Tuple[Any, Any, List[str]]]:
+    """(outputs compared, NMS inputs compared, the cut nodes' names) on one verification input,
+    or None where the graphs share no NMS to cut at.  ``run`` and ``compare`` are verify's."""
+    cuts = cut_points(original, fused)
+    if not cuts:
+        return None
+    g0 = Graph.from_symbol(original)
+    by_name0 = {nd.name: nd for nd in g0.nodes}
+    g0.heads = list(g0.heads) + [by_name0[c].inputs[0] for c in cuts]
+    vals0 = run(g0.to_symbol(), arg0, aux0, feed)
+    out0, at_cuts = vals0[:len(names)], vals0[len(names):]
+
+    g1 = Graph.from_symbol(fused)
+    by_name1 = {nd.name: nd for nd in g1.nodes}
+    computed: List[Entry] = []
+    fed: Dict[str, np.ndarray] = {}
+    for c, value in zip(cuts, at_cuts):
+        nms = by_name1[c]
+        computed.append(nms.inputs[0])
+        var = Node("null", g1.unique_name(CUT_PREFIX + c))
+        g1.nodes.insert(0, var)
+        nms.inputs[0] = Entry(var)
+        fed[var.name] = value
+    g1.heads = list(g1.heads) + computed
+    sym1 = g1.to_symbol()
+    args1 = set(sym1.list_arguments())
+    feed1 = {k: v for k, v in feed.items() if k in args1}
+    feed1.update(fed)
+    vals1 = run(sym1, arg1, aux1, feed1)
+    out1, inputs1 = vals1[:len(names)], vals1[len(names):]
+    aligned, _ = align_rows(out0, out1, layouts)
+    return (compare(out0, aligned, names), compare(at_cuts, inputs1, ["the input of %s" % c for c in cuts]), cuts)
