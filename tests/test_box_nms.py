@@ -201,3 +201,21 @@ def test_bad_rows_get_a_clear_error():
         mx.nd.fused_box_nms(x, coord_start=4).wait_to_read()
     with pytest.raises(mx.base.MXNetError, match="fused_box_nms: the last dimension must have at least 6"):
         mx.nd.fused_box_nms(mx.nd.zeros((1, 10, 5)), id_index=0).wait_to_read()
+
+
+def test_onnx_export_goes_through_mxnets_converter(tmp_path):
+    """fused_box_nms is exported un-fused: MXNet 1.9.1's own converter for _contrib_box_nms writes it
+    (what it writes, and whether ONNX Runtime runs it, is MXNet's: the same as for the original)."""
+    from fusion.onnx.export import export_onnx
+    from fusion.ir.errors import FusionError
+    sym = detector()
+    arg = params(sym, (2, 16))
+    res = fusion.fuse(sym, arg, {}, input_shapes={"data": (2, 16)})
+    outcomes = []
+    for s, a in ((sym, arg), (res.symbol, res.arg_params)):
+        try:
+            export_onnx(s, a, {}, {"data": (2, 16)}, str(tmp_path / ("m%d.onnx" % len(outcomes))))
+            outcomes.append("ok")
+        except FusionError as e:
+            outcomes.append(type(e).__name__ + ": " + str(e).split(":")[0])
+    assert outcomes[0] == outcomes[1], outcomes

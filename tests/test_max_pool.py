@@ -130,3 +130,16 @@ def test_training_float16_and_gpu_refused():
     half = S.Pooling(S.cast(S.var("data"), dtype="float16"), kernel=(3, 3), pool_type="max")
     res = fusion.fuse(half, {}, {}, input_shapes={"data": shape})
     assert any("is not float32" in r for r in rejected(res)), rejected(res)
+
+
+def test_onnx_export_through_mxnets_pooling(tmp_path):
+    from fusion.onnx.export import export_onnx
+    sym = heatmap_peaks()
+    shape = (1, 4, 10, 12)
+    arg = params(sym, shape)
+    res = fusion.fuse(sym, arg, {}, input_shapes={"data": shape})
+    assert ops(res).get("fused_max_pool") == 1
+    v = export_onnx(res.symbol, res.arg_params, res.aux_params, {"data": shape}, str(tmp_path / "m.onnx"))
+    assert v is not None and v.max_rel < 1e-5, v
+    import onnx
+    assert "MaxPool" in {n.op_type for n in onnx.load(str(tmp_path / "m.onnx")).graph.node}

@@ -19,6 +19,8 @@ fused_attention        Attention (q/k/v projections of one input     the stock o
                        (masks as lengths / attention bias, causal
                        as ``unidirectional``)
 fused_elemwise         the expression's ops                         the same
+fused_box_nms,         MXNet's own op (``_contrib_box_nms``,        the same
+fused_max_pool         ``Pooling``) through MXNet's converter
 =====================  ===========================================  ==========================================
 
 A fused op with no form for the target (an attention layout or mask the contrib ops cannot
@@ -860,6 +862,12 @@ def _export_fused_elemwise(node, **kwargs):
     return nodes
 
 
+def _export_through_stock_ops(node, **kwargs):
+    """fused_box_nms, fused_max_pool: MXNet's own op computes the same (``_contrib_box_nms``, ``Pooling``)
+    and MXNet's converter writes it: exported un-fused."""
+    raise _NeedsUnfuse()
+
+
 # MXNet op name -> exporter, called like MXNet's own converters: fn(node, **kwargs) -> [onnx.NodeProto, ...],
 # node being the op's entry of the Symbol JSON ("name", "inputs", "attrs") and kwargs MXNet's exporter
 # state (use node_io() for names; kwargs["initializer"] collects constant tensors).  Nodes in the
@@ -870,6 +878,8 @@ FUSED_OP_EXPORTERS: Dict[str, Callable[..., list]] = {
     "fused_dense": _export_fused_dense,
     "fused_attention": _export_fused_attention,
     "fused_elemwise": _export_fused_elemwise,
+    "fused_box_nms": _export_through_stock_ops,
+    "fused_max_pool": _export_through_stock_ops,
 }
 
 
