@@ -24,6 +24,7 @@ fused_dense_block          per layer: broadcast_mul → broadcast_add → Activa
 fused_concat_scale_act     Concat(dim=1) → broadcast_mul(scale) → broadcast_add(shift) [→ Activation(relu) | relu]
 fused_box_nms              _contrib_box_nms (the same attributes)
 fused_max_pool             Pooling(pool_type='max', the same kernel, stride, pad, convention)
+fused_roi_align            _contrib_ROIAlign (the same attributes)
 fused_elemwise             the program's ops (broadcast_*, scalar ops, where on broadcast_like'd operands)
 fused_attention            head split (Reshape/transpose/slice_axis) → batch_dot(q, k, transpose_b) ·scale
                            [+ mask | where] → softmax [use_length] → batch_dot(·, v) → head merge
@@ -188,8 +189,21 @@ class UnfuseMaxPool(UnfuseRule):
         return b.op("Pooling", self.inputs(m), attrs=attrs, name=f.name)
 
 
+# ---------------------------------------------------------------- fused_roi_align
+
+class UnfuseRoIAlign(UnfuseRule):
+    def __init__(self):
+        super().__init__("fused_roi_align", 2)
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        from .roi_align import ATTRS
+        f = m.node("f")
+        attrs = {k: f.attrs[k] for k in ATTRS if k in f.attrs}
+        return b.op("_contrib_ROIAlign", self.inputs(m), attrs=attrs, name=f.name)
+
+
 RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseSplitAttention(), UnfuseGroupedConv(), UnfuseDeconv(), UnfuseInvertedResidual(), UnfuseDenseBlock(),
-                     UnfuseConcatScaleAct(), UnfuseBoxNMS(), UnfuseMaxPool(), UnfuseElemwise(), UnfuseAttention()]
+                     UnfuseConcatScaleAct(), UnfuseBoxNMS(), UnfuseMaxPool(), UnfuseRoIAlign(), UnfuseElemwise(), UnfuseAttention()]
 
 
 class _OnlyNodes(Rule):

@@ -4,7 +4,8 @@ The per-rewrite self-check (``selfcheck``) and the whole-model check (``fusion.c
 feed graphs random inputs.  Drawn N(0, 1) everywhere, most would mean nothing to the ops that read
 them: a softmax length, an ``Embedding`` index, a ``where`` condition or a mask.  ``input_domain``
 reads the domain from the value's readers (looking through ops that pass a value on unchanged in
-kind: ``PASS_THROUGH``), ``draw`` draws in it.  A domain is ``("bool",)``, ``("int", lo, hi)``
+kind: ``PASS_THROUGH``), ``draw`` draws in it.  A domain is ``("rois", batch, image height, image
+width)`` (RoI Align's boxes: a valid batch index, corners in the image), ``("bool",)``, ``("int", lo, hi)``
 (both included) or None (any real value).
 """
 from __future__ import annotations
@@ -72,6 +73,10 @@ def slot_domain(node: Node, slot: int, shape_of) -> Optional[Tuple]:
             return None if n is None else ("int", 0, n)
     if op == "fused_elemwise" and "where(x%d," % slot in node.attrs.raw("expr", "").replace(" ", ""):
         return ("bool",)
+    if op in ("_contrib_ROIAlign", "fused_roi_align") and slot == 1:
+        s = shape_of(node.inputs[0])
+        scale = float(node.param("spatial_scale", 1.0) or 1.0)
+        return None if s is None or len(s) != 4 else ("rois", s[0], s[2] / scale, s[3] / scale)
     return None
 
 
@@ -91,6 +96,14 @@ def input_domain(entry_users: List[Tuple[Node, int]], users_of, shape_of, depth:
 
 
 def draw(rng: np.random.Generator, shape: tuple, dtype: str, domain: Optional[Tuple]) -> np.ndarray:
+    if domain is not None and domain[0] == "rois" and len(shape) == 2 and shape[1] == 5:
+        # RoI Align's boxes: [batch index, x1, y1, x2, y2] of the data's batch, in the image the
+        # feature map covers (a negative or too large index leaves MXNet's output undefined)
+        _, n, h, w = domain
+        x = rng.uniform(-0.1 * w, w, (shape[0], 2))
+        y = rng.uniform(-0.1 * h, h, (shape[0], 2))
+        boxes = np.stack([x.min(1), y.min(1), x.max(1), y.max(1)], 1)
+        return np.concatenate([rng.integers(0, max(1, int(n)), (shape[0], 1)), boxes], 1).astype(dtype)
     if domain is not None and domain[0] == "bool":
         return rng.integers(0, 2, shape).astype(dtype)
     if domain is not None and domain[0] == "int":

@@ -20,7 +20,9 @@ fused_attention        Attention (q/k/v projections of one input     the stock o
                        as ``unidirectional``)
 fused_elemwise         the expression's ops                         the same
 fused_box_nms,         MXNet's own op (``_contrib_box_nms``,        the same
-fused_max_pool         ``Pooling``) through MXNet's converter
+fused_max_pool,        ``Pooling``, ``_contrib_ROIAlign``) through
+fused_roi_align        MXNet's converter (it has none for ROIAlign:
+                       the original's error)
 =====================  ===========================================  ==========================================
 
 A fused op with no form for the target (an attention layout or mask the contrib ops cannot
@@ -863,8 +865,9 @@ def _export_fused_elemwise(node, **kwargs):
 
 
 def _export_through_stock_ops(node, **kwargs):
-    """fused_box_nms, fused_max_pool: MXNet's own op computes the same (``_contrib_box_nms``, ``Pooling``)
-    and MXNet's converter writes it: exported un-fused."""
+    """fused_box_nms, fused_max_pool, fused_roi_align: MXNet's own op computes the same
+    (``_contrib_box_nms``, ``Pooling``, ``_contrib_ROIAlign``): exported un-fused, through MXNet's
+    converter where it has one (none for ROIAlign: the original model's error)."""
     raise _NeedsUnfuse()
 
 
@@ -880,6 +883,7 @@ FUSED_OP_EXPORTERS: Dict[str, Callable[..., list]] = {
     "fused_elemwise": _export_fused_elemwise,
     "fused_box_nms": _export_through_stock_ops,
     "fused_max_pool": _export_through_stock_ops,
+    "fused_roi_align": _export_through_stock_ops,
 }
 
 

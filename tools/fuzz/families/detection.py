@@ -2,7 +2,10 @@
 
 Grammar::
 
-    graph   := rows → nms [→ tail] | peaks
+    graph   := rows → nms [→ tail] | peaks | roi
+    roi     := features (n, C, H, W) (an input | Convolution 1×1 of it) → ROIAlign(·, rois (R, 5) valid boxes,
+               pooled_size, spatial_scale, sample_ratio, aligned | near: position_sensitive (refused))
+               [→ Flatten → relu]
     peaks   := h = heat(x (B, C, H, W)) → p = Pooling(h, max, kernel k×k', stride, pad < kernel, valid | full)
                → [broadcast_mul(broadcast_equal(p, h), h)]                           (CenterNet's decoder)
     heat    := sigmoid(x) | x (an input) | relu(x) · 2 | a library op's output (a dense layer + relu, reshaped)
@@ -71,10 +74,46 @@ def _peaks(b):
     return [p]
 
 
+def _roi_align(b):
+    d = b.d
+    import numpy as np
+    n = d.choice([1, 2], label="images")
+    b.dim("C", [3, 8, 64, 70])
+    h, w = d.choice([6, 9, 1, 13], label="map h"), d.choice([7, 8, 1, 11], label="map w")
+    x = b.input("data", (n, "C", h, w), kind=d.choice(["normal", "unit"], label="values"))
+    if d.maybe(0.4, label="features from a convolution"):
+        c = b.fixed("C")
+        x = S.Convolution(x, b.param("feat_weight", (c, c, 1, 1), kind="weight"), kernel=(1, 1), num_filter=c,
+                          no_bias=True, name=b.name("feat"))
+    scale = d.choice([0.25, 1.0, 0.0625, 0.5], label="spatial scale")
+    r = d.choice([5, 1, 12], label="rois")
+    rng = np.random.RandomState(d.seed("roi values"))
+    xy = np.stack([rng.uniform(-2, w / scale, r), rng.uniform(-2, h / scale, r)], 1)
+    wh = rng.uniform(0, 12 / scale, (r, 2)) * rng.choice([1.0, 0.01], (r, 1))
+    aligned = d.maybe(0.3, label="aligned")
+    if aligned:
+        wh = np.maximum(wh, 0.5)
+    rois = np.concatenate([rng.randint(0, n, (r, 1)), xy, xy + wh], 1)
+    pooled = (d.choice([2, 3, 1, 7], label="pooled h"), d.choice([2, 3, 1, 5], label="pooled w"))
+    # position-sensitive: the channels must split into pooled h x pooled w groups
+    sensitive = d.maybe(0.08, label="position sensitive") and b.dims["C"] % (pooled[0] * pooled[1]) == 0
+    if sensitive:
+        b.fixed("C")
+    y = S.contrib.ROIAlign(x, b.param("rois", (r, 5), value=rois), name=b.name("roi"), pooled_size=pooled,
+                           spatial_scale=scale, sample_ratio=d.choice([2, -1, 1, 3], label="sample ratio"),
+                           aligned=aligned, position_sensitive=sensitive)
+    if d.maybe(0.3, label="head"):
+        y = S.relu(S.Flatten(y))
+    return [y]
+
+
 def build(b):
     d = b.d
-    if d.maybe(0.4, label="peaks"):
+    kind = d.choice(["nms", "peaks", "roi"], [5, 3, 3], label="graph")
+    if kind == "peaks":
         return _peaks(b)
+    if kind == "roi":
+        return _roi_align(b)
     b.dim("B", [1, 2, 3])
     n = b.size([12, 30, 5, 1, 64], [600, 2000], label="boxes")
     fmt = d.choice(["corner", "center"], label="in_format")
