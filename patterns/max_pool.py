@@ -26,6 +26,7 @@ from typing import List, Optional
 from fusion.ir.graph import Entry
 from fusion.ir.matcher import Match
 from fusion.ir.pattern import Pattern, Var, op
+from fusion.engine.reasons import NearMiss
 from fusion.engine.rewrite import Builder
 from fusion.engine.rule import Rule
 
@@ -67,14 +68,14 @@ class MaxPool(Rule):
         if m.ctx.device != "cpu":
             return "fused_max_pool has no %s implementation" % m.ctx.device
         if pool.param("pool_type", "max") != "max":
-            return "Pooling '%s' is %s pooling (only max)" % (pool.name, pool.param("pool_type"))
+            return NearMiss("Pooling '%s' is %s pooling (only max)" % (pool.name, pool.param("pool_type")))
         if pool.param("global_pool", False):
-            return "Pooling '%s' is global" % pool.name
+            return NearMiss("Pooling '%s' is global" % pool.name)
         if pool.param("layout", None) not in (None, "NCHW"):
             return "Pooling '%s' has layout %s (only NCHW)" % (pool.name, pool.param("layout"))
         kernel = tuple(pool.param("kernel", ()) or ())
         if len(kernel) != 2:
-            return "Pooling '%s' is not 2-D" % pool.name
+            return NearMiss("Pooling '%s' is not 2-D" % pool.name)
         convention = pool.param("pooling_convention", "valid")
         if convention not in ("valid", "full"):
             return "Pooling '%s' uses the %r convention" % (pool.name, convention)
@@ -86,8 +87,9 @@ class MaxPool(Rule):
             return reason
         src = m["x"].node
         if src.op != "null" and not src.op.startswith("fused_") and src.op not in PLAIN_PRODUCERS:
-            return ("the input of Pooling '%s' comes from %s '%s', which MXNet runs in oneDNN's layout: its own "
-                    "pooling is fast there" % (pool.name, src.op, src.name))
+            # every pooling of a convolution (a ResNet's stem): a near-miss (--explain), not news
+            return NearMiss("the input of Pooling '%s' comes from %s '%s', which MXNet runs in oneDNN's layout: its "
+                            "own pooling is fast there" % (pool.name, src.op, src.name))
         shape = m.ctx.partial_shape(m["x"])
         if shape is not None and len(shape) != 4:
             return "the input of Pooling '%s' is not (N, C, H, W)" % pool.name
