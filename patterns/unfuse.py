@@ -22,6 +22,7 @@ fused_inverted_residual               [Convolution 1×1 → act] → Convolution
 fused_dense_block          per layer: broadcast_mul → broadcast_add → Activation(relu) → Convolution 1×1
                            → Activation(relu) → Convolution 3×3 → Concat(dim=1)
 fused_concat_scale_act     Concat(dim=1) → broadcast_mul(scale) → broadcast_add(shift) [→ Activation(relu) | relu]
+fused_bilinear_resize      _contrib_BilinearResize2D (the same attributes and inputs)
 fused_elemwise             the program's ops (broadcast_*, scalar ops, where on broadcast_like'd operands)
 fused_attention            head split (Reshape/transpose/slice_axis) → batch_dot(q, k, transpose_b) ·scale
                            [+ mask | where] → softmax [use_length] → batch_dot(·, v) → head merge
@@ -159,8 +160,21 @@ class UnfuseConcatScaleAct(UnfuseRule):
         return activation(b, y, f.attrs.get("act", "none"), 0.0, f.name)
 
 
+# ---------------------------------------------------------------- fused_bilinear_resize
+
+class UnfuseBilinearResize(UnfuseRule):
+    """The op takes _contrib_BilinearResize2D's own attributes and inputs (data [, like])."""
+
+    def __init__(self):
+        super().__init__("fused_bilinear_resize", 2)
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        f = m.node("f")
+        return b.op("_contrib_BilinearResize2D", self.inputs(m), attrs=f.attrs.copy(), name=f.name)
+
+
 RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseSplitAttention(), UnfuseGroupedConv(), UnfuseDeconv(), UnfuseInvertedResidual(), UnfuseDenseBlock(),
-                     UnfuseConcatScaleAct(), UnfuseElemwise(), UnfuseAttention()]
+                     UnfuseConcatScaleAct(), UnfuseBilinearResize(), UnfuseElemwise(), UnfuseAttention()]
 
 
 class _OnlyNodes(Rule):
