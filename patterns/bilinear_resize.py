@@ -66,6 +66,17 @@ def _scale(node: Node, key: str) -> Optional[np.float32]:
     return None if v is None else np.float32(v)
 
 
+def attrs_reason(node: Node) -> Optional[str]:
+    """Why MXNet's shape inference fails on ``node``'s attributes whatever the input (None: it does not)."""
+    mode = node.param("mode", "size")
+    sh, sw = _scale(node, "scale_height"), _scale(node, "scale_width")
+    if mode == "size" and sh is not None and sw is None:
+        return "sets scale_height without scale_width (MXNet's shape inference fails on it)"
+    if mode == "odd_scale" and (sh is None or sw is None):
+        return "is in mode odd_scale without scale_height and scale_width (MXNet's shape inference fails on it)"
+    return None
+
+
 def output_hw(node: Node, h: int, w: int, like: Optional[tuple]) -> Tuple[Optional[Tuple[int, int]], str]:
     """(OH, OW) of ``node`` at input height ``h`` and width ``w`` as MXNet 1.9.1's
     BilinearSampleOpInferShape computes them (int16 sizes, float scales), or (None, why not)."""
@@ -75,14 +86,14 @@ def output_hw(node: Node, h: int, w: int, like: Optional[tuple]) -> Tuple[Option
         if sh is None:      # MXNet reads scale_width only with scale_height
             return (int(node.param("height", 1)), int(node.param("width", 1))), ""
         if sw is None:
-            return None, "sets scale_height without scale_width (MXNet's shape inference fails on it)"
+            return None, attrs_reason(node)
         oh, ow = _trunc(sh * np.float32(h)), _trunc(sw * np.float32(w))
         if oh is None or ow is None:
             return None, "has an output size past int32"
         return (_int16(oh), _int16(ow)), ""
     if mode == "odd_scale":
         if sh is None or sw is None:
-            return None, "is in mode odd_scale without scale_height and scale_width"
+            return None, attrs_reason(node)
         sizes = []
         for n, s in ((h, sh), (w, sw)):
             t = _trunc(s * np.float32(n if n % 2 == 0 else n - 1))
@@ -116,21 +127,24 @@ class BilinearResize(Rule):
             return "BilinearResize2D '%s' has mode %r (known: %s)" % (r.name, mode, ", ".join(MODES))
         if (mode == "like") != m.has("like"):
             return "BilinearResize2D '%s' in mode %r has %d inputs" % (r.name, mode, len(r.inputs))
+        why = attrs_reason(r)           # before the shapes: MXNet's inference fails on these
+        if why:
+            return "BilinearResize2D '%s' %s" % (r.name, why)
         reason = float32_reason([m["x"]], m.ctx)
         if reason:
             return reason
-        x = m.ctx.shape(m["x"])
-        if x is None:
-            return NeedsShapes("the input shape of BilinearResize2D '%s' is unknown" % r.name)
-        if len(x) != 4:
-            return "the input of BilinearResize2D '%s' has shape %s, not 4-D (N, C, H, W)" % (r.name, x)
         like = None
-        if mode == "like":
+        if mode == "like":              # before the data's: an unknown like leaves the whole graph unknown
             like = m.ctx.shape(m["like"])
             if like is None:
                 return NeedsShapes("the shape of the like input of BilinearResize2D '%s' is unknown" % r.name)
             if len(like) < 4:
                 return "the like input of BilinearResize2D '%s' has shape %s, of rank below 4" % (r.name, like)
+        x = m.ctx.shape(m["x"])
+        if x is None:
+            return NeedsShapes("the input shape of BilinearResize2D '%s' is unknown" % r.name)
+        if len(x) != 4:
+            return "the input of BilinearResize2D '%s' has shape %s, not 4-D (N, C, H, W)" % (r.name, x)
         hw, why = output_hw(r, x[2], x[3], like)
         if hw is None:
             return "BilinearResize2D '%s' %s" % (r.name, why)

@@ -17,7 +17,7 @@ from conftest import fuse_and_check, ops, random_params
 
 S = mx.sym
 GPU_KERNELS = {"fused_dense", "fused_attention", "fused_add_layer_norm", "fused_elemwise"}
-CPU_ONLY = {"fused_se", "fused_concat_scale_act"}
+CPU_ONLY = {"fused_se", "fused_concat_scale_act", "fused_bilinear_resize"}
 
 
 def caps_table(gpu_forward=(), gpu_backward=()):

@@ -19,6 +19,8 @@ fused_attention        Attention (q/k/v projections of one input     the stock o
                        (masks as lengths / attention bias, causal
                        as ``unidirectional``)
 fused_elemwise         the expression's ops                         the same
+fused_bilinear_resize  Resize (linear; align_corners or              the same (also for MXNet's own
+                       pytorch_half_pixel, MXNet's output size)     _contrib_BilinearResize2D)
 =====================  ===========================================  ==========================================
 
 A fused op with no form for the target (an attention layout or mask the contrib ops cannot
