@@ -3,8 +3,8 @@
 ``FAMILIES`` maps a family name to (build function, weight in a mixed run).  A build
 function takes a :class:`~tools.fuzz.case.Builder` and returns the graph's outputs.
 """
-from . import (attention, blocks, conv, dense, dense_block, dense_concat, elemwise, inverted_residual, norm, params, se,
-               split_attention)
+from . import (attention, blocks, conv, dense, dense_block, dense_concat, elemwise, inverted_residual, norm, params,
+               resize, se, split_attention)
 
 FAMILIES = {
     "conv": (conv.build, 3),
@@ -19,4 +19,5 @@ FAMILIES = {
     "split_attention": (split_attention.build, 2),
     "inverted_residual": (inverted_residual.build, 2),
     "dense_block": (dense_block.build, 1),
+    "resize": (resize.build, 2),
 }
