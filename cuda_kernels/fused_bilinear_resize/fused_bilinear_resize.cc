@@ -219,6 +219,19 @@ void vertical(const float* __restrict a, const float* __restrict b, float h0, fl
   for (int64_t i = w; i < ow; ++i) y[i] = h0 * a[i] + h1 * b[i];
 }
 
+// Two consecutive output rows that read the same two input rows (upscaling): each element as
+// vertical() computes it, the two rows in one pass over a and b.
+void vertical2(const float* __restrict a, const float* __restrict b, float p0, float p1, float q0, float q1,
+               int64_t ow, float* __restrict y) {
+  float* __restrict y1 = y + ow;
+#pragma omp simd
+  for (int64_t w = 0; w < ow; ++w) {
+    const float va = a[w], vb = b[w];
+    y[w] = p0 * va + p1 * vb;
+    y1[w] = q0 * va + q1 * vb;
+  }
+}
+
 MXReturnValue forward(const Attrs& attrs, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
                       const OpResource&) {
   return guarded("fused_bilinear_resize", [&] {
@@ -276,11 +289,17 @@ MXReturnValue forward(const Attrs& attrs, std::vector<MXTensor>* in, std::vector
           held[k] = r;
           return slot[k];
         };
-        for (int64_t h = h_begin; h < h_end; ++h) {
+        for (int64_t h = h_begin; h < h_end;) {
           const int r0 = rows.i0[h], r1 = rows.i1[h];
           const float* a = row(r0);
           const float* b = row(r1);  // r1 is r0 or r0 + 1: it never evicts r0
-          vertical(a, b, rows.l0[h], rows.l1[h], OW, y + h * OW, stream);
+          if (!stream && h + 1 < h_end && rows.i0[h + 1] == r0 && rows.i1[h + 1] == r1) {
+            vertical2(a, b, rows.l0[h], rows.l1[h], rows.l0[h + 1], rows.l1[h + 1], OW, y + h * OW);
+            h += 2;
+          } else {
+            vertical(a, b, rows.l0[h], rows.l1[h], OW, y + h * OW, stream);
+            h += 1;
+          }
         }
       }
 #if defined(__AVX__) && defined(__GNUC__) && !defined(__CUDACC__)
