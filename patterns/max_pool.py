@@ -36,7 +36,7 @@ from ._dtypes import float32_reason
 #: elementwise, broadcast and scalar ops (besides the library's own fused_* ops and graph inputs).
 PLAIN_PRODUCERS = frozenset({
     "sigmoid", "tanh", "relu", "exp", "log", "sqrt", "rsqrt", "square", "abs", "negative", "reciprocal", "clip",
-    "hard_sigmoid", "softsign", "erf", "Cast", "cast", "amp_cast",
+    "hard_sigmoid", "softsign", "erf", "Cast", "cast", "amp_cast", "_contrib_BilinearResize2D",
     "broadcast_add", "broadcast_sub", "broadcast_mul", "broadcast_div", "broadcast_maximum", "broadcast_minimum",
     "broadcast_plus", "broadcast_minus", "broadcast_power", "broadcast_equal", "broadcast_greater",
     "elemwise_sub", "elemwise_mul", "elemwise_div", "_maximum", "_minimum", "_mul", "_div", "_sub", "_minus",

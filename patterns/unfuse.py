@@ -25,6 +25,7 @@ fused_concat_scale_act     Concat(dim=1) → broadcast_mul(scale) → broadcast_
 fused_box_nms              _contrib_box_nms (the same attributes)
 fused_max_pool             Pooling(pool_type='max', the same kernel, stride, pad, convention)
 fused_roi_align            _contrib_ROIAlign (the same attributes)
+fused_bilinear_resize      _contrib_BilinearResize2D (the same attributes and inputs)
 fused_elemwise             the program's ops (broadcast_*, scalar ops, where on broadcast_like'd operands)
 fused_attention            head split (Reshape/transpose/slice_axis) → batch_dot(q, k, transpose_b) ·scale
                            [+ mask | where] → softmax [use_length] → batch_dot(·, v) → head merge
@@ -202,8 +203,21 @@ class UnfuseRoIAlign(UnfuseRule):
         return b.op("_contrib_ROIAlign", self.inputs(m), attrs=attrs, name=f.name)
 
 
+# ---------------------------------------------------------------- fused_bilinear_resize
+
+class UnfuseBilinearResize(UnfuseRule):
+    """The op takes _contrib_BilinearResize2D's own attributes and inputs (data [, like])."""
+
+    def __init__(self):
+        super().__init__("fused_bilinear_resize", 2)
+
+    def rewrite(self, m: Match, b: Builder) -> Entry:
+        f = m.node("f")
+        return b.op("_contrib_BilinearResize2D", self.inputs(m), attrs=f.attrs.copy(), name=f.name)
+
+
 RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseSplitAttention(), UnfuseGroupedConv(), UnfuseDeconv(), UnfuseInvertedResidual(), UnfuseDenseBlock(),
-                     UnfuseConcatScaleAct(), UnfuseBoxNMS(), UnfuseMaxPool(), UnfuseRoIAlign(), UnfuseElemwise(), UnfuseAttention()]
+                     UnfuseConcatScaleAct(), UnfuseBoxNMS(), UnfuseMaxPool(), UnfuseRoIAlign(), UnfuseBilinearResize(), UnfuseElemwise(), UnfuseAttention()]
 
 
 class _OnlyNodes(Rule):

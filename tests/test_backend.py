@@ -251,6 +251,7 @@ def test_ops_fused_for_inference_only_report_no_backward():
     from fusion.native import library as _native
     caps = _native.capabilities()
     for op in ("fused_se", "fused_split_attention", "fused_grouped_conv", "fused_concat_scale_act",
-               "fused_inverted_residual", "fused_dense_block", "fused_box_nms", "fused_max_pool", "fused_roi_align"):
+               "fused_inverted_residual", "fused_dense_block", "fused_deconv", "fused_box_nms", "fused_max_pool",
+               "fused_roi_align", "fused_bilinear_resize"):
         assert caps[op]["backward"] == frozenset(), op
     assert "cpu" in caps["fused_dense"]["backward"]

@@ -17,7 +17,8 @@ from conftest import fuse_and_check, ops, random_params
 
 S = mx.sym
 GPU_KERNELS = {"fused_dense", "fused_attention", "fused_add_layer_norm", "fused_elemwise"}
-CPU_ONLY = {"fused_se", "fused_concat_scale_act", "fused_box_nms", "fused_max_pool", "fused_roi_align"}
+CPU_ONLY = {"fused_se", "fused_concat_scale_act", "fused_box_nms", "fused_max_pool", "fused_roi_align",
+            "fused_bilinear_resize"}
 
 
 def caps_table(gpu_forward=(), gpu_backward=()):

@@ -23,6 +23,8 @@ fused_box_nms,         MXNet's own op (``_contrib_box_nms``,        the same
 fused_max_pool,        ``Pooling``, ``_contrib_ROIAlign``) through
 fused_roi_align        MXNet's converter (it has none for ROIAlign:
                        the original's error)
+fused_bilinear_resize  Resize (linear; align_corners or              the same (also for MXNet's own
+                       pytorch_half_pixel, MXNet's output size)     _contrib_BilinearResize2D)
 =====================  ===========================================  ==========================================
 
 A fused op with no form for the target (an attention layout or mask the contrib ops cannot
@@ -871,6 +873,39 @@ def _export_through_stock_ops(node, **kwargs):
     raise _NeedsUnfuse()
 
 
+def _export_bilinear_resize(node, **kwargs):
+    """_contrib_BilinearResize2D / fused_bilinear_resize (the same attributes): ONNX Resize, linear, with
+    MXNet's coordinates -- ``align_corners``, or ``pytorch_half_pixel`` (in/out · (i + ½) − ½, clamped
+    at 0; 0 for a side of 1) without it -- to the output size MXNet infers (every mode).  MXNet 1.9.1's
+    own converter writes align_corners for both and takes mode 'size' only."""
+    from onnx import helper
+    name, inputs, attrs = node_io(node, kwargs)
+    st = _st()
+    mode = attrs.get("mode", "size")
+    out = _out_shape(kwargs)
+    if out is None or len(out) != 4:
+        raise OnnxExportError("BilinearResize2D '%s': its output shape is unknown" % name, node=name, op=node["op"])
+    shape, nc = _fresh(name + "_shape"), _fresh(name + "_nc")
+    nodes = [helper.make_node("Shape", [inputs[0]], [shape]),
+             helper.make_node("Slice", [shape, _i64(kwargs, name + "_0", [0]), _i64(kwargs, name + "_2", [2])], [nc])]
+    if mode == "like":
+        like, hw = _fresh(name + "_like_shape"), _fresh(name + "_hw")
+        nodes += [helper.make_node("Shape", [inputs[1]], [like]),
+                  helper.make_node("Slice", [like, _i64(kwargs, name + "_2b", [2]), _i64(kwargs, name + "_4", [4])],
+                                   [hw])]
+    elif mode == "size" and attrs.get("scale_height", "None") == "None" or not st.dynamic:
+        hw = _i64(kwargs, name + "_hw", [int(out[2]), int(out[3])])
+    else:
+        raise OnnxExportError("BilinearResize2D '%s' in mode %s: its output size follows the input's, with "
+                              "MXNet's rounding; no dynamic ONNX form" % (name, mode), node=name, op=node["op"])
+    sizes = _fresh(name + "_sizes")
+    nodes.append(helper.make_node("Concat", [nc, hw], [sizes], axis=0))
+    coords = "align_corners" if _attr_bool(attrs, "align_corners", True) else "pytorch_half_pixel"
+    nodes.append(helper.make_node("Resize", [inputs[0], "", "", sizes], [name], name=name, mode="linear",
+                                  coordinate_transformation_mode=coords))
+    return nodes
+
+
 # MXNet op name -> exporter, called like MXNet's own converters: fn(node, **kwargs) -> [onnx.NodeProto, ...],
 # node being the op's entry of the Symbol JSON ("name", "inputs", "attrs") and kwargs MXNet's exporter
 # state (use node_io() for names; kwargs["initializer"] collects constant tensors).  Nodes in the
@@ -884,6 +919,7 @@ FUSED_OP_EXPORTERS: Dict[str, Callable[..., list]] = {
     "fused_box_nms": _export_through_stock_ops,
     "fused_max_pool": _export_through_stock_ops,
     "fused_roi_align": _export_through_stock_ops,
+    "fused_bilinear_resize": _export_bilinear_resize,
 }
 
 
@@ -955,6 +991,7 @@ _EXTRA_EXPORTERS: Dict[str, Callable[..., list]] = {
     "_rpower_scalar": _scalar_op("Pow", True),
     "_maximum_scalar": _scalar_op("Max", False), "_minimum_scalar": _scalar_op("Min", False),
     "Reshape": _export_reshape, "LayerNorm": _export_layer_norm, "FullyConnected": _export_fully_connected,
+    "_contrib_BilinearResize2D": _export_bilinear_resize,
 }
 
 

@@ -4,7 +4,7 @@
 function takes a :class:`~tools.fuzz.case.Builder` and returns the graph's outputs.
 """
 from . import (attention, blocks, conv, dense, dense_block, dense_concat, detection, elemwise, inverted_residual, norm,
-               params, se, split_attention)
+               params, resize, se, split_attention)
 
 FAMILIES = {
     "conv": (conv.build, 3),
@@ -20,4 +20,5 @@ FAMILIES = {
     "inverted_residual": (inverted_residual.build, 2),
     "dense_block": (dense_block.build, 1),
     "detection": (detection.build, 2),
+    "resize": (resize.build, 2),
 }
