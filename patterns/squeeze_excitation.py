@@ -227,6 +227,8 @@ class SqueezeExcitation(Rule):
         gate = m.node("gate")
         if gate.op in ("Activation", "sigmoid"):
             attrs["gate"] = "sigmoid"
+            if gate.op == "sigmoid":     # spelled as it was, for unfuse: MXNet's oneDNN backend takes a
+                attrs["gate_op"] = "sigmoid"     # Convolution → Activation(sigmoid) in and turns NaN into 0
         elif gate.op == "hard_sigmoid":
             attrs.update(gate="hard_sigmoid", alpha=_f32(gate.param("alpha", 0.2)), beta=_f32(gate.param("beta", 0.5)))
         else:

@@ -129,7 +129,9 @@ class UnfuseSE(UnfuseRule):
         h = activation(b, h, f.attrs.get("act", "relu"), float(f.param("slope", 0.25)), f.name + "_act")
         g = self._layer(b, f, 2, h, w2, b2, int(f.attrs["num_channels"]))
         gate = f.attrs.get("gate", "sigmoid")
-        if gate == "sigmoid":
+        if gate == "sigmoid" and f.attrs.get("gate_op") == "sigmoid":
+            g = b.op("sigmoid", [g], name=f.name + "_gate")
+        elif gate == "sigmoid":
             g = b.op("Activation", [g], attrs={"act_type": "sigmoid"}, name=f.name + "_gate")
         elif gate == "hard_sigmoid":
             g = b.op("hard_sigmoid", [g], attrs={"alpha": float(f.param("alpha", 0.2)),

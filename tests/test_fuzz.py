@@ -7,7 +7,7 @@ shape, unfuse, idempotence, training gradients and parameters, and MXNet's defau
 each fires at least ``MIN_FIRES`` times, so the fuzzer provably exercises them.
 
 On a failure the message lists the failure classes with a seed each; reproduce and shrink them
-with ``.venv/bin/python tools/fuzz_graphs.py --graphs 600 --seed 20240601 --out fuzz_failures``.
+with ``.venv/bin/python tools/fuzz_graphs.py --graphs 900 --seed 20240601 --out fuzz_failures``.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 from tools.fuzz.families import FAMILIES
 from tools.fuzz.runner import format_summary, fuzz
 
-GRAPHS = 600
+GRAPHS = 900
 SEED = 20240601
 MIN_FIRES = 5
 MAX_INVALID = 0.03          # originals MXNet refuses + graphs the generator gave up on
