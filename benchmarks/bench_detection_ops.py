@@ -66,8 +66,6 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)
-    import time
-
     import mxnet as mx
 
     from fusion.native import library
@@ -77,19 +75,10 @@ def main(argv=None):
                                              "speed-up", "equal"))
     for name, shape, attrs in CASES:
         x = mx.nd.array(rows(rng, shape, attrs))
-        calls = {"mxnet": lambda: mx.nd.contrib.box_nms(x, **attrs),
-                 "fused": lambda: mx.nd.fused_box_nms(x, **attrs)[0]}   # (its second output: MXNet's hidden one)
-        outs = {k: f().asnumpy() for k, f in calls.items()}
-        times = {k: [] for k in calls}
-        for _ in range(args.repeats):
-            for k, f in calls.items():
-                t0 = time.perf_counter()
-                f().wait_to_read()
-                times[k].append((time.perf_counter() - t0) * 1e3)
-        q = {k: np.percentile(v, [50, 10, 90]) for k, v in times.items()}
-        print("%-24s %-16s %8.2f [%6.2f-%6.2f] %8.2f [%6.2f-%6.2f] %7.1fx  %s" % (
-            name, "x".join(map(str, shape)), *q["mxnet"], *q["fused"], q["mxnet"][0] / q["fused"][0],
-            np.array_equal(outs["mxnet"], outs["fused"])))
+        timed(name, "x".join(map(str, shape)),
+              {"mxnet": lambda: mx.nd.contrib.box_nms(x, **attrs),
+               "fused": lambda: mx.nd.fused_box_nms(x, **attrs)[0]},   # (its second output: MXNet's hidden one)
+              args.repeats)
     for name, shape, k, st, pad in POOLS:
         x = mx.nd.array(rng.standard_normal(shape).astype(np.float32))
         attrs = dict(kernel=(k, k), stride=(st, st), pad=(pad, pad))

@@ -55,6 +55,36 @@ int64_t attr_int(const Attrs& a, const char* name, int64_t dflt) {
   }
 }
 
+std::pair<int64_t, int64_t> attr_pair(const Attrs& a, const char* name, int64_t dflt) {
+  auto it = a.find(name);
+  if (it == a.end()) return {dflt, dflt};
+  std::string s = it->second;
+  for (char& ch : s)
+    if (ch == '(' || ch == ')' || ch == '[' || ch == ']' || ch == ',') ch = ' ';
+  std::vector<int64_t> v;
+  size_t pos = 0;
+  while (true) {
+    while (pos < s.size() && s[pos] == ' ') ++pos;
+    if (pos >= s.size()) break;
+    size_t end = pos;
+    while (end < s.size() && s[end] != ' ') ++end;
+    size_t used = 0;
+    const std::string tok = s.substr(pos, end - pos);
+    try {
+      v.push_back(std::stoll(tok, &used));
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != tok.size())
+      throw OpError("attribute '" + std::string(name) + "' must hold integers, got '" + it->second + "'");
+    pos = end;
+  }
+  if (v.empty()) return {dflt, dflt};
+  if (v.size() > 2)
+    throw OpError("attribute '" + std::string(name) + "' must have one or two values, got '" + it->second + "'");
+  return {v[0], v.size() == 2 ? v[1] : v[0]};
+}
+
 bool attr_bool(const Attrs& a, const char* name, bool dflt) {
   auto it = a.find(name);
   if (it == a.end()) return dflt;

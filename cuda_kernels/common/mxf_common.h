@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "mxnet/lib_api.h"
@@ -75,6 +76,9 @@ bool attr_bool(const Attrs& a, const char* name, bool dflt);
 // Value must be one of `choices`; error message lists them.
 std::string attr_choice(const Attrs& a, const char* name, const char* dflt,
                         const std::vector<std::string>& choices);
+// (a, b) of a tuple attribute like "(3, 3)" or "[2, 2]" (one value is used for both; absent or
+// empty: (dflt, dflt)); an error naming the attribute for more values or a non-integer.
+std::pair<int64_t, int64_t> attr_pair(const Attrs& a, const char* name, int64_t dflt);
 std::string shape_str(const Shape& s);
 std::string shape_str(const std::vector<int64_t>& s);
 int64_t numel(const std::vector<int64_t>& s);

@@ -210,28 +210,6 @@ void direct_conv(const Geometry& g, const float* X, const float* Wt, const float
     }
 }
 
-// (a, b) of a tuple attribute like "(3, 3)" (one value is used for both)
-std::pair<int64_t, int64_t> pair_attr(const Attrs& a, const char* name, int64_t dflt) {
-  auto it = a.find(name);
-  if (it == a.end()) return {dflt, dflt};
-  std::string s = it->second;
-  for (char& ch : s)
-    if (ch == '(' || ch == ')' || ch == '[' || ch == ']' || ch == ',') ch = ' ';
-  int64_t v[2] = {dflt, dflt};
-  int k = 0;
-  size_t pos = 0;
-  while (k < 2) {
-    while (pos < s.size() && s[pos] == ' ') ++pos;
-    if (pos >= s.size()) break;
-    size_t end = pos;
-    while (end < s.size() && s[end] != ' ') ++end;
-    v[k++] = std::stoll(s.substr(pos, end - pos));
-    pos = end;
-  }
-  if (k == 0) return {dflt, dflt};
-  if (k == 1) v[1] = v[0];
-  return {v[0], v[1]};
-}
 
 struct Params {
   int64_t KH, KW, SH, SW, PH, PW, DH, DW, G, O;
@@ -240,10 +218,10 @@ struct Params {
 
 Params parse(const Attrs& a) {
   Params p;
-  std::tie(p.KH, p.KW) = pair_attr(a, "kernel", 0);
-  std::tie(p.SH, p.SW) = pair_attr(a, "stride", 1);
-  std::tie(p.PH, p.PW) = pair_attr(a, "pad", 0);
-  std::tie(p.DH, p.DW) = pair_attr(a, "dilate", 1);
+  std::tie(p.KH, p.KW) = attr_pair(a, "kernel", 0);
+  std::tie(p.SH, p.SW) = attr_pair(a, "stride", 1);
+  std::tie(p.PH, p.PW) = attr_pair(a, "pad", 0);
+  std::tie(p.DH, p.DW) = attr_pair(a, "dilate", 1);
   p.G = attr_int(a, "num_group", 1);
   p.O = attr_int(a, "num_filter", 0);
   p.bias = !attr_bool(a, "no_bias", false);

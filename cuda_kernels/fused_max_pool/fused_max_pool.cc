@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <tuple>
 #include <vector>
 
 #include "mxf_common.h"
@@ -25,29 +26,11 @@ struct PoolParams {
   bool full;
 };
 
-std::vector<int64_t> pair_attr(const Attrs& a, const char* name, int64_t dflt) {
-  const std::string s = attr_str(a, name, "");
-  std::vector<int64_t> v;
-  if (s.empty() || s == "()" || s == "[]") return {dflt, dflt};
-  std::string num;
-  for (char c : s + ",") {
-    if (c == '(' || c == ')' || c == '[' || c == ']' || c == ' ') continue;
-    if (c == ',') {
-      if (!num.empty()) v.push_back(std::stoll(num));
-      num.clear();
-    } else {
-      num += c;
-    }
-  }
-  if (v.size() == 1) v.push_back(v[0]);
-  if (v.size() != 2) throw OpError(std::string(name) + " must have two values, got '" + s + "'");
-  return v;
-}
-
 PoolParams parse(const Attrs& a) {
   PoolParams p;
-  const auto k = pair_attr(a, "kernel", 0), s = pair_attr(a, "stride", 1), pd = pair_attr(a, "pad", 0);
-  p.kh = k[0], p.kw = k[1], p.sh = s[0], p.sw = s[1], p.ph = pd[0], p.pw = pd[1];
+  std::tie(p.kh, p.kw) = attr_pair(a, "kernel", 0);
+  std::tie(p.sh, p.sw) = attr_pair(a, "stride", 1);
+  std::tie(p.ph, p.pw) = attr_pair(a, "pad", 0);
   if (p.kh < 1 || p.kw < 1) throw OpError("kernel must be positive, got " + attr_str(a, "kernel", ""));
   if (p.sh < 1 || p.sw < 1) throw OpError("stride must be positive");
   if (p.ph < 0 || p.pw < 0 || p.ph >= p.kh || p.pw >= p.kw) throw OpError("pad must be in [0, kernel)");

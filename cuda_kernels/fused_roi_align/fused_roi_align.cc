@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "mxf_common.h"
@@ -32,21 +33,9 @@ struct RoiParams {
 
 RoiParams parse(const Attrs& a) {
   RoiParams p;
-  const std::string s = attr_str(a, "pooled_size", "");
-  std::vector<int64_t> v;
-  std::string num;
-  for (char c : s + ",") {
-    if (c == '(' || c == ')' || c == '[' || c == ']' || c == ' ') continue;
-    if (c == ',') {
-      if (!num.empty()) v.push_back(std::stoll(num));
-      num.clear();
-    } else {
-      num += c;
-    }
-  }
-  if (v.size() == 1) v.push_back(v[0]);
-  if (v.size() != 2 || v[0] < 1 || v[1] < 1) throw OpError("pooled_size must be two positive sizes, got '" + s + "'");
-  p.ph = v[0], p.pw = v[1];
+  if (!has_attr(a, "pooled_size")) throw OpError("pooled_size is required");
+  std::tie(p.ph, p.pw) = attr_pair(a, "pooled_size", 0);
+  if (p.ph < 1 || p.pw < 1) throw OpError("pooled_size must be two positive sizes, got '" + attr_str(a, "pooled_size", "") + "'");
   if (!has_attr(a, "spatial_scale")) throw OpError("spatial_scale is required");
   p.spatial_scale = attr_float(a, "spatial_scale", 1.f);
   p.sample_ratio = attr_int(a, "sample_ratio", -1);
