@@ -134,6 +134,16 @@ inline float box_area(const float* b, Format f) {
   return (w < 0 || h < 0) ? 0.f : w * h;
 }
 
+// MXNet's nms_impl once the intersection's extents [l0, h0] x [l1, h1] are known: each side clamped
+// at 0, IoU = inter / (area_ref + area_pos - inter), suppressed where IoU > thresh (NaN: not).
+MXF_NO_CONTRACT inline bool overlaps(float l0, float h0, float l1, float h1, float ra, float aj, float thresh) {
+  float w = h0 - l0, h = h1 - l1;
+  w = w > 0 ? w : 0.f;
+  h = h > 0 ? h : 0.f;
+  const float inter = w * h;
+  return inter / (ra + aj - inter) > thresh;
+}
+
 // Greedy suppression over the candidates of one batch in order (MXNet's NMSApply + nms_impl):
 // alive[j] cleared where an earlier alive box of the same class (any, with force) overlaps it
 // by IoU > thresh.  Coordinates as stored (a0, a1, a2, a3 from coord_start), MXNet's Intersect.
@@ -153,14 +163,8 @@ MXF_NO_CONTRACT void suppress(const std::vector<float>& a0, const std::vector<fl
 #pragma omp simd
       for (int64_t j = i + 1; j < k; ++j) {
         const float l0 = r0 > X0[j] ? r0 : X0[j], h0 = r2 < X2[j] ? r2 : X2[j];
-        float w = h0 - l0;
-        w = w > 0 ? w : 0.f;
         const float l1 = r1 > X1[j] ? r1 : X1[j], h1 = r3 < X3[j] ? r3 : X3[j];
-        float h = h1 - l1;
-        h = h > 0 ? h : 0.f;
-        const float inter = w * h;
-        const float iou = inter / (ra + A[j] - inter);
-        const bool hit = iou > thresh && (!by_class || C[j] == rc);
+        const bool hit = overlaps(l0, h0, l1, h1, ra, A[j], thresh) && (!by_class || C[j] == rc);
         alive[j] = hit ? 0 : alive[j];
       }
     } else {
@@ -171,14 +175,8 @@ MXF_NO_CONTRACT void suppress(const std::vector<float>& a0, const std::vector<fl
         const float bw = X2[j] / 2, bh = X3[j] / 2;
         const float bl = X0[j] - bw, br = X0[j] + bw, bt = X1[j] - bh, bb = X1[j] + bh;
         const float l0 = bl > rl ? bl : rl, h0 = br < rr ? br : rr;
-        float w = h0 - l0;
-        w = w > 0 ? w : 0.f;
         const float l1 = bt > rt ? bt : rt, h1 = bb < rb ? bb : rb;
-        float h = h1 - l1;
-        h = h > 0 ? h : 0.f;
-        const float inter = w * h;
-        const float iou = inter / (ra + A[j] - inter);
-        const bool hit = iou > thresh && (!by_class || C[j] == rc);
+        const bool hit = overlaps(l0, h0, l1, h1, ra, A[j], thresh) && (!by_class || C[j] == rc);
         alive[j] = hit ? 0 : alive[j];
       }
     }
