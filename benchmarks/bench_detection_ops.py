@@ -95,14 +95,10 @@ def main(argv=None):
 
 
 def timed(name, what, calls, repeats):
-    import time
+    from fusion.check.bench import time_samples
     outs = {k: f().asnumpy() for k, f in calls.items()}
-    times = {k: [] for k in calls}
-    for _ in range(repeats):
-        for k, f in calls.items():
-            t0 = time.perf_counter()
-            f().wait_to_read()
-            times[k].append((time.perf_counter() - t0) * 1e3)
+    times = {k: np.asarray(v) * 1e3 for k, v in
+             time_samples({k: (lambda f=f: f().wait_to_read()) for k, f in calls.items()}, repeats, warmup=1).items()}
     q = {k: np.percentile(v, [50, 10, 90]) for k, v in times.items()}
     print("%-24s %-16s %8.2f [%6.2f-%6.2f] %8.2f [%6.2f-%6.2f] %7.1fx  %s" % (
         name, what, *q["mxnet"], *q["fused"], q["mxnet"][0] / q["fused"][0],

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
-import time
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
@@ -34,31 +32,6 @@ SHAPES = [((1, 512, 1, 1), (60, 60), True), ((1, 512, 2, 2), (60, 60), True), ((
           ((1, 150, 60, 60), (480, 480), True), ((1, 150, 60, 60), (480, 480), False)]
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def interleaved(fns, reps: int, warmup: int = 2):
-    """Per callable: the seconds of each repetition, the callables alternating each repetition."""
-    for _ in range(warmup):
-        for f in fns:
-            f()
-    ts = [[] for _ in fns]
-    for _ in range(reps):
-        for i, f in enumerate(fns):
-            t = time.perf_counter()
-            f()
-            ts[i].append(time.perf_counter() - t)
-    return [np.asarray(t) for t in ts]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=15)
@@ -67,9 +40,11 @@ def main(argv=None) -> int:
     import mxnet as mx
 
     import fusion  # noqa: F401  (loads the op library)
+    from fusion.check.bench import time_samples
+    from fusion.engine.cost import cpu_identity
 
     x = mx.sym.var("data")
-    print("OMP_NUM_THREADS=%s  %s  load average %s" % (os.environ.get("OMP_NUM_THREADS"), cpu_model(),
+    print("OMP_NUM_THREADS=%s  %s  load average %s" % (os.environ.get("OMP_NUM_THREADS"), cpu_identity()[0],
                                                        " ".join("%.2f" % v for v in os.getloadavg())))
     print("%-20s %-10s %-5s  %22s  %22s  %6s  %s" % ("input", "output", "ac", "MXNet ms (p10-p90)",
                                                    "fused ms (p10-p90)", "ratio", "bitwise"))
@@ -82,7 +57,7 @@ def main(argv=None) -> int:
         outs = [ex.forward()[0].asnumpy() for ex in exs]
         same = outs[0].shape == outs[1].shape and bool((outs[0].view(np.uint32) == outs[1].view(np.uint32)).all())
         fns = [lambda ex=ex: ex.forward()[0].wait_to_read() for ex in exs]
-        t_stock, t_fused = interleaved(fns, args.reps)
+        t_stock, t_fused = (np.asarray(t) for t in time_samples(dict(enumerate(fns)), args.reps, warmup=2).values())
         cols = ["%7.3f (%6.3f-%6.3f)" % (1e3 * np.median(t), 1e3 * np.percentile(t, 10), 1e3 * np.percentile(t, 90))
                 for t in (t_stock, t_fused)]
         print("%-20s %-10s %-5s  %22s  %22s  %5.1fx  %s" % (str(shape), "%dx%d" % (oh, ow), ac, cols[0], cols[1],
