@@ -33,7 +33,7 @@ fused_attention            head split (Reshape/transpose/slice_axis) → batch_d
 """
 from __future__ import annotations
 
-from typing import List
+from typing import Any, Dict, List, Optional, Tuple
 
 from fusion.ir.graph import Entry
 from fusion.ir.matcher import Match
@@ -165,61 +165,39 @@ class UnfuseConcatScaleAct(UnfuseRule):
         return activation(b, y, f.attrs.get("act", "none"), 0.0, f.name)
 
 
-# ---------------------------------------------------------------- fused_box_nms
+# ------------------------------------- fused_box_nms, fused_max_pool, fused_roi_align, fused_bilinear_resize
 
-class UnfuseBoxNMS(UnfuseRule):
-    def __init__(self):
-        super().__init__("fused_box_nms", 1)
+class UnfuseToStock(UnfuseRule):
+    """A library op that is one stock MXNet op run faster: that op with the same inputs and the
+    attributes named in ``keep`` (all of them: None), plus ``extra``; ``num_outputs`` outputs."""
 
-    def rewrite(self, m: Match, b: Builder) -> Entry:
-        from .box_nms import ATTRS
+    def __init__(self, op_name: str, stock: str, arity: int, keep: Optional[Tuple[str, ...]] = None,
+                 extra: Optional[Dict[str, Any]] = None, num_outputs: int = 1):
+        super().__init__(op_name, arity)
+        self.stock, self.keep, self.extra, self.num_outputs = stock, keep, dict(extra or {}), num_outputs
+
+    def rewrite(self, m: Match, b: Builder):
         f = m.node("f")
-        attrs = {k: f.attrs[k] for k in ATTRS if k in f.attrs}
-        out, kept = b.op("_contrib_box_nms", self.inputs(m), attrs=attrs, name=f.name, num_outputs=2)
-        return {Entry(f, 0): out, Entry(f, 1): kept}
+        attrs = f.attrs.copy() if self.keep is None else {k: f.attrs[k] for k in self.keep if k in f.attrs}
+        attrs.update(self.extra)
+        out = b.op(self.stock, self.inputs(m), attrs=attrs, name=f.name, num_outputs=self.num_outputs)
+        if self.num_outputs == 1:
+            return out
+        return {Entry(f, i): e for i, e in enumerate(out)}
 
 
-# ---------------------------------------------------------------- fused_max_pool
-
-class UnfuseMaxPool(UnfuseRule):
-    def __init__(self):
-        super().__init__("fused_max_pool", 1)
-
-    def rewrite(self, m: Match, b: Builder) -> Entry:
-        f = m.node("f")
-        attrs = {k: f.attrs[k] for k in ("kernel", "stride", "pad", "pooling_convention") if k in f.attrs}
-        attrs["pool_type"] = "max"
-        return b.op("Pooling", self.inputs(m), attrs=attrs, name=f.name)
-
-
-# ---------------------------------------------------------------- fused_roi_align
-
-class UnfuseRoIAlign(UnfuseRule):
-    def __init__(self):
-        super().__init__("fused_roi_align", 2)
-
-    def rewrite(self, m: Match, b: Builder) -> Entry:
-        from .roi_align import ATTRS
-        f = m.node("f")
-        attrs = {k: f.attrs[k] for k in ATTRS if k in f.attrs}
-        return b.op("_contrib_ROIAlign", self.inputs(m), attrs=attrs, name=f.name)
-
-
-# ---------------------------------------------------------------- fused_bilinear_resize
-
-class UnfuseBilinearResize(UnfuseRule):
-    """The op takes _contrib_BilinearResize2D's own attributes and inputs (data [, like])."""
-
-    def __init__(self):
-        super().__init__("fused_bilinear_resize", 2)
-
-    def rewrite(self, m: Match, b: Builder) -> Entry:
-        f = m.node("f")
-        return b.op("_contrib_BilinearResize2D", self.inputs(m), attrs=f.attrs.copy(), name=f.name)
+def _stock_ops() -> List[Rule]:
+    from . import box_nms, roi_align
+    return [UnfuseToStock("fused_box_nms", "_contrib_box_nms", 1, box_nms.ATTRS, num_outputs=2),
+            UnfuseToStock("fused_max_pool", "Pooling", 1, ("kernel", "stride", "pad", "pooling_convention"),
+                          {"pool_type": "max"}),
+            UnfuseToStock("fused_roi_align", "_contrib_ROIAlign", 2, roi_align.ATTRS),
+            # the op takes _contrib_BilinearResize2D's own attributes and inputs (data [, like])
+            UnfuseToStock("fused_bilinear_resize", "_contrib_BilinearResize2D", 2)]
 
 
 RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseSplitAttention(), UnfuseGroupedConv(), UnfuseDeconv(), UnfuseInvertedResidual(), UnfuseDenseBlock(),
-                     UnfuseConcatScaleAct(), UnfuseBoxNMS(), UnfuseMaxPool(), UnfuseRoIAlign(), UnfuseBilinearResize(), UnfuseElemwise(), UnfuseAttention()]
+                     UnfuseConcatScaleAct(), *_stock_ops(), UnfuseElemwise(), UnfuseAttention()]
 
 
 class _OnlyNodes(Rule):
