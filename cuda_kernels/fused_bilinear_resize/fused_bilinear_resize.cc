@@ -98,21 +98,16 @@ void out_size(const ResizeParams& p, int64_t H, int64_t W, const Shape* like, in
       nw = static_cast<int16_t>((*like)[3]);
       break;
     case Mode::to_even_down:
-      nh = static_cast<int16_t>(H % 2 == 0 ? H : H - 1);
-      nw = static_cast<int16_t>(W % 2 == 0 ? W : W - 1);
-      break;
     case Mode::to_even_up:
-      nh = static_cast<int16_t>(H % 2 == 0 ? H : H + 1);
-      nw = static_cast<int16_t>(W % 2 == 0 ? W : W + 1);
-      break;
     case Mode::to_odd_down:
-      nh = static_cast<int16_t>(H % 2 == 1 ? H : H - 1);
-      nw = static_cast<int16_t>(W % 2 == 1 ? W : W - 1);
+    case Mode::to_odd_up: {
+      // a size of the wanted parity stays; another moves one down or up
+      const bool odd = p.mode == Mode::to_odd_down || p.mode == Mode::to_odd_up;
+      const int step = p.mode == Mode::to_even_down || p.mode == Mode::to_odd_down ? -1 : 1;
+      nh = static_cast<int16_t>((H % 2 == 1) == odd ? H : H + step);
+      nw = static_cast<int16_t>((W % 2 == 1) == odd ? W : W + step);
       break;
-    case Mode::to_odd_up:
-      nh = static_cast<int16_t>(H % 2 == 1 ? H : H + 1);
-      nw = static_cast<int16_t>(W % 2 == 1 ? W : W + 1);
-      break;
+    }
   }
   if (nh < 1 || nw < 1)
     throw OpError("the output would be " + std::to_string(nh) + "x" + std::to_string(nw) +
