@@ -38,9 +38,8 @@ NMS_LIKE = NMS | {"fused_box_nms"}
 CUT_PREFIX = "__verify_cut_"
 
 
-def cut_points(original: Any, fused: Any) -> List[str]:
-    """Names of the original's NMS nodes that the fused graph holds as an NMS of the same name."""
-    g0, g1 = Graph.from_symbol(original), Graph.from_symbol(fused)
+def cut_points(g0: Graph, g1: Graph) -> List[str]:
+    """Names of the original's (``g0``) NMS nodes that the fused graph (``g1``) holds as an NMS of the same name."""
     fused_nms = {nd.name for nd in g1.nodes if nd.op in NMS_LIKE and nd.inputs}
     return [nd.name for nd in g0.nodes if nd.op in NMS and nd.inputs and nd.name in fused_nms]
 
@@ -51,16 +50,15 @@ def piecewise(original: Any, arg0: Mapping[str, Any], aux0: Mapping[str, Any],
               ) -> Optional[Tuple[Any, Any, List[str]]]:
     """(outputs compared, NMS inputs compared, the cut nodes' names) on one verification input,
     or None where the graphs share no NMS to cut at.  ``run`` and ``compare`` are verify's."""
-    cuts = cut_points(original, fused)
+    g0, g1 = Graph.from_symbol(original), Graph.from_symbol(fused)
+    cuts = cut_points(g0, g1)
     if not cuts:
         return None
-    g0 = Graph.from_symbol(original)
     by_name0 = {nd.name: nd for nd in g0.nodes}
     g0.heads = list(g0.heads) + [by_name0[c].inputs[0] for c in cuts]
     vals0 = run(g0.to_symbol(), arg0, aux0, feed)
     out0, at_cuts = vals0[:len(names)], vals0[len(names):]
 
-    g1 = Graph.from_symbol(fused)
     by_name1 = {nd.name: nd for nd in g1.nodes}
     computed: List[Entry] = []
     fed: Dict[str, np.ndarray] = {}
