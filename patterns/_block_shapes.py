@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence, Tuple
 from fusion.ir.graph import Entry
 from fusion.engine.localfacts import match_shapes
 from fusion.ir.matcher import Match
-from fusion.engine.reasons import NeedsShapes
+from fusion.engine.reasons import NearMiss, NeedsShapes
 
 Shapes = Callable[[Entry], Tuple[tuple, ...]]
 
@@ -48,7 +48,8 @@ def nchw_block(m: Match, source: Optional[Entry] = None, extra: Sequence[Entry] 
     if not xs:
         return NeedsShapes("the block's input shape is unknown"), xs, shapes, assumed
     if any(len(s) != 4 for s in xs):
-        return "the block's input has shape %s, not (N, C, H, W)" % (xs[0],), xs, shapes, assumed
+        # a 1-D or 3-D network (NCW, NCDHW) only looks like the 2-D block: --explain lists it
+        return NearMiss("the block's input has shape %s, not (N, C, H, W)" % (xs[0],)), xs, shapes, assumed
     return None, xs, shapes, assumed
 
 
@@ -62,3 +63,22 @@ def at_filled_sizes(reason: str, assumed: bool) -> str:
 def broadcasting_add(op: str) -> bool:
     """Whether an add op broadcasts (its operands' shapes may differ), as broadcast_add does."""
     return op.startswith("broadcast_")
+
+
+#: Layouts of 1-D and 3-D convolutions and poolings: their networks only look like the 2-D blocks.
+OTHER_RANK_LAYOUTS = frozenset({"NCW", "NWC", "NCDHW", "NDHWC"})
+
+
+def layout_reason(node) -> Optional[str]:
+    """Why a block rule does not take ``node`` (a Convolution, Deconvolution or Pooling) for its layout:
+    None for NCHW; a near-miss (--explain) for a 1-D or 3-D layout, a look-alike; else the reason."""
+    layout = node.param("layout", None)
+    if layout in (None, "NCHW"):
+        return None
+    text = "%s '%s' has layout %s (only NCHW)" % (node.op, node.name, layout)
+    return NearMiss(text) if layout in OTHER_RANK_LAYOUTS else text
+
+
+def not_2d(node) -> NearMiss:
+    """A 1-D or 3-D Convolution/Deconvolution/Pooling seen by a 2-D block rule: a look-alike."""
+    return NearMiss("%s '%s' is not 2-D" % (node.op, node.name))

@@ -34,9 +34,11 @@ from typing import Dict, List, Optional
 from fusion.ir.graph import Entry
 from fusion.ir.matcher import Match
 from fusion.ir.pattern import Const, Pattern, Var, op
+from fusion.engine.reasons import NearMiss
 from fusion.engine.rewrite import Builder
 from fusion.engine.rule import Rule
 
+from ._block_shapes import layout_reason, not_2d
 from ._dtypes import float32_reason
 
 
@@ -79,9 +81,10 @@ class DeconvAct(Rule):
             return "fused_deconv has no %s implementation" % m.ctx.device
         kernel = tuple(d.param("kernel"))
         if len(kernel) != 2:
-            return "Deconvolution '%s' is not 2-D" % d.name
-        if d.param("layout") not in (None, "NCHW"):
-            return "Deconvolution '%s' has layout %s (only NCHW)" % (d.name, d.param("layout"))
+            return not_2d(d)
+        reason = layout_reason(d)
+        if reason:
+            return reason
         if int(d.param("num_group")) != 1:
             return "Deconvolution '%s' is grouped (num_group=%d)" % (d.name, d.param("num_group"))
         if any(int(v) for v in tuple(d.param("target_shape") or ())):
@@ -96,7 +99,7 @@ class DeconvAct(Rule):
         if not shapes:
             return "the input shape of Deconvolution '%s' is unknown (pass input shapes)" % d.name
         if any(len(s) != 4 for s in shapes):
-            return "the input of Deconvolution '%s' has shape %s, not (N, C, H, W)" % (d.name, shapes[0])
+            return NearMiss("the input of Deconvolution '%s' has shape %s, not (N, C, H, W)" % (d.name, shapes[0]))
         if m.ctx.shape(Entry(d)) is None:
             return "the output shape of Deconvolution '%s' is unknown" % d.name
         from fusion.engine import cost

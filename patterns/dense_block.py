@@ -60,7 +60,7 @@ from fusion.ir.pattern import Const, Pattern, Var, op
 from fusion.engine.rewrite import Builder
 from fusion.engine.rule import Rule
 
-from ._block_shapes import at_filled_sizes, nchw_block
+from ._block_shapes import at_filled_sizes, layout_reason, nchw_block
 from ._dtypes import float32_reason
 from .elementwise import batchnorm_scale_shift
 
@@ -217,8 +217,9 @@ class DenseBlock(Rule):
                     % m.node("bn2_%d" % d).name)
         for tag, K in (("conv1_%d" % d, 1), ("conv2_%d" % d, 3)):
             conv = m.node(tag)
-            if conv.param("layout") not in (None, "NCHW"):
-                return "Convolution '%s' has layout %s (only NCHW)" % (conv.name, conv.param("layout"))
+            reason = layout_reason(conv)
+            if reason:
+                return reason
             if tuple(conv.param("kernel")) != (K, K):
                 return "Convolution '%s' has kernel %s, not (%d, %d)" % (conv.name, tuple(conv.param("kernel")), K, K)
             if _tuple(conv.param("stride"), 2, 1) != (1, 1):

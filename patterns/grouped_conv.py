@@ -34,6 +34,7 @@ from fusion.ir.pattern import Const, Pattern, Var, op
 from fusion.engine.rewrite import Builder
 from fusion.engine.rule import Rule
 
+from ._block_shapes import layout_reason, not_2d
 from ._dtypes import float32_reason
 
 MIN_PER_GROUP, MAX_PER_GROUP = 4, 16
@@ -70,9 +71,10 @@ class GroupedConv(Rule):
     def check(self, m: Match) -> Optional[str]:
         conv = m.node("conv")
         if len(tuple(conv.param("kernel"))) != 2:
-            return "Convolution '%s' is not 2-D" % conv.name
-        if conv.param("layout") not in (None, "NCHW"):
-            return "Convolution '%s' has layout %s (only NCHW)" % (conv.name, conv.param("layout"))
+            return not_2d(conv)
+        reason = layout_reason(conv)
+        if reason:
+            return reason
         reason = float32_reason([m["x"], m["w"]] + ([m["b"]] if m.has("b") else []), m.ctx)
         if reason:
             return reason

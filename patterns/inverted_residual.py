@@ -40,7 +40,7 @@ from fusion.engine.reasons import NearMiss
 from fusion.engine.rewrite import Builder
 from fusion.engine.rule import Rule
 
-from ._block_shapes import at_filled_sizes, nchw_block
+from ._block_shapes import at_filled_sizes, layout_reason, nchw_block, not_2d
 from ._dtypes import float32_reason
 from .squeeze_excitation import pointwise_conv_reason
 
@@ -112,8 +112,9 @@ class InvertedResidual(Rule):
             conv = m.node(tag)
             if not m.has("b" + tag) or conv.param("no_bias"):
                 return "Convolution '%s' has no bias (the block's BatchNorms fold into biases)" % conv.name
-            if conv.param("layout") not in (None, "NCHW"):
-                return "Convolution '%s' has layout %s (only NCHW)" % (conv.name, conv.param("layout"))
+            reason = layout_reason(conv)
+            if reason:
+                return reason
             if tag != "dw":
                 reason = pointwise_conv_reason(conv)
                 if reason:      # not this block's 1×1 layer (a ResNet bottleneck's strided or 3×3 one)
@@ -127,8 +128,10 @@ class InvertedResidual(Rule):
                     conv.name, conv.param("num_group"), conv.param("num_filter")))
             kernel, stride = tuple(conv.param("kernel")), tuple(conv.param("stride")) or (1, 1)
             pad, dilate = tuple(conv.param("pad")) or (0, 0), tuple(conv.param("dilate")) or (1, 1)
-            if len(kernel) != 2 or kernel[0] != kernel[1]:
-                return "Convolution '%s' has kernel %s, not square 2-D" % (conv.name, kernel)
+            if len(kernel) != 2:
+                return not_2d(conv)
+            if kernel[0] != kernel[1]:
+                return "Convolution '%s' has kernel %s, not square" % (conv.name, kernel)
             if len(stride) != 2 or stride[0] != stride[1]:
                 return "Convolution '%s' has unequal strides %s" % (conv.name, stride)
             if any(d != 1 for d in dilate):

@@ -30,6 +30,7 @@ from fusion.engine.reasons import NearMiss
 from fusion.engine.rewrite import Builder
 from fusion.engine.rule import Rule
 
+from ._block_shapes import layout_reason, not_2d
 from ._dtypes import float32_reason
 
 #: Ops whose CPU output is a plain (not oneDNN-blocked) array in MXNet 1.9.1: mshadow's
@@ -71,11 +72,12 @@ class MaxPool(Rule):
             return NearMiss("Pooling '%s' is %s pooling (only max)" % (pool.name, pool.param("pool_type")))
         if pool.param("global_pool", False):
             return NearMiss("Pooling '%s' is global" % pool.name)
-        if pool.param("layout", None) not in (None, "NCHW"):
-            return "Pooling '%s' has layout %s (only NCHW)" % (pool.name, pool.param("layout"))
+        reason = layout_reason(pool)
+        if reason:
+            return reason
         kernel = tuple(pool.param("kernel", ()) or ())
         if len(kernel) != 2:
-            return NearMiss("Pooling '%s' is not 2-D" % pool.name)
+            return not_2d(pool)
         convention = pool.param("pooling_convention", "valid")
         if convention not in ("valid", "full"):
             return "Pooling '%s' uses the %r convention" % (pool.name, convention)
@@ -92,7 +94,7 @@ class MaxPool(Rule):
                             "own pooling is fast there" % (pool.name, src.op, src.name))
         shape = m.ctx.partial_shape(m["x"])
         if shape is not None and len(shape) != 4:
-            return "the input of Pooling '%s' is not (N, C, H, W)" % pool.name
+            return NearMiss("the input of Pooling '%s' is not (N, C, H, W)" % pool.name)
         return None
 
     def rewrite(self, m: Match, b: Builder) -> Entry:

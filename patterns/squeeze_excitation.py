@@ -45,7 +45,7 @@ from fusion.engine.reasons import NeedsShapes
 from fusion.engine.rewrite import Builder
 from fusion.engine.rule import Rule
 
-from ._block_shapes import at_filled_sizes, block_shapes, broadcasting_add
+from ._block_shapes import at_filled_sizes, block_shapes, broadcasting_add, layout_reason
 from ._dtypes import float32_reason
 
 HIDDEN_ACTS = ("relu", "sigmoid", "tanh", "softrelu")
@@ -147,8 +147,9 @@ class SqueezeExcitation(Rule):
             if not pool.param("global_pool", False):
                 return ("Pooling '%s' is not global: its window is fixed while the plane's size is not"
                         % pool.name)
-            if pool.param("layout", None) not in (None, "NCHW"):
-                return "Pooling '%s' has layout %s (only NCHW)" % (pool.name, pool.param("layout"))
+            reason = layout_reason(pool)
+            if reason:
+                return reason
         if pool.op == "mean":
             axis = pool.param("axis", None)
             axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
@@ -282,6 +283,7 @@ def pointwise_conv_reason(fc) -> Optional[str]:
     pad = tuple(fc.param("pad"))
     if pad and any(p != 0 for p in pad):
         return "Convolution '%s' pads its input (pad=%s)" % (fc.name, pad)
-    if fc.param("layout") not in (None, "NCHW"):
-        return "Convolution '%s' has layout %s (only NCHW)" % (fc.name, fc.param("layout"))
+    reason = layout_reason(fc)
+    if reason:
+        return reason
     return None

@@ -174,3 +174,25 @@ def test_to_onnx_into_a_folder_that_does_not_exist(tmp_model, tmp_path, capsys):
     assert "Traceback" not in err and target.exists() and "ONNX Runtime vs MXNet" in out
     assert os.listdir(tmp_path / "new" / "deeper") == ["m.onnx"]       # no staged file left anywhere
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".mxfuse-")]
+
+
+def test_weights_without_params_are_named_not_taken_for_inputs(tmp_model, tmp_path, capsys):
+    """--verify / --benchmark without --params say that the weights have no values (not that their
+    shapes are missing, as if they were inputs), and a model with weights is not written without
+    them (its params file would be empty); a graph without weights still is."""
+    sp, _ = tmp_model()
+    out = tmp_path / "o"
+    for flag in ("--verify", "--benchmark"):
+        code, stdout, err = run_cli(capsys, sp, "-o", out / "m", "--shape", "data=1,3,8,8", flag)
+        assert code == 2 and not stdout
+        line = err.strip()
+        assert "\n" not in line and line.startswith("mxfuse: error: %s needs --params: " % flag), line
+        assert "weights have no values (conv0_weight" in line and "no shape given" not in line
+    code, _, err = run_cli(capsys, sp, "-o", out / "m")
+    assert code == 2 and "no --params: the model has" in err and "pass --params" in err
+    assert not out.exists()
+    x = mx.sym.Variable("data")
+    plain = tmp_path / "plain-symbol.json"
+    mx.sym.relu(x * 2.0 + 1.0, name="y").save(str(plain))
+    code, _, err = run_cli(capsys, plain, "-o", out / "p", "--shape", "data=2,3", "--verify")
+    assert code == 0, err

@@ -384,3 +384,27 @@ def test_near_misses_of_other_blocks_only_under_explain():
     near = res.report.to_dict()["rules"]
     assert any("not depthwise" in n["reason"] for r in near if r["rule"] == "inverted_residual"
                for n in r["near_misses"])
+
+
+@pytest.mark.parametrize("layout", ["NCDHW", None])
+def test_3d_networks_are_look_alikes_of_the_2d_block_rules(layout):
+    """A 3-D convolution network (video models: NCDHW, with or without the layout attribute) only looks
+    like the 2-D blocks (MobileNet's inverted residual, a max pooling of plain arrays…): the default
+    report says nothing of them, --explain lists them as near-misses."""
+    x = mx.sym.Variable("data")
+
+    def conv(v, nf, k, g=1, name=None):
+        kw = {"layout": layout} if layout else {}
+        return mx.sym.Convolution(v, num_filter=nf, kernel=(k,) * 3, pad=((k - 1) // 2,) * 3, num_group=g,
+                                  name=name, **kw)
+
+    a = mx.sym.Activation(conv(x, 32, 1, name="c1"), act_type="relu")
+    a = mx.sym.Activation(conv(a, 32, 3, g=32, name="c2"), act_type="relu")
+    y = mx.sym.Pooling(conv(a, 16, 1, name="c3") + x, kernel=(1, 2, 2), stride=(1, 2, 2), pool_type="max")
+    shapes = {"data": (1, 16, 4, 8, 8)}
+    arg, aux = random_params(y, shapes)
+    report = fusion.fuse(y, arg, aux, input_shapes=shapes).report
+    plain, explained = report.to_text(), report.to_text(explain=True)
+    assert not [ln for ln in plain.splitlines() if ln.strip().startswith("rejected ")], plain
+    assert "NCDHW" not in plain and "2-D" not in plain and "inverted_residual" not in plain, plain
+    assert "near-misses of inverted_residual" in explained

@@ -21,7 +21,7 @@ import argparse
 import os
 import signal
 import sys
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from . import about, progress, serving
 from ..api import FusionResult, fuse, unfuse
@@ -29,7 +29,8 @@ from .argtypes import positive_float, positive_int
 from .batch_options import VERBOSE_HELP, add_batch_arguments, batch_only_flags
 from ..ir.errors import FusionError
 from ..ir.graph import Graph
-from ..files.modelio import model_files, output_paths, parse_shape, read_graph, read_params, text_file, validate_params
+from ..files.modelio import (model_files, output_paths, parse_shape, read_graph, read_params, text_file, validate_params,
+                             weight_variables)
 from ..files.publish import check_outputs, publish
 
 
@@ -169,6 +170,21 @@ def _outputs(args: argparse.Namespace) -> List[Tuple[str, str]]:
     return outputs
 
 
+def _refuse_without_weights(args: argparse.Namespace, graph: Graph, symbol: Any, shapes: dict) -> None:
+    """A model with weights and no --params: --verify and --benchmark cannot run it, and the files
+    written would hold a model that cannot run either (its params file empty)."""
+    weights = weight_variables(graph, symbol, shapes)
+    if not weights:
+        return
+    some = ", ".join(weights[:3]) + (", …" if len(weights) > 3 else "")
+    for flag in ("verify", "benchmark"):
+        if getattr(args, flag):
+            raise FusionError("--%s needs --params: %d weight%s no values (%s)"
+                              % (flag, len(weights), "s have" if len(weights) > 1 else " has", some))
+    raise FusionError("no --params: the model has %d weight%s (%s) and the files written would hold none; "
+                      "pass --params MODEL-0000.params" % (len(weights), "s" if len(weights) > 1 else "", some))
+
+
 def _run(args: argparse.Namespace, published: List[str]) -> int:
     protect = [args.model, args.params]
     check_outputs(_outputs(args), protect)      # before any work: a bad path fails now, not after fusing
@@ -199,6 +215,8 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
     given = [n for n in shapes if n in arg]
     if given:
         raise FusionError("--shape names %s, which is a parameter in the params file, not an input" % ", ".join(given))
+    if not args.params and not args.model.lower().endswith(".onnx"):
+        _refuse_without_weights(args, graph, symbol, shapes)
     inputs = None
     if args.inputs:
         from ..check.verify import load_inputs

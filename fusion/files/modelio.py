@@ -317,6 +317,40 @@ def _first_fit(infer, dtypes: Mapping[str, str]):
     return None
 
 
+#: Inputs of an op that hold a layer's parameters (slot numbers), where the op reads nothing else there.
+_PARAM_SLOTS = {"Convolution": (1, 2), "Deconvolution": (1, 2), "FullyConnected": (1, 2), "Embedding": (1,),
+                "BatchNorm": (1, 2, 3, 4), "LayerNorm": (1, 2), "InstanceNorm": (1, 2), "GroupNorm": (1, 2),
+                "LeakyReLU": (1,), "RNN": (1,)}
+
+
+def weight_variables(graph: Graph, symbol: Any, input_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> List[str]:
+    """The graph's variables that are weights, in the graph's order: its auxiliary states, the variables
+    read only where a layer takes its parameters (a Convolution's weight and bias, a BatchNorm's gamma…),
+    and, given the data inputs' shapes, every other argument whose shape MXNet infers from them (a
+    data input's shape is given, a weight's follows from the layers)."""
+    import mxnet as mx
+
+    readers: Dict[str, List[Tuple[str, int]]] = {}
+    for nd in graph.nodes:
+        for slot, e in enumerate(nd.inputs):
+            if e.node.op == "null":
+                readers.setdefault(e.node.name, []).append((nd.op, slot))
+    weights = set(symbol.list_auxiliary_states())
+    for name, uses in readers.items():
+        if uses and all(slot in _PARAM_SLOTS.get(op, ()) for op, slot in uses):
+            weights.add(name)
+    if input_shapes:
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                inferred = symbol.infer_shape_partial(**dict(input_shapes))[0]
+        except mx.base.MXNetError:
+            inferred = None
+        for name, shape in zip(symbol.list_arguments(), inferred or ()):
+            if name not in input_shapes and shape and 0 not in shape:
+                weights.add(name)
+    return [n for n in symbol.list_arguments() + symbol.list_auxiliary_states() if n in weights]
+
+
 def _infers_without_params(symbol: Any) -> bool:
     """Whether MXNet's partial shape inference runs on the graph with no shape given at all."""
     import mxnet as mx
