@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import mxnet as mx
 import pytest
 
 from fusion.doors import batch
@@ -85,6 +86,8 @@ def test_signal_stops_the_batch_and_the_message_is_true(tmp_path, target, sig, j
     arg, aux = random_params(sym, X)
     for name in "abc":
         sym.save(str(models / (name + "-symbol.json")))
+        mx.nd.save(str(models / (name + "-0000.params")),
+                   {**{"arg:" + k: v for k, v in arg.items()}, **{"aux:" + k: v for k, v in aux.items()}})
     env = dict(os.environ, MXFUSE_TEST_MARKS=str(marks))
     # like a shell's foreground job: its own process group, SIGINT handled (not inherited as ignored)
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, job, str(models), "-o", str(out), "-j", "2"],

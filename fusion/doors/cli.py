@@ -18,6 +18,8 @@ export), 128 + N stopped by signal N (SIGINT, SIGTERM, SIGHUP; temporary files r
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import signal
 import sys
@@ -115,7 +117,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         except (ValueError, OSError):     # not the main thread: leave signals alone
             pass
     try:
-        with progress.session(verbose=args.verbose, quiet=args.quiet):
+        with progress.session(verbose=args.verbose, quiet=args.quiet), _report_only_on_stdout():
             return _run(args, published)
     except FusionError as e:
         print("mxfuse: error: %s" % e, file=sys.stderr)
@@ -132,17 +134,62 @@ def main(argv: Optional[List[str]] = None) -> int:
         _flush_stdout()
 
 
+#: Where _say writes: the stdout mxfuse was started with, while Python's own stdout is a sink for
+#: what MXNet prints (every argument of a shape inference that failed, which the engine does on
+#: purpose while it probes shapes): stdout carries the report alone.
+_REPORT_STREAM: List[Any] = []
+
+
+class _Chatter(io.TextIOBase):
+    """A sink that counts the lines written to it (kept for the JSON report, not shown)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = 0
+        self.first: List[str] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            if line.strip():
+                self.lines += 1
+                if len(self.first) < 3:
+                    self.first.append(line.strip()[:200])
+        return len(text)
+
+
+@contextlib.contextmanager
+def _report_only_on_stdout():
+    chatter = _Chatter()
+    _REPORT_STREAM.append(sys.stdout)
+    try:
+        with contextlib.redirect_stdout(chatter):
+            yield chatter
+    finally:
+        _REPORT_STREAM.pop()
+
+
+def _chatter_of_mxnet() -> Optional[dict]:
+    sink = sys.stdout
+    if isinstance(sink, _Chatter) and sink.lines:
+        return {"lines": sink.lines, "first": list(sink.first)}
+    return None
+
+
 def _say(text: str) -> None:
     """Print to stdout; a reader that went away (``mxfuse ... | head``) does not stop the run."""
+    out = _REPORT_STREAM[-1] if _REPORT_STREAM else sys.stdout
     try:
-        print(text)
+        print(text, file=out)
     except BrokenPipeError:
         _stdout_to_devnull()
 
 
 def _flush_stdout() -> None:
     try:
-        sys.stdout.flush()
+        (_REPORT_STREAM[-1] if _REPORT_STREAM else sys.stdout).flush()
     except BrokenPipeError:
         _stdout_to_devnull()
     except (OSError, ValueError):
@@ -154,7 +201,7 @@ def _stdout_to_devnull() -> None:
     # raising again, and no "Exception ignored ... BrokenPipeError" is printed at exit.
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, (_REPORT_STREAM[-1] if _REPORT_STREAM else sys.stdout).fileno())
         os.close(devnull)
     except (OSError, ValueError, AttributeError):
         pass
@@ -270,6 +317,9 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
     elif args.benchmark and status == 0:
         with progress.stage("benchmarking"):
             report.extra["benchmark"] = _benchmark(symbol, arg, aux, result, shapes, args.repeats)
+    chatter = _chatter_of_mxnet()
+    if chatter:     # what MXNet printed while shapes were probed: kept out of stdout, counted here
+        report.extra["mxnet_stdout"] = chatter
     if not args.quiet:
         _say(report.to_text(explain=args.explain))
     if status:
