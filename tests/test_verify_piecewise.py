@@ -66,3 +66,26 @@ def test_an_error_after_the_nms_still_fails():
 def test_a_model_that_matches_is_not_cut():
     v = check(head(), params())
     assert v.status() == "OK" and v.piecewise is None and v.max_rel == 0.0
+
+
+def test_an_error_of_the_scores_is_not_hidden_by_large_boxes():
+    """Each field of an NMS input is compared on its own scale: box coordinates in the thousands (a random-
+    weight detector's) would make a 1 % error of the scores (at most 1) look like 1e-6 of the whole row."""
+    def big_boxes(after=None):
+        rows = S.var("data")
+        rows = S.concat(S.slice_axis(rows, axis=2, begin=0, end=2), S.slice_axis(rows, axis=2, begin=2, end=6) * 1e4,
+                        dim=2)
+        score = S.broadcast_mul(S.slice_axis(rows, axis=2, begin=1, end=2), S.var("w"))
+        rows = S.concat(S.slice_axis(rows, axis=2, begin=0, end=1), score,
+                        S.slice_axis(rows, axis=2, begin=2, end=6), dim=2)
+        nms = S.contrib.box_nms(rows, overlap_thresh=0.5, topk=30, id_index=0, force_suppress=True, name="nms")
+        return S.slice_axis(nms, axis=1, begin=0, end=8)
+
+    feed = {"data": tied_rows()}
+    ok = fusion.verify(big_boxes(), (big_boxes(), params(nudge=1.2e-7), {}), (params(), {}), inputs=feed)
+    assert ok.status() == "OK" and ok.piecewise is not None, ok
+    assert {f for _, f, _ in ok.piecewise["inputs"]} == {"scores", "boxes", "class ids"}
+    wrong = params(nudge=1.2e-7)
+    wrong["w"] = wrong["w"] * 1.01
+    v = fusion.verify(big_boxes(), (big_boxes(), wrong, {}), (params(), {}), inputs=feed)
+    assert v.status() == "MISMATCH", v

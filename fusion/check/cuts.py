@@ -47,9 +47,10 @@ def cut_points(g0: Graph, g1: Graph) -> List[str]:
 def piecewise(original: Any, arg0: Mapping[str, Any], aux0: Mapping[str, Any],
               fused: Any, arg1: Mapping[str, Any], aux1: Mapping[str, Any],
               feed: Mapping[str, np.ndarray], names: Sequence[str], layouts, run, compare
-              ) -> Optional[Tuple[Any, Any, List[str]]]:
-    """(outputs compared, NMS inputs compared, the cut nodes' names) on one verification input,
-    or None where the graphs share no NMS to cut at.  ``run`` and ``compare`` are verify's."""
+              ) -> Optional[Tuple[Any, Any, List[str], List[Tuple[str, str]]]]:
+    """(outputs compared, NMS inputs compared field by field, the cut nodes' names, (cut, field) of each
+    compared NMS input field) on one verification input, or None where the graphs share no NMS to
+    cut at.  ``run`` and ``compare`` are verify's."""
     g0, g1 = Graph.from_symbol(original), Graph.from_symbol(fused)
     cuts = cut_points(g0, g1)
     if not cuts:
@@ -77,4 +78,30 @@ def piecewise(original: Any, arg0: Mapping[str, Any], aux0: Mapping[str, Any],
     vals1 = run(sym1, arg1, aux1, feed1)
     out1, inputs1 = vals1[:len(names)], vals1[len(names):]
     aligned, _ = align_rows(out0, out1, layouts)
-    return (compare(out0, aligned, names), compare(at_cuts, inputs1, ["the input of %s" % c for c in cuts]), cuts)
+    refs, gots, fields = [], [], []
+    for c, ref, got in zip(cuts, at_cuts, inputs1):
+        for field, cols in nms_fields(by_name0[c], ref.shape[-1] if ref.ndim else 0):
+            refs.append(ref[..., cols])
+            gots.append(got[..., cols])
+            fields.append((c, field))
+    labels = ["the %s of %s's input" % (f, c) for c, f in fields]
+    return compare(out0, aligned, names), compare(refs, gots, labels), cuts, fields
+
+
+def nms_fields(nms: Node, width: int) -> List[Tuple[str, Any]]:
+    """(name, columns) of each field of an NMS input's rows: scores, box coordinates, class ids, the rest.
+
+    Each is compared on its own scale: a box's coordinates (pixels, or thousands of them with random
+    weights) would hide a 1 % error of the scores (at most 1) in one relative measure of the whole row."""
+    score, coord = int(nms.param("score_index", 1)), int(nms.param("coord_start", 2))
+    ident = int(nms.param("id_index", -1))          # -1: the rows carry no class id
+    if width < 5 or not (0 <= score < width and 0 <= coord <= width - 4):
+        return [("rows", slice(None))]
+    fields = [("scores", [score]), ("boxes", list(range(coord, coord + 4)))]
+    if 0 <= ident < width:
+        fields.append(("class ids", [ident]))
+    taken = {c for _, cols in fields for c in cols}
+    rest = [c for c in range(width) if c not in taken]
+    if rest:
+        fields.append(("other columns", rest))
+    return fields

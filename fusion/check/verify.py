@@ -58,7 +58,8 @@ class VerifyResult:
     spread_per_output: List[Tuple[str, float]] = field(default_factory=list)
     # where the whole comparison failed and the model has NMS: the comparison cut at the NMS inputs
     # (fusion/check/cuts.py): {"cuts": [names], "whole_max_rel": the whole comparison's error,
-    # "inputs": [(cut name, rel)]}; the errors above are then the piecewise ones
+    # "inputs": [(cut name, field of its input: scores/boxes/class ids/…, rel)]}; the errors above are then
+    # the piecewise ones
     piecewise: Optional[Dict[str, Any]] = None
 
     @property
@@ -129,9 +130,10 @@ class VerifyResult:
         if self.piecewise is not None:
             pw = self.piecewise
             out.append("compared piecewise at the inputs of %s (the whole model: max rel error %.3g, NMS choosing "
-                       "among near-ties): each NMS input max rel %s, the outputs from the original's NMS inputs "
-                       "max rel %.3g" % (", ".join("'%s'" % c for c in pw["cuts"]), pw["whole_max_rel"],
-                                         ", ".join("%.3g" % r for _, r in pw["inputs"]), pw["outputs_max_rel"]))
+                       "among near-ties): the NMS inputs' fields max rel %s, the outputs from the original's NMS "
+                       "inputs max rel %.3g" % (", ".join("'%s'" % c for c in pw["cuts"]), pw["whole_max_rel"],
+                                                ", ".join("%s %.3g" % (f, r) for _, f, r in pw["inputs"]),
+                                                pw["outputs_max_rel"]))
         if self.spread is not None:
             out.append("the original's own spread (its outputs with MXNet's oneDNN backend on vs off, compared "
                        "the same way): max rel %.3g" % self.spread)
@@ -149,7 +151,7 @@ class VerifyResult:
                 "positional_max_rel": self.positional_max_rel,
                 "piecewise": None if self.piecewise is None else {
                     "cuts": list(self.piecewise["cuts"]), "whole_max_rel": self.piecewise["whole_max_rel"],
-                    "inputs": [{"cut": c, "max_rel": r} for c, r in self.piecewise["inputs"]],
+                    "inputs": [{"cut": c, "field": f, "max_rel": r} for c, f, r in self.piecewise["inputs"]],
                     "outputs_max_rel": self.piecewise["outputs_max_rel"]},
                 "original_spread": None if self.spread is None else {
                     "max_rel": self.spread, "per_output": [{"output": n, "max_rel": r}
@@ -553,7 +555,7 @@ def _try_piecewise(result: VerifyResult, original, fused, draws, names, layouts)
 
     from .cuts import piecewise
 
-    outs, cuts_cmp, cut_names = [], [], None
+    outs, cuts_cmp, cut_names, fields = [], [], None, []
     for feed in draws:
         try:
             got = piecewise(*original, *fused, feed, names, layouts, run, compare)
@@ -563,13 +565,13 @@ def _try_piecewise(result: VerifyResult, original, fused, draws, names, layouts)
             return
         outs.append(got[0])
         cuts_cmp.append(got[1])
-        cut_names = got[2]
+        cut_names, fields = got[2], got[3]
     out, at_cuts = _merge(outs), _merge(cuts_cmp)
     worst = max(out.max_rel, at_cuts.max_rel)
     if at_cuts.nonfinite_mismatch or out.nonfinite_mismatch or not worst < result.max_rel:
         return
     result.piecewise = {"cuts": cut_names, "whole_max_rel": result.max_rel,
-                        "inputs": [(c, rel) for c, (_, _, rel) in zip(cut_names, at_cuts.per_output)],
+                        "inputs": [(c, f, rel) for (c, f), (_, _, rel) in zip(fields, at_cuts.per_output)],
                         "outputs_max_rel": out.max_rel}
     result.max_abs, result.max_rel = max(out.max_abs, at_cuts.max_abs), worst
     result.per_output = out.per_output
