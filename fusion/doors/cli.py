@@ -33,7 +33,7 @@ from ..ir.errors import FusionError
 from ..ir.graph import Graph
 from ..files.modelio import (model_files, output_paths, parse_shape, read_graph, read_params, text_file, validate_params,
                              weight_variables)
-from ..files.publish import check_outputs, publish
+from ..files.publish import check_outputs, prompt_exit, publish, track_temp
 
 
 class _Parser(argparse.ArgumentParser):
@@ -117,16 +117,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         except (ValueError, OSError):     # not the main thread: leave signals alone
             pass
     try:
-        with progress.session(verbose=args.verbose, quiet=args.quiet), _report_only_on_stdout():
+        # a signal ends the run within a second and a half even inside one long native call (MXNet
+        # running a large model), temporary files removed (publish.prompt_exit)
+        with prompt_exit(GRACE_SECONDS, lambda signum: _stopped(signum, published)), \
+                progress.session(verbose=args.verbose, quiet=args.quiet), _report_only_on_stdout():
             return _run(args, published)
     except FusionError as e:
         print("mxfuse: error: %s" % e, file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated) as e:
         signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
-        what = "interrupted" if signum == signal.SIGINT else "terminated by %s" % signal.Signals(signum).name
-        done = "; wrote %s" % ", ".join(published) if published else "; nothing written"
-        print("mxfuse: %s%s" % (what, done), file=sys.stderr)
+        print(_stopped(signum, published), file=sys.stderr)
         return 128 + signum
     finally:
         for sig, handler in previous.items():
@@ -176,6 +177,15 @@ def _chatter_of_mxnet() -> Optional[dict]:
     if isinstance(sink, _Chatter) and sink.lines:
         return {"lines": sink.lines, "first": list(sink.first)}
     return None
+
+
+#: How long the main thread has to unwind after a signal before the process is ended for it.
+GRACE_SECONDS = 1.5
+
+
+def _stopped(signum: int, published: List[str]) -> str:
+    what = "interrupted" if signum == signal.SIGINT else "terminated by %s" % signal.Signals(signum).name
+    return "mxfuse: %s%s" % (what, "; wrote %s" % ", ".join(published) if published else "; nothing written")
 
 
 def _say(text: str) -> None:
@@ -337,6 +347,7 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
             fd, staged = tempfile.mkstemp(prefix=temp_prefix(), suffix=".onnx",
                                           dir=_nearest_folder(args.to_onnx))
             os.close(fd)
+            track_temp(staged)
             try:
                 with progress.stage("exporting to ONNX"):
                     onnx_said.append(_export_onnx(result, shapes, staged, onnx_options))
@@ -360,6 +371,8 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
     finally:
         if staged is not None and os.path.exists(staged):
             os.unlink(staged)
+        if staged is not None:
+            track_temp(staged, live=False)
     if onnx_error is not None:
         if not args.quiet:
             _say("wrote %s and %s" % paths)

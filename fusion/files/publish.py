@@ -29,7 +29,10 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
+import threading
+import time
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from ..ir.errors import FusionError
@@ -39,6 +42,11 @@ LOCK_SUFFIX = ".mxfuse.lock"
 _HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 Writer = Callable[[str], None]    # writes a file's whole content to the path it is given
+
+# What a prompt exit (prompt_exit) must know of the files being written: this process's temporary
+# files that exist now, and whether renames into place are under way (never cut short).
+_LIVE_TEMPS: set = set()
+_RENAMING = threading.Event()
 
 
 def _host_tag() -> str:
@@ -210,6 +218,7 @@ def _signals_held() -> Iterator[None]:
     """
     caught: List[int] = []
     previous: Dict[int, object] = {}
+    _RENAMING.set()
     try:
         for sig in _HELD:
             handler = signal.getsignal(sig)
@@ -222,6 +231,7 @@ def _signals_held() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _RENAMING.clear()
         if caught:
             handler = previous[caught[0]]
             if callable(handler):
@@ -279,6 +289,7 @@ def publish(files: Sequence[Tuple[str, str, Writer]], inputs: Iterable[Optional[
             except OSError as e:
                 raise FusionError("cannot write %s '%s': %s" % (what, path, _describe(e))) from None
             temps.append(tmp)
+            _LIVE_TEMPS.add(tmp)
             try:
                 write(tmp)
                 _sync(tmp)
@@ -291,6 +302,7 @@ def publish(files: Sequence[Tuple[str, str, Writer]], inputs: Iterable[Optional[
         with _locked(lock_path(p) for _, p, _ in files):
             with _signals_held():
                 _rename_all(staged)
+                _LIVE_TEMPS.difference_update(temps)
                 temps.clear()
                 made.clear()
                 if published is not None:
@@ -301,6 +313,7 @@ def publish(files: Sequence[Tuple[str, str, Writer]], inputs: Iterable[Optional[
                 os.unlink(tmp)
             except OSError:
                 pass
+            _LIVE_TEMPS.discard(tmp)
         for folder in reversed(made):       # folders made for files that were not written
             try:
                 os.rmdir(folder)
@@ -377,3 +390,81 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+# ---------------------------------------------------------------- ending promptly on a signal
+
+def track_temp(path: str, live: bool = True) -> None:
+    """Count ``path`` (a temporary file of this run made outside :func:`publish`, e.g. an ONNX export
+    staged beside its target) among those a prompt exit removes; ``live=False`` once it is gone."""
+    if live:
+        _LIVE_TEMPS.add(path)
+    else:
+        _LIVE_TEMPS.discard(path)
+
+
+@contextlib.contextmanager
+def prompt_exit(grace: float, last_words: Callable[[int], str]) -> Iterator[None]:
+    """End the process within ``grace`` seconds of SIGINT/SIGTERM/SIGHUP, whatever the main thread does.
+
+    Python runs a signal handler only when the main thread comes back to the interpreter; inside one
+    long native call (MXNet running a large graph) that can take many seconds.  CPython's own C handler
+    writes the signal's number to the wakeup fd at once, so a thread waiting on it learns of the signal
+    then: it gives the main thread ``grace`` seconds to unwind (the handlers raise, the caller cleans up
+    and leaves this block), and past that removes this run's temporary files, prints
+    ``last_words(signum)`` on stderr and ends the process with status 128 + signum.  Renames into place
+    (``publish``) are never cut short: the thread waits for them.  Only in the main thread (elsewhere, and
+    where the wakeup fd is taken, a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        os.close(r)
+        os.close(w)
+        yield
+        return
+    left = threading.Event()
+
+    def watch() -> None:
+        while True:
+            try:
+                data = os.read(r, 64)
+            except OSError:
+                return
+            if not data or left.is_set():
+                return
+            signum = data[0]
+            if signum not in _HELD:
+                continue
+            deadline = time.monotonic() + grace
+            while not left.wait(0.02):
+                if _RENAMING.is_set():        # files going into place: let them all
+                    deadline = time.monotonic() + grace
+                    continue
+                if time.monotonic() >= deadline:
+                    for tmp in list(_LIVE_TEMPS):
+                        try:
+                            os.unlink(tmp)
+                        except OSError:
+                            pass
+                    try:
+                        sys.stderr.write(last_words(signum) + "\n")
+                        sys.stderr.flush()
+                    finally:
+                        os._exit(128 + signum)
+            return
+
+    watcher = threading.Thread(target=watch, name="mxfuse-prompt-exit", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        left.set()
+        signal.set_wakeup_fd(previous)
+        os.close(w)              # wakes the watcher (end of file) if it still waits
+        watcher.join(timeout=1.0)
+        os.close(r)
