@@ -5,8 +5,9 @@
 
 The rule below finds ``a·tanh(b·x)`` (two scalar ops around a tanh) and replaces it
 with one call of the ``scaled_tanh`` CustomOp defined here.  It is written with the
-same DSL as the library's rules (``fusion.ir.pattern``): a pattern, an optional check
-returning a reason, a rewrite that builds the replacement.  Because the CustomOp has a
+same DSL as the library's rules, imported from the public module for rule authors
+(``fusion.rules``): a pattern, an optional check returning a reason, a rewrite that builds
+the replacement.  Because the CustomOp has a
 backward, the rule is valid in training too (``inference_only`` stays False).
 """
 import os
@@ -18,8 +19,7 @@ import mxnet as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import fusion  # noqa: E402
-from fusion import Rule  # noqa: E402
-from fusion.ir.pattern import Var, op, scalar  # noqa: E402
+from fusion.rules import Rule, Var, op, scalar  # noqa: E402
 
 
 class ScaledTanh(mx.operator.CustomOp):

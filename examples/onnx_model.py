@@ -23,7 +23,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import fusion  # noqa: E402
 from fusion.check.bench import executor, time_interleaved  # noqa: E402
-from fusion.ir.graph import Graph  # noqa: E402
+from fusion import Graph  # noqa: E402
 from fusion.onnx.importer import import_onnx  # noqa: E402
 from fusion.check.verify import random_inputs  # noqa: E402
 

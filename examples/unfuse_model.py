@@ -13,7 +13,7 @@ import mxnet as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import fusion
-from fusion.ir.graph import Graph
+from fusion import Graph
 
 S = mx.sym
 x = S.var("data")

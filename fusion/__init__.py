@@ -22,11 +22,13 @@ from .ir.errors import FusionError, GraphError, ParamsError, VerificationError  
 from .ir.graph import Entry, Graph, Node  # noqa: E402
 from .engine.report import FusionReport  # noqa: E402
 from .engine.rule import Rule  # noqa: E402
+from .rules import install_deprecated_paths as _install_deprecated_paths  # noqa: E402
 from .doors.serving import load_library, load_model  # noqa: E402
 from .check.verify import VerifyResult, verify  # noqa: E402
 from .version import __version__  # noqa: E402
 
 _install_backend()
+_install_deprecated_paths()      # rule modules written against fusion.pattern & co. keep loading
 
 from .precision.policy import guard_amp as _guard_amp  # noqa: E402
 

@@ -15,8 +15,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-from fusion import Rule  # noqa: E402
-from fusion.ir.pattern import OneOf, Var, op  # noqa: E402
+from fusion.rules import OneOf, Rule, Var, op  # noqa: E402
 
 
 def build_and_load(out_dir=HERE):
