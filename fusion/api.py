@@ -15,6 +15,7 @@ from .engine.report import FusionReport
 from .engine.rewrite import Context, run_rules
 from .engine.selfcheck import SelfCheck
 from .engine.workarounds import backend_hazards, guard_layer_outputs, strip_guards
+from .precision.policy import dtype_name
 
 MODES = ("inference", "training")
 DEVICES = ("cpu", "gpu")
@@ -204,6 +205,20 @@ class _HalfNotLowered(Exception):
         self.note = note
 
 
+def _dtype_names(input_dtypes: Optional[Mapping[str, Any]]) -> Optional[Dict[str, str]]:
+    """``input_dtypes`` by name ('float32', 'bfloat16', ...): given as dtypes, types or names, MXNet's
+    bfloat16 included (NumPy has no name for it); a one-line error for what is no dtype."""
+    if input_dtypes is None:
+        return None
+    out = {}
+    for k, v in input_dtypes.items():
+        try:
+            out[k] = dtype_name(v)
+        except TypeError:
+            raise FusionError("input_dtypes['%s'] = %r is not a dtype" % (k, v)) from None
+    return out
+
+
 def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
           copy_params: bool = True, precision: str = "float32", device: str = "cpu",
           read_half: bool = True) -> FusionResult:
@@ -212,6 +227,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     from .files.modelio import check_param_values
 
     start = time.perf_counter()
+    input_dtypes = _dtype_names(input_dtypes)
     given = symbol
     amp_convs = None
     if precision != "float32" and copy_params and mode == "inference" and device == "cpu":
@@ -241,8 +257,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     if device == "gpu" and read_half:
         half, half_refused, arg_params, aux_params = _read_half(graph, arg_params, aux_params, input_dtypes, mode)
         if half is not None and input_dtypes:       # the rules see the float32 model's inputs
-            input_dtypes = {k: "float32" if str(np.dtype(v) if not isinstance(v, str) else v) == "float16" else v
-                            for k, v in input_dtypes.items()}
+            input_dtypes = {k: "float32" if dtype_name(v) == "float16" else v for k, v in input_dtypes.items()}
     report = FusionReport(mode=mode)
     report.precision = precision
     if half_refused:

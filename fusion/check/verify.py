@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ..ir.errors import FusionError
+from ..precision.policy import as_float32, astype
 
 DEFAULT_RTOL = 1e-4
 DRAWS = 2           # random draws compared when no inputs are given
@@ -354,7 +355,7 @@ def load_inputs(path: str, symbol: Any, arg_params: Mapping[str, Any],
         if want is not None and tuple(want) != a.shape:
             raise FusionError("input '%s' in '%s' has shape %s but --shape gives %s"
                               % (n, path, ",".join(map(str, a.shape)), ",".join(map(str, want))))
-        out[n] = a.astype(dtypes.get(n, "float32"), copy=False)
+        out[n] = astype(a, dtypes.get(n, "float32"))         # MXNet's bfloat16 too
     return out
 
 
@@ -412,7 +413,7 @@ def _run_or_say(symbol, arg, aux, feed, what: str) -> List[np.ndarray]:
     from ..ir.graph import first_line
 
     try:
-        return run(symbol, arg, aux, feed)
+        return [as_float32(o) for o in run(symbol, arg, aux, feed)]    # bfloat16 outputs: compared as values
     except mx.base.MXNetError as e:
         raise FusionError("%s does not run on the verification inputs: %s" % (what, first_line(str(e)))) from None
 
@@ -429,7 +430,7 @@ def compare(reference: Sequence[np.ndarray], candidate: Sequence[np.ndarray], na
     for i, (name, a, b) in enumerate(zip(names, reference, candidate)):
         if a.shape != b.shape:
             raise FusionError("output '%s' has shape %s after fusion, %s before" % (name, b.shape, a.shape))
-        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        a64, b64 = as_float32(a).astype(np.float64), as_float32(b).astype(np.float64)   # bfloat16: its values
         fin_a, fin_b = np.isfinite(a64), np.isfinite(b64)
         both = fin_a & fin_b
         # a NaN/inf where the other is finite, or another NaN/inf (NaN vs inf, +inf vs -inf)
@@ -604,6 +605,6 @@ def _original_with_backend(symbol, arg, aux, feed) -> Optional[List[np.ndarray]]
         return None
     try:
         with quiet_native_stderr():            # MXNet's INFO line on binding with the backend
-            return run(symbol, arg, aux, feed, subgraph=True)
+            return [as_float32(o) for o in run(symbol, arg, aux, feed, subgraph=True)]
     except mx.base.MXNetError:
         return None

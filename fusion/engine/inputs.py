@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ..ir.graph import Node
-from ..precision.policy import to_bf16
+from ..precision.policy import is_bf16, to_bf16
 
 # Inputs read only for their shape: (op, input slot).
 SHAPE_ONLY = frozenset({("_contrib_arange_like", 0), ("ones_like", 0), ("zeros_like", 0), ("shape_array", 0),
@@ -95,7 +95,13 @@ def input_domain(entry_users: List[Tuple[Node, int]], users_of, shape_of, depth:
     return None
 
 
-def draw(rng: np.random.Generator, shape: tuple, dtype: str, domain: Optional[Tuple]) -> np.ndarray:
+def draw(rng: np.random.Generator, shape: tuple, dtype, domain: Optional[Tuple]) -> np.ndarray:
+    """Random values of ``shape`` in ``domain`` (None: any real), of ``dtype`` (a NumPy dtype, type or
+    name; MXNet's bfloat16, named 'bfloat16' or spelled ``policy.BF16``: drawn as float32 and
+    rounded to it, as NumPy can neither name it nor cast to it)."""
+    if is_bf16(dtype):      # an AMP-converted graph's bfloat16 values
+        return to_bf16(draw(rng, shape, "float32", domain))
+    dtype = np.dtype(dtype)
     if domain is not None and domain[0] == "rois" and len(shape) == 2 and shape[1] == 5:
         # RoI Align's boxes: [batch index, x1, y1, x2, y2] of the data's batch, in the image the
         # feature map covers (a negative or too large index leaves MXNet's output undefined)
@@ -109,10 +115,8 @@ def draw(rng: np.random.Generator, shape: tuple, dtype: str, domain: Optional[Tu
     if domain is not None and domain[0] == "int":
         lo, hi = domain[1], max(domain[1], domain[2])
         return rng.integers(lo, hi + 1, shape).astype(dtype)
-    if dtype == "bfloat16":     # MXNet's bfloat16 (an AMP-converted graph): NumPy has no name for it
-        return to_bf16(rng.standard_normal(shape, dtype=np.float32))
-    if np.issubdtype(np.dtype(dtype), np.integer):
+    if np.issubdtype(dtype, np.integer):
         return rng.integers(0, 4, shape).astype(dtype)
-    if np.dtype(dtype) == np.float32:
+    if dtype == np.float32:
         return rng.standard_normal(shape, dtype=np.float32)
     return rng.standard_normal(shape).astype(dtype)

@@ -218,7 +218,7 @@ def check_param_values(graph: Graph, symbol: Any, arg: Mapping[str, Any], aux: M
             var = nd.inputs[4].node.name
             if var in aux and (_numpy(aux[var]) < 0).any():
                 raise ParamsError("BatchNorm '%s' has a negative moving variance in '%s'" % (nd.name, var))
-    input_dtypes = {k: np.dtype(v).name for k, v in (input_dtypes or {}).items()}
+    input_dtypes = {k: dtype_name(v) for k, v in (input_dtypes or {}).items()}
     if any(t != "float32" for t in list(dtypes.values()) + list(input_dtypes.values())):
         _check_param_dtypes(graph, graph.to_symbol() if symbol is None else symbol, dtypes, input_dtypes)
     # float32 everywhere is what bind gives a graph: where MXNet's type inference refuses that,
@@ -256,10 +256,10 @@ def _check_param_dtypes(graph: Graph, symbol: Any, dtypes: Dict[str, str], input
             err = infer(dict(base, **{name: dtypes[name]}), data_dtype)
             if isinstance(err, str):
                 want = needed.get(name)
-                if want is not None and np.dtype(want).name != dtypes[name]:
+                if want is not None and dtype_name(want) != dtypes[name]:
                     raise ParamsError("parameter '%s' has dtype %s where the graph computes in %s (with the other "
-                                      "parameters); save it as %s" % (name, dtypes[name], np.dtype(want).name,
-                                                                      np.dtype(want).name))
+                                      "parameters); save it as %s" % (name, dtypes[name], dtype_name(want),
+                                                                      dtype_name(want)))
                 raise ParamsError("parameter '%s' has dtype %s, which does not fit the graph: %s"
                                   % (name, dtypes[name], err))
     raise ParamsError("parameter dtypes do not fit the graph: %s" % infer(dtypes, data_dtype))

@@ -62,6 +62,7 @@ import numpy as np
 from . import passes as passes
 from ..ir.errors import FusionError, GraphError, VerificationError
 from ..check.verify import DEFAULT_RTOL, VerifyResult, compare, random_inputs, run
+from ..precision.policy import dtype_name, np_dtype
 
 __all__ = ["export_onnx", "OnnxExportError", "FUSED_OP_EXPORTERS", "node_io", "DEFAULT_OPSET", "OPSET_RANGE",
            "TARGETS", "onnx_opset_of"]
@@ -1031,7 +1032,7 @@ def export_onnx(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[
     missing = [n for n in data_names if n not in input_shapes]
     if missing:
         raise FusionError("no shape given for input(s) %s" % ", ".join(missing))
-    input_dtypes = {k: np.dtype(v) for k, v in (input_dtypes or {}).items()}
+    input_dtypes = {k: np_dtype(v) for k, v in (input_dtypes or {}).items()}     # 'bfloat16' too
 
     sym = symbol
     unfused: List[str] = []
@@ -1116,7 +1117,7 @@ def _facts(symbol, params, input_shapes, input_dtypes):
     graph = Graph.from_symbol(symbol)
     given = {k: tuple(int(d) for d in v) for k, v in input_shapes.items()}
     given.update({k: tuple(v.shape) for k, v in params.items()})
-    dt = {k: str(v.dtype.name if hasattr(v.dtype, "name") else np.dtype(v.dtype).name) for k, v in params.items()}
+    dt = {k: dtype_name(v.dtype) for k, v in params.items()}      # bfloat16: 'bfloat16' (NumPy says 'void16')
     shapes, dtypes = infer(graph, given, dt)
     index = {id(n): i for i, n in enumerate(graph.nodes)}
     names = [n["name"] for n in _json_nodes(symbol)["nodes"]]

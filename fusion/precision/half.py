@@ -95,7 +95,7 @@ def read_half(graph: Graph, arg_params: Mapping[str, Any], aux_params: Mapping[s
         if nd.op == "amp_cast" and str(nd.attrs.raw("dtype")) not in _FLOATS:
             raise HalfRefused("amp_cast '%s' casts to %s: only float16 graphs (and their float32 parts) are read "
                               "for the GPU" % (nd.name, nd.attrs.raw("dtype")))
-    given = {k: dtype_name(np.dtype(v)) if not isinstance(v, str) else v for k, v in (input_dtypes or {}).items()}
+    given = {k: dtype_name(v) for k, v in (input_dtypes or {}).items()}
     params = {k: v for store in (arg_params, aux_params) for k, v in store.items()}
     for name, v in params.items():
         if dtype_name(v.dtype) not in _FLOATS + ("int32", "int64", "int8", "uint8", "float64", "bool"):
@@ -451,7 +451,7 @@ def as_the_gpu_computes(symbol, arg_params: Mapping[str, Any], aux_params: Mappi
         return symbol
     graph = Graph.from_json(text)
     known = {k: dtype_name(v.dtype) for store in (arg_params, aux_params) for k, v in store.items()}
-    known.update({k: dtype_name(np.dtype(v)) for k, v in input_dtypes.items()})
+    known.update({k: dtype_name(v) for k, v in input_dtypes.items()})
     dtypes = value_dtypes(graph, known)
     if not dtypes:
         return symbol

@@ -125,6 +125,26 @@ def is_bf16(dtype) -> bool:
         return str(dtype) == BFLOAT16
 
 
+def np_dtype(dtype) -> np.dtype:
+    """NumPy's dtype of a dtype, a type or a dtype's name, MXNet's bfloat16 included: MXNet's type
+    inference, AMP and this package name it 'bfloat16', which NumPy does not know (``np.dtype``
+    raises TypeError); its arrays have MXNet's NumPy spelling of it, ``BF16``."""
+    return BF16 if is_bf16(dtype) else np.dtype(dtype)
+
+
+def as_float32(a: np.ndarray) -> np.ndarray:
+    """A bfloat16 array (MXNet's dtype, whose NumPy spelling is a structured type no arithmetic
+    takes) as the float32 values it holds, exactly; any other array as it is."""
+    return from_bf16(a) if is_bf16(a.dtype) else a
+
+
+def astype(a: np.ndarray, dtype) -> np.ndarray:
+    """``a.astype(dtype)`` where either side may be MXNet's bfloat16 (rounded to nearest even)."""
+    if is_bf16(dtype):
+        return a if is_bf16(a.dtype) else to_bf16(as_float32(np.asarray(a)))
+    return as_float32(np.asarray(a)).astype(np_dtype(dtype), copy=False)
+
+
 _NAMES: Dict = {}
 
 
@@ -539,7 +559,7 @@ def _amp_graph_run(asym, arg: Dict, aux: Dict, input_shapes: Optional[Dict], inp
     if unknown:
         return ("the shape of input(s) %s is not given, so AMP's graph cannot be run once to check that MXNet "
                 "has a bfloat16 kernel for each op AMP puts in bfloat16; pass input_shapes" % ", ".join(unknown)), None
-    dtypes = {k: np.dtype(v) for k, v in (input_dtypes or {}).items()}
+    dtypes = {k: np_dtype(v) for k, v in (input_dtypes or {}).items()}
     try:
         args = {n: arg[n] if n in arg else mx.nd.zeros(shapes[n], dtype=dtypes.get(n, np.float32))
                 for n in asym.list_arguments()}
