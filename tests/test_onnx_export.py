@@ -560,3 +560,18 @@ def test_fused_elemwise_program_nested_as_deep_as_mxnet_loads(tmp_path):
     sym = S.fused_elemwise(S.var("x0"), S.var("x1"), expr=expr, num_args=2)
     model = export_checked(sym, {}, {}, {"x0": (2, 3), "x1": (2, 3)}, tmp_path / "deep.onnx")
     assert len(model.graph.node) >= MAX_EXPR_DEPTH - 1
+
+
+def test_batchnorm_fix_gamma_exports_gamma_as_one(tmp_path):
+    """MXNet ignores a stored γ under fix_gamma=True (its default); the ONNX file must too.  A random-weight
+    ResNet-50 v2's first BatchNorm (fix_gamma, γ != 1) failed the export's own ONNX Runtime check (6.9e-3)."""
+    x = mx.sym.Variable("data")
+    y = mx.sym.Convolution(mx.sym.BatchNorm(x, name="bn0"), num_filter=4, kernel=(3, 3), name="c")
+    y = mx.sym.BatchNorm(y, name="bn1", fix_gamma=False)
+    shapes = {"data": (1, 3, 8, 8)}
+    arg, aux = random_params(y, shapes)
+    arg["bn0_gamma"] = mx.nd.array(np.full(3, 2.5, np.float32))      # ignored by MXNet (fix_gamma)
+    arg["bn1_gamma"] = mx.nd.array(np.full(4, 2.5, np.float32))      # read by MXNet
+    v = export_onnx(y, arg, aux, shapes, tmp_path / "m.onnx")
+    assert v.ok(RTOL), v
+    assert float(arg["bn0_gamma"].asnumpy()[0]) == 2.5               # the caller's arrays stay as they were
