@@ -72,6 +72,9 @@ class Context:
         #: the names of the rules this run applies (run_rules sets them): a rule may stand aside for
         #: another one that runs after it and takes the same nodes (CNN blocks for regions)
         self.rules: FrozenSet[str] = frozenset()
+        #: set by a rule whose refusal opens candidates other rules stood aside for: the engine runs
+        #: one more pass even if this one changed nothing (a finite set of refusals: it ends)
+        self.another_pass = False
         self.input_shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
         self._probes: Optional[List[Dict[str, tuple]]] = None
         self._small: Optional[Tuple[List[Dict[str, tuple]], int]] = None
@@ -918,8 +921,9 @@ def run_rules(graph: Graph, rules: Sequence[Any], ctx: Context, report: FusionRe
     p = _Pass(graph, ctx, report, checker)
     for k in range(MAX_PASSES):
         report.passes = k + 1
+        ctx.another_pass = False
         changed = sum(p.run_rule(r) for r in ordered)
         p.first_pass = False
-        if changed == 0:
+        if changed == 0 and not ctx.another_pass:
             return
     raise FusionError("rules did not reach a fixpoint after %d passes (a rule keeps rewriting its own output)" % MAX_PASSES)
