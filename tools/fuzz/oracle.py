@@ -418,6 +418,16 @@ def _noise_dominated(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray], r
     return {k for k, h in enumerate(data["heads"]) if h[0] in reach}
 
 
+def as_read(sym, arg: Dict, aux: Dict) -> Tuple[Dict, Dict]:
+    """The fused model's params split as the un-fused ``sym`` reads them: a fused op's inputs are
+    arguments, and its stock ops may read some as auxiliary states (a fused_region's BatchNorm
+    statistics)."""
+    aux_names = set(sym.list_auxiliary_states())
+    params = {**arg, **aux}
+    return ({k: v for k, v in params.items() if k not in aux_names},
+            {k: v for k, v in params.items() if k in aux_names})
+
+
 def forward(sym, arg: Dict, aux: Dict, inputs: Dict[str, np.ndarray], subgraph: bool = False) -> List[np.ndarray]:
     """Inference outputs of ``sym`` (parameters and inputs by name), as NumPy arrays."""
     import mxnet as mx
@@ -952,7 +962,7 @@ class Oracle:
             self._find("unfuse.left", "fused ops left: %s" % left)
         self.stage("unfuse.run")
         try:
-            got = forward(u, res.arg_params, res.aux_params, x1)
+            got = forward(u, *as_read(u, res.arg_params, res.aux_params), x1)
         except Exception as e:
             self._find("unfuse.bind", _first_line(e))
             return None
@@ -963,7 +973,7 @@ class Oracle:
         if x2 is not None:
             self.stage("unfuse.second")
             try:
-                got2 = forward(u, res.arg_params, res.aux_params, x2)
+                got2 = forward(u, *as_read(u, res.arg_params, res.aux_params), x2)
             except Exception as e:
                 self._find("unfuse.second_bind", _first_line(e))
                 return u
@@ -1076,7 +1086,7 @@ class Oracle:
         if unfused is not None:
             self.stage("subgraph.unfused")
             try:
-                got = forward(unfused, res.arg_params, res.aux_params, x1, subgraph=True)
+                got = forward(unfused, *as_read(unfused, res.arg_params, res.aux_params), x1, subgraph=True)
             except Exception as e:
                 self._find("subgraph.unfuse_bind", _first_line(e))
                 return
