@@ -297,7 +297,7 @@ class PoolBeforePointwiseConv(Rule):
     """
 
     name = "pool_before_pointwise_conv"
-    benefit = 14
+    benefit = 19        # after bn_folding (20-40); before region (18), which then takes the cheaper form
     key = "pool"
     description = "Pooling(avg) of a 1×1 Convolution → the Convolution of the Pooling (fewer pixels to convolve)"
 
