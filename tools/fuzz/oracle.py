@@ -705,9 +705,10 @@ class Oracle:
 
     def fuse_kwargs(self) -> Dict[str, Any]:
         c = self.case
+        kw: Dict[str, Any] = {"rules": ["default", "-region"]} if "no_regions" in c.flags else {}
         if "no_shapes" in c.flags:
-            return {}
-        return {"input_shapes": c.shapes(), "input_dtypes": c.dtypes()}
+            return kw
+        return dict(kw, input_shapes=c.shapes(), input_dtypes=c.dtypes())
 
     def _fuse(self, mode: str, symbol=None, arg=None, aux=None, **extra):
         import fusion
