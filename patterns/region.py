@@ -45,7 +45,10 @@ function, refused with the reason where it has not)::
     hard_sigmoid(x, α, β)                       → hard_sigmoid α β
     x + c, x − c, c − x, x · c, x / c           → linear: a·x + b  (x / c as x · (1/c), float32)
 
-The mapping is exact in real arithmetic; in float32 the op computes each function its own way
+NaN and ±inf follow the op (oneDNN), not MXNet's per-op rules (the contract's numerics): MXNet's
+``relu`` and ``clip`` ops keep a NaN that the region's relu (as ``Activation(relu)``) and clip turn
+into a number -- only a NaN input shows it, and the un-fused program says the same (its relu is
+``Activation(relu)``).  The mapping is exact in real arithmetic; in float32 the op computes each function its own way
 (oneDNN's eltwise kernels, sums in another order, x / c as a product, hard-swish's two spellings
 as one function): within the contract's 1e-4 (``--verify``'s measure), which the self-check
 holds it to.  ``patterns/unfuse_region.py`` rebuilds the stock ops from the program: the
