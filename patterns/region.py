@@ -673,7 +673,7 @@ class ProgramBuilder:
                 kernel = tuple(n.attrs.get("kernel", ()) or ()) or (1, 1)
                 d = {"op": "pool", "in": self.ref(b["x"]), "mode": mode, "kernel": [int(k) for k in kernel[:2]],
                      "stride": list(_pairs(n, "stride", 1)), "pad": list(_pairs(n, "pad", 0)),
-                     "convention": n.attrs.get("pooling_convention", "valid"), "global": glob}
+                     "convention": "valid" if glob else n.attrs.get("pooling_convention", "valid"), "global": glob}
                 if mode == "avg":
                     cip = n.attrs.get("count_include_pad", None)
                     d["count_include_pad"] = True if cip is None else _true(cip)

@@ -50,11 +50,8 @@ class Fused:
 
     def program(self):
         progs = self.programs()
-        assert len(progs) == 1, (ops(self.graph_symbolless()), self.report.to_text(explain=True))
+        assert len(progs) == 1, (self.graph.count_ops(), self.report.to_text(explain=True))
         return progs[0]
-
-    def graph_symbolless(self):
-        return self.graph.count_ops()
 
     def regions(self):
         return [n for n in self.graph.op_nodes() if n.op == "fused_region"]
