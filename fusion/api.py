@@ -524,6 +524,8 @@ def _own_convolutions_note(graph: Graph, op: str, report: FusionReport) -> None:
     bfloat16 itself: MXNet's AMP was not run, and what stayed outside is float32."""
     left = [n.name for n in graph.op_nodes() if n.op in ("Convolution", "Deconvolution")]
     taken = [n.name for n in graph.op_nodes() if n.op == op]
+    if not left and not taken:
+        return          # no convolution at all (a transformer): nothing to say
     report.notes.append("precision bf16: the convolutions run in bfloat16 inside %s (%d in this graph, "
                         "precision='bfloat16'; MXNet's AMP, whose bfloat16 convolutions between MXNet's ops are "
                         "slower than float32, was not run)%s" % (
