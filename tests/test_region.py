@@ -760,3 +760,20 @@ def test_gluon_backend_fuses_regions_for_inference_and_trains_without_them():
         loss = net(x).sum()
     loss.backward()
     assert net.fusion_report.mode == "training" and not net.fusion_report.rules["region"].fused
+
+
+def test_bf16_leaves_amp_out_where_regions_take_the_convolutions(monkeypatch):
+    """With fused_region in the op library (faked here) MXNet's AMP does not convert the graph first; a
+    convolution no region takes (alone with its relu: too small) stays float32 and the report says so."""
+    from fusion.native import library
+    caps = dict(library.capabilities())
+    caps["fused_region"] = {"forward": frozenset({"cpu"}), "backward": frozenset()}
+    monkeypatch.setattr(library, "_capabilities", caps)
+    y = relu(conv(S.var("data"), "c1"))
+    arg, aux = random_params(y, X)
+    res = fusion.fuse(y, arg, aux, input_shapes=X, precision="bf16", force=True)
+    assert "amp_cast" not in ops(res) and ops(res).get("Convolution") == 1, ops(res)
+    assert any("1 convolution(s) outside stay float32: c1" in n for n in res.report.notes), res.report.notes
+    monkeypatch.setattr(library, "_capabilities", {k: v for k, v in caps.items() if k != "fused_region"})
+    res = fusion.fuse(y, arg, aux, input_shapes=X, precision="bf16", force=True)
+    assert not any("fused_region" in n for n in res.report.notes), res.report.notes
