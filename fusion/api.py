@@ -81,28 +81,43 @@ def load_user_rules(spec: str) -> list:
 
 def resolve_rules(rules: Optional[Iterable[Any]]) -> list:
     """Rule objects from ``rules``: None (the default set), rule objects, rule/family names,
-    ``"module:NAME"`` for rules of your own, and ``"default"`` for the whole library."""
+    ``"module:NAME"`` for rules of your own, and ``"default"`` for the whole library.  A name with
+    a leading ``-`` takes that rule or family out (``["default", "-region"]``; exclusions alone
+    start from the default set: ``"-region"``)."""
     from patterns import default_rules, rules_by_name   # the rule library; fusion/ never imports it at load
 
     if rules is None:
         return default_rules()
     if isinstance(rules, str):      # one name, not its characters
         rules = [rules]
-    out, known = [], rules_by_name()
+    rules = list(rules)
+    known = rules_by_name()
     known["default"] = default_rules()
-    for r in rules:
+    excluded = [r[1:] for r in rules if isinstance(r, str) and r.startswith("-")]
+    wanted = [r for r in rules if not (isinstance(r, str) and r.startswith("-"))]
+    if excluded and not wanted:
+        wanted = ["default"]
+    out = []
+    for r in wanted:
         if isinstance(r, str):
-            if ":" in r or (r not in known and "." in r):
-                items = load_user_rules(r)
-            elif r in known:
-                items = known[r]
-            else:
-                raise FusionError("unknown rule %r (known: %s; or module:NAME for your own)"
-                                  % (r, ", ".join(sorted(known))))
+            items = _named_rules(r, known)
             out.extend(x for x in items if x not in out)     # a family and one of its rules: once
         elif r not in out:
             out.append(r)
+    for name in excluded:
+        if name not in known:
+            raise FusionError("unknown rule %r to leave out (known: %s)" % (name, ", ".join(sorted(known))))
+        gone = {id(x) for x in known[name]}
+        out = [x for x in out if id(x) not in gone]
     return out
+
+
+def _named_rules(name: str, known: Dict[str, list]) -> list:
+    if ":" in name or (name not in known and "." in name):
+        return load_user_rules(name)
+    if name in known:
+        return known[name]
+    raise FusionError("unknown rule %r (known: %s; or module:NAME for your own)" % (name, ", ".join(sorted(known))))
 
 
 def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
@@ -229,20 +244,26 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     start = time.perf_counter()
     input_dtypes = _dtype_names(input_dtypes)
     given = symbol
+    rule_list = resolve_rules(rules)
     amp_convs = None
-    if precision != "float32" and copy_params and mode == "inference" and device == "cpu":
+    own_convs = None        # the fused op that takes the convolutions into bfloat16 itself (a region)
+    if precision != "float32" and mode == "inference" and device == "cpu":
+        from .native import library as _native
+        from .precision.policy import convolutions_fused
+        own_convs = convolutions_fused([op for r in rule_list for op in getattr(r, "emits", ())],
+                                       _native.capabilities())
+    if own_convs is None and precision != "float32" and copy_params and mode == "inference" and device == "cpu":
         from .precision.policy import convert_convolutions   # the convolutions run in bfloat16 through MXNet's AMP
         amp_convs = convert_convolutions(symbol, arg_params, aux_params, input_shapes, input_dtypes)
         if amp_convs is not None:
             symbol, arg_params, aux_params, amp_convs = amp_convs
-    elif precision != "float32" and mode == "inference" and device == "cpu":
+    elif own_convs is None and precision != "float32" and mode == "inference" and device == "cpu":
         from .precision.policy import kept_convolutions
         amp_convs = kept_convolutions(symbol)
     graph = _as_graph(symbol)
     names = _output_names(given, graph)
     graph.canonicalize_ops()
     miscomputed = backend_hazards(graph)       # the model as given, under MXNet's default bind
-    rule_list = resolve_rules(rules)
     if arg_params or aux_params:
         check_param_values(graph, None, arg_params or {}, aux_params or {}, input_dtypes)
     amp = None
@@ -283,6 +304,8 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
         fused16 = lower_half(graph, half, ctx.origins, ctx.lineage, ctx.arg_params, ctx.aux_params, ctx.new_args)
         report.precision = FLOAT16
     _precision_notes(graph, ctx, report, amp, amp_convs)
+    if own_convs is not None:
+        _own_convolutions_note(graph, own_convs, report)
     if device != "cpu":
         _device_note(device, mode, report)
         if os.environ.get("MXFUSION_NO_COST", "") in ("", "0"):
@@ -511,6 +534,20 @@ def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read:
             len(kept), "; ".join("%s: %s" % kv for kv in list(kept.items())[:5]) + (" …" if len(kept) > 5 else "")))
 
 
+def _own_convolutions_note(graph: Graph, op: str, report: FusionReport) -> None:
+    """precision='bf16' where the rules give convolutions to ``op`` (a fused_region), which runs them in
+    bfloat16 itself: MXNet's AMP was not run, and what stayed outside is float32."""
+    left = [n.name for n in graph.op_nodes() if n.op in ("Convolution", "Deconvolution")]
+    taken = [n.name for n in graph.op_nodes() if n.op == op]
+    if not left and not taken:
+        return          # no convolution at all (a transformer): nothing to say
+    report.notes.append("precision bf16: the convolutions run in bfloat16 inside %s (%d in this graph, "
+                        "precision='bfloat16'; MXNet's AMP, whose bfloat16 convolutions between MXNet's ops are "
+                        "slower than float32, was not run)%s" % (
+                            op, len(taken), "; %d convolution(s) outside stay float32: %s" % (
+                                len(left), ", ".join(left[:5]) + (" …" if len(left) > 5 else "")) if left else ""))
+
+
 def _collect_params(graph: Graph, ctx: Context, aux_names: set, copy_params: bool = True):
     """Parameters the fused graph still uses, as NDArrays: copies of the caller's (on their context),
     plus the new ones (on the context of their sources) — in ``aux`` when the fused graph reads them
@@ -564,14 +601,14 @@ def unfuse(symbol: Any, input_shapes: Optional[Mapping[str, Sequence[int]]] = No
     """
     from patterns.unfuse import RULES, only_nodes
 
-    from .precision.policy import BF16_CODE, BFLOAT16, FLOAT32
+    from .precision.policy import BFLOAT16, FLOAT32, computes_reduced
 
     rules = RULES if nodes is None else [only_nodes(r, set(nodes)) for r in RULES]
     graph = _as_graph(symbol)
     names = _output_names(symbol, graph)
     report = FusionReport(mode="inference")
     # a model fused with precision="bf16": its stock form is checked against it at the bf16 tolerance
-    reduced = any(str(nd.attrs.get("__dtype__")) == str(BF16_CODE) for nd in graph.variables())
+    reduced = computes_reduced(graph)
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:

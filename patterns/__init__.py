@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 #: The modules of the library, in the order their rules are listed.
 MODULES = ("constant_fold", "attention", "squeeze_excitation", "split_attention", "dense_act", "skip_layer_norm",
            "conv_bn_act", "layer_norm", "gelu", "softmax", "elementwise", "qkv_projection",
-           "inverted_residual", "dense_block", "box_nms", "max_pool", "roi_align", "bilinear_resize")
+           "inverted_residual", "dense_block", "region", "box_nms", "max_pool", "roi_align", "bilinear_resize")
 
 #: Modules whose rules run only when asked for by name (``--rules dense_concat``): exact, but
 #: measured slower under MXNet's default bind -- its oneDNN ops keep DenseNet's feature maps in

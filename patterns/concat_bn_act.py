@@ -41,6 +41,7 @@ from fusion.engine.rule import Rule
 
 from ._dtypes import float32_reason
 from .elementwise import batchnorm_scale_shift
+from .region import taken_by_region
 
 MAX_PIECES = 128
 MAX_DEPTH = 64          # nested Concats opened by one rewrite (DenseNet-201's longest block: 48)
@@ -82,6 +83,9 @@ class ConcatBNAct(Rule):
         return entry == Entry(m.node("cat"))    # the concatenation, rebuilt for readers outside
 
     def check(self, m: Match) -> Optional[str]:
+        taken = taken_by_region(m)
+        if taken:
+            return taken
         cat, bn = m.node("cat"), m.node("bn")
         reason = float32_reason(_pieces(m) + [m[k] for k in ("gamma", "beta", "mean", "var")], m.ctx)
         if reason:
@@ -163,6 +167,9 @@ class ConcatFlatten(Rule):
         return out
 
     def check(self, m: Match) -> Optional[str]:
+        taken = taken_by_region(m)
+        if taken:
+            return taken
         levels = self._levels(m)
         if len(levels) < 2:
             return "the first input is not a Concat along the same axis"

@@ -63,6 +63,7 @@ from fusion.engine.rule import Rule
 from ._block_shapes import at_filled_sizes, layout_reason, nchw_block
 from ._dtypes import float32_reason
 from .elementwise import batchnorm_scale_shift
+from .region import taken_by_region
 
 MAX_LAYERS = 64          # per op (DenseNet-264's longest block: 48)
 
@@ -134,6 +135,9 @@ class DenseBlock(Rule):
         return _relu(_scale_shift(block, "post"), "actpost") | block
 
     def check(self, m: Match) -> Optional[str]:
+        taken = taken_by_region(m)
+        if taken:
+            return taken
         L = layers(m)
         ins = [m["x"]] + [m[k] for k in m.bindings if k[:2] in ("w1", "b1", "w2", "b2")]
         reason = float32_reason(ins, m.ctx)
@@ -294,7 +298,7 @@ class PoolBeforePointwiseConv(Rule):
     """
 
     name = "pool_before_pointwise_conv"
-    benefit = 14
+    benefit = 19        # after bn_folding (20-40); before region (18), which then takes the cheaper form
     key = "pool"
     description = "Pooling(avg) of a 1×1 Convolution → the Convolution of the Pooling (fewer pixels to convolve)"
 

@@ -36,6 +36,7 @@ from fusion.engine.rule import Rule
 
 from ._block_shapes import layout_reason, not_2d
 from ._dtypes import float32_reason
+from .region import taken_by_region
 
 MIN_PER_GROUP, MAX_PER_GROUP = 4, 16
 
@@ -69,6 +70,9 @@ class GroupedConv(Rule):
         return grouped_conv_pattern(self.with_act)
 
     def check(self, m: Match) -> Optional[str]:
+        taken = taken_by_region(m)
+        if taken:
+            return taken
         conv = m.node("conv")
         if len(tuple(conv.param("kernel"))) != 2:
             return not_2d(conv)

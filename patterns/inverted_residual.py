@@ -42,6 +42,7 @@ from fusion.engine.rule import Rule
 
 from ._block_shapes import at_filled_sizes, layout_reason, nchw_block, not_2d
 from ._dtypes import float32_reason
+from .region import taken_by_region
 from .squeeze_excitation import pointwise_conv_reason
 
 #: GluonCV's HardSwish as the elementwise rule writes it into one fused_elemwise.
@@ -93,6 +94,9 @@ class InvertedResidual(Rule):
 
     # -- check -----------------------------------------------------------------
     def check(self, m: Match) -> Optional[str]:
+        taken = taken_by_region(m)
+        if taken:
+            return taken
         ins = [m["x"]] + [m[k] for k in ("wexpand", "bexpand", "wdw", "bdw", "w1", "b1", "w2", "b2",
                                           "wproject", "bproject") if m.has(k)]
         reason = float32_reason(ins, m.ctx)

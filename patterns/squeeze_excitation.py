@@ -47,6 +47,7 @@ from fusion.engine.rule import Rule
 
 from ._block_shapes import at_filled_sizes, block_shapes, broadcasting_add, layout_reason
 from ._dtypes import float32_reason
+from .region import taken_by_region
 
 HIDDEN_ACTS = ("relu", "sigmoid", "tanh", "softrelu")
 RESHAPES = ("expand_dims", "Reshape", "reshape")
@@ -117,6 +118,9 @@ class SqueezeExcitation(Rule):
 
     # -- check -----------------------------------------------------------------
     def check(self, m: Match) -> Optional[str]:
+        taken = taken_by_region(m)
+        if taken:
+            return taken
         x = Entry(m.node("hs_mul")) if self.in_hard_swish else m["x"]
         ins = [m["z"] if self.in_hard_swish else x, m["w1"], m["w2"]] + \
             [m[k] for k in ("b1", "b2", "residual") if m.has(k)]

@@ -27,6 +27,8 @@ fused_max_pool             Pooling(pool_type='max', the same kernel, stride, pad
 fused_roi_align            _contrib_ROIAlign (the same attributes)
 fused_bilinear_resize      _contrib_BilinearResize2D (the same attributes and inputs)
 fused_elemwise             the program's ops (broadcast_*, scalar ops, where on broadcast_like'd operands)
+fused_region               its program's ops: Convolution, Pooling, Concat, BatchNorm, elemwise_add, broadcast_mul,
+                           Activation / LeakyReLU / clip / hard_sigmoid / scalar ops (patterns/unfuse_region.py)
 fused_attention            head split (Reshape/transpose/slice_axis) → batch_dot(q, k, transpose_b) ·scale
                            [+ mask | where] → softmax [use_length] → batch_dot(·, v) → head merge
 =========================  ==========================================================
@@ -45,6 +47,7 @@ from ._unfuse_ops import activation, is_bf16_value
 from .unfuse_elemwise import ElemwiseProgram, UnfuseElemwise
 from .unfuse_attention import UnfuseAttention
 from .unfuse_cnn import UnfuseDeconv, UnfuseDenseBlock, UnfuseGroupedConv, UnfuseInvertedResidual, UnfuseSplitAttention
+from .unfuse_region import UnfuseRegion
 
 
 # ---------------------------------------------------------------- fused_dense
@@ -197,7 +200,7 @@ def _stock_ops() -> List[Rule]:
 
 
 RULES: List[Rule] = [UnfuseDense(), UnfuseAddLayerNorm(), UnfuseSE(), UnfuseSplitAttention(), UnfuseGroupedConv(), UnfuseDeconv(), UnfuseInvertedResidual(), UnfuseDenseBlock(),
-                     UnfuseConcatScaleAct(), *_stock_ops(), UnfuseElemwise(), UnfuseAttention()]
+                     UnfuseConcatScaleAct(), *_stock_ops(), UnfuseElemwise(), UnfuseAttention(), UnfuseRegion()]
 
 
 class _OnlyNodes(Rule):

@@ -44,6 +44,16 @@ def random_params(sym, input_shapes, seed=0, inputs=None):
     return arg, aux
 
 
+@pytest.fixture
+def no_regions(monkeypatch):
+    """The rules as they run where the op library has no fused_region: for the tests of the CNN block
+    rules (and of what surrounds them), whose blocks a region takes where it can (tests/test_region.py
+    tests regions)."""
+    from fusion.native import library
+    caps = {op: c for op, c in library.capabilities().items() if op != "fused_region"}
+    monkeypatch.setattr(library, "_capabilities", caps)     # what capabilities() answers (tests/test_device.py too)
+
+
 def fuse_and_check(sym, input_shapes, arg=None, aux=None, rtol=RTOL, **kwargs):
     """Fuse with params (random ones unless given) and assert outputs match the original."""
     import fusion

@@ -219,6 +219,7 @@ def _gluoncv_twin(build, seed=0):
 
 
 @pytest.mark.parametrize("model", ["se_resnext", "resnest"])
+@pytest.mark.usefixtures("no_regions")
 def test_inference_only_ops_in_a_trainable_block(model):
     """A hybridized block builds the gradient graph of its whole graph even for inference, and its
     parameters want gradients: ops fused for inference only (fused_se, fused_split_attention) must

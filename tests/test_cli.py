@@ -6,6 +6,7 @@ import sys
 
 import mxnet as mx
 import numpy as np
+import pytest
 
 from fusion.doors import cli
 
@@ -22,6 +23,7 @@ def written(folder):
     return sorted(p for p in os.listdir(folder) if not p.startswith("model-"))
 
 
+@pytest.mark.usefixtures("no_regions")
 def test_fuse_verify_and_report(tmp_model, tmp_path, capsys):
     sp, pp = tmp_model()
     out = tmp_path / "out" / "fused"

@@ -14,6 +14,9 @@ from fusion.testing.gluoncv import export, mobilenetv3, se_resnet, se_resnext
 
 from conftest import assert_unfuse_round_trip, fuse_and_check, ops, random_params
 
+# the block rules as they fuse where no region takes their blocks (tests/test_region.py: regions)
+pytestmark = pytest.mark.usefixtures("no_regions")
+
 SE_RULES = ["squeeze_excitation"]
 X = {"data": (2, 8, 5, 6)}
 

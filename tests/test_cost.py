@@ -142,6 +142,7 @@ SHAPES = {"data": (1, 8, 6, 6)}
 ELEMENTS = 8 * 6 * 6
 
 
+@pytest.mark.usefixtures("no_regions")
 def test_preactivation_between_convolutions_declined_where_measured_slower(tables_dir):
     write(tables_dir, table([entry("fused_elemwise", dict(CASE, elements=ELEMENTS), 1.2, 1.0)]))
     res = fuse_and_check(preactivation(), SHAPES)
@@ -151,12 +152,14 @@ def test_preactivation_between_convolutions_declined_where_measured_slower(table
     assert "stays MXNet's" in text and "1.200 ms vs 1.000 ms" in text and "blocked layout" in text, (reason, text)
 
 
+@pytest.mark.usefixtures("no_regions")
 def test_preactivation_fused_where_measured_faster(tables_dir):
     write(tables_dir, table([entry("fused_elemwise", dict(CASE, elements=ELEMENTS), 0.5, 1.0)]))
     res = fuse_and_check(preactivation(), SHAPES, rtol=1e-5)
     assert ops(res).get("fused_elemwise") == 1 and "BatchNorm" not in ops(res)
 
 
+@pytest.mark.usefixtures("no_regions")
 def test_preactivation_without_a_table_declined_by_the_conservative_rule(tables_dir):
     res = fuse_and_check(preactivation(), SHAPES)
     assert "fused_elemwise" not in ops(res)

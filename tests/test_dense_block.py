@@ -16,6 +16,9 @@ from fusion.testing import gluon_export, zoo_model
 
 from conftest import assert_unfuse_round_trip, fuse_and_check, ops
 
+# the block rules as they fuse where no region takes their blocks (tests/test_region.py: regions)
+pytestmark = pytest.mark.usefixtures("no_regions")
+
 
 def dense_block(c0=16, layers=3, growth=8, bn_size=2, dropout=0, shape=(1, 16, 8, 8), post=False):
     """The model zoo's dense block; ``post``: then BatchNorm → relu (DenseNet's transition begins so)."""
@@ -224,7 +227,7 @@ def test_no_reference_convolutions():
         "sys.path.insert(0, %r)\n"
         "from test_dense_block import dense_block\n"
         "sym, arg, aux = dense_block(c0=32, layers=2, growth=16, bn_size=2, shape=(1, 32, 12, 12))\n"
-        "res = fusion.fuse(sym, arg, aux, input_shapes={'data': (1, 32, 12, 12)})\n"
+        "res = fusion.fuse(sym, arg, aux, input_shapes={'data': (1, 32, 12, 12)}, rules=['default', '-region'])\n"
         "assert 'fused_dense_block' in res.symbol.tojson()\n"
         "v = fusion.verify((sym, arg, aux), res, input_shapes={'data': (2, 32, 12, 12)})\n"
         "assert v.max_rel <= 1e-4, v\n"

@@ -83,6 +83,7 @@ def test_real_capabilities_decide_what_gpu_gets():
                for r in rejected(res)), rejected(res)
 
 
+@pytest.mark.usefixtures("no_regions")
 def test_gpu_emits_only_ops_with_a_gpu_implementation(gpu_caps):
     gpu_caps(gpu_forward={"fused_dense"})
     res = fuse_and_check(se_dense_model(), SHAPES, device="gpu")
@@ -178,6 +179,7 @@ def test_cli_bad_device_one_line(tmp_path, capsys):
     assert not (tmp_path / "out-symbol.json").exists()
 
 
+@pytest.mark.usefixtures("no_regions")
 def test_optimize_for_takes_the_device_of_its_context(gpu_caps):
     gpu_caps(gpu_forward={"fused_dense"})
     sym = se_dense_model()

@@ -8,6 +8,7 @@ import json
 
 import mxnet as mx
 import numpy as np
+import pytest
 
 import fusion
 from conftest import random_params
@@ -27,6 +28,7 @@ def _ops(sym):
     return sorted(n["op"] for n in json.loads(sym.tojson())["nodes"] if n["op"] != "null")
 
 
+@pytest.mark.usefixtures("no_regions")
 def test_fusing_twice_changes_nothing_when_a_variable_is_read_across_a_library_op():
     """Layers 0-1 and 3 become dense blocks; layer 2's 1x1 convolution is a graph output, so its
     BatchNorms stay, the second one reading its moving mean between the two blocks, and the graph

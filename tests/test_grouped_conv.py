@@ -92,6 +92,7 @@ def test_unfuse_restores_stock_ops(kw):
     assert_unfuse_round_trip(sym, arg, aux, res, shapes, "fused_grouped_conv", rules=RULES)
 
 
+@pytest.mark.usefixtures("no_regions")
 def test_se_resnext_network():
     shape = (1, 3, 32, 32)
     with mx.name.NameManager():

@@ -13,6 +13,9 @@ from fusion.testing.gluoncv import _blocks, export, mobilenetv3
 
 from conftest import assert_unfuse_round_trip, fuse_and_check, ops, random_params
 
+# the block rules as they fuse where no region takes their blocks (tests/test_region.py: regions)
+pytestmark = pytest.mark.usefixtures("no_regions")
+
 
 def unit(cin, e, cout, k=3, act="hard_swish", se=False, s=1):
     with mx.name.NameManager():

@@ -77,6 +77,7 @@ def test_summary_counts_the_rewrites_input_shapes_would_decide():
     assert "more rewrite" not in res.report.to_text()
 
 
+@pytest.mark.usefixtures("no_regions")
 def test_gluoncv_se_resnext_block_fuses_without_shapes():
     from fusion.testing.gluoncv import export, se_resnext
 
@@ -104,6 +105,7 @@ def test_inverted_residual_fuses_without_shapes():
         assert ops(res) == {"fused_inverted_residual": 1}, res.report.to_text(explain=True)
 
 
+@pytest.mark.usefixtures("no_regions")
 def test_a_strided_block_whose_residual_broadcasts_only_at_some_sizes_is_refused():
     """A stride-2 block adding its input: the graph runs only where the projection is 1×1 (inputs up
     to 2×2) and the sum broadcasts.  Without input shapes nothing says what the plane is: the block

@@ -450,6 +450,7 @@ def test_gluon_hybridize_precision_bf16():
 
 
 @needs_bf16
+@pytest.mark.usefixtures("no_regions")
 def test_gluon_hybridize_precision_bf16_says_the_convolutions_stay_float32():
     """The Gluon backend cannot run MXNet's AMP conversion (new bfloat16 parameters for the block's
     own): the convolutions stay float32 there, and the report says so and where bfloat16 runs them."""
@@ -871,6 +872,7 @@ def _small_cnn():
 
 
 @needs_bf16
+@pytest.mark.usefixtures("no_regions")      # where regions are made they take the convolutions instead (test_region.py)
 def test_bf16_on_a_cnn_runs_its_convolutions_in_bf16_through_amp():
     sym = _small_cnn()
     shapes = {"data": (1, 8, 6, 6)}

@@ -104,6 +104,7 @@ def _residual_blocks(n):
     return x
 
 
+@pytest.mark.usefixtures("no_regions")
 def test_explain_groups_near_misses_by_rule_and_kind():
     sym = _residual_blocks(5)
     res = fusion.fuse(sym, *random_params(sym, {"data": (1, 3, 4, 4)}), input_shapes={"data": (1, 3, 4, 4)})
@@ -333,6 +334,7 @@ def test_serving_a_fused_model_with_and_without_mxnet_fusion(tmp_path, capsys):
     assert abs(stock["sum"] - served["sum"]) <= 1e-3 * max(1.0, abs(served["sum"]))
 
 
+@pytest.mark.usefixtures("no_regions")
 def test_no_serving_note_for_stock_ops_only(tmp_model, tmp_path, capsys):
     sp, pp = tmp_model()
     code, out, _ = run_cli(capsys, sp, "--params", pp, "-o", tmp_path / "o", "--shape", "data=1,3,8,8")
@@ -365,6 +367,7 @@ def test_no_loading_note_when_verify_refuses_and_nothing_is_written(tmp_model, t
     assert not os.path.exists(tmp_path / "x-symbol.json")
 
 
+@pytest.mark.usefixtures("no_regions")
 def test_near_misses_of_other_blocks_only_under_explain():
     """A ResNet bottleneck looks like a MobileNet block to inverted_residual (1×1 → 3×3 → 1×1): its 3×3
     convolution is not depthwise.  That is a near-miss (--explain), not a rejection on every report."""

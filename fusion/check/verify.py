@@ -399,7 +399,9 @@ def bind(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, An
         args[name] = v.as_in_context(ctx) if isinstance(v, mx.nd.NDArray) else mx.nd.array(v, ctx=ctx, dtype=v.dtype)
     aux = {}
     for name in symbol.list_auxiliary_states():
-        v = aux_params.get(name)
+        # among the arguments where a fused op read it as an input (a fused_region's BatchNorm
+        # statistics) and the un-fused symbol reads it as an auxiliary state again
+        v = aux_params.get(name, arg_params.get(name))
         if v is None:
             raise FusionError("auxiliary state '%s' has no value" % name)
         aux[name] = v.as_in_context(ctx) if isinstance(v, mx.nd.NDArray) else mx.nd.array(v, ctx=ctx, dtype=v.dtype)

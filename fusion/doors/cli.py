@@ -451,6 +451,12 @@ def _unfused_result(symbol, arg, aux, shapes) -> FusionResult:
     g2 = Graph.from_symbol(plain)
     report.ops_after, report.nodes_after = len(g2.op_nodes()), len(g2.nodes)
     report.notes.append("unfused: every fused_* op rewritten into stock MXNet ops")
+    # a fused op's inputs are arguments; the stock op may read some as auxiliary states (a region's
+    # BatchNorm statistics): the params files say which is which as the un-fused symbol reads them
+    aux_names = set(plain.list_auxiliary_states())
+    params = {**arg, **aux}
+    arg = {k: v for k, v in params.items() if k not in aux_names}
+    aux = {k: v for k, v in params.items() if k in aux_names}
     return FusionResult(plain, arg, aux, report, g2)
 
 

@@ -27,6 +27,13 @@ conservative rule decides (``fallback``):
   library op reads or writes there) or takes apart ops its oneDNN subgraph backend would fuse
   at bind (``"breaks_onednn_fusion": true``) or gives MXNet an op form it runs outside oneDNN's
   kernel (``"adds_slow_path": true``: a Deconvolution with a bias); fuse otherwise, as before.
+* CPU, ``fused_region`` (a region of a CNN in one op, ``patterns/region.py``; its case:
+  ``convs``, ``other_ops`` -- the program's other ops and post steps -- and ``mmacs``, the
+  convolutions' multiply-adds in millions at the input shapes): made when the region holds at
+  least ``REGION_MIN_CONVS`` convolutions, or a convolution and ``REGION_MIN_OTHER`` other ops or
+  steps; a convolution with its activation alone is what MXNet's oneDNN backend already fuses at
+  bind, and the region's edges cost a reorder each.  Entries of op ``fused_region`` in a CPU's
+  table (this case, fused against MXNet's default bind; not measured yet) replace the rule there.
 * GPU (``GPU_FALLBACK``): what an NVIDIA H200 measured before a table existed (the project's
   issue on GPU graphs), conservatively — ``fused_attention`` in float32 is declined (its earlier
   kernel measured 5-16x slower than the ops it replaces; the cuBLASLt path that replaced it is not
@@ -91,6 +98,9 @@ GPU_FALLBACK: Dict[Tuple[str, str, str], Tuple[bool, str]] = {
                                                        "measured 0.62-0.63x PyTorch's separate ops %s (the NVRTC "
                                                        "kernels are not measured yet)" % _H200),
 }
+#: The CPU's conservative rule for ``fused_region`` without measured entries (see the module docstring).
+REGION_MIN_CONVS = 2
+REGION_MIN_OTHER = 2
 KINDS = ("cpu", "gpu")
 #: The folder of the tables shipped with the package.
 TABLES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cost_tables")
@@ -272,6 +282,8 @@ def gpu_fallback(op: str, dtype: str, pass_: str, device: Optional[str] = None, 
 
 def fallback(op: str, case: Mapping[str, Any], kind: str) -> Decision:
     """The conservative rule for a device without a measured entry (see the module docstring)."""
+    if kind == "cpu" and op == "fused_region":
+        return region_fallback(case)
     if kind == "cpu":
         if case.get("adds_reorders"):
             return Decision(False, "no cost table measured on this CPU for %s (%s): declined, as it would put a library "
@@ -287,6 +299,18 @@ def fallback(op: str, case: Mapping[str, Any], kind: str) -> Decision:
                             % (op, _describe(case)))
         return Decision(True, "no cost table for this CPU; nothing around it stays in oneDNN's layout")
     return Decision(True, "no cost table measured on this %s" % kind)
+
+
+def region_fallback(case: Mapping[str, Any]) -> Decision:
+    """The conservative rule for a ``fused_region`` case on a CPU without measured entries."""
+    convs, other = int(case.get("convs", 0)), int(case.get("other_ops", 0))
+    if convs >= REGION_MIN_CONVS or (convs >= 1 and other >= REGION_MIN_OTHER):
+        return Decision(True, "no cost table entry for fused_region on this CPU; %d convolution(s) and %d other "
+                              "op(s) or step(s) are enough work for its edges" % (convs, other))
+    return Decision(False, "too small to pay for its edges (%d convolution(s), %d other op(s) or step(s); the rule "
+                           "without a measured cost table wants %d convolutions, or one and %d other ops or steps: "
+                           "a convolution with its activation alone is what MXNet's oneDNN backend fuses at bind)"
+                    % (convs, other, REGION_MIN_CONVS, REGION_MIN_OTHER))
 
 
 def decide(op: str, dtype: str, pass_: str, case: Mapping[str, Any], kind: str = "cpu",

@@ -166,6 +166,8 @@ class FusionReport:
             for reason, anchors in reasons.items():
                 shown = ", ".join(anchors[:3]) + (" (+%d more)" % (len(anchors) - 3) if len(anchors) > 3 else "")
                 lines.append("  rejected %s at %s: %s" % (r.name, shown, reason))
+        for r in self.rules.values():
+            lines.extend(_detail_lines(r, explain))
         if explain:
             for r in self.rules.values():
                 groups = group_reasons(r.near_misses)
@@ -203,6 +205,25 @@ class FusionReport:
 
     def __str__(self) -> str:
         return self.to_text()
+
+
+#: Rewrites whose details (``Builder.details``) the text report lists per rule without --explain.
+DETAILS_SHOWN = 6
+
+
+def _detail_lines(r: RuleReport, explain: bool) -> List[str]:
+    """The rewrites of ``r`` that say more about themselves (a region: its ops and where it was cut):
+    one line each (the first DETAILS_SHOWN without --explain), and with --explain their lines below."""
+    described = [f["details"] for f in r.fused if f.get("details", {}).get("summary")]
+    shown = described if explain else described[:DETAILS_SHOWN]
+    out = []
+    for d in shown:
+        out.append("  %s" % d["summary"])
+        if explain:
+            out.extend("    %s" % ln for ln in d.get("lines", ()))
+    if len(described) > len(shown):
+        out.append("  (+%d more %s rewrite(s); --explain lists them)" % (len(described) - len(shown), r.name))
+    return out
 
 
 def benchmark_lines(b: Mapping[str, Any]) -> List[str]:

@@ -20,7 +20,7 @@ repeat until one changes nothing, so ``fuse(fuse(g)) == fuse(g)``.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import networkx as nx
 import numpy as np
@@ -69,6 +69,12 @@ class Context:
         self.half: Any = None
         self.input_dtypes = {k: str(v) for k, v in (input_dtypes or {}).items()}
         self.memo: Dict[Any, Any] = {}      # rules' derived facts about values (they never change)
+        #: the names of the rules this run applies (run_rules sets them): a rule may stand aside for
+        #: another one that runs after it and takes the same nodes (CNN blocks for regions)
+        self.rules: FrozenSet[str] = frozenset()
+        #: set by a rule whose refusal opens candidates other rules stood aside for: the engine runs
+        #: one more pass even if this one changed nothing (a finite set of refusals: it ends)
+        self.another_pass = False
         self.input_shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
         self._probes: Optional[List[Dict[str, tuple]]] = None
         self._small: Optional[Tuple[List[Dict[str, tuple]], int]] = None
@@ -390,6 +396,14 @@ def device_refusal(op: str, device: str, mode: str) -> Optional[str]:
     return None
 
 
+def implemented(op: str, device: str = "cpu") -> bool:
+    """Whether the loaded op library implements library op ``op`` on ``device`` (its forward): for a
+    rule that must know before it matches (others learn it from ``device_refusal`` when they emit)."""
+    from ..native import library as _native
+
+    return device in (_native.capabilities().get(op) or {}).get("forward", ())
+
+
 class SlowerOnDevice(FusionError):
     """A rewrite declined for speed: the device's cost table (or its conservative rule) says the
     fused op is slower than the ops it replaces (the message is the report's reason)."""
@@ -424,6 +438,9 @@ class Builder:
         self._match = match
         self.created: List[Node] = []
         self.params_added = 0
+        #: what the rule says about this rewrite for the report (its record's "details"): a
+        #: one-line "summary", and "lines" that --explain shows below it
+        self.details: Dict[str, Any] = {}
         self._params: List[tuple] = []
         self._where: Any = self     # the match's source context, once known (self: not yet)
 
@@ -710,6 +727,7 @@ class _Pass:
             if reason is not None:
                 rr.rejected[m.anchor.name] = reason
                 b.discard()
+                _tell_refused(rule, m, reason)
                 continue
             candidates.append(_candidate(rule, m, b, mapping, self.graph))
             builders.append(b)
@@ -722,13 +740,17 @@ class _Pass:
             if reason is not None:
                 self.report.reject(rule, m.anchor.name, _key(rule, m), reason)
                 b.discard()
+                _tell_refused(rule, m, reason)
                 continue
             replaced.update(c.replaces)
             created.extend(b.created)
             self._note_origins(m, b, c.replaces)
             applied += 1
-            rr.fused.append({"anchor": m.anchor.name, "nodes": [n.name for n in m.nodes],
-                             "new": [n.name for n in b.created if not n.is_variable]})
+            record = {"anchor": m.anchor.name, "nodes": [n.name for n in m.nodes],
+                      "new": [n.name for n in b.created if not n.is_variable]}
+            if b.details:
+                record["details"] = dict(b.details)
+            rr.fused.append(record)
             rr.nodes_removed += len(m.nodes) - sum(1 for n in b.created if not n.is_variable)
             rr.params_added += b.params_added
         if not applied:
@@ -764,6 +786,13 @@ class _Pass:
         for old, new in replaces.items():
             if new.node in made:        # a value the rewrite made (not one it forwards, as a removed Dropout)
                 self.ctx.lineage[new] = self.ctx.lineage.get(old, old)
+
+
+def _tell_refused(rule, m: Match, reason: str) -> None:
+    try:
+        rule.refused(m, reason)
+    except Exception:   # a rule's bug in its bookkeeping must not cost the user the model
+        pass
 
 
 def _candidate(rule, m: Match, b: "Builder", mapping: Dict[Entry, Entry], graph: Graph) -> Candidate:
@@ -888,11 +917,13 @@ def run_rules(graph: Graph, rules: Sequence[Any], ctx: Context, report: FusionRe
         raise ValueError("rule names must be unique: %s" % ", ".join(sorted(dup)))
     for r in ordered:
         report.rule(r)
+    ctx.rules = frozenset(names)
     p = _Pass(graph, ctx, report, checker)
     for k in range(MAX_PASSES):
         report.passes = k + 1
+        ctx.another_pass = False
         changed = sum(p.run_rule(r) for r in ordered)
         p.first_pass = False
-        if changed == 0:
+        if changed == 0 and not ctx.another_pass:
             return
     raise FusionError("rules did not reach a fixpoint after %d passes (a rule keeps rewriting its own output)" % MAX_PASSES)

@@ -49,6 +49,10 @@ class Rule:
     #: Name of the matched node that identifies a candidate across the family's variants: once
     #: a variant fuses it, the larger variants' rejections of it are no longer news.
     key: Optional[str] = None
+    #: Library ops the rewrites emit, for what the caller decides before the rules run (under
+    #: precision="bf16", convolutions an emitted op computes in bfloat16 itself are not handed to
+    #: MXNet's AMP first: fusion/precision/policy.py ``convolutions_fused``).
+    emits: Tuple[str, ...] = ()
 
     def pattern(self) -> Pattern:
         raise NotImplementedError
@@ -66,6 +70,11 @@ class Rule:
 
     def rewrite(self, m: Match, b: "Builder") -> Union[Entry, Dict[Entry, Entry]]:
         raise NotImplementedError
+
+    def refused(self, m: Match, reason: str) -> None:
+        """Told when a candidate ``check`` accepted is refused after all: its rewrite failed or the
+        self-check found it computes something else.  A rule that other rules stand aside for
+        notes it in ``m.ctx.memo`` so that they take the candidate in the next pass.  Default: nothing."""
 
     def __repr__(self) -> str:
         return "<rule %s (benefit %d)>" % (self.name, self.benefit)

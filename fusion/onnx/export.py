@@ -25,6 +25,9 @@ fused_roi_align        MXNet's converter (it has none for ROIAlign:
                        the original's error)
 fused_bilinear_resize  Resize (linear; align_corners or              the same (also for MXNet's own
                        pytorch_half_pixel, MXNet's output size)     _contrib_BilinearResize2D)
+fused_region           its program's stock ops (``fusion.unfuse``:  the same
+                       Conv, pooling, Concat, BatchNormalization,
+                       Add, Mul, activations)
 =====================  ===========================================  ==========================================
 
 A fused op with no form for the target (an attention layout or mask the contrib ops cannot
@@ -869,8 +872,9 @@ def _export_fused_elemwise(node, **kwargs):
 
 def _export_through_stock_ops(node, **kwargs):
     """fused_box_nms, fused_max_pool, fused_roi_align: MXNet's own op computes the same
-    (``_contrib_box_nms``, ``Pooling``, ``_contrib_ROIAlign``): exported un-fused, through MXNet's
-    converter where it has one (none for ROIAlign: the original model's error)."""
+    (``_contrib_box_nms``, ``Pooling``, ``_contrib_ROIAlign``); fused_region: its program's stock ops
+    (Convolution, Pooling, Concat, BatchNorm, adds, products, activations): exported un-fused, through
+    MXNet's converters where it has them (none for ROIAlign: the original model's error)."""
     raise _NeedsUnfuse()
 
 
@@ -921,6 +925,7 @@ FUSED_OP_EXPORTERS: Dict[str, Callable[..., list]] = {
     "fused_max_pool": _export_through_stock_ops,
     "fused_roi_align": _export_through_stock_ops,
     "fused_bilinear_resize": _export_bilinear_resize,
+    "fused_region": _export_through_stock_ops,
 }
 
 

@@ -33,7 +33,11 @@ An AMP-converted graph (``amp.convert_model(..., target_dtype="bfloat16")``) is 
 float32 model under this policy (``read_amp``).  A graph with convolutions (``AMP_CONVERTED``:
 the fused ops have no bfloat16 convolution) goes the other way: under precision="bf16" MXNet's
 AMP converts it first — its op lists decide what runs in bfloat16 around the convolutions — and
-the rules fuse the AMP graph (``convert_convolutions``), as ``amp.convert_model`` then ``fuse()``.
+the rules fuse the AMP graph (``convert_convolutions``), as ``amp.convert_model`` then ``fuse()``
+-- unless the rules of the run give convolutions to a ``fused_region`` (``BF16_CONVOLUTION_OPS``),
+which computes its whole region in bfloat16 itself (``precision="bfloat16"``, its inputs, weights
+and the values inside rounded to bfloat16, float32 accumulation, float32 outputs): then AMP is not
+run, and convolutions outside the regions stay float32.
 
 bfloat16 keeps float32's exponent range with an 8-bit significand (relative rounding
 error 2⁻⁹ ≈ 2e-3 per operand): ``TOLERANCE`` is what ``fusion.verify``/``mxfuse
@@ -47,7 +51,7 @@ refused there unless forced.  ``ONEDNN_MAX_CPU_ISA`` (or ``DNNL_MAX_CPU_ISA``) s
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterable, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -67,7 +71,8 @@ BF16_WEIGHTS: Dict[str, Tuple[int, ...]] = {"fused_dense": (1,)}
 
 #: Fused op -> attributes it is given under precision="bf16" (inference only; the CPU kernels
 #: compute in float32 where the CPU has no avx512_bf16, and the backward always does).
-BF16_ATTRS: Dict[str, Dict[str, str]] = {"fused_attention": {"precision": "bfloat16"}}
+BF16_ATTRS: Dict[str, Dict[str, str]] = {"fused_attention": {"precision": "bfloat16"},
+                                         "fused_region": {"precision": "bfloat16"}}
 
 #: Fused op -> input slots that take a bfloat16 value as it is because they round a float32 one to
 #: bfloat16 themselves (nearest even): ``fused_dense``'s data when its weight (BF16_WEIGHTS) is
@@ -460,6 +465,36 @@ def between_ops(graph, precision: str) -> list:
 
 
 # -- convolutions under precision="bf16": MXNet's AMP converts them ------------------------------
+
+#: Fused ops that compute the convolutions they take in bfloat16 themselves (their BF16_ATTRS): a
+#: ``fused_region`` under precision="bf16" converts its inputs and weights to bfloat16 inside, and
+#: its convolutions run there (oneDNN, float32 accumulation).  Where the rules of a run can emit one
+#: and the op library implements it on the CPU, MXNet's AMP does not convert the graph first
+#: (``convolutions_fused``): AMP's bfloat16 convolutions between MXNet's ops make a CNN slower than
+#: float32 (DESIGN.md); convolutions no region takes then stay float32 (the report counts them).
+BF16_CONVOLUTION_OPS = ("fused_region",)
+
+
+def convolutions_fused(emitted: Iterable[str], capabilities: Mapping[str, Mapping[str, Iterable[str]]]
+                       ) -> Optional[str]:
+    """The op among ``emitted`` (the library ops the rules of a run can emit, ``Rule.emits``) that takes
+    a graph's convolutions into bfloat16 itself and that the op library implements on the CPU
+    (``capabilities``: ``fusion.native.library.capabilities()``); None: MXNet's AMP converts them."""
+    for op in emitted:
+        if op in BF16_CONVOLUTION_OPS and "cpu" in (capabilities.get(op) or {}).get("forward", ()):
+            return op
+    return None
+
+
+def computes_reduced(graph) -> bool:
+    """Whether a fused graph computes in bfloat16 anywhere: a variable declared bfloat16 (a weight cast
+    by this policy), or a fused op given its bfloat16 attributes (BF16_ATTRS): its stock form is
+    then compared with it at the bfloat16 tolerance (``fusion.unfuse``'s check)."""
+    if any(is_bf16_code(nd.attrs.raw("__dtype__")) for nd in graph.variables()):
+        return True
+    return any(nd.op in BF16_ATTRS and all(str(nd.attrs.raw(k)) == v for k, v in BF16_ATTRS[nd.op].items())
+               for nd in graph.op_nodes())
+
 
 #: Ops the fused library has no bfloat16 form of, which MXNet's AMP runs in bfloat16 (oneDNN):
 #: under precision="bf16" a graph holding them is converted by AMP first (``convert_convolutions``).

@@ -445,6 +445,8 @@ def write(case: Case, finding: Finding, path: str, shrunk_from: int = 0) -> None
         kw = "{}      # fused without input shapes"
     else:
         kw = "dict(input_shapes={k: v.shape for k, v in inputs.items()}, input_dtypes={k: str(v.dtype) for k, v in inputs.items()})"
+    if {"no_regions", "nan"} & case.flags:       # as the oracle fuses it (Oracle.without_regions)
+        kw = 'dict(%s, rules=["default", "-region"])   # fused without regions' % kw.split("#")[0].strip()
     parts.append("FUSE_KW = " + kw)
     parts.append("# ---------------------------------------------------------------- the check: " + finding.check)
     parts.append(CHECK_CODE[group].replace("FUSE_INPUT", fuse_input).strip("\n"))

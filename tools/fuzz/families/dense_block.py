@@ -16,7 +16,7 @@ Grammar::
 from __future__ import annotations
 
 from .conv import batchnorm
-from .pieces import S
+from .pieces import S, without_regions_sometimes
 
 
 def build(b):
@@ -50,6 +50,7 @@ def build(b):
             new = S.Dropout(new, p=0.3)
         if d.maybe(0.04, label="axis 2 concat%d" % l) and g == shape[1]:
             cur = S.Concat(cur, new, dim=2)
+            without_regions_sometimes(b)
             return [cur] + outs
         cur = S.Concat(cur, new, dim=1)
         shape[1] += g
@@ -69,4 +70,5 @@ def build(b):
             cur = S.Pooling(cur, kernel=(2, 2), stride=(2, 2), pool_type="max" if form == "max" else "avg",
                             pad=(1, 1) if form == "pad" else (0, 0),
                             pooling_convention="full" if form == "full" else "valid")
+    without_regions_sometimes(b)
     return [cur] + outs

@@ -15,7 +15,7 @@ Grammar::
 """
 from __future__ import annotations
 
-from .pieces import S
+from .pieces import S, without_regions_sometimes
 
 
 def build(b):
@@ -78,6 +78,6 @@ def build(b):
     y = layer(y, E, O, "project")
     if O == C and s == 1 and pad_form == "same" and d.maybe(0.85, label="residual"):
         y = y + x
-    if d.maybe(0.06, label="depthwise output escapes"):
-        return [y, dw]
-    return [y]
+    outs = [y, dw] if d.maybe(0.06, label="depthwise output escapes") else [y]
+    without_regions_sometimes(b)
+    return outs

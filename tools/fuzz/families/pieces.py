@@ -18,6 +18,14 @@ TANH_A = 0.044715
 
 
 # ---------------------------------------------------------------------------- binary ops
+def without_regions_sometimes(b, p: float = 0.4) -> None:
+    """Now and then a CNN graph is fused without regions (``rules=["default", "-region"]``), so that
+    the block rules a region stands in for are exercised too.  Drawn last, after the graph: a seed gives
+    the graph it gave before."""
+    if b.d.maybe(p, label="without regions"):
+        b.flag("no_regions")
+
+
 def add(b, x, y, same_shape: bool = False, label: str = "add"):
     """x + y in one of MXNet's spellings (elemwise forms only when the shapes are equal), either order."""
     forms = ["broadcast_add"] + (["elemwise_add", "operator"] if same_shape else [])

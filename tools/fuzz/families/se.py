@@ -16,7 +16,7 @@ Grammar::
 """
 from __future__ import annotations
 
-from .pieces import S
+from .pieces import S, without_regions_sometimes
 
 
 def global_avg_pool(b, x, weights, mean_axes):
@@ -98,6 +98,6 @@ def build(b):
             y = S.Activation(y, act_type="relu")
         elif tail == "op":
             y = S.relu(y)
-    if d.maybe(0.08, label="gate escapes"):
-        return [y, g]
-    return [y]
+    outs = [y, g] if d.maybe(0.08, label="gate escapes") else [y]
+    without_regions_sometimes(b)
+    return outs
