@@ -198,6 +198,7 @@ struct Item {
   float a = 0.f, b = 0.f;
   int value = -1;   // Add / Mul of a region value
   int tensor = -1;  // Add / Mul of a constant tensor
+  const_dnnl_memory_desc_t md = nullptr;  // the layout the value is read in (default: its own)
 };
 
 Item item_of(const Step& s) {
@@ -303,9 +304,19 @@ class Region : public DnnlObjects {
     int packed = -1, bias = -1;   // tensors
     std::vector<float> folded, bias_values;
   };
+  // A constant operand of a binary primitive (a BatchNorm's scale or shift, the pooling divisor
+  // fix): float32 values written plain, reordered into the layout the primitive reads -- oneDNN's
+  // binary kernels take their second operand only in the first's layout family (a plain
+  // (1, C, 1, 1) beside a blocked source runs its reference code).
+  struct Const {
+    std::vector<float> values;
+    dnnl_memory_t plain = nullptr;
+    dnnl_primitive_t reorder = nullptr;
+    int tensor = -1;
+  };
   struct BnPack {  // a BatchNorm not folded: y = x·scale + shift
     const Op* op;
-    std::vector<float> scale, shift;
+    Const *scale, *shift;
   };
 
   // ---- descriptors, tensors, execs ----------------------------------------------------------
@@ -360,6 +371,28 @@ class Region : public DnnlObjects {
     const int t = new_tensor(md, new_storage(kOwned, api.dnnl_memory_desc_get_size(md)));
     tensors_[t].handle = handle;
     return t;
+  }
+  // The layout oneDNN's binary primitive wants for a second operand of dims `d` beside src0.
+  const_dnnl_memory_desc_t like(const_dnnl_memory_desc_t src0, const Dims& d) {
+    dnnl_primitive_desc_t pd = nullptr;
+    if (!MXF_OK(api.dnnl_binary_primitive_desc_create(&pd, api.engine, dnnl_binary_mul, src0,
+                                                      md_tag(d, dnnl_f32, dnnl_format_tag_any), src0, nullptr)))
+      return plain(d, dnnl_f32);
+    dnnl_memory_desc_t m = nullptr;
+    const bool ok = MXF_OK(api.dnnl_memory_desc_clone(&m, api.dnnl_primitive_desc_query_md(pd, dnnl_query_src_md, 1)));
+    api.dnnl_primitive_desc_destroy(pd);
+    return ok ? keep(m) : plain(d, dnnl_f32);
+  }
+  Const* constant(const Dims& d, const_dnnl_memory_desc_t md, const std::string& what) {
+    consts_.push_back(std::make_unique<Const>());
+    Const* c = consts_.back().get();
+    c->values.assign(numel(d), 0.f);
+    const_dnnl_memory_desc_t pm = plain(d, dnnl_f32);
+    check(api.dnnl_memory_create(&c->plain, pm, api.engine, c->values.data()), "creating a memory");
+    mems.push_back(c->plain);
+    c->tensor = owned_tensor(md, DNNL_MEMORY_ALLOCATE);
+    c->reorder = primitive(reorder_pd(pm, md, what), what);
+    return c;
   }
   const_dnnl_memory_desc_t md_of(int t) const { return tensors_[t].md; }
   int storage_of(int t) const { return tensors_[t].storage; }
@@ -452,7 +485,7 @@ class Region : public DnnlObjects {
     return -1;
   }
   const_dnnl_memory_desc_t item_md(const Item& it) {
-    return it.tensor >= 0 ? md_of(it.tensor) : inside_md(it.value);
+    return it.tensor >= 0 ? md_of(it.tensor) : it.md ? it.md : inside_md(it.value);
   }
   // The attribute with the items as post-ops (*attr null for Fuse::None); false where oneDNN
   // refuses the post-ops themselves.
@@ -525,7 +558,7 @@ class Region : public DnnlObjects {
     for (size_t i = 0; i < items.size(); ++i) {
       const Item& it = items[i];
       if (it.kind == Item::Elt || static_cast<int>(i) == sum) continue;
-      const int t = it.tensor >= 0 ? it.tensor : inside(it.value);
+      const int t = it.tensor >= 0 ? it.tensor : view(it.value, item_md(it));
       args->push_back({DNNL_ARG_ATTR_MULTIPLE_POST_OP(static_cast<int>(i)) | DNNL_ARG_SRC_1, t});
     }
   }
@@ -570,7 +603,9 @@ class Region : public DnnlObjects {
   void finish(const PlanOp& po, const Choice& c, std::vector<std::pair<int, int>> args, int dst,
               const std::vector<Item>& items, const std::string& what) {
     bind_items(&args, items, c.fuse);
-    exec(c.pd, std::move(args), what);
+    const char* how = items.empty() ? "" : c.fuse == Fuse::Sum ? " [sum in place]"
+                                         : c.fuse == Fuse::Binary ? " [post-ops]" : " [steps apart]";
+    exec(c.pd, std::move(args), what + how);
     if (c.fuse == Fuse::None) run_items_apart(items, dst, what);
     home_[po.out] = dst;
     lives_in(po.out, dst);
@@ -611,36 +646,38 @@ class Region : public DnnlObjects {
     srcs.push_back(src_any);
     const dnnl_dims_t strides = {op.stride[0], op.stride[1]}, dil = {op.dilate[0] - 1, op.dilate[1] - 1},
                       pad = {op.pad[0], op.pad[1]};
-    const std::vector<Item> items = items_of(po);
-    Choice c = choose(items, true, static_cast<int>(srcs.size()),
-                      [&](const_dnnl_primitive_attr_t attr, int v) -> dnnl_primitive_desc_t {
-                        dnnl_primitive_desc_t pd = nullptr;
-                        return MXF_OK(api.dnnl_convolution_forward_primitive_desc_create(
-                                   &pd, api.engine, dnnl_forward_inference, dnnl_convolution_direct, srcs[v], wany,
-                                   bmd, dst, strides, dil, pad, pad, attr)) ? pd : nullptr;
-                      }, what);
+    std::vector<Item> items = items_of(po);
+    auto make = [&](const_dnnl_primitive_attr_t attr, int v) -> dnnl_primitive_desc_t {
+      dnnl_primitive_desc_t pd = nullptr;
+      return MXF_OK(api.dnnl_convolution_forward_primitive_desc_create(
+                 &pd, api.engine, dnnl_forward_inference, dnnl_convolution_direct, srcs[v], wany, bmd, dst, strides,
+                 dil, pad, pad, attr)) ? pd : nullptr;
+    };
+    Choice c = choose(items, true, static_cast<int>(srcs.size()), make, what);
     const int src = view(x, query(c.pd, dnnl_query_src_md));
     const_dnnl_memory_desc_t D = query(c.pd, dnnl_query_dst_md);
+    // sum writes in place over the added value: where that value is dead after this op, in the
+    // destination's layout and not the source.  Otherwise the add is a binary post-op reading the
+    // value in the destination's layout (a copy only where the value is in another).
+    bool in_place = false;
+    if (c.fuse == Fuse::Sum) {
+      Item& add = items[sum_item(items)];
+      const int hr = home_[add.value];
+      in_place = !is_data(add.value) && same(md_of(hr), D) && writable(hr, pos) && storage_of(hr) != storage_of(src);
+      if (!in_place) {
+        add.md = D;
+        api.dnnl_primitive_desc_destroy(c.pd);
+        const int v = c.variant;  // the source layout chosen above
+        c = choose(items, false, 1, [&](const_dnnl_primitive_attr_t attr, int) { return make(attr, v); }, what);
+        D = query(c.pd, dnnl_query_dst_md);
+      }
+    }
     pk.packed = owned_tensor(query(c.pd, dnnl_query_weights_md), DNNL_MEMORY_ALLOCATE);
     if (bias) {
       pk.bias_values.assign(O, 0.f);
       pk.bias = owned_tensor(bmd, pk.bias_values.data());
     }
-    int out = -1;
-    if (c.fuse == Fuse::Sum) {
-      // sum: the destination holds the added value beforehand -- its own buffer where the value is
-      // dead after this op (and is not the source), else a copy
-      const int r = items[sum_item(items)].value;
-      const int hr = home_[r];
-      if (!is_data(r) && same(md_of(hr), D) && writable(hr, pos) && storage_of(hr) != storage_of(src)) {
-        out = hr;
-      } else {
-        out = arena_tensor(D);
-        copy(hr, out, what + " residual " + vname(r));
-      }
-    } else {
-      out = arena_tensor(D);
-    }
+    const int out = in_place ? home_[items[sum_item(items)].value] : arena_tensor(D);
     std::vector<std::pair<int, int>> args = {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, pk.packed}, {DNNL_ARG_DST, out}};
     if (bias) args.push_back({DNNL_ARG_BIAS, pk.bias});
     const_dnnl_memory_desc_t user_w = plain(pk.wdims, dnnl_f32);
@@ -684,34 +721,44 @@ class Region : public DnnlObjects {
     if (!op.max) {
       const bool exclude = !op.include_pad || (op.full && op.pad[0] == 0 && op.pad[1] == 0);
       alg = exclude ? dnnl_pooling_avg_exclude_padding : dnnl_pooling_avg_include_padding;
-      if (!exclude && fix && !op.global) items.push_back(divisor_fix(op, xd, yd));
+      fix = fix && !exclude && !op.global;
+    } else {
+      fix = false;
     }
     for (const Step& st : po.post) items.push_back(item_of(st));
     const_dnnl_memory_desc_t dst = md_tag(yd, dt_, dnnl_format_tag_any);
     const dnnl_dims_t dk = {k[0], k[1]}, ds = {s[0], s[1]}, dd = {0, 0}, dpl = {pl[0], pl[1]}, dpr = {pr[0], pr[1]};
-    Choice c = choose(items, false, 1, [&](const_dnnl_primitive_attr_t attr, int) -> dnnl_primitive_desc_t {
+    // with the fix, which comes before the post steps and which oneDNN's pooling takes only with its
+    // reference code as a post-op, the steps run apart
+    Choice c = choose(fix ? std::vector<Item>() : items, false, 1,
+                      [&](const_dnnl_primitive_attr_t attr, int) -> dnnl_primitive_desc_t {
       dnnl_primitive_desc_t pd = nullptr;
       return MXF_OK(api.dnnl_pooling_forward_primitive_desc_create(&pd, api.engine, dnnl_forward_inference, alg,
                                                                    md_of(src), dst, ds, dk, dd, dpl, dpr, attr))
                  ? pd : nullptr;
     }, what);
     const int out = arena_tensor(query(c.pd, dnnl_query_dst_md));
+    if (fix) {
+      items.insert(items.begin(), divisor_fix(op, xd, yd, md_of(out), what));
+      c.fuse = Fuse::None;
+    }
     finish(po, c, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, out}}, out, items, what);
   }
-  Item divisor_fix(const Op& op, const Dims& xd, const Dims& yd) {
+  Item divisor_fix(const Op& op, const Dims& xd, const Dims& yd, const_dnnl_memory_desc_t D, const std::string& what) {
     const int64_t OH = yd[2], OW = yd[3];
     auto span = [&](int i, int64_t o) {  // MXNet's window extent along axis i (padding counted)
       const int64_t start = o * op.stride[i] - op.pad[i];
       return std::min(start + op.kernel[i], xd[2 + i] + op.pad[i]) - start;
     };
-    consts_.emplace_back(OH * OW);
-    std::vector<float>& f = consts_.back();
+    const Dims fd = {1, 1, OH, OW};
+    Const* c = constant(fd, like(D, fd), what + " divisor");
+    std::vector<float>& f = c->values;
     const float kk = static_cast<float>(op.kernel[0] * op.kernel[1]);
     for (int64_t h = 0; h < OH; ++h)
       for (int64_t w = 0; w < OW; ++w) f[h * OW + w] = kk / static_cast<float>(span(0, h) * span(1, w));
     Item it;
     it.kind = Item::Mul;
-    it.tensor = owned_tensor(plain({1, 1, OH, OW}, dnnl_f32), f.data());
+    it.tensor = c->tensor;
     return it;
   }
 
@@ -758,19 +805,16 @@ class Region : public DnnlObjects {
       if (op.kind == OpKind::Add && !writable(inside(a), pos) && writable(inside(op.in[1]), pos))
         std::swap(a, first.value);
     } else if (op.kind == OpKind::BatchNorm) {
-      BnPack bp;
-      bp.op = &op;
-      const int64_t C = dims_[a][1];
       Dims cd(dims_[a].size(), 1);
-      cd[1] = C;
+      cd[1] = dims_[a][1];
+      const_dnnl_memory_desc_t cmd = like(inside_md(a), cd);
+      BnPack bp{&op, constant(cd, cmd, what + " scale"), constant(cd, cmd, what + " shift")};
       bns_.push_back(bp);
-      bns_.back().scale.assign(C, 0.f);
-      bns_.back().shift.assign(C, 0.f);
       first.kind = Item::Mul;
-      first.tensor = owned_tensor(plain(cd, dnnl_f32), bns_.back().scale.data());
+      first.tensor = bp.scale->tensor;
       Item shift;
       shift.kind = Item::Add;
-      shift.tensor = owned_tensor(plain(cd, dnnl_f32), bns_.back().shift.data());
+      shift.tensor = bp.shift->tensor;
       items.insert(items.begin(), shift);
     } else {  // act
       if (items.empty()) {  // the identity: the value is its input's (a buffer shared, never copied)
@@ -917,7 +961,7 @@ class Region : public DnnlObjects {
     const int D = prog_->num_data;
     std::vector<std::pair<void*, size_t>> now;
     for (size_t i = D; i < in.size(); ++i) now.emplace_back(in[i].data_ptr, in[i].verID);
-    if (now == packed_from_) return;
+    if (packed_ && now == packed_from_) return;
     auto param = [&](int k) { return static_cast<const float*>(in[D + k].data_ptr); };
     // BatchNorm at inference: y = (x - mean)/sqrt(var + eps)·gamma + beta = x·scale + shift
     auto bn_affine = [&](const Op& bn, int64_t c, float* scale, float* shift) {
@@ -947,9 +991,15 @@ class Region : public DnnlObjects {
         throw OpError("oneDNN failed to pack the weights of op " + std::to_string(pk.po->index));
     }
     for (BnPack& bp : bns_)
-      for (size_t c = 0; c < bp.scale.size(); ++c) bn_affine(*bp.op, c, &bp.scale[c], &bp.shift[c]);
+      for (size_t c = 0; c < bp.scale->values.size(); ++c)
+        bn_affine(*bp.op, c, &bp.scale->values[c], &bp.shift->values[c]);
+    for (const auto& c : consts_) {
+      dnnl_exec_arg_t args[2] = {{DNNL_ARG_FROM, c->plain}, {DNNL_ARG_TO, tensors_[c->tensor].mem}};
+      if (!MXF_OK(api.dnnl_primitive_execute(c->reorder, s, 2, args))) throw OpError("oneDNN failed to pack a constant");
+    }
     check(api.dnnl_stream_wait(s), "packing the weights");
     packed_from_ = now;
+    packed_ = true;
   }
 
   struct Free {
@@ -971,10 +1021,11 @@ class Region : public DnnlObjects {
   std::vector<User> user_;
   std::vector<ConvPack> convs_;
   std::vector<BnPack> bns_;
-  std::vector<std::vector<float>> consts_;  // reserved below: their data pointers are handles
+  std::vector<std::unique_ptr<Const>> consts_;
   std::unique_ptr<char, Free> arena_;
   size_t arena_bytes_ = 0;
   std::vector<std::pair<void*, size_t>> packed_from_;
+  bool packed_ = false;
   std::string plan_text_;
   std::mutex mu_;
 };

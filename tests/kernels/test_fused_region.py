@@ -269,6 +269,10 @@ def test_residual_read_by_two_readers():
     z = b.conv(y, 32, kernel=1, post=[{"add": y}])                          # the added value is the source
     w = b.add(z, x, post=[{"eltwise": "relu"}])                              # x again, after its conv reads
     b.check([w, y])
+    lines = last_plan().splitlines()
+    conv_of = lambda k: [ln for ln in lines if ln.startswith("op %d (conv)" % k) and "weights" not in ln][0]
+    assert "[post-ops]" in conv_of(2), lines       # x is read later: a binary add, no copy, no sum
+    assert "[post-ops]" in conv_of(3), lines       # y is an output: likewise
 
 
 def test_residual_add_ops_are_folded():
@@ -574,10 +578,11 @@ def test_bad_attributes(attrs, expected):
                            program=json.dumps(good_program()), **attrs)
 
 
-def test_region_status_and_plan_entry_points():
+def test_region_status_and_capabilities():
     assert lib().mxf_region_status().decode() == ""
     from fusion.native import library
     assert library.region_status() is None
+    assert library.capabilities()["fused_region"] == {"forward": frozenset({"cpu"}), "backward": frozenset()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -610,6 +615,8 @@ def test_resnet_block_runs_no_reference_code(layout, monkeypatch):
         assert "layout nhwc" in plan
     convs = [ln for ln in plan.splitlines() if "(conv)" in ln and "weights" not in ln]
     assert len(convs) == 12, plan   # every BatchNorm folded, every add and relu a post-op
+    # each block's add: the identity blocks' third convolution (and the downsampling ones') sums in place
+    assert sum("[sum in place]" in ln for ln in convs) == 3, plan
     assert "batchnorm" in convs[0] and not any("(batchnorm)" in ln or "(add)" in ln for ln in plan.splitlines())
 
 
