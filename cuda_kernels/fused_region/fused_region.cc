@@ -16,6 +16,7 @@
 // after it).  Where oneDNN refuses a primitive with its post-ops, or only has its reference code for
 // it, the steps run as separate in-place primitives (correctness first).
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdio>
@@ -866,6 +867,7 @@ class Region : public DnnlObjects {
 
   // ---- the whole region -----------------------------------------------------------------------------
   void build() {
+    const auto t0 = std::chrono::steady_clock::now();
     const Program& p = *prog_;
     const int D = p.num_data, V = p.num_values();
     ops_ = plan(p);
@@ -902,6 +904,14 @@ class Region : public DnnlObjects {
       copy(home_[v], t, "output " + std::to_string(k));
     }
     allocate();
+    plan_text_ += "built in " + std::to_string(ms_since(t0)) + " ms\n";
+    publish_plan();
+  }
+  static long ms_since(std::chrono::steady_clock::time_point t0) {
+    return static_cast<long>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count());
+  }
+  void publish_plan() {
     if (const char* verbose = std::getenv("MXFUSION_REGION_VERBOSE"))
       if (*verbose && std::string(verbose) != "0") std::fprintf(stderr, "fused_region plan:\n%s", plan_text_.c_str());
     std::lock_guard<std::mutex> lk(g_plan_mu);
@@ -962,6 +972,7 @@ class Region : public DnnlObjects {
     std::vector<std::pair<void*, size_t>> now;
     for (size_t i = D; i < in.size(); ++i) now.emplace_back(in[i].data_ptr, in[i].verID);
     if (packed_ && now == packed_from_) return;
+    const auto t0 = std::chrono::steady_clock::now();
     auto param = [&](int k) { return static_cast<const float*>(in[D + k].data_ptr); };
     // BatchNorm at inference: y = (x - mean)/sqrt(var + eps)·gamma + beta = x·scale + shift
     auto bn_affine = [&](const Op& bn, int64_t c, float* scale, float* shift) {
@@ -999,6 +1010,10 @@ class Region : public DnnlObjects {
     }
     check(api.dnnl_stream_wait(s), "packing the weights");
     packed_from_ = now;
+    if (!packed_) {  // the first packing's time, with the build's (first-call cost)
+      plan_text_ += "weights packed in " + std::to_string(ms_since(t0)) + " ms\n";
+      publish_plan();
+    }
     packed_ = true;
   }
 

@@ -434,6 +434,7 @@ def test_weight_update_gives_a_new_result():
         first = again
 
 
+@pytest.mark.filterwarnings("ignore:Cannot decide type")
 def test_several_input_shapes_on_one_node():
     b = Builder((1, 8, 10, 10))
     x = b.conv(0, 16, stride=2, post=[{"eltwise": "relu"}])
@@ -657,3 +658,12 @@ def test_bf16_every_op():
     n = b.batchnorm(c, post=[{"eltwise": "clip", "lo": 0, "hi": 6}])
     e = b.add(n, n)
     b.check([e, x], precision="bfloat16")
+
+
+@needs_bf16
+@pytest.mark.parametrize("step", ELTWISE, ids=lambda s: s["eltwise"])
+def test_bf16_eltwise_steps(step):
+    b = Builder((1, 16, 7, 9))
+    y = b.conv(0, 16, post=[step])
+    z = b.pool(y, "max", 3, 1, 1, post=[step])
+    b.check([y, z], precision="bfloat16")
