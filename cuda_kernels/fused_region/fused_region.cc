@@ -270,8 +270,6 @@ class Region : public DnnlObjects {
     check(api.dnnl_stream_wait(s), "waiting for the stream");
   }
 
-  const std::string& plan_text() const { return plan_text_; }
-
  private:
   enum StorageKind { kArena, kUser, kOwned };
   struct Storage {
@@ -693,8 +691,7 @@ class Region : public DnnlObjects {
     finish(po, c, std::move(args), out, items, what + (po.bn ? " + batchnorm" : ""));
   }
 
-  void pool(const PlanOp& po, int pos) {
-    (void)pos;
+  void pool(const PlanOp& po) {
     const Op& op = *po.op;
     const std::string what = op_what(po);
     const int x = op.in[0];
@@ -763,8 +760,7 @@ class Region : public DnnlObjects {
     return it;
   }
 
-  void concat(const PlanOp& po, int pos) {
-    (void)pos;
+  void concat(const PlanOp& po) {
     const Op& op = *po.op;
     const std::string what = op_what(po);
     std::vector<int> srcs;
@@ -892,8 +888,8 @@ class Region : public DnnlObjects {
       const PlanOp& po = ops_[i];
       switch (po.op->kind) {
         case OpKind::Conv: conv(po, i); break;
-        case OpKind::Pool: pool(po, i); break;
-        case OpKind::Concat: concat(po, i); break;
+        case OpKind::Pool: pool(po); break;
+        case OpKind::Concat: concat(po); break;
         default: elementwise(po, i); break;
       }
     }
@@ -951,7 +947,6 @@ class Region : public DnnlObjects {
       total = std::max(total, off + s.bytes);
       placed.push_back(i);
     }
-    arena_bytes_ = total;
     arena_.reset(static_cast<char*>(std::aligned_alloc(4096, (std::max<size_t>(total, 1) + 4095) / 4096 * 4096)));
     if (!arena_) throw OpError("cannot allocate the region's " + std::to_string(total) + " bytes");
     for (Tensor& t : tensors_) {
@@ -1038,7 +1033,6 @@ class Region : public DnnlObjects {
   std::vector<BnPack> bns_;
   std::vector<std::unique_ptr<Const>> consts_;
   std::unique_ptr<char, Free> arena_;
-  size_t arena_bytes_ = 0;
   std::vector<std::pair<void*, size_t>> packed_from_;
   bool packed_ = false;
   std::string plan_text_;
