@@ -16,6 +16,7 @@
 // after it).  Where oneDNN refuses a primitive with its post-ops, or only has its reference code for
 // it, the steps run as separate in-place primitives (correctness first).
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cmath>
@@ -185,9 +186,11 @@ std::string impl_name(const_dnnl_primitive_desc_t pd) {
   return name;
 }
 
-// The most recently built region's plan (mxf_region_last_plan, for tests and benchmarks).
+// The most recently built region's plan (mxf_region_last_plan, for tests and benchmarks), and how
+// often regions packed weights and met parameters as MXNet's temporary copies (mxf_region_counters).
 std::mutex g_plan_mu;
 std::string g_last_plan;
+std::atomic<long> g_packs{0}, g_temporaries{0};
 
 // ---------------------------------------------------------------------------------------------
 // A post step as it runs: an eltwise function, or an add / mul of a region value or of a constant
@@ -962,25 +965,72 @@ class Region : public DnnlObjects {
   }
 
   // ---- weights ----------------------------------------------------------------------------------
-  void repack_if_changed(std::vector<MXTensor>& in, dnnl_stream_t s) {
+  // Which parameters changed since the last call.  MXNet bumps an NDArray's version on every write
+  // (>= 1 once written), so (data pointer, version) identifies a parameter's values -- except for a
+  // temporary: an NDArray that MXNet's own oneDNN ops left in their blocked layout (a stock graph
+  // bound for inference on the same arrays reorders its weights in place) reaches a library op as a
+  // fresh plain copy each call, version 0, often at the address of the last call's copy.  A
+  // parameter arriving with version 0 is therefore compared by content against a copy kept here:
+  // a memcmp per call rather than a stale pack (or a repack per call).
+  std::vector<bool> changed_params(std::vector<MXTensor>& in) {
     const int D = prog_->num_data;
-    std::vector<std::pair<void*, size_t>> now;
-    for (size_t i = D; i < in.size(); ++i) now.emplace_back(in[i].data_ptr, in[i].verID);
-    if (packed_ && now == packed_from_) return;
+    const size_t P = prog_->params.size();
+    std::vector<bool> changed(P, !packed_);
+    seen_.resize(P);
+    for (size_t k = 0; k < P; ++k) {
+      const MXTensor& t = in[D + k];
+      Seen& s = seen_[k];
+      if (t.verID == 0) {
+        ++g_temporaries;
+        const float* d = static_cast<const float*>(t.data_ptr);
+        const size_t n = static_cast<size_t>(numel(t.shape));
+        if (s.copy.size() != n || std::memcmp(s.copy.data(), d, n * sizeof(float)) != 0) {
+          s.copy.assign(d, d + n);
+          changed[k] = true;
+        }
+      } else {
+        if (t.data_ptr != s.ptr || t.verID != s.ver) changed[k] = true;
+        s.copy.clear();
+      }
+      s.ptr = t.data_ptr;
+      s.ver = t.verID;
+    }
+    return changed;
+  }
+
+  // Packs what the changed parameters feed: a convolution's weights (BatchNorm folded: W·scale per
+  // output channel, bias·scale + shift; cast to bfloat16 by the reorder), a BatchNorm's scale and
+  // shift; on the first call also the constants.
+  void repack_if_changed(std::vector<MXTensor>& in, dnnl_stream_t s) {
+    const std::vector<bool> changed = changed_params(in);
+    if (packed_ && std::find(changed.begin(), changed.end(), true) == changed.end()) return;
     const auto t0 = std::chrono::steady_clock::now();
+    ++g_packs;
+    const int D = prog_->num_data;
     auto param = [&](int k) { return static_cast<const float*>(in[D + k].data_ptr); };
+    auto touched = [&](std::initializer_list<int> ks) {
+      for (int k : ks)
+        if (k >= 0 && changed[k]) return true;
+      return false;
+    };
+    auto bn_touched = [&](const Op* bn) { return bn && touched({bn->gamma, bn->beta, bn->mean, bn->var}); };
     // BatchNorm at inference: y = (x - mean)/sqrt(var + eps)·gamma + beta = x·scale + shift
     auto bn_affine = [&](const Op& bn, int64_t c, float* scale, float* shift) {
       const float g = bn.fix_gamma ? 1.f : param(bn.gamma)[c];
       scale[0] = g / std::sqrt(param(bn.var)[c] + bn.eps);
       shift[0] = param(bn.beta)[c] - param(bn.mean)[c] * scale[0];
     };
+    auto run = [&](dnnl_primitive_t r, dnnl_memory_t from, dnnl_memory_t to, const std::string& what) {
+      dnnl_exec_arg_t args[2] = {{DNNL_ARG_FROM, from}, {DNNL_ARG_TO, to}};
+      if (!MXF_OK(api.dnnl_primitive_execute(r, s, 2, args))) throw OpError("oneDNN failed to pack " + what);
+    };
     for (ConvPack& pk : convs_) {
       const Op& op = *pk.po->op;
+      if (!touched({op.weight, op.bias}) && !bn_touched(pk.po->bn)) continue;
       const float* w = param(op.weight);
       const float* b = op.bias >= 0 ? param(op.bias) : nullptr;
       const int64_t O = op.filters, per = numel(pk.wdims) / O;
-      if (pk.po->bn) {  // folded: W·scale per output channel, bias·scale + shift
+      if (pk.po->bn) {
         for (int64_t o = 0; o < O; ++o) {
           float scale, shift;
           bn_affine(*pk.po->bn, o, &scale, &shift);
@@ -992,19 +1042,17 @@ class Region : public DnnlObjects {
         std::copy(b, b + O, pk.bias_values.begin());
       }
       check(api.dnnl_memory_set_data_handle(pk.user, const_cast<float*>(w)), "binding a weight");
-      dnnl_exec_arg_t args[2] = {{DNNL_ARG_FROM, pk.user}, {DNNL_ARG_TO, tensors_[pk.packed].mem}};
-      if (!MXF_OK(api.dnnl_primitive_execute(pk.reorder, s, 2, args)))
-        throw OpError("oneDNN failed to pack the weights of op " + std::to_string(pk.po->index));
+      run(pk.reorder, pk.user, tensors_[pk.packed].mem, "the weights of op " + std::to_string(pk.po->index));
     }
-    for (BnPack& bp : bns_)
+    for (BnPack& bp : bns_) {
+      if (packed_ && !bn_touched(bp.op)) continue;
       for (size_t c = 0; c < bp.scale->values.size(); ++c)
         bn_affine(*bp.op, c, &bp.scale->values[c], &bp.shift->values[c]);
-    for (const auto& c : consts_) {
-      dnnl_exec_arg_t args[2] = {{DNNL_ARG_FROM, c->plain}, {DNNL_ARG_TO, tensors_[c->tensor].mem}};
-      if (!MXF_OK(api.dnnl_primitive_execute(c->reorder, s, 2, args))) throw OpError("oneDNN failed to pack a constant");
+      for (Const* c : {bp.scale, bp.shift}) run(c->reorder, c->plain, tensors_[c->tensor].mem, "a BatchNorm");
     }
+    if (!packed_)
+      for (const auto& c : consts_) run(c->reorder, c->plain, tensors_[c->tensor].mem, "a constant");
     check(api.dnnl_stream_wait(s), "packing the weights");
-    packed_from_ = now;
     if (!packed_) {  // the first packing's time, with the build's (first-call cost)
       plan_text_ += "weights packed in " + std::to_string(ms_since(t0)) + " ms\n";
       publish_plan();
@@ -1033,7 +1081,12 @@ class Region : public DnnlObjects {
   std::vector<BnPack> bns_;
   std::vector<std::unique_ptr<Const>> consts_;
   std::unique_ptr<char, Free> arena_;
-  std::vector<std::pair<void*, size_t>> packed_from_;
+  struct Seen {  // a parameter as the last call saw it
+    void* ptr = nullptr;
+    size_t ver = 0;
+    std::vector<float> copy;  // its values, where it came with version 0 (a temporary)
+  };
+  std::vector<Seen> seen_;
   bool packed_ = false;
   std::string plan_text_;
   std::mutex mu_;
@@ -1180,4 +1233,12 @@ extern "C" const char* mxf_region_last_plan() {
   std::lock_guard<std::mutex> lk(g_plan_mu);
   copy = g_last_plan;
   return copy.c_str();
+}
+
+// "packs=N temporaries=M": how many times regions (re)packed weights, and how many parameters
+// arrived as MXNet's version-0 temporary copies (compared by content), since the library loaded.
+extern "C" const char* mxf_region_counters() {
+  static thread_local std::string text;
+  text = "packs=" + std::to_string(g_packs.load()) + " temporaries=" + std::to_string(g_temporaries.load());
+  return text.c_str();
 }

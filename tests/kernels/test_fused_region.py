@@ -37,6 +37,12 @@ def last_plan():
     return lib().mxf_region_last_plan().decode()
 
 
+def counters():
+    h = lib()
+    h.mxf_region_counters.restype = ctypes.c_char_p
+    return dict(kv.split("=") for kv in h.mxf_region_counters().decode().split())
+
+
 class Builder:
     """A region program and the stock-op graph it stands for, built side by side."""
 
@@ -432,6 +438,37 @@ def test_weight_update_gives_a_new_result():
         assert rel_err(again, b.stock([y], data)[0]) <= FP32_TOL, name
         assert rel_err(again, first) > 1e-3, name
         first = again
+
+
+def test_parameters_mxnet_keeps_in_its_onednn_layout():
+    """A stock graph bound for inference on the same arrays reorders its weights in place into
+    oneDNN's blocked layout; MXNet then hands a library op a fresh plain copy of each, version 0,
+    per call.  The op compares such parameters by content: no repack per call, and an update is
+    seen even where the copy lands at the last call's address."""
+    b = Builder((1, 16, 12, 12))
+    x = b.conv(0, 16, post=[{"eltwise": "relu"}])
+    y = b.conv(x, 16)
+    data = b.data()
+    args = dict(b.arrays, **data)
+    group = mx.sym.Group([b.sym[y]])
+    stocks = []
+    for backend in (True, False):
+        with subgraph_backend(backend):
+            stocks.append(group.bind(mx.cpu(), {k: args[k] for k in group.list_arguments()}, grad_req="null"))
+    want = [e.forward(is_train=False)[0].asnumpy() for e in stocks][1]
+    sym = b.fused_symbol([y])
+    fused = sym.bind(mx.cpu(), {k: args[k] for k in sym.list_arguments()}, grad_req="null")
+    before = counters()
+    for _ in range(3):
+        got = fused.forward(is_train=False)[0].asnumpy()
+        assert rel_err(got, want) <= FP32_TOL
+    after = counters()
+    assert int(after["temporaries"]) > int(before["temporaries"]), (before, after)   # the scenario is real
+    assert int(after["packs"]) == int(before["packs"]) + 1, (before, after)           # packed once
+    args["p0"][:] = args["p0"] * 0.5 + 0.01                                           # an update in place ...
+    want2 = [e.forward(is_train=False)[0].asnumpy() for e in stocks][1]               # ... reordered again
+    got2 = fused.forward(is_train=False)[0].asnumpy()
+    assert rel_err(got2, want2) <= FP32_TOL and rel_err(got2, got) > 1e-3
 
 
 @pytest.mark.filterwarnings("ignore:Cannot decide type")
