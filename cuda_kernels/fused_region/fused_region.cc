@@ -548,7 +548,9 @@ class Region : public DnnlObjects {
         if (!fallback.pd) fallback = {pd, f, v};
         else api.dnnl_primitive_desc_destroy(pd);
       }
-    if (!fallback.pd) throw OpError(what + ": oneDNN has no primitive for it on this CPU");
+    if (!fallback.pd)
+      throw OpError(what + ": oneDNN has no primitive for it on this CPU" +
+                    (dt_ == dnnl_bf16 ? " in bfloat16 (which needs avx512_bf16 or amx_bf16)" : ""));
     return fallback;
   }
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mxnet.base import MXNetError
 
-from kernel_fixtures import fused_ops  # noqa: F401  (builds + loads the library)
+from kernel_fixtures import fused_ops, run_python  # noqa: F401  (fused_ops builds + loads the library)
 from fusion.native.env import subgraph_backend
 from fusion.precision import policy
 
@@ -704,3 +704,28 @@ def test_bf16_eltwise_steps(step):
     y = b.conv(0, 16, post=[step])
     z = b.pool(y, "max", 3, 1, 1, post=[step])
     b.check([y, z], precision="bfloat16")
+
+
+AVX2_CODE = """
+import sys
+from fusion.native import library
+library.load()
+import test_fused_region as T
+b = T.Builder((1, 3, 32, 32))
+y = T.resnet_style(b)
+b.check([y])
+plan = T.last_plan()
+assert "ref:" not in plan and "avx2" in plan and "avx512" not in plan, plan
+try:
+    b.check([y], precision="bfloat16")
+except Exception as e:
+    assert "in bfloat16 (which needs avx512_bf16 or amx_bf16)" in str(e), e
+    print("REFUSED")
+"""
+
+
+def test_avx2_cpu_float32_runs_and_bfloat16_is_refused():
+    """An AVX2 CPU (oneDNN capped at AVX2): float32 runs oneDNN's AVX2 kernels, blocked 8 channels,
+    no reference code; bfloat16 has no convolution there, so the first call fails naming the op."""
+    out = run_python(AVX2_CODE, ONEDNN_MAX_CPU_ISA="AVX2")
+    assert "REFUSED" in out, out
