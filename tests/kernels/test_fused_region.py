@@ -729,3 +729,18 @@ def test_avx2_cpu_float32_runs_and_bfloat16_is_refused():
     no reference code; bfloat16 has no convolution there, so the first call fails naming the op."""
     out = run_python(AVX2_CODE, ONEDNN_MAX_CPU_ISA="AVX2")
     assert "REFUSED" in out, out
+
+
+def test_an_output_twice_an_unused_input_and_no_parameters():
+    b = Builder((2, 8, 9, 9), (1, 3, 4, 4))
+    p = b.pool(0, "avg", 3, 2, 1, "full", True)     # no parameters at all (the divisor fix is a constant)
+    q = b.act(p, [{"eltwise": "tanh"}])
+    b.check([q, q, p])
+
+
+def test_one_by_one_planes():
+    b = Builder((3, 16, 1, 1))
+    x = b.conv(0, 32, kernel=3, pad=1, post=[{"eltwise": "relu"}])
+    y = b.conv(x, 32, kernel=1, pad=0, post=[{"add": x}])
+    z = b.pool(y, "max", 1, 1, 0)
+    b.check([z])
