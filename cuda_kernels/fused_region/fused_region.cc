@@ -278,8 +278,10 @@ class Region : public DnnlObjects {
   struct Storage {
     StorageKind kind = kArena;
     size_t bytes = 0, offset = 0;
-    int first = INT_MAX, last = -1;  // the execs using it
-    std::vector<int> values;         // the region values that live (or lived) in it
+    int first = INT_MAX, last = -1;  // the execs using it (a root's: its whole tree's)
+    std::vector<int> values;         // the region values that live (or lived) in it (kept at the root)
+    int parent = -1;                 // a slice of another storage (a concatenation's), at byte `sub`
+    size_t sub = 0;
   };
   struct Tensor {
     const_dnnl_memory_desc_t md = nullptr;
@@ -398,7 +400,14 @@ class Region : public DnnlObjects {
   }
   const_dnnl_memory_desc_t md_of(int t) const { return tensors_[t].md; }
   int storage_of(int t) const { return tensors_[t].storage; }
-  void lives_in(int value, int tensor) { storages_[storage_of(tensor)].values.push_back(value); }
+  int root(int s) const {
+    while (storages_[s].parent >= 0) s = storages_[s].parent;
+    return s;
+  }
+  size_t abs_offset(int s) const {
+    return storages_[s].parent < 0 ? storages_[s].offset : abs_offset(storages_[s].parent) + storages_[s].sub;
+  }
+  void lives_in(int value, int tensor) { storages_[root(storage_of(tensor))].values.push_back(value); }
 
   dnnl_primitive_t primitive(dnnl_primitive_desc_t pd, const std::string& what) {
     pds.push_back(pd);
@@ -473,7 +482,7 @@ class Region : public DnnlObjects {
   // Whether tensor t may be overwritten by the op at plan position `pos`: an arena buffer every
   // value of which is read last by this op at the latest and is no output.
   bool writable(int t, int pos) const {
-    const Storage& s = storages_[storage_of(t)];
+    const Storage& s = storages_[root(storage_of(t))];
     if (s.kind != kArena) return false;
     for (int v : s.values)
       if (last_read_[v] > pos || output_[v]) return false;
@@ -765,7 +774,7 @@ class Region : public DnnlObjects {
     return it;
   }
 
-  void concat(const PlanOp& po) {
+  void concat(const PlanOp& po, int pos) {
     const Op& op = *po.op;
     const std::string what = op_what(po);
     std::vector<int> srcs;
@@ -786,10 +795,77 @@ class Region : public DnnlObjects {
                                                                             static_cast<int>(mds_in.size()), 1,
                                                                             mds_in.data(), attr)) ? pd : nullptr;
                       }, what);
-    const int out = arena_tensor(query(c.pd, dnnl_query_dst_md));
+    const_dnnl_memory_desc_t D = query(c.pd, dnnl_query_dst_md);
+    if (concat_in_place(po, pos, D, srcs, items, what)) {
+      api.dnnl_primitive_desc_destroy(c.pd);
+      return;
+    }
+    const int out = arena_tensor(D);
     std::vector<std::pair<int, int>> args = {{DNNL_ARG_DST, out}};
     for (size_t i = 0; i < srcs.size(); ++i) args.push_back({DNNL_ARG_MULTIPLE_SRC + static_cast<int>(i), srcs[i]});
     finish(po, c, std::move(args), out, items, what);
+  }
+
+  // A concatenation with nothing copied, where its layout makes each source a contiguous slice:
+  // batch 1, channels blocked by 16 or 8 (or plain), each source's channels a multiple of the
+  // block, each in the same layout.  The sources' buffers become slices of the result's (their
+  // producers wrote there already: the allocator places the tree once), a source whose buffer
+  // cannot move (a data input, a slice of another concatenation, read twice here, or -- with post
+  // steps to run in place -- still read after this op) is copied into its slice.  DenseNet's
+  // concatenations then cost nothing: each layer's features land beside the ones before.
+  bool concat_in_place(const PlanOp& po, int pos, const_dnnl_memory_desc_t D, const std::vector<int>& srcs,
+                       const std::vector<Item>& items, const std::string& what) {
+    const Op& op = *po.op;
+    const Dims& yd = dims_[po.out];
+    if (yd.size() != 4 || yd[0] != 1) return false;
+    if (const char* how = std::getenv("MXFUSION_REGION_CONCAT"))  // =copy: oneDNN's concat (A/B timing)
+      if (std::string(how) == "copy") return false;
+    const std::pair<dnnl_format_tag_t, int64_t> tags[] = {{dnnl_aBcd16b, 16}, {dnnl_aBcd8b, 8}, {dnnl_abcd, 1}};
+    dnnl_format_tag_t tag = dnnl_format_tag_undef;
+    int64_t blk = 0;
+    for (const auto& t : tags)
+      if (same(D, md_tag(yd, dt_, t.first))) tag = t.first, blk = t.second;
+    if (!blk) return false;
+    std::vector<size_t> offset;
+    size_t at = 0;
+    const size_t el = dt_ == dnnl_bf16 ? 2 : 4;
+    for (size_t i = 0; i < srcs.size(); ++i) {
+      const Dims& d = dims_[op.in[i]];
+      if (d[1] % blk || !same(md_of(srcs[i]), md_tag(d, dt_, tag))) return false;
+      offset.push_back(at);
+      at += static_cast<size_t>(d[1] * d[2] * d[3]) * el;
+    }
+    const int whole = new_storage(kArena, api.dnnl_memory_desc_get_size(D));
+    const int out = new_tensor(D, whole);
+    int merged = 0;
+    std::vector<int> taken;
+    for (size_t i = 0; i < srcs.size(); ++i) {
+      const int st = storage_of(srcs[i]);
+      const bool movable = storages_[st].kind == kArena && storages_[st].parent < 0 &&
+                           std::find(taken.begin(), taken.end(), st) == taken.end() &&
+                           (items.empty() || writable(srcs[i], pos));
+      if (movable) {
+        storages_[st].parent = whole;
+        storages_[st].sub = offset[i];
+        std::vector<int>& vals = storages_[whole].values;
+        vals.insert(vals.end(), storages_[st].values.begin(), storages_[st].values.end());
+        storages_[st].values.clear();
+        taken.push_back(st);
+        ++merged;
+      } else {
+        const_dnnl_memory_desc_t md = md_of(srcs[i]);
+        const int slice = new_storage(kArena, api.dnnl_memory_desc_get_size(md));
+        storages_[slice].parent = whole;
+        storages_[slice].sub = offset[i];
+        copy(srcs[i], new_tensor(md, slice), what + " input " + std::to_string(i) + " into its slice");
+      }
+    }
+    plan_text_ += what + ": in place, " + std::to_string(merged) + " of " + std::to_string(srcs.size()) +
+                  " inputs written there by their producers\n";
+    if (!items.empty()) run_items_apart(items, out, what);
+    home_[po.out] = out;
+    lives_in(po.out, out);
+    return true;
   }
 
   // add, mul, act and a BatchNorm not folded: one binary or eltwise primitive over `a`, in place
@@ -894,7 +970,7 @@ class Region : public DnnlObjects {
       switch (po.op->kind) {
         case OpKind::Conv: conv(po, i); break;
         case OpKind::Pool: pool(po); break;
-        case OpKind::Concat: concat(po); break;
+        case OpKind::Concat: concat(po, i); break;
         default: elementwise(po, i); break;
       }
     }
@@ -924,13 +1000,14 @@ class Region : public DnnlObjects {
   void allocate() {
     for (size_t e = 0; e < execs_.size(); ++e)
       for (const auto& a : execs_[e].args) {
-        Storage& s = storages_[storage_of(a.second)];
+        Storage& s = storages_[root(storage_of(a.second))];
         s.first = std::min(s.first, static_cast<int>(e));
         s.last = std::max(s.last, static_cast<int>(e));
       }
     std::vector<int> order;
     for (size_t i = 0; i < storages_.size(); ++i)
-      if (storages_[i].kind == kArena && storages_[i].last >= 0) order.push_back(static_cast<int>(i));
+      if (storages_[i].kind == kArena && storages_[i].parent < 0 && storages_[i].last >= 0)
+        order.push_back(static_cast<int>(i));
     std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return storages_[x].bytes > storages_[y].bytes; });
     const size_t align = 64;
     std::vector<int> placed;
@@ -956,7 +1033,7 @@ class Region : public DnnlObjects {
     if (!arena_) throw OpError("cannot allocate the region's " + std::to_string(total) + " bytes");
     for (Tensor& t : tensors_) {
       const Storage& s = storages_[t.storage];
-      void* h = s.kind == kArena ? static_cast<void*>(arena_.get() + s.offset)
+      void* h = s.kind == kArena ? static_cast<void*>(arena_.get() + abs_offset(t.storage))
                                  : s.kind == kUser ? DNNL_MEMORY_NONE : t.handle;
       check(api.dnnl_memory_create(&t.mem, t.md, api.engine, h), "creating a memory");
       mems.push_back(t.mem);

@@ -744,3 +744,33 @@ def test_one_by_one_planes():
     y = b.conv(x, 32, kernel=1, pad=0, post=[{"add": x}])
     z = b.pool(y, "max", 1, 1, 0)
     b.check([z])
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_dense_block_concatenations_in_place(batch, precision):
+    """DenseNet's pattern: each layer reads the concatenation so far (pre-activation BatchNorm) and
+    adds its features to it.  At batch 1 in a channel-blocked layout every source is a slice of
+    the result: the producers write there, nothing is copied (plan: 'in place'); a source still read
+    after a concatenation with post steps, or one read twice, is copied into its slice."""
+    if precision == "bfloat16" and not native_bf16():
+        pytest.skip("no native bfloat16 on this CPU")
+    b = Builder((batch, 3, 20, 20))
+    cat = b.conv(0, 32, kernel=3, stride=2, post=[{"eltwise": "relu"}])   # a stem: blocked from here on
+    early = cat
+    for layer in range(4):
+        h = b.batchnorm(cat, post=[{"eltwise": "relu"}])
+        h = b.conv(h, 32, kernel=1, pad=0, bias=False)
+        h = b.batchnorm(h, post=[{"eltwise": "relu"}])
+        f = b.conv(h, 16, kernel=3, pad=1, bias=False)
+        cat = b.concat([cat, f])
+    twice = b.concat([f, f, early], post=[{"eltwise": "relu"}])   # f twice; early still read below
+    out = b.add(b.pool(cat, "avg", 2, 2, 0), b.pool(cat, "max", 2, 2, 0))
+    e = b.conv(early, 8, kernel=1, pad=0)
+    b.check([out, twice, e], precision=precision)
+    plan = last_plan()
+    if batch == 1 and precision == "float32":
+        assert plan.count("in place, 2 of 2 inputs") == 4, plan
+        assert "in place, 0 of 3 inputs" in plan or "in place, 1 of 3 inputs" in plan, plan
+    if batch == 2:
+        assert "in place" not in plan.replace("[sum in place]", ""), plan
