@@ -246,7 +246,8 @@ def main(argv=None):
             lines = plan.splitlines()
             refs = [ln for ln in lines if ": ref:" in ln]
             info = {k: next((ln for ln in lines if ln.startswith(k)), "?") for k in ("arena", "built", "weights")}
-            prims = sum(1 for ln in lines if ln.startswith(("op ", "value ", "output ")) and "weights:" not in ln)
+            prims = sum(1 for ln in lines if ln.startswith(("op ", "value ", "output ")) and "weights:" not in ln
+                        and ": in place, " not in ln)
             print("  %-9s first call (bind + build + pack) %.0f ms (%s, %s); max|d|/max|ref| %.2e (%s %.0e); "
                   "%d primitives per call, %s; reference code: %s"
                   % (prec, first[prec], info["built"], info["weights"], err, "within" if err <= tol else "OVER", tol,
