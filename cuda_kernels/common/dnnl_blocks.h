@@ -42,9 +42,9 @@ struct DnnlObjects {
     for (auto m : mems) api.dnnl_memory_destroy(m);
     for (auto m : mds) api.dnnl_memory_desc_destroy(m);
   }
-  const_dnnl_memory_desc_t md(int nd, const dnnl_dims_t d, dnnl_format_tag_t tag) {
+  const_dnnl_memory_desc_t md(int nd, const dnnl_dims_t d, dnnl_format_tag_t tag, dnnl_data_type_t dt = dnnl_f32) {
     dnnl_memory_desc_t m = nullptr;
-    if (!MXF_OK(api.dnnl_memory_desc_create_with_tag(&m, nd, d, dnnl_f32, tag))) return nullptr;
+    if (!MXF_OK(api.dnnl_memory_desc_create_with_tag(&m, nd, d, dt, tag))) return nullptr;
     mds.push_back(m);
     return m;
   }

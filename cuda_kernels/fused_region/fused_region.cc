@@ -332,9 +332,9 @@ class Region : public DnnlObjects {
     return m;
   }
   const_dnnl_memory_desc_t md_tag(const Dims& d, dnnl_data_type_t dt, dnnl_format_tag_t tag) {
-    dnnl_memory_desc_t m = nullptr;
-    check(api.dnnl_memory_desc_create_with_tag(&m, static_cast<int>(d.size()), d.data(), dt, tag), "creating a descriptor");
-    return keep(m);
+    const_dnnl_memory_desc_t m = md(static_cast<int>(d.size()), d.data(), tag, dt);
+    if (!m) throw OpError("oneDNN could not describe a tensor of " + dims_str(d));
+    return m;
   }
   const_dnnl_memory_desc_t plain(const Dims& d, dnnl_data_type_t dt) {
     dnnl_dims_t st;
