@@ -219,7 +219,7 @@ class _OnlyNodes(Rule):
         return self._rule.pattern()
 
     def check(self, m: Match):
-        if m.node("f").name not in self._names:
+        if m.anchor.name not in self._names:        # the fused node (every un-fusing rule is anchored at it)
             return "kept fused (not selected)"
         return self._rule.check(m)
 
