@@ -177,3 +177,34 @@ def test_new_weight_values_are_packed_again():
                           aux_states=res.aux_params, grad_req="null").forward(is_train=False)[0].asnumpy()
     assert not np.allclose(first, got)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_weights_updated_in_place_beside_a_stock_executor():
+    """A stock executor bound for inference on the same arrays keeps its convolutions' weights in oneDNN's
+    layout (MXNet reorders them in place); the library op then gets a plain copy of each per call, version 0,
+    often at one address: an update of the weights must still reach it (ParamVersion, mxf_common.h)."""
+    from fusion.native.env import subgraph_backend
+
+    sym, arg, aux = unit(8, 24, 8, 3, "hard_swish", True, 1)
+    shapes = {"data": (1, 8, 9, 9)}
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+    assert ops(res) == {"fused_inverted_residual": 1}
+    shared = {**arg, **aux, **res.arg_params, **res.aux_params}
+    x = mx.nd.random.uniform(-1, 1, shapes["data"])
+
+    def bind(s, backend=True):
+        with subgraph_backend(backend):
+            return s.bind(mx.cpu(), {k: shared[k] for k in s.list_arguments() if k != "data"} | {"data": x},
+                          aux_states={k: shared[k] for k in s.list_auxiliary_states()}, grad_req="null")
+
+    stock, fused = bind(sym), bind(res.symbol)
+    for step in range(3):
+        stock.forward(is_train=False)[0].wait_to_read()            # keeps the weights in oneDNN's layout
+        got = fused.forward(is_train=False)[0].asnumpy()
+        with subgraph_backend(False):
+            want = res.symbol.eval(ctx=mx.cpu(), data=x, **{k: shared[k].copy() for k in res.arg_params})[0]
+        want = want.asnumpy()
+        assert abs(got - want).max() <= 1e-4 * abs(want).max(), step
+        for name in res.arg_params:                                  # the user updates every weight in place
+            if name.endswith("weight"):
+                shared[name][:] = shared[name] * 1.25

@@ -5,6 +5,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -20,6 +21,51 @@ using mxnet::ext::MXTensor;
 using mxnet::ext::OpResource;
 using Attrs = std::unordered_map<std::string, std::string>;
 using Shape = std::vector<unsigned int>;
+
+// Whether a parameter's values may have changed since the last call that asked about it (a state
+// keeps one per cached form of a parameter: a packed weight, a widened copy, a bound).  MXNet bumps
+// an NDArray's version on every write (>= 1 once written), so (data pointer, version) identifies its
+// values -- except for a temporary: an array that MXNet's own oneDNN ops left in their blocked
+// layout (a stock executor bound for inference on the same arrays reorders its weights in place)
+// reaches a library op as a fresh plain copy each call, version 0, often at the address of the last
+// call's copy.  Such a parameter is compared by content against a copy kept here: a memcmp per call
+// (MXNet already copies the whole array for that call) rather than a stale pack, which would give
+// wrong results after the user updates the weights, or a repack per call.
+class ParamVersion {
+ public:
+  // True on the first call and whenever `t` may hold other values than at the last call.
+  bool changed(const MXTensor& t) {
+    const size_t bytes = static_cast<size_t>(t.size()) * ((t.dltensor.dtype.bits + 7) / 8);
+    bool differs = !seen_;
+    if (t.verID == 0) {
+      temporary_ = true;
+      const unsigned char* d = static_cast<const unsigned char*>(t.data_ptr);
+      if (copy_.size() != bytes || (bytes && std::memcmp(copy_.data(), d, bytes) != 0)) {
+        copy_.assign(d, d + bytes);
+        differs = true;
+      }
+    } else {
+      temporary_ = false;
+      differs = differs || t.data_ptr != ptr_ || t.verID != ver_ || bytes != bytes_;
+      std::vector<unsigned char>().swap(copy_);
+    }
+    seen_ = true;
+    ptr_ = t.data_ptr;
+    ver_ = t.verID;
+    bytes_ = bytes;
+    return differs;
+  }
+  // Whether the last call's parameter was such a temporary (compared by content).
+  bool temporary() const { return temporary_; }
+  // The next call counts as a change (a cached form was dropped).
+  void forget() { seen_ = false; }
+
+ private:
+  const void* ptr_ = nullptr;
+  size_t ver_ = 0, bytes_ = 0;
+  bool seen_ = false, temporary_ = false;
+  std::vector<unsigned char> copy_;
+};
 
 // Raised by helpers; converted to an MXNet error at the op boundary.
 struct OpError : std::runtime_error {

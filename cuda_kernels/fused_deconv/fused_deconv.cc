@@ -41,7 +41,7 @@ struct Prim : DnnlObjects {
   dnnl_primitive_t deconv = nullptr, r_src = nullptr, r_w = nullptr, r_dst = nullptr;
   dnnl_memory_t u_src = nullptr, u_w = nullptr, u_dst = nullptr, bias = nullptr;
   dnnl_memory_t b_src = nullptr, b_w = nullptr, b_dst = nullptr;
-  std::pair<const void*, size_t> packed{nullptr, 0};
+  ParamVersion weight_version;  // the weight b_w holds
 
   bool create(const Geometry& g) {
     const DnnlApi& a = api;
@@ -96,10 +96,11 @@ struct Prim : DnnlObjects {
         !MXF_OK(a.dnnl_memory_set_data_handle(u_w, Wt.data_ptr)) || !MXF_OK(a.dnnl_memory_set_data_handle(u_dst, Y)) ||
         (bias && !MXF_OK(a.dnnl_memory_set_data_handle(bias, const_cast<float*>(B)))))
       return false;
-    const std::pair<const void*, size_t> version{Wt.data_ptr, Wt.verID};
-    if (r_w && version != packed) {  // the weight in the primitive's layout, once per weight version
-      if (!exec(r_w, s, {{DNNL_ARG_FROM, u_w}, {DNNL_ARG_TO, b_w}})) return false;
-      packed = version;
+    if (r_w && weight_version.changed(Wt)) {  // the weight in the primitive's layout, once per version
+      if (!exec(r_w, s, {{DNNL_ARG_FROM, u_w}, {DNNL_ARG_TO, b_w}})) {
+        weight_version.forget();
+        return false;
+      }
     }
     if (r_src && !exec(r_src, s, {{DNNL_ARG_FROM, u_src}, {DNNL_ARG_TO, b_src}})) return false;
     if (bias) {

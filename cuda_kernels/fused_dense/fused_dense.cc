@@ -228,7 +228,7 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
 
   WeightView weight(MXTensor& w, int64_t N, int64_t K, bool has_bias) {
     std::lock_guard<std::mutex> lk(mu_);
-    const bool same = w.data_ptr == w_ptr_ && w.verID == w_ver_;
+    const bool same = !w_version_.changed(w);
     if (same && mm_) return {w.data<float>(), 'T', K, mm_.get()};
     if (same && packed_) return {wt_.data(), 'N', N};
     if (same && !p_.heads_out && !mm_failed_) {
@@ -248,8 +248,6 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
       packed_ = true;
       return {wt_.data(), 'N', N};
     }
-    w_ptr_ = w.data_ptr;
-    w_ver_ = w.verID;
     packed_ = false;
     mm_.reset();
     return {w.data<float>(), 'T', K};
@@ -260,11 +258,9 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
   // again whenever the buffer's contents change, however the float16 weight's identity changes.
   MXTensor widened_weight(const MXTensor& w) {
     std::lock_guard<std::mutex> lk(mu_);
-    if (w.data_ptr != w16_ptr_ || w.verID != w16_ver_ || wf_.size() != static_cast<size_t>(w.size())) {
+    if (w16_version_.changed(w) || wf_.size() != static_cast<size_t>(w.size())) {
       wf_.resize(w.size());
       from_f16(static_cast<const uint16_t*>(w.data_ptr), wf_.data(), w.size());
-      w16_ptr_ = w.data_ptr;
-      w16_ver_ = w.verID;
       ++wf_ver_;
     }
     MXTensor t = w;
@@ -381,7 +377,7 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
   PackedMatmul* weight_bf16(MXTensor& w, int64_t N, int64_t K, bool has_bias, bool dst_bf16,
                             MatmulEltwise post) {
     std::lock_guard<std::mutex> lk(mu_);
-    const bool same = w.data_ptr == w_ptr_ && w.verID == w_ver_;
+    const bool same = !w_version_.changed(w);
     if (same && mm_) return mm_.get();
     if (same && !mm_failed_) {
       std::string why;
@@ -389,11 +385,7 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
       if (!mm_) mm_failed_ = true;
       return mm_.get();
     }
-    if (!same) {
-      w_ptr_ = w.data_ptr;
-      w_ver_ = w.verID;
-      mm_.reset();
-    }
+    if (!same) mm_.reset();
     return nullptr;
   }
 
@@ -405,11 +397,7 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
     uint32_t wb;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (wmax_ptr_ != wT.data_ptr || wmax_ver_ != wT.verID) {
-        wmax_ = max_abs_bits(static_cast<const uint16_t*>(wT.data_ptr), N * K);
-        wmax_ptr_ = wT.data_ptr;
-        wmax_ver_ = wT.verID;
-      }
+      if (wmax_version_.changed(wT)) wmax_ = max_abs_bits(static_cast<const uint16_t*>(wT.data_ptr), N * K);
       wb = wmax_;
     }
     const uint32_t bb = bias ? max_abs_bits(bias, N) : 0;
@@ -587,17 +575,14 @@ class DenseOp : public mxnet::ext::CustomStatefulOp {
   DenseParams p_;
   std::mutex mu_;
   std::vector<float> wt_;
-  void* w_ptr_ = nullptr;
-  size_t w_ver_ = static_cast<size_t>(-1);
+  ParamVersion w_version_;    // the weight the packed forms below were made from
   bool packed_ = false;
   std::unique_ptr<PackedMatmul> mm_;  // plain output, weight used again: oneDNN matmul
   bool mm_failed_ = false;
-  void* wmax_ptr_ = nullptr;  // the bfloat16 weight whose largest magnitude wmax_ holds
-  size_t wmax_ver_ = static_cast<size_t>(-1);
+  ParamVersion wmax_version_;  // the bfloat16 weight whose largest magnitude wmax_ holds
   uint32_t wmax_ = 0;
   std::vector<float> wf_;          // a float16 weight widened (widened_weight)
-  void* w16_ptr_ = nullptr;
-  size_t w16_ver_ = static_cast<size_t>(-1);
+  ParamVersion w16_version_;       // the float16 weight wf_ holds widened
   size_t wf_ver_ = 0;
 };
 

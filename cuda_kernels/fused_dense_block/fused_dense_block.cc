@@ -132,7 +132,7 @@ struct Block : DnnlObjects {
   bool blocked = false;
   std::vector<dnnl_memory_t> slice;  // per layer: the buffer's channels [C, C + k) (nChw16c)
   std::mutex mu;
-  std::vector<std::pair<void*, size_t>> packed_from;  // the weight versions the layers hold
+  std::vector<ParamVersion> weight_version;  // the weights the layers hold (w1, w2 of each)
 
   // a stride-1 convolution over NHWC src/dst with bias, [relu], weights in the layout oneDNN picks;
   // *uw_mem / *w_mem / *b_mem: the user's weight, the packed weight, the bias; *rw: the weight reorder
@@ -302,21 +302,25 @@ struct Block : DnnlObjects {
     std::lock_guard<std::mutex> lk(mu);
     dnnl_stream_t s = dnnl_thread_stream();
     if (!s) return false;
-    std::vector<std::pair<void*, size_t>> from;
-    for (int64_t l = 0; l < p.L; ++l)
-      for (int j : {2, 4}) from.emplace_back(in[slot(l, j)].data_ptr, in[slot(l, j)].verID);
-    const bool repack = from != packed_from;
+    weight_version.resize(static_cast<size_t>(2 * p.L));
+    bool repack = false;
+    for (int64_t l = 0; l < p.L; ++l)      // every weight asked (each keeps its own record)
+      for (int j : {0, 1})
+        if (weight_version[static_cast<size_t>(2 * l + j)].changed(in[slot(l, 2 + 2 * j)])) repack = true;
+    auto unpacked = [&] {                  // a pack that failed: the next call packs again
+      for (auto& v : weight_version) v.forget();
+      return false;
+    };
     for (int64_t l = 0; l < p.L; ++l) {
       Layer& ly = layers[static_cast<size_t>(l)];
       if (!MXF_OK(api.dnnl_memory_set_data_handle(ly.u_w1, in[slot(l, 2)].data_ptr)) ||
           !MXF_OK(api.dnnl_memory_set_data_handle(ly.b1, in[slot(l, 3)].data_ptr)) ||
           !MXF_OK(api.dnnl_memory_set_data_handle(ly.u_w2, in[slot(l, 4)].data_ptr)) ||
           !MXF_OK(api.dnnl_memory_set_data_handle(ly.b2, in[slot(l, 5)].data_ptr)))
-        return false;
-      if (repack && ly.rw1 && !exec(ly.rw1, s, {{DNNL_ARG_FROM, ly.u_w1}, {DNNL_ARG_TO, ly.w1}})) return false;
-      if (repack && ly.rw2 && !exec(ly.rw2, s, {{DNNL_ARG_FROM, ly.u_w2}, {DNNL_ARG_TO, ly.w2}})) return false;
+        return unpacked();
+      if (repack && ly.rw1 && !exec(ly.rw1, s, {{DNNL_ARG_FROM, ly.u_w1}, {DNNL_ARG_TO, ly.w1}})) return unpacked();
+      if (repack && ly.rw2 && !exec(ly.rw2, s, {{DNNL_ARG_FROM, ly.u_w2}, {DNNL_ARG_TO, ly.w2}})) return unpacked();
     }
-    packed_from = from;
     if (blocked) {
       for (int64_t n = 0; n < g.N; ++n)
         if (!run_blocked(p, g, x + n * g.C0 * g.H * g.W, y + n * g.Ct * g.H * g.W, in, s)) return false;

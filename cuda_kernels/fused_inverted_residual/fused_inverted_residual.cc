@@ -141,7 +141,7 @@ struct Block : DnnlObjects {
   dnnl_memory_t u_w[3] = {nullptr, nullptr, nullptr}, w[3] = {nullptr, nullptr, nullptr};
   dnnl_memory_t bias[3] = {nullptr, nullptr, nullptr};
   std::mutex mu;
-  std::vector<std::pair<void*, size_t>> packed_from;  // the weight versions w[] hold
+  ParamVersion weight_version[3];  // the weights w[] hold
 
   // a convolution over NHWC src/dst with bias, weights in the layout oneDNN picks, the block's
   // activation (or none) and, with `add`, a binary add of an NHWC tensor of dst's shape
@@ -219,17 +219,20 @@ struct Block : DnnlObjects {
     std::lock_guard<std::mutex> lk(mu);
     dnnl_stream_t s = dnnl_thread_stream();
     if (!s) return false;
-    std::vector<std::pair<void*, size_t>> from;
-    for (int k = 0; k < 3; ++k) from.emplace_back(ws[k] ? ws[k]->data_ptr : nullptr, ws[k] ? ws[k]->verID : 0);
-    const bool repack = from != packed_from;
+    bool repack = false;
+    for (int k = 0; k < 3; ++k)           // every weight asked (each keeps its own record)
+      if (ws[k] && weight_version[k].changed(*ws[k])) repack = true;
+    auto unpacked = [&] {                 // a pack that failed: the next call packs again
+      for (auto& v : weight_version) v.forget();
+      return false;
+    };
     for (int k = 0; k < 3; ++k) {
       if (!ws[k]) continue;
       if (!MXF_OK(a.dnnl_memory_set_data_handle(u_w[k], ws[k]->data_ptr)) ||
           !MXF_OK(a.dnnl_memory_set_data_handle(bias[k], const_cast<float*>(bs[k]))))
-        return false;
-      if (repack && rw[k] && !exec(rw[k], s, {{DNNL_ARG_FROM, u_w[k]}, {DNNL_ARG_TO, w[k]}})) return false;
+        return unpacked();
+      if (repack && rw[k] && !exec(rw[k], s, {{DNNL_ARG_FROM, u_w[k]}, {DNNL_ARG_TO, w[k]}})) return unpacked();
     }
-    packed_from = from;
     if (!MXF_OK(a.dnnl_memory_set_data_handle(u_x, const_cast<float*>(x))) ||
         !MXF_OK(a.dnnl_memory_set_data_handle(u_y, y)))
       return false;

@@ -1044,35 +1044,16 @@ class Region : public DnnlObjects {
   }
 
   // ---- weights ----------------------------------------------------------------------------------
-  // Which parameters changed since the last call.  MXNet bumps an NDArray's version on every write
-  // (>= 1 once written), so (data pointer, version) identifies a parameter's values -- except for a
-  // temporary: an NDArray that MXNet's own oneDNN ops left in their blocked layout (a stock graph
-  // bound for inference on the same arrays reorders its weights in place) reaches a library op as a
-  // fresh plain copy each call, version 0, often at the address of the last call's copy.  A
-  // parameter arriving with version 0 is therefore compared by content against a copy kept here:
-  // a memcmp per call rather than a stale pack (or a repack per call).
+  // Which parameters changed since the last call (ParamVersion, mxf_common.h: (data pointer, version),
+  // or the contents of a version-0 temporary MXNet hands where its own oneDNN ops keep the array).
   std::vector<bool> changed_params(std::vector<MXTensor>& in) {
     const int D = prog_->num_data;
     const size_t P = prog_->params.size();
     std::vector<bool> changed(P, !packed_);
     seen_.resize(P);
     for (size_t k = 0; k < P; ++k) {
-      const MXTensor& t = in[D + k];
-      Seen& s = seen_[k];
-      if (t.verID == 0) {
-        ++g_temporaries;
-        const float* d = static_cast<const float*>(t.data_ptr);
-        const size_t n = static_cast<size_t>(numel(t.shape));
-        if (s.copy.size() != n || std::memcmp(s.copy.data(), d, n * sizeof(float)) != 0) {
-          s.copy.assign(d, d + n);
-          changed[k] = true;
-        }
-      } else {
-        if (t.data_ptr != s.ptr || t.verID != s.ver) changed[k] = true;
-        s.copy.clear();
-      }
-      s.ptr = t.data_ptr;
-      s.ver = t.verID;
+      if (seen_[k].changed(in[D + k])) changed[k] = true;
+      if (seen_[k].temporary()) ++g_temporaries;
     }
     return changed;
   }
@@ -1083,6 +1064,16 @@ class Region : public DnnlObjects {
   void repack_if_changed(std::vector<MXTensor>& in, dnnl_stream_t s) {
     const std::vector<bool> changed = changed_params(in);
     if (packed_ && std::find(changed.begin(), changed.end(), true) == changed.end()) return;
+    try {
+      repack(in, s, changed);
+    } catch (...) {        // a pack cut short: the next call packs everything again
+      for (ParamVersion& v : seen_) v.forget();
+      packed_ = false;
+      throw;
+    }
+  }
+
+  void repack(std::vector<MXTensor>& in, dnnl_stream_t s, const std::vector<bool>& changed) {
     const auto t0 = std::chrono::steady_clock::now();
     ++g_packs;
     const int D = prog_->num_data;
@@ -1160,12 +1151,7 @@ class Region : public DnnlObjects {
   std::vector<BnPack> bns_;
   std::vector<std::unique_ptr<Const>> consts_;
   std::unique_ptr<char, Free> arena_;
-  struct Seen {  // a parameter as the last call saw it
-    void* ptr = nullptr;
-    size_t ver = 0;
-    std::vector<float> copy;  // its values, where it came with version 0 (a temporary)
-  };
-  std::vector<Seen> seen_;
+  std::vector<ParamVersion> seen_;  // each parameter as the last call saw it
   bool packed_ = false;
   std::string plan_text_;
   std::mutex mu_;
