@@ -268,7 +268,7 @@ import contextlib, io, json, os, runpy, sys, traceback
 for folder in sys.argv[1:]:
     os.chdir(folder)
     out, err, error = io.StringIO(), io.StringIO(), None
-    sys.argv = ["block.py"]
+    sys.argv, sys.path[0] = ["block.py"], folder        # as `python block.py` has them
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             runpy.run_path("block.py", run_name="__main__")
