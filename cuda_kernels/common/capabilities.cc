@@ -17,11 +17,12 @@
 namespace {
 
 // Stateful ops' backward: the CPU states of this library have one (fused_dense) except
-// fused_inverted_residual's and fused_dense_block's, which only refuse;
+// fused_inverted_residual's, fused_dense_block's and fused_region's, which only refuse;
 // a GPU state says so itself (mxnet_gpu/gpu_glue.cu).
 bool stateful_backward(const std::string& op, const std::string& dev) {
   if (op == "fused_inverted_residual") return false;  // its state's Backward only refuses (inference only)
   if (op == "fused_dense_block") return false;        // likewise
+  if (op == "fused_region") return false;             // likewise
   if (dev == "cpu") return true;
 #if MXF_WITH_CUDA
   if (dev == "gpu") return mxf::gpu::stateful_backward(op);

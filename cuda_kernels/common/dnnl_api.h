@@ -33,7 +33,9 @@ namespace mxf {
   X(dnnl_post_ops_append_sum) X(dnnl_post_ops_append_dw) X(dnnl_post_ops_destroy)        \
   X(dnnl_primitive_attr_create) X(dnnl_primitive_attr_set_post_ops)                      \
   X(dnnl_primitive_attr_set_scratchpad_mode) X(dnnl_primitive_attr_set_fpmath_mode)      \
-  X(dnnl_primitive_attr_destroy)
+  X(dnnl_primitive_attr_destroy)                                                         \
+  X(dnnl_concat_primitive_desc_create) X(dnnl_memory_desc_query)                         \
+  X(dnnl_get_effective_cpu_isa)
 
 struct DnnlApi {
 #define MXF_DNNL_MEMBER(f) decltype(&::f) f = nullptr;

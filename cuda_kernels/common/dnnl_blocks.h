@@ -42,9 +42,9 @@ struct DnnlObjects {
     for (auto m : mems) api.dnnl_memory_destroy(m);
     for (auto m : mds) api.dnnl_memory_desc_destroy(m);
   }
-  const_dnnl_memory_desc_t md(int nd, const dnnl_dims_t d, dnnl_format_tag_t tag) {
+  const_dnnl_memory_desc_t md(int nd, const dnnl_dims_t d, dnnl_format_tag_t tag, dnnl_data_type_t dt = dnnl_f32) {
     dnnl_memory_desc_t m = nullptr;
-    if (!MXF_OK(api.dnnl_memory_desc_create_with_tag(&m, nd, d, dnnl_f32, tag))) return nullptr;
+    if (!MXF_OK(api.dnnl_memory_desc_create_with_tag(&m, nd, d, dt, tag))) return nullptr;
     mds.push_back(m);
     return m;
   }
@@ -83,28 +83,42 @@ struct DnnlObjects {
 
 // A block per input shape (the key), built on the shape's first call by Block::create(params,
 // geometry); null where oneDNN is missing or switched off, where it could not be built, or past
-// kMax shapes: the op then runs its direct loops.
-template <class Block>
+// kMax shapes: the op then runs its direct loops.  An op whose only path is its block (fused_region)
+// calls get_or_throw() instead, and keys its blocks by whatever identifies a build (Key).
+template <class Block, class Key = std::tuple<int64_t, int64_t, int64_t, int64_t>>
 class BlockCache {
  public:
-  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t>;
+  static constexpr size_t kMax = 16;
 
   template <class Params, class Geometry>
   Block* get(const Key& key, const Params& p, const Geometry& g) {
     if (dnnl_conv_disabled() || !dnnl().engine) return nullptr;
+    return find_or_build(key, [&](Block& b) { return b.create(p, g); });
+  }
+
+  // The block of `key`, built by Block::create(p, g), which throws where it cannot build (the
+  // exception reaches the caller and nothing is cached, so a later call tries again).
+  // MXFUSION_NO_DNNL_CONV does not apply (there are no direct loops to switch to); null past kMax
+  // shapes.
+  template <class Params, class Geometry>
+  Block* get_or_throw(const Key& key, const Params& p, const Geometry& g) {
+    return find_or_build(key, [&](Block& b) { b.create(p, g); return true; });
+  }
+
+ private:
+  template <class Build>
+  Block* find_or_build(const Key& key, Build build) {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = blocks_.find(key);
     if (it == blocks_.end()) {
       if (blocks_.size() >= kMax) return nullptr;
       auto made = std::make_unique<Block>();
-      if (!made->create(p, g)) made.reset();
+      if (!build(*made)) made.reset();  // a failed build is remembered: the op's direct loops run
       it = blocks_.emplace(key, std::move(made)).first;
     }
     return it->second.get();
   }
 
- private:
-  static constexpr size_t kMax = 16;
   std::mutex mu_;
   std::map<Key, std::unique_ptr<Block>> blocks_;
 };

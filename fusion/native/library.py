@@ -386,6 +386,17 @@ def capabilities():
     return _capabilities
 
 
+def region_status():
+    """None where ``fused_region`` can run here (oneDNN 3.x's API is bound and its CPU engine made),
+    else why not, in one line: the library's ``mxf_region_status()`` (loads the library if needed).
+    Cheap; a rule asks it before it emits the op."""
+    import ctypes
+    fn = ctypes.CDLL(load()).mxf_region_status
+    fn.restype = ctypes.c_char_p
+    why = fn().decode()
+    return why or None
+
+
 def built_with_gpu():
     """Whether the loaded op library has its "gpu" registrations (built where nvcc was)."""
     import ctypes
