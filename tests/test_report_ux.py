@@ -1,4 +1,4 @@
-"""What mxfuse tells a person: --list-rules, --version, what a report records, the README's rule table."""
+"""What mxfuse tells a person: --list-rules, --version, what a report records, the rule table of docs/rules.md."""
 import json
 import os
 import re
@@ -28,8 +28,8 @@ def test_a_family_and_a_rule_never_share_a_name():
     assert "attention_interleaved" in [r.name for r in known["attention_fusion"]]
 
 
-def test_readme_rule_table_lists_every_rule_with_its_family():
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+def test_docs_rule_table_lists_every_rule_with_its_family():
+    text = open(os.path.join(ROOT, "docs", "rules.md"), encoding="utf-8").read()
     table = text[text.index("| rule | family | file |"):]
     table = table[: table.index("\n\n")]
     rows = [[c.strip().strip("`") for c in ln.strip("|").split("|")] for ln in table.splitlines()[2:]]

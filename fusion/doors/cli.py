@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", action="append", default=[], metavar="NAME=D1,D2,...",
                    help="input shape, e.g. data=1,3,224,224 (repeatable; needed by --verify and --benchmark)")
     p.add_argument("--rules", help="comma-separated rule or family names (default: all)")
-    p.add_argument("--mode", choices=("inference", "training"), default="inference")
+    p.add_argument("--mode", choices=("inference", "training"), default="inference",
+                   help="training: only rewrites valid while training (no BatchNorm folding); default inference")
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                    help="where the fused model will run: only ops the op library implements there are "
                         "emitted (default cpu; --verify and the self-check still run on this machine's CPU)")
@@ -88,6 +89,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action=about.VersionAction, help="print the versions of mxfuse and MXNet and exit")
     add_batch_arguments(p)
     return p
+
+
+def options_table(parser: Optional[argparse.ArgumentParser] = None) -> str:
+    """mxfuse's options as a Markdown table (option | meaning), rendered from ``build_parser()``:
+    README.md shows it, tests/test_docs.py keeps the two equal."""
+    parser = parser or build_parser()
+    rows = ["| option | meaning |", "|---|---|"]
+    for group in parser._action_groups:
+        batch = group.title.startswith("batch mode")
+        for a in group._group_actions:
+            if a.help == argparse.SUPPRESS or "-h" in a.option_strings:
+                continue
+            value = a.metavar or ("{%s}" % ",".join(a.choices) if a.choices else a.dest.upper())
+            option = value if not a.option_strings else ", ".join(a.option_strings) + ("" if a.nargs == 0 else " " + value)
+            meaning = (a.help or "") % {**vars(a), "prog": parser.prog} if "%(" in (a.help or "") else (a.help or "")
+            if a.option_strings and a.nargs != 0 and a.default not in (None, [], argparse.SUPPRESS) \
+                    and "default" not in meaning:
+                meaning += " (default %s)" % a.default
+            rows.append("| `%s` | %s%s |" % (option, "batch mode: " if batch else "", meaning.replace("|", "\\|")))
+    return "\n".join(rows)
 
 
 class Terminated(BaseException):
