@@ -1,6 +1,10 @@
-"""precision='bf16' on graphs with convolutions: MXNet's AMP converts them first, and where AMP
+"""precision='bf16' on graphs with convolutions when the rules of the run cannot give them to a
+``fused_region`` (``rules=[..., "-region"]``): MXNet's AMP converts them first, and where AMP
 cannot convert a graph, or MXNet cannot run the graph AMP gives, the convolutions stay float32
-with the reason in the report (the rest of the graph is fused as under precision='bf16')."""
+with the reason in the report (the rest of the graph is fused as under precision='bf16').
+
+With the default rules the convolutions a region takes run in bfloat16 inside it and AMP is not
+run (``test_default_rules_leave_amp_out``; tests/test_region.py has the region's own)."""
 from __future__ import annotations
 
 import mxnet as mx
@@ -26,6 +30,10 @@ def _runs_within_bf16(sym, arg, aux, res, shapes):
         assert v.max_rel <= BF16_TOL, (s, v)
 
 
+#: the rule library without the region rule: the path on which MXNet's AMP converts the convolutions
+NO_REGION = ["default", "-region"]
+
+
 def _conv(x, name, num_filter=4):
     return S.Convolution(x, num_filter=num_filter, kernel=(3, 3), pad=(1, 1), name=name)
 
@@ -36,7 +44,7 @@ def test_amp_cannot_convert_the_graph_convolutions_stay_float32():
     sym = S.Concat(S.var("a"), _conv(S.var("b"), "c0"), dim=1, name="cat")
     shapes = {"a": (1, 2, 5, 5), "b": (1, 3, 5, 5)}
     arg, aux = random_params(sym, shapes)
-    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16", rules=NO_REGION)
     text = res.report.to_text()
     assert "the 1 convolution(s) stay float32: MXNet's AMP cannot convert the graph" in text, text
     assert "Non-uniform data type in Concat" in text
@@ -51,14 +59,14 @@ def test_amp_graph_without_a_bf16_kernel_keeps_the_convolutions_float32():
     sym = S.Activation(_conv(S.var("data"), "c0"), act_type="softsign", name="act")
     shapes = {"data": (1, 3, 6, 6)}
     arg, aux = random_params(sym, shapes)
-    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16", rules=NO_REGION)
     text = res.report.to_text()
     assert "stay float32: MXNet cannot run AMP's graph of it: MXNetError: Unknown type enum" in text, text
     assert "amp_cast" not in ops(res)
     _runs_within_bf16(sym, arg, aux, res, shapes)
     # a relu there has a bfloat16 kernel: AMP's graph is taken
     sym = S.Activation(_conv(S.var("data"), "c0"), act_type="relu", name="act")
-    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16", rules=NO_REGION)
     assert "MXNet's AMP converted the graph first" in res.report.to_text()
     _runs_within_bf16(sym, arg, aux, res, shapes)
 
@@ -68,7 +76,7 @@ def test_without_input_shapes_amp_graph_is_not_taken_untried():
     sym = S.Activation(_conv(S.var("data"), "c0"), act_type="relu", name="act")
     shapes = {"data": (1, 3, 6, 6)}
     arg, aux = random_params(sym, shapes)
-    res = fusion.fuse(sym, arg, aux, precision="bf16")
+    res = fusion.fuse(sym, arg, aux, precision="bf16", rules=NO_REGION)
     text = res.report.to_text()
     assert "the shape of input(s) data is not given" in text and "pass input_shapes" in text, text
     assert not any(P.is_bf16(v.dtype) for v in res.arg_params.values())
@@ -87,10 +95,27 @@ def test_outputs_amp_leaves_in_bf16_are_cast_back_even_where_type_inference_cann
     sym = S.Group([S.sum(w0, name="wsum"), S.sum(S.broadcast_mul(att, S.var("splits")), axis=1, name="s1")])
     shapes = {"pooled": (1, 4, 1, 1), "splits": (1, 2, 4, 1, 1)}
     arg, aux = random_params(sym, shapes)
-    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16", rules=NO_REGION)
     assert "MXNet's AMP converted the graph first" in res.report.to_text()
     from fusion.check.verify import run as run_model
     outs = run_model(res.symbol, res.arg_params, res.aux_params,
                      {k: np.ones(v, np.float32) for k, v in shapes.items()})
     assert [o.dtype for o in outs] == [np.float32, np.float32]
+    _runs_within_bf16(sym, arg, aux, res, shapes)
+
+
+@needs_bf16
+def test_default_rules_leave_amp_out():
+    """With the region rule in the run MXNet's AMP is not run (its bfloat16 convolutions between
+    MXNet's ops are slower than float32): a convolution the region rule takes runs in bfloat16 inside
+    the fused_region, one it does not take stays float32 and the report names it."""
+    sym = S.Concat(S.var("a"), _conv(S.var("b"), "c0"), dim=1, name="cat")
+    shapes = {"a": (1, 2, 5, 5), "b": (1, 3, 5, 5)}
+    arg, aux = random_params(sym, shapes)
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes, precision="bf16")
+    text = res.report.to_text()
+    assert "MXNet's AMP" in text and "was not run" in text, text
+    assert "1 convolution(s) outside stay float32: c0" in text, text
+    assert "amp_cast" not in ops(res)
+    assert not any(P.is_bf16(v.dtype) for v in res.arg_params.values())
     _runs_within_bf16(sym, arg, aux, res, shapes)

@@ -56,12 +56,23 @@ def densenet_like(growth=4, layers=2):
     return S.FullyConnected(S.flatten(x), num_hidden=10, name="fc")
 
 
-def _check_bf16_densenet(res, sym, arg, aux):
+#: the two bfloat16 paths for a CNN: the default rules (its convolutions in bfloat16 inside a
+#: fused_region, MXNet's AMP not run) and the rules without the region rule (MXNet's AMP converts the
+#: graph first; the rewrite that met bfloat16 in the regression runs on AMP's graph)
+PATHS = {"region": None, "amp": ["default", "-region"]}
+
+
+def _check_bf16_densenet(res, sym, arg, aux, path):
     text = res.report.to_text()
     assert res.report.precision == P.BFLOAT16, text
-    assert "MXNet's AMP converted the graph first" in text, text
-    assert res.report.rules["pool_before_pointwise_conv"].fused, text     # the rewrite that met bfloat16
-    assert "amp_cast" in ops(res) and any(P.is_bf16(v.dtype) for v in res.arg_params.values())
+    if path == "amp":
+        assert "MXNet's AMP converted the graph first" in text, text
+        assert res.report.rules["pool_before_pointwise_conv"].fused, text     # the rewrite that met bfloat16
+        assert "amp_cast" in ops(res) and any(P.is_bf16(v.dtype) for v in res.arg_params.values())
+    else:
+        assert "was not run" in text and res.report.rules["region"].fused, text
+        assert "amp_cast" not in ops(res) and ops(res).get("fused_region"), text
+        assert not any(P.is_bf16(v.dtype) for v in res.arg_params.values())
     _, out_types, _ = res.symbol.infer_type(data=np.float32)
     assert out_types == [np.float32]
     v = fusion.verify((sym, arg, aux), res, input_shapes=SHAPES)
@@ -70,21 +81,24 @@ def _check_bf16_densenet(res, sym, arg, aux):
 
 @needs_bf16
 @needs_mxnet_bf16_conv
-def test_densenet_like_fuses_in_bf16():
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_densenet_like_fuses_in_bf16(path):
     sym = densenet_like()
     arg, aux = random_params(sym, SHAPES)
-    _check_bf16_densenet(fusion.fuse(sym, arg, aux, input_shapes=SHAPES, precision="bf16"), sym, arg, aux)
+    res = fusion.fuse(sym, arg, aux, input_shapes=SHAPES, precision="bf16", rules=PATHS[path])
+    _check_bf16_densenet(res, sym, arg, aux, path)
 
 
 @needs_mxnet_bf16_conv
-def test_densenet_like_bf16_forced_on_a_cpu_without_bf16(monkeypatch):
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_densenet_like_bf16_forced_on_a_cpu_without_bf16(monkeypatch, path):
     monkeypatch.setattr(P, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
     sym = densenet_like()
     arg, aux = random_params(sym, SHAPES)
     with pytest.raises(FusionError, match="no native bfloat16"):
-        fusion.fuse(sym, arg, aux, input_shapes=SHAPES, precision="bf16")
-    res = fusion.fuse(sym, arg, aux, input_shapes=SHAPES, precision="bf16", force=True)
-    _check_bf16_densenet(res, sym, arg, aux)
+        fusion.fuse(sym, arg, aux, input_shapes=SHAPES, precision="bf16", rules=PATHS[path])
+    res = fusion.fuse(sym, arg, aux, input_shapes=SHAPES, precision="bf16", force=True, rules=PATHS[path])
+    _check_bf16_densenet(res, sym, arg, aux, path)
 
 
 @needs_mxnet_bf16_conv

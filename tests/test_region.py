@@ -403,11 +403,25 @@ def test_se_resnext_block():
     assert any("taken by a region" in r for name in ("se_add", "se") for r in f.near_misses(name)), f.text()
 
 
+def _network(name, source, shape):
+    """A network as GluonCV's model zoo gives it (needs ``gluoncv``) or as this package's copies write
+    it without GluonCV (``fusion.testing.gluoncv``; ResNet-50 v2 from MXNet's own model zoo)."""
+    if source == "gluoncv":
+        pytest.importorskip("gluoncv")
+        from fusion.testing.gcv_zoo import gcv_zoo_model
+        return gcv_zoo_model(name, shape, 0, bn_by_nodes=True)
+    if name == "resnet50_v2":
+        from fusion.testing import zoo_model
+        return zoo_model(name, shape)
+    from fusion.testing.gluoncv import gluoncv_model
+    return gluoncv_model(name, shape)
+
+
+@pytest.mark.parametrize("source", ["copy", "gluoncv"])
 @pytest.mark.parametrize("name,side", [("mobilenetv3_large", 64), ("resnet50_v2", 64), ("se_resnext50_32x4d", 64)])
-def test_gluoncv_networks_become_one_region(name, side):
-    from fusion.testing.gcv_zoo import gcv_zoo_model
+def test_gluoncv_networks_become_one_region(name, side, source):
     shapes = {"data": (1, 3, side, side)}
-    sym, arg, aux = gcv_zoo_model(name, shapes["data"], 0, bn_by_nodes=True)
+    sym, arg, aux = _network(name, source, shapes["data"])
     f = fuse_graph(sym, arg, aux, shapes)
     assert f.graph.count_ops().get("fused_region") == 1, f.graph.count_ops()
     plain = unfused(f)

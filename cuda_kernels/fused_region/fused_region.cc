@@ -525,6 +525,35 @@ class Region : public DnnlObjects {
     return ok;
   }
 
+  // oneDNN 3.2 misreads a binary post-op whose operand is broadcast over the batch, (1, C, 1, 1)
+  // per channel, when the destination has a batch over 1 and one spatial position (N, C, 1, 1): every
+  // channel was given channel 0's operand (a BatchNorm's shift after its scale, measured on the
+  // x64 jit binary and convolution kernels; its main binary operand is read right).  Such items run
+  // as primitives of their own there (Fuse::None).
+  bool broadcast_post_op_misread(const std::vector<Item>& items, Fuse f, const_dnnl_memory_desc_t D) const {
+    const Dims dd = dims_of(D);
+    if (dd.size() < 3 || dd[0] <= 1) return false;
+    int64_t spatial = 1;
+    for (size_t i = 2; i < dd.size(); ++i) spatial *= dd[i];
+    if (spatial != 1) return false;
+    const int sum = f == Fuse::Sum ? sum_item(items) : -1;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const Item& it = items[i];
+      if (it.kind == Item::Elt || static_cast<int>(i) == sum) continue;
+      const Dims od = it.tensor >= 0 ? dims_of(md_of(it.tensor)) : dims_[it.value];
+      if (!od.empty() && od[0] == 1) return true;
+    }
+    return false;
+  }
+  Dims dims_of(const_dnnl_memory_desc_t md) const {
+    int nd = 0;
+    const dnnl_dims_t* d = nullptr;
+    if (!md || !MXF_OK(api.dnnl_memory_desc_query(md, dnnl_query_ndims_s32, &nd)) ||
+        !MXF_OK(api.dnnl_memory_desc_query(md, dnnl_query_dims, &d)))
+      return Dims();
+    return Dims(*d, *d + nd);
+  }
+
   struct Choice {
     dnnl_primitive_desc_t pd = nullptr;
     Fuse fuse = Fuse::None;
@@ -550,6 +579,10 @@ class Region : public DnnlObjects {
         dnnl_primitive_desc_t pd = make(attr, v);
         if (attr) api.dnnl_primitive_attr_destroy(attr);
         if (!pd) continue;
+        if (f != Fuse::None && broadcast_post_op_misread(items, f, query(pd, dnnl_query_dst_md))) {
+          api.dnnl_primitive_desc_destroy(pd);
+          continue;
+        }
         if (!dnnl_reference_impl(pd)) {
           if (fallback.pd) api.dnnl_primitive_desc_destroy(fallback.pd);
           return {pd, f, v};

@@ -364,6 +364,26 @@ def test_batchnorm(fix_gamma):
     b.check([m, h])
 
 
+@pytest.mark.parametrize("n,c,hw", [(2, 3, 1), (3, 5, 1), (2, 16, 1), (1, 5, 1), (2, 5, 2)])
+@pytest.mark.parametrize("form", ["of_data", "of_data_relu", "after_conv_relu", "of_concat", "of_add"])
+def test_batchnorm_per_channel_post_steps_at_one_position(form, n, c, hw):
+    """A BatchNorm not folded runs as scale × x with the shift a binary post-op; oneDNN 3.2 gives such a
+    per-channel (1, C, 1, 1) post-op every channel channel 0's value where the destination has a batch
+    over 1 and one spatial position (a fuzz graph: DenseNet's layer at 1×1).  The steps run apart there."""
+    b = Builder((n, c, hw, hw))
+    if form == "of_data":
+        y = b.batchnorm(0)
+    elif form == "of_data_relu":
+        y = b.batchnorm(0, post=[{"eltwise": "relu"}])
+    elif form == "after_conv_relu":
+        y = b.batchnorm(b.conv(0, c, post=[{"eltwise": "relu"}]))
+    elif form == "of_concat":
+        y = b.batchnorm(b.concat([0, b.conv(0, 2)]))
+    else:
+        y = b.batchnorm(b.add(0, b.conv(0, c)))
+    b.check([y])
+
+
 def test_several_outputs_and_a_data_input_out():
     b = Builder((1, 8, 6, 6), (1, 8, 6, 6))
     x = b.conv(0, 8, post=[{"eltwise": "relu"}])

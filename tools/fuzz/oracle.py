@@ -54,7 +54,9 @@ bfloat16 storage of each value would.  Where ``fuse(precision="bf16")`` had MXNe
 the graph first (convolutions), MXNet's AMP run of the original counts as one more such run,
 elementwise: the fused graph starts from AMP's, whose own rounding can move an element of an
 ill-conditioned graph further than the random runs show (a saturating op after a step that
-magnifies rounding by 200×).
+magnifies rounding by 200×).  So does the original run with its parameters, inputs and every value
+an op produces rounded to bfloat16 (``bf16_stored_run``), for every bf16 fuse: it is the rounding a
+``fused_region`` under precision="bfloat16" (which AMP does not convert first) follows.
 
 Graphs with random ops (Dropout with mode='always', uniform_like) are compared in shapes and
 structure only; Dropout(p>0) makes the training comparison structural only.
@@ -278,15 +280,18 @@ INDEX_INPUTS = {"Embedding": (0,), "take": (1,), "pick": (1,), "batch_take": (1,
                 "SequenceReverse": (1,), "softmax": (1,), "log_softmax": (1,), "masked_softmax": (1,),
                 "_contrib_index_copy": (1,), "_contrib_index_array": (0,)}
 _NOISE: List[Optional[tuple]] = [None]   # forward(): (rel, seed) — rounding noise at every op output
+_STORED_BF16 = [False]     # forward(): every op output rounded to bfloat16 (_noised's stored_bf16)
 NOISE_RUNS = 12     # at most, and only while a mismatch is left unexplained
 
 
-def _noised(sym, rel: float, dtypes: Dict[str, Any]):
+def _noised(sym, rel: float, dtypes: Dict[str, Any], stored_bf16: bool = False):
     """``sym`` with every float32 value an op produces multiplied elementwise by a random factor in
     [1 - rel, 1 + rel] (MXNet's uniform sampler: seed it before running): the rounding differences
     any other order of the same arithmetic may have, at every step.  Where the original's result
     moves with them (a division by a sum that cancels to exactly 0 in one order and not in
-    another), any rewrite's result is as right as the original's."""
+    another), any rewrite's result is as right as the original's.
+    ``stored_bf16``: every such value rounded to bfloat16 (nearest even: ``amp_cast`` there and back)
+    instead, as a graph that holds each value in bfloat16 between its steps computes it."""
     import mxnet as mx
 
     internals = sym.get_internals()
@@ -318,6 +323,13 @@ def _noised(sym, rel: float, dtypes: Dict[str, Any]):
             label = n["name"] + ("_output" if count == 1 else "_output%d" % k)
             if n["op"] == "null" or (i, k) in index_read or label not in float_out:
                 continue
+            if stored_bf16:
+                out.append({"op": "amp_cast", "name": "%s_bf16_%d" % (n["name"], k), "attrs": {"dtype": "bfloat16"},
+                            "inputs": [[k_new, k, 0]]})
+                out.append({"op": "amp_cast", "name": "%s_stored%d" % (n["name"], k), "attrs": {"dtype": "float32"},
+                            "inputs": [[len(out) - 1, 0, 0]]})
+                remap[(i, k)] = (len(out) - 1, 0)
+                continue
             out.append({"op": "_random_uniform_like", "name": "%s_noise%d" % (n["name"], k),
                         "attrs": {"low": repr(1.0 - rel), "high": repr(1.0 + rel)}, "inputs": [[k_new, k, 0]]})
             out.append({"op": "elemwise_mul", "name": "%s_noised%d" % (n["name"], k),
@@ -339,12 +351,38 @@ def _rounding_runs(sym, arg: Dict, aux: Dict, inputs: Dict):
         sym = _nudged(sym, _NUDGE[0])
     if _SNAP[0]:
         sym = _snapped(sym, _SNAP[0])
-    if _NOISE[0] is not None:
-        rel, seed = _NOISE[0]
-        sym = _noised(sym, rel, {k: np.asarray(v.asnumpy() if hasattr(v, "asnumpy") else v).dtype
-                                 for k, v in {**arg, **aux, **inputs}.items()})
-        mx.random.seed(seed)
+    if _NOISE[0] is not None or _STORED_BF16[0]:
+        dtypes = {k: np.asarray(v.asnumpy() if hasattr(v, "asnumpy") else v).dtype
+                  for k, v in {**arg, **aux, **inputs}.items()}
+        if _STORED_BF16[0]:
+            sym = _noised(sym, 0.0, dtypes, stored_bf16=True)
+        else:
+            rel, seed = _NOISE[0]
+            sym = _noised(sym, rel, dtypes)
+            mx.random.seed(seed)
     return sym
+
+
+def _rounded_bf16(values: Dict) -> Dict:
+    """float32 arrays rounded to bfloat16 (nearest even; kept float32); others as they are."""
+    from fusion.precision.policy import from_bf16, to_bf16
+
+    out = {}
+    for k, v in (values or {}).items():
+        a = v.asnumpy() if hasattr(v, "asnumpy") else np.asarray(v)
+        out[k] = from_bf16(to_bf16(a)).reshape(a.shape) if a.dtype == np.float32 else a
+    return out
+
+
+def bf16_stored_run(sym, arg: Dict, aux: Dict, inputs: Dict) -> List[np.ndarray]:
+    """The original run with its parameters, inputs and every float32 value an op produces rounded
+    to bfloat16: the arithmetic of a graph that stores each value in bfloat16 (float32 inside each
+    op), as MXNet's AMP graph and a ``fused_region`` under precision="bfloat16" do."""
+    _STORED_BF16[0] = True
+    try:
+        return forward(sym, _rounded_bf16(arg), _rounded_bf16(aux), _rounded_bf16(inputs))
+    finally:
+        _STORED_BF16[0] = False
 
 
 # Ops whose result grows without bound as the operand at these input slots nears a point
@@ -1261,6 +1299,10 @@ class Oracle:
                 finally:
                     _NOISE[0] = None
             amp_out = self._amp_original(sym0, x) if amp else None
+            try:
+                stored = bf16_stored_run(sym0, c.arg, c.aux, x)
+            except Exception:
+                stored = None
             if len(runs) == BF16_RUNS:
                 still = []
                 for i, m in bad:
@@ -1274,7 +1316,12 @@ class Oracle:
                         # rounding moves an element further (an ill-conditioned step whose effect a
                         # saturating op hides from the random runs), the fused graph, which starts
                         # from AMP's, may move as far (elementwise: no spread elsewhere)
-                        dev = np.fmax(dev, _amp_movement(ref[i], amp_out[i]))
+                        dev = np.fmax(dev, _run_movement(ref[i], amp_out[i]))
+                    if stored is not None and stored[i].shape == ref[i].shape:
+                        # the same for the original with every value stored in bfloat16 (the
+                        # deterministic run a fused_region's rounding follows): where that one
+                        # rounding moves an element further than the random runs show
+                        dev = np.fmax(dev, _run_movement(ref[i], stored[i]))
                     m2 = mismatch(ref[i], got[i], RTOL_BF16, dev, ATOL, wild, BF16_FACTOR)
                     if m2:
                         still.append((i, m2))
@@ -1292,9 +1339,9 @@ class Oracle:
         self._find("%s.%s" % (check, kind), "output '%s': %s%s" % (names[i], m, more))
 
 
-def _amp_movement(ref: np.ndarray, amp_out: np.ndarray) -> np.ndarray:
-    """How far MXNet's AMP run of the original is from it, elementwise (0 where either is not
-    finite: a finiteness AMP changes is not taken as movement)."""
+def _run_movement(ref: np.ndarray, amp_out: np.ndarray) -> np.ndarray:
+    """How far a bfloat16 run of the original (MXNet's AMP run, the bfloat16-stored run) is from it,
+    elementwise (0 where either is not finite: a finiteness the run changes is not taken as movement)."""
     a, b = ref.astype(np.float64), amp_out.astype(np.float64)
     both = np.isfinite(a) & np.isfinite(b)
     return np.where(both, np.abs(a - np.where(both, b, 0.0)), 0.0)
