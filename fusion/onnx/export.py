@@ -1033,7 +1033,6 @@ def export_onnx(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[
     params = {**{k: _nd(v) for k, v in arg_params.items()}, **{k: _nd(v) for k, v in aux_params.items()}}
     graph_json = _json_nodes(symbol)
     _check_exportable(graph_json)
-    params = _fixed_gammas(graph_json, params)
     data_names = [n["name"] for n in graph_json["nodes"] if n["op"] == "null" and n["name"] not in params]
     missing = [n for n in data_names if n not in input_shapes]
     if missing:
@@ -1043,7 +1042,9 @@ def export_onnx(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[
     sym = symbol
     unfused: List[str] = []
     for _ in range(2):
-        model, todo = _convert(sym, params, input_shapes, data_names, opset, target, dynamic, input_dtypes)
+        # each graph converted: an un-fused op's stock form brings its own BatchNorms (a fused_region's)
+        model, todo = _convert(sym, _fixed_gammas(_json_nodes(sym), params), input_shapes, data_names, opset,
+                               target, dynamic, input_dtypes)
         if not todo and names:
             _rename_io(model, symbol, names)
         if not todo:
