@@ -3,8 +3,13 @@
 Grammar::
 
     graph   := x (B, C, H, W) → [hard-swish (3, 0, 6, 6) | a clip form of other constants] → SE [→ head]
-    SE      := pool → layer → act → layer → gate → [expand_dims ×2 | Reshape(0, 0, 1, 1)] → mul(x, g) | mul(g, x)
+    SE      := pool → layer → act → layer → gate → [expand_dims ×2 | Reshape(0, 0, 1, 1)] → product
                [→ add(·, residual) [→ Activation(relu) | relu]]
+    product := broadcast_mul(x, g) | broadcast_mul(g, x)
+             | m(x, broadcast_like(g, x[, lhs_axes=rhs_axes=(2, 3) | (-1, -2)])) | m(broadcast_like(…), x)
+                   m: elemwise_mul | * | broadcast_mul        (GluonCV's pose networks: g repeated over the plane)
+             | broadcast_mul(x, broadcast_like(g, x, lhs_axes=(2,), rhs_axes=(2,)))
+                   (N, C, H, 1): x · g too, refused by the rules (neither the map's shape nor the gate's)
     pool    := AdaptiveAvgPooling2D(1) | Pooling(global avg) | mean(axis=(2, 3), keepdims)
              | Pooling(fixed avg window)                                               (refused)
     layer   := Convolution 1×1 [no_bias] | FullyConnected [no_bias]  (a dense layer needs the reshape)
@@ -89,15 +94,38 @@ def build(b):
     if dense:
         g = (g.expand_dims(axis=2).expand_dims(axis=2) if d.maybe(0.5, label="expand")
              else S.Reshape(g, shape=(0, 0, 1, 1)))
-    y = S.broadcast_mul(g, x) if d.maybe(0.3, label="swap") else S.broadcast_mul(x, g)
+    swap = d.maybe(0.3, label="swap")
+    residual = tail = None
     if d.maybe(0.5, label="residual"):
-        r = z if d.maybe(0.2, label="residual is input") else b.input("res", tmpl)
-        y = y + r
+        residual = z if d.maybe(0.2, label="residual is input") else b.input("res", tmpl)
         tail = d.choice(["none", "Activation", "op"], label="tail")
+    escapes = d.maybe(0.08, label="gate escapes")
+    without_regions_sometimes(b)
+    # drawn after everything else, so that a seed gives the graph it gave before this choice came
+    y = product(b, x, g, swap)
+    if residual is not None:
+        y = y + residual
         if tail == "Activation":
             y = S.Activation(y, act_type="relu")
         elif tail == "op":
             y = S.relu(y)
-    outs = [y, g] if d.maybe(0.08, label="gate escapes") else [y]
-    without_regions_sometimes(b)
-    return outs
+    return [y, g] if escapes else [y]
+
+
+def product(b, x, g, swap):
+    """x · g, the gate as it is (broadcast_mul) or broadcast_like'd to x first (see the grammar)."""
+    d = b.d
+    form = d.choice(["broadcast_mul", "like", "like axes", "like partial"], [6, 3, 2, 1], label="product")
+    if form == "broadcast_mul":
+        return S.broadcast_mul(g, x) if swap else S.broadcast_mul(x, g)
+    mul = S.broadcast_mul
+    if form == "like partial":
+        g = S.broadcast_like(g, x, lhs_axes=(2,), rhs_axes=(2,))
+    else:
+        if form == "like axes":
+            axes = d.choice([(2, 3), (-1, -2)], label="like axes")
+            g = S.broadcast_like(g, x, lhs_axes=axes, rhs_axes=axes)
+        else:
+            g = S.broadcast_like(g, x)
+        mul = d.choice([S.elemwise_mul, lambda a, c: a * c, S.broadcast_mul], label="like product")
+    return mul(g, x) if swap else mul(x, g)
