@@ -20,6 +20,7 @@ escapes, so no cycle can form), after BatchNorm folding has run (``conv_bn_act``
     BatchNorm at inference, axis 1                                           → batchnorm
     add of equal shapes                                                      → post add | add
     mul, one side of the other's shape or (N, C, 1, 1) (an SE gate)          → post mul | mul
+    broadcast_like(g, y) read by a product with y, g (N, C, 1, 1)            → read through: y · g
     activations, however written (below)                                     → post steps | act
 
 Rewrite: ``y = fused_region(d_0 … d_{D−1}, p_0 … p_{P−1}, program=…, num_data=D, num_outputs=1)``:
@@ -30,6 +31,12 @@ add or an SE product becomes a step of the op that produced its input when nothi
 that input (``conv → relu`` is one conv with ``post [relu]``; ``add(conv₃, shortcut) → relu`` is
 ``post [add shortcut, relu]`` on conv₃ when the shortcut is made before it, else on the shortcut's
 op); otherwise an ``add`` / ``mul`` op, or an ``act`` op (the identity) carrying the steps.
+
+A gate broadcast to the map it scales, ``y · broadcast_like(g, y)`` (GluonCV's pose networks write
+their SE products so), is the product by the gate ``y · g``: broadcast_like only repeats axes of
+size 1, so where g is (N, C, 1, 1) with y's N and C and its output has y's shape or g's (whatever
+``lhs_axes`` / ``rhs_axes`` say), every value it gives is ``g[n, c]``.  Other shapes (a gate of
+another shape, axes that give neither shape) and other readers refuse it, with the reason.
 
 Activations, every way they are written (GluonCV, Gluon, MXNet's ops, or one ``fused_elemwise``
 the elementwise rule made of them: its program is read and mapped where the contract has the
@@ -105,6 +112,7 @@ BATCHNORM_OPS = ("BatchNorm",)
 ADD_OPS = tuple(sorted(opdefs.ALIASES["add"]))
 MUL_OPS = tuple(sorted(opdefs.ALIASES["mul"]))
 ACT_OPS = ("Activation", "relu", "sigmoid", "tanh", "LeakyReLU", "clip", "hard_sigmoid")
+GATE_BROADCAST_OPS = ("broadcast_like",)    # an SE gate broadcast to its map: read through (see the docstring)
 SCALAR_OPS = {"_plus_scalar": "add", "_PlusScalar": "add", "_minus_scalar": "sub", "_MinusScalar": "sub",
               "_rminus_scalar": "rsub", "_RMinusScalar": "rsub", "_mul_scalar": "mul", "_MulScalar": "mul",
               "_div_scalar": "div", "_DivScalar": "div"}
@@ -137,7 +145,8 @@ _ARITY_OF = {**{o: 2 for o in ADD_OPS + MUL_OPS}, **{o: 1 for o in ACT_OPS + tup
 _KIND_OF = {**{o: "conv" for o in CONV_OPS}, **{o: "pool" for o in POOL_OPS},
             **{o: "global_mean" for o in GLOBAL_MEAN_OPS}, **{o: "concat" for o in CONCAT_OPS},
             **{o: "batchnorm" for o in BATCHNORM_OPS}, **{o: "binary" for o in ADD_OPS + MUL_OPS},
-            **{o: "unary" for o in ACT_OPS + tuple(SCALAR_OPS)}}
+            **{o: "unary" for o in ACT_OPS + tuple(SCALAR_OPS)},
+            **{o: "gate_broadcast" for o in GATE_BROADCAST_OPS}}
 _PARAM_ROLES = {"conv": ("w", "bias"), "batchnorm": ("gamma", "beta", "mean", "var")}
 
 
@@ -490,6 +499,8 @@ def _refusal(node: Node, ctx) -> Optional[str]:
     kind = "elementwise" if node.op == "fused_elemwise" else _KIND_OF.get(node.op)
     if kind is None:
         return "%s '%s' is not a region op" % (node.op, node.name)
+    if kind == "gate_broadcast":
+        return _gate_broadcast_reason(node, ctx)
     if kind == "concat" and len(node.inputs) > MAX_CONCAT:
         return "Concat '%s' joins %d values (a region's concat takes up to %d)" % (node.name, len(node.inputs),
                                                                                  MAX_CONCAT)
@@ -527,6 +538,37 @@ def _refusal(node: Node, ctx) -> Optional[str]:
             Lowering(lambda t: _Handle(None, ctx.shapes(node.inputs[t[1]]), None)).lower(tree)
         except (FusionError, AssertionError, KeyError, IndexError, ValueError) as e:
             return "%s '%s': %s" % (node.op, node.name, e)
+    return None
+
+
+def _gate_broadcast_reason(node: Node, ctx) -> Optional[str]:
+    """Why ``broadcast_like(g, y)`` is not a gate broadcast a region reads through (None: it is): its
+    readers are products with y, g is (N, C, 1, 1) with y's N and C, and its output has y's shape or
+    g's, at every probe."""
+    name = node.name
+    if len(node.inputs) != 2:
+        return "broadcast_like '%s' has %d inputs" % (name, len(node.inputs))
+    gate, like = node.inputs
+    for u, slot in ctx.graph.consumers().get(node, ()):
+        if u.op not in MUL_OPS or len(u.inputs) != 2 or u.inputs[1 - slot] != like:
+            return ("broadcast_like '%s' is read by %s '%s': a region reads it only as the gate of a product "
+                    "with the value it takes its shape from ('%s')" % (name, u.op, u.name, like.node.name))
+    for e in (gate, like, Entry(node)):
+        reason = _shape_reason(e, ctx)
+        if reason:
+            return reason
+    gs, ls, outs = ctx.shapes(gate), ctx.shapes(like), ctx.shapes(Entry(node))
+    if not len(gs) == len(ls) == len(outs):
+        return NeedsShapes("the shapes around broadcast_like '%s' are not known at the same probe shapes" % name)
+    for g, y, out in zip(gs, ls, outs):
+        g, y, out = tuple(g), tuple(y), tuple(out)
+        if g != (y[0], y[1], 1, 1):
+            return ("broadcast_like '%s' broadcasts '%s' of shape %s, not an (N, C, 1, 1) gate of '%s' %s"
+                    % (name, gate.node.name, g, like.node.name, y))
+        if out not in (y, g):
+            return ("broadcast_like '%s' (lhs_axes=%s, rhs_axes=%s) gives shape %s, neither '%s''s %s nor the "
+                    "gate's %s: not the gate broadcast over the map" % (
+                        name, node.attrs.get("lhs_axes"), node.attrs.get("rhs_axes"), out, like.node.name, y, g))
     return None
 
 
@@ -616,17 +658,25 @@ class ProgramBuilder:
         users = ctx.graph.consumers()
         anchor = region[-1]
         inline = {id(n) for n in region if n is not anchor and n.op in ELEMENTWISE and _inlined(n, users, self.inside)}
+        # gate broadcasts are read through: their products read the gate itself (y · g)
+        through = {id(n) for n in region if _KIND_OF.get(n.op) == "gate_broadcast"}
         trees = {}
 
+        def operand(e: Entry):
+            while id(e.node) in through:
+                e = e.node.inputs[0]
+            return tree(e.node) if id(e.node) in inline else ("val", e)
+
         def tree(n: Node):
-            t = _substitute(node_tree(n), n, lambda e: tree(e.node) if id(e.node) in inline else ("val", e))
-            return t
+            return _substitute(node_tree(n), n, operand)
 
         for n in region:
             if n.op in ELEMENTWISE and id(n) not in inline:
                 trees[id(n)] = tree(n)
         uses: Dict[Entry, int] = {}
         for n in region:
+            if id(n) in through:
+                continue
             if n.op in ELEMENTWISE:
                 if id(n) in trees:
                     for e in _leaves(trees[id(n)]):
@@ -642,7 +692,7 @@ class ProgramBuilder:
 
         lowering = Lowering(leaf, self, lambda e: uses.get(e, 0))
         for n in region:
-            if id(n) in inline:
+            if id(n) in inline or id(n) in through:
                 continue
             if n.op in ELEMENTWISE:
                 self.value[Entry(n)] = lowering.lower(trees[id(n)]).ref

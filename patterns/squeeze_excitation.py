@@ -10,7 +10,8 @@ Matched (anchor at the bottom), every form GluonCV writes::
     │   Convolution 1×1 | FullyConnected        W2 [b2]
     │   Activation(sigmoid) | sigmoid | hard_sigmoid(α, β) | clip(· + a, lo, hi) / d
     │   [expand_dims | Reshape]…               back to (N, C, 1, 1)
-    y = broadcast_mul | elemwise_mul (x, g)
+    │   [broadcast_like(·, x[, lhs_axes, rhs_axes])]   the gate repeated over the plane (GluonCV's pose nets)
+    y = broadcast_mul | elemwise_mul | _mul (x, g), either order
     [y = add(y, residual)  [→ Activation(relu) | relu]]
 
 Rewrite: ``fused_se(z|x, W1, [b1], W2, [b2], [residual])`` computing::
@@ -26,7 +27,11 @@ computed again in each pass instead of being written out.
 Decided from the inferred shapes at every probe shape: ``x`` is (N, C, H, W); the
 pool's output is (N, C, 1, 1) — a mean over the whole plane; the gate has that shape
 again once reshaped (a reshape of (N, C) to (N, C, 1, 1) keeps the element order);
-the product and the residual have ``x``'s shape.  Refused: a ``Pooling`` that is
+the product and the residual have ``x``'s shape.  ``broadcast_like(g, x)`` only repeats axes of
+size 1: with g (N, C, 1, 1) and its output of ``x``'s shape (or g's, whatever ``lhs_axes`` /
+``rhs_axes`` say) every value it gives is ``g[n, c]``, and ``x · broadcast_like(g, x)`` is ``x · g``;
+refused where it gives another shape (axes that repeat the gate along other axes), or takes its
+shape from another value than ``x``.  Refused: a ``Pooling`` that is
 not global (its window is fixed while the plane's size is not), a 1×1 convolution
 with stride, padding, dilation or groups, ``FullyConnected(flatten=False)`` on the
 pooled map (it would read the last axis), layouts other than NCHW, values other
@@ -88,6 +93,7 @@ def se_pattern(in_hard_swish: bool, with_add: bool) -> Pattern:
     h = _layer(average_pool(feature()), 1)
     h = op.Activation(h, act_type=OneOf(*HIDDEN_ACTS), name="act") | op.relu(h, name="act")
     g = Chain(RESHAPES, _gate(_layer(h, 2)), "gate_shape")
+    g = op.broadcast_like(g, Var("like"), name="gate_like") | g
     y = op.mul(feature(), g, name="mul")
     if with_add:
         y = op.add(y, Var("residual"), name="add")
@@ -205,6 +211,10 @@ class SqueezeExcitation(Rule):
         if not same_shapes(shapes(gate), pooled):
             return at_filled_sizes("the gate has shape %s where the scale needs %s (one value per sample and channel)"
                                    % ((shapes(gate) or (None,))[0], pooled[0]), assumed)
+        if m.has("gate_like"):
+            reason = self._broadcast_like_reason(m, x, xs, pooled, shapes, assumed)
+            if reason:
+                return reason
         w1, w2 = ctx.shape(m["w1"]), ctx.shape(m["w2"])
         if w1 is None or w2 is None:
             return "the layers' weight shapes are unknown"
@@ -221,6 +231,25 @@ class SqueezeExcitation(Rule):
             if not same_shapes(shapes(m["residual"]), xs):
                 return at_filled_sizes("the residual has shape %s, not the map's %s" % (
                     (shapes(m["residual"]) or (None,))[0], xs[0]), assumed)
+        return None
+
+    @staticmethod
+    def _broadcast_like_reason(m: Match, x: Entry, xs, pooled, shapes, assumed) -> Optional[str]:
+        """Why ``broadcast_like(g, ·)`` is not the gate g (N, C, 1, 1) repeated over x's plane: it takes
+        its shape from another value, or gives a shape other than x's or g's at some probe."""
+        like = m.node("gate_like")
+        if m["like"] != x:
+            return ("broadcast_like '%s' takes its shape from '%s', not from the scaled map '%s'"
+                    % (like.name, m["like"].node.name, x.node.name))
+        outs = shapes(Entry(like))
+        if len(outs) != len(xs) or any(tuple(o) not in (tuple(s), p) for o, s, p in zip(outs, xs, pooled)):
+            got = next((tuple(o) for o, s, p in zip(outs, xs, pooled) if tuple(o) not in (tuple(s), p)),
+                       (outs or (None,))[0])
+            return at_filled_sizes(
+                "broadcast_like '%s' (lhs_axes=%s, rhs_axes=%s) gives shape %s, neither the map's %s nor the "
+                "gate's %s: not the gate repeated over the plane" % (
+                    like.name, like.attrs.get("lhs_axes"), like.attrs.get("rhs_axes"), got, xs[0], pooled[0]),
+                assumed)
         return None
 
     # -- rewrite ---------------------------------------------------------------

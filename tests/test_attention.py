@@ -430,3 +430,35 @@ def test_interleaved_head_size_unknown_is_explained():
     s = S.contrib.interleaved_matmul_selfatt_qk(qkv, heads=H)
     y = S.contrib.interleaved_matmul_selfatt_valatt(qkv, S.softmax(s, axis=-1), heads=H)
     res = check_fused(y, {"x": (L, B, E)}, rules=["attention_fusion"])
+
+
+def test_fuse_of_the_fused_graph_fires_nothing_with_a_hard_coded_block_beside_an_interleaved_one():
+    """A packed attention whose head split names the sequence length (the graph takes no other
+    length) beside an interleaved one over an input whose width 3E is also the packed projection's
+    width.  The graph takes other widths of that input, where MXNet's op scales by another 1/√(head
+    size): the interleaved block is refused.  Fusing the packed block removes its Reshape naming
+    the length; fusing the fused graph again must still see the other widths and refuse the same."""
+    seq = 6
+
+    def split_fixed(t):
+        return S.reshape(S.transpose(S.reshape(t, shape=(0, seq, H, -1)), axes=(0, 2, 1, 3)), shape=(-3, 0, 0))
+    x = S.var("x")
+    parts = S.split(S.FullyConnected(x, num_hidden=3 * E, flatten=False, name="qkv"), num_outputs=3, axis=-1)
+    q, k, v = (split_fixed(parts[i]) for i in range(3))
+    packed = merge_std(S.batch_dot(S.softmax(S.batch_dot(q, k, transpose_b=True) * 0.5, axis=-1), v))
+    packed = S.FullyConnected(packed, num_hidden=E, flatten=False, name="o")
+    inter = S.var("inter")                              # (L, B, 3E): any width MXNet's op takes
+    s = S.contrib.interleaved_matmul_selfatt_qk(inter, heads=H)
+    y = S.Group([packed, S.contrib.interleaved_matmul_selfatt_valatt(inter, S.softmax(s, axis=-1), heads=H)])
+    shapes = {"x": (B, seq, 10), "inter": (L, B, 3 * E)}
+    arg, aux = random_params(y, shapes)
+    res = fusion.fuse(y, arg, aux, input_shapes=shapes, rules=HEAD_RULES)
+    assert ops(res).get("fused_attention") == 1, res.report.to_text(explain=True)
+    reasons = list(res.report.rules["attention_interleaved"].rejected.values())
+    assert reasons and "head size changes with the width of 'inter'" in reasons[0], reasons
+    again = fusion.fuse(res.symbol, res.arg_params, res.aux_params, input_shapes=shapes, rules=HEAD_RULES)
+    assert again.report.fused_count == 0, again.report.to_text()
+    assert again.symbol.tojson() == res.symbol.tojson()
+    rng = np.random.default_rng(2)
+    inputs = {n: rng.standard_normal(sh).astype(np.float32) for n, sh in shapes.items()}
+    assert fusion.verify(y, again, (arg, aux), inputs=inputs).max_rel <= 1e-5

@@ -1,8 +1,9 @@
 """GluonCV CNN blocks: squeeze-excitation (patterns/squeeze_excitation.py → fused_se).
 
 Every SE form GluonCV writes (SE-ResNeXt's 1×1 convs, SE-ResNet's Dense layers with
-expand_dims, MobileNetV3's hard-sigmoid gate after a hard-swish), the spellings MXNet
-allows besides (sigmoid/hard_sigmoid ops, mean/Pooling, Reshape, operands swapped),
+expand_dims, MobileNetV3's hard-sigmoid gate after a hard-swish, the pose networks' gate
+broadcast_like'd to the map and multiplied elementwise), the spellings MXNet allows besides
+(sigmoid/hard_sigmoid ops, mean/Pooling, Reshape, operands swapped, broadcast_like's axes),
 and the refusals with their reasons.
 """
 import mxnet as mx
@@ -30,8 +31,12 @@ def rejections(res, rule):
 
 
 def se_sym(pool="adaptive", fc="conv", act="Activation", gate="Activation", reshape=None, swap=False,
-           bias=True, tail=None, hswish=False, hidden=4):
-    """An SE block over ``data`` written with MXNet's ops, in the spelling chosen."""
+           bias=True, tail=None, hswish=False, hidden=4, like=None):
+    """An SE block over ``data`` written with MXNet's ops, in the spelling chosen.  ``like``: the gate
+    broadcast_like'd to the map first, then multiplied: ``elemwise`` (elemwise_mul), ``operator``
+    (``*``), ``axes`` (lhs_axes = rhs_axes = (2, 3)), ``negative_axes`` (lhs_axes = rhs_axes = (-1, -2),
+    then broadcast_mul), ``wrong_axes`` (the map's W repeated along the gate's H: (N, C, W, 1), then
+    broadcast_mul), ``other`` (the shape taken from another input)."""
     z = mx.sym.var("data")
     x = z * (mx.sym.clip(z + 3., 0, 6) / 6.) if hswish else z
     if pool == "adaptive":
@@ -61,9 +66,20 @@ def se_sym(pool="adaptive", fc="conv", act="Activation", gate="Activation", resh
          "clip": lambda v: mx.sym.clip(v + 3., 0, 6) / 6.}[gate](g)
     if reshape == "expand":
         g = g.expand_dims(axis=2).expand_dims(axis=2)
+    elif reshape == "expand_last":                     # GluonCV's fast_pose SELayer
+        g = g.expand_dims(-1).expand_dims(-1)
     elif reshape == "reshape":
         g = mx.sym.Reshape(g, shape=(0, 0, 1, 1))
-    y = mx.sym.broadcast_mul(g, x) if swap else mx.sym.broadcast_mul(x, g)
+    elif reshape == "channels_on_h":                   # (N, 1, C, 1): not a gate of the channels
+        g = mx.sym.Reshape(g, shape=(0, 1, -1, 1))
+    mul = mx.sym.broadcast_mul
+    if like is not None:
+        axes = {"axes": dict(lhs_axes=(2, 3), rhs_axes=(2, 3)), "negative_axes": dict(lhs_axes=(-1, -2), rhs_axes=(-1, -2)),
+                "wrong_axes": dict(lhs_axes=(2,), rhs_axes=(3,))}.get(like, {})
+        g = mx.sym.broadcast_like(g, mx.sym.var("other") if like == "other" else x, **axes)
+        mul = {"elemwise": mx.sym.elemwise_mul, "operator": lambda a, b: a * b,
+               "axes": mx.sym.elemwise_mul, "other": mx.sym.elemwise_mul}.get(like, mx.sym.broadcast_mul)
+    y = mul(g, x) if swap else mul(x, g)
     if tail:
         y = y + mx.sym.var("res")
         if tail == "relu":
@@ -81,6 +97,15 @@ def se_sym(pool="adaptive", fc="conv", act="Activation", gate="Activation", resh
     ({"pool": "global", "gate": "clip", "hswish": True}, "se_hard_swish"),    # ... after hard-swish
     ({"tail": "relu"}, "se_add"),                                             # relu(SE(x) + residual)
     ({"fc": "dense", "reshape": "expand", "tail": "plain"}, "se_add"),        # SE-ResNet V2: SE(x) + residual
+    # the gate broadcast_like'd to the map, then multiplied
+    ({"fc": "dense", "reshape": "expand_last", "like": "operator", "swap": True}, "se"),   # GluonCV's fast_pose
+    ({"like": "elemwise"}, "se"),
+    ({"like": "elemwise", "swap": True, "gate": "sigmoid"}, "se"),
+    ({"like": "operator", "fc": "dense", "reshape": "reshape"}, "se"),
+    ({"like": "axes"}, "se"),
+    ({"like": "negative_axes", "swap": True}, "se"),
+    ({"like": "operator", "tail": "relu"}, "se_add"),
+    ({"pool": "global", "gate": "clip", "hswish": True, "like": "operator"}, "se_hard_swish"),
 ])
 def test_se_forms_fuse_exactly(kw, rule):
     shapes = dict(X, res=X["data"]) if kw.get("tail") else X
@@ -102,6 +127,21 @@ def test_se_forms_fuse_exactly(kw, rule):
 ])
 def test_se_refusals(kw, reason):
     res = fuse_and_check(se_sym(**kw), X, rules=SE_RULES)
+    assert "fused_se" not in ops(res)
+    assert reason in rejections(res, "se"), res.report.to_text(explain=True)
+
+
+@pytest.mark.parametrize("kw,shape,reason", [
+    # repeats the gate's W axis along H: (N, C, W, 1), a shape MXNet broadcasts over the square map only
+    ({"like": "wrong_axes"}, (2, 8, 6, 6), "gives shape (2, 8, 6, 1), neither the map's (2, 8, 6, 6) nor the gate's"),
+    # the channels' gate on the H axis (H = C here): broadcast_like fills the map, but not by channel
+    ({"fc": "dense", "reshape": "channels_on_h", "like": "elemwise"}, (2, 8, 8, 6),
+     "the gate has shape (2, 1, 8, 1) where the scale needs (2, 8, 1, 1)"),
+    ({"like": "other"}, (2, 8, 5, 6), "takes its shape from 'other', not from the scaled map 'data'"),
+])
+def test_se_broadcast_like_refusals(kw, shape, reason):
+    shapes = {"data": shape, "other": shape} if kw.get("like") == "other" else {"data": shape}
+    res = fuse_and_check(se_sym(**kw), shapes, rules=SE_RULES)
     assert "fused_se" not in ops(res)
     assert reason in rejections(res, "se"), res.report.to_text(explain=True)
 
@@ -135,6 +175,7 @@ def test_unknown_shapes_refuse_with_reason():
 
 
 @pytest.mark.parametrize("kw", [{"tail": "relu"}, {"fc": "dense", "reshape": "expand", "bias": False},
+                                {"fc": "dense", "reshape": "expand_last", "like": "operator", "swap": True},
                                 {"pool": "global", "gate": "clip", "hswish": True},
                                 {"gate": "hard_sigmoid", "act": "relu"}])
 def test_unfuse_restores_stock_ops(kw):
@@ -165,6 +206,24 @@ def test_gluoncv_networks(make, shape, expect):
         v = fusion.verify((sym, arg, aux), res, input_shapes={"data": s})
         assert v.max_rel <= 1e-4, v
     assert not {"broadcast_mul", "_contrib_AdaptiveAvgPooling2D"} & set(ops(res))
+
+
+def test_gluoncv_fast_pose_bottleneck_with_its_se_layer():
+    """GluonCV's pose network (alpha_pose/fast_pose.py): its SELayer multiplies the map by the gate
+    broadcast_like'd to it, ``gate.expand_dims(-1).expand_dims(-1).broadcast_like(x) * x``."""
+    pytest.importorskip("gluoncv")
+    from gluoncv.model_zoo.alpha_pose.fast_pose import Bottleneck
+
+    shape = (1, 16, 8, 8)
+    with mx.name.NameManager():
+        sym, arg, aux = export(Bottleneck(16, 4, reduction=True), shape)
+    assert "broadcast_like" in sym.tojson()
+    res = fusion.fuse(sym, arg, aux, input_shapes={"data": shape})
+    assert fused_by(res).get("se_add") == 1, res.report.to_text(explain=True)
+    assert not {"broadcast_like", "_contrib_AdaptiveAvgPooling2D"} & set(ops(res)), ops(res)
+    for s in (shape, (2, 16, 11, 7)):
+        v = fusion.verify((sym, arg, aux), res, input_shapes={"data": s})
+        assert v.max_rel <= 1e-4, v
 
 
 # ------------------------------------------------------------------ the op itself

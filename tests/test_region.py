@@ -304,6 +304,53 @@ def test_squeeze_excitation_is_a_mul_op_with_a_channel_gate():
         assert p["ops"][mul[0]["in"][1] - 1]["op"] == "conv"        # (N, C, 1, 1): the gate, second
 
 
+def _se_gate_broadcast(form):
+    """An SE block whose gate is broadcast_like'd to the map before the product (GluonCV's pose networks)."""
+    x = relu(conv(S.var("data"), "c0", 16))
+    g = S.Pooling(x, kernel=(1, 1), global_pool=True, pool_type="avg")
+    g = S.sigmoid(conv(relu(conv(g, "fc1", 4, k=1, p=0)), "fc2", 16, k=1, p=0))
+    like = S.broadcast_like(g, x, lhs_axes=(2, 3), rhs_axes=(2, 3)) if form == "axes" else S.broadcast_like(g, x)
+    y = {"elemwise": lambda: S.elemwise_mul(x, like), "operator": lambda: x * like, "swapped": lambda: like * x,
+         "axes": lambda: S.broadcast_mul(like, x)}[form]()
+    return conv(y, "c3")
+
+
+@pytest.mark.parametrize("form", ["elemwise", "operator", "swapped", "axes"])
+def test_squeeze_excitation_gate_broadcast_like_the_map_is_a_mul_by_the_gate(form):
+    f = fuse_round_trip(_se_gate_broadcast(form))
+    assert f.graph.count_ops() == {"fused_region": 1}, f.text()
+    p = f.program()
+    mul = [o for o in p["ops"] if o["op"] == "mul"]
+    assert len(mul) == 1, p["ops"]
+    assert p["ops"][mul[0]["in"][1] - 1]["op"] == "conv"        # (N, C, 1, 1): the gate itself, second
+    assert any(r.startswith("taken by a region") for r in f.near_misses("se")), f.text()
+
+
+def _gate_on_h(x):
+    """The channels' gate put on the H axis, (N, 1, C, 1): broadcast_like fills the map where H = C, but
+    not one value per channel."""
+    g = S.FullyConnected(S.Pooling(x, kernel=(1, 1), global_pool=True, pool_type="avg"), num_hidden=16, name="fc")
+    return S.broadcast_like(S.reshape(S.sigmoid(g), shape=(0, 1, -1, 1)), x)
+
+
+@pytest.mark.parametrize("make,why", [
+    (lambda x: x * _gate_on_h(x), "broadcasts 'reshape"),
+    (lambda x: x + S.broadcast_like(S.sigmoid(conv(S.Pooling(x, kernel=(1, 1), global_pool=True, pool_type="avg"),
+                                                   "fc", 16, k=1, p=0)), x),
+     "read by elemwise_add '_plus"),
+])
+def test_broadcast_like_that_is_not_a_gate_of_a_product_cuts_the_region(make, why):
+    x = relu(conv(S.var("data"), "c0", 16))
+    y = conv(relu(conv(make(x), "c3")), "c4")
+    shapes = {"data": (2, 8, 16, 16)}          # H = C: the only plane where the gate on H fills the map
+    arg, aux = random_params(y, shapes)
+    f = fuse_graph(y, arg, aux, shapes, rules=["region"])
+    assert f.regions(), f.text()
+    assert fusion.verify(y, (unfused(f), all_params(f), {}), (arg, aux), shapes).max_rel <= 1e-5
+    cuts = [c["reason"] for r in f.report.rules["region"].fused for c in r["details"]["cuts"]["inputs"]]
+    assert any(why in c for c in cuts), (cuts, f.text())
+
+
 def test_product_of_equal_shapes_is_a_step():
     x = S.var("data")
     y = conv(conv(x, "a") * relu(conv(x, "b")), "c")
@@ -712,6 +759,20 @@ def test_fused_region_runs_like_the_stock_ops(block):
     plain = fusion.unfuse(res.symbol)
     v = fusion.verify(y, (plain, res.arg_params, res.aux_params), (arg, aux), X)
     assert v.max_rel <= 1e-4, v
+    again = fusion.fuse(res.symbol, res.arg_params, res.aux_params, input_shapes=X)
+    assert again.symbol.tojson() == res.symbol.tojson()
+
+
+@needs_op
+@pytest.mark.parametrize("form", ["operator", "axes"])
+def test_fused_region_runs_like_the_stock_ops_with_the_gate_broadcast_like_the_map(form):
+    y = _se_gate_broadcast(form)
+    arg, aux = random_params(y, X)
+    res = fusion.fuse(y, arg, aux, input_shapes=X)
+    assert ops(res) == {"fused_region": 1}, res.report.to_text(explain=True)
+    for shapes in (X, {"data": (3, 8, 12, 10)}):
+        v = fusion.verify(y, res, (arg, aux), shapes)
+        assert v.max_rel <= 1e-4, v
     again = fusion.fuse(res.symbol, res.arg_params, res.aux_params, input_shapes=X)
     assert again.symbol.tojson() == res.symbol.tojson()
 

@@ -108,6 +108,22 @@ def test_probes_follow_what_the_graph_accepts():
     assert probes == [{"x": (1, 3)}]
 
 
+def test_a_width_a_parameter_also_has_is_probed_when_the_graph_takes_others():
+    """w's width 12 is also the projection's width, yet nothing ties w to it: a probe changes it,
+    as it does when another input's free size cannot change (whether a size is probed does not
+    depend on an unrelated part of the graph)."""
+    x, w = S.var("x"), S.var("w")
+    for seq_fixed in (False, True):
+        h = S.FullyConnected(x, num_hidden=12, flatten=False, name="fc")
+        if seq_fixed:
+            h = S.reshape(h, shape=(0, 5, 12))
+        y = S.Group([h, S.relu(w)])
+        probes = [p for p, _ in make_probes(Graph.from_symbol(y), {"fc_weight": (12, 3), "fc_bias": (12,)},
+                                            {"x": (2, 5, 3), "w": (2, 12)})]
+        assert any(p["w"][1] != 12 for p in probes), (seq_fixed, probes)
+        assert any(p["x"][1] != 5 for p in probes) is not seq_fixed, (seq_fixed, probes)
+
+
 def test_mxfuse_output_binds_at_other_shapes(tmp_path, capsys):
     sym = encoder()
     arg, aux = encoder_params(sym)

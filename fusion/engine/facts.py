@@ -16,7 +16,9 @@ to three *probe* shapes, derived from the user's:
   element and head);
 * then, in addition, each other size of the data inputs changed where the original
   graph still accepts it (``S → S + S // 4``, or ``S + 1`` for small sizes; never
-  smaller, see ``_alternate``) — a sequence length, an image side;
+  smaller, see ``_alternate``) — a sequence length, an image side, an input's width
+  that no parameter fixes even where a parameter has the same size; the sizes are added
+  one by one, largest first, each kept where the graph accepts it with those before;
 * then sizes that are equal only by coincidence set apart: a place (input, axis) that
   shares its size with another is grown alone where the graph still accepts it (a query
   length equal to the key length, an image's height equal to its width, a dim of 1 of one
@@ -379,21 +381,21 @@ def make_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: M
     # sizes of 1 too: a length-1 sequence or a single channel may be anything at run time
     values = sorted({d for s in base.values() for d in s[1:] if d >= 1}, reverse=True)[:MAX_SIZES_TRIED]
     # Sizes no parameter has (a sequence length, an image side) are likely free: tried together
-    # first; otherwise each size alone, then all that worked together.
+    # first; then every other size is added, one at a time, where the graph still accepts it.
+    # Every size is tried whether or not the free ones were taken together: a size a parameter also
+    # has (an input's width equal to a weight's) may still be free, and whether it is probed must
+    # not depend on an unrelated part of the graph -- a Reshape elsewhere that names a sequence
+    # length, which a rewrite removes, made fuse(fuse(g)) probe other sizes than fuse(g).
     # (1 is no parameter's size to keep: a scalar parameter or a broadcast axis has it, and where a
     # size of 1 is a real one the graph refuses the other sizes -- `accepted` asks it)
     param_dims = {d for s in param_shapes.values() for d in s if d != 1}
     free = {v: _alternate(v) for v in values if v not in param_dims}
-    if free and accepted(resized(with_batch, free)):
-        probes.append(resized(with_batch, free))
-    else:
-        good = {v: _alternate(v) for v in values if accepted(resized(with_batch, {v: _alternate(v)}))}
-        if good:
-            probe = resized(with_batch, good)
-            if not accepted(probe):
-                v = max(good)
-                probe = resized(with_batch, {v: good[v]})
-            probes.append(probe)
+    changed = free if free and accepted(resized(with_batch, free)) else {}
+    for v in values:
+        if v not in changed and accepted(resized(with_batch, {**changed, v: _alternate(v)})):
+            changed = {**changed, v: _alternate(v)}
+    if changed:
+        probes.append(resized(with_batch, changed))
     apart = _sizes_apart(data_names, with_batch, param_dims, accepted)
     if apart is not None:
         probes.append(apart)

@@ -3,8 +3,12 @@
 Grammar::
 
     graph   := x (B, C, H, W) → [hard-swish (3, 0, 6, 6) | a clip form of other constants] → SE [→ head]
-    SE      := pool → layer → act → layer → gate → [expand_dims ×2 | Reshape(0, 0, 1, 1)] → mul(x, g) | mul(g, x)
+    SE      := pool → layer → act → layer → gate → [expand_dims ×2 | Reshape(0, 0, 1, 1)] → product
                [→ add(·, residual) [→ Activation(relu) | relu]]
+    product := broadcast_mul(x, g) | broadcast_mul(g, x)
+             | m(x, broadcast_like(g, x[, lhs_axes=rhs_axes=(2, 3) | (-1, -2)])) | m(broadcast_like(…), x)
+                   m: elemwise_mul | * | broadcast_mul        (GluonCV's pose networks: g repeated over the plane)
+               (one decision, PRODUCTS: a seed's other decisions stay what they were before it came)
     pool    := AdaptiveAvgPooling2D(1) | Pooling(global avg) | mean(axis=(2, 3), keepdims)
              | Pooling(fixed avg window)                                               (refused)
     layer   := Convolution 1×1 [no_bias] | FullyConnected [no_bias]  (a dense layer needs the reshape)
@@ -89,7 +93,7 @@ def build(b):
     if dense:
         g = (g.expand_dims(axis=2).expand_dims(axis=2) if d.maybe(0.5, label="expand")
              else S.Reshape(g, shape=(0, 0, 1, 1)))
-    y = S.broadcast_mul(g, x) if d.maybe(0.3, label="swap") else S.broadcast_mul(x, g)
+    y = product(b, x, g)
     if d.maybe(0.5, label="residual"):
         r = z if d.maybe(0.2, label="residual is input") else b.input("res", tmpl)
         y = y + r
@@ -101,3 +105,35 @@ def build(b):
     outs = [y, g] if d.maybe(0.08, label="gate escapes") else [y]
     without_regions_sometimes(b)
     return outs
+
+
+# (gate spelling, product op, operands swapped, weight).  One decision, drawn where the product's
+# operand order alone was drawn (maybe(0.3)), with its weights split the same way (0.7 in order, 0.3
+# swapped): every later decision, the generator's too, stays what it was for a seed.  No refused
+# spelling here: the SE rules fire too rarely at CI size to give graphs away (tests/test_cnn_blocks.py
+# holds the refusals of broadcast_like's other shapes).
+PRODUCTS = [
+    ("as is", "broadcast_mul", False, 0.35),
+    ("like", "elemwise_mul", False, 0.13),
+    ("like", "operator", False, 0.07),
+    ("like", "broadcast_mul", False, 0.04),
+    ("like (2, 3)", "elemwise_mul", False, 0.06),
+    ("like (-1, -2)", "operator", False, 0.05),
+    ("as is", "broadcast_mul", True, 0.15),
+    ("like", "operator", True, 0.06),                 # GluonCV's fast_pose: gate.broadcast_like(x) * x
+    ("like", "elemwise_mul", True, 0.03),
+    ("like (2, 3)", "broadcast_mul", True, 0.03),
+    ("like (-1, -2)", "elemwise_mul", True, 0.03),
+]
+
+
+def product(b, x, g):
+    """x · g, the gate as it is or broadcast_like'd to x first (see the grammar), either order."""
+    gate, op, swap, _ = b.d.choice(PRODUCTS, [w for *_, w in PRODUCTS], label="product")
+    if gate.startswith("like ("):
+        axes = (2, 3) if gate == "like (2, 3)" else (-1, -2)
+        g = S.broadcast_like(g, x, lhs_axes=axes, rhs_axes=axes)
+    elif gate == "like":
+        g = S.broadcast_like(g, x)
+    mul = {"broadcast_mul": S.broadcast_mul, "elemwise_mul": S.elemwise_mul, "operator": lambda a, c: a * c}[op]
+    return mul(g, x) if swap else mul(x, g)
