@@ -852,3 +852,13 @@ def test_bf16_leaves_amp_out_where_regions_take_the_convolutions(monkeypatch):
     monkeypatch.setattr(library, "_capabilities", {k: v for k, v in caps.items() if k != "fused_region"})
     res = fusion.fuse(y, arg, aux, input_shapes=X, precision="bf16", force=True)
     assert not any("fused_region" in n for n in res.report.notes), res.report.notes
+
+
+def test_a_gate_of_its_own_input_with_another_constant_is_one_region():
+    """x · (clip(x + 2, 0, 6) / 6) after a graph input (not GluonCV's hard-swish: its steps stay apart
+    in the op): the op computed it in place over x and was 0.70 off; the self-check refused it."""
+    x = S.var("data")
+    y = x * (S.clip(x + 2.0, 0, 6) / 6.0)
+    y = conv(relu(conv(y, "c1")), "c2")
+    f = fuse_round_trip(y)
+    assert f.graph.count_ops() == {"fused_region": 1}, f.text()

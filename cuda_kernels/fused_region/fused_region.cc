@@ -665,6 +665,17 @@ class Region : public DnnlObjects {
     for (const Step& s : po.post) items.push_back(item_of(s));
     return items;
   }
+  // Whether a binary item reads a region value stored in tensor t's buffer.
+  bool reads_buffer_of(const std::vector<Item>& items, int t) {
+    const int r = root(storage_of(t));
+    for (const Item& it : items)
+      if (it.kind != Item::Elt && it.value >= 0 && home_[it.value] >= 0) {
+        if (root(storage_of(home_[it.value])) == r) return true;
+        for (int vw : views_[it.value])
+          if (root(storage_of(vw)) == r) return true;
+      }
+    return false;
+  }
   // dst of an elementwise-like op reading tensor `src`: in place where src's buffer is free
   int dst_for(int src, int pos) {
     return writable(src, pos) ? src : arena_tensor(md_of(src));
@@ -966,7 +977,10 @@ class Region : public DnnlObjects {
     int src1 = -1;
     if (first.kind != Item::Elt)
       src1 = first.tensor >= 0 ? first.tensor : view(first.value, src1s[c.variant]);
-    const int out = dst_for(src, pos);
+    // in place only where no post step reads the buffer being overwritten (x · f(x) as an act op
+    // with the steps [f…, mul x]: run apart, step 1 would overwrite the x that the last step reads;
+    // oneDNN does not promise a binary post-op's operand may alias the destination either)
+    const int out = reads_buffer_of(items, src) ? arena_tensor(S) : dst_for(src, pos);
     std::vector<std::pair<int, int>> args;
     if (first.kind == Item::Elt)
       args = {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, out}};

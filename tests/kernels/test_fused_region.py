@@ -384,6 +384,18 @@ def test_batchnorm_per_channel_post_steps_at_one_position(form, n, c, hw):
     b.check([y])
 
 
+@pytest.mark.parametrize("shift", [2.0, 3.0])
+@pytest.mark.parametrize("source", ["data", "conv"])
+def test_act_whose_last_step_multiplies_by_its_own_input(shift, source):
+    """x · (clip(x + c, 0, 6) / 6) as one act op with the steps [linear, clip, linear, mul x]: the
+    steps run apart, and in place they overwrote the x the last step reads (0.72 off)."""
+    b = Builder((2, 8, 5, 5))
+    x = 0 if source == "data" else b.conv(0, 8)
+    y = b.act(x, post=[{"eltwise": "linear", "scale": 1.0, "shift": shift}, {"eltwise": "clip", "lo": 0.0, "hi": 6.0},
+                       {"eltwise": "linear", "scale": 1 / 6, "shift": 0.0}, {"mul": x}])
+    b.check([b.conv(y, 8)])
+
+
 def test_several_outputs_and_a_data_input_out():
     b = Builder((1, 8, 6, 6), (1, 8, 6, 6))
     x = b.conv(0, 8, post=[{"eltwise": "relu"}])
