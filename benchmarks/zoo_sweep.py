@@ -280,14 +280,18 @@ def build_gluonnlp(model: Model, seed: int = 0):
             net = nlp.model.get_model(model.name, dataset_name=None, pretrained=False)
             net = net[0] if isinstance(net, tuple) else net
             args = [mx.nd.zeros((1, LM_STEPS, ELMO_CHARS)), net.begin_state(mx.nd.zeros, batch_size=1)]
-        elif kind == "transformer":
-            vocab = _nlp_vocab(nlp, False)
-            got = nlp.model.get_model(model.name, dataset_name=None, src_vocab=vocab, tgt_vocab=vocab,
-                                      pretrained=False)
-            net = got[0].encoder
-            args = [mx.nd.zeros((1, SEQ, net._units)), None, mx.nd.array([SEQ])]
+        elif kind == "transformer":     # get_model wants a dataset's vocabulary: the encoder built as it builds it
+            from gluonnlp.model.transformer import get_transformer_encoder_decoder, transformer_en_de_hparams as hp
+
+            net = get_transformer_encoder_decoder(
+                num_layers=hp["num_layers"], num_heads=hp["num_heads"], scaled=hp["scaled"], units=hp["num_units"],
+                hidden_size=hp["hidden_size"], dropout=hp["dropout"], max_src_length=SEQ, max_tgt_length=SEQ)[0]
+            args = [mx.nd.zeros((1, SEQ, hp["num_units"])), None, mx.nd.array([SEQ])]
         else:
             raise ValueError("no builder for GluonNLP model kind %r" % kind)
+    if not isinstance(net, mx.gluon.HybridBlock):
+        raise TypeError("%s is a %s, not a HybridBlock: it cannot be exported as a symbol"
+                        % (model.name, type(net).__name__))
     sym, arg, aux = gluon_export(net, (), seed, init=mx.init.Normal(0.02), call_with=args)
     flat: List = []
 
