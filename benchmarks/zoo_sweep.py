@@ -600,6 +600,10 @@ def sweep_one(model: Model, args) -> dict:
                 timed_out = True
                 os.killpg(proc.pid, signal.SIGKILL)        # the worker's own process group (start_new_session)
                 proc.wait()
+            except BaseException:       # Ctrl-C, SIGTERM: the worker, in a session of its own, goes too
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
         seconds = time.perf_counter() - t
         with open(log_path, "rb") as f:
             log_text = f.read().decode("utf-8", "replace")
@@ -769,6 +773,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.summary:
         print(summary(read_records(args.out)))
         return 0
+    # SIGTERM unwinds like Ctrl-C: the model running is not recorded (a later run does it) and its worker ends
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     models, skipped = catalogue(args.source, args.small)
     chosen = select(models, families, _names(args.only))
     unknown = sorted(set(_names(args.only) or ()) - {m.name for m in chosen})
