@@ -108,7 +108,7 @@ SEQ, LM_STEPS, ELMO_CHARS, VOCAB = 128, 35, 50, 1000
 
 _ACTION = re.compile(r"(kinetics|ucf101|hmdb51|sthsthv2)|^(c3d|p3d|r2plus1d|i3d|slowfast)_")
 _DETECTION = re.compile(r"^(ssd|yolo3|faster_rcnn|doublehead_rcnn|center_net)_")
-_SEGMENTATION = re.compile(r"^(fcn|psp|deeplab|icnet|fastscnn|danet|mask_rcnn)_")
+_SEGMENTATION = re.compile(r"^(fcn|psp|deeplab|icnet|fastscnn|danet|mask_rcnn)_|^hrnet_.*_s$")
 _POSE = re.compile(r"^(simple_pose|mobile_pose|alpha_pose)_")
 _OTHER = re.compile(r"^(siamrpn|monodepth2)_")
 
@@ -615,7 +615,7 @@ def sweep_one(model: Model, args) -> dict:
                       "seconds": {}, "stage": _last_stage(log_text) or "start"}
         if timed_out:
             record["status"] = "failed"
-            record["error"] = "timeout: still running after %d s, in stage %s" % (args.timeout, record.get("stage"))
+            record["error"] = "timeout: still running after %d s" % args.timeout
         elif proc.returncode != 0 or record.get("status") == "running":
             record["status"] = "failed"
             how = ("killed by %s" % signal.Signals(-proc.returncode).name if proc.returncode < 0
@@ -636,7 +636,7 @@ def sweep_one(model: Model, args) -> dict:
 def describe(record: dict) -> str:
     """One progress line."""
     if record.get("status") != "ok":
-        return "FAILED (%s)" % record.get("error")
+        return "FAILED in stage %s (%s)" % (record.get("stage"), record.get("error"))
     w = record["with_shapes"]
     b = record.get("benchmark")
     return "%d rewrite(s), %d beyond MXNet's bind; ops %d -> %d; verify %s; %s" % (
@@ -657,6 +657,42 @@ def select(models: List[Model], families: Optional[Sequence[str]], only: Optiona
 
 def _pct(n: int, of: int) -> str:
     return "%d %%" % round(100.0 * n / of) if of else "-"
+
+
+def _family_table(records: Sequence[dict], width: int = 90) -> List[str]:
+    """Per rule family over the models: where it fused, candidates fused and rejected, near-misses,
+    and the most frequent reason of each (node names left out: ``reason_kind``)."""
+    from fusion.engine.report import reason_kind
+
+    totals: Dict[str, dict] = {}
+    for r in records:
+        for fam, f in (r.get("rule_families") or {}).items():
+            t = totals.setdefault(fam, {"models": 0, "fused": 0, "rejected": 0, "near_misses": 0,
+                                        "rejected_reasons": {}, "near_miss_reasons": {}})
+            t["models"] += f["fused"] > 0
+            for k in ("fused", "rejected", "near_misses"):
+                t[k] += f[k]
+            for k in ("rejected_reasons", "near_miss_reasons"):
+                for item in f[k]:
+                    kind = reason_kind(item["reason"])
+                    t[k][kind] = t[k].get(kind, 0) + item["count"]
+    if not totals:
+        return []
+
+    def top(reasons: Dict[str, int]) -> str:
+        if not reasons:
+            return "-"
+        kind, n = max(reasons.items(), key=lambda kv: (kv[1], kv[0]))
+        kind = kind if len(kind) <= width else kind[: width - 1] + "…"
+        return "%d× %s" % (n, kind.replace("|", "\\|"))
+
+    out = ["", "| rule family | fused in (models) | fused | rejected | near-misses | most frequent rejection "
+                "| most frequent near-miss (first reason) |", "|" + "---|" * 7]
+    for fam, t in sorted(totals.items(), key=lambda kv: (-kv[1]["fused"], kv[0])):
+        out.append("| %s | %d | %d | %d | %d | %s | %s |" % (fam, t["models"], t["fused"], t["rejected"],
+                                                            t["near_misses"], top(t["rejected_reasons"]),
+                                                            top(t["near_miss_reasons"])))
+    return out
 
 
 def summary(records: Sequence[dict], skipped: Optional[Dict[str, str]] = None) -> str:
@@ -690,6 +726,7 @@ def summary(records: Sequence[dict], skipped: Optional[Dict[str, str]] = None) -
                  "more than MXNet's default bind does itself (BatchNorm folded into convolutions and no-ops removed "
                  "do not count); verify OK: of the models verified; timed: fused models verified OK and timed "
                  "(median of the rounds' medians, fused vs MXNet's default bind).")
+    lines += _family_table(records)
     cpus = sorted({r["cpu"] for r in records if r.get("cpu")})
     if cpus:
         lines.append("CPU: %s" % "; ".join(cpus))
@@ -703,7 +740,7 @@ def summary(records: Sequence[dict], skipped: Optional[Dict[str, str]] = None) -
         lines.append("")
         lines.append("failures (%d):" % len(failed))
         for r in sorted(failed, key=lambda r: (r.get("family", ""), r.get("model", ""))):
-            lines.append("  %s (%s): %s" % (r.get("model"), r.get("family"), r.get("error")))
+            lines.append("  %s (%s, stage %s): %s" % (r.get("model"), r.get("family"), r.get("stage"), r.get("error")))
     bad = [r for r in records if "verify" in r.get("with_shapes", {}) and not r["with_shapes"]["verify"]["ok"]]
     bad += [r for r in records if "verify" in r.get("no_shapes", {}) and not r["no_shapes"]["verify"]["ok"]
             and r not in bad]
@@ -737,7 +774,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--source", choices=SOURCES, default="zoo",
                     help="zoo: GluonCV's and GluonNLP's model zoos (default); builtin: the project's own copies")
-    ap.add_argument("--out", default="zoo-sweep.jsonl", help="JSON-lines file, one line per model (default %(default)s)")
+    ap.add_argument("--out", default="zoo-sweep.jsonl",
+                    help="JSON-lines file, one line per model (default %(default)s)")
     ap.add_argument("--family", help="comma-separated: %s" % ", ".join(FAMILIES))
     ap.add_argument("--only", help="comma-separated model names")
     ap.add_argument("--limit", type=int, help="run at most N models (those already in --out do not count)")
@@ -801,9 +839,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             record = sweep_one(m, args)
             append_record(args.out, record)
         ran.append(record)
-        print("[%d/%d] %s (%s %s): %s (%.0f s)" % (
-            k + 1, len(todo), m.name, m.family, "x".join(map(str, record.get("input_shapes", {}).get("data", m.shape or ())))
-            or "", describe(record), record["wall_s"]), flush=True)
+        shape = record.get("input_shapes", {}).get("data", m.shape or ())
+        print("[%d/%d] %s (%s %s): %s (%.0f s)" % (k + 1, len(todo), m.name, m.family, "x".join(map(str, shape)),
+                                                 describe(record), record["wall_s"]), flush=True)
     wanted = {m.key for m in chosen}
     print()
     print(summary([r for r in read_records(args.out) if (r.get("source"), r.get("model")) in wanted], skipped))
