@@ -169,11 +169,10 @@ class FusionReport:
                     self.fused_count, self.ops_before, self.ops_after, self.nodes_before, self.nodes_after, self.passes, self.seconds)]
         wanting = self.extra.get("more_with_input_shapes")
         if self.nothing_beyond_bind():     # what to expect, plainly: the same speed as MXNet's default bind
-            kinds = self.same_as_bind()
+            kinds = sorted(self.same_as_bind().items(), key=lambda kv: (-kv[1], kv[0]))
             lines[0] += "; nothing to fuse beyond MXNet's own bind%s%s" % (
                 " without input shapes" if wanting else "",
-                " (only %s)" % "; ".join("%d %s" % (n, k) for k, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
-                if kinds else "")
+                " (only %s)" % "; ".join("%d %s" % (n, k) for k, n in kinds) if kinds else "")
         if wanting:     # refused for want of input shapes only: the summary says what they would give
             lines[0] += "; up to %d more rewrite(s) with input shapes (--shape / input_shapes)" % wanting
         width = max([len(r.name) for r in self.rules.values()] + [4])

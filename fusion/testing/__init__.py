@@ -79,7 +79,10 @@ def gluon_export(net, input_shape: Tuple[int, ...], seed: int = 0, init=None, bn
 
     net.initialize(init if init is not None else mx.init.Xavier(magnitude=2.0))
     net.hybridize()
-    net(*call_with) if call_with is not None else net(mx.nd.zeros(input_shape))
+    if call_with is not None:
+        net(*call_with)
+    else:
+        net(mx.nd.zeros(input_shape))
     sym = net._cached_graph[1]
     params = {p.var().name: p.data() for p in net.collect_params().values()}
     aux_names = set(sym.list_auxiliary_states())
