@@ -55,6 +55,9 @@ FOLDABLE = frozenset({
     "broadcast_mul", "broadcast_div", "_plus_scalar", "_minus_scalar", "_mul_scalar", "_div_scalar",
     "_rminus_scalar", "_rdiv_scalar", "negative", "sqrt", "rsqrt", "square", "reciprocal",
 })
+#: How the report counts a removed no-op (``Builder.same_as_bind``): MXNet's bind runs these as a
+#: pass-through at inference, in place where it can, so removing one promises no speed-up.
+NO_OP = "no-op(s) removed (Dropout at inference, identity copies or reshapes), which MXNet's bind passes through"
 MAX_BYTES = 1 << 30     # do not materialize anything larger than the model's own weights would be
 
 
@@ -75,6 +78,7 @@ class Dropout(Rule):
         return None
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
+        b.same_as_bind = NO_OP
         return m["x"]
 
 
@@ -88,6 +92,7 @@ class Identity(Rule):
         return op._copy(Var("x"), name="copy")
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
+        b.same_as_bind = NO_OP
         return m["x"]
 
 
@@ -129,6 +134,7 @@ class ReshapeRoundTrip(Rule):
         return None
 
     def rewrite(self, m: Match, b: Builder) -> Entry:
+        b.same_as_bind = NO_OP
         return m["x"]
 
 

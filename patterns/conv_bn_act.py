@@ -51,6 +51,8 @@ from fusion.engine.rule import Rule
 from ._dtypes import not_float32
 
 ACTIVATIONS = ("relu", "sigmoid", "tanh", "softrelu")
+#: How the report counts a fold MXNet's own default bind makes too (``Builder.same_as_bind``).
+SAME_AS_BIND = "BatchNorm fold(s) into convolutions, which MXNet's oneDNN backend makes at bind too"
 _BN_INPUTS = ("gamma", "beta", "mean", "var")
 
 
@@ -204,6 +206,11 @@ class ConvBN(Rule):
         y = b.op(conv.op, [m["x"], b.param(conv.name + "_folded_weight", new_w.astype(dtype)),
                            b.param(conv.name + "_folded_bias", new_bias.astype(dtype))],
                  attrs=attrs, name=conv.name)
+        if conv.op == "Convolution" and m.ctx.device == "cpu" and len(conv.param("kernel")) == 2 \
+                and conv.param("layout") in (None, "NCHW"):
+            # MXNet's oneDNN subgraph backend folds BatchNorm into a 2-D convolution at bind itself
+            # (conv → BN [→ act] [→ sum]); not a Deconvolution's, a FullyConnected's, nor on the GPU
+            b.same_as_bind = SAME_AS_BIND
         return self._emit_tail(m, b, y, bn)
 
     @staticmethod

@@ -411,3 +411,54 @@ def test_3d_networks_are_look_alikes_of_the_2d_block_rules(layout):
     assert not [ln for ln in plain.splitlines() if ln.strip().startswith("rejected ")], plain
     assert "NCDHW" not in plain and "2-D" not in plain and "inverted_residual" not in plain, plain
     assert "near-misses of inverted_residual" in explained
+
+
+def _conv_bn(producer: str = "conv", dropout: bool = False):
+    x = mx.sym.var("data")
+    if dropout:
+        x = mx.sym.Dropout(x, p=0.5, name="drop")
+    if producer == "conv":
+        y = mx.sym.Convolution(x, num_filter=8, kernel=(3, 3), pad=(1, 1), name="conv")
+    elif producer == "deconv":
+        y = mx.sym.Deconvolution(x, num_filter=8, kernel=(2, 2), stride=(2, 2), no_bias=False, name="conv")
+    else:
+        y = mx.sym.FullyConnected(x, num_hidden=8, name="conv")
+    y = mx.sym.BatchNorm(y, fix_gamma=False, name="bn")
+    return mx.sym.Activation(y, act_type="relu", name="relu")
+
+
+NOTHING = "nothing to fuse beyond MXNet's own bind"
+
+
+@pytest.mark.parametrize("case, rules, device, plain", [
+    ("conv", ["bn_folding"], "cpu", True),                  # MXNet's oneDNN backend folds it at bind too
+    ("conv+dropout", ["bn_folding", "dropout"], "cpu", True),
+    ("deconv", ["bn_folding"], "cpu", False),                # MXNet's bind does not fold a Deconvolution's
+    ("dense", ["bn_folding"], "cpu", False),                 # nor a FullyConnected's
+    ("conv", ["bn_folding"], "gpu", False),                  # nor anything on the GPU
+    ("conv", ["dense_act"], "cpu", True),                    # nothing fused at all
+])
+def test_first_line_says_when_nothing_fuses_beyond_mxnets_own_bind(case, rules, device, plain):
+    producer = case.split("+")[0]
+    sym = _conv_bn(producer, dropout="dropout" in case)
+    shape = {"data": (1, 4, 6, 6)} if producer != "dense" else {"data": (2, 12)}
+    arg, aux = random_params(sym, shape)
+    res = fusion.fuse(sym, arg, aux, rules=rules, input_shapes=shape, device=device)
+    first = res.report.to_text().splitlines()[0]
+    d = res.report.to_dict()
+    assert (NOTHING in first) is plain and d["nothing_beyond_bind"] is plain, first
+    if "bn_folding" in rules:
+        assert res.report.fused_count == 1 + ("dropout" in case), res.report.to_text()
+        assert d["fused_beyond_bind"] == (0 if plain else 1)
+    if plain and res.report.fused_count:
+        assert first.endswith("(only 1 BatchNorm fold(s) into convolutions, which MXNet's oneDNN backend makes at "
+                              "bind too%s)" % ("; 1 no-op(s) removed (Dropout at inference, identity copies or "
+                                                "reshapes), which MXNet's bind passes through" if "dropout" in case
+                                                else "")), first
+
+
+def test_nothing_beyond_bind_is_not_claimed_where_no_fusion_ran():
+    from fusion.engine.report import FusionReport
+
+    assert not FusionReport().nothing_beyond_bind()    # mxfuse --unfuse's report: no fusion pass ran
+    assert NOTHING not in FusionReport().to_text()

@@ -121,6 +121,28 @@ class FusionReport:
     def fused_count(self) -> int:
         return sum(len(r.fused) for r in self.rules.values())
 
+    def same_as_bind(self) -> Dict[str, int]:
+        """Rewrites that only do what MXNet's own default bind does with the ops they replace (a
+        BatchNorm folded into a convolution, which MXNet's oneDNN backend folds at bind too; a no-op
+        removed), counted per kind (``Builder.same_as_bind``)."""
+        kinds: Dict[str, int] = {}
+        for r in self.rules.values():
+            for f in r.fused:
+                if f.get("same_as_bind"):
+                    kinds[f["same_as_bind"]] = kinds.get(f["same_as_bind"], 0) + 1
+        return kinds
+
+    @property
+    def beyond_bind_count(self) -> int:
+        """Rewrites that do more than MXNet's own default bind does with the ops they replace."""
+        return self.fused_count - sum(self.same_as_bind().values())
+
+    def nothing_beyond_bind(self) -> bool:
+        """Whether the fused model runs as MXNet's default bind runs the original: every rewrite (if
+        any) is one that bind makes itself, in float32 (bf16 hands convolutions to MXNet's AMP), and a
+        fusion pass ran (a report of ``mxfuse --unfuse`` claims nothing)."""
+        return self.passes > 0 and self.precision == "float32" and self.beyond_bind_count == 0
+
     def to_dict(self) -> Dict[str, Any]:
         from ..version import versions
 
@@ -130,6 +152,8 @@ class FusionReport:
             "ops_before": self.ops_before, "ops_after": self.ops_after,
             "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
             "params_removed": self.params_removed, "fused": self.fused_count,
+            "fused_beyond_bind": self.beyond_bind_count, "same_as_bind": self.same_as_bind(),
+            "nothing_beyond_bind": self.nothing_beyond_bind(),
             "rules": [r.to_dict() for r in self.rules.values()],
             "self_check": self.self_check.to_dict() if self.self_check is not None else None,
             "notes": self.notes, **self.extra,
@@ -144,6 +168,11 @@ class FusionReport:
                     + ("" if self.device == "cpu" else ", device=" + self.device),
                     self.fused_count, self.ops_before, self.ops_after, self.nodes_before, self.nodes_after, self.passes, self.seconds)]
         wanting = self.extra.get("more_with_input_shapes")
+        if self.nothing_beyond_bind():     # what to expect, plainly: the same speed as MXNet's default bind
+            kinds = sorted(self.same_as_bind().items(), key=lambda kv: (-kv[1], kv[0]))
+            lines[0] += "; nothing to fuse beyond MXNet's own bind%s%s" % (
+                " without input shapes" if wanting else "",
+                " (only %s)" % "; ".join("%d %s" % (n, k) for k, n in kinds) if kinds else "")
         if wanting:     # refused for want of input shapes only: the summary says what they would give
             lines[0] += "; up to %d more rewrite(s) with input shapes (--shape / input_shapes)" % wanting
         width = max([len(r.name) for r in self.rules.values()] + [4])

@@ -441,6 +441,12 @@ class Builder:
         #: what the rule says about this rewrite for the report (its record's "details"): a
         #: one-line "summary", and "lines" that --explain shows below it
         self.details: Dict[str, Any] = {}
+        #: set by a rule whose rewrite only does what MXNet's own default bind already does with the
+        #: ops it replaces (a BatchNorm folded into a convolution, which MXNet's oneDNN backend folds at
+        #: bind too; a no-op removed): a short plural noun phrase naming the kind ("BatchNorm folds into
+        #: convolutions ..."), counted per kind in the report's first line, which says "nothing to fuse
+        #: beyond MXNet's own bind" when every rewrite is such a one
+        self.same_as_bind: Optional[str] = None
         self._params: List[tuple] = []
         self._where: Any = self     # the match's source context, once known (self: not yet)
 
@@ -750,6 +756,8 @@ class _Pass:
                       "new": [n.name for n in b.created if not n.is_variable]}
             if b.details:
                 record["details"] = dict(b.details)
+            if b.same_as_bind:
+                record["same_as_bind"] = b.same_as_bind
             rr.fused.append(record)
             rr.nodes_removed += len(m.nodes) - sum(1 for n in b.created if not n.is_variable)
             rr.params_added += b.params_added

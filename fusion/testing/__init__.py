@@ -67,15 +67,22 @@ def zoo_model(name: str, input_shape: Tuple[int, ...] = (1, 3, 224, 224), seed: 
     return gluon_export(vision.get_model(name, **kwargs), input_shape, seed)
 
 
-def gluon_export(net, input_shape: Tuple[int, ...], seed: int = 0, init=None, bn_by_nodes: bool = False):
+def gluon_export(net, input_shape: Tuple[int, ...], seed: int = 0, init=None, bn_by_nodes: bool = False,
+                 call_with=None):
     """(symbol, arg_params, aux_params) of a Gluon block (the global MXNet seed set by the caller):
     Xavier weights (or ``init``), randomized BatchNorm statistics (found by name, or with
-    ``bn_by_nodes`` by the BatchNorm nodes' inputs: ``randomize_batchnorm_of``)."""
+    ``bn_by_nodes`` by the BatchNorm nodes' inputs: ``randomize_batchnorm_of``).  ``call_with``: the
+    arguments to call the block with (several inputs, e.g. a language model's tokens and its begin
+    state: the symbol names them data0, data1, … in the order Gluon flattens them), in place of one
+    array of zeros of ``input_shape``."""
     import mxnet as mx
 
     net.initialize(init if init is not None else mx.init.Xavier(magnitude=2.0))
     net.hybridize()
-    net(mx.nd.zeros(input_shape))
+    if call_with is not None:
+        net(*call_with)
+    else:
+        net(mx.nd.zeros(input_shape))
     sym = net._cached_graph[1]
     params = {p.var().name: p.data() for p in net.collect_params().values()}
     aux_names = set(sym.list_auxiliary_states())

@@ -29,7 +29,8 @@ def gcv_zoo_model(name: str, input_shape: Tuple[int, ...], seed: int = 0, bn_by_
     with mx.name.NameManager():
         try:
             net = gluoncv.model_zoo.get_model(name, **dict({"pretrained_base": False}, **kwargs))
-        except TypeError:       # a classifier (e.g. resnet50_v2): no pretrained base to leave out
+        except (TypeError, Warning):    # a classifier (e.g. resnet50_v2): no pretrained base to leave out
+            # (darknet53 passes it on to a Block, which raises Warning at an unknown keyword)
             net = gluoncv.model_zoo.get_model(name, **kwargs)
     sym, arg, aux = gluon_export(net, input_shape, seed, init=_xavier(), bn_by_nodes=bn_by_nodes)
     rng = np.random.default_rng(seed + 1)
