@@ -178,8 +178,8 @@ class FusionReport:
                     lines.append("    %d× %s  (at %s)" % (len(anchors), reason, _places(anchors)))
         c = self.self_check
         if c is not None:
-            line = "  self-check: %d rewrite(s) checked%s" % (
-                c.checked, " at %d input shape(s)" % len(c.probes) if c.probes or not getattr(c, "alone", 0) else "")
+            line = "  self-check: %d rewrite(s) checked%s" % (c.checked, " at %d input shape(s)" % len(c.probes)
+                                                            if c.probes else "")
             if c.checked:
                 line += ", worst relative error %.2g (%s)" % (c.worst_rel, c.worst_at)
             alone, smaller = getattr(c, "alone", 0), getattr(c, "alone_smaller", 0)

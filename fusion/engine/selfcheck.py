@@ -384,10 +384,11 @@ class SelfCheck:
             found = self._alone_probes(c, old, new)
             if found is None:
                 continue
-            if not found[1] and small_probes and size_free(c, ctx, smallest):
+            if not found[1] and small_probes and size_free(c, ctx, smallest) and \
+                    self._alone_bytes(found[0]) > self._small_probes_bytes():
                 continue        # at its own full shapes: the graph's small probes cost less
             plans[i] = found[0]
-            if found[1]:
+            if any(at is None for _, _, at in found[0]):
                 shrunk.add(i)
         ok = {i: True for i in plans}
         depth = max((len(v) for v in plans.values()), default=0)
@@ -421,7 +422,8 @@ class SelfCheck:
 
     def _alone_probes(self, c: Candidate, old: _Side, new: _Side):
         """(the shapes of every value of both sides at each probe it is checked at on its own, with a
-        label; whether every one of them is smaller than the graph's), or None where it cannot be
+        label and the graph's probe where they are not shrunk; whether every one of them is smaller than
+        the graph's or has no size to shrink), or None where it cannot be
         checked on its own: it reads a value computed from shapes alone (only the graph computes it),
         or MXNet cannot infer its sides at such shapes.
 
@@ -434,14 +436,17 @@ class SelfCheck:
         created = {id(n) for n in c.created + c.new_extra}
         params: Dict[Entry, tuple] = {}
         data: List[Entry] = []
+        shape_only = False
         for e in _unique(old.external + new.external):
             if e.node.is_variable:
                 shape = ctx._param_shape(e.node.name)
                 if shape is not None:
                     params[e] = tuple(int(d) for d in shape)
                     continue
-            elif id(e.node) in created or not self.depends(e.node):
+            elif id(e.node) in created:
                 return None
+            elif not self.depends(e.node):
+                shape_only = True       # computed from the graph at its own probes: no shapes of our own
             data.append(e)
         if not data:
             return None
@@ -449,8 +454,8 @@ class SelfCheck:
         named: set = set()
         for nd in list(c.match.nodes) + list(c.old_extra):
             named |= _integers(nd.attrs.to_json())
-        may_shrink = size_free(c, ctx, ALONE_MIN + 1)
-        found, seen, smaller = [], set(), True
+        may_shrink = not shape_only and size_free(c, ctx, ALONE_MIN + 1)
+        found, seen, smaller, small_already = [], set(), True, True
         for p in range(len(ctx.probes)):
             at: Dict[Entry, tuple] = {}
             for e in data:
@@ -463,7 +468,9 @@ class SelfCheck:
                     return None
                 continue
             free = sorted({d for shape in at.values() for d in shape
-                           if d > ALONE_MIN and d not in pdims and d not in named}) if may_shrink else []
+                           if d > ALONE_MIN and d not in pdims and d not in named})
+            small_already = small_already and not free
+            free = free if may_shrink else []
             maps: List[Dict[int, int]] = []
             if free:
                 maps.append({d: ALONE_MIN + k for k, d in enumerate(free)})
@@ -483,7 +490,25 @@ class SelfCheck:
             smaller = smaller and bool(m)
             found.append((shapes, "; ".join(",".join(map(str, shapes[e])) for e in data[:3])
                           + (" …" if len(data) > 3 else ""), None if m else p))
-        return (found, smaller) if found else None
+        return (found, smaller or small_already) if found else None
+
+    def _alone_bytes(self, probes) -> int:
+        """What checking a candidate on its own at ``probes`` computes (bytes of every value, each probe)."""
+        from .memory import nbytes
+
+        return sum(nbytes(shape, self.ctx.dtype(e)) for shapes, _, _ in probes for e, shape in shapes.items()
+                   if not e.node.is_variable)
+
+    def _small_probes_bytes(self) -> int:
+        """What the graph's values at its small probes take to compute, where not computed yet."""
+        ctx = self.ctx
+        small, _ = ctx.small_probes()
+        total = 0
+        for k in range(len(small)):
+            p = len(ctx.probes) + k
+            if not ctx.memo.get(("selfcheck-activations", p)):
+                total += self._graph_estimate(p).all_values
+        return total
 
     def _infer_alone(self, old: _Side, new: _Side, params: Dict[Entry, tuple], data: Dict[Entry, tuple]):
         """The shapes of every value of both sides from their inputs' (None where MXNet does not infer
@@ -530,6 +555,12 @@ class SelfCheck:
                 if v is not None:
                     values[e] = v
                     continue
+            elif not self.depends(e.node):      # from shapes alone: the graph's own value there
+                got = self._shape_values([e], at).get(e) if at is not None else None
+                if got is None or tuple(got.shape) != tuple(shapes.get(e) or ()):
+                    return "values computed from shapes could not be evaluated"
+                values[e] = got
+                continue
             shape = shapes.get(e)
             if shape is None:
                 return "the shape of '%s' is unknown" % e.node.name
@@ -616,8 +647,8 @@ class SelfCheck:
         if chunk:
             groups.append(chunk)
         if len(groups) > 1:
-            budget.note("self-check: rewrites run in %d groups %s to stay within the memory budget"
-                        % (len(groups), where))
+            budget.note("self-check: rewrites run a few at a time (%s), not all in one MXNet executor, to stay "
+                        "within the memory budget" % where)
         out = []
         for g in groups:
             out += self._run_group(g, p)
@@ -799,27 +830,63 @@ class SelfCheck:
                     if new not in cache and cache.get(old) is not None:
                         cache[new] = cache[old]
 
-    def _evaluate(self, entries: List[Entry], p: int) -> Optional[Dict[Entry, Any]]:
+    def _shape_values(self, entries: List[Entry], p: int) -> Dict[Entry, Any]:
+        """The values of ``entries`` — computed from shapes and parameters alone (a causal mask, anchors
+        laid over a feature map) — at probe ``p``, kept for later rules; None where MXNet cannot."""
+        cache = self.ctx.memo.setdefault(("selfcheck-shape-values", p), {})
+        missing = [e for e in entries if e not in cache]
+        if missing:
+            got = self._evaluate(missing, p, shapes_only=True)
+            for e in missing:
+                cache[e] = None if got is None else got[e]
+        return {e: cache[e] for e in entries}
+
+    def _evaluate(self, entries: List[Entry], p: int, shapes_only: bool = False) -> Optional[Dict[Entry, Any]]:
         """The values of ``entries`` computed by MXNet from the graph at probe ``p``, on the data inputs
-        of ``_data``: one run of the graph for every value the candidates of a rule read."""
+        of ``_data``: one run of the graph for every value the candidates of a rule read.  With
+        ``shapes_only`` (values computed from shapes and parameters alone): every input that an op reads
+        only for its shape (``SHAPE_ONLY``) is fed zeros of that shape instead, so that nothing before
+        it runs (anchors over a feature map without the backbone that computes it)."""
         import mxnet as mx
 
         from ..native.env import subgraph_backend
 
         ctx = self.ctx
-        data = self._data(p)
+        data = self._data(p) if not shapes_only else {}
         graph = ctx.graph
         graph.compact()
         spec = graph.to_json()
         spec["heads"] = [[int(e.node.pos), e.index, 0] for e in entries]
+        zeros: Dict[str, Any] = {}
+        if shapes_only:
+            cuts = [(i, k, e) for i, nd in enumerate(graph.nodes) for k, e in enumerate(nd.inputs)
+                    if (nd.op, k) in SHAPE_ONLY and not e.node.is_variable]
+            n = len(cuts)
+            front = []
+            for j, (_, _, e) in enumerate(cuts):
+                shape = ctx._lookup(e, p, 0)
+                if shape is None:
+                    return None
+                front.append({"op": "null", "name": "__selfcheck_shape_%d" % j, "inputs": []})
+                zeros["__selfcheck_shape_%d" % j] = mx.nd.zeros(shape, dtype=ctx.dtype(e) or "float32")
+            for jn in spec["nodes"]:
+                jn["inputs"] = [[r[0] + n, r[1], r[2]] for r in jn["inputs"]]
+            for j, (i, k, _) in enumerate(cuts):
+                spec["nodes"][i]["inputs"][k] = [j, 0, 0]
+            spec["nodes"] = front + spec["nodes"]
+            spec["arg_nodes"] = list(range(n)) + [a + n for a in spec["arg_nodes"]]
+            spec["node_row_ptr"] = list(range(n)) + [r + n for r in spec["node_row_ptr"]]
+            spec["heads"] = [[h[0] + n, h[1], h[2]] for h in spec["heads"]]
         try:
             sym = mx.sym.load_json(json.dumps(spec))
             by_name = {nd.name: nd for nd in graph.variables()}
             feed = {}
             for name in sym.list_arguments() + sym.list_auxiliary_states():
-                v = ctx.array(Entry(by_name[name]))
+                v = zeros[name] if name in zeros else ctx.array(Entry(by_name[name]))
                 if v is None:
                     v = data.get(name)
+                if v is None and shapes_only:       # a data input read for more than its shape: not computable so
+                    return None
                 if v is None:
                     return None
                 feed[name] = v
@@ -1098,14 +1165,44 @@ def _telling(a: np.ndarray) -> bool:
 _NUMBER = re.compile(r"-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?")
 
 
+#: In an attribute holding a JSON program (fused_region's: its README in cuda_kernels/fused_region/), the
+#: keys whose integers are places in the program — a value's index ("in", a post step's "add"/"mul"
+#: operand), a parameter's slot, the outputs — or its version and parameter shapes, not sizes.
+REFERENCE_KEYS = frozenset({"in", "add", "mul", "weight", "bias", "gamma", "beta", "mean", "var", "outputs",
+                            "version", "params"})
+
+
 def _integers(attrs: Dict[str, str]) -> set:
-    """The integers an op's attributes (as MXNet writes them) name; decimals and exponents skipped."""
+    """The integers an op's attributes (as MXNet writes them) name; decimals and exponents skipped, and in
+    a JSON program those under ``REFERENCE_KEYS`` (indices, not sizes)."""
     out = set()
     for v in attrs.values():
-        for tok in _NUMBER.findall(str(v)):
+        text = str(v)
+        if text[:1] in "{[":
+            try:
+                out |= _json_integers(json.loads(text))
+                continue
+            except ValueError:      # not JSON: read as text
+                pass
+        for tok in _NUMBER.findall(text):
             if "." not in tok and "e" not in tok.lower():
                 out.add(abs(int(tok)))
     return out
+
+
+def _json_integers(value: Any) -> set:
+    if isinstance(value, bool) or value is None:
+        return set()
+    if isinstance(value, int):
+        return {abs(value)}
+    if isinstance(value, list):
+        return set().union(*(_json_integers(v) for v in value)) if value else set()
+    if isinstance(value, dict):
+        return set().union(*(_json_integers(v) for k, v in value.items() if k not in REFERENCE_KEYS)) \
+            if value else set()
+    if isinstance(value, str):
+        return _integers({"": value})
+    return set()        # floats: not sizes
 
 
 def size_free(c: Candidate, ctx: Any, smallest: int) -> bool:
