@@ -388,6 +388,39 @@ def run(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any
     return [o.asnumpy() for o in exe.forward(is_train=False)]
 
 
+def run_many(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any],
+             feeds: Sequence[Mapping[str, np.ndarray]], ctx: Any = None, subgraph: bool = False) -> List[List[np.ndarray]]:
+    """``run`` on each of ``feeds`` (the same names and shapes) with one executor: bound once, its inputs
+    copied in for each further feed — one bind and one first run (oneDNN's weight reorders, its
+    primitives made) for all of them."""
+    import mxnet as mx
+
+    from ..native.env import subgraph_backend
+
+    if not feeds:
+        return []
+    first = feeds[0]
+    if ctx is None or getattr(ctx, "device_type", "cpu") == "cpu":
+        from ..precision.half import as_the_gpu_computes
+        symbol = as_the_gpu_computes(symbol, arg_params, aux_params,
+                                     {k: np.asarray(v).dtype if not hasattr(v, "dtype") else v.dtype
+                                      for k, v in first.items()})
+    with subgraph_backend(subgraph):
+        exe = bind(symbol, arg_params, aux_params, first, ctx)
+    outs = [[o.asnumpy() for o in exe.forward(is_train=False)]]
+    for feed in feeds[1:]:
+        try:
+            for name, value in feed.items():
+                if name in exe.arg_dict:
+                    exe.arg_dict[name][:] = value
+        except (mx.base.MXNetError, ValueError, TypeError):      # a dtype NDArray assignment does not take
+            with subgraph_backend(subgraph):
+                exe = bind(symbol, arg_params, aux_params, feed, ctx)
+        outs.append([o.asnumpy() for o in exe.forward(is_train=False)])
+    del exe
+    return outs
+
+
 def bind(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any],
          inputs: Mapping[str, Any], ctx: Any = None):
     """An executor of ``symbol`` with parameters and inputs bound (no gradients)."""
@@ -411,14 +444,14 @@ def bind(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, An
     return symbol.bind(ctx, args, aux_states=aux, grad_req="null")
 
 
-def _run_or_say(symbol, arg, aux, feed, what: str) -> List[np.ndarray]:
-    """``run``, with MXNet's refusal as a one-line error (e.g. a float16 model on a CPU without fp16 GEMM)."""
+def _run_or_say(symbol, arg, aux, feeds, what: str) -> List[List[np.ndarray]]:
+    """``run_many``, with MXNet's refusal as a one-line error (e.g. a float16 model on a CPU without fp16 GEMM)."""
     import mxnet as mx
 
     from ..ir.graph import first_line
 
     try:
-        return [as_float32(o) for o in run(symbol, arg, aux, feed)]    # bfloat16 outputs: compared as values
+        return [[as_float32(o) for o in outs] for outs in run_many(symbol, arg, aux, feeds)]   # bfloat16: as values
     except mx.base.MXNetError as e:
         raise FusionError("%s does not run on the verification inputs: %s" % (what, first_line(str(e)))) from None
 
@@ -566,11 +599,16 @@ def verify(original: Any, fused: Any, params: Any = None, input_shapes: Optional
     names = sym0.list_outputs()
     layouts = row_layouts(sym0, arg0, aux0, {k: v.shape for k, v in draws[0].items()})
     results, refs, positional, spreads, moved, positional_per_output = [], [], [], [], {}, {}
-    for feed in draws:
-        ref = _run_or_say(sym0, arg0, aux0, feed, "the original model")
-        release()               # each executor's storage handed back before the next is bound
-        out = _run_or_say(sym1, arg1, aux1, {k: v for k, v in feed.items() if k in fused_args}, "the fused model")
-        release()
+    # one executor at a time, each bound once for every draw; its storage handed back before the next
+    refs_all = _run_or_say(sym0, arg0, aux0, draws, "the original model")
+    release()
+    outs_all = _run_or_say(sym1, arg1, aux1, [{k: v for k, v in feed.items() if k in fused_args} for feed in draws],
+                           "the fused model")
+    release()
+    owns_all = _original_with_backend(sym0, arg0, aux0, draws) if spread else None
+    release()
+    for d, feed in enumerate(draws):
+        ref, out = refs_all[d], outs_all[d]
         aligned, moved_now = align_rows(ref, out, layouts)
         results.append(compare(ref, aligned, names))
         if layouts:
@@ -581,11 +619,8 @@ def verify(original: Any, fused: Any, params: Any = None, input_shapes: Optional
                 positional_per_output[i] = max(positional_per_output.get(i, 0.0), result_i)
         for i, n in moved_now.items():
             moved[i] = max(moved.get(i, 0), n)
-        if spread:
-            own = _original_with_backend(sym0, arg0, aux0, feed)
-            release()
-            if own is not None:
-                spreads.append(compare(ref, align_rows(ref, own, layouts)[0], names))
+        if owns_all is not None:
+            spreads.append(compare(ref, align_rows(ref, owns_all[d], layouts)[0], names))
         refs.append(ref)
     result = _merge(results)
     result.memory_notes = budget.notes[noted:]
@@ -648,9 +683,9 @@ def _backend_aborts(symbol) -> bool:
     return False
 
 
-def _original_with_backend(symbol, arg, aux, feed) -> Optional[List[np.ndarray]]:
-    """The original's outputs as MXNet's default bind computes them (oneDNN subgraph backend on);
-    None where MXNet cannot run it so."""
+def _original_with_backend(symbol, arg, aux, feeds) -> Optional[List[List[np.ndarray]]]:
+    """The original's outputs on each of ``feeds`` as MXNet's default bind computes them (oneDNN
+    subgraph backend on); None where MXNet cannot run it so."""
     import mxnet as mx
 
     from ..native.env import quiet_native_stderr
@@ -659,6 +694,6 @@ def _original_with_backend(symbol, arg, aux, feed) -> Optional[List[np.ndarray]]
         return None
     try:
         with quiet_native_stderr():            # MXNet's INFO line on binding with the backend
-            return [as_float32(o) for o in run(symbol, arg, aux, feed, subgraph=True)]
+            return [[as_float32(o) for o in outs] for outs in run_many(symbol, arg, aux, feeds, subgraph=True)]
     except mx.base.MXNetError:
         return None

@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force-precision", action="store_true",
                    help="--precision bf16 even on a CPU without native bfloat16 (emulated: slower)")
     p.add_argument("--benchmark", action="store_true", help="time the original and the fused model (medians)")
-    p.add_argument("--repeats", type=positive_int, default=20, help="timed rounds of --benchmark (default 20)")
+    p.add_argument("--repeats", type=positive_int, default=20,
+                   help="timed rounds of --benchmark, after as many untimed ones up to 3 (default 20)")
     p.add_argument("--no-self-check", dest="self_check", action="store_false",
                    help="skip the per-rewrite self-check (each rewrite run against what it replaces on random "
                         "inputs at the --shape sizes and at other sizes the model accepts; on by default)")
@@ -534,7 +535,8 @@ def _benchmark(symbol, arg, aux, result, shapes, repeats: int, budget=None) -> d
     from ..check.bench import benchmark
     from ..check.verify import random_inputs
 
-    figures = benchmark(symbol, arg, aux, result, random_inputs(symbol, arg, shapes), repeats, max_memory=budget)
+    figures = benchmark(symbol, arg, aux, result, random_inputs(symbol, arg, shapes), repeats, warmup=min(3, repeats),
+                        max_memory=budget)
     progress.benchmark_warnings(figures)
     return figures
 
