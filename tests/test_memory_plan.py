@@ -219,3 +219,25 @@ def test_verify_in_python_takes_max_memory():
     assert v.ok() and v.spread is not None and not v.memory_notes
     with pytest.raises(memory.OverBudget, match=r"verify\(\) needs about .* \(max_memory=10K\); raise max_memory="):
         fusion.verify((sym, arg, aux), res, input_shapes=shapes, max_memory="10K")
+
+
+def test_the_gluon_backend_takes_max_memory_and_self_check():
+    from mxnet import gluon
+
+    def net():
+        mx.random.seed(0)
+        n = gluon.nn.HybridSequential()
+        n.add(gluon.nn.Conv2D(8, 3, padding=1), gluon.nn.BatchNorm(), gluon.nn.Activation("relu"))
+        n.initialize(mx.init.Xavier())
+        return n
+
+    x = mx.nd.array(np.random.default_rng(0).standard_normal((1, 3, 16, 16)))
+    small = net()
+    small.hybridize(backend="fusion", backend_opts={"max_memory": "1K"})
+    with pytest.raises(memory.OverBudget, match=r"the self-check needs about .* \(max_memory=1K\); raise "
+                                                r"max_memory= or pass self_check=False"):
+        small(x)
+    off = net()
+    off.hybridize(backend="fusion", backend_opts={"max_memory": "1K", "self_check": False})
+    off(x)
+    assert off.fusion_report.fused_count == 1 and off.fusion_report.self_check is None
