@@ -124,7 +124,8 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
          aux_params: Optional[Mapping[str, Any]] = None, *, rules: Optional[Iterable[Any]] = None,
          mode: str = "inference", input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
          input_dtypes: Optional[Mapping[str, Any]] = None, self_check: bool = True,
-         precision: str = "float32", force: bool = False, device: str = "cpu") -> FusionResult:
+         precision: str = "float32", force: bool = False, device: str = "cpu",
+         max_memory: Any = None) -> FusionResult:
     """Fuse ``symbol`` with ``rules`` (default: the whole rule library) and return a FusionResult.
 
     ``arg_params``/``aux_params`` map names to NDArrays (or NumPy arrays); they
@@ -165,6 +166,12 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     one, its conservative rule) says it is at least as fast as the ops it replaces, and a float16
     graph (MXNet's AMP float16, inference) is fused as its float32 model and then given back the
     dtypes AMP gave it: float16 fused ops where AMP ran float16 (fusion/precision/half.py).
+
+    ``max_memory`` (bytes, or a size such as ``"4G"``; default: 60 % of the memory available): what
+    the self-check may hold at once (fusion/engine/memory.py).  Where its usual plan would need
+    more, it runs smaller (fewer rewrites per MXNet executor, the graph's values not kept or not
+    computed) and ``report.notes`` says so; where even one rewrite checked on its own would not fit,
+    :class:`~fusion.engine.memory.OverBudget` (a FusionError) says how much it needs.
     """
     if mode not in MODES:
         raise ValueError("mode must be one of %s, not %r" % (", ".join(MODES), mode))
@@ -172,8 +179,10 @@ def fuse(symbol: Any, arg_params: Optional[Mapping[str, Any]] = None,
     from .precision.policy import resolve
     precision = resolve(precision, True if device == "gpu" else force, mode)
     check_device_precision(device, precision)
+    from .engine.memory import budget
+    limit = budget(max_memory) if self_check and input_shapes else None
     return fuse_gc_off(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
-                        precision=precision, device=device)
+                        precision=precision, device=device, max_memory=limit)
 
 
 def check_device_precision(device: str, precision: str) -> None:
@@ -236,7 +245,7 @@ def _dtype_names(input_dtypes: Optional[Mapping[str, Any]]) -> Optional[Dict[str
 
 def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtypes, self_check,
           copy_params: bool = True, precision: str = "float32", device: str = "cpu",
-          read_half: bool = True) -> FusionResult:
+          read_half: bool = True, max_memory: Any = None) -> FusionResult:
     """``fuse`` itself; ``copy_params=False`` returns the caller's arrays themselves (the backend,
     which hands only the new ones on)."""
     from .files.modelio import check_param_values
@@ -290,9 +299,12 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     strip_guards(graph)
     ctx = Context(graph, arg_params or {}, aux_params or {}, mode, input_shapes, input_dtypes, precision, device)
     ctx.half = half
-    checker = SelfCheck(ctx, enabled=self_check)
+    checker = SelfCheck(ctx, enabled=self_check, budget=max_memory if self_check and input_shapes else None)
     run_rules(graph, rule_list, ctx, report, checker)
     report.self_check = checker.stats if self_check else None
+    if self_check and input_shapes:
+        report.notes.extend(n for n in checker.budget.notes if n not in report.notes)
+        report.extra["memory"] = checker.budget.to_dict()
     if not input_shapes:
         _count_wanting_shapes(report)
     if mode == "inference":

@@ -1,9 +1,11 @@
-"""The self-check at small probe sizes, on the graph's own values: what it still catches.
+"""The self-check at small probe sizes, on the graph's own values and on its own: what it still catches.
 
 A rewrite that names no size is checked at a smaller copy of the input shapes (fusion/engine/facts.py
 ``small_probes``); one that names a size the small shapes could stand below (a gather of the
 first 128 rows) is checked at the user's.  The inputs of a candidate are the values the graph
 computes there, except where they could not tell a wrong rewrite (constant, not finite): drawn.
+A rewrite is first checked on its own, on drawn inputs (at smaller shapes of its own where it
+names no size); one that fails there is checked on the graph's values, which decide.
 """
 import mxnet as mx
 import numpy as np
@@ -103,7 +105,9 @@ def test_right_size_free_rewrites_are_reported_as_checked_at_small_shapes():
     c = res.report.self_check
     assert res.report.fused_count == 1 and c.checked == 1 and c.size_free == 1
     assert {"data": shape} not in c.probes and all(p["data"][3] <= 80 for p in c.probes), c.probes
-    assert "1 of them at smaller input shapes only" in res.report.to_text()
+    # on its own (nothing else of the graph run), at shapes of its own smaller than the graph's
+    assert c.alone == 1 and c.alone_smaller == 1, c
+    assert "1 of them on their own on drawn inputs (1 at smaller shapes: they name no size)" in res.report.to_text()
 
 
 def test_a_constant_value_of_the_graph_is_drawn_instead():

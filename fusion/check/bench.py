@@ -114,7 +114,66 @@ def figures(samples: Mapping[str, List[float]]) -> Dict[str, Any]:
     return out
 
 
+#: the systems timed, as (model, subgraph backend on): the pairs timed together come first
+SYSTEMS = (("original", "original", True), ("fused", "fused", True),
+           ("original_no_subgraph", "original", False), ("fused_no_subgraph", "fused", False))
+
+
+def benchmark_plan(symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any], result: Any,
+                   input_shapes: Mapping[str, Any], budget: Any) -> List[List[str]]:
+    """The systems timed together, group by group, within the memory budget (fusion/engine/memory.py),
+    decided from the inferred shapes before anything is bound: all four executors alive at once
+    (timed round-robin); else each model's pair with the backend on, then off (each pair
+    round-robin); else one executor at a time (a note says the timings are not interleaved).
+    ``OverBudget`` where one executor alone would not fit.  ``result`` may be None (planned before
+    fusing: the fused model taken as the original's size)."""
+    from ..engine.memory import model_memory
+
+    est0 = model_memory(symbol, arg, aux, input_shapes)
+    est1 = model_memory(result.symbol, result.arg_params, result.aux_params,
+                        {k: v for k, v in input_shapes.items() if k in result.symbol.list_arguments()}) \
+        if result is not None else None
+    names = [name for name, _, _ in SYSTEMS]
+    if est0 is None:
+        return [names]
+    est1 = est1 or est0
+    need = {name: (est0 if model == "original" else est1).run(on) for name, model, on in SYSTEMS}
+    inputs = est0.inputs
+    budget.estimates["benchmark"] = {"all_four": sum(need.values()) + inputs,
+                                     "one_pair": max(need["original"] + need["fused"],
+                                                     need["original_no_subgraph"] + need["fused_no_subgraph"]) + inputs,
+                                     "one": max(need.values()) + inputs}
+    if budget.allows(sum(need.values()) + inputs):
+        return [names]
+    pairs = [["original", "fused"], ["original_no_subgraph", "fused_no_subgraph"]]
+    if all(budget.allows(sum(need[n] for n in pair) + inputs) for pair in pairs):
+        budget.note("benchmark: timed in two rounds of two executors (MXNet's oneDNN backend on, then off), "
+                    "not all four at once, to stay within the memory budget")
+        return pairs
+    worst = max(need.values()) + inputs
+    if not budget.allows(worst):
+        shapes = ", ".join("%s=%s" % (k, ",".join(map(str, v))) for k, v in input_shapes.items())
+        raise budget.refuse("benchmark", worst, "one bound executor of the model at %s" % shapes)
+    budget.note("benchmark: one executor at a time (the timings of the four are not interleaved), to stay "
+                "within the memory budget")
+    return [[n] for n in names]
+
+
 def benchmark(symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any], result: Any,
-              inputs: Mapping[str, Any], repeats: int = 30, warmup: int = 3) -> Dict[str, Any]:
-    """:func:`figures` of the original and the fused model, each bound with the subgraph backend on and off."""
-    return figures(time_samples(_systems(symbol, arg, aux, result, inputs), repeats, warmup))
+              inputs: Mapping[str, Any], repeats: int = 30, warmup: int = 3, max_memory: Any = None) -> Dict[str, Any]:
+    """:func:`figures` of the original and the fused model, each bound with the subgraph backend on and off,
+    within the memory budget ``max_memory`` (see ``benchmark_plan``; default 60 % of the memory available)."""
+    from ..engine.memory import budget as make_budget, release
+
+    budget = make_budget(max_memory)
+    groups = benchmark_plan(symbol, arg, aux, result, {k: tuple(v.shape) for k, v in inputs.items()}, budget)
+    fused_inputs = {k: v for k, v in inputs.items() if k in set(result.symbol.list_arguments())}
+    models = {"original": (symbol, arg, aux, inputs),
+              "fused": (result.symbol, result.arg_params, result.aux_params, fused_inputs)}
+    samples: Dict[str, List[float]] = {}
+    for group in groups:
+        systems = {name: executor(*models[model], subgraph=on) for name, model, on in SYSTEMS if name in group}
+        samples.update(time_samples(systems, repeats, warmup))
+        del systems
+        release()
+    return figures({name: samples[name] for name, _, _ in SYSTEMS})

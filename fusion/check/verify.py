@@ -57,6 +57,8 @@ class VerifyResult:
     # the original's own spread: its outputs with MXNet's oneDNN backend on (its default bind) against off
     spread: Optional[float] = None
     spread_per_output: List[Tuple[str, float]] = field(default_factory=list)
+    # what the memory plan ran smaller (fusion/engine/memory.py), one line each
+    memory_notes: List[str] = field(default_factory=list)
     # where the whole comparison failed and the model has NMS: the comparison cut at the NMS inputs
     # (fusion/check/cuts.py): {"cuts": [names], "whole_max_rel": the whole comparison's error,
     # "inputs": [(cut name, field of its input: scores/boxes/class ids/…, rel)]}; the errors above are then
@@ -138,6 +140,7 @@ class VerifyResult:
         if self.spread is not None:
             out.append("the original's own spread (its outputs with MXNet's oneDNN backend on vs off, compared "
                        "the same way): max rel %.3g" % self.spread)
+        out.extend(n[len("verify: "):] if n.startswith("verify: ") else n for n in self.memory_notes)
         return out
 
     def to_dict(self, rtol: float = DEFAULT_RTOL) -> Dict[str, Any]:
@@ -385,6 +388,39 @@ def run(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any
     return [o.asnumpy() for o in exe.forward(is_train=False)]
 
 
+def run_many(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any],
+             feeds: Sequence[Mapping[str, np.ndarray]], ctx: Any = None, subgraph: bool = False) -> List[List[np.ndarray]]:
+    """``run`` on each of ``feeds`` (the same names and shapes) with one executor: bound once, its inputs
+    copied in for each further feed — one bind and one first run (oneDNN's weight reorders, its
+    primitives made) for all of them."""
+    import mxnet as mx
+
+    from ..native.env import subgraph_backend
+
+    if not feeds:
+        return []
+    first = feeds[0]
+    if ctx is None or getattr(ctx, "device_type", "cpu") == "cpu":
+        from ..precision.half import as_the_gpu_computes
+        symbol = as_the_gpu_computes(symbol, arg_params, aux_params,
+                                     {k: np.asarray(v).dtype if not hasattr(v, "dtype") else v.dtype
+                                      for k, v in first.items()})
+    with subgraph_backend(subgraph):
+        exe = bind(symbol, arg_params, aux_params, first, ctx)
+    outs = [[o.asnumpy() for o in exe.forward(is_train=False)]]
+    for feed in feeds[1:]:
+        try:
+            for name, value in feed.items():
+                if name in exe.arg_dict:
+                    exe.arg_dict[name][:] = value
+        except (mx.base.MXNetError, ValueError, TypeError):      # a dtype NDArray assignment does not take
+            with subgraph_backend(subgraph):
+                exe = bind(symbol, arg_params, aux_params, feed, ctx)
+        outs.append([o.asnumpy() for o in exe.forward(is_train=False)])
+    del exe
+    return outs
+
+
 def bind(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any],
          inputs: Mapping[str, Any], ctx: Any = None):
     """An executor of ``symbol`` with parameters and inputs bound (no gradients)."""
@@ -408,14 +444,14 @@ def bind(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, An
     return symbol.bind(ctx, args, aux_states=aux, grad_req="null")
 
 
-def _run_or_say(symbol, arg, aux, feed, what: str) -> List[np.ndarray]:
-    """``run``, with MXNet's refusal as a one-line error (e.g. a float16 model on a CPU without fp16 GEMM)."""
+def _run_or_say(symbol, arg, aux, feeds, what: str) -> List[List[np.ndarray]]:
+    """``run_many``, with MXNet's refusal as a one-line error (e.g. a float16 model on a CPU without fp16 GEMM)."""
     import mxnet as mx
 
     from ..ir.graph import first_line
 
     try:
-        return [as_float32(o) for o in run(symbol, arg, aux, feed)]    # bfloat16 outputs: compared as values
+        return [[as_float32(o) for o in outs] for outs in run_many(symbol, arg, aux, feeds)]   # bfloat16: as values
     except mx.base.MXNetError as e:
         raise FusionError("%s does not run on the verification inputs: %s" % (what, first_line(str(e)))) from None
 
@@ -490,8 +526,42 @@ def _merge(results: Sequence[VerifyResult]) -> VerifyResult:
     return out
 
 
+def verify_plan(original: Any, input_shapes: Mapping[str, Sequence[int]], budget: Any, fused: Any = None,
+                spread: bool = True, draws: int = DRAWS) -> bool:
+    """verify's memory plan (fusion/engine/memory.py), decided from the inferred shapes before anything
+    runs: one executor alive at a time (each freed before the next is bound), the outputs of every
+    run kept.  Returns whether the original's own spread is measured too (its run with MXNet's oneDNN
+    backend on, which keeps a reordered copy of the weights besides); raises ``OverBudget`` where one
+    run of the original (or of ``fused``: without it, taken as the original's size) would not fit."""
+    from ..engine.memory import fmt_bytes, model_memory
+
+    sym0, arg0, aux0 = _unpack(original)
+    est0 = model_memory(sym0, arg0, aux0, input_shapes, input_dtypes(sym0, arg0, aux0))
+    if est0 is None:            # shapes MXNet cannot infer: nothing to plan with, run as usual
+        return spread
+    est1 = None
+    if fused is not None:
+        sym1, arg1, aux1 = _unpack(fused)
+        est1 = model_memory(sym1, arg1, aux1, {k: v for k, v in input_shapes.items() if k in sym1.list_arguments()},
+                            input_dtypes(sym1, arg1, aux1))
+    kept = est0.outputs * draws * (3 if spread else 2) + est0.inputs * draws
+    one = max(est0.run(), est1.run() if est1 is not None else est0.run()) + kept
+    shapes = ", ".join("%s=%s" % (k, ",".join(map(str, v))) for k, v in input_shapes.items())
+    budget.estimates["verify"] = {"one_run": one, "one_run_with_the_backend": est0.run(True) + kept,
+                                  "outputs_kept": kept}
+    if not budget.allows(one):
+        raise budget.refuse("verify", one, "one run of the model at %s, one executor at a time" % shapes)
+    if spread and not budget.allows(est0.run(True) + kept):
+        budget.note("verify: the original's own spread (a run with MXNet's oneDNN backend on: about %s) not "
+                    "measured, over the memory budget of %s" % (fmt_bytes(est0.run(True) + kept),
+                                                                fmt_bytes(budget.limit or 0)))
+        return False
+    return spread
+
+
 def verify(original: Any, fused: Any, params: Any = None, input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
-           *, seed: int = 0, inputs: Optional[Mapping[str, np.ndarray]] = None, spread: bool = True) -> VerifyResult:
+           *, seed: int = 0, inputs: Optional[Mapping[str, np.ndarray]] = None, spread: bool = True,
+           max_memory: Any = None) -> VerifyResult:
     """Bind the original and the fused model on the same inputs and compare every output.
 
     ``original`` is an ``mx.sym.Symbol`` (its parameters in ``params``: a tuple
@@ -506,7 +576,13 @@ def verify(original: Any, fused: Any, params: Any = None, input_shapes: Optional
     the NMS inputs (``fusion/check/cuts.py``; ``result.piecewise``), and passes if every piece does;
     with ``spread`` the original is also run with MXNet's oneDNN backend on, and how far its
     own outputs move (``result.spread``) is reported beside the error.
+
+    ``max_memory`` (bytes, a size such as ``"4G"``, or a ``fusion.engine.memory.Budget``; default 60 %
+    of the memory available): one executor is alive at a time; where the spread's run would not fit,
+    it is left out (``result.memory_notes`` says so); where one run of a model would not fit,
+    ``OverBudget`` (a FusionError) says how much it needs, before anything runs.
     """
+    from ..engine.memory import budget as make_budget, release
     from .rowsets import align_rows, row_layouts
 
     sym0, arg0, aux0 = _unpack(original, params)
@@ -515,13 +591,24 @@ def verify(original: Any, fused: Any, params: Any = None, input_shapes: Optional
         draws = [dict(inputs)]
     else:
         draws = [random_inputs(sym0, arg0, input_shapes or {}, seed + k, aux0) for k in range(DRAWS)]
+    budget = make_budget(max_memory)
+    noted = len(budget.notes)
+    spread = verify_plan((sym0, arg0, aux0), {k: v.shape for k, v in draws[0].items()}, budget,
+                         (sym1, arg1, aux1), spread, len(draws))
     fused_args = set(sym1.list_arguments())
     names = sym0.list_outputs()
     layouts = row_layouts(sym0, arg0, aux0, {k: v.shape for k, v in draws[0].items()})
     results, refs, positional, spreads, moved, positional_per_output = [], [], [], [], {}, {}
-    for feed in draws:
-        ref = _run_or_say(sym0, arg0, aux0, feed, "the original model")
-        out = _run_or_say(sym1, arg1, aux1, {k: v for k, v in feed.items() if k in fused_args}, "the fused model")
+    # one executor at a time, each bound once for every draw; its storage handed back before the next
+    refs_all = _run_or_say(sym0, arg0, aux0, draws, "the original model")
+    release()
+    outs_all = _run_or_say(sym1, arg1, aux1, [{k: v for k, v in feed.items() if k in fused_args} for feed in draws],
+                           "the fused model")
+    release()
+    owns_all = _original_with_backend(sym0, arg0, aux0, draws) if spread else None
+    release()
+    for d, feed in enumerate(draws):
+        ref, out = refs_all[d], outs_all[d]
         aligned, moved_now = align_rows(ref, out, layouts)
         results.append(compare(ref, aligned, names))
         if layouts:
@@ -532,14 +619,14 @@ def verify(original: Any, fused: Any, params: Any = None, input_shapes: Optional
                 positional_per_output[i] = max(positional_per_output.get(i, 0.0), result_i)
         for i, n in moved_now.items():
             moved[i] = max(moved.get(i, 0), n)
-        if spread:
-            own = _original_with_backend(sym0, arg0, aux0, feed)
-            if own is not None:
-                spreads.append(compare(ref, align_rows(ref, own, layouts)[0], names))
+        if owns_all is not None:
+            spreads.append(compare(ref, align_rows(ref, owns_all[d], layouts)[0], names))
         refs.append(ref)
     result = _merge(results)
+    result.memory_notes = budget.notes[noted:]
     if not result.ok():
         _try_piecewise(result, (sym0, arg0, aux0), (sym1, arg1, aux1), draws, names, layouts)
+        release()
     result.constant = [_label(i, name) for i, name in enumerate(names) if _constant([r[i] for r in refs])]
     result.row_sets, result.moved_rows = dict(layouts), moved
     result.positional_max_rel = max(positional) if positional else None
@@ -596,9 +683,9 @@ def _backend_aborts(symbol) -> bool:
     return False
 
 
-def _original_with_backend(symbol, arg, aux, feed) -> Optional[List[np.ndarray]]:
-    """The original's outputs as MXNet's default bind computes them (oneDNN subgraph backend on);
-    None where MXNet cannot run it so."""
+def _original_with_backend(symbol, arg, aux, feeds) -> Optional[List[List[np.ndarray]]]:
+    """The original's outputs on each of ``feeds`` as MXNet's default bind computes them (oneDNN
+    subgraph backend on); None where MXNet cannot run it so."""
     import mxnet as mx
 
     from ..native.env import quiet_native_stderr
@@ -607,6 +694,6 @@ def _original_with_backend(symbol, arg, aux, feed) -> Optional[List[np.ndarray]]
         return None
     try:
         with quiet_native_stderr():            # MXNet's INFO line on binding with the backend
-            return [as_float32(o) for o in run(symbol, arg, aux, feed, subgraph=True)]
+            return [[as_float32(o) for o in outs] for outs in run_many(symbol, arg, aux, feeds, subgraph=True)]
     except mx.base.MXNetError:
         return None

@@ -25,3 +25,17 @@ def positive_float(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError("'%s' must be a finite number above 0" % text)
     return value
+
+
+def memory_size(text: str) -> str:
+    """An argparse type: a size such as 4G or 500M (``--max-memory``), checked here, kept as written
+    (the report and errors quote it)."""
+    from ..engine.memory import parse_size
+    from ..ir.errors import FusionError
+
+    try:
+        parse_size(text, "")
+    except FusionError:
+        raise argparse.ArgumentTypeError("'%s' is not a size such as 4G or 500M (K, M, G, T: powers of 1024; "
+                                         "at least one byte)" % text) from None
+    return text.strip()

@@ -22,7 +22,9 @@ MXNet 1.9, e.g. ``hybridize(backend="fusion", mode="inference")``; a
 or ``"bf16"``, see ``fusion.fuse``), ``force`` (bf16 on a CPU without it) and ``device``
 (``"cpu"`` or ``"gpu"``; by default the device of the context MXNet passes to
 ``optimize_for`` -- a Gluon block's inputs' context -- so a block run on ``mx.gpu()``
-gets only library ops the op library implements on the GPU).  Without
+gets only library ops the op library implements on the GPU), ``max_memory`` (what the
+self-check of the first call may hold at once, e.g. ``"2G"``; default 60 % of the memory
+available: see ``fusion.fuse``) and ``self_check`` (``False`` skips it).  Without
 ``mode``, a Gluon block is fused for training when its graph is built under
 ``autograd.record()`` in training mode — then only rewrites with a backward
 apply — and for inference otherwise; switching between the two rebuilds
@@ -52,7 +54,7 @@ def _mode_now() -> str:
 def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Optional[Dict[str, Any]] = None,
                     mode: Optional[str] = None, rules: Any = None, shape_dict: Optional[Dict[str, Any]] = None,
                     precision: Optional[str] = None, force: Any = False, device: Any = None,
-                    ctx: Any = None, **unused: Any):
+                    ctx: Any = None, max_memory: Any = None, self_check: Any = True, **unused: Any):
     """Fuse ``symbol``; add the new parameters to ``args``/``aux`` like MXNet's partitioners (the
     caller's entries stay); return the new symbol."""
     from ..api import fuse_gc_off
@@ -62,10 +64,12 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
     mode, rules = nested.pop("mode", mode), nested.pop("rules", rules)
     precision, force = nested.pop("precision", precision), nested.pop("force", force)
     device = nested.pop("device", device)
+    max_memory, self_check = nested.pop("max_memory", max_memory), nested.pop("self_check", self_check)
     unused.update(nested)
     if unused:
-        raise ValueError("unknown option(s) for backend '%s': %s (known: mode, rules, precision, force, device)"
-                         % (BACKEND, ", ".join(sorted(unused))))
+        raise ValueError("unknown option(s) for backend '%s': %s (known: mode, rules, precision, force, device, "
+                         "max_memory, self_check)" % (BACKEND, ", ".join(sorted(unused))))
+    self_check = str(self_check).lower() not in ("false", "0", "no")
     from ..api import check_device
     if device is None:      # the context MXNet partitions for (a Gluon block: its inputs')
         device = "cpu" if ctx is None or str(getattr(ctx, "device_type", "cpu")).startswith("cpu") else ctx
@@ -91,8 +95,10 @@ def optimize_symbol(symbol: Any, args: Optional[Dict[str, Any]] = None, aux: Opt
     from ..api import check_device_precision
     check_device_precision(device, precision)
     try:
-        result = fuse_gc_off(symbol, params, aux or {}, rules, mode, shapes, dtypes, True, copy_params=False,
-                              precision=precision, device=device)
+        from ..engine.memory import budget
+        result = fuse_gc_off(symbol, params, aux or {}, rules, mode, shapes, dtypes, self_check, copy_params=False,
+                              precision=precision, device=device,
+                              max_memory=budget(max_memory) if self_check and shapes else None)
     except ParamsError as e:
         if block is None:
             raise

@@ -600,7 +600,7 @@ class _QuietParser(argparse.ArgumentParser):
 
 
 def build_parser(parser_class: type = _Parser) -> argparse.ArgumentParser:
-    from .argtypes import positive_float, positive_int
+    from .argtypes import memory_size, positive_float, positive_int
 
     strict = parser_class is _Parser      # is_batch() only tells the modes apart: values are checked later
     p = parser_class(prog="mxfuse", description="Fuse many exported MXNet models, each in its own process.",
@@ -622,6 +622,8 @@ def build_parser(parser_class: type = _Parser) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=positive_int if strict else str)
     p.add_argument("--precision")
     p.add_argument("--force-precision", action="store_true")
+    p.add_argument("--max-memory", type=memory_size if strict else str)
+    p.add_argument("--no-self-check", dest="self_check", action="store_false")
     # single-model options: known here so that is_batch() reads their values right; refused in a batch
     p.add_argument("--params", help=argparse.SUPPRESS)
     p.add_argument("--report", help=argparse.SUPPRESS)
@@ -657,6 +659,9 @@ def main_batch(argv: Optional[List[str]] = None, stdout: Optional[IO[str]] = Non
             options += ["--" + flag, str(getattr(args, flag))]
     options += [f for f in ("--verify", "--benchmark", "--unfuse", "--force-precision")
                 if getattr(args, f[2:].replace("-", "_"))]
+    if not args.self_check:
+        options.append("--no-self-check")
+    options += _memory_share(args.max_memory, args.jobs)
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         stderr.write("mxfuse: error: -o '%s' is a file; with several models it must be a folder\n" % args.output)
         return 2
@@ -677,6 +682,18 @@ def main_batch(argv: Optional[List[str]] = None, stdout: Optional[IO[str]] = Non
                 stdout.write("---- %s (%s)\n%s\n" % (o.model.name, o.model.path, o.log.rstrip()))
     stdout.write(summary(outcomes) + "\n")
     return 0 if outcomes and all(o.ok for o in outcomes) else 1
+
+
+def _memory_share(max_memory: Optional[str], jobs: Optional[int]) -> List[str]:
+    """Each model's ``--max-memory``: the batch's budget (given, or 60 percent of the memory available
+    now) shared among the models fused at once."""
+    from ..engine.memory import budget
+
+    b = budget(max_memory, door="cli")
+    if b.limit is None:
+        return []
+    share = max(1, b.limit // max(1, jobs or os.cpu_count() or 1))
+    return ["--max-memory", "%dK" % max(1, share >> 10)]
 
 
 def interrupted_line(e: Interrupted, outdir: str) -> str:

@@ -27,8 +27,9 @@ from typing import Any, List, Optional, Tuple
 
 from . import about, progress, serving
 from ..api import FusionResult, fuse, unfuse
-from .argtypes import positive_float, positive_int
+from .argtypes import memory_size, positive_float, positive_int
 from .batch_options import VERBOSE_HELP, add_batch_arguments, batch_only_flags
+from ..engine import memory
 from ..ir.errors import FusionError
 from ..ir.graph import Graph
 from ..files.modelio import (model_files, output_paths, parse_shape, read_graph, read_params, text_file, validate_params,
@@ -65,10 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force-precision", action="store_true",
                    help="--precision bf16 even on a CPU without native bfloat16 (emulated: slower)")
     p.add_argument("--benchmark", action="store_true", help="time the original and the fused model (medians)")
-    p.add_argument("--repeats", type=positive_int, default=20, help="timed rounds of --benchmark (default 20)")
+    p.add_argument("--repeats", type=positive_int, default=20,
+                   help="timed rounds of --benchmark, after as many untimed ones up to 3 (default 20)")
     p.add_argument("--no-self-check", dest="self_check", action="store_false",
                    help="skip the per-rewrite self-check (each rewrite run against what it replaces on random "
                         "inputs at the --shape sizes and at other sizes the model accepts; on by default)")
+    p.add_argument("--max-memory", metavar="SIZE", type=memory_size,
+                   help="the most memory the checks (self-check, --verify, --benchmark) may hold at once, e.g. 4G "
+                        "or 500M: where one would need more it runs smaller and the report says how; where it "
+                        "cannot, mxfuse stops before writing (exit status 2) (default: 60 percent of the memory "
+                        "available; in batch mode, shared among the models fused at once)")
     p.add_argument("--explain", action="store_true", help="also list near-misses: partial matches and why they failed")
     p.add_argument("--report", metavar="FILE.json", help="write the report as JSON")
     p.add_argument("--unfuse", action="store_true",
@@ -316,6 +323,8 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
     if precision != FLOAT32 and (args.unfuse or args.to_onnx):
         raise FusionError("--precision %s takes no %s (stock MXNet ops and ONNX get the float32 model)"
                           % (args.precision, "--unfuse" if args.unfuse else "--to-onnx"))
+    budget = memory.budget(args.max_memory, door="cli")
+    _plan_checks(args, symbol, arg, aux, shapes, budget)    # a check that cannot fit stops here, before fusing
     if args.unfuse:
         if args.rules or args.benchmark:
             raise FusionError("--unfuse takes no --rules or --benchmark")
@@ -324,7 +333,8 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
     else:
         with progress.stage("fusing"):
             result = fuse(symbol, arg, aux, rules=rules, mode=args.mode, input_shapes=shapes,
-                          self_check=args.self_check, precision=precision, force=True, device=args.device)
+                          self_check=args.self_check, precision=precision, force=True, device=args.device,
+                          max_memory=budget)
     report = result.report
     _warn_miscomputed(report)
     if not rtol_given:          # an AMP-converted model is fused as precision='bf16' (fusion/precision/policy.py)
@@ -334,7 +344,7 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
     if args.verify:
         from ..check.verify import verify
         with progress.stage("verifying"):
-            v = verify((symbol, arg, aux), result, input_shapes=shapes, inputs=inputs)
+            v = verify((symbol, arg, aux), result, input_shapes=shapes, inputs=inputs, max_memory=budget)
         report.extra["verify"] = v.to_dict(args.rtol)
         if not v.ok(args.rtol):
             status = 1
@@ -347,7 +357,10 @@ def _run(args: argparse.Namespace, published: List[str]) -> int:
         print("mxfuse: warning: %s" % why, file=sys.stderr)
     elif args.benchmark and status == 0:
         with progress.stage("benchmarking"):
-            report.extra["benchmark"] = _benchmark(symbol, arg, aux, result, shapes, args.repeats)
+            noted = len(budget.notes)
+            report.extra["benchmark"] = _benchmark(symbol, arg, aux, result, shapes, args.repeats, budget)
+            report.notes.extend(budget.notes[noted:])
+    report.extra["memory"] = budget.to_dict()
     chatter = _chatter_of_mxnet()
     if chatter:     # what MXNet printed while shapes were probed: kept out of stdout, counted here
         report.extra["mxnet_stdout"] = chatter
@@ -501,11 +514,29 @@ def _export_onnx(result, shapes, path: str, options: dict) -> str:
     return str(v)
 
 
-def _benchmark(symbol, arg, aux, result, shapes, repeats: int) -> dict:
+def _plan_checks(args: argparse.Namespace, symbol, arg, aux, shapes: dict, budget) -> None:
+    """The memory plans of --verify and --benchmark from the original model's shapes, before anything
+    runs: where even the smallest would not fit, the one-line error (exit status 2) comes now, not
+    after fusing.  (The self-check plans each rewrite as it comes: fusion/engine/selfcheck.py.)"""
+    import dataclasses
+
+    if not shapes or budget.limit is None:
+        return
+    scratch = dataclasses.replace(budget, notes=[], estimates={})
+    if args.verify:
+        from ..check.verify import verify_plan
+        verify_plan((symbol, arg, aux), shapes, scratch)
+    if args.benchmark and not args.unfuse:
+        from ..check.bench import benchmark_plan
+        benchmark_plan(symbol, arg, aux, None, shapes, scratch)
+
+
+def _benchmark(symbol, arg, aux, result, shapes, repeats: int, budget=None) -> dict:
     from ..check.bench import benchmark
     from ..check.verify import random_inputs
 
-    figures = benchmark(symbol, arg, aux, result, random_inputs(symbol, arg, shapes), repeats)
+    figures = benchmark(symbol, arg, aux, result, random_inputs(symbol, arg, shapes), repeats, warmup=min(3, repeats),
+                        max_memory=budget)
     progress.benchmark_warnings(figures)
     return figures
 

@@ -115,12 +115,18 @@ def _sizes_kept(shapes: Mapping[Entry, Shape], among: Optional[Mapping[Entry, Sh
 
 
 def infer(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[str, str]] = None,
-          complete: bool = False) -> Tuple[Dict[Entry, Shape], Dict[Entry, str]]:
+          complete: bool = False, guard: bool = False) -> Tuple[Dict[Entry, Shape], Dict[Entry, str]]:
     """(shape, dtype) of every value MXNet can infer, given variables' shapes (and dtypes) by name.
 
     With ``complete``, an empty result unless every value's shape is known.  Library ops
     are inferred only when every variable's shape is given: MXNet 1.9.1's wrapper around a
     library op's shape function overruns a buffer when an input shape is unknown.
+
+    ``guard``: shapes smaller than the user's (the self-check's small probes).  A reshape that
+    infers a size by division (``reshape_divides``) is then computed first (``reshape_output``,
+    the graph inferred in runs between such reshapes), and the shapes are refused (no facts)
+    where it would infer a size of 0: MXNet 1.9.1 would divide by it in a later reshape, a crash
+    rather than an error.  Every variable's shape must be given.
     """
     try:
         view = _view(graph)
@@ -137,11 +143,12 @@ def infer(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[st
             missing = True
         if dtypes and name in dtypes:
             known_t["__n%d" % i] = dtypes[name]
-    if missing and (complete or view.has_library_ops):
+    guard = guard and _divides_sizes(graph)
+    if missing and (complete or view.has_library_ops or guard):
         return {}, {}
     entries = view.entries
-    if view.has_library_ops:
-        staged = _infer_staged(graph, shapes, dtypes)
+    if view.has_library_ops or guard:
+        staged = _infer_staged(graph, shapes, dtypes, guard)
         if staged is None:
             return {}, {}
         result, staged_types = staged
@@ -159,7 +166,7 @@ def infer(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[st
             for e in result) or not _sizes_kept(result)):
         return {}, {}       # partial inference does not report shapes that contradict the given ones
     types: Dict[Entry, str] = {}
-    if dtypes is not None and view.has_library_ops:
+    if dtypes is not None and (view.has_library_ops or guard):
         types = staged_types
     elif dtypes is not None:
         try:
@@ -172,12 +179,14 @@ def infer(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[st
     return result, types
 
 
-def _infer_staged(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[str, str]]
-                  ) -> Optional[Tuple[Dict[Entry, Shape], Dict[Entry, str]]]:
+def _infer_staged(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[str, str]],
+                  guard: bool = False) -> Optional[Tuple[Dict[Entry, Shape], Dict[Entry, str]]]:
     """``infer`` of a graph holding library ops, in stages: the stock ops before a library op, then
     the library op alone once each input's shape is known.  MXNet 1.9.1's wrapper around a library
     op's shape function overruns a buffer (SIGSEGV, or bad_alloc) when an input's shape is
     unknown, which a stock op may leave so without an error (a where of branches of two shapes).
+    With ``guard``, also a stage before each reshape that infers a size by division, computed
+    first by ``reshape_output``: None where it would infer a size of 0 (see ``infer``).
     None when some value cannot be inferred: no facts."""
     result: Dict[Entry, Shape] = {}
     types: Dict[Entry, str] = {}
@@ -208,7 +217,8 @@ def _infer_staged(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Ma
         return True
 
     for nd in graph.nodes:
-        if not nd.op.startswith("fused_"):
+        divides = guard and reshape_divides(nd)
+        if not nd.op.startswith("fused_") and not divides:
             batch.append(nd)
             continue
         if not run(batch, before_library_op=True):
@@ -216,6 +226,12 @@ def _infer_staged(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Ma
         batch = []
         if any(e not in result for e in nd.inputs):
             return None         # an input of unknown shape would crash MXNet's wrapper
+        if divides:
+            if nd.op not in ("Reshape", "reshape") or reshape_output(
+                    result[nd.inputs[0]], tuple(nd.attrs.get("shape") or ()), bool(nd.param("reverse", False))) is None:
+                return None     # MXNet would infer a size of 0 here (then divide by it), or another dialect
+            batch.append(nd)    # MXNet infers it with what follows
+            continue
         if not run([nd]):
             return None
     if not run(batch):
@@ -340,10 +356,11 @@ def _alternate(v: int) -> int:
     return v + max(1, v // 4)
 
 
-def make_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: Mapping[str, Shape]
-                ) -> List[Tuple[ShapeDict, Optional[Dict[Entry, Shape]]]]:
+def make_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: Mapping[str, Shape],
+                guard: bool = False) -> List[Tuple[ShapeDict, Optional[Dict[Entry, Shape]]]]:
     """The user's input shapes, then up to three alternates the original graph accepts (see module
-    docs), each with the graph's shapes there when they were inferred to accept it."""
+    docs), each with the graph's shapes there when they were inferred to accept it (``guard``: around
+    shapes smaller than the user's, see ``infer``)."""
     # in name order, not graph order: a rewrite reorders the variables, and fuse(fuse(g)) must
     # decide at the same probes as fuse(g)
     data_names = sorted(nd.name for nd in graph.variables() if nd.name not in param_shapes and nd.name in input_shapes)
@@ -359,7 +376,7 @@ def make_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: M
         if probe == base:
             return False
         if key(probe) not in inferred:
-            inferred[key(probe)], _ = infer(graph, {**param_shapes, **probe}, complete=True)
+            inferred[key(probe)], _ = infer(graph, {**param_shapes, **probe}, complete=True, guard=guard)
         return bool(inferred[key(probe)])
 
     def resized(shapes: ShapeDict, new: Dict[int, int]) -> ShapeDict:
@@ -456,11 +473,13 @@ def small_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: 
     only the sizes no parameter has), at least ``SHRINK_TO``, where the original graph accepts it.
 
     The self-check runs a rewrite that is the same at every size (see ``selfcheck.size_free``) at
-    these instead of the user's sizes: a 480×480 segmentation model is checked at 64×64.
+    these instead of the user's sizes: a 480×480 segmentation model is checked at 64×64.  Where a
+    reshape divides sizes (``reshape_divides``: a detector's heads), a smaller size is taken only
+    where every such reshape divides exactly there (``infer(..., guard=True)``).
     Returns (probes with their inferred shapes, the smallest shrunk size), or ([], 0) when
-    nothing shrinks or the graph has a reshape that divides sizes (see ``_divides_sizes``)."""
+    nothing shrinks."""
     data_names = sorted(nd.name for nd in graph.variables() if nd.name not in param_shapes and nd.name in input_shapes)
-    if not data_names or _divides_sizes(graph):
+    if not data_names:
         return [], 0
     param_dims = {d for s in param_shapes.values() for d in s}
 
@@ -474,9 +493,9 @@ def small_probes(graph: Graph, param_shapes: Mapping[str, Shape], input_shapes: 
         small = shrunk(divisor, keep)
         if small == base:
             continue
-        if infer(graph, {**param_shapes, **small}, complete=True)[0]:
+        if infer(graph, {**param_shapes, **small}, complete=True, guard=True)[0]:
             smallest = min(d for n in data_names for d, b in zip(small[n][1:], base[n][1:]) if d != b)
-            probes = make_probes(graph, param_shapes, {**input_shapes, **small})
+            probes = make_probes(graph, param_shapes, {**input_shapes, **small}, guard=True)
             if len(probes) > 2 and all(probes[2][0][n][:1] != small[n][:1] for n in data_names if small[n]):
                 del probes[1]   # the sizes' alternate changes the batch too: one run fewer, the same sizes changed
             return probes, smallest

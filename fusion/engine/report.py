@@ -207,11 +207,16 @@ class FusionReport:
                     lines.append("    %d× %s  (at %s)" % (len(anchors), reason, _places(anchors)))
         c = self.self_check
         if c is not None:
-            line = "  self-check: %d rewrite(s) checked at %d input shape(s)" % (c.checked, max(1, len(c.probes)))
+            line = "  self-check: %d rewrite(s) checked%s" % (c.checked, " at %d input shape(s)" % len(c.probes)
+                                                            if c.probes else "")
             if c.checked:
                 line += ", worst relative error %.2g (%s)" % (c.worst_rel, c.worst_at)
-            if getattr(c, "size_free", 0):
-                line += "; %d of them at smaller input shapes only (they name no size)" % c.size_free
+            alone, smaller = getattr(c, "alone", 0), getattr(c, "alone_smaller", 0)
+            if getattr(c, "size_free", 0) > smaller:
+                line += "; %d of them at smaller input shapes only (they name no size)" % (c.size_free - smaller)
+            if alone:
+                line += "; %d of them on their own on drawn inputs%s" % (
+                    alone, " (%d at smaller shapes: they name no size)" % smaller if smaller else "")
             if c.sampled:
                 line += "; %d more identical in structure and shapes to checked ones" % c.sampled
             if c.refused:

@@ -44,6 +44,8 @@ from ..precision.policy import dtype_name
 from .inputs import SHAPE_ONLY, draw, input_domain
 
 TOLERANCE = 1e-4            # outputs: max|new − old| / max|old|
+# A rewrite checked on its own (drawn inputs) at sizes it names none of: sizes above this are shrunk
+ALONE_MIN = 8
 # Rewrites of one batch with the same structure, attributes and input shapes (a 100k-node graph
 # folds thousands of identical Conv→BN blocks) are checked up to this many at the user's shapes,
 # and this many at the other probe shapes; the report counts the rest as sampled.
@@ -75,7 +77,9 @@ class CheckStats:
     sampled: int = 0        # same structure and shapes as rewrites checked in the same batch
     refused: int = 0
     unchecked: int = 0
-    size_free: int = 0      # of those checked, checked at the small probes alone (see ``size_free``)
+    size_free: int = 0      # of those checked, checked at smaller shapes alone (see ``size_free``)
+    alone: int = 0          # of those checked, checked on their own on drawn inputs (``SelfCheck._alone``)
+    alone_smaller: int = 0  # of those, at smaller shapes of their own
     unchecked_reasons: Dict[str, int] = field(default_factory=dict)
     worst_rel: float = 0.0
     worst_at: str = ""
@@ -87,7 +91,8 @@ class CheckStats:
 
     def to_dict(self) -> Dict[str, Any]:
         return {"checked": self.checked, "sampled": self.sampled, "refused": self.refused, "unchecked": self.unchecked,
-                "checked_at_small_shapes": self.size_free,
+                "checked_at_small_shapes": self.size_free, "checked_alone": self.alone,
+                "checked_alone_at_smaller_shapes": self.alone_smaller,
                 "unchecked_reasons": dict(self.unchecked_reasons), "worst_rel": self.worst_rel,
                 "worst_at": self.worst_at, "probes": [{k: list(v) for k, v in p.items()} for p in self.probes]}
 
@@ -156,10 +161,12 @@ class _Side:
 
 
 class _Prepared:
-    def __init__(self, index: int, old: _Side, new: _Side, values: Dict[Entry, np.ndarray]):
+    def __init__(self, index: int, old: _Side, new: _Side, values: Dict[Entry, np.ndarray],
+                 shapes: Optional[Dict[Entry, tuple]] = None):
         self.index = index
         self.old, self.new = old, new
         self.values = values
+        self.shapes = shapes        # of every value of both sides, where known (the memory plan reads them)
 
 
 def _emit(side: _Side, tag: str, jnodes: List[dict], row_counts: List[int]) -> Tuple[List[list], Dict[str, Entry]]:
@@ -253,13 +260,19 @@ def compare(old: np.ndarray, new: np.ndarray) -> Tuple[float, Optional[str]]:
 class SelfCheck:
     """Checks candidates of the rewrite pass (see module docs); one per ``fuse()`` call."""
 
-    def __init__(self, ctx: Any, enabled: bool = True, seed: int = 0):
+    def __init__(self, ctx: Any, enabled: bool = True, seed: int = 0, budget: Any = None):
+        from .memory import budget as make_budget
+
         self.ctx = ctx
         self.enabled = enabled
         self.stats = CheckStats()
         self.seed = seed
         self.depends = DataDependence(ctx)
         self.reads_values = DataDependence(ctx, params=True)
+        #: the memory plan's budget (fusion/engine/memory.py); its notes say what was run smaller
+        self.budget = make_budget(budget)
+        self._names: Dict[int, str] = {}        # candidate index -> "rule at 'anchor'" (the batch being checked)
+        self._estimates: Dict[int, Any] = {}    # probe -> GraphMemory of the graph there
 
     # -- entry point -------------------------------------------------------------------
     def run(self, rule: Any, candidates: Sequence[Candidate]) -> List[Optional[str]]:
@@ -274,32 +287,38 @@ class SelfCheck:
             for _ in candidates:
                 self.stats.note_unchecked("no input shapes given")
             return reasons
+        signatures = [_signature(c, ctx) for c in candidates]
+        self._names = {i: "%s at '%s'" % (rule.name, c.match.anchor.name) for i, c in enumerate(candidates)}
+        passed, sampled, smaller = self._alone(rule, candidates, signatures)
+        rest = [i for i in range(len(candidates)) if i not in passed and i not in sampled]
+        if rest:
+            self._with_the_graph(rule, candidates, signatures, rest, reasons)
+        for i in passed:
+            self.stats.checked += 1
+            self.stats.alone += 1
+            if i in smaller:
+                self.stats.alone_smaller += 1
+                self.stats.size_free += 1
+        return reasons
+
+    def _with_the_graph(self, rule: Any, candidates: Sequence[Candidate], signatures: List[tuple],
+                        members_: List[int], reasons: List[Optional[str]]) -> None:
+        """Check ``members_`` on the graph's own values at its probes: a rewrite that names no size at the
+        small probes alone, the others at the user's."""
+        ctx = self.ctx
         probes = ctx.probes
         small, smallest = ctx.small_probes()
-        # a rewrite that names no size is checked at the small probes alone; the others at the user's
-        general = [bool(small) and size_free(c, ctx, smallest) for c in candidates]
-        schedule = [(len(probes) + k, k == 0, [i for i, g in enumerate(general) if g]) for k in range(len(small))]
-        schedule += [(p, p == 0, [i for i, g in enumerate(general) if not g]) for p in range(len(probes))]
-        checked = [False] * len(candidates)
-        signatures = [_signature(c, ctx) for c in candidates]
+        general = {i: bool(small) and size_free(candidates[i], ctx, smallest) for i in members_}
+        schedule = [(len(probes) + k, k == 0, [i for i in members_ if general[i]]) for k in range(len(small))]
+        schedule += [(p, p == 0, [i for i in members_ if not general[i]]) for p in range(len(probes))]
+        checked = {i: False for i in members_}
         for p, first, members in schedule:
             if not members:
                 continue
             shapes = ctx.probe_shapes(p)
             if shapes not in self.stats.probes:
                 self.stats.probes.append(shapes)
-            quota = MAX_PER_SIGNATURE if first else MAX_PER_SIGNATURE_AT_OTHER_SHAPES
-            seen: Dict[Any, int] = {}
-            chosen = []
-            for i in members:
-                if reasons[i] is not None:
-                    continue
-                seen[signatures[i]] = seen.get(signatures[i], 0) + 1
-                if seen[signatures[i]] > quota:
-                    if first:
-                        self.stats.sampled += 1
-                    continue
-                chosen.append(i)
+            chosen = self._sample(members, signatures, reasons, first)
             items = []
             for i, prepared in zip(chosen, self._prepare_all([(i, candidates[i]) for i in chosen], p)):
                 if isinstance(prepared, str):
@@ -309,23 +328,355 @@ class SelfCheck:
                 items.append(prepared)
             if not items:
                 continue
-            for i, reason, rel in self._run_group(items, p):
+            for i, reason, rel in self._run_planned(items, p, "at input shapes %s" % _fmt(shapes), first):
                 if reason is None:
                     checked[i] = True
-                    if rel > self.stats.worst_rel:
-                        self.stats.worst_rel = rel
-                        self.stats.worst_at = "%s at '%s'" % (rule.name, candidates[i].match.anchor.name)
+                    self._worst(rule, candidates[i], rel)
                 elif reason is not _UNCHECKED:
                     reasons[i] = "self-check%s: %s" % ("" if p == 0 else " at input shapes %s" % _fmt(shapes),
                                                       reason)
-        for i, ok in enumerate(checked):
+        for i, ok in checked.items():
             if reasons[i] is not None:
                 self.stats.refused += 1
             elif ok:
                 self.stats.checked += 1
                 if general[i]:
                     self.stats.size_free += 1
-        return reasons
+
+    def _sample(self, members: List[int], signatures: List[tuple], reasons: List[Optional[str]],
+                first: bool, count: bool = True) -> List[int]:
+        """``members`` but those past the quota of their signature (counted as sampled at the first probe)."""
+        quota = MAX_PER_SIGNATURE if first else MAX_PER_SIGNATURE_AT_OTHER_SHAPES
+        seen: Dict[Any, int] = {}
+        chosen = []
+        for i in members:
+            if reasons[i] is not None:
+                continue
+            seen[signatures[i]] = seen.get(signatures[i], 0) + 1
+            if seen[signatures[i]] > quota:
+                if first and count:
+                    self.stats.sampled += 1
+                continue
+            chosen.append(i)
+        return chosen
+
+    def _worst(self, rule: Any, c: Candidate, rel: float) -> None:
+        if rel > self.stats.worst_rel:
+            self.stats.worst_rel = rel
+            self.stats.worst_at = "%s at '%s'" % (rule.name, c.match.anchor.name)
+
+    # -- on their own ------------------------------------------------------------------
+    def _alone(self, rule: Any, candidates: Sequence[Candidate], signatures: List[tuple]):
+        """Check each candidate on its own — its subgraph and its replacement, nothing else of the
+        graph run — on drawn inputs, at its own shapes at each probe of the graph (``_alone_probes``:
+        smaller ones where it names no size).  Returns (the candidates that passed at every such
+        probe, those of them checked at smaller shapes).  The others (no such shapes, a value computed
+        from shapes alone, a mismatch) are checked on the graph's own values (``_with_the_graph``),
+        which decides: a mismatch on drawn inputs is not taken as the reason."""
+        ctx = self.ctx
+        sides = {}
+        plans: Dict[int, List[Dict[Entry, tuple]]] = {}
+        shrunk: set = set()
+        small_probes, smallest = ctx.small_probes()
+        for i, c in enumerate(candidates):
+            old, new = self._sides(c)
+            sides[i] = (old, new)
+            found = self._alone_probes(c, old, new)
+            if found is None:
+                continue
+            if not found[1] and small_probes and size_free(c, ctx, smallest) and \
+                    self._alone_bytes(found[0]) > self._small_probes_bytes():
+                continue        # at its own full shapes: the graph's small probes cost less
+            plans[i] = found[0]
+            if any(at is None for _, _, at in found[0]):
+                shrunk.add(i)
+        ok = {i: True for i in plans}
+        depth = max((len(v) for v in plans.values()), default=0)
+        never: List[Optional[str]] = [None] * len(candidates)
+        first_round = self._sample(sorted(plans), signatures, never, True, count=False)
+        past_quota = set(plans) - set(first_round)
+        for k in range(depth):
+            members = [i for i in sorted(plans) if ok[i] and len(plans[i]) > k and i not in past_quota]
+            chosen = self._sample(members, signatures, never, k == 0, count=False)
+            items = []
+            for i in chosen:
+                prepared = self._prepare_alone(i, candidates[i], *sides[i], plans[i][k], k)
+                if isinstance(prepared, str):
+                    ok[i] = False
+                    continue
+                items.append(prepared)
+            if not items:
+                continue
+            labels = {it.index: "on its own, its inputs' shapes %s" % plans[it.index][k][1] for it in items}
+            for i, reason, rel in self._run_planned(items, None, "on their own", k == 0, labels):
+                if reason is None:
+                    self._worst(rule, candidates[i], rel)
+                else:
+                    ok[i] = False
+        passed = {i for i in first_round if ok[i]}
+        # past the quota of their signature: taken as their checked twins are, where every one passed
+        failed_signatures = {signatures[i] for i in first_round if not ok[i]}
+        sampled = {i for i in past_quota if signatures[i] not in failed_signatures}
+        self.stats.sampled += len(sampled)
+        return passed, sampled, shrunk & passed
+
+    def _alone_probes(self, c: Candidate, old: _Side, new: _Side):
+        """(the shapes of every value of both sides at each probe it is checked at on its own, with a
+        label and the graph's probe where they are not shrunk; whether every one of them is smaller than
+        the graph's or has no size to shrink), or None where it cannot be
+        checked on its own: it reads a value computed from shapes alone (only the graph computes it),
+        or MXNet cannot infer its sides at such shapes.
+
+        At each probe of the graph, the shapes its inputs have there; where the rewrite names no size
+        above ``ALONE_MIN`` (``size_free``), every size above it that no parameter it reads has and no
+        attribute of the matched ops names is shrunk — to ``ALONE_MIN`` and on by rank (sizes equal
+        stay equal, different stay different and in order), else to a half, quarter or eighth —
+        where both sides still infer (their compared outputs of one shape)."""
+        ctx = self.ctx
+        created = {id(n) for n in c.created + c.new_extra}
+        params: Dict[Entry, tuple] = {}
+        data: List[Entry] = []
+        shape_only = False
+        for e in _unique(old.external + new.external):
+            if e.node.is_variable:
+                shape = ctx._param_shape(e.node.name)
+                if shape is not None:
+                    params[e] = tuple(int(d) for d in shape)
+                    continue
+            elif id(e.node) in created:
+                return None
+            elif not self.depends(e.node):
+                shape_only = True       # computed from the graph at its own probes: no shapes of our own
+            data.append(e)
+        if not data:
+            return None
+        pdims = {d for shape in params.values() for d in shape}
+        named: set = set()
+        for nd in list(c.match.nodes) + list(c.old_extra):
+            named |= _integers(nd.attrs.to_json())
+        may_shrink = not shape_only and size_free(c, ctx, ALONE_MIN + 1)
+        found, seen, smaller, small_already = [], set(), True, True
+        for p in range(len(ctx.probes)):
+            at: Dict[Entry, tuple] = {}
+            for e in data:
+                shape = ctx.probe_shapes(p).get(e.node.name) if e.node.is_variable else ctx._lookup(e, p, 0)
+                if shape is None:
+                    break
+                at[e] = tuple(int(d) for d in shape)
+            if len(at) < len(data):
+                if p == 0:
+                    return None
+                continue
+            free = sorted({d for shape in at.values() for d in shape
+                           if d > ALONE_MIN and d not in pdims and d not in named})
+            small_already = small_already and not free
+            free = free if may_shrink else []
+            maps: List[Dict[int, int]] = []
+            if free:
+                maps.append({d: ALONE_MIN + k for k, d in enumerate(free)})
+                maps += [{d: max(ALONE_MIN, d // q) for d in free} for q in (8, 4, 2)]
+            maps.append({})
+            shapes = None
+            for m in maps:
+                shapes = self._infer_alone(old, new, params, {e: tuple(m.get(d, d) for d in s) for e, s in at.items()})
+                if shapes is not None:
+                    break
+            if shapes is None:      # not even at the graph's shapes: the graph's check says why
+                return None
+            key = tuple(shapes[e] for e in data)
+            if key in seen:
+                continue
+            seen.add(key)
+            smaller = smaller and bool(m)
+            found.append((shapes, "; ".join(",".join(map(str, shapes[e])) for e in data[:3])
+                          + (" …" if len(data) > 3 else ""), None if m else p))
+        return (found, smaller or small_already) if found else None
+
+    def _alone_bytes(self, probes) -> int:
+        """What checking a candidate on its own at ``probes`` computes (bytes of every value, each probe)."""
+        from .memory import nbytes
+
+        return sum(nbytes(shape, self.ctx.dtype(e)) for shapes, _, _ in probes for e, shape in shapes.items()
+                   if not e.node.is_variable)
+
+    def _small_probes_bytes(self) -> int:
+        """What the graph's values at its small probes take to compute, where not computed yet."""
+        ctx = self.ctx
+        small, _ = ctx.small_probes()
+        total = 0
+        for k in range(len(small)):
+            p = len(ctx.probes) + k
+            if not ctx.memo.get(("selfcheck-activations", p)):
+                total += self._graph_estimate(p).all_values
+        return total
+
+    def _infer_alone(self, old: _Side, new: _Side, params: Dict[Entry, tuple], data: Dict[Entry, tuple]):
+        """The shapes of every value of both sides from their inputs' (None where MXNet does not infer
+        them all, or the compared outputs differ in shape); a library op inferred alone, every input known."""
+        from .facts import infer_nodes
+
+        shapes: Dict[Entry, tuple] = {**params, **data}
+        for side in (old, new):
+            batch: List[Node] = []
+            for nd in side.nodes + [None]:
+                if nd is not None and not nd.op.startswith("fused_"):
+                    batch.append(nd)
+                    continue
+                for run_now in ([batch] if batch else []) + ([[nd]] if nd is not None else []):
+                    got = infer_nodes(run_now, shapes)
+                    if got is None:
+                        return None
+                    shapes.update(got[0])
+                batch = []
+            if any(Entry(nd, k) not in shapes for nd in side.nodes for k in range(nd.num_outputs)):
+                return None
+        if any(shapes.get(a) != shapes.get(b) for a, b in zip(old.outputs, new.outputs)):
+            return None
+        return shapes
+
+    def _prepare_alone(self, i: int, c: Candidate, old: _Side, new: _Side, probe, k: int):
+        """A _Prepared of candidate ``i`` on its own at ``probe`` (shapes, label, the graph's probe where
+        they are its shapes there): parameters as they are, every other input drawn in the domain its
+        readers read it in."""
+        ctx = self.ctx
+        shapes, _, at = probe
+        if at is not None and ctx.probe_shapes(at) not in self.stats.probes:
+            self.stats.probes.append(ctx.probe_shapes(at))
+        created = {id(n) for n in c.created + c.new_extra}
+
+        def shape_of(e: Entry):
+            return None if id(e.node) in created else shapes.get(e)
+
+        rng = np.random.default_rng(self.seed + 7919 * i + 104723 * (k + 1))
+        values: Dict[Entry, Any] = {}
+        for e in _unique(old.external + new.external):
+            if e.node.is_variable:
+                v = ctx.array(e)
+                if v is not None:
+                    values[e] = v
+                    continue
+            elif not self.depends(e.node):      # from shapes alone: the graph's own value there
+                got = self._shape_values([e], at).get(e) if at is not None else None
+                if got is None or tuple(got.shape) != tuple(shapes.get(e) or ()):
+                    return "values computed from shapes could not be evaluated"
+                values[e] = got
+                continue
+            shape = shapes.get(e)
+            if shape is None:
+                return "the shape of '%s' is unknown" % e.node.name
+            dtype = (ctx.input_dtypes.get(e.node.name) if e.node.is_variable else None) or ctx.dtype(e) or "float32"
+            users = old.users_of_entry(e) + new.users_of_entry(e)
+            domain = input_domain(users, lambda n: old.users(n) + new.users(n), shape_of)
+            values[e] = draw(rng, tuple(shape), dtype, domain)
+        return _Prepared(i, old, new, values, shapes)
+
+    # -- the memory plan ----------------------------------------------------------------
+    def _item_bytes(self, it: _Prepared, p: Optional[int]) -> int:
+        """What running ``it`` side by side adds: its drawn inputs, and every value of both sides (kept
+        at once: an upper bound of what MXNet plans)."""
+        from .memory import nbytes
+
+        ctx = self.ctx
+        total = 0
+        for e, v in it.values.items():
+            if not e.node.is_variable or ctx.value(e) is None:
+                total += int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize if hasattr(v, "dtype") else 0
+        for side in (it.old, it.new):
+            for nd in side.nodes:
+                for k in range(nd.num_outputs):
+                    e = Entry(nd, k)
+                    shape = it.shapes.get(e) if it.shapes is not None else (
+                        ctx._lookup(e, p, 0) if p is not None and side is it.old else None)
+                    total += nbytes(shape, ctx.dtype(e) if side is it.old else None)
+        if it.shapes is None:       # the replacement's values: not inferred here, taken as the old side's
+            total += sum(nbytes(ctx._lookup(Entry(nd, k), p, 0)) for nd in it.old.nodes for k in range(nd.num_outputs)
+                         ) if p is not None else 0
+        return total
+
+    def _held(self) -> int:
+        """Bytes of the graph's values kept for later rules (each array once)."""
+        seen, total = set(), 0
+        for key, cache in self.ctx.memo.items():
+            if isinstance(key, tuple) and key and key[0] == "selfcheck-activations":
+                for v in cache.values():
+                    if v is not None and id(v) not in seen:
+                        seen.add(id(v))
+                        total += int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+        return total
+
+    def _drop_kept(self) -> None:
+        """Forget the graph's values kept for later rules (they are computed again where needed)."""
+        from .memory import release
+
+        for key in [k for k in self.ctx.memo if isinstance(k, tuple) and k and k[0] in (
+                "selfcheck-activations", "selfcheck-telling")]:
+            del self.ctx.memo[key]
+        release(collect=False)
+
+    def _run_planned(self, items: List[_Prepared], p: Optional[int], where: str, first: bool,
+                     labels: Optional[Dict[int, str]] = None):
+        """``_run_group`` of ``items`` in as few executors as the memory budget allows.  A rewrite that
+        does not fit alone is skipped at this probe (a note says so), or — at its first probe, where no
+        smaller plan is left — stops the run (``OverBudget``)."""
+        from .memory import fmt_bytes, release
+
+        budget = self.budget
+        need = [self._item_bytes(it, p) for it in items]
+        held = self._held()
+        room = None if budget.limit is None else budget.limit - held
+        if room is not None and held and sum(need) > room:
+            self._drop_kept()
+            held, room = 0, budget.limit
+        groups: List[List[_Prepared]] = []
+        chunk: List[_Prepared] = []
+        chunk_need = 0
+        for it, n in zip(items, need):
+            if room is not None and n > room:
+                at = (labels or {}).get(it.index, where)
+                if first:
+                    raise budget.refuse("selfcheck", n, "to run one rewrite, %s, beside what it replaces %s"
+                                        % (self._names.get(it.index, "?"), at))
+                budget.note("self-check: %s not run %s: it needs about %s, over the memory budget"
+                            % (self._names.get(it.index, "a rewrite"), at, fmt_bytes(n)))
+                continue
+            if chunk and room is not None and chunk_need + n > room:
+                groups.append(chunk)
+                chunk, chunk_need = [], 0
+            chunk.append(it)
+            chunk_need += n
+        if chunk:
+            groups.append(chunk)
+        if len(groups) > 1:
+            budget.note("self-check: rewrites run a few at a time (%s), not all in one MXNet executor, to stay "
+                        "within the memory budget" % where)
+        out = []
+        for g in groups:
+            out += self._run_group(g, p)
+            if len(groups) > 1 or budget.limit is not None and sum(need) > budget.limit // 4:
+                release(collect=False)
+        return out
+
+    def _graph_estimate(self, p: int):
+        """GraphMemory of the graph at probe ``p`` (made once per probe, from the graph as it is then)."""
+        from .memory import graph_memory
+
+        if p not in self._estimates:
+            ctx = self.ctx
+            ctx.graph.compact()
+            shapes, dtypes = {}, {}
+            for nd in ctx.graph.nodes:
+                for k in range(nd.num_outputs):
+                    e = Entry(nd, k)
+                    shape = ctx._lookup(e, p, 0) if not nd.is_variable else (
+                        ctx._param_shape(nd.name) or ctx.probe_shapes(p).get(nd.name))
+                    if shape is not None:
+                        shapes[e] = shape
+                    t = ctx.dtype(e)
+                    if t is not None:
+                        dtypes[e] = t
+            params = {nd.name for nd in ctx.graph.variables() if ctx._param_shape(nd.name) is not None}
+            self._estimates[p] = graph_memory(ctx.graph, shapes, dtypes, params)
+        return self._estimates[p]
 
     # -- inputs ------------------------------------------------------------------------
     def _shape_at(self, p: int):
@@ -422,13 +773,46 @@ class SelfCheck:
         cache = ctx.memo.setdefault(("selfcheck-activations", p), {})
         missing = [e for e in entries if e not in cache]
         if missing:
-            if p >= len(ctx.probes):     # a small probe: every value at once, for every later rule too
+            every = self._value_plan(missing, p)
+            if every is None:        # over the budget: the candidates read drawn inputs here
+                return {e: cache.get(e) for e in entries}
+            if every:                # a small probe: every value at once, for every later rule too
                 missing = _unique(missing + [Entry(nd, k) for nd in ctx.graph.nodes if not nd.is_variable
                                              for k in range(nd.num_outputs) if Entry(nd, k) not in cache])
             got = self._evaluate(missing, p)
+            cache = ctx.memo.setdefault(("selfcheck-activations", p), {})     # (dropped by the plan?)
             for e in missing:
                 cache[e] = None if got is None else got[e]
         return {e: cache[e] for e in entries}
+
+    def _value_plan(self, missing: List[Entry], p: int) -> Optional[bool]:
+        """How the graph's values at probe ``p`` are computed within the memory budget: True, every value
+        at once, kept for later rules (a small probe, where it fits); False, ``missing`` alone; None, not
+        at all (one run of the graph there would not fit: the candidates read drawn inputs, a note says so)."""
+        from .memory import fmt_bytes, nbytes
+
+        ctx, budget = self.ctx, self.budget
+        est = self._graph_estimate(p)
+        run = est.run()
+        want = sum(est.values.get(e, nbytes(ctx._lookup(e, p, 0), ctx.dtype(e))) for e in missing)
+        small = p >= len(ctx.probes)
+        budget.estimates.setdefault("self-check", {})["one run of the graph at %s" % _fmt(ctx.probe_shapes(p))] = run
+        for attempt in range(2):
+            held = self._held()
+            if small and budget.allows(held + run + est.all_values):
+                return True
+            if budget.allows(held + run + want):
+                if small:
+                    budget.note("self-check: the graph's values at input shapes %s computed for each rule, not kept "
+                                "for the next (all of them take about %s)" % (_fmt(ctx.probe_shapes(p)),
+                                                                             fmt_bytes(est.all_values)))
+                return False
+            if attempt == 0 and held:
+                self._drop_kept()       # the values kept at other probes go first
+        budget.note("self-check: the graph's own values at input shapes %s not computed (one run of the graph there "
+                    "needs about %s, over the memory budget of %s): the rewrites checked there read drawn inputs"
+                    % (_fmt(ctx.probe_shapes(p)), fmt_bytes(run + want), fmt_bytes(budget.limit or 0)))
+        return None
 
     def _telling(self, e: Entry, value: Any, p: int) -> bool:
         """``_telling`` of the graph's value of ``e`` at probe ``p``, decided once."""
@@ -446,27 +830,63 @@ class SelfCheck:
                     if new not in cache and cache.get(old) is not None:
                         cache[new] = cache[old]
 
-    def _evaluate(self, entries: List[Entry], p: int) -> Optional[Dict[Entry, Any]]:
+    def _shape_values(self, entries: List[Entry], p: int) -> Dict[Entry, Any]:
+        """The values of ``entries`` — computed from shapes and parameters alone (a causal mask, anchors
+        laid over a feature map) — at probe ``p``, kept for later rules; None where MXNet cannot."""
+        cache = self.ctx.memo.setdefault(("selfcheck-shape-values", p), {})
+        missing = [e for e in entries if e not in cache]
+        if missing:
+            got = self._evaluate(missing, p, shapes_only=True)
+            for e in missing:
+                cache[e] = None if got is None else got[e]
+        return {e: cache[e] for e in entries}
+
+    def _evaluate(self, entries: List[Entry], p: int, shapes_only: bool = False) -> Optional[Dict[Entry, Any]]:
         """The values of ``entries`` computed by MXNet from the graph at probe ``p``, on the data inputs
-        of ``_data``: one run of the graph for every value the candidates of a rule read."""
+        of ``_data``: one run of the graph for every value the candidates of a rule read.  With
+        ``shapes_only`` (values computed from shapes and parameters alone): every input that an op reads
+        only for its shape (``SHAPE_ONLY``) is fed zeros of that shape instead, so that nothing before
+        it runs (anchors over a feature map without the backbone that computes it)."""
         import mxnet as mx
 
         from ..native.env import subgraph_backend
 
         ctx = self.ctx
-        data = self._data(p)
+        data = self._data(p) if not shapes_only else {}
         graph = ctx.graph
         graph.compact()
         spec = graph.to_json()
         spec["heads"] = [[int(e.node.pos), e.index, 0] for e in entries]
+        zeros: Dict[str, Any] = {}
+        if shapes_only:
+            cuts = [(i, k, e) for i, nd in enumerate(graph.nodes) for k, e in enumerate(nd.inputs)
+                    if (nd.op, k) in SHAPE_ONLY and not e.node.is_variable]
+            n = len(cuts)
+            front = []
+            for j, (_, _, e) in enumerate(cuts):
+                shape = ctx._lookup(e, p, 0)
+                if shape is None:
+                    return None
+                front.append({"op": "null", "name": "__selfcheck_shape_%d" % j, "inputs": []})
+                zeros["__selfcheck_shape_%d" % j] = mx.nd.zeros(shape, dtype=ctx.dtype(e) or "float32")
+            for jn in spec["nodes"]:
+                jn["inputs"] = [[r[0] + n, r[1], r[2]] for r in jn["inputs"]]
+            for j, (i, k, _) in enumerate(cuts):
+                spec["nodes"][i]["inputs"][k] = [j, 0, 0]
+            spec["nodes"] = front + spec["nodes"]
+            spec["arg_nodes"] = list(range(n)) + [a + n for a in spec["arg_nodes"]]
+            spec["node_row_ptr"] = list(range(n)) + [r + n for r in spec["node_row_ptr"]]
+            spec["heads"] = [[h[0] + n, h[1], h[2]] for h in spec["heads"]]
         try:
             sym = mx.sym.load_json(json.dumps(spec))
             by_name = {nd.name: nd for nd in graph.variables()}
             feed = {}
             for name in sym.list_arguments() + sym.list_auxiliary_states():
-                v = ctx.array(Entry(by_name[name]))
+                v = zeros[name] if name in zeros else ctx.array(Entry(by_name[name]))
                 if v is None:
                     v = data.get(name)
+                if v is None and shapes_only:       # a data input read for more than its shape: not computable so
+                    return None
                 if v is None:
                     return None
                 feed[name] = v
@@ -478,6 +898,7 @@ class SelfCheck:
             outs = exe.forward(is_train=False)
             for o in outs:      # kept as NDArrays: bound as they are, no copy to NumPy and back
                 o.wait_to_read()
+            del exe             # its storage goes now: only the values kept stay
         except Exception:       # MXNet cannot run the graph here: the candidates' inputs are drawn
             return None
         return dict(zip(entries, outs))
@@ -495,7 +916,7 @@ class SelfCheck:
             try:
                 self._run_one_side(it, "old")
             except Exception:       # the matched subgraph alone does not run here: nothing to compare with
-                if p == 0:
+                if p == 0 and p is not None:
                     self.stats.note_unchecked("the matched subgraph does not run alone")
                 return [(it.index, _UNCHECKED, 0.0)]
             return [(it.index, "the replacement fails to run: %s" % _first_line(str(e)), 0.0)]
@@ -744,14 +1165,44 @@ def _telling(a: np.ndarray) -> bool:
 _NUMBER = re.compile(r"-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?")
 
 
+#: In an attribute holding a JSON program (fused_region's: its README in cuda_kernels/fused_region/), the
+#: keys whose integers are places in the program — a value's index ("in", a post step's "add"/"mul"
+#: operand), a parameter's slot, the outputs — or its version and parameter shapes, not sizes.
+REFERENCE_KEYS = frozenset({"in", "add", "mul", "weight", "bias", "gamma", "beta", "mean", "var", "outputs",
+                            "version", "params"})
+
+
 def _integers(attrs: Dict[str, str]) -> set:
-    """The integers an op's attributes (as MXNet writes them) name; decimals and exponents skipped."""
+    """The integers an op's attributes (as MXNet writes them) name; decimals and exponents skipped, and in
+    a JSON program those under ``REFERENCE_KEYS`` (indices, not sizes)."""
     out = set()
     for v in attrs.values():
-        for tok in _NUMBER.findall(str(v)):
+        text = str(v)
+        if text[:1] in "{[":
+            try:
+                out |= _json_integers(json.loads(text))
+                continue
+            except ValueError:      # not JSON: read as text
+                pass
+        for tok in _NUMBER.findall(text):
             if "." not in tok and "e" not in tok.lower():
                 out.add(abs(int(tok)))
     return out
+
+
+def _json_integers(value: Any) -> set:
+    if isinstance(value, bool) or value is None:
+        return set()
+    if isinstance(value, int):
+        return {abs(value)}
+    if isinstance(value, list):
+        return set().union(*(_json_integers(v) for v in value)) if value else set()
+    if isinstance(value, dict):
+        return set().union(*(_json_integers(v) for k, v in value.items() if k not in REFERENCE_KEYS)) \
+            if value else set()
+    if isinstance(value, str):
+        return _integers({"": value})
+    return set()        # floats: not sizes
 
 
 def size_free(c: Candidate, ctx: Any, smallest: int) -> bool:
