@@ -180,6 +180,7 @@ def plain(prefix: str, shape, runs: int, cap_kib: int) -> dict:
 
 
 _STAGE = re.compile(r"mxfuse: (fusing|verifying|benchmarking) done in ([0-9.]+) s")
+_PEAK = re.compile(r"mxfuse: (fusing|verifying|benchmarking) done in .*; peak memory so far ([0-9.]+ [KMG]iB)\)")
 
 
 def mxfuse(prefix: str, shape, repeats: int, cap_kib: int, checkout: str, outdir: str, extra) -> dict:
@@ -190,6 +191,7 @@ def mxfuse(prefix: str, shape, repeats: int, cap_kib: int, checkout: str, outdir
     env = dict(os.environ, PYTHONPATH=checkout + os.pathsep + os.environ.get("PYTHONPATH", ""))
     m = _measured_env(cmd, cap_kib, env, checkout)
     m["stages"] = {stage: float(s) for stage, s in _STAGE.findall(m["stderr"])}
+    m["peaks"] = dict(_PEAK.findall(m["stderr"]))      # the process's peak so far, at the end of each stage
     m["error"] = next((line for line in m["stderr"].splitlines() if line.startswith("mxfuse: error")), None)
     if m["rc"] == 0 and os.path.exists(report):
         with open(report) as f:
@@ -236,8 +238,11 @@ def row(name: str, shape, p: dict, f: dict) -> str:
     st = f["stages"]
     both = ((f.get("original_ms") or 0) + (f.get("fused_ms") or 0)) / 1e3
     ratio = st.get("verifying", 0) / both if both else float("nan")
-    return left + " %s (%.1f×) | %.1f s | %.1f s (%.1f× one inference of both) | %.1f s | %.0f s |" % (
-        gib(f["peak_kib"]), f["peak_kib"] / max(1, p["peak_kib"]), st.get("fusing", float("nan")),
+    peaks = f.get("peaks") or {}
+    where = "; so far after %s" % ", ".join("%s %s" % (k, peaks[k]) for k in ("fusing", "verifying", "benchmarking")
+                                             if k in peaks) if peaks else ""
+    return left + " %s (%.1f×%s) | %.1f s | %.1f s (%.1f× one inference of both) | %.1f s | %.0f s |" % (
+        gib(f["peak_kib"]), f["peak_kib"] / max(1, p["peak_kib"]), where, st.get("fusing", float("nan")),
         st.get("verifying", float("nan")), ratio, st.get("benchmarking", float("nan")), f["wall_s"])
 
 

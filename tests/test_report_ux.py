@@ -214,7 +214,8 @@ def test_progress_on_a_pipe_only_with_verbose(tmp_model, tmp_path, capsys):
     mine = [ln for ln in err.splitlines() if ln.startswith("mxfuse: ")]
     assert [ln.split(" done in")[0] for ln in mine] == [
         "mxfuse: fusing...", "mxfuse: fusing", "mxfuse: verifying...", "mxfuse: verifying"], err
-    assert re.fullmatch(r"mxfuse: verifying done in \d+\.\d s \(\d+\.\d s in all\)", mine[-1])
+    assert re.fullmatch(r"mxfuse: verifying done in \d+\.\d s \(\d+\.\d s in all; peak memory so far "
+                        r"[\d.]+ [KMG]iB\)", mine[-1])
     code, _, err = run_cli(capsys, *argv, "--verbose", "--quiet")
     assert "mxfuse: fusing" not in err
 
@@ -236,7 +237,8 @@ def test_progress_redraws_one_line_on_a_terminal():
         progress.message("mxfuse: warning: spoken in the middle", stream)   # no session: plain line
     text = stream.getvalue()
     assert text.count("\rmxfuse: fusing... 0 s") >= 3, text              # redrawn while it runs
-    assert re.search(r"\rmxfuse: fusing done in 0\.\d s \(0\.\d s in all\)\n$", text), text
+    assert re.search(r"\rmxfuse: fusing done in 0\.\d s \(0\.\d s in all; peak memory so far [\d.]+ [KMG]iB\)\n$",
+                     text), text
 
 
 def test_progress_through_a_real_terminal(tmp_model, tmp_path):

@@ -70,12 +70,24 @@ class Stages:
                 self._ticker.join()
                 self._ticker = None
             now = time.perf_counter()
-            line = "mxfuse: %s %s in %.1f s (%.1f s in all)" % (
-                name, "done" if ok else "stopped", now - self._since, now - self.start)
+            line = "mxfuse: %s %s in %.1f s (%.1f s in all%s)" % (
+                name, "done" if ok else "stopped", now - self._since, now - self.start, _peak_memory())
             with self._lock:
                 self._current = None
                 self._write(("\r" + line.ljust(self._width) if self.tty else line) + "\n")
                 self._width = 0
+
+
+def _peak_memory() -> str:
+    """"; peak memory so far 1.2 GiB": the process's peak resident memory (VmHWM), where the system says."""
+    from ..engine.memory import fmt_bytes
+
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return ""
+    return "; peak memory so far %s" % fmt_bytes(kib * 1024)
 
 
 _active: List[Stages] = []

@@ -21,6 +21,14 @@ The inputs of a subgraph are the values it reads from the rest of the graph:
   ``where`` condition, integers in ``[0, n]`` for softmax lengths, valid indices for
   ``Embedding``/``take``, small integers for integer dtypes, N(0, 1) otherwise.
 
+A rewrite is first checked **on its own** (``SelfCheck._alone``): nothing else of the graph
+runs, its inputs are drawn as above (values computed from shapes alone are the graph's, computed
+without what computes the tensors whose shape they read), at its own shapes at each probe — at
+smaller ones where it names no size (``ALONE_MIN``).  One that does not pass there, or cannot be
+checked so, is checked on the graph's own values as described above, which decides.  What the
+check holds at once is planned against the memory budget (fusion/engine/memory.py): fewer
+candidates per executor, the graph's values not kept or not computed; a note says so.
+
 A rewrite that fails the check is refused with the mismatch as its reason.  One
 whose inputs' shapes are unknown (no input shapes were given) is not checked, and
 the report says how many were; the check is defence in depth, not a substitute for
@@ -369,10 +377,11 @@ class SelfCheck:
     def _alone(self, rule: Any, candidates: Sequence[Candidate], signatures: List[tuple]):
         """Check each candidate on its own — its subgraph and its replacement, nothing else of the
         graph run — on drawn inputs, at its own shapes at each probe of the graph (``_alone_probes``:
-        smaller ones where it names no size).  Returns (the candidates that passed at every such
-        probe, those of them checked at smaller shapes).  The others (no such shapes, a value computed
+        smaller ones where it names no size).  The others (no such shapes, a value computed
         from shapes alone, a mismatch) are checked on the graph's own values (``_with_the_graph``),
-        which decides: a mismatch on drawn inputs is not taken as the reason."""
+        which decides: a mismatch on drawn inputs is not taken as the reason.  Returns (the candidates
+        that passed at every such probe, those past the quota of their signature taken as their twins
+        that passed, those that passed at smaller shapes only)."""
         ctx = self.ctx
         sides = {}
         plans: Dict[int, List[Dict[Entry, tuple]]] = {}
@@ -388,7 +397,7 @@ class SelfCheck:
                     self._alone_bytes(found[0]) > self._small_probes_bytes():
                 continue        # at its own full shapes: the graph's small probes cost less
             plans[i] = found[0]
-            if any(at is None for _, _, at in found[0]):
+            if all(at is None for _, _, at in found[0]):
                 shrunk.add(i)
         ok = {i: True for i in plans}
         depth = max((len(v) for v in plans.values()), default=0)
