@@ -515,7 +515,10 @@ def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read:
                                "; %d op(s) AMP ran in bfloat16 stay MXNet's and now run in float32: %s"
                                % (len(left), ", ".join(left[:5]) + (" …" if len(left) > 5 else "")) if left else ""))
     amp = sorted({n.op for n in graph.op_nodes() if n.op in ("amp_cast", "amp_multicast")})
-    if amp and amp_read is None and amp_convs is None and report.precision != "float16":
+    # an amp_multicast alone (GluonCV's SSD box decoder matches dtypes with it in a float32 model) is no
+    # sign of AMP: a cast to a reduced dtype is
+    reduced = any(n.op == "amp_cast" and str(n.attrs.raw("dtype")) not in ("float32", "None") for n in graph.op_nodes())
+    if amp and reduced and amp_read is None and amp_convs is None and report.precision != "float16":
         report.notes.append("the graph was converted by MXNet's AMP (%s): the fused ops compute in float32 and "
                             "take no bfloat16/float16 values, so the reduced-precision parts stay MXNet's own "
                             "ops; for fused bfloat16 fuse the float32 model with precision='bf16' instead"

@@ -315,6 +315,10 @@ def read_amp(graph, arg_params: Dict, aux_params: Dict):
             return None
     # the ops AMP ran in bfloat16: those reading a cast to bfloat16 or a bfloat16 parameter
     bf16_params = {k for store in (arg_params, aux_params) for k, v in store.items() if is_bf16(v.dtype)}
+    if not bf16_params and not any(nd.op == "amp_cast" and str(nd.attrs.raw("dtype")) == BFLOAT16 for nd in casts):
+        # no bfloat16 anywhere: a float32 model that uses amp_multicast itself to match dtypes (GluonCV's
+        # SSD box decoder, cast_narrow=True) is not an AMP graph, and its precision stays float32
+        return None
     ran_bf16 = {(nd.name, nd.op) for nd in graph.op_nodes() if nd.op not in AMP_OPS and any(
         (e.node.op == "amp_cast" and e.node.attrs.raw("dtype") == BFLOAT16) or e.node.name in bf16_params
         for e in nd.inputs)}
