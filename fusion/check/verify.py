@@ -557,8 +557,9 @@ def verify_plan(original: Any, input_shapes: Mapping[str, Sequence[int]], budget
     # the original's outputs of every draw, one other model's, and compare()'s float64 copies of a pair
     kept = est0.outputs * (draws + 5) + est0.inputs * draws
     # a fused op's own buffers (a region's arena of the values inside it) are not values of the fused
-    # graph: it is taken as at least the original's size, whose values those are
-    one = max(est0.run(), est1.run() if est1 is not None else 0) + kept
+    # graph: it is taken as the original's size, whose values those are, and its edge copies
+    one = max(est0.run(), est0.run() + est1.own_buffers if est1 is not None else 0,
+              est1.run() if est1 is not None else 0) + kept
     shapes = ", ".join("%s=%s" % (k, ",".join(map(str, v))) for k, v in input_shapes.items())
     budget.estimates["verify"] = {"one_run": one, "one_run_with_the_backend": est0.run(True) + kept,
                                   "outputs_kept": kept}
