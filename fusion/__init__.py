@@ -10,10 +10,13 @@
 Importing ``fusion`` sets ``OMP_NUM_THREADS`` (to the core count) and
 ``MXNET_CPU_PARALLEL_SIZE`` when they are unset and mxnet is not imported
 yet: MXNet 1.9.1 otherwise runs on half the cores and slows down 1.3–4×
-after the first large NumPy conversion (see ``fusion/native/env.py``).
+after the first large NumPy conversion; and ``MXNET_CPU_TEMP_COPY`` to 1: MXNet
+otherwise keeps up to four copies of its largest temporary workspace once
+executors are bound one after another (see ``fusion/native/env.py``).
 """
 from .native import env as _env
 
+_env.configure_memory()
 _env.configure_threads()
 
 from .api import FusionResult, fuse, unfuse  # noqa: E402

@@ -136,8 +136,10 @@ def benchmark_plan(symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any], 
     names = [name for name, _, _ in SYSTEMS]
     if est0 is None:
         return [names]
-    est1 = est1 or est0
-    need = {name: (est0 if model == "original" else est1).run(on) for name, model, on in SYSTEMS}
+    # a fused op's own buffers (a region's arena of the values inside it) are not values of the fused
+    # graph: it is taken as the original's size, whose values those are, and its edge copies
+    need = {name: max(est0.run(on) + est1.own_buffers, est1.run(on)) if est1 is not None and model == "fused"
+            else est0.run(on) for name, model, on in SYSTEMS}
     inputs = est0.inputs
     budget.estimates["benchmark"] = {"all_four": sum(need.values()) + inputs,
                                      "one_pair": max(need["original"] + need["fused"],

@@ -389,10 +389,12 @@ def run(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any
 
 
 def run_many(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any],
-             feeds: Sequence[Mapping[str, np.ndarray]], ctx: Any = None, subgraph: bool = False) -> List[List[np.ndarray]]:
+             feeds: Sequence[Mapping[str, np.ndarray]], ctx: Any = None, subgraph: bool = False,
+             each: Optional[Any] = None) -> List[Any]:
     """``run`` on each of ``feeds`` (the same names and shapes) with one executor: bound once, its inputs
     copied in for each further feed — one bind and one first run (oneDNN's weight reorders, its
-    primitives made) for all of them."""
+    primitives made) for all of them.  The outputs of each feed, or what ``each(k, outputs)`` makes of
+    the ``k``-th (then the outputs are not kept)."""
     import mxnet as mx
 
     from ..native.env import subgraph_backend
@@ -407,8 +409,9 @@ def run_many(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str
                                       for k, v in first.items()})
     with subgraph_backend(subgraph):
         exe = bind(symbol, arg_params, aux_params, first, ctx)
-    outs = [[o.asnumpy() for o in exe.forward(is_train=False)]]
-    for feed in feeds[1:]:
+    got = [o.asnumpy() for o in exe.forward(is_train=False)]
+    outs = [got if each is None else each(0, got)]
+    for k, feed in enumerate(feeds[1:], 1):
         try:
             for name, value in feed.items():
                 if name in exe.arg_dict:
@@ -416,7 +419,8 @@ def run_many(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str
         except (mx.base.MXNetError, ValueError, TypeError):      # a dtype NDArray assignment does not take
             with subgraph_backend(subgraph):
                 exe = bind(symbol, arg_params, aux_params, feed, ctx)
-        outs.append([o.asnumpy() for o in exe.forward(is_train=False)])
+        got = [o.asnumpy() for o in exe.forward(is_train=False)]
+        outs.append(got if each is None else each(k, got))
     del exe
     return outs
 
@@ -444,14 +448,19 @@ def bind(symbol: Any, arg_params: Mapping[str, Any], aux_params: Mapping[str, An
     return symbol.bind(ctx, args, aux_states=aux, grad_req="null")
 
 
-def _run_or_say(symbol, arg, aux, feeds, what: str) -> List[List[np.ndarray]]:
-    """``run_many``, with MXNet's refusal as a one-line error (e.g. a float16 model on a CPU without fp16 GEMM)."""
+def _run_or_say(symbol, arg, aux, feeds, what: str, each: Any = None) -> List[Any]:
+    """``run_many`` (outputs as float32 values: bfloat16 compared as the values it holds), with MXNet's
+    refusal as a one-line error (e.g. a float16 model on a CPU without fp16 GEMM)."""
     import mxnet as mx
 
     from ..ir.graph import first_line
 
+    def as_values(k, outs):
+        values = [as_float32(o) for o in outs]
+        return values if each is None else each(k, values)
+
     try:
-        return [[as_float32(o) for o in outs] for outs in run_many(symbol, arg, aux, feeds)]   # bfloat16: as values
+        return run_many(symbol, arg, aux, feeds, each=as_values)
     except mx.base.MXNetError as e:
         raise FusionError("%s does not run on the verification inputs: %s" % (what, first_line(str(e)))) from None
 
@@ -529,10 +538,11 @@ def _merge(results: Sequence[VerifyResult]) -> VerifyResult:
 def verify_plan(original: Any, input_shapes: Mapping[str, Sequence[int]], budget: Any, fused: Any = None,
                 spread: bool = True, draws: int = DRAWS) -> bool:
     """verify's memory plan (fusion/engine/memory.py), decided from the inferred shapes before anything
-    runs: one executor alive at a time (each freed before the next is bound), the outputs of every
-    run kept.  Returns whether the original's own spread is measured too (its run with MXNet's oneDNN
-    backend on, which keeps a reordered copy of the weights besides); raises ``OverBudget`` where one
-    run of the original (or of ``fused``: without it, taken as the original's size) would not fit."""
+    runs: one executor alive at a time (each freed before the next is bound), the original's outputs
+    of every draw kept, the other models' compared as they come.  Returns whether the original's own
+    spread is measured too (its run with MXNet's oneDNN backend on, which keeps a reordered copy of
+    the weights besides); raises ``OverBudget`` where one run of the original (or of ``fused``:
+    without it, taken as the original's size) would not fit."""
     from ..engine.memory import fmt_bytes, model_memory
 
     sym0, arg0, aux0 = _unpack(original)
@@ -544,8 +554,12 @@ def verify_plan(original: Any, input_shapes: Mapping[str, Sequence[int]], budget
         sym1, arg1, aux1 = _unpack(fused)
         est1 = model_memory(sym1, arg1, aux1, {k: v for k, v in input_shapes.items() if k in sym1.list_arguments()},
                             input_dtypes(sym1, arg1, aux1))
-    kept = est0.outputs * draws * (3 if spread else 2) + est0.inputs * draws
-    one = max(est0.run(), est1.run() if est1 is not None else est0.run()) + kept
+    # the original's outputs of every draw, one other model's, and compare()'s float64 copies of a pair
+    kept = est0.outputs * (draws + 5) + est0.inputs * draws
+    # a fused op's own buffers (a region's arena of the values inside it) are not values of the fused
+    # graph: it is taken as the original's size, whose values those are, and its edge copies
+    one = max(est0.run(), est0.run() + est1.own_buffers if est1 is not None else 0,
+              est1.run() if est1 is not None else 0) + kept
     shapes = ", ".join("%s=%s" % (k, ",".join(map(str, v))) for k, v in input_shapes.items())
     budget.estimates["verify"] = {"one_run": one, "one_run_with_the_backend": est0.run(True) + kept,
                                   "outputs_kept": kept}
@@ -598,30 +612,31 @@ def verify(original: Any, fused: Any, params: Any = None, input_shapes: Optional
     fused_args = set(sym1.list_arguments())
     names = sym0.list_outputs()
     layouts = row_layouts(sym0, arg0, aux0, {k: v.shape for k, v in draws[0].items()})
-    results, refs, positional, spreads, moved, positional_per_output = [], [], [], [], {}, {}
-    # one executor at a time, each bound once for every draw; its storage handed back before the next
-    refs_all = _run_or_say(sym0, arg0, aux0, draws, "the original model")
+    results, positional, spreads, moved, positional_per_output = [], [], [], {}, {}
+    # one executor at a time, each bound once for every draw and its storage handed back before the next;
+    # the original's outputs kept, each other model's compared as it comes and dropped
+    refs = _run_or_say(sym0, arg0, aux0, draws, "the original model")
     release()
-    outs_all = _run_or_say(sym1, arg1, aux1, [{k: v for k, v in feed.items() if k in fused_args} for feed in draws],
-                           "the fused model")
-    release()
-    owns_all = _original_with_backend(sym0, arg0, aux0, draws) if spread else None
-    release()
-    for d, feed in enumerate(draws):
-        ref, out = refs_all[d], outs_all[d]
+
+    def take_fused(d: int, out: List[np.ndarray]) -> None:
+        ref = refs[d]
         aligned, moved_now = align_rows(ref, out, layouts)
         results.append(compare(ref, aligned, names))
         if layouts:
             by_place = compare(ref, out, names)
             positional.append(by_place.max_rel)
             for i in layouts:
-                result_i = by_place.per_output[i][2]
-                positional_per_output[i] = max(positional_per_output.get(i, 0.0), result_i)
+                positional_per_output[i] = max(positional_per_output.get(i, 0.0), by_place.per_output[i][2])
         for i, n in moved_now.items():
             moved[i] = max(moved.get(i, 0), n)
-        if owns_all is not None:
-            spreads.append(compare(ref, align_rows(ref, owns_all[d], layouts)[0], names))
-        refs.append(ref)
+
+    _run_or_say(sym1, arg1, aux1, [{k: v for k, v in feed.items() if k in fused_args} for feed in draws],
+                "the fused model", take_fused)
+    release()
+    if spread:
+        _original_with_backend(sym0, arg0, aux0, draws, lambda d, own: spreads.append(
+            compare(refs[d], align_rows(refs[d], own, layouts)[0], names)))
+        release()
     result = _merge(results)
     result.memory_notes = budget.notes[noted:]
     if not result.ok():
@@ -683,17 +698,17 @@ def _backend_aborts(symbol) -> bool:
     return False
 
 
-def _original_with_backend(symbol, arg, aux, feeds) -> Optional[List[List[np.ndarray]]]:
-    """The original's outputs on each of ``feeds`` as MXNet's default bind computes them (oneDNN
-    subgraph backend on); None where MXNet cannot run it so."""
+def _original_with_backend(symbol, arg, aux, feeds, each) -> None:
+    """``each(k, outputs)`` of the original on each of ``feeds`` as MXNet's default bind computes them
+    (oneDNN subgraph backend on); nothing where MXNet cannot run it so."""
     import mxnet as mx
 
     from ..native.env import quiet_native_stderr
 
     if _backend_aborts(symbol):
-        return None
+        return
     try:
         with quiet_native_stderr():            # MXNet's INFO line on binding with the backend
-            return [[as_float32(o) for o in outs] for outs in run_many(symbol, arg, aux, feeds, subgraph=True)]
+            run_many(symbol, arg, aux, feeds, subgraph=True, each=lambda k, outs: each(k, [as_float32(o) for o in outs]))
     except mx.base.MXNetError:
-        return None
+        return

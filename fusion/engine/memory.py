@@ -41,6 +41,10 @@ DEFAULT_SHARE = 0.6         # of the memory available when the run starts
 EXECUTOR_FACTOR = 2.25      # MXNet's allocation of one inference executor over the graph's live peak
 REORDER_SHARE = 0.5         # oneDNN's weight reorders while an executor runs, as a share of the parameters
 MIB = 1 << 20
+#: Library ops that keep their own buffers while an executor lives: fused_region holds the values inside
+#: it in an arena of its own (taken as the original's, which an estimate of the original counts) and its
+#: data inputs and outputs again in the layouts oneDNN chose (cuda_kernels/fused_region/README.md)
+OWN_LAYOUT_OPS = frozenset({"fused_region"})
 
 
 class OverBudget(FusionError):
@@ -234,11 +238,13 @@ class GraphMemory:
     live_peak: int = 0
     all_values: int = 0
     values: Dict[Entry, int] = field(default_factory=dict)
+    #: what ops holding their own buffers keep besides MXNet's plan (``OWN_LAYOUT_OPS``)
+    own_buffers: int = 0
 
     def run(self, subgraph: bool = False) -> int:
         """The estimated memory one bound executor adds while it runs (its parameters not counted:
         they are bound as they are)."""
-        return int(EXECUTOR_FACTOR * self.live_peak + self.inputs + self.outputs
+        return int(EXECUTOR_FACTOR * self.live_peak + self.inputs + self.outputs + self.own_buffers
                    + (REORDER_SHARE + (1.0 if subgraph else 0.0)) * self.params)
 
     def to_dict(self) -> Dict[str, int]:
@@ -272,6 +278,9 @@ def graph_memory(graph: Graph, shapes: Mapping[Entry, Sequence[int]], dtypes: Op
             out.values[e] = b
             out.all_values += b
             live += b
+        if nd.op in OWN_LAYOUT_OPS:     # its data inputs and outputs again, in its own layout
+            out.own_buffers += sum(out.values.get(Entry(nd, k), 0) for k in range(nd.num_outputs))
+            out.own_buffers += sum(out.values.get(e, 0) for e in nd.inputs if not e.node.is_variable)
         out.live_peak = max(out.live_peak, live)
         for e in set(nd.inputs):
             if last.get(e) == i and not e.node.is_variable and e not in heads:
