@@ -153,6 +153,28 @@ def test_fused_graph_bound_by_mxnet_is_bitwise_equal(mode, align_corners):
         assert all(bits_equal(a, b) for a, b in zip(ref, got)), mode
 
 
+def test_resize_of_a_region_holding_a_batchnorm_fuses():
+    """A fused_region that runs a BatchNorm reads its moving mean and variance, which MXNet's graph
+    lists as version 1 of their variables: the shapes after the region must still be known (the
+    resize was refused "input shape unknown" in ResidualAttentionNet's attention stages)."""
+    x = S.var("data")
+    pre = S.Activation(S.BatchNorm(x, fix_gamma=False, name="bn"), act_type="relu")
+    y = S.Activation(conv(pre, "c") + conv(pre, "c2"), act_type="relu")
+    sym = S.contrib.BilinearResize2D(y, height=14, width=10, name="r")
+    args = conv_params(["c", "c2"])
+    r = np.random.RandomState(3)
+    args.update({"bn_gamma": mx.nd.array(r.uniform(0.5, 1.5, 3)), "bn_beta": mx.nd.array(r.standard_normal(3))})
+    aux = {"bn_moving_mean": mx.nd.array(r.standard_normal(3)),
+           "bn_moving_var": mx.nd.array(r.uniform(0.5, 2, 3))}
+    res = fusion.fuse(sym, args, aux, input_shapes={"data": (1, 3, 9, 11)})
+    assert ops(res).get("fused_region") == 1, res.report.to_text(explain=True)
+    assert ops(res).get("fused_bilinear_resize") == 1, res.report.to_text(explain=True)
+    x = mx.nd.array(data((1, 3, 9, 11), 2))
+    ref = sym.bind(mx.cpu(), {**args, "data": x}, aux_states=aux).forward()[0].asnumpy()
+    got = res.symbol.bind(mx.cpu(), {**res.arg_params, "data": x}, aux_states=res.aux_params).forward()[0].asnumpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_unfuse_gives_back_the_stock_op():
     sym, args = head("like", False)
     shapes = {"data": (2, 3, 9, 11)}

@@ -224,7 +224,7 @@ def _infer_staged(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Ma
         if not run(batch, before_library_op=True):
             return None
         batch = []
-        if any(e not in result for e in nd.inputs):
+        if any(e not in result and Entry(e.node, e.index) not in result for e in nd.inputs):
             return None         # an input of unknown shape would crash MXNet's wrapper
         if divides:
             if nd.op not in ("Reshape", "reshape") or reshape_output(
@@ -298,6 +298,8 @@ def infer_nodes(nodes: Sequence[Node], known: Mapping[Entry, Shape], dtypes: Opt
                 continue
             if e not in variables:
                 s = known.get(e)
+                if s is None and e.version:     # an aux state is read as version 1 of its variable
+                    s = known.get(Entry(e.node, e.index))
                 if s is None and e.node.is_variable:   # a variable an earlier stage read too
                     s = (param_shapes or {}).get(e.node.name)
                 if s is None:
