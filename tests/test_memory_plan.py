@@ -187,12 +187,25 @@ def test_verify_leaves_out_the_backends_run_where_it_does_not_fit(tmp_path, caps
     assert code == 0 and "the original's own spread (its outputs with" in out, out
 
 
-def test_benchmark_binds_fewer_executors_at_once_where_four_do_not_fit(tmp_path, capsys):
-    sp, pp = save(tmp_path, dense_net(), {"data": (1, 1024)})
+def test_benchmark_binds_one_executor_at_a_time_where_a_pair_does_not_fit(tmp_path, capsys):
+    from fusion.check.bench import benchmark_plan
+    from fusion.engine.memory import Budget
+
+    sym, shapes = dense_net(), {"data": (1, 1024)}
+    args = {n: mx.nd.ones(s) for n, s in zip(sym.list_arguments(), sym.infer_shape(**shapes)[0]) if n != "data"}
+    budget = Budget(1 << 40, "test")
+    assert benchmark_plan(sym, args, {}, None, shapes, budget) == [["original", "fused"],
+                                                                  ["original_no_subgraph", "fused_no_subgraph"]]
+    pair, one = budget.estimates["benchmark"]["one_pair"], budget.estimates["benchmark"]["one"]
+    assert one < pair
+    sp, pp = save(tmp_path, sym, shapes)
     code, out, err = run_cli(capsys, sp, "--params", pp, "-o", tmp_path / "o" / "m", "--shape", "data=1,1024",
-                             "--benchmark", "--repeats", "2", "--max-memory", "30M")
+                             "--benchmark", "--repeats", "2")
+    assert code == 0 and "note: benchmark:" not in out, out           # the pairs: the usual plan
+    code, out, err = run_cli(capsys, sp, "--params", pp, "-o", tmp_path / "o2" / "m", "--shape", "data=1,1024",
+                             "--benchmark", "--repeats", "2", "--max-memory", str((one + pair) // 2))
     assert code == 0, err
-    assert "note: benchmark: one executor at a time" in out or "note: benchmark: timed in two rounds" in out, out
+    assert "note: benchmark: one executor at a time" in out, out
     assert "speed-up, like for like" in out
 
 

@@ -477,29 +477,45 @@ def compare(reference: Sequence[np.ndarray], candidate: Sequence[np.ndarray], na
     for i, (name, a, b) in enumerate(zip(names, reference, candidate)):
         if a.shape != b.shape:
             raise FusionError("output '%s' has shape %s after fusion, %s before" % (name, b.shape, a.shape))
-        a64, b64 = as_float32(a).astype(np.float64), as_float32(b).astype(np.float64)   # bfloat16: its values
-        fin_a, fin_b = np.isfinite(a64), np.isfinite(b64)
-        both = fin_a & fin_b
-        # a NaN/inf where the other is finite, or another NaN/inf (NaN vs inf, +inf vs -inf)
-        lost = int(np.count_nonzero(fin_a & ~fin_b))
-        gained = int(np.count_nonzero(~fin_a & fin_b))
-        other = ~fin_a & ~fin_b
-        changed = int(np.count_nonzero(other & ~((np.isnan(a64) & np.isnan(b64)) | (a64 == b64))))
+        lost, gained, changed, n_bad, abs_err, scale = _errors(a, b)
         if lost or gained or changed:
             result.nonfinite_mismatch.append((i, name, lost, gained, changed))
-        n_bad = int(np.count_nonzero(~fin_a))
         if n_bad:
             result.nonfinite_original.append((i, name, n_bad, a.size))
-        if both.any():
-            diff = np.abs(a64[both] - b64[both])
-            abs_err = float(diff.max())
-            scale = float(np.abs(a64[both]).max())
-            rel = abs_err / scale if scale > 0 else abs_err
-        else:
-            abs_err = rel = 0.0
+        rel = abs_err / scale if scale > 0 else abs_err
         result.per_output.append((name, abs_err, rel))
         result.max_abs, result.max_rel = max(result.max_abs, abs_err), max(result.max_rel, rel)
     return result
+
+
+#: elements compared at a time: the float64 copies of a block, not of a whole output (a segmentation
+#: model's 150×480×480 scores took 1.4 GB of temporaries at once)
+_BLOCK = 1 << 20
+
+
+def _errors(a: np.ndarray, b: np.ndarray) -> Tuple[int, int, int, int, float, float]:
+    """(finite in a only, finite in b only, other NaN/inf differing, non-finite in a, the largest
+    |a - b| where both are finite, the largest |a| there), in float64, block by block."""
+    fa, fb = as_float32(a).reshape(-1), as_float32(b).reshape(-1)   # bfloat16: its values
+    lost = gained = changed = n_bad = 0
+    abs_err = scale = 0.0
+    for start in range(0, fa.size, _BLOCK):
+        a64 = fa[start:start + _BLOCK].astype(np.float64)
+        b64 = fb[start:start + _BLOCK].astype(np.float64)
+        fin_a, fin_b = np.isfinite(a64), np.isfinite(b64)
+        # a NaN/inf where the other is finite, or another NaN/inf (NaN vs inf, +inf vs -inf)
+        lost += int(np.count_nonzero(fin_a & ~fin_b))
+        gained += int(np.count_nonzero(~fin_a & fin_b))
+        other = ~fin_a & ~fin_b
+        if other.any():
+            changed += int(np.count_nonzero(other & ~((np.isnan(a64) & np.isnan(b64)) | (a64 == b64))))
+        n_bad += int(np.count_nonzero(~fin_a))
+        both = fin_a & fin_b
+        if both.any():
+            x, y = a64[both], b64[both]
+            abs_err = max(abs_err, float(np.abs(x - y).max()))
+            scale = max(scale, float(np.abs(x).max()))
+    return lost, gained, changed, n_bad, abs_err, scale
 
 
 def _constant(draws: Sequence[np.ndarray]) -> bool:
