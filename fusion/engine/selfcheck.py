@@ -481,9 +481,12 @@ class SelfCheck:
             small_already = small_already and not free
             free = free if may_shrink else []
             maps: List[Dict[int, int]] = []
-            if free:
-                maps.append({d: ALONE_MIN + k for k, d in enumerate(free)})
-                maps += [{d: max(ALONE_MIN, d // q) for d in free} for q in (8, 4, 2)]
+            # then the sizes past the channel axis alone (H, W of NCHW): a channel count that a concat's
+            # parameters tie (2048 + 4·512 read by a 4096-channel convolution) keeps its size
+            trailing = [d for d in free if not any(len(s) > 2 and d in s[:2] for s in at.values())]
+            for sizes in [free] + ([trailing] if trailing and trailing != free else []):
+                maps.append({d: ALONE_MIN + k for k, d in enumerate(sizes)})
+                maps += [{d: max(ALONE_MIN, d // q) for d in sizes} for q in (8, 4, 2)]
             maps.append({})
             shapes = None
             for m in maps:
