@@ -24,7 +24,8 @@ The inputs of a subgraph are the values it reads from the rest of the graph:
 A rewrite is first checked **on its own** (``SelfCheck._alone``): nothing else of the graph
 runs, its inputs are drawn as above (values computed from shapes alone are the graph's, computed
 without what computes the tensors whose shape they read), at its own shapes at each probe — at
-smaller ones where it names no size (``ALONE_MIN``).  One that does not pass there, or cannot be
+smaller ones where it names no size (``ALONE_MIN``), at the first probe no smaller than where every tap
+of its convolutions' and poolings' windows still reads a value.  One that does not pass there, or cannot be
 checked so, is checked on the graph's own values as described above, which decides.  What the
 check holds at once is planned against the memory budget (fusion/engine/memory.py): fewer
 candidates per executor, the graph's values not kept or not computed; a note says so.
@@ -439,8 +440,12 @@ class SelfCheck:
         At each probe of the graph, the shapes its inputs have there; where the rewrite names no size
         above ``ALONE_MIN`` (``size_free``), every size above it that no parameter it reads has and no
         attribute of the matched ops names is shrunk — to ``ALONE_MIN`` and on by rank (sizes equal
-        stay equal, different stay different and in order), else to a half, quarter or eighth —
-        where both sides still infer (their compared outputs of one shape)."""
+        stay equal, different stay different and in order), else to a fraction (``_FRACTIONS``, smallest
+        first) — where both sides still infer (their compared outputs of one shape); where none does, the
+        same with the sizes past the channel axis alone (a channel count that a concatenation's
+        parameters tie keeps its size).  At the first probe the shapes taken are also ones where every
+        tap of every window of the matched ops (``_taps_read``) that the graph's shapes read is read:
+        a dilated convolution shrunk to a map smaller than its window reads its centre alone."""
         ctx = self.ctx
         created = {id(n) for n in c.created + c.new_extra}
         params: Dict[Entry, tuple] = {}
