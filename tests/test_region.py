@@ -862,3 +862,29 @@ def test_a_gate_of_its_own_input_with_another_constant_is_one_region():
     y = conv(relu(conv(y, "c1")), "c2")
     f = fuse_round_trip(y)
     assert f.graph.count_ops() == {"fused_region": 1}, f.text()
+
+
+@needs_op
+def test_a_wrong_dilation_is_refused_where_the_region_is_checked_at_smaller_shapes(monkeypatch):
+    """The region checked on its own at shapes smaller than the user's: after a stride of 4, its dilated
+    convolution's map at the smallest of them (8×8 in, 1×1 after a stride of 8) reads the centre tap alone,
+    where a program with the dilation wrong computes the same (it was fused so).  The shapes checked are the smallest where every tap
+    is read, and the self-check refuses the wrong program; the right one is fused."""
+    y = conv(relu(conv(relu(conv(S.var("data"), "c1", k=8, s=8, p=0)), "c2", d=2, p=2)), "c3")
+    shapes = {"data": (1, 8, 64, 64)}
+    arg, aux = random_params(y, shapes)
+    res = fusion.fuse(y, arg, aux, input_shapes=shapes, rules=["region"])
+    assert ops(res) == {"fused_region": 1}, res.report.to_text()
+    assert res.report.self_check.alone_smaller == 1, res.report.self_check
+
+    add = region.ProgramBuilder.add
+
+    def undilated(self, d):
+        if d.get("op") == "conv" and d.get("dilate") == [2, 2]:
+            d = dict(d, dilate=[1, 1], pad=[1, 1])      # the same shapes, the other taps elsewhere
+        return add(self, d)
+
+    monkeypatch.setattr(region.ProgramBuilder, "add", undilated)
+    res = fusion.fuse(y, arg, aux, input_shapes=shapes, rules=["region"])
+    assert "fused_region" not in ops(res), res.report.to_text()
+    assert "self-check" in " ".join(res.report.rules["region"].rejected.values())

@@ -118,3 +118,94 @@ def test_a_constant_value_of_the_graph_is_drawn_instead():
     res = fusion.fuse(sym, params(sym, shape), {}, rules=[ScaleByOnePercent()], input_shapes={"data": shape})
     assert res.report.fused_count == 0
     assert "self-check: output differs" in " ".join(res.report.rules["scale_by_one_percent"].rejected.values())
+
+
+# ---------------------------------------------------------------- on its own, at smaller shapes of its own
+
+class Undilate(Rule):
+    """Wrong: conv(conv(x, stride 8), 3×3, dilate 2, pad 2) → the second with dilate 1, pad 1: the same
+    shapes, the same centre tap; only the other taps differ."""
+    name = "undilate"
+    benefit = 1
+
+    def pattern(self):
+        return op.Convolution(op.Convolution(Var("x"), Var("w1"), Var("b1"), name="c1"), Var("w2"), Var("b2"),
+                              name="c2")
+
+    def check(self, m):
+        return None if tuple(m.node("c2").attrs["dilate"]) == (2, 2) else "not dilated"
+
+    def rewrite(self, m, b):
+        c1 = b.op("Convolution", [m["x"], m["w1"], m["b1"]], attrs=m.node("c1").attrs)
+        attrs = dict(m.node("c2").attrs.to_json(), dilate="(1, 1)", pad="(1, 1)")
+        return b.op("Convolution", [c1, m["w2"], m["b2"]], attrs=attrs, name=m.anchor.name)
+
+
+def test_a_window_checked_at_smaller_shapes_still_reads_every_tap():
+    """At its own smallest shapes (8×8 in, 1×1 after the stride) the dilated convolution reads its centre
+    tap alone and the wrong dilation would pass: the shapes it is checked at are the smallest where every
+    tap is read (as at the user's), and it is refused."""
+    shape = (1, 3, 64, 64)
+    x = S.var("data")
+    y = S.Convolution(x, num_filter=4, kernel=(8, 8), stride=(8, 8), name="c1")
+    y = S.Convolution(y, num_filter=4, kernel=(3, 3), pad=(2, 2), dilate=(2, 2), name="c2")
+    res = fusion.fuse(y, params(y, shape), {}, rules=[Undilate()], input_shapes={"data": shape})
+    assert res.report.fused_count == 0, res.report.to_text()
+    assert "self-check" in " ".join(res.report.rules["undilate"].rejected.values())
+
+
+def test_taps_read():
+    from fusion.engine.selfcheck import _taps_read
+    from fusion.ir.graph import Entry, Graph
+
+    x = S.var("data")
+    y = S.Convolution(x, num_filter=2, kernel=(3, 3), pad=(2, 2), dilate=(2, 2), no_bias=True, name="c")
+    g = Graph.from_symbol(y)
+    (c,) = [n for n in g.nodes if n.op == "Convolution"]
+
+    def taps(h, w):
+        return {t for _, t in _taps_read([c], {c.inputs[0]: (1, 3, h, w), Entry(c, 0): (1, 2, h, w)})}
+
+    assert taps(1, 1) == {(1, 1)}                          # the centre alone
+    assert taps(3, 1) == {(j, 1) for j in range(3)}        # pad 2, dilate 2: 3 rows read them all
+    assert taps(2, 2) == {(1, 1)}
+    assert len(taps(3, 3)) == 9
+
+
+class ConcatConv(Rule):
+    """conv(concat(a, b)) → the same ops again (right), or scaled by 1.01 (``wrong``)."""
+    benefit = 1
+
+    def __init__(self, wrong=False):
+        self.wrong = wrong
+        self.name = "concat_conv_wrong" if wrong else "concat_conv"
+
+    def pattern(self):
+        return op.Convolution(op.Concat(Var("a"), Var("b"), name="cat"), Var("w"), Var("bias"), name="c")
+
+    def check(self, m):
+        return None if m.anchor.name == "c" else "rewritten already"      # the rebuilt one has another name
+
+    def rewrite(self, m, b):
+        cat = b.op("Concat", [m["a"], m["b"]], attrs=m.node("cat").attrs)
+        y = b.op("Convolution", [cat, m["w"], m["bias"]], attrs=m.node("c").attrs)
+        if self.wrong:
+            y = b.op("_mul_scalar", [y], attrs={"scalar": 1.01})
+        return b.op("identity", [y], name=m.anchor.name + "_again")
+
+
+def test_sizes_past_the_channel_axis_shrink_where_the_channels_cannot():
+    """concat(a: 24 channels, b: 16) read by a 40-channel convolution (PSPNet's head: 2048 + 4·512 → 4096):
+    shrinking every size the parameters do not have breaks the concat's sum, so the sizes past the channel
+    axis shrink alone — checked on its own at smaller shapes, and a wrong rewrite still refused there."""
+    shapes = {"a": (1, 24, 48, 48), "b": (1, 16, 48, 48)}
+    y = S.Convolution(S.Concat(S.var("a"), S.var("b"), dim=1), num_filter=8, kernel=(3, 3), pad=(1, 1), name="c")
+    rng = np.random.default_rng(0)
+    arg_shapes, _, _ = y.infer_shape(**shapes)
+    arg = {n: mx.nd.array(rng.standard_normal(s)) for n, s in zip(y.list_arguments(), arg_shapes) if n not in shapes}
+    res = fusion.fuse(y, arg, {}, rules=[ConcatConv()], input_shapes=shapes)
+    c = res.report.self_check
+    assert res.report.fused_count == 1 and c.alone == 1 and c.alone_smaller == 1, (c, res.report.to_text())
+    res = fusion.fuse(y, arg, {}, rules=[ConcatConv(wrong=True)], input_shapes=shapes)
+    assert res.report.fused_count == 0
+    assert "self-check" in " ".join(res.report.rules["concat_conv_wrong"].rejected.values())

@@ -24,7 +24,8 @@ The inputs of a subgraph are the values it reads from the rest of the graph:
 A rewrite is first checked **on its own** (``SelfCheck._alone``): nothing else of the graph
 runs, its inputs are drawn as above (values computed from shapes alone are the graph's, computed
 without what computes the tensors whose shape they read), at its own shapes at each probe — at
-smaller ones where it names no size (``ALONE_MIN``).  One that does not pass there, or cannot be
+smaller ones where it names no size (``ALONE_MIN``), at the first probe no smaller than where every tap
+of its convolutions' and poolings' windows still reads a value.  One that does not pass there, or cannot be
 checked so, is checked on the graph's own values as described above, which decides.  What the
 check holds at once is planned against the memory budget (fusion/engine/memory.py): fewer
 candidates per executor, the graph's values not kept or not computed; a note says so.
@@ -439,8 +440,12 @@ class SelfCheck:
         At each probe of the graph, the shapes its inputs have there; where the rewrite names no size
         above ``ALONE_MIN`` (``size_free``), every size above it that no parameter it reads has and no
         attribute of the matched ops names is shrunk — to ``ALONE_MIN`` and on by rank (sizes equal
-        stay equal, different stay different and in order), else to a half, quarter or eighth —
-        where both sides still infer (their compared outputs of one shape)."""
+        stay equal, different stay different and in order), else to a fraction (``_FRACTIONS``, smallest
+        first) — where both sides still infer (their compared outputs of one shape); where none does, the
+        same with the sizes past the channel axis alone (a channel count that a concatenation's
+        parameters tie keeps its size).  At the first probe the shapes taken are also ones where every
+        tap of every window of the matched ops (``_taps_read``) that the graph's shapes read is read:
+        a dilated convolution shrunk to a map smaller than its window reads its centre alone."""
         ctx = self.ctx
         created = {id(n) for n in c.created + c.new_extra}
         params: Dict[Entry, tuple] = {}
@@ -465,6 +470,7 @@ class SelfCheck:
             named |= _integers(nd.attrs.to_json())
         may_shrink = not shape_only and size_free(c, ctx, ALONE_MIN + 1)
         found, seen, smaller, small_already = [], set(), True, True
+        windows = [nd for nd in old.nodes if nd.op in _WINDOWED]
         for p in range(len(ctx.probes)):
             at: Dict[Entry, tuple] = {}
             for e in data:
@@ -481,15 +487,26 @@ class SelfCheck:
             small_already = small_already and not free
             free = free if may_shrink else []
             maps: List[Dict[int, int]] = []
-            if free:
-                maps.append({d: ALONE_MIN + k for k, d in enumerate(free)})
-                maps += [{d: max(ALONE_MIN, d // q) for d in free} for q in (8, 4, 2)]
+            # then the sizes past the channel axis alone (H, W of NCHW): a channel count that a concat's
+            # parameters tie (2048 + 4·512 read by a 4096-channel convolution) keeps its size
+            trailing = [d for d in free if not any(len(s) > 2 and d in s[:2] for s in at.values())]
+            for sizes in [free] + ([trailing] if trailing and trailing != free else []):
+                maps.append({d: ALONE_MIN + k for k, d in enumerate(sizes)})
+                maps += [{d: max(ALONE_MIN, d * a // b) for d in sizes} for a, b in _FRACTIONS]
             maps.append({})
+            # at the first probe, every tap of every window (convolution, pooling) that the graph's shapes
+            # read is read at the shapes checked: a 3×3 convolution of dilation 36 on an 8×8 map reads
+            # its centre alone, and a wrong dilation would pass (the other probes check the batch)
+            taps = None
+            if p == 0 and windows and len(maps) > 1:
+                full = self._infer_alone(old, new, params, at)
+                taps = _taps_read(windows, full) if full is not None else None
             shapes = None
             for m in maps:
                 shapes = self._infer_alone(old, new, params, {e: tuple(m.get(d, d) for d in s) for e, s in at.items()})
-                if shapes is not None:
+                if shapes is not None and (not m or taps is None or taps <= _taps_read(windows, shapes)):
                     break
+                shapes = None
             if shapes is None:      # not even at the graph's shapes: the graph's check says why
                 return None
             key = tuple(shapes[e] for e in data)
@@ -1135,6 +1152,56 @@ def _arrays(sym: Any, feed: Dict[str, Any], written: Optional[set] = None):
         return mx.nd.array(v, dtype=v.dtype)
 
     return ({n: nd(n) for n in sym.list_arguments()}, {n: nd(n) for n in sym.list_auxiliary_states()})
+
+
+#: The shrunk sizes tried for a rewrite checked on its own (after ALONE_MIN and on by rank): d·a/b
+_FRACTIONS = ((1, 32), (1, 16), (1, 12), (1, 8), (1, 6), (1, 4), (1, 3), (1, 2), (2, 3), (3, 4))
+
+#: Ops that slide a window over the axes past the channel axis (NCHW)
+_WINDOWED = frozenset({"Convolution", "Pooling", "Deconvolution"})
+
+
+def _taps_read(nodes: Sequence[Node], shapes: Dict[Entry, tuple]) -> set:
+    """(node, tap) of every tap of the windows of ``nodes`` (``_WINDOWED``) that some output reads — a tap
+    reads a value of the input, not only padding — at ``shapes``.  A tap is a tuple of kernel positions,
+    one per spatial axis; a global pooling or a layout other than channel-first has none listed."""
+    out = set()
+    for nd in nodes:
+        a = nd.attrs
+        if nd.op == "Pooling" and a.get("global_pool"):
+            continue
+        layout = a.get("layout")
+        kernel = a.get("kernel") or ()
+        if not nd.inputs or not kernel or (layout is not None and layout not in ("NCW", "NCHW", "NCDHW")):
+            continue
+        x, y = shapes.get(nd.inputs[0]), shapes.get(Entry(nd, 0))
+        n = len(kernel)
+        if x is None or y is None or len(x) != n + 2 or len(y) != n + 2:
+            continue
+
+        def each(name: str, default: int) -> tuple:
+            v = a.get(name) or ()
+            return tuple(v) if len(v) == n else (default,) * n
+
+        stride, pad, dilate = each("stride", 1), each("pad", 0), each("dilate", 1)
+        per_axis = []
+        for ax in range(n):
+            size_in, size_out = x[2 + ax], y[2 + ax]
+            # Convolution/Pooling: output o reads input o·s − p + j·d; Deconvolution: input i writes output
+            # i·s − p + j·d (the same relation, the roles swapped)
+            moving, fixed = (size_in, size_out) if nd.op == "Deconvolution" else (size_out, size_in)
+            read = []
+            for j in range(kernel[ax]):
+                lo, hi = pad[ax] - j * dilate[ax], fixed - 1 + pad[ax] - j * dilate[ax]
+                first, last = max(0, -(-lo // stride[ax])), min(moving - 1, hi // stride[ax])
+                if first <= last:
+                    read.append(j)
+            per_axis.append(read)
+        taps = [()]
+        for read in per_axis:
+            taps = [t + (j,) for t in taps for j in read]
+        out |= {(id(nd), t) for t in taps}
+    return out
 
 
 def _unique(entries: Sequence[Entry]) -> List[Entry]:
