@@ -51,41 +51,58 @@ def piecewise(original: Any, arg0: Mapping[str, Any], aux0: Mapping[str, Any],
     """(outputs compared, NMS inputs compared field by field, the cut nodes' names, (cut, field) of each
     compared NMS input field) on one verification input, or None where the graphs share no NMS to
     cut at.  ``run`` and ``compare`` are verify's."""
+    got = piecewise_many(original, arg0, aux0, fused, arg1, aux1, [feed], names, layouts,
+                         lambda sym, arg, aux, feeds: [run(sym, arg, aux, f) for f in feeds], compare)
+    return None if got is None else got[0]
+
+
+def piecewise_many(original: Any, arg0: Mapping[str, Any], aux0: Mapping[str, Any],
+                   fused: Any, arg1: Mapping[str, Any], aux1: Mapping[str, Any],
+                   feeds: Sequence[Mapping[str, np.ndarray]], names: Sequence[str], layouts, run_many, compare
+                   ) -> Optional[List[Tuple[Any, Any, List[str], List[Tuple[str, str]]]]]:
+    """``piecewise`` on each of ``feeds``, each cut graph bound once for all of them (``run_many``:
+    verify's; a first run, oneDNN's primitives made and weights reordered, costs several later ones)."""
     g0, g1 = Graph.from_symbol(original), Graph.from_symbol(fused)
     cuts = cut_points(g0, g1)
     if not cuts:
         return None
     by_name0 = {nd.name: nd for nd in g0.nodes}
     g0.heads = list(g0.heads) + [by_name0[c].inputs[0] for c in cuts]
-    vals0 = run(g0.to_symbol(), arg0, aux0, feed)
-    out0, at_cuts = vals0[:len(names)], vals0[len(names):]
+    vals0 = run_many(g0.to_symbol(), arg0, aux0, feeds)
 
     by_name1 = {nd.name: nd for nd in g1.nodes}
     computed: List[Entry] = []
-    fed: Dict[str, np.ndarray] = {}
-    for c, value in zip(cuts, at_cuts):
+    cut_vars: List[str] = []
+    for c in cuts:
         nms = by_name1[c]
         computed.append(nms.inputs[0])
         var = Node("null", g1.unique_name(CUT_PREFIX + c))
         g1.nodes.insert(0, var)
         nms.inputs[0] = Entry(var)
-        fed[var.name] = value
+        cut_vars.append(var.name)
     g1.heads = list(g1.heads) + computed
     sym1 = g1.to_symbol()
     args1 = set(sym1.list_arguments())
-    feed1 = {k: v for k, v in feed.items() if k in args1}
-    feed1.update(fed)
-    vals1 = run(sym1, arg1, aux1, feed1)
-    out1, inputs1 = vals1[:len(names)], vals1[len(names):]
-    aligned, _ = align_rows(out0, out1, layouts)
-    refs, gots, fields = [], [], []
-    for c, ref, got in zip(cuts, at_cuts, inputs1):
-        for field, cols in nms_fields(by_name0[c], ref.shape[-1] if ref.ndim else 0):
-            refs.append(ref[..., cols])
-            gots.append(got[..., cols])
-            fields.append((c, field))
-    labels = ["the %s of %s's input" % (f, c) for c, f in fields]
-    return compare(out0, aligned, names), compare(refs, gots, labels), cuts, fields
+    feeds1 = []
+    for feed, vals in zip(feeds, vals0):
+        feed1 = {k: v for k, v in feed.items() if k in args1}
+        feed1.update(zip(cut_vars, vals[len(names):]))
+        feeds1.append(feed1)
+    vals1 = run_many(sym1, arg1, aux1, feeds1)
+    results = []
+    for v0, v1 in zip(vals0, vals1):
+        out0, at_cuts = v0[:len(names)], v0[len(names):]
+        out1, inputs1 = v1[:len(names)], v1[len(names):]
+        aligned, _ = align_rows(out0, out1, layouts)
+        refs, gots, fields = [], [], []
+        for c, ref, got in zip(cuts, at_cuts, inputs1):
+            for field, cols in nms_fields(by_name0[c], ref.shape[-1] if ref.ndim else 0):
+                refs.append(ref[..., cols])
+                gots.append(got[..., cols])
+                fields.append((c, field))
+        labels = ["the %s of %s's input" % (f, c) for c, f in fields]
+        results.append((compare(out0, aligned, names), compare(refs, gots, labels), cuts, fields))
+    return results
 
 
 def nms_fields(nms: Node, width: int) -> List[Tuple[str, Any]]:

@@ -674,16 +674,16 @@ def _try_piecewise(result: VerifyResult, original, fused, draws, names, layouts)
     of ``result`` (the whole comparison's kept in ``result.piecewise``)."""
     import mxnet as mx
 
-    from .cuts import piecewise
+    from .cuts import piecewise_many
 
     outs, cuts_cmp, cut_names, fields = [], [], None, []
-    for feed in draws:
-        try:
-            got = piecewise(*original, *fused, feed, names, layouts, run, compare)
-        except (FusionError, ValueError, KeyError, mx.base.MXNetError):
-            return        # a graph MXNet or the cut cannot take: the whole comparison stands
-        if got is None:
-            return
+    try:
+        per_draw = piecewise_many(*original, *fused, draws, names, layouts, run_many, compare)
+    except (FusionError, ValueError, KeyError, mx.base.MXNetError):
+        return        # a graph MXNet or the cut cannot take: the whole comparison stands
+    if per_draw is None:
+        return
+    for got in per_draw:
         outs.append(got[0])
         cuts_cmp.append(got[1])
         cut_names, fields = got[2], got[3]
