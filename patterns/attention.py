@@ -124,6 +124,9 @@ def _masked(s: Pattern) -> Pattern:
 
 def _probabilities(scores: Pattern) -> Pattern:
     p = op.softmax(_masked(_scaled(scores, "s_scale")), Var("length", optional=True), name="softmax")
+    # GluonNLP's masked softmax: softmax(where(m, s, c)) * m (the multiply either way round)
+    p = p.optional(lambda x: op.elemwise_mul(x, Var("pmask"), name="prob_mask")
+                   | op.broadcast_mul(x, Var("pmask"), name="prob_mask"))
     return p.optional(lambda x: op.Dropout(x, name="dropout"))
 
 
@@ -352,6 +355,10 @@ def _common_checks(m: Match) -> Optional[str]:
                 m["length"].node.name, dtype, "/".join(LENGTH_DTYPES))
     if m.has("mask_op") and m.has("length"):
         return "both a mask and softmax lengths: not supported together"
+    if m.has("prob_mask"):
+        reason = _probs_mask_reason(m)
+        if reason:
+            return reason
     if m.has("dropout"):
         dropout = m.node("dropout")
         p = float(dropout.param("p", 0.5))
@@ -511,6 +518,13 @@ def _mask_inputs(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object]]:
 
 
 def _mask_inputs_of(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object]]:
+    if m.has("prob_mask"):
+        (cmp, heads), _ = key_length_mask(m)
+        lengths = b.op("sum", [b.op("Cast", [Entry(cmp)], attrs={"dtype": "float32"})], attrs={"axis": 1})
+        if heads > 1:       # row n of the scores reads the lengths of batch element n // H
+            lengths = b.op("repeat", [lengths], attrs={"repeats": heads, "axis": 0})
+        return [lengths], {"mask_kind": "valid_length", "length_fill": True,
+                           "mask_value": float(m.node("fill").attrs["scalar"])}
     if m.has("length"):
         return [m["length"]], {"mask_kind": "valid_length"}
     if not m.has("mask_op"):
@@ -533,6 +547,173 @@ def _mask_inputs_of(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object
                         attrs={"dtype": "float32"})
         return [mask], {"mask_kind": "boolean", "mask_value": float(m.node("fill").attrs["scalar"])}
     return [mask], {"mask_kind": "additive"}
+
+
+# ---------------------------------------------------------------- GluonNLP's masked softmax: softmax(where(m, s, c)) * m
+
+# ops that carry a mask's values to other positions (or dtypes) without computing new ones
+_CARRY = frozenset(set(LAYOUT_OPS) - {"split", "SliceChannel", "_split_v2"}) | {
+    "broadcast_axis", "broadcast_axes", "broadcast_to", "broadcast_like", "Cast", "amp_cast", "_copy", "identity"}
+# key positions < lengths: the input slot of the positions
+_LESS = {"broadcast_lesser": 0, "broadcast_greater": 1}
+_CODES = "__length_mask_codes"
+
+
+def _evaluate_replacing(ctx, entry: Entry, node: Node, value: np.ndarray, shapes) -> Optional[np.ndarray]:
+    """``entry`` computed by MXNet at input ``shapes`` with ``node``'s output replaced by ``value``
+    (the other data inputs random: read for their shapes only, as the caller checked); None where
+    MXNet cannot run it."""
+    import json
+
+    import mxnet as mx
+    from fusion.native.env import subgraph_backend
+
+    data = ctx.graph.to_json()          # compacts the graph: the positions read below are current
+    pos = int(node.pos)
+    data["nodes"][pos] = {"op": "null", "name": _CODES, "inputs": []}
+    data["arg_nodes"] = sorted(set(data["arg_nodes"]) | {pos})
+    data["heads"] = [[int(entry.node.pos), entry.index, 0]]
+    try:
+        sym = mx.sym.load_json(json.dumps(data))
+        rng = np.random.default_rng(0)
+        variables = {n.name: n for n in ctx.graph.variables()}
+        args = {}
+        for name in sym.list_arguments():
+            v = value if name == _CODES else ctx.value(Entry(variables[name]))
+            if v is None:
+                if shapes.get(name) is None:
+                    return None
+                v = rng.standard_normal(shapes[name]).astype(np.float32)
+            args[name] = mx.nd.array(v, dtype=v.dtype)
+        with subgraph_backend(False):
+            exe = sym.bind(mx.cpu(), args, grad_req="null")
+        return exe.forward(is_train=False)[0].asnumpy()
+    except Exception:       # noqa: BLE001 -- MXNet cannot run it here: nothing is proved
+        return None
+
+
+def _length_comparison(m: Match) -> Tuple[Optional[Node], Optional[str]]:
+    """The comparison ``positions < lengths`` the where() condition is carried from (through
+    layout / broadcast ops, Cast, and products with values that read no data), or the reason."""
+    ctx = m.ctx
+    e = m["mask"]
+    for _ in range(64):
+        node = e.node
+        if node.op in _LESS:
+            return node, None
+        if node.op in _CARRY:
+            data = [x for slot, x in enumerate(node.inputs) if (node.op, slot) not in _SHAPE_ONLY]
+            if len(data) != 1:
+                break
+            e = data[0]
+            continue
+        if node.op in ("broadcast_mul", "elemwise_mul") and len(node.inputs) == 2:
+            reading = [x for x in node.inputs if _reads_data(x, ctx)]
+            if len(reading) != 1:
+                return None, ("mask '%s' is a product of two values that read the data ('%s'): not a "
+                              "comparison of key positions with lengths carried to the scores"
+                              % (m["mask"].node.name, node.name))
+            e = reading[0]
+            continue
+        break
+    return None, ("mask '%s' is computed by %s '%s', not carried (layout / broadcast ops, Cast, products "
+                  "with ones) from a comparison of key positions with lengths (broadcast_lesser(positions, "
+                  "lengths) or broadcast_greater(lengths, positions))" % (m["mask"].node.name, e.node.op,
+                                                                         e.node.name))
+
+
+def key_length_mask(m: Match) -> Tuple[Optional[Tuple[Node, int]], Optional[str]]:
+    """((K, H), None) when the where() condition is ``mask[n, i, j] = K[n // H, j]`` at every probe
+    shape, with ``K = (j < L_b)`` a (B, Sk) comparison of the key positions 0 … Sk−1 with lengths
+    (B, 1): each row of K keeps a prefix of the keys, its sum is its length.  Else the reason.
+
+    Proved from the graph: K is ``broadcast_lesser(P, L)`` / ``broadcast_greater(L, P)`` with P
+    read from shapes only and equal to 0 … Sk−1 along the keys (computed at each probe), and
+    the path from K to the condition carries values only (layout and broadcast ops, Cast,
+    products with values that read no data); what that path does is computed by MXNet at each
+    probe with K replaced by codes (its key index + 1, its batch index + 1, zeros, ones): the
+    condition must give K's entry (n // H, j) at every (n, i, j)."""
+    ctx = m.ctx
+    key = ("key_length_mask", m["mask"], m.node("mask_op").name)
+    if key in ctx.memo:
+        return ctx.memo[key]
+    cmp, reason = _length_comparison(m)
+    result: Tuple[Optional[Tuple[Node, int]], Optional[str]] = (None, reason)
+    if cmp is not None:
+        result = _prove_key_lengths(m, cmp)
+    ctx.memo[key] = result
+    return result
+
+
+def _prove_key_lengths(m: Match, cmp: Node) -> Tuple[Optional[Tuple[Node, int]], Optional[str]]:
+    ctx = m.ctx
+    slot = _LESS[cmp.op]
+    pos, lengths = cmp.inputs[slot], cmp.inputs[1 - slot]
+    if _reads_data(pos, ctx):
+        return None, ("'%s' compares '%s' with '%s', and neither is key positions read from shapes only"
+                      % (cmp.name, pos.node.name, lengths.node.name))
+    probes = list(getattr(ctx, "probes", None) or [ctx.input_shapes])
+    ks, ls, ms, ss = (_shapes(m, x) for x in (Entry(cmp), lengths, m["mask"], _scores(m)))
+    if not probes or not all(len(x) == len(probes) for x in (ks, ls, ms, ss)):
+        return None, ("the shapes of length mask '%s' are unknown (pass input shapes)" % cmp.name)
+    heads = set()
+    for shapes, kshape, lshape, mshape, sshape in zip(probes, ks, ls, ms, ss):
+        if len(kshape) != 2 or len(lshape) != 2 or lshape != (kshape[0], 1):
+            return None, ("'%s' compares positions with lengths %s into %s: not lengths (B, 1) against "
+                          "the keys, a (B, Sk) mask" % (cmp.name, lshape, kshape))
+        if tuple(mshape) != tuple(sshape) or len(sshape) < 3:
+            return None, ("mask '%s' %s does not have the scores' shape %s" % (m["mask"].node.name, mshape, sshape))
+        b_, sk = kshape
+        if sk != sshape[-1]:
+            return None, ("'%s' compares %d key positions, the scores have %d keys" % (cmp.name, sk, sshape[-1]))
+        n = int(np.prod(sshape[:-2]))
+        if b_ < 1 or n % b_:
+            return None, ("the scores' %d heads are not a multiple of the %d rows of '%s'" % (n, b_, cmp.name))
+        heads.add(n // b_)
+        p = ctx.evaluate(pos, 0, shapes)
+        if p is None or p.size != sk or p.shape not in ((sk,), (1, sk)) or not np.array_equal(
+                p.reshape(-1), np.arange(sk)):
+            return None, ("'%s' does not read the key positions 0 … %d along the keys: %s" % (
+                pos.node.name, sk - 1, "not computable" if p is None else "shape %s" % (p.shape,)))
+        dtype = ctx.dtype(Entry(cmp)) or "float32"
+        jj, bb = np.meshgrid(np.arange(sk), np.arange(b_))
+        sq = sshape[-2]
+        for name, code in (("key index", jj + 1), ("batch index", bb + 1), ("zeros", 0 * jj), ("ones", 0 * jj + 1)):
+            code = code.astype(dtype)
+            got = _evaluate_replacing(ctx, m["mask"], cmp, code, shapes)
+            want = np.broadcast_to(code[np.arange(n) // (n // b_)][:, None, :], (n, sq, sk))
+            if got is None or got.shape != tuple(sshape) or not np.array_equal(
+                    got.reshape(n, sq, sk).astype(np.float64), want.astype(np.float64)):
+                return None, ("mask '%s' is not the key mask of '%s' (row n // %d, key j) at every query "
+                              "(checked with %s in its place at %s)" % (m["mask"].node.name, cmp.name,
+                                                                        n // b_, name, tuple(sshape)))
+    if len(heads) != 1:
+        return None, ("mask '%s' repeats the rows of '%s' %s times at the probe shapes: not one head "
+                      "count" % (m["mask"].node.name, cmp.name, " / ".join(map(str, sorted(heads)))))
+    return (cmp, heads.pop()), None
+
+
+def _probs_mask_reason(m: Match) -> Optional[str]:
+    """Why softmax(where(m, s, c)) * m is not the op's ``length_fill`` (None: it is)."""
+    mul = m.node("prob_mask")
+    if m.ctx.mode == "training":
+        return ("the probabilities multiplied by mask '%s' ('%s'): fused_attention's length_fill has no "
+                "backward (inference only)" % (m["pmask"].node.name, mul.name))
+    if m.ctx.device != "cpu":
+        return "fused_attention's length_fill (the probabilities multiplied by the mask) has no %s kernel" % m.ctx.device
+    if not m.has("mask_op") or m.node("mask_op").op != "where":
+        return ("the probabilities are multiplied by '%s' ('%s') without a where() mask on the scores"
+                % (m["pmask"].node.name, mul.name))
+    if m.has("mask_like") or m["pmask"] != m["mask"]:
+        return ("the probabilities are multiplied by '%s', not by the where() condition '%s'"
+                % (m["pmask"].node.name, (Entry(m.node("mask_like")) if m.has("mask_like") else m["mask"]).node.name))
+    if tuple(_shapes(m, Entry(mul))) != tuple(_shapes(m, Entry(m.node("softmax")))):
+        return "the product '%s' broadcasts the probabilities to another shape" % mul.name
+    c = float(m.node("fill").attrs["scalar"])
+    if not math.isfinite(c):
+        return "where() fill value %r: length_fill takes a finite score for the keys past the length" % c
+    _, reason = key_length_mask(m)
+    return reason
 
 
 class Attention(Rule):
