@@ -592,11 +592,16 @@ def _evaluate_replacing(ctx, entry: Entry, node: Node, value: np.ndarray, shapes
         return None
 
 
+def _condition(m: Match) -> Entry:
+    """The where() condition as the graph gives it (with its broadcast_like)."""
+    return Entry(m.node("mask_like")) if m.has("mask_like") else m["mask"]
+
+
 def _length_comparison(m: Match) -> Tuple[Optional[Node], Optional[str]]:
     """The comparison ``positions < lengths`` the where() condition is carried from (through
     layout / broadcast ops, Cast, and products with values that read no data), or the reason."""
     ctx = m.ctx
-    e = m["mask"]
+    e = _condition(m)
     for _ in range(64):
         node = e.node
         if node.op in _LESS:
@@ -612,13 +617,13 @@ def _length_comparison(m: Match) -> Tuple[Optional[Node], Optional[str]]:
             if len(reading) != 1:
                 return None, ("mask '%s' is a product of two values that read the data ('%s'): not a "
                               "comparison of key positions with lengths carried to the scores"
-                              % (m["mask"].node.name, node.name))
+                              % (_condition(m).node.name, node.name))
             e = reading[0]
             continue
         break
     return None, ("mask '%s' is computed by %s '%s', not carried (layout / broadcast ops, Cast, products "
                   "with ones) from a comparison of key positions with lengths (broadcast_lesser(positions, "
-                  "lengths) or broadcast_greater(lengths, positions))" % (m["mask"].node.name, e.node.op,
+                  "lengths) or broadcast_greater(lengths, positions))" % (_condition(m).node.name, e.node.op,
                                                                          e.node.name))
 
 
@@ -634,7 +639,7 @@ def key_length_mask(m: Match) -> Tuple[Optional[Tuple[Node, int]], Optional[str]
     probe with K replaced by codes (its key index + 1, its batch index + 1, zeros, ones): the
     condition must give K's entry (n // H, j) at every (n, i, j)."""
     ctx = m.ctx
-    key = ("key_length_mask", m["mask"], m.node("mask_op").name)
+    key = ("key_length_mask", _condition(m), m.node("mask_op").name)
     if key in ctx.memo:
         return ctx.memo[key]
     cmp, reason = _length_comparison(m)
@@ -653,7 +658,8 @@ def _prove_key_lengths(m: Match, cmp: Node) -> Tuple[Optional[Tuple[Node, int]],
         return None, ("'%s' compares '%s' with '%s', and neither is key positions read from shapes only"
                       % (cmp.name, pos.node.name, lengths.node.name))
     probes = list(getattr(ctx, "probes", None) or [ctx.input_shapes])
-    ks, ls, ms, ss = (_shapes(m, x) for x in (Entry(cmp), lengths, m["mask"], _scores(m)))
+    cond = _condition(m)
+    ks, ls, ms, ss = (_shapes(m, x) for x in (Entry(cmp), lengths, cond, _scores(m)))
     if not probes or not all(len(x) == len(probes) for x in (ks, ls, ms, ss)):
         return None, ("the shapes of length mask '%s' are unknown (pass input shapes)" % cmp.name)
     heads = set()
@@ -662,7 +668,7 @@ def _prove_key_lengths(m: Match, cmp: Node) -> Tuple[Optional[Tuple[Node, int]],
             return None, ("'%s' compares positions with lengths %s into %s: not lengths (B, 1) against "
                           "the keys, a (B, Sk) mask" % (cmp.name, lshape, kshape))
         if tuple(mshape) != tuple(sshape) or len(sshape) < 3:
-            return None, ("mask '%s' %s does not have the scores' shape %s" % (m["mask"].node.name, mshape, sshape))
+            return None, ("mask '%s' %s does not have the scores' shape %s" % (cond.node.name, mshape, sshape))
         b_, sk = kshape
         if sk != sshape[-1]:
             return None, ("'%s' compares %d key positions, the scores have %d keys" % (cmp.name, sk, sshape[-1]))
@@ -674,22 +680,24 @@ def _prove_key_lengths(m: Match, cmp: Node) -> Tuple[Optional[Tuple[Node, int]],
         if p is None or p.size != sk or p.shape not in ((sk,), (1, sk)) or not np.array_equal(
                 p.reshape(-1), np.arange(sk)):
             return None, ("'%s' does not read the key positions 0 … %d along the keys: %s" % (
-                pos.node.name, sk - 1, "not computable" if p is None else "shape %s" % (p.shape,)))
+                pos.node.name, sk - 1, "not computable" if p is None else "%s of shape %s" % (
+                    np.array2string(p.reshape(-1)[:6], separator=", ")[:-1] + (", …]" if p.size > 6 else "]"),
+                    p.shape)))
         dtype = ctx.dtype(Entry(cmp)) or "float32"
         jj, bb = np.meshgrid(np.arange(sk), np.arange(b_))
         sq = sshape[-2]
         for name, code in (("key index", jj + 1), ("batch index", bb + 1), ("zeros", 0 * jj), ("ones", 0 * jj + 1)):
             code = code.astype(dtype)
-            got = _evaluate_replacing(ctx, m["mask"], cmp, code, shapes)
+            got = _evaluate_replacing(ctx, cond, cmp, code, shapes)
             want = np.broadcast_to(code[np.arange(n) // (n // b_)][:, None, :], (n, sq, sk))
             if got is None or got.shape != tuple(sshape) or not np.array_equal(
                     got.reshape(n, sq, sk).astype(np.float64), want.astype(np.float64)):
                 return None, ("mask '%s' is not the key mask of '%s' (row n // %d, key j) at every query "
-                              "(checked with %s in its place at %s)" % (m["mask"].node.name, cmp.name,
+                              "(checked with %s in its place at %s)" % (cond.node.name, cmp.name,
                                                                         n // b_, name, tuple(sshape)))
     if len(heads) != 1:
         return None, ("mask '%s' repeats the rows of '%s' %s times at the probe shapes: not one head "
-                      "count" % (m["mask"].node.name, cmp.name, " / ".join(map(str, sorted(heads)))))
+                      "count" % (cond.node.name, cmp.name, " / ".join(map(str, sorted(heads)))))
     return (cmp, heads.pop()), None
 
 
@@ -704,9 +712,9 @@ def _probs_mask_reason(m: Match) -> Optional[str]:
     if not m.has("mask_op") or m.node("mask_op").op != "where":
         return ("the probabilities are multiplied by '%s' ('%s') without a where() mask on the scores"
                 % (m["pmask"].node.name, mul.name))
-    if m.has("mask_like") or m["pmask"] != m["mask"]:
+    if m["pmask"] != _condition(m):
         return ("the probabilities are multiplied by '%s', not by the where() condition '%s'"
-                % (m["pmask"].node.name, (Entry(m.node("mask_like")) if m.has("mask_like") else m["mask"]).node.name))
+                % (m["pmask"].node.name, _condition(m).node.name))
     if tuple(_shapes(m, Entry(mul))) != tuple(_shapes(m, Entry(m.node("softmax")))):
         return "the product '%s' broadcasts the probabilities to another shape" % mul.name
     c = float(m.node("fill").attrs["scalar"])
