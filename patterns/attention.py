@@ -519,12 +519,17 @@ def _mask_inputs(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object]]:
 
 def _mask_inputs_of(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object]]:
     if m.has("prob_mask"):
-        (cmp, heads), _ = key_length_mask(m)
-        lengths = b.op("sum", [b.op("Cast", [Entry(cmp)], attrs={"dtype": "float32"})], attrs={"axis": 1})
+        (cmp, heads, form), _ = key_length_mask(m)
+        attrs = {"mask_kind": "valid_length", "length_fill": True, "mask_value": float(m.node("fill").attrs["scalar"])}
+        if form == "key":       # K's rows are prefixes of the keys: their sums are the lengths
+            lengths = b.op("sum", [b.op("Cast", [Entry(cmp)], attrs={"dtype": "float32"})], attrs={"axis": 1})
+        else:                   # query i of batch element b sees its band where K[b, i], no key elsewhere
+            lengths = b.op("_mul_scalar", [b.op("Cast", [Entry(cmp)], attrs={"dtype": "float32"})],
+                           attrs={"scalar": 1e9})
+            attrs["causal"] = True
         if heads > 1:       # row n of the scores reads the lengths of batch element n // H
             lengths = b.op("repeat", [lengths], attrs={"repeats": heads, "axis": 0})
-        return [lengths], {"mask_kind": "valid_length", "length_fill": True,
-                           "mask_value": float(m.node("fill").attrs["scalar"])}
+        return [lengths], attrs
     if m.has("length"):
         return [m["length"]], {"mask_kind": "valid_length"}
     if not m.has("mask_op"):
@@ -621,14 +626,17 @@ def _length_comparison(m: Match) -> Tuple[Optional[Node], Optional[str]]:
             e = reading[0]
             continue
         break
+    if e.node.is_variable:
+        return None, ("mask '%s' is carried from input '%s', not from a comparison of key positions with "
+                      "lengths: its values are not known to be a length mask" % (_condition(m).node.name, e.node.name))
     return None, ("mask '%s' is computed by %s '%s', not carried (layout / broadcast ops, Cast, products "
                   "with ones) from a comparison of key positions with lengths (broadcast_lesser(positions, "
                   "lengths) or broadcast_greater(lengths, positions))" % (_condition(m).node.name, e.node.op,
                                                                          e.node.name))
 
 
-def key_length_mask(m: Match) -> Tuple[Optional[Tuple[Node, int]], Optional[str]]:
-    """((K, H), None) when the where() condition is ``mask[n, i, j] = K[n // H, j]`` at every probe
+def key_length_mask(m: Match):
+    """((K, H, form), None) when the where() condition is ``mask[n, i, j] = K[n // H, j]`` at every probe
     shape, with ``K = (j < L_b)`` a (B, Sk) comparison of the key positions 0 … Sk−1 with lengths
     (B, 1): each row of K keeps a prefix of the keys, its sum is its length.  Else the reason.
 
@@ -637,68 +645,125 @@ def key_length_mask(m: Match) -> Tuple[Optional[Tuple[Node, int]], Optional[str]
     the path from K to the condition carries values only (layout and broadcast ops, Cast,
     products with values that read no data); what that path does is computed by MXNet at each
     probe with K replaced by codes (its key index + 1, its batch index + 1, zeros, ones): the
-    condition must give K's entry (n // H, j) at every (n, i, j)."""
+    condition must give K's entry (n // H, j) at every (n, i, j).
+
+    Or (form "query", GluonNLP's TransformerDecoder): K = (i < L_b) over the queries and the
+    condition ``K[n // H, i] · band(i, j)`` with band the causal band j ≤ i + Sk − Sq (a factor read
+    from shapes only) — at every probe (two (Sq, Sk) at least) and at longer lengths, where the
+    condition computed with K all ones must be the band: the op's causal band with lengths Sk
+    (K = 1) or 0 per row."""
     ctx = m.ctx
     key = ("key_length_mask", _condition(m), m.node("mask_op").name)
     if key in ctx.memo:
         return ctx.memo[key]
     cmp, reason = _length_comparison(m)
-    result: Tuple[Optional[Tuple[Node, int]], Optional[str]] = (None, reason)
+    result = (None, reason)
     if cmp is not None:
         result = _prove_key_lengths(m, cmp)
     ctx.memo[key] = result
     return result
 
 
-def _prove_key_lengths(m: Match, cmp: Node) -> Tuple[Optional[Tuple[Node, int]], Optional[str]]:
+def _prove_key_lengths(m: Match, cmp: Node):
+    """((K, H, form), None): the condition is K's key mask (form "key"), or K's query mask times the
+    causal band (form "query": GluonNLP's decoder), else the reason."""
+    slot = _LESS[cmp.op]
+    pos, lengths = cmp.inputs[slot], cmp.inputs[1 - slot]
+    if _reads_data(pos, m.ctx):
+        return None, ("'%s' compares '%s' with '%s', and neither is positions read from shapes only"
+                      % (cmp.name, pos.node.name, lengths.node.name))
+    found, reason = _prove_lengths(m, cmp, "key")
+    if found is not None:
+        return found, None
+    found, reason2 = _prove_lengths(m, cmp, "query")
+    if found is not None:
+        return found, None
+    return None, reason + "; nor the query mask times the causal band (%s)" % reason2
+
+
+def _band(sq: int, sk: int) -> np.ndarray:
+    """The causal band of (Sq, Sk) scores as the kernel takes it: key j visible to query i iff j ≤ i + Sk − Sq."""
+    return (np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)).astype(np.float64)
+
+
+def _prove_lengths(m: Match, cmp: Node, form: str):
     ctx = m.ctx
     slot = _LESS[cmp.op]
     pos, lengths = cmp.inputs[slot], cmp.inputs[1 - slot]
-    if _reads_data(pos, ctx):
-        return None, ("'%s' compares '%s' with '%s', and neither is key positions read from shapes only"
-                      % (cmp.name, pos.node.name, lengths.node.name))
+    what = "key" if form == "key" else "query"
     probes = list(getattr(ctx, "probes", None) or [ctx.input_shapes])
     cond = _condition(m)
     ks, ls, ms, ss = (_shapes(m, x) for x in (Entry(cmp), lengths, cond, _scores(m)))
     if not probes or not all(len(x) == len(probes) for x in (ks, ls, ms, ss)):
         return None, ("the shapes of length mask '%s' are unknown (pass input shapes)" % cmp.name)
+    if form == "query" and len({tuple(sh[-2:]) for sh in ss}) < 2:
+        return None, "one (Sq, Sk) at the probes: a causal band cannot be told from a fixed one"
     heads = set()
     for shapes, kshape, lshape, mshape, sshape in zip(probes, ks, ls, ms, ss):
         if len(kshape) != 2 or len(lshape) != 2 or lshape != (kshape[0], 1):
             return None, ("'%s' compares positions with lengths %s into %s: not lengths (B, 1) against "
-                          "the keys, a (B, Sk) mask" % (cmp.name, lshape, kshape))
+                          "the %ss, a (B, S) mask" % (cmp.name, lshape, kshape, what))
         if tuple(mshape) != tuple(sshape) or len(sshape) < 3:
             return None, ("mask '%s' %s does not have the scores' shape %s" % (cond.node.name, mshape, sshape))
-        b_, sk = kshape
-        if sk != sshape[-1]:
-            return None, ("'%s' compares %d key positions, the scores have %d keys" % (cmp.name, sk, sshape[-1]))
+        b_, sn = kshape
+        sq, sk = sshape[-2:]
+        if sn != (sk if form == "key" else sq):
+            return None, ("'%s' compares %d positions, the scores have %d %ss" % (
+                cmp.name, sn, sk if form == "key" else sq, what))
         n = int(np.prod(sshape[:-2]))
         if b_ < 1 or n % b_:
             return None, ("the scores' %d heads are not a multiple of the %d rows of '%s'" % (n, b_, cmp.name))
         heads.add(n // b_)
         p = ctx.evaluate(pos, 0, shapes)
-        if p is None or p.size != sk or p.shape not in ((sk,), (1, sk)) or not np.array_equal(
-                p.reshape(-1), np.arange(sk)):
-            return None, ("'%s' does not read the key positions 0 … %d along the keys: %s" % (
-                pos.node.name, sk - 1, "not computable" if p is None else "%s of shape %s" % (
+        if p is None or p.size != sn or p.shape not in ((sn,), (1, sn)) or not np.array_equal(
+                p.reshape(-1), np.arange(sn)):
+            return None, ("'%s' does not read the %s positions 0 … %d: %s" % (
+                pos.node.name, what, sn - 1, "not computable" if p is None else "%s of shape %s" % (
                     np.array2string(p.reshape(-1)[:6], separator=", ")[:-1] + (", …]" if p.size > 6 else "]"),
                     p.shape)))
         dtype = ctx.dtype(Entry(cmp)) or "float32"
-        jj, bb = np.meshgrid(np.arange(sk), np.arange(b_))
-        sq = sshape[-2]
-        for name, code in (("key index", jj + 1), ("batch index", bb + 1), ("zeros", 0 * jj), ("ones", 0 * jj + 1)):
+        jj, bb = np.meshgrid(np.arange(sn), np.arange(b_))
+        rows = np.arange(n) // (n // b_)
+        for name, code in (("%s index" % what, jj + 1), ("batch index", bb + 1), ("zeros", 0 * jj),
+                           ("ones", 0 * jj + 1)):
             code = code.astype(dtype)
             got = _evaluate_replacing(ctx, cond, cmp, code, shapes)
-            want = np.broadcast_to(code[np.arange(n) // (n // b_)][:, None, :], (n, sq, sk))
+            c = code[rows].astype(np.float64)
+            want = np.broadcast_to(c[:, None, :], (n, sq, sk)) if form == "key" else \
+                c[:, :, None] * _band(sq, sk)[None]
             if got is None or got.shape != tuple(sshape) or not np.array_equal(
-                    got.reshape(n, sq, sk).astype(np.float64), want.astype(np.float64)):
-                return None, ("mask '%s' is not the key mask of '%s' (row n // %d, key j) at every query "
-                              "(checked with %s in its place at %s)" % (cond.node.name, cmp.name,
-                                                                        n // b_, name, tuple(sshape)))
+                    got.reshape(n, sq, sk).astype(np.float64), want):
+                return None, ("mask '%s' is not the %s mask of '%s' (row n // %d)%s (checked with %s in its "
+                              "place at %s)" % (cond.node.name, what, cmp.name, n // b_,
+                                                " at every query" if form == "key" else " times the causal band",
+                                                name, tuple(sshape)))
     if len(heads) != 1:
         return None, ("mask '%s' repeats the rows of '%s' %s times at the probe shapes: not one head "
                       "count" % (cond.node.name, cmp.name, " / ".join(map(str, sorted(heads)))))
-    return (cmp, heads.pop()), None
+    if form == "query":
+        # the band is computed from shapes: a band causal at the probes' lengths only (a window wider
+        # than them, a fixed offset) is told at longer lengths
+        ok = False
+        for longer in _longer_shapes(ctx, {d for sh in ss for d in sh[-2:]}):
+            p = ctx.evaluate(pos, 0, longer)
+            lv = ctx.evaluate(lengths, 0, longer)
+            if p is None or lv is None:
+                continue
+            got = _evaluate_replacing(ctx, cond, cmp, np.ones((lv.shape[0], p.size), dtype=ctx.dtype(Entry(cmp))
+                                                                  or "float32"), longer)
+            if got is None or got.ndim < 2:
+                continue
+            sq, sk = got.shape[-2:]
+            if not np.array_equal(got.reshape(-1, sq, sk).astype(np.float64),
+                                  np.broadcast_to(_band(sq, sk), got.reshape(-1, sq, sk).shape)):
+                return None, ("mask '%s' is not the causal band at the longer lengths (%d, %d)"
+                              % (cond.node.name, sq, sk))
+            ok = True
+            break
+        if not ok:
+            return None, "mask '%s' could not be computed at longer lengths: its band is not known to be causal" \
+                % cond.node.name
+    return (cmp, heads.pop(), form), None
 
 
 def _probs_mask_reason(m: Match) -> Optional[str]:

@@ -128,6 +128,62 @@ def test_length_zero_rows_give_zero_as_gluonnlp():
     assert np.abs(want[0][0]).max() == 0 and np.abs(got[0][0]).max() == 0
 
 
+# ---------------------------------------------------------------- GluonNLP's decoder: query lengths times the causal band
+
+def decoder_attention(band="lesser_equal", order="lengths_first"):
+    """TransformerDecoder's self-attention mask: (i < valid_length_b) · (j ≤ i), repeated over the heads."""
+    x, vl = S.var("x"), S.var("vl")
+    steps = S.contrib.arange_like(x, axis=1)
+    cmp = getattr(S, "broadcast_" + band)
+    causal = cmp(steps.reshape((1, -1)), steps.reshape((-1, 1)))
+    rows = S.expand_dims(S.broadcast_lesser(steps.reshape((1, -1)), vl.reshape((-1, 1))), -1)
+    mask = S.broadcast_mul(rows, S.expand_dims(causal, 0)) if order == "lengths_first" else \
+        S.broadcast_mul(S.expand_dims(causal, 0), rows)
+    mask = S.broadcast_axis(S.expand_dims(mask, axis=1), axis=1, size=H).reshape((-1, 0, 0), reverse=True)
+
+    def proj(name):
+        y = S.FullyConnected(x, num_hidden=E, no_bias=True, flatten=False, name=name)
+        return S.transpose(y.reshape((0, 0, H, -1)), axes=(0, 2, 1, 3)).reshape((-1, 0, 0), reverse=True)
+
+    s = S.batch_dot(S.contrib.div_sqrt_dim(proj("q")), proj("k"), transpose_b=True)
+    p = S.softmax(S.where(mask, s, -1e18 * S.ones_like(s)), axis=-1) * mask
+    o = S.batch_dot(p, proj("v"))
+    return S.transpose(o.reshape((-1, H, 0, 0), reverse=True), axes=(0, 2, 1, 3)).reshape((0, 0, -1))
+
+
+@pytest.mark.parametrize("order", ["lengths_first", "band_first"])
+def test_gluonnlp_decoder_self_attention_fuses_causal(order):
+    sym = decoder_attention(order=order)
+    res = equivalent(sym, SHAPES, params_of(sym, SHAPES), rules=None, others=OTHERS, make=lengths())
+    f = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert f.param("causal") is True and f.param("length_fill") is True, f.attrs
+
+
+def test_decoder_band_of_another_diagonal_is_refused():
+    sym = decoder_attention(band="lesser")     # j < i: the diagonal masked too
+    prm = params_of(sym, SHAPES)
+    res = fusion.fuse(sym, {n: mx.nd.array(v) for n, v in prm.items()}, {}, input_shapes=SHAPES)
+    assert "fused_attention" not in ops(res)
+    assert any("times the causal band" in r for r in _attention_reasons(res)), _attention_reasons(res)
+
+
+def test_unfuse_gives_the_decoder_mask_back():
+    sym = decoder_attention()
+    prm = params_of(sym, SHAPES)
+    res = fusion.fuse(sym, {n: mx.nd.array(v) for n, v in prm.items()}, {}, input_shapes=SHAPES)
+    assert ops(res).get("fused_attention") == 1
+    plain = fusion.unfuse(res.symbol, input_shapes=SHAPES, arg_params=res.arg_params, aux_params={})
+    assert not any(op.startswith("fused_") for op in Graph.from_symbol(plain).count_ops())
+    rng = np.random.default_rng(2)
+    fused_params = {n: v.asnumpy() for n, v in res.arg_params.items()}
+    for shp in [SHAPES] + OTHERS:
+        vals = dict(fused_params, x=rng.standard_normal(shp["x"]).astype(np.float32),
+                    vl=np.concatenate([[0], rng.integers(0, shp["x"][1] + 1, shp["vl"][0] - 1)]).astype(np.float32))
+        want, _ = _run(sym, dict(prm, **vals), False, 0)
+        got, _ = _run(plain, {n: vals[n] for n in plain.list_arguments()}, False, 0)
+        assert_same(got[0], want[0], 1e-5, str(shp))
+
+
 # ---------------------------------------------------------------- refused, with the reason
 
 def _attention_reasons(res):
@@ -176,7 +232,7 @@ def test_mask_from_data_values_is_refused():
     shapes = {"q": (4, 5, 8), "k": (4, 5, 8), "v": (4, 5, 8), "a": (4, 5, 5), "b": (4, 5, 5)}
     res = fusion.fuse(sym, {}, {}, input_shapes=shapes)
     assert "fused_attention" not in ops(res)
-    assert any("neither is key positions" in r for r in _attention_reasons(res)), _attention_reasons(res)
+    assert any("neither is positions" in r for r in _attention_reasons(res)), _attention_reasons(res)
 
 
 # ---------------------------------------------------------------- the op's edges, against the unfused graph
@@ -302,3 +358,38 @@ def test_gluonnlp_transformer_encoder():
         got, _ = _run(res.symbol, dict(new, **vals), False, 0)
         for g, w in zip(got, want):
             assert_same(g, w, 1e-4, str(shp))
+
+
+def test_gluonnlp_transformer_decoder():
+    """Self-attention (query lengths · causal band) fuses; the memory attention's mask is an input of
+    the graph (init_state_from_encoder builds it outside): refused with the reason."""
+    pytest.importorskip("gluonnlp")
+    from gluonnlp.model.transformer import get_transformer_encoder_decoder
+
+    _, dec, _ = get_transformer_encoder_decoder(num_layers=2, units=32, hidden_size=64, num_heads=4,
+                                                max_src_length=32, max_tgt_length=32, prefix="h36dec_")
+    dec.initialize(mx.init.Xavier(), force_reinit=True)
+    dec.hybridize()
+    mem, evl = mx.nd.random.normal(shape=(2, 7, 32)), mx.nd.array([7, 3])
+    dec(mx.nd.random.normal(shape=(2, 6, 32)), dec.init_state_from_encoder(mem, evl), mx.nd.array([6, 2]))
+    sym = dec._cached_graph[1]
+    params = {p.name: p.data() for p in dec.collect_params().values()}
+    data = [n for n in sym.list_inputs() if n not in params]
+    shapes = {}
+    for n, shp in zip(dec._cached_graph[0], [(2, 6, 32), (2, 7, 32), (2, 7), (2,)]):
+        shapes[n.name] = shp
+    assert set(shapes) == set(data), (shapes, data)
+    res = fusion.fuse(sym, params, {}, input_shapes=shapes)
+    fused = [n for n in res.graph.op_nodes() if n.op == "fused_attention"]
+    assert len(fused) == 2 and all(f.param("causal") for f in fused), res.report.to_text(explain=True)
+    assert any("not known to be a length mask" in r for r in _attention_reasons(res)), _attention_reasons(res)
+    names = [n.name for n in dec._cached_graph[0]]
+    rng = np.random.default_rng(0)
+    for lens in ([6, 2], [0, 5]):
+        vals = dict(zip(names, [rng.standard_normal((2, 6, 32)).astype(np.float32),
+                                rng.standard_normal((2, 7, 32)).astype(np.float32),
+                                (np.arange(7)[None] < np.array([[7], [3]])).astype(np.float32),
+                                np.array(lens, np.float32)]))
+        want, _ = _run(sym, dict({n: p.asnumpy() for n, p in params.items()}, **vals), False, 0)
+        got, _ = _run(res.symbol, dict({n: v.asnumpy() for n, v in res.arg_params.items()}, **vals), False, 0)
+        assert_same(got[0], want[0], 1e-4, str(lens))
