@@ -24,7 +24,8 @@ Grammar::
                  (broadcast_lesser | broadcast_greater swapped; float32 or int32 lengths), carried to
                  the scores (expand_dims, ones products, broadcast_like, broadcast_axis over heads),
                  where(m, s, fill) and the probabilities multiplied by m (either order, elemwise_mul |
-                 broadcast_mul); near: query lengths, positions from 1, another mask multiplied
+                 broadcast_mul); its decoder form (i < length) · (j ≤ i) in self-attention;
+                 near: query lengths, positions from 1, another mask multiplied, the band j < i
     heads   := x (B,S,E) → projections (FullyConnected or inputs; cross attention: memory (B,Sk,E'))
                → split chain (Reshape codes 0/-1/-2/-3/-4 | reverse, transpose, SwapAxis; 3-D or 4-D heads;
                   near: wrong head order, literal sizes) → core → merge chain → [output FullyConnected]
@@ -149,6 +150,11 @@ def _key_length_mask(b, s, q, k, geo: Geo, label: str, near: str):
         m = S.Cast(m, dtype="float32")
     if near == "query":                     # lengths along the queries (positions of k read as rows)
         m = S.expand_dims(m, axis=2)        # (N, Sk→rows, 1): not a key mask
+    elif near in ("decoder", "decoder_strict"):   # GluonNLP's decoder: (i < length) · (j ≤ i) (strict: j < i)
+        p0 = S.contrib.arange_like(k, axis=axis)
+        band = (S.broadcast_lesser if near == "decoder_strict" else S.broadcast_lesser_equal)(
+            S.reshape(p0, shape=(1, -1)), S.reshape(p0, shape=(-1, 1)))
+        m = S.broadcast_mul(S.expand_dims(m, axis=2), S.expand_dims(band, axis=0))
     else:
         m = S.expand_dims(m, axis=1)        # (lead0, 1, Sk)
     if rank == 4:
@@ -157,7 +163,7 @@ def _key_length_mask(b, s, q, k, geo: Geo, label: str, near: str):
         m = S.broadcast_axis(S.expand_dims(m, axis=1), axis=1, size=heads)
         m = S.reshape(m, shape=(-1, 0, 0), reverse=True)
     how = d.choice(["broadcast_like", "ones"], label=label + " carry")
-    if how == "ones" and near != "query" and geo.sq == geo.sk:     # GluonNLP's encoder: ones of the keys
+    if how == "ones" and near not in ("query", "decoder", "decoder_strict") and geo.sq == geo.sk:     # GluonNLP's encoder: ones of the keys
         ones = S.ones_like(S.contrib.arange_like(k, axis=axis))
         m = S.broadcast_mul(m, S.broadcast_mul(ones, S.reshape(ones, shape=(-1, 1))))   # (…, Sk, Sk)
     return S.broadcast_like(m, s)
@@ -169,7 +175,9 @@ def apply_mask(b, s, q, k, geo: Geo, label: str = "mask"):
     kind = d.choice(["none", "additive", "param_bias", "where", "where_1d", "length", "causal_add", "causal_where",
                      "data_gate_causal", "key_length"], [5, 5, 1, 3, 1, 3, 4, 2, 1, 3], label=label)
     if kind == "key_length":
-        near = d.choice(["none", "query", "start1", "other"], [8, 1 if geo.sq == geo.sk else 0, 1, 1],
+        selfatt = geo.sq == geo.sk
+        near = d.choice(["none", "query", "start1", "other", "decoder", "decoder_strict"],
+                        [8, 1 if selfatt else 0, 1, 1, 3 if selfatt else 0, 1 if selfatt else 0],
                         label=label + " kl near")
         m = _key_length_mask(b, s, q, k, geo, label, near)
         post = m if near != "other" else S.broadcast_like(b.input("cond", geo.scores(), kind="mask01"), s)
