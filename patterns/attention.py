@@ -16,6 +16,7 @@ Three rules, applied in this order in every pass:
        | where(m, s, c·ones_like(s) | zeros_like(s)+c)   boolean mask, fill value c
                                                       (m may be broadcast_like(m', s): the kernel broadcasts m')
     p  = softmax(s, axis=-1) | softmax(s, len, axis=-1, use_length=True)
+    p  = p | p · m                                    GluonNLP's masked softmax: m the where() condition
     p  = p | Dropout(p)                               identity at inference
     o  = batch_dot(p, v) | linalg_gemm2(p, v)
 
@@ -39,6 +40,18 @@ decided at every probe shape (``Context.shapes``) and refused when unknown:
   (``where``: the scores after the band replaced by c), ``mask_value=c``: the same numbers,
   fully masked rows included, while the kernel skips the keys after the band when their
   probabilities are provably 0.
+
+GluonNLP's masked softmax ``softmax(where(m, s, c)) * m`` (its DotProductAttentionCell) fuses where
+``m`` is proved a length mask (``key_length_mask``): carried (layout and broadcast ops, Cast,
+products with values read from shapes only) from ``broadcast_lesser(positions, lengths)`` (or
+``broadcast_greater`` swapped) with the positions 0 … S−1 read from shapes, and, computed by MXNet at
+every probe with the comparison replaced by codes, equal to its key mask ``m[n, i, j] = K[n // H, j]``
+(the encoder's valid_length mask) or to its query mask times the causal band ``K[n // H, i]·[j ≤ i + Sk − Sq]``
+(the decoder's self-attention, the band checked at longer lengths too).  It becomes ``mask_kind=
+"valid_length"`` with ``length_fill`` (the hidden keys keep c in the softmax's sum, 0 in the product:
+a length-0 row gives 0 as GluonNLP's does) — lengths ``sum(K)`` per batch element, repeated over the
+heads, or ``K·1e9`` per row with ``causal``; inference on the CPU only (the op has no backward and no
+GPU kernel for it).  A mask given as an input (GluonNLP's memory mask) cannot be proved: refused.
 
 Parameters are never baked in training mode: a 1-element scale parameter is kept as an
 input, applied to q (``broadcast_mul``/``broadcast_div``, so its gradient is computed); at
