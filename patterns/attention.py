@@ -16,6 +16,7 @@ Three rules, applied in this order in every pass:
        | where(m, s, c·ones_like(s) | zeros_like(s)+c)   boolean mask, fill value c
                                                       (m may be broadcast_like(m', s): the kernel broadcasts m')
     p  = softmax(s, axis=-1) | softmax(s, len, axis=-1, use_length=True)
+    p  = p | p · m                                    GluonNLP's masked softmax: m the where() condition
     p  = p | Dropout(p)                               identity at inference
     o  = batch_dot(p, v) | linalg_gemm2(p, v)
 
@@ -39,6 +40,18 @@ decided at every probe shape (``Context.shapes``) and refused when unknown:
   (``where``: the scores after the band replaced by c), ``mask_value=c``: the same numbers,
   fully masked rows included, while the kernel skips the keys after the band when their
   probabilities are provably 0.
+
+GluonNLP's masked softmax ``softmax(where(m, s, c)) * m`` (its DotProductAttentionCell) fuses where
+``m`` is proved a length mask (``key_length_mask``): carried (layout and broadcast ops, Cast,
+products with values read from shapes only) from ``broadcast_lesser(positions, lengths)`` (or
+``broadcast_greater`` swapped) with the positions 0 … S−1 read from shapes, and, computed by MXNet at
+every probe with the comparison replaced by codes, equal to its key mask ``m[n, i, j] = K[n // H, j]``
+(the encoder's valid_length mask) or to its query mask times the causal band ``K[n // H, i]·[j ≤ i + Sk − Sq]``
+(the decoder's self-attention, the band checked at longer lengths too).  It becomes ``mask_kind=
+"valid_length"`` with ``length_fill`` (the hidden keys keep c in the softmax's sum, 0 in the product:
+a length-0 row gives 0 as GluonNLP's does) — lengths ``sum(K)`` per batch element, repeated over the
+heads, or ``K·1e9`` per row with ``causal``; inference on the CPU only (the op has no backward and no
+GPU kernel for it).  A mask given as an input (GluonNLP's memory mask) cannot be proved: refused.
 
 Parameters are never baked in training mode: a 1-element scale parameter is kept as an
 input, applied to q (``broadcast_mul``/``broadcast_div``, so its gradient is computed); at
@@ -124,6 +137,9 @@ def _masked(s: Pattern) -> Pattern:
 
 def _probabilities(scores: Pattern) -> Pattern:
     p = op.softmax(_masked(_scaled(scores, "s_scale")), Var("length", optional=True), name="softmax")
+    # GluonNLP's masked softmax: softmax(where(m, s, c)) * m (the multiply either way round)
+    p = p.optional(lambda x: op.elemwise_mul(x, Var("pmask"), name="prob_mask")
+                   | op.broadcast_mul(x, Var("pmask"), name="prob_mask"))
     return p.optional(lambda x: op.Dropout(x, name="dropout"))
 
 
@@ -352,6 +368,10 @@ def _common_checks(m: Match) -> Optional[str]:
                 m["length"].node.name, dtype, "/".join(LENGTH_DTYPES))
     if m.has("mask_op") and m.has("length"):
         return "both a mask and softmax lengths: not supported together"
+    if m.has("prob_mask"):
+        reason = _probs_mask_reason(m)
+        if reason:
+            return reason
     if m.has("dropout"):
         dropout = m.node("dropout")
         p = float(dropout.param("p", 0.5))
@@ -511,6 +531,18 @@ def _mask_inputs(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object]]:
 
 
 def _mask_inputs_of(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object]]:
+    if m.has("prob_mask"):
+        (cmp, heads, form), _ = key_length_mask(m)
+        attrs = {"mask_kind": "valid_length", "length_fill": True, "mask_value": float(m.node("fill").attrs["scalar"])}
+        if form == "key":       # K's rows are prefixes of the keys: their sums are the lengths
+            lengths = b.op("sum", [b.op("Cast", [Entry(cmp)], attrs={"dtype": "float32"})], attrs={"axis": 1})
+        else:                   # query i of batch element b sees its band where K[b, i], no key elsewhere
+            lengths = b.op("_mul_scalar", [b.op("Cast", [Entry(cmp)], attrs={"dtype": "float32"})],
+                           attrs={"scalar": 1e9})
+            attrs["causal"] = True
+        if heads > 1:       # row n of the scores reads the lengths of batch element n // H
+            lengths = b.op("repeat", [lengths], attrs={"repeats": heads, "axis": 0})
+        return [lengths], attrs
     if m.has("length"):
         return [m["length"]], {"mask_kind": "valid_length"}
     if not m.has("mask_op"):
@@ -533,6 +565,241 @@ def _mask_inputs_of(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object
                         attrs={"dtype": "float32"})
         return [mask], {"mask_kind": "boolean", "mask_value": float(m.node("fill").attrs["scalar"])}
     return [mask], {"mask_kind": "additive"}
+
+
+# ---------------------------------------------------------------- GluonNLP's masked softmax: softmax(where(m, s, c)) * m
+
+# ops that carry a mask's values to other positions (or dtypes) without computing new ones
+_CARRY = frozenset(set(LAYOUT_OPS) - {"split", "SliceChannel", "_split_v2"}) | {
+    "broadcast_axis", "broadcast_axes", "broadcast_to", "broadcast_like", "Cast", "amp_cast", "_copy", "identity"}
+# key positions < lengths: the input slot of the positions
+_LESS = {"broadcast_lesser": 0, "broadcast_greater": 1}
+_CODES = "__length_mask_codes"
+
+
+def _evaluate_replacing(ctx, entry: Entry, node: Node, value: np.ndarray, shapes) -> Optional[np.ndarray]:
+    """``entry`` computed by MXNet at input ``shapes`` with ``node``'s output replaced by ``value``
+    (the other data inputs random: read for their shapes only, as the caller checked); None where
+    MXNet cannot run it."""
+    import json
+
+    import mxnet as mx
+    from fusion.native.env import subgraph_backend
+
+    data = ctx.graph.to_json()          # compacts the graph: the positions read below are current
+    pos = int(node.pos)
+    data["nodes"][pos] = {"op": "null", "name": _CODES, "inputs": []}
+    data["arg_nodes"] = sorted(set(data["arg_nodes"]) | {pos})
+    data["heads"] = [[int(entry.node.pos), entry.index, 0]]
+    try:
+        sym = mx.sym.load_json(json.dumps(data))
+        rng = np.random.default_rng(0)
+        variables = {n.name: n for n in ctx.graph.variables()}
+        args = {}
+        for name in sym.list_arguments():
+            v = value if name == _CODES else ctx.value(Entry(variables[name]))
+            if v is None:
+                if shapes.get(name) is None:
+                    return None
+                v = rng.standard_normal(shapes[name]).astype(np.float32)
+            args[name] = mx.nd.array(v, dtype=v.dtype)
+        with subgraph_backend(False):
+            exe = sym.bind(mx.cpu(), args, grad_req="null")
+        return exe.forward(is_train=False)[0].asnumpy()
+    except Exception:       # noqa: BLE001 -- MXNet cannot run it here: nothing is proved
+        return None
+
+
+def _condition(m: Match) -> Entry:
+    """The where() condition as the graph gives it (with its broadcast_like)."""
+    return Entry(m.node("mask_like")) if m.has("mask_like") else m["mask"]
+
+
+def _length_comparison(m: Match) -> Tuple[Optional[Node], Optional[str]]:
+    """The comparison ``positions < lengths`` the where() condition is carried from (through
+    layout / broadcast ops, Cast, and products with values that read no data), or the reason."""
+    ctx = m.ctx
+    e = _condition(m)
+    for _ in range(64):
+        node = e.node
+        if node.op in _LESS:
+            return node, None
+        if node.op in _CARRY:
+            data = [x for slot, x in enumerate(node.inputs) if (node.op, slot) not in _SHAPE_ONLY]
+            if len(data) != 1:
+                break
+            e = data[0]
+            continue
+        if node.op in ("broadcast_mul", "elemwise_mul") and len(node.inputs) == 2:
+            reading = [x for x in node.inputs if _reads_data(x, ctx)]
+            if len(reading) != 1:
+                return None, ("mask '%s' is a product of two values that read the data ('%s'): not a "
+                              "comparison of key positions with lengths carried to the scores"
+                              % (_condition(m).node.name, node.name))
+            e = reading[0]
+            continue
+        break
+    if e.node.is_variable:
+        return None, ("mask '%s' is carried from input '%s', not from a comparison of key positions with "
+                      "lengths: its values are not known to be a length mask" % (_condition(m).node.name, e.node.name))
+    return None, ("mask '%s' is computed by %s '%s', not carried (layout / broadcast ops, Cast, products "
+                  "with ones) from a comparison of key positions with lengths (broadcast_lesser(positions, "
+                  "lengths) or broadcast_greater(lengths, positions))" % (_condition(m).node.name, e.node.op,
+                                                                         e.node.name))
+
+
+def key_length_mask(m: Match):
+    """((K, H, form), None) when the where() condition is ``mask[n, i, j] = K[n // H, j]`` at every probe
+    shape, with ``K = (j < L_b)`` a (B, Sk) comparison of the key positions 0 … Sk−1 with lengths
+    (B, 1): each row of K keeps a prefix of the keys, its sum is its length.  Else the reason.
+
+    Proved from the graph: K is ``broadcast_lesser(P, L)`` / ``broadcast_greater(L, P)`` with P
+    read from shapes only and equal to 0 … Sk−1 along the keys (computed at each probe), and
+    the path from K to the condition carries values only (layout and broadcast ops, Cast,
+    products with values that read no data); what that path does is computed by MXNet at each
+    probe with K replaced by codes (its key index + 1, its batch index + 1, zeros, ones): the
+    condition must give K's entry (n // H, j) at every (n, i, j).
+
+    Or (form "query", GluonNLP's TransformerDecoder): K = (i < L_b) over the queries and the
+    condition ``K[n // H, i] · band(i, j)`` with band the causal band j ≤ i + Sk − Sq (a factor read
+    from shapes only) — at every probe (two (Sq, Sk) at least) and at longer lengths, where the
+    condition computed with K all ones must be the band: the op's causal band with lengths Sk
+    (K = 1) or 0 per row."""
+    ctx = m.ctx
+    key = ("key_length_mask", _condition(m), m.node("mask_op").name)
+    if key in ctx.memo:
+        return ctx.memo[key]
+    cmp, reason = _length_comparison(m)
+    result = (None, reason)
+    if cmp is not None:
+        result = _prove_key_lengths(m, cmp)
+    ctx.memo[key] = result
+    return result
+
+
+def _prove_key_lengths(m: Match, cmp: Node):
+    """((K, H, form), None): the condition is K's key mask (form "key"), or K's query mask times the
+    causal band (form "query": GluonNLP's decoder), else the reason."""
+    slot = _LESS[cmp.op]
+    pos, lengths = cmp.inputs[slot], cmp.inputs[1 - slot]
+    if _reads_data(pos, m.ctx):
+        return None, ("'%s' compares '%s' with '%s', and neither is positions read from shapes only"
+                      % (cmp.name, pos.node.name, lengths.node.name))
+    found, reason = _prove_lengths(m, cmp, "key")
+    if found is not None:
+        return found, None
+    found, reason2 = _prove_lengths(m, cmp, "query")
+    if found is not None:
+        return found, None
+    return None, reason + "; nor the query mask times the causal band (%s)" % reason2
+
+
+def _band(sq: int, sk: int) -> np.ndarray:
+    """The causal band of (Sq, Sk) scores as the kernel takes it: key j visible to query i iff j ≤ i + Sk − Sq."""
+    return (np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)).astype(np.float64)
+
+
+def _prove_lengths(m: Match, cmp: Node, form: str):
+    ctx = m.ctx
+    slot = _LESS[cmp.op]
+    pos, lengths = cmp.inputs[slot], cmp.inputs[1 - slot]
+    what = "key" if form == "key" else "query"
+    probes = list(getattr(ctx, "probes", None) or [ctx.input_shapes])
+    cond = _condition(m)
+    ks, ls, ms, ss = (_shapes(m, x) for x in (Entry(cmp), lengths, cond, _scores(m)))
+    if not probes or not all(len(x) == len(probes) for x in (ks, ls, ms, ss)):
+        return None, ("the shapes of length mask '%s' are unknown (pass input shapes)" % cmp.name)
+    if form == "query" and len({tuple(sh[-2:]) for sh in ss}) < 2:
+        return None, "one (Sq, Sk) at the probes: a causal band cannot be told from a fixed one"
+    heads = set()
+    for shapes, kshape, lshape, mshape, sshape in zip(probes, ks, ls, ms, ss):
+        if len(kshape) != 2 or len(lshape) != 2 or lshape != (kshape[0], 1):
+            return None, ("'%s' compares positions with lengths %s into %s: not lengths (B, 1) against "
+                          "the %ss, a (B, S) mask" % (cmp.name, lshape, kshape, what))
+        if tuple(mshape) != tuple(sshape) or len(sshape) < 3:
+            return None, ("mask '%s' %s does not have the scores' shape %s" % (cond.node.name, mshape, sshape))
+        b_, sn = kshape
+        sq, sk = sshape[-2:]
+        if sn != (sk if form == "key" else sq):
+            return None, ("'%s' compares %d positions, the scores have %d %ss" % (
+                cmp.name, sn, sk if form == "key" else sq, what))
+        n = int(np.prod(sshape[:-2]))
+        if b_ < 1 or n % b_:
+            return None, ("the scores' %d heads are not a multiple of the %d rows of '%s'" % (n, b_, cmp.name))
+        heads.add(n // b_)
+        p = ctx.evaluate(pos, 0, shapes)
+        if p is None or p.size != sn or p.shape not in ((sn,), (1, sn)) or not np.array_equal(
+                p.reshape(-1), np.arange(sn)):
+            return None, ("'%s' does not read the %s positions 0 … %d: %s" % (
+                pos.node.name, what, sn - 1, "not computable" if p is None else "%s of shape %s" % (
+                    np.array2string(p.reshape(-1)[:6], separator=", ")[:-1] + (", …]" if p.size > 6 else "]"),
+                    p.shape)))
+        dtype = ctx.dtype(Entry(cmp)) or "float32"
+        jj, bb = np.meshgrid(np.arange(sn), np.arange(b_))
+        rows = np.arange(n) // (n // b_)
+        for name, code in (("%s index" % what, jj + 1), ("batch index", bb + 1), ("zeros", 0 * jj),
+                           ("ones", 0 * jj + 1)):
+            code = code.astype(dtype)
+            got = _evaluate_replacing(ctx, cond, cmp, code, shapes)
+            c = code[rows].astype(np.float64)
+            want = np.broadcast_to(c[:, None, :], (n, sq, sk)) if form == "key" else \
+                c[:, :, None] * _band(sq, sk)[None]
+            if got is None or got.shape != tuple(sshape) or not np.array_equal(
+                    got.reshape(n, sq, sk).astype(np.float64), want):
+                return None, ("mask '%s' is not the %s mask of '%s' (row n // %d)%s (checked with %s in its "
+                              "place at %s)" % (cond.node.name, what, cmp.name, n // b_,
+                                                " at every query" if form == "key" else " times the causal band",
+                                                name, tuple(sshape)))
+    if len(heads) != 1:
+        return None, ("mask '%s' repeats the rows of '%s' %s times at the probe shapes: not one head "
+                      "count" % (cond.node.name, cmp.name, " / ".join(map(str, sorted(heads)))))
+    if form == "query":
+        # the band is computed from shapes: a band causal at the probes' lengths only (a window wider
+        # than them, a fixed offset) is told at longer lengths
+        ok = False
+        for longer in _longer_shapes(ctx, {d for sh in ss for d in sh[-2:]}):
+            p = ctx.evaluate(pos, 0, longer)
+            lv = ctx.evaluate(lengths, 0, longer)
+            if p is None or lv is None:
+                continue
+            got = _evaluate_replacing(ctx, cond, cmp, np.ones((lv.shape[0], p.size), dtype=ctx.dtype(Entry(cmp))
+                                                                  or "float32"), longer)
+            if got is None or got.ndim < 2:
+                continue
+            sq, sk = got.shape[-2:]
+            if not np.array_equal(got.reshape(-1, sq, sk).astype(np.float64),
+                                  np.broadcast_to(_band(sq, sk), got.reshape(-1, sq, sk).shape)):
+                return None, ("mask '%s' is not the causal band at the longer lengths (%d, %d)"
+                              % (cond.node.name, sq, sk))
+            ok = True
+            break
+        if not ok:
+            return None, "mask '%s' could not be computed at longer lengths: its band is not known to be causal" \
+                % cond.node.name
+    return (cmp, heads.pop(), form), None
+
+
+def _probs_mask_reason(m: Match) -> Optional[str]:
+    """Why softmax(where(m, s, c)) * m is not the op's ``length_fill`` (None: it is)."""
+    mul = m.node("prob_mask")
+    if m.ctx.mode == "training":
+        return ("the probabilities multiplied by mask '%s' ('%s'): fused_attention's length_fill has no "
+                "backward (inference only)" % (m["pmask"].node.name, mul.name))
+    if m.ctx.device != "cpu":
+        return "fused_attention's length_fill (the probabilities multiplied by the mask) has no %s kernel" % m.ctx.device
+    if not m.has("mask_op") or m.node("mask_op").op != "where":
+        return ("the probabilities are multiplied by '%s' ('%s') without a where() mask on the scores"
+                % (m["pmask"].node.name, mul.name))
+    if m["pmask"] != _condition(m):
+        return ("the probabilities are multiplied by '%s', not by the where() condition '%s'"
+                % (m["pmask"].node.name, _condition(m).node.name))
+    if tuple(_shapes(m, Entry(mul))) != tuple(_shapes(m, Entry(m.node("softmax")))):
+        return "the product '%s' broadcasts the probabilities to another shape" % mul.name
+    c = float(m.node("fill").attrs["scalar"])
+    if not math.isfinite(c):
+        return "where() fill value %r: length_fill takes a finite score for the keys past the length" % c
+    _, reason = key_length_mask(m)
+    return reason
 
 
 class Attention(Rule):

@@ -12,6 +12,7 @@
     mask boolean             s = where(mask ≠ 0, s, mask_value)     (mask broadcast like the kernel's)
     valid_length             softmax(s, lengths, use_length=True)  (lengths shaped like s without its last axis,
                              read per head or per batch element as the kernel reads them at each shape)
+      with length_fill       m = key < lengths (and in the causal band);  softmax(where(m, s, mask_value)) * m
     o = softmax(s) · v, then the head merge  (softmax(temperature=1) for nan_probs="row": MXNet's own
                              kernel, which puts NaN at every probability of a row whose softmax is NaN)
 
@@ -201,7 +202,18 @@ class UnfuseAttention(UnfuseRule):
                 (2 if per_head4 else rank - 1)
             given = self._lengths(m, b, mask, s, rows_rank, ls)
             lengths = given if lengths is None else b.op("broadcast_minimum", [given, lengths])
-        if lengths is not None:
+        if lengths is not None and bool(f.param("length_fill", False)):
+            # GluonNLP's masked softmax: the keys at or after a row's length get mask_value, then
+            # probability 0 (softmax(where(m, s, c)) * m, m = key < length)
+            # (the key axis named from the front where the rank is known: fusion/onnx's export of
+            # arange_like over axis -1 gives one position)
+            s_rank = (len(q_shape) if q_shape is not None else None) if layout == "plain" else rank
+            keys = b.op("_contrib_arange_like", [s], attrs={"axis": -1 if s_rank is None else s_rank - 1})
+            lf = b.op("expand_dims", [b.op("Cast", [lengths], attrs={"dtype": "float32"})], attrs={"axis": -1})
+            cond = b.op("broadcast_lesser", [b.op("broadcast_add", [b.op("zeros_like", [s]), keys]), lf])
+            fill = b.op("_mul_scalar", [b.op("ones_like", [s])], attrs={"scalar": mask_value})
+            p = b.op("elemwise_mul", [b.op("softmax", [b.op("where", [cond, s, fill])], attrs={"axis": -1}), cond])
+        elif lengths is not None:
             p = b.op("softmax", [s, lengths], attrs={"axis": -1, "use_length": True})
         elif f.param("nan_probs", "auto") == "row":
             # a temperature (1) runs MXNet's own softmax kernel, not oneDNN's: a row whose softmax

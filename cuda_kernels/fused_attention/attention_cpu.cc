@@ -835,6 +835,28 @@ void finish_rows(const Params& p, const Geom& g, const MaskView& mk, const Prep&
   }
 }
 
+// length_fill: the Sk - lim keys a row did not compute (past its length or causal band) have the
+// score c = mask_value in the unfused softmax and probability 0·P in its product: they join the
+// row's max and sum (c once per key), not the accumulator.  A row with no key of its own gets
+// max c and sum Sk - lim: output 0 (NaN where v is not finite among those keys: finish_rows).
+// A NaN row (sum NaN) stays NaN.
+void fill_hidden_keys(const Params& p, const Geom& g, int64_t bq, Scratch& w) {
+  const float c = p.mask_value;
+  for (int64_t r = 0; r < bq; ++r) {
+    const int64_t hidden = g.Sk - w.lim[r];
+    if (hidden <= 0 || std::isnan(w.l[r])) continue;
+    const float mn = std::max(w.m[r], c);
+    const float alpha = w.m[r] == NEG_INF ? 0.f : fast_exp(w.m[r] - mn);
+    if (alpha != 1.f) {
+      float* o = &w.O[r * g.Dv];
+      for (int64_t col = 0; col < g.Dv; ++col) o[col] *= alpha;
+    }
+    w.l[r] = w.l[r] * alpha + static_cast<float>(hidden) * fast_exp(c - mn);
+    w.m[r] = mn;
+    w.touched[r] = 1;
+  }
+}
+
 void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Prep& pr, int64_t n,
                    int64_t i0, int64_t bq, Scratch& w) {
   const int64_t b = n / g.H, h = n % g.H, Dv = g.Dv;
@@ -916,6 +938,7 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Pre
 #endif
     sgemm('N', 'N', bq, Dv, nb, 1.f, S, BK, g.v.row(b, h, j0), g.v.rs, 1.f, w.O.data(), Dv);
   }
+  if (p.length_fill) fill_hidden_keys(p, g, bq, w);
   if (pr.out_bf16 && pr.voff[n] == pr.voff[n + 1] && pr.vbad.empty()) {
     // a bfloat16 output and no non-finite value of v for finish_rows to revisit: each row scaled
     // in place and rounded straight into the output (finish_rows's values, not kept in float32)

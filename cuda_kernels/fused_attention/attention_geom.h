@@ -28,6 +28,11 @@ struct Params {
   // nan_probs="row": a row whose softmax is NaN has every probability NaN (MXNet's own softmax
   // kernel, which a `temperature` selects), whatever softmax_nan_at_scores() would say
   bool nan_probs_row;
+  // length_fill (mask_kind valid_length): the keys a row does not see (at or after its length,
+  // after its causal band) keep the score mask_value in the softmax's sum and give 0 to the
+  // product -- GluonNLP's softmax(where(m, s, c)) * m with m the keys before the length.
+  // Inference on the CPU only (no backward, no GPU kernel).
+  bool length_fill;
 };
 
 Params parse(const Attrs& attrs);

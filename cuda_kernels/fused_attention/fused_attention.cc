@@ -1,5 +1,6 @@
 // fused_attention: out = softmax(scale * q k^T + mask) v, for several head layouts.
 // See README.md in this folder for the exact inputs, attributes and layouts.
+#include <cmath>
 #include <cstring>
 
 #include "act.h"
@@ -40,6 +41,15 @@ Params parse(const Attrs& a) {
                     (cm == "add" ? "added to" : "used for") + " the scores after the band)");
   }
   p.nan_probs_row = attr_choice(a, "nan_probs", "auto", {"auto", "row"}) == "row";
+  p.length_fill = attr_bool(a, "length_fill", false);
+  if (p.length_fill) {
+    if (p.mask != MaskKind::valid_length)
+      throw OpError("length_fill is only used with mask_kind='valid_length'");
+    if (p.causal && p.causal_mode != CausalMode::exclude)
+      throw OpError("length_fill takes causal_mode 'exclude' (the keys after the band are filled too)");
+    if (!has_attr(a, "mask_value") || !std::isfinite(p.mask_value))
+      throw OpError("length_fill needs a finite mask_value (the score of the keys past the length)");
+  }
   p.heads = attr_int(a, "heads", p.layout == Layout::plain ? 1 : 0);
   if (p.layout == Layout::plain) {
     if (p.heads != 1) throw OpError("attribute 'heads' is only used with head-aware layouts");
@@ -247,6 +257,8 @@ bool length_shape(const Params& p, const Geom& g, const std::vector<int64_t>& ms
 }  // namespace
 
 bool softmax_with_lengths(const Params& p) {
+  // length_fill: the unfused graph's softmax is a plain one (the keys past the length filled)
+  if (p.length_fill) return false;
   return p.mask == MaskKind::valid_length || (p.causal && p.causal_mode == CausalMode::exclude);
 }
 
@@ -521,6 +533,7 @@ void backward_f32(const Attrs& a, std::vector<MXTensor>* in, std::vector<MXTenso
     const bool has_mask = p.mask != MaskKind::none;
     if (bf16_output(a) || (*in)[1].dtype == kBfloat16)
       throw OpError("bfloat16 inputs or output have no backward (reduced precision is for inference)");
+    if (p.length_fill) throw OpError("length_fill has no backward (it is for inference)");
     std::vector<std::vector<int64_t>> s;
     for (int i = 0; i < nd; ++i) s.push_back((*in)[1 + i].shape);
     Geom g = geometry(p, s);

@@ -43,9 +43,33 @@ def attention_keys(node: Node, shape_of) -> Optional[int]:
     return None if s is None else s[src[1]]
 
 
+# comparisons of a value with positions: the value is a length (GluonNLP's masks: j < valid_length)
+COMPARISONS = frozenset({"broadcast_lesser", "broadcast_greater", "broadcast_lesser_equal",
+                         "broadcast_greater_equal"})
+
+
+def positions_count(entry, shape_of, depth: int = 0) -> Optional[int]:
+    """n where ``entry`` is positions 0 … n−1 (``_contrib_arange_like`` over one axis, through
+    pass-through ops), else None."""
+    node = entry.node
+    if node.op == "_contrib_arange_like":
+        s = shape_of(node.inputs[0])
+        axis = node.param("axis", None)
+        if s is None or axis is None or not -len(s) <= axis < len(s):
+            return None
+        return int(s[axis])
+    if node.op in PASS_THROUGH and node.inputs and depth < 6:
+        return positions_count(node.inputs[0], shape_of, depth + 1)
+    return None
+
+
 def slot_domain(node: Node, slot: int, shape_of) -> Optional[Tuple]:
     """How ``node`` reads its input ``slot``: ("bool",), ("int", lo, hi) or None (any real value)."""
     op = node.op
+    if op in COMPARISONS and len(node.inputs) == 2:
+        n = positions_count(node.inputs[1 - slot], shape_of)
+        if n is not None:
+            return ("int", 0, n)
     if op == "where" and slot == 0:
         return ("bool",)
     if op in ("softmax", "log_softmax", "masked_softmax") and slot == 1 and node.param("use_length", False):

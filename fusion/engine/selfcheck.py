@@ -736,6 +736,7 @@ class SelfCheck:
         values: Dict[Entry, np.ndarray] = {}
         rng = np.random.default_rng(self.seed + 7919 * i + p)
         data = None
+        externals = [e for e in _unique(old.external + new.external) if not e.node.is_variable]
         for e in _unique(old.external + new.external):
             if e.node.is_variable:
                 v = ctx.array(e)
@@ -759,8 +760,12 @@ class SelfCheck:
                     return "values computed from shapes could not be evaluated"
                 values[e] = got
                 continue
-            if got is not None and tuple(got.shape) == tuple(shape) and self._telling(e, got, p) and \
+            if got is not None and tuple(got.shape) == tuple(shape) and \
+                    (self._telling(e, got, p) or _related(e, externals)) and \
                     dtype_name(got.dtype) == (ctx.dtype(e) or dtype_name(got.dtype)):
+                # (a value computed from another the rewrite reads -- a mask and the comparison it
+                # is carried from -- stays the graph's even where it is one constant: drawn on its
+                # own it would no longer be what the other gives)
                 values[e] = got
                 continue
             dtype = ctx.dtype(e) or "float32"
@@ -1223,6 +1228,23 @@ def _first_line(text: str) -> str:
         if "Check failed" in ln or "Error" in ln:
             return ln[:300]
     return (lines[-1] if lines else text)[:300]
+
+
+def _related(e: Entry, others: Sequence[Entry], limit: int = 200) -> bool:
+    """Whether ``e`` is computed from one of ``others`` or one of them from ``e`` (within ``limit`` nodes)."""
+    def reaches(a: Entry, b: Entry) -> bool:
+        seen, stack = set(), [a.node]
+        while stack and len(seen) < limit:
+            n = stack.pop()
+            if id(n) in seen:
+                continue
+            seen.add(id(n))
+            for x in n.inputs:
+                if x == b:
+                    return True
+                stack.append(x.node)
+        return False
+    return any(o != e and (reaches(e, o) or reaches(o, e)) for o in others)
 
 
 def _telling(a: np.ndarray) -> bool:

@@ -636,6 +636,9 @@ def _export_fused_attention(node, **kwargs):
     scale = float(attrs["scale"])
     mask_value = float(attrs.get("mask_value", -1e18))
     heads = int(attrs.get("heads", 1))
+    if _attr_bool(attrs, "length_fill", False):
+        # ORT's attention ops drop the keys past the length; length_fill keeps them in the sum
+        raise _NeedsUnfuse("lengths with length_fill")
     if layout == "plain":
         if mask_kind in ("none", "additive") and not causal:
             return _plain_attention(kwargs, node, name, inputs, scale, mask_kind)

@@ -606,6 +606,7 @@ MXReturnValue attention_forward(const Attrs& a, std::vector<MXTensor>* in,
     require_gpu(*in, "input");
     const attn::Params p = attn::parse(a);
     const int nd = attn::num_data_inputs(p.layout);
+    if (p.length_fill) throw OpError("length_fill has no GPU implementation (CPU inference only)");
     std::vector<const MXTensor*> data;
     for (int i = 0; i < nd; ++i) data.push_back(&(*in)[i]);
     const MXTensor* mask = p.mask == attn::MaskKind::none ? nullptr : &(*in)[nd];
@@ -641,6 +642,7 @@ MXReturnValue attention_backward(const Attrs& a, std::vector<MXTensor>* in,
     require_gpu(*in, "input");
     const attn::Params p = attn::parse(a);
     const int nd = attn::num_data_inputs(p.layout);
+    if (p.length_fill) throw OpError("length_fill has no GPU implementation (CPU inference only)");
     const bool has_mask = p.mask != attn::MaskKind::none;
     std::vector<const MXTensor*> data;
     for (int i = 0; i < nd; ++i) data.push_back(&(*in)[1 + i]);

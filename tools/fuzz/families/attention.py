@@ -20,6 +20,12 @@ Grammar::
                | softmax(s, length, use_length=True), lengths 0…Sk (int32/float32/int64)
                | causal: positions from arange_like of q/k or of the scores, compared (≥, ≤, <, >,
                  shifted), as an additive (1−m)·−1e9 mask or where(m, s, fill); Sq ≤ Sk and Sq > Sk
+               | GluonNLP's key-length mask: m = key positions (arange_like of k) < lengths (B,)
+                 (broadcast_lesser | broadcast_greater swapped; float32 or int32 lengths), carried to
+                 the scores (expand_dims, ones products, broadcast_like, broadcast_axis over heads),
+                 where(m, s, fill) and the probabilities multiplied by m (either order, elemwise_mul |
+                 broadcast_mul); its decoder form (i < length) · (j ≤ i) in self-attention;
+                 near: query lengths, positions from 1, another mask multiplied, the band j < i
     heads   := x (B,S,E) → projections (FullyConnected or inputs; cross attention: memory (B,Sk,E'))
                → split chain (Reshape codes 0/-1/-2/-3/-4 | reverse, transpose, SwapAxis; 3-D or 4-D heads;
                   near: wrong head order, literal sizes) → core → merge chain → [output FullyConnected]
@@ -123,11 +129,65 @@ def _mask_shape(b, geo: Geo, label: str):
     return d.choice(opts, w, label=label + " shape")
 
 
+def _key_length_mask(b, s, q, k, geo: Geo, label: str, near: str):
+    """GluonNLP's mask of the keys before each batch element's length, of the scores' shape."""
+    d = b.d
+    rank = geo.rank
+    int_len = d.maybe(0.3, label=label + " int lengths")
+    lead = geo.lead[:1]
+    heads = None
+    if rank == 3 and isinstance(lead[0], str) and lead[0].startswith("B*") and d.maybe(0.6, label=label + " per batch"):
+        heads = int(lead[0][2:])            # GluonNLP: (B,) lengths, the mask repeated over the heads
+        lead = ("B",)
+    ln = b.input("vlen", lead, kind="len", dtype="int32" if int_len else "float32", lo=0, hi=geo.sk)
+    axis = -2 if d.maybe(0.5, label=label + " neg axis") else rank - 2
+    pos = S.contrib.arange_like(k, axis=axis, start=1.0) if near == "start1" else S.contrib.arange_like(k, axis=axis)
+    if int_len:
+        pos = S.Cast(pos, dtype="int32")
+    pos, lr = S.reshape(pos, shape=(1, -1)), S.reshape(ln, shape=(-1, 1))
+    m = S.broadcast_lesser(pos, lr) if d.maybe(0.6, label=label + " lesser") else S.broadcast_greater(lr, pos)
+    if int_len:
+        m = S.Cast(m, dtype="float32")
+    if near == "query":                     # lengths along the queries (positions of k read as rows)
+        m = S.expand_dims(m, axis=2)        # (N, Sk→rows, 1): not a key mask
+    elif near in ("decoder", "decoder_strict"):   # GluonNLP's decoder: (i < length) · (j ≤ i) (strict: j < i)
+        p0 = S.contrib.arange_like(k, axis=axis)
+        band = (S.broadcast_lesser if near == "decoder_strict" else S.broadcast_lesser_equal)(
+            S.reshape(p0, shape=(1, -1)), S.reshape(p0, shape=(-1, 1)))
+        m = S.broadcast_mul(S.expand_dims(m, axis=2), S.expand_dims(band, axis=0))
+    else:
+        m = S.expand_dims(m, axis=1)        # (lead0, 1, Sk)
+    if rank == 4:
+        m = S.expand_dims(m, axis=1)        # (B, 1, 1, Sk)
+    elif heads is not None:                 # (B, 1, Sk) → (B·H, 1, Sk), n = b·H + h
+        m = S.broadcast_axis(S.expand_dims(m, axis=1), axis=1, size=heads)
+        m = S.reshape(m, shape=(-1, 0, 0), reverse=True)
+    how = d.choice(["broadcast_like", "ones"], label=label + " carry")
+    if how == "ones" and near not in ("query", "decoder", "decoder_strict") and geo.sq == geo.sk:     # GluonNLP's encoder: ones of the keys
+        ones = S.ones_like(S.contrib.arange_like(k, axis=axis))
+        m = S.broadcast_mul(m, S.broadcast_mul(ones, S.reshape(ones, shape=(-1, 1))))   # (…, Sk, Sk)
+    return S.broadcast_like(m, s)
+
+
 def apply_mask(b, s, q, k, geo: Geo, label: str = "mask"):
-    """Returns (masked scores, lengths or None)."""
+    """Returns (masked scores, lengths or None, the mask the probabilities are multiplied by or None)."""
     d = b.d
     kind = d.choice(["none", "additive", "param_bias", "where", "where_1d", "length", "causal_add", "causal_where",
-                     "data_gate_causal"], [5, 5, 1, 3, 1, 3, 4, 2, 1], label=label)
+                     "data_gate_causal", "key_length"], [5, 5, 1, 3, 1, 3, 4, 2, 1, 3], label=label)
+    if kind == "key_length":
+        selfatt = geo.sq == geo.sk
+        near = d.choice(["none", "query", "start1", "other", "decoder", "decoder_strict"],
+                        [8, 1 if selfatt else 0, 1, 1, 3 if selfatt else 0, 1 if selfatt else 0],
+                        label=label + " kl near")
+        m = _key_length_mask(b, s, q, k, geo, label, near)
+        post = m if near != "other" else S.broadcast_like(b.input("cond", geo.scores(), kind="mask01"), s)
+        return S.where(m, s, _fill(b, s, label)), None, post
+    s, length = _apply_mask(b, s, q, k, geo, label, kind)
+    return s, length, None
+
+
+def _apply_mask(b, s, q, k, geo: Geo, label: str, kind: str):
+    d = b.d
     if kind == "none":
         return s, None
     if kind == "additive":
@@ -219,7 +279,7 @@ def core(b, q, k, v, geo: Geo, label: str = "core", k_transposed=None):
         s = S.broadcast_mul(s, b.input("tscale", (1,), kind="pos"))
     elif sc == "div_sqrt_dim":
         s = S.contrib.div_sqrt_dim(s)
-    s, length = apply_mask(b, s, q, k, geo, label + " mask")
+    s, length, post = apply_mask(b, s, q, k, geo, label + " mask")
     ax = d.choice(["default", "-1", "last_pos", "query", "head"], [5, 2, 2, 1, 1 if rank == 4 else 0],
                   label=label + " softmax axis")
     kw = {}
@@ -242,6 +302,9 @@ def core(b, q, k, v, geo: Geo, label: str = "core", k_transposed=None):
         p = S.log_softmax(s, **kw)
     else:
         p = S.softmax(s, **kw)
+    if post is not None:                   # GluonNLP: the probabilities multiplied by the mask
+        mul = S.elemwise_mul if d.maybe(0.6, label=label + " post elemwise") else S.broadcast_mul
+        p = mul(p, post) if d.maybe(0.6, label=label + " post order") else mul(post, p)
     if d.maybe(0.3, label=label + " dropout"):
         prob = d.choice([0.1, 0.0, 0.5], label=label + " dropout p")
         mode = d.choice(["training", "always"], [5, 1], label=label + " dropout mode")
