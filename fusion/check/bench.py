@@ -162,7 +162,7 @@ def benchmark(symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any], resul
               inputs: Mapping[str, Any], repeats: int = 30, warmup: int = 3, max_memory: Any = None) -> Dict[str, Any]:
     """:func:`figures` of the original and the fused model, each bound with the subgraph backend on and off,
     within the memory budget ``max_memory`` (see ``benchmark_plan``; default 60 % of the memory available)."""
-    from ..engine.memory import budget as make_budget, release
+    from ..engine.memory import budget as make_budget, collections_of_new_objects, release
 
     budget = make_budget(max_memory)
     groups = benchmark_plan(symbol, arg, aux, result, {k: tuple(v.shape) for k, v in inputs.items()}, budget)
@@ -170,9 +170,10 @@ def benchmark(symbol: Any, arg: Mapping[str, Any], aux: Mapping[str, Any], resul
     models = {"original": (symbol, arg, aux, inputs),
               "fused": (result.symbol, result.arg_params, result.aux_params, fused_inputs)}
     samples: Dict[str, List[float]] = {}
-    for group in groups:
-        systems = {name: executor(*models[model], subgraph=on) for name, model, on in SYSTEMS if name in group}
-        samples.update(time_samples(systems, repeats, warmup))
-        del systems
-        release()
+    with collections_of_new_objects():
+        for group in groups:
+            systems = {name: executor(*models[model], subgraph=on) for name, model, on in SYSTEMS if name in group}
+            samples.update(time_samples(systems, repeats, warmup))
+            del systems
+            release()
     return figures({name: samples[name] for name, _, _ in SYSTEMS})

@@ -612,6 +612,13 @@ def verify(original: Any, fused: Any, params: Any = None, input_shapes: Optional
     it is left out (``result.memory_notes`` says so); where one run of a model would not fit,
     ``OverBudget`` (a FusionError) says how much it needs, before anything runs.
     """
+    from ..engine.memory import collections_of_new_objects
+
+    with collections_of_new_objects():
+        return _verify(original, fused, params, input_shapes, seed, inputs, spread, max_memory)
+
+
+def _verify(original, fused, params, input_shapes, seed, inputs, spread, max_memory) -> VerifyResult:
     from ..engine.memory import budget as make_budget, release
     from .rowsets import align_rows, row_layouts
 
