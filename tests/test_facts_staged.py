@@ -45,3 +45,17 @@ def test_fusing_twice_changes_nothing_when_a_variable_is_read_across_a_library_o
     twice = fusion.fuse(once.symbol, once.arg_params, once.aux_params, input_shapes=shapes)
     assert _ops(twice.symbol) == _ops(once.symbol), (_ops(once.symbol), _ops(twice.symbol))
     assert fusion.verify((sym, arg, aux), once, input_shapes=shapes).max_rel <= 1e-4
+
+
+def test_a_reshape_to_one_size_is_read_as_a_shape():
+    """``reshape(x, shape=-1)`` (GluonNLP's BERT flattens its valid lengths so) gives its ``shape`` as one
+    number: the self-check's small probes crashed on it ('int' object is not iterable) for every
+    GluonNLP BERT, RoBERTa, ERNIE and DistilBERT."""
+    from fusion.engine.facts import as_sizes, reshape_divides, reshape_output
+    from fusion.ir.graph import Graph
+
+    g = Graph.from_symbol(mx.sym.reshape(mx.sym.var("x"), shape=-1))
+    nd = [n for n in g.nodes if not n.is_variable][0]
+    assert as_sizes(nd.attrs.get("shape")) == (-1,)
+    assert reshape_divides(nd)
+    assert reshape_output((2, 3, 5), as_sizes(nd.attrs.get("shape"))) == (30,)

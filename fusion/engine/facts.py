@@ -228,7 +228,7 @@ def _infer_staged(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Ma
             return None         # an input of unknown shape would crash MXNet's wrapper
         if divides:
             if nd.op not in ("Reshape", "reshape") or reshape_output(
-                    result[nd.inputs[0]], tuple(nd.attrs.get("shape") or ()), bool(nd.param("reverse", False))) is None:
+                    result[nd.inputs[0]], as_sizes(nd.attrs.get("shape")), bool(nd.param("reverse", False))) is None:
                 return None     # MXNet would infer a size of 0 here (then divide by it), or another dialect
             batch.append(nd)    # MXNet infers it with what follows
             continue
@@ -461,7 +461,15 @@ def reshape_divides(nd: Node) -> bool:
     if nd.op not in SIZE_KEEPING or nd.op in ("Flatten", "flatten"):
         return False
     spec = nd.attrs.get("shape", nd.attrs.get("newshape"))
-    return "target_shape" in nd.attrs or spec is None or any(int(v) in (-1, -4) for v in tuple(spec))
+    return "target_shape" in nd.attrs or spec is None or any(int(v) in (-1, -4) for v in as_sizes(spec))
+
+
+def as_sizes(spec) -> tuple:
+    """A reshape's ``shape`` attribute as a tuple: MXNet also takes one size (``shape=-1``, as GluonNLP's
+    BERT flattens its valid lengths)."""
+    if spec is None:
+        return ()
+    return tuple(spec) if isinstance(spec, (tuple, list)) else (spec,)
 
 
 def _divides_sizes(graph: Graph) -> bool:

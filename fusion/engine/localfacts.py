@@ -43,7 +43,7 @@ class MatchShapes:
 def match_shapes(ctx: Any, nodes: Sequence[Node], extra_inputs: Sequence[Entry] = ()) -> Optional[MatchShapes]:
     """The shapes of ``nodes``' values (and of ``extra_inputs``) at the fillings of the unknown sizes
     of their inputs; None when an input's rank is unknown or MXNet cannot infer them."""
-    from .facts import infer_nodes, reshape_divides, reshape_output
+    from .facts import as_sizes, infer_nodes, reshape_divides, reshape_output
 
     ordered = sorted({id(n): n for n in nodes if not n.is_variable}.values(), key=lambda n: n.pos)
     inside = {id(n) for n in ordered}
@@ -87,7 +87,7 @@ def match_shapes(ctx: Any, nodes: Sequence[Node], extra_inputs: Sequence[Entry] 
             if nd.op not in ("Reshape", "reshape"):
                 return None             # another reshape dialect (_npx_reshape): not read here
             src = known.get(nd.inputs[0])
-            if src is None or reshape_output(src, tuple(nd.attrs.get("shape") or ()),
+            if src is None or reshape_output(src, as_sizes(nd.attrs.get("shape")),
                                               bool(nd.param("reverse", False))) is None:
                 return None             # MXNet would infer a size of 0 here (then divide by it)
             chunk.append(nd)
