@@ -274,7 +274,11 @@ def build_gluonnlp(model: Model, seed: int = 0):
                                          **extra)
             args = [mx.nd.zeros((1, SEQ)), mx.nd.array([SEQ])]
         elif kind == "lm":
-            net, _ = nlp.model.get_model(model.name, dataset_name=None, vocab=_nlp_vocab(nlp, False), pretrained=False)
+            # dropout 0: GluonNLP 0.10's StandardRNN calls mx.nd.Dropout inside hybrid_forward (no symbol can
+            # be traced with it); an inference graph has no dropout to run anyway
+            extra = {"dropout": 0} if model.name.startswith("standard_") else {}
+            net, _ = nlp.model.get_model(model.name, dataset_name=None, vocab=_nlp_vocab(nlp, False), pretrained=False,
+                                         **extra)
             args = [mx.nd.zeros((LM_STEPS, 1)), net.begin_state(batch_size=1, func=mx.nd.zeros)]
         elif kind == "elmo":
             net = nlp.model.get_model(model.name, dataset_name=None, pretrained=False)
