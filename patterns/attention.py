@@ -574,40 +574,6 @@ _CARRY = frozenset(set(LAYOUT_OPS) - {"split", "SliceChannel", "_split_v2"}) | {
     "broadcast_axis", "broadcast_axes", "broadcast_to", "broadcast_like", "Cast", "amp_cast", "_copy", "identity"}
 # key positions < lengths: the input slot of the positions
 _LESS = {"broadcast_lesser": 0, "broadcast_greater": 1}
-_CODES = "__length_mask_codes"
-
-
-def _evaluate_replacing(ctx, entry: Entry, node: Node, value: np.ndarray, shapes) -> Optional[np.ndarray]:
-    """``entry`` computed by MXNet at input ``shapes`` with ``node``'s output replaced by ``value``
-    (the other data inputs random: read for their shapes only, as the caller checked); None where
-    MXNet cannot run it."""
-    import json
-
-    import mxnet as mx
-    from fusion.native.env import subgraph_backend
-
-    data = ctx.graph.to_json()          # compacts the graph: the positions read below are current
-    pos = int(node.pos)
-    data["nodes"][pos] = {"op": "null", "name": _CODES, "inputs": []}
-    data["arg_nodes"] = sorted(set(data["arg_nodes"]) | {pos})
-    data["heads"] = [[int(entry.node.pos), entry.index, 0]]
-    try:
-        sym = mx.sym.load_json(json.dumps(data))
-        rng = np.random.default_rng(0)
-        variables = {n.name: n for n in ctx.graph.variables()}
-        args = {}
-        for name in sym.list_arguments():
-            v = value if name == _CODES else ctx.value(Entry(variables[name]))
-            if v is None:
-                if shapes.get(name) is None:
-                    return None
-                v = rng.standard_normal(shapes[name]).astype(np.float32)
-            args[name] = mx.nd.array(v, dtype=v.dtype)
-        with subgraph_backend(False):
-            exe = sym.bind(mx.cpu(), args, grad_req="null")
-        return exe.forward(is_train=False)[0].asnumpy()
-    except Exception:       # noqa: BLE001 -- MXNet cannot run it here: nothing is proved
-        return None
 
 
 def _condition(m: Match) -> Entry:
@@ -740,7 +706,7 @@ def _prove_lengths(m: Match, cmp: Node, form: str):
         for name, code in (("%s index" % what, jj + 1), ("batch index", bb + 1), ("zeros", 0 * jj),
                            ("ones", 0 * jj + 1)):
             code = code.astype(dtype)
-            got = _evaluate_replacing(ctx, cond, cmp, code, shapes)
+            got = ctx.evaluate(cond, 0, shapes, replacing=(cmp, code))
             c = code[rows].astype(np.float64)
             want = np.broadcast_to(c[:, None, :], (n, sq, sk)) if form == "key" else \
                 c[:, :, None] * _band(sq, sk)[None]
@@ -762,8 +728,8 @@ def _prove_lengths(m: Match, cmp: Node, form: str):
             lv = ctx.evaluate(lengths, 0, longer)
             if p is None or lv is None:
                 continue
-            got = _evaluate_replacing(ctx, cond, cmp, np.ones((lv.shape[0], p.size), dtype=ctx.dtype(Entry(cmp))
-                                                                  or "float32"), longer)
+            got = ctx.evaluate(cond, 0, longer, replacing=(cmp, np.ones((lv.shape[0], p.size),
+                                                                        dtype=ctx.dtype(Entry(cmp)) or "float32")))
             if got is None or got.ndim < 2:
                 continue
             sq, sk = got.shape[-2:]

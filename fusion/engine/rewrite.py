@@ -133,9 +133,12 @@ class Context:
         return self.memo[key]
 
     def evaluate(self, entry: Entry, seed: int = 0,
-                 input_shapes: Optional[Mapping[str, Sequence[int]]] = None) -> Optional[np.ndarray]:
+                 input_shapes: Optional[Mapping[str, Sequence[int]]] = None,
+                 replacing: Optional[Tuple[Node, np.ndarray]] = None) -> Optional[np.ndarray]:
         """The value of ``entry`` computed by MXNet, with random data inputs of the given shapes
-        (default: the user's; e.g. one of ``probes``).
+        (default: the user's; e.g. one of ``probes``); ``replacing`` (node, value): that node's
+        output taken as ``value`` (a comparison's result replaced by test codes, to see where each
+        lands).
 
         None when an input shape is unknown or MXNet cannot run it.  Meant for values that do
         not depend on the data (masks built from positions): call it with two seeds to check.
@@ -145,15 +148,20 @@ class Context:
 
         import mxnet as mx
 
-        data = self.graph.to_json()
+        data = self.graph.to_json()         # compacts the graph: the positions read below are current
         data["heads"] = [[int(entry.node.pos), entry.index, 0]]
+        given = "__evaluate_replaced"
+        if replacing is not None:
+            pos = int(replacing[0].pos)
+            data["nodes"][pos] = {"op": "null", "name": given, "inputs": []}
+            data["arg_nodes"] = sorted(set(data["arg_nodes"]) | {pos})
         try:
             sym = mx.sym.load_json(json.dumps(data))
             rng = np.random.default_rng(seed)
             args = {}
             variables = {n.name: n for n in self.graph.variables()}
             for name in sym.list_arguments():
-                v = self.value(Entry(variables[name]))
+                v = replacing[1] if replacing is not None and name == given else self.value(Entry(variables[name]))
                 if v is None:
                     shape = shapes.get(name)
                     if shape is None:
