@@ -95,7 +95,9 @@ class Model:
 
 #: GluonNLP 0.10's model zoo (``gluonnlp.model.get_model``): name -> how it is called.  BERT-style
 #: encoders at sequence length 128, language models 35 steps (their usual BPTT length), ELMo 35
-#: words of 50 characters; the Transformer's encoder alone (the whole NMTModel is not a HybridBlock).
+#: words of 50 characters; the Transformer's encoder and its decoder, each as a model of its own (the
+#: whole NMTModel is not a HybridBlock): the decoder over 128 target positions reading an encoder
+#: memory of 128 (its memory mask an input, as ``init_state_from_encoder`` gives it).
 GLUONNLP = {
     "bert_12_768_12": "bert", "bert_24_1024_16": "bert", "ernie_12_768_12": "bert",
     "roberta_12_768_12": "roberta", "roberta_24_1024_16": "roberta", "distilbert_6_768_12": "roberta",
@@ -103,6 +105,7 @@ GLUONNLP = {
     "awd_lstm_lm_1150": "lm", "awd_lstm_lm_600": "lm", "big_rnn_lm_2048_512": "lm",
     "elmo_2x1024_128_2048cnn_1xhighway": "elmo", "elmo_2x2048_256_2048cnn_1xhighway": "elmo",
     "elmo_2x4096_512_2048cnn_2xhighway": "elmo", "transformer_en_de_512": "transformer",
+    "transformer_en_de_512_decoder": "transformer_decoder",
 }
 SEQ, LM_STEPS, ELMO_CHARS, VOCAB = 128, 35, 50, 1000
 
@@ -291,6 +294,15 @@ def build_gluonnlp(model: Model, seed: int = 0):
                 num_layers=hp["num_layers"], num_heads=hp["num_heads"], scaled=hp["scaled"], units=hp["num_units"],
                 hidden_size=hp["hidden_size"], dropout=hp["dropout"], max_src_length=SEQ, max_tgt_length=SEQ)[0]
             args = [mx.nd.zeros((1, SEQ, hp["num_units"])), None, mx.nd.array([SEQ])]
+        elif kind == "transformer_decoder":
+            from gluonnlp.model.transformer import get_transformer_encoder_decoder, transformer_en_de_hparams as hp
+
+            net = get_transformer_encoder_decoder(
+                num_layers=hp["num_layers"], num_heads=hp["num_heads"], scaled=hp["scaled"], units=hp["num_units"],
+                hidden_size=hp["hidden_size"], dropout=hp["dropout"], max_src_length=SEQ, max_tgt_length=SEQ)[1]
+            mem = mx.nd.zeros((1, SEQ, hp["num_units"]))
+            args = [mx.nd.zeros((1, SEQ, hp["num_units"])), net.init_state_from_encoder(mem, mx.nd.array([SEQ])),
+                    mx.nd.array([SEQ])]
         else:
             raise ValueError("no builder for GluonNLP model kind %r" % kind)
     if not isinstance(net, mx.gluon.HybridBlock):

@@ -51,7 +51,11 @@ every probe with the comparison replaced by codes, equal to its key mask ``m[n, 
 "valid_length"`` with ``length_fill`` (the hidden keys keep c in the softmax's sum, 0 in the product:
 a length-0 row gives 0 as GluonNLP's does) — lengths ``sum(K)`` per batch element, repeated over the
 heads, or ``K·1e9`` per row with ``causal``; inference on the CPU only (the op has no backward and no
-GPU kernel for it).  A mask given as an input (GluonNLP's memory mask) cannot be proved: refused.
+GPU kernel for it).  Any other mask ``m`` (one given as an input: GluonNLP's memory mask, whose
+values cannot be proved a length mask) fuses as ``mask_kind="boolean"`` with ``length_fill``: the
+kernel replaces the scores where ``m`` is 0 by c, and multiplies each probability by ``m``'s value
+after the softmax — the same form for every value of ``m`` — where ``m`` (the where() condition and the
+factor alike) is float32 in the scores' own shape at every probe.
 
 Parameters are never baked in training mode: a 1-element scale parameter is kept as an
 input, applied to q (``broadcast_mul``/``broadcast_div``, so its gradient is computed); at
@@ -532,7 +536,11 @@ def _mask_inputs(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object]]:
 
 def _mask_inputs_of(m: Match, b: Builder) -> Tuple[List[Entry], Dict[str, object]]:
     if m.has("prob_mask"):
-        (cmp, heads, form), _ = key_length_mask(m)
+        found, _ = key_length_mask(m)
+        if found is None:       # any mask: where(m, s, c) on the scores, the probabilities times m
+            return [_condition(m)], {"mask_kind": "boolean", "length_fill": True,
+                                     "mask_value": float(m.node("fill").attrs["scalar"])}
+        cmp, heads, form = found
         attrs = {"mask_kind": "valid_length", "length_fill": True, "mask_value": float(m.node("fill").attrs["scalar"])}
         if form == "key":       # K's rows are prefixes of the keys: their sums are the lengths
             lengths = b.op("sum", [b.op("Cast", [Entry(cmp)], attrs={"dtype": "float32"})], attrs={"axis": 1})
@@ -765,7 +773,29 @@ def _probs_mask_reason(m: Match) -> Optional[str]:
     if not math.isfinite(c):
         return "where() fill value %r: length_fill takes a finite score for the keys past the length" % c
     _, reason = key_length_mask(m)
-    return reason
+    if reason is None:
+        return None
+    # not a length mask: the general form, the kernel reading m itself where it is the scores' shape
+    return _any_probs_mask_reason(m, reason)
+
+
+def _any_probs_mask_reason(m: Match, length_reason: str) -> Optional[str]:
+    """Why softmax(where(m, s, c)) * m with ``m`` not a length mask is not ``mask_kind="boolean"``
+    with ``length_fill`` (None: it is)."""
+    cond = _condition(m)
+    dtype = m.ctx.dtype(cond)
+    if dtype != "float32":
+        return ("mask '%s' is %s, not float32 (the probabilities are multiplied by its values; it is not "
+                "a length mask either: %s)" % (cond.node.name, dtype or "of unknown dtype", length_reason))
+    cs, ss = _shapes(m, cond), _shapes(m, _scores(m))
+    if not cs or len(cs) != len(ss):
+        return "the shape of mask '%s' is unknown (pass input shapes)" % cond.node.name
+    for cshape, sshape in zip(cs, ss):
+        if tuple(cshape) != tuple(sshape):
+            return ("mask '%s' %s is not the scores' shape %s (where() and the product would broadcast it "
+                    "differently; it is not a length mask either: %s)" % (cond.node.name, tuple(cshape),
+                                                                           tuple(sshape), length_reason))
+    return None
 
 
 class Attention(Rule):

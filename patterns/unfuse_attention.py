@@ -13,6 +13,7 @@
     valid_length             softmax(s, lengths, use_length=True)  (lengths shaped like s without its last axis,
                              read per head or per batch element as the kernel reads them at each shape)
       with length_fill       m = key < lengths (and in the causal band);  softmax(where(m, s, mask_value)) * m
+    mask boolean, length_fill  softmax(where(mask ≠ 0, s, mask_value)) * mask   (no causal band)
     o = softmax(s) · v, then the head merge  (softmax(temperature=1) for nan_probs="row": MXNet's own
                              kernel, which puts NaN at every probability of a row whose softmax is NaN)
 
@@ -193,6 +194,9 @@ class UnfuseAttention(UnfuseRule):
             cond = b.op("broadcast_add", [b.op("zeros_like", [s]), mask])
             fill = b.op("_mul_scalar", [b.op("ones_like", [s])], attrs={"scalar": mask_value})
             s = b.op("where", [cond, s, fill])
+            if bool(f.param("length_fill", False)):
+                # softmax(where(m, s, c)) * m: every probability times the mask's value
+                p = b.op("elemwise_mul", [b.op("softmax", [s], attrs={"axis": -1}), cond])
         elif mask_kind == "valid_length":
             ls = m.ctx.shape(mask)
             if per_head4:   # (B, H, Sq) → (B·H, Sq)
@@ -202,7 +206,9 @@ class UnfuseAttention(UnfuseRule):
                 (2 if per_head4 else rank - 1)
             given = self._lengths(m, b, mask, s, rows_rank, ls)
             lengths = given if lengths is None else b.op("broadcast_minimum", [given, lengths])
-        if lengths is not None and bool(f.param("length_fill", False)):
+        if mask_kind == "boolean" and bool(f.param("length_fill", False)):
+            pass                # p above
+        elif lengths is not None and bool(f.param("length_fill", False)):
             # GluonNLP's masked softmax: the keys at or after a row's length get mask_value, then
             # probability 0 (softmax(where(m, s, c)) * m, m = key < length)
             # (the key axis named from the front where the rank is known: fusion/onnx's export of

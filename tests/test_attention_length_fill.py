@@ -159,12 +159,12 @@ def test_gluonnlp_decoder_self_attention_fuses_causal(order):
     assert f.param("causal") is True and f.param("length_fill") is True, f.attrs
 
 
-def test_decoder_band_of_another_diagonal_is_refused():
-    sym = decoder_attention(band="lesser")     # j < i: the diagonal masked too
-    prm = params_of(sym, SHAPES)
-    res = fusion.fuse(sym, {n: mx.nd.array(v) for n, v in prm.items()}, {}, input_shapes=SHAPES)
-    assert "fused_attention" not in ops(res)
-    assert any("times the causal band" in r for r in _attention_reasons(res)), _attention_reasons(res)
+def test_decoder_band_of_another_diagonal_fuses_as_any_mask():
+    """j < i (the diagonal masked too): not the op's causal band — the mask itself, mask_kind boolean."""
+    sym = decoder_attention(band="lesser")
+    res = equivalent(sym, SHAPES, params_of(sym, SHAPES), rules=None, others=OTHERS, make=lengths())
+    f = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert f.param("mask_kind") == "boolean" and not f.param("causal", False), f.attrs
 
 
 def test_unfuse_gives_the_decoder_mask_back():
@@ -190,19 +190,15 @@ def _attention_reasons(res):
     return list(res.report.rules["attention"].rejected.values())
 
 
-@pytest.mark.parametrize("form,reason", [
-    ("query", "is not the key mask"),
-    ("twice", "is computed by _mul_scalar"),
-    ("times_twos", "is not the key mask"),
-    ("start1", "does not read the key positions 0"),
-])
-def test_near_miss_masks_are_refused(form, reason):
+@pytest.mark.parametrize("form", ["query", "twice", "times_twos", "start1"])
+def test_near_misses_of_the_length_mask_fuse_as_any_mask(form):
+    """Not a key-length mask (query lengths, 2·m, positions from 1): the general form, mask_kind boolean
+    with length_fill — where(m, s, c), then the probabilities times m's values (twice: 2·p)."""
     sym = encoder_attention(form)
-    prm = params_of(sym, SHAPES)
-    res = fusion.fuse(sym, {n: mx.nd.array(v) for n, v in prm.items()}, {}, input_shapes=SHAPES)
-    assert "fused_attention" not in ops(res)
-    reasons = _attention_reasons(res)
-    assert any(reason in r for r in reasons), reasons
+    res = equivalent(sym, SHAPES, params_of(sym, SHAPES), rules=None, others=OTHERS, make=lengths())
+    f = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert f.param("mask_kind") == "boolean" and f.param("length_fill") is True, f.attrs
+    assert "softmax" not in ops(res), ops(res)
 
 
 def test_probabilities_times_another_mask_are_refused():
@@ -222,17 +218,32 @@ def test_training_and_gpu_are_refused():
     assert any("no backward" in r for r in _attention_reasons(res)), _attention_reasons(res)
 
 
-def test_mask_from_data_values_is_refused():
-    """where(m, s, c) * m with m compared from two data values: no key positions."""
+def _data_mask_attention(cond_shape=None, mul=S.elemwise_mul):
     q, k, v, a, bb = (S.var(n) for n in "qkvab")
-    m = S.broadcast_lesser(a, bb)
+    m = S.broadcast_lesser(a, bb) if cond_shape is None else S.var("m")
     s = S.batch_dot(q, k, transpose_b=True)
-    p = S.softmax(S.where(m, s, -1e18 * S.ones_like(s)), axis=-1) * m
-    sym = S.batch_dot(p, v)
-    shapes = {"q": (4, 5, 8), "k": (4, 5, 8), "v": (4, 5, 8), "a": (4, 5, 5), "b": (4, 5, 5)}
+    p = mul(S.softmax(S.where(m, s, -1e18 * S.ones_like(s)), axis=-1), m)
+    return S.batch_dot(p, v)
+
+
+def test_mask_compared_from_data_fuses_as_any_mask():
+    """where(m, s, c) * m with m compared from two data values: not a length mask, the general form."""
+    sym = _data_mask_attention()
+    shapes = {"q": (4, 5, 8), "k": (4, 6, 8), "v": (4, 6, 8), "a": (4, 5, 6), "b": (4, 5, 6)}
+    res = equivalent(sym, shapes, {}, rules=None,
+                     others=[{"q": (2, 3, 8), "k": (2, 9, 8), "v": (2, 9, 8), "a": (2, 3, 9), "b": (2, 3, 9)}])
+    f = [n for n in res.graph.op_nodes() if n.op == "fused_attention"][0]
+    assert f.param("mask_kind") == "boolean" and f.param("length_fill") is True, f.attrs
+
+
+def test_mask_where_reads_rows_and_the_product_columns_is_refused():
+    """A 1-D condition: MXNet's where() selects whole rows with it, broadcast_mul multiplies the keys'
+    columns by it (Sk = N here) — not one mask of the scores' shape."""
+    sym = _data_mask_attention(cond_shape=(4,), mul=S.broadcast_mul)
+    shapes = {"q": (4, 5, 8), "k": (4, 4, 8), "v": (4, 4, 8), "m": (4,)}
     res = fusion.fuse(sym, {}, {}, input_shapes=shapes)
     assert "fused_attention" not in ops(res)
-    assert any("neither is positions" in r for r in _attention_reasons(res)), _attention_reasons(res)
+    assert any("is not the scores' shape" in r for r in _attention_reasons(res)), _attention_reasons(res)
 
 
 # ---------------------------------------------------------------- the op's edges, against the unfused graph
@@ -281,9 +292,52 @@ def test_op_edges_as_the_unfused_graph(case):
     assert_same(fused_op(q, k, v, lengths, scale, c), reference(q, k, v, lengths, scale, c), 1e-5, case)
 
 
+def reference_any_mask(q, k, v, m, scale, c):
+    qs, ks, vs, ms = (S.var(t) for t in ("q", "k", "v", "m"))
+    s = S.batch_dot(qs, ks, transpose_b=True) * scale
+    p = S.softmax(S.where(ms, s, c * S.ones_like(s)), axis=-1) * ms
+    out, _ = _run(S.batch_dot(p, vs), {"q": q, "k": k, "v": v, "m": m}, False, 0)
+    return out[0]
+
+
+def fused_any_mask(q, k, v, m, scale, c):
+    qs, ks, vs, ms = (S.var(t) for t in ("q", "k", "v", "m"))
+    y = S.fused_attention(qs, ks, vs, ms, mask_kind="boolean", length_fill=True, mask_value=c, scale=scale)
+    out, _ = _run(y, {"q": q, "k": k, "v": v, "m": m}, False, 0)
+    return out[0]
+
+
+@pytest.mark.parametrize("case", ["zeros_ones", "any_values", "fully_masked_rows", "huge_negative_scores",
+                                  "non_finite_v_where_masked", "nan_mask", "long"])
+def test_any_mask_op_edges_as_the_unfused_graph(case):
+    """mask_kind boolean with length_fill: softmax(where(m, s, c)) * m for any m."""
+    rng = np.random.default_rng(4)
+    n, sq, sk, d = 5, 4, 300 if case == "long" else 7, 8
+    q, k, v = (rng.standard_normal((n, s_, d)).astype(np.float32) for s_ in (sq, sk, sk))
+    m = (rng.random((n, sq, sk)) < 0.6).astype(np.float32)
+    scale, c = 0.4, -1e18
+    if case == "any_values":
+        m = m * rng.choice([1.0, 2.0, -0.5, 0.25], (n, sq, sk)).astype(np.float32)
+    elif case == "fully_masked_rows":
+        m[1] = 0
+        m[3, 2] = 0
+    elif case == "huge_negative_scores":
+        q[1] = 1e10
+        k[1] = -1e10
+        c = -1e4
+    elif case == "non_finite_v_where_masked":
+        m[:, :, 2] = 0
+        v[1, 2, 1] = np.inf
+        v[4, 2, 3] = np.nan
+    elif case == "nan_mask":
+        m[2, 1, 3] = np.nan
+    assert_same(fused_any_mask(q, k, v, m, scale, c), reference_any_mask(q, k, v, m, scale, c), 1e-5, case)
+
+
 def test_op_refuses_what_it_cannot_compute():
     q, lens = mx.nd.ones((2, 3, 4)), mx.nd.array([1, 2])
-    for attrs, message in [(dict(mask_kind="boolean", mask_value=-1e9), "only used with mask_kind='valid_length'"),
+    for attrs, message in [(dict(mask_kind="additive", mask_value=-1e9), "only used with mask_kind='valid_length'"),
+                           (dict(mask_kind="boolean", mask_value=-1e9, causal=True), "takes no causal band"),
                            (dict(mask_kind="valid_length"), "needs a finite mask_value"),
                            (dict(mask_kind="valid_length", mask_value=float("-inf")), "needs a finite mask_value")]:
         with pytest.raises(mx.base.MXNetError, match=message):
@@ -316,6 +370,27 @@ def test_unfuse_gives_the_masked_softmax_back():
         want, _ = _run(sym, dict(prm, **vals), False, 0)
         got, _ = _run(plain, {n: vals[n] for n in plain.list_arguments()}, False, 0)
         assert_same(got[0], want[0], 1e-5, str(shp))
+
+
+def test_unfuse_and_onnx_give_any_mask_back(tmp_path):
+    sym = _data_mask_attention(cond_shape=(4, 5, 6))
+    shapes = {"q": (4, 5, 8), "k": (4, 6, 8), "v": (4, 6, 8), "m": (4, 5, 6)}
+    res = fusion.fuse(sym, {}, {}, input_shapes=shapes)
+    assert ops(res).get("fused_attention") == 1
+    plain = fusion.unfuse(res.symbol, input_shapes=shapes, arg_params={}, aux_params={})
+    assert not any(op.startswith("fused_") for op in Graph.from_symbol(plain).count_ops())
+    rng = np.random.default_rng(6)
+    vals = {n: rng.standard_normal(sh).astype(np.float32) for n, sh in shapes.items()}
+    vals["m"] = ((rng.random(shapes["m"]) < 0.5) * rng.choice([1.0, 3.0], shapes["m"])).astype(np.float32)
+    vals["m"][1] = 0
+    want, _ = _run(sym, vals, False, 0)
+    got, _ = _run(plain, vals, False, 0)
+    assert_same(got[0], want[0], 1e-5)
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from fusion.onnx.export import export_onnx
+    check = export_onnx(res.symbol, res.arg_params, res.aux_params, shapes, str(tmp_path / "any.onnx"))
+    assert check.max_rel <= 1e-4, check
 
 
 def test_onnx_export_of_the_fused_form(tmp_path):
@@ -361,8 +436,8 @@ def test_gluonnlp_transformer_encoder():
 
 
 def test_gluonnlp_transformer_decoder():
-    """Self-attention (query lengths · causal band) fuses; the memory attention's mask is an input of
-    the graph (init_state_from_encoder builds it outside): refused with the reason."""
+    """Self-attention (query lengths · causal band) fuses as causal with lengths; the memory attention's
+    mask is an input of the graph (init_state_from_encoder builds it outside): any mask, boolean."""
     pytest.importorskip("gluonnlp")
     from gluonnlp.model.transformer import get_transformer_encoder_decoder
 
@@ -381,14 +456,16 @@ def test_gluonnlp_transformer_decoder():
     assert set(shapes) == set(data), (shapes, data)
     res = fusion.fuse(sym, params, {}, input_shapes=shapes)
     fused = [n for n in res.graph.op_nodes() if n.op == "fused_attention"]
-    assert len(fused) == 2 and all(f.param("causal") for f in fused), res.report.to_text(explain=True)
-    assert any("not known to be a length mask" in r for r in _attention_reasons(res)), _attention_reasons(res)
+    assert len(fused) == 4, res.report.to_text(explain=True)
+    assert sum(bool(f.param("causal", False)) and f.param("mask_kind") == "valid_length" for f in fused) == 2, fused
+    assert sum(f.param("mask_kind") == "boolean" and bool(f.param("length_fill")) for f in fused) == 2, fused
+    assert "softmax" not in ops(res), ops(res)
     names = [n.name for n in dec._cached_graph[0]]
     rng = np.random.default_rng(0)
-    for lens in ([6, 2], [0, 5]):
+    for lens, mem_lens in (([6, 2], [7, 3]), ([0, 5], [0, 7])):
         vals = dict(zip(names, [rng.standard_normal((2, 6, 32)).astype(np.float32),
                                 rng.standard_normal((2, 7, 32)).astype(np.float32),
-                                (np.arange(7)[None] < np.array([[7], [3]])).astype(np.float32),
+                                (np.arange(7)[None] < np.array(mem_lens)[:, None]).astype(np.float32),
                                 np.array(lens, np.float32)]))
         want, _ = _run(sym, dict({n: p.asnumpy() for n, p in params.items()}, **vals), False, 0)
         got, _ = _run(res.symbol, dict({n: v.asnumpy() for n, v in res.arg_params.items()}, **vals), False, 0)

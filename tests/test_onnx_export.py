@@ -383,6 +383,15 @@ def test_op_without_a_contrib_form_is_exported_unfused(tmp_path):
     export_checked(sym, {}, {}, {"q": (3, 2, 8), "k": (5, 2, 16)}, tmp_path / "e.onnx")
 
 
+def test_unfused_node_reading_its_inputs_in_another_order(tmp_path):
+    """fused_attention(q, k, v, mask) un-fused for the export reads the mask before v (where() on the
+    scores, then the value product): the shapes go with the un-fused graph's own input order."""
+    q, k, v, m = (S.var(n) for n in "qkvm")
+    sym = S.fused_attention(q, k, v, m, scale=0.5, mask_kind="boolean", mask_value=-1e9, name="attn")
+    export_checked(sym, {}, {}, {"q": (4, 5, 8), "k": (4, 6, 8), "v": (4, 6, 3), "m": (4, 5, 6)},
+                   tmp_path / "m.onnx")
+
+
 def test_dynamic_export_of_a_fused_layer_runs_at_other_sizes(tmp_path):
     from test_transformer_models import bert_layer
     sym = bert_layer(S.var("data"), 0, "plain")

@@ -857,6 +857,30 @@ void fill_hidden_keys(const Params& p, const Geom& g, int64_t bq, Scratch& w) {
   }
 }
 
+// length_fill with a boolean mask (softmax(where(m, s, c)) * m): the exps of a tile, already in
+// the row's sum, multiplied by the mask's values before the product with v (pb: the bfloat16
+// exps of the tile, rounded again; else S in float32).
+void scale_by_mask(const MaskView& mk, int64_t n, int64_t i0, int64_t bq, int64_t j0, int64_t nb,
+                   float* S, uint16_t* pb, int64_t pw) {
+  const float* mb = mk.base(n);
+  for (int64_t r = 0; r < bq; ++r) {
+    const float* mr = mb + (i0 + r) * mk.sq + j0 * mk.sk;
+    if (pb) {
+      uint16_t* q = pb + r * pw;
+      for (int64_t c = 0; c < nb; ++c) {
+        float e;
+        const uint32_t bits = static_cast<uint32_t>(q[c]) << 16;
+        std::memcpy(&e, &bits, sizeof e);
+        e *= mr[c * mk.sk];
+        to_bf16(&e, q + c, 1);
+      }
+    } else {
+      float* s = S + r * BK;
+      for (int64_t c = 0; c < nb; ++c) s[c] *= mr[c * mk.sk];
+    }
+  }
+}
+
 void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Prep& pr, int64_t n,
                    int64_t i0, int64_t bq, Scratch& w) {
   const int64_t b = n / g.H, h = n % g.H, Dv = g.Dv;
@@ -923,6 +947,13 @@ void forward_block(const Params& p, const Geom& g, const MaskView& mk, const Pre
         float* o = &w.O[r * Dv];
         for (int64_t c = 0; c < Dv; ++c) o[c] *= alpha;
       }
+    }
+    if (p.length_fill && mk.kind == MaskKind::boolean) {
+#ifdef MXF_HAVE_BF16_PATH
+      scale_by_mask(mk, n, i0, bq, j0, nb, S, bf16_pv ? pb.data() : nullptr, nb2 * 2);
+#else
+      scale_by_mask(mk, n, i0, bq, j0, nb, S, nullptr, 0);
+#endif
     }
 #ifdef MXF_HAVE_BF16_PATH
     if (bf16_pv) {

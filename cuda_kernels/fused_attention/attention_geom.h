@@ -31,6 +31,8 @@ struct Params {
   // length_fill (mask_kind valid_length): the keys a row does not see (at or after its length,
   // after its causal band) keep the score mask_value in the softmax's sum and give 0 to the
   // product -- GluonNLP's softmax(where(m, s, c)) * m with m the keys before the length.
+  // With mask_kind boolean, the same form for any mask m: the keys where m is 0 take the score
+  // mask_value, then every probability is multiplied by m's value (0 where the key is masked).
   // Inference on the CPU only (no backward, no GPU kernel).
   bool length_fill;
 };

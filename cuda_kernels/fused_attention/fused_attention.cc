@@ -43,8 +43,10 @@ Params parse(const Attrs& a) {
   p.nan_probs_row = attr_choice(a, "nan_probs", "auto", {"auto", "row"}) == "row";
   p.length_fill = attr_bool(a, "length_fill", false);
   if (p.length_fill) {
-    if (p.mask != MaskKind::valid_length)
-      throw OpError("length_fill is only used with mask_kind='valid_length'");
+    if (p.mask != MaskKind::valid_length && p.mask != MaskKind::boolean)
+      throw OpError("length_fill is only used with mask_kind='valid_length' or 'boolean'");
+    if (p.mask == MaskKind::boolean && p.causal)
+      throw OpError("length_fill with a boolean mask takes no causal band (mask it in the boolean mask)");
     if (p.causal && p.causal_mode != CausalMode::exclude)
       throw OpError("length_fill takes causal_mode 'exclude' (the keys after the band are filled too)");
     if (!has_attr(a, "mask_value") || !std::isfinite(p.mask_value))

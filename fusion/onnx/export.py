@@ -1209,7 +1209,11 @@ def _convert(symbol, params, input_shapes, data_names, opset: int, target: str, 
     onnx.checker.check_graph = lambda *a, **k: None            # checked below, at the opset stamped
     _LOCAL.state = st
     try:
-        in_shapes = [tuple(int(d) for d in input_shapes[n]) for n in data_names]
+        # in the order of this symbol's own inputs (MXNet's exporter zips the shapes with them): a
+        # graph with fused ops un-fused orders its inputs as the stock ops read them
+        wanted = set(data_names)
+        order = [n["name"] for n in graph_json["nodes"] if n["op"] == "null" and n["name"] in wanted]
+        in_shapes = [tuple(int(d) for d in input_shapes[n]) for n in order]
         in_types = [onnx.TensorProto.FLOAT] * len(in_shapes)
         graph = MXNetGraph().create_onnx_graph_proto(symbol, params, in_shapes, in_types,
                                                      opset_version=_CONVERTER_OPSET, dynamic=dynamic)

@@ -25,7 +25,9 @@ Grammar::
                  the scores (expand_dims, ones products, broadcast_like, broadcast_axis over heads),
                  where(m, s, fill) and the probabilities multiplied by m (either order, elemwise_mul |
                  broadcast_mul); its decoder form (i < length) · (j ≤ i) in self-attention;
-                 near: query lengths, positions from 1, another mask multiplied, the band j < i
+                 near: query lengths, positions from 1, another mask multiplied, the band j < i;
+                 or any mask m given as an input (GluonNLP's memory mask; 0/1 or any values, of the
+                 scores' shape or broadcast_like'd) in the same where(m, s, fill) · m form
     heads   := x (B,S,E) → projections (FullyConnected or inputs; cross attention: memory (B,Sk,E'))
                → split chain (Reshape codes 0/-1/-2/-3/-4 | reverse, transpose, SwapAxis; 3-D or 4-D heads;
                   near: wrong head order, literal sizes) → core → merge chain → [output FullyConnected]
@@ -176,9 +178,16 @@ def apply_mask(b, s, q, k, geo: Geo, label: str = "mask"):
                      "data_gate_causal", "key_length"], [5, 5, 1, 3, 1, 3, 4, 2, 1, 3], label=label)
     if kind == "key_length":
         selfatt = geo.sq == geo.sk
-        near = d.choice(["none", "query", "start1", "other", "decoder", "decoder_strict"],
-                        [8, 1 if selfatt else 0, 1, 1, 3 if selfatt else 0, 1 if selfatt else 0],
+        near = d.choice(["none", "query", "start1", "other", "decoder", "decoder_strict", "input"],
+                        [8, 1 if selfatt else 0, 1, 1, 3 if selfatt else 0, 1 if selfatt else 0, 3],
                         label=label + " kl near")
+        if near == "input":             # any mask, an input of the graph (GluonNLP's memory mask)
+            vk = d.choice(["mask01", "rowmask01", "normal"], [4, 1, 1], label=label + " input mask values")
+            if d.maybe(0.3, label=label + " input mask broadcast_like"):
+                m = S.broadcast_like(b.input("cond", geo.scores()[:1] + (1,) * (geo.rank - 2) + (geo.sk,), kind=vk), s)
+            else:
+                m = b.input("cond", geo.scores(), kind=vk)
+            return S.where(m, s, _fill(b, s, label)), None, m
         m = _key_length_mask(b, s, q, k, geo, label, near)
         post = m if near != "other" else S.broadcast_like(b.input("cond", geo.scores(), kind="mask01"), s)
         return S.where(m, s, _fill(b, s, label)), None, post
