@@ -593,7 +593,8 @@ def _worker_env() -> Dict[str, str]:
         env[k] = "http://127.0.0.1:9"
     env.pop("no_proxy", None)
     env.pop("NO_PROXY", None)
-    env.setdefault("MXFUSION_NO_CUDA", "1")
+    # the op library as this checkout built it (MXFUSION_NO_CUDA only where the caller set it: a
+    # library built with the CUDA toolkit reads as stale under it, and every model failed to start)
     return env
 
 
