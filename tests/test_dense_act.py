@@ -164,3 +164,32 @@ def test_training_bias_sum_keeps_both_parameters_trained():
         grads.append({k: v.asnumpy() for k, v in g.items()})
     for k in ("x", "w", "b", "c"):
         np.testing.assert_allclose(grads[1][k], grads[0][k], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,k,act", [(1024, 64, "gelu_erf"), (48, 96, "none")])
+def test_fused_dense_in_an_executor_keeps_its_values_call_after_call(n, k, act):
+    """The first call reads W as it is; later calls use the weight oneDNN's matmul prepared (packed
+    into a blocked layout, or W read in place where its GEMM takes a plain one — AVX2 CPUs: a
+    (K, N) copy aliases in the cache at N = 1024); a new weight version is read, not the old."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((20, k)).astype(np.float32)
+    w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    kw = {} if act == "none" else {"act": act}
+    y = S.fused_dense(S.var("x"), S.var("w"), S.var("b"), num_hidden=n, **kw)
+    args = {"x": mx.nd.array(x), "w": mx.nd.array(w), "b": mx.nd.array(b)}
+    exe = y.bind(mx.cpu(), args, grad_req="null")
+
+    def want(wv):
+        z = x @ wv.T + b
+        if act == "gelu_erf":
+            z = 0.5 * z * (1 + np.vectorize(math.erf)(z / math.sqrt(2)))
+        return z
+
+    for call in range(4):
+        if call == 3:           # a new weight: the op must not keep reading the old one
+            w = w[::-1].copy()
+            exe.arg_dict["w"][:] = w
+        got = exe.forward(is_train=False)[0].asnumpy()
+        ref = want(w)
+        assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max(), call
