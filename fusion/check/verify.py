@@ -64,6 +64,11 @@ class VerifyResult:
     # "inputs": [(cut name, field of its input: scores/boxes/class ids/…, rel)]}; the errors above are then
     # the piecewise ones
     piecewise: Optional[Dict[str, Any]] = None
+    # where a compared value still differed by more than the tolerance: each such value judged against the
+    # original run in float64 (fusion/check/cuts.py: rounding_check): {"kind": "output"/"cut", "index",
+    # "value": its name, "max_rel", "original_f32": the original's own error against float64, "fused": the
+    # fused model's}; one entry {"value": None, "why": …} where MXNet could not run them in float64
+    rounding: Optional[List[Dict[str, Any]]] = None
 
     @property
     def nonfinite(self) -> List[str]:
@@ -83,7 +88,27 @@ class VerifyResult:
                 "finite in both" % (_label(i, name), bad, size) for i, name, bad, size in self.nonfinite_original]
 
     def ok(self, rtol: float = DEFAULT_RTOL) -> bool:
-        return bool(np.isfinite(self.max_rel)) and self.max_rel <= rtol and not self.nonfinite
+        if not np.isfinite(self.max_rel) or self.nonfinite:
+            return False
+        return self.max_rel <= rtol or self.within_rounding(rtol)
+
+    def within_rounding(self, rtol: float = DEFAULT_RTOL) -> bool:
+        """Whether every value that differs by more than ``rtol`` was judged against float64 and is no
+        farther from it than the original's own float32 rounding allows (``cuts.ROUNDING_FACTOR``)."""
+        from .cuts import within_rounding
+
+        if not self.rounding or any(e.get("value") is None for e in self.rounding):
+            return False
+        judged = {(e["kind"], e["index"]): e for e in self.rounding}
+        compared = [("output", i, rel) for i, (_, _, rel) in enumerate(self.per_output)]
+        if self.piecewise is not None:
+            compared += [("cut", j, rel) for j, (_, _, rel) in enumerate(self.piecewise["inputs"])]
+        for kind, index, rel in compared:
+            if not rel <= rtol:
+                e = judged.get((kind, index))
+                if e is None or not within_rounding(e, rtol):
+                    return False
+        return True
 
     @property
     def weak(self) -> bool:
@@ -109,6 +134,11 @@ class VerifyResult:
             return "fused outputs differ from the original: " + "; ".join(self.nonfinite)
         spread = "" if self.spread is None else "; the original's own spread, MXNet's backend on vs off: %.3g" % (
             self.spread)
+        worst = max((e for e in self.rounding or [] if e.get("value") is not None), default=None,
+                    key=lambda e: e["fused"] - 2.0 * e["original_f32"])
+        if worst is not None:
+            spread += "; against the original run in float64, %s is %.3g off, the original's float32 %.3g" % (
+                worst["value"], worst["fused"], worst["original_f32"])
         return "fused outputs differ from the original (max rel error %.3g > %.3g%s)" % (self.max_rel, rtol, spread)
 
     def comparison(self, index: int) -> str:
@@ -132,11 +162,24 @@ class VerifyResult:
                 % (moved, by_place) if moved else "no row changed places"))
         if self.piecewise is not None:
             pw = self.piecewise
-            out.append("compared piecewise at the inputs of %s (the whole model: max rel error %.3g, NMS choosing "
-                       "among near-ties): the NMS inputs' fields max rel %s, the outputs from the original's NMS "
-                       "inputs max rel %.3g" % (", ".join("'%s'" % c for c in pw["cuts"]), pw["whole_max_rel"],
+            out.append("compared piecewise at the inputs of %s (the whole model: max rel error %.3g, NMS, sorts "
+                       "and steps choosing among near-ties): the inputs cut max rel %s, the outputs from the "
+                       "original's values there max rel %.3g" % (", ".join("'%s'" % c for c in pw["cuts"]), pw["whole_max_rel"],
                                                 ", ".join("%s %.3g" % (f, r) for _, f, r in pw["inputs"]),
                                                 pw["outputs_max_rel"]))
+        if self.rounding:
+            from .cuts import ROUNDING_FACTOR
+
+            why = [e["why"] for e in self.rounding if e.get("value") is None]
+            judged = [e for e in self.rounding if e.get("value") is not None]
+            if judged:
+                out.append("judged against the original run in float64 (a fused value within %g× the original's "
+                           "own float32 error is its rounding): %s" % (ROUNDING_FACTOR, "; ".join(
+                               "%s: fused %.3g, the original's float32 %.3g" % (e["value"], e["fused"],
+                                                                               e["original_f32"]) for e in judged)))
+            if why:
+                out.append("not judged against float64: %s%s" % (
+                    why[0], " (and %d more)" % (len(why) - 1) if len(why) > 1 else ""))
         if self.spread is not None:
             out.append("the original's own spread (its outputs with MXNet's oneDNN backend on vs off, compared "
                        "the same way): max rel %.3g" % self.spread)
@@ -157,6 +200,7 @@ class VerifyResult:
                     "cuts": list(self.piecewise["cuts"]), "whole_max_rel": self.piecewise["whole_max_rel"],
                     "inputs": [{"cut": c, "field": f, "max_rel": r} for c, f, r in self.piecewise["inputs"]],
                     "outputs_max_rel": self.piecewise["outputs_max_rel"]},
+                "float64": None if self.rounding is None else [dict(e) for e in self.rounding],
                 "original_spread": None if self.spread is None else {
                     "max_rel": self.spread, "per_output": [{"output": n, "max_rel": r}
                                                            for n, r in self.spread_per_output]},
@@ -635,7 +679,7 @@ def _verify(original, fused, params, input_shapes, seed, inputs, spread, max_mem
     fused_args = set(sym1.list_arguments())
     names = sym0.list_outputs()
     layouts = row_layouts(sym0, arg0, aux0, {k: v.shape for k, v in draws[0].items()})
-    results, positional, spreads, moved, positional_per_output = [], [], [], {}, {}
+    results, positional, spreads, moved, positional_per_output, fused_outs = [], [], [], {}, {}, []
     # one executor at a time, each bound once for every draw and its storage handed back before the next;
     # the original's outputs kept, each other model's compared as it comes and dropped
     refs = _run_or_say(sym0, arg0, aux0, draws, "the original model")
@@ -645,6 +689,7 @@ def _verify(original, fused, params, input_shapes, seed, inputs, spread, max_mem
         ref = refs[d]
         aligned, moved_now = align_rows(ref, out, layouts)
         results.append(compare(ref, aligned, names))
+        fused_outs.append(aligned)          # kept for the float64 judgement (verify_plan counts them)
         if layouts:
             by_place = compare(ref, out, names)
             positional.append(by_place.max_rel)
@@ -663,8 +708,16 @@ def _verify(original, fused, params, input_shapes, seed, inputs, spread, max_mem
     result = _merge(results)
     result.memory_notes = budget.notes[noted:]
     if not result.ok():
-        _try_piecewise(result, (sym0, arg0, aux0), (sym1, arg1, aux1), draws, names, layouts)
+        run64 = _float64_runner(sym0, arg0, aux0, {k: v.shape for k, v in draws[0].items()}, budget)
+        _try_piecewise(result, (sym0, arg0, aux0), (sym1, arg1, aux1), draws, names, layouts, run64)
         release()
+        if result.rounding is None and not result.nonfinite_mismatch and run64 is not None:
+            from .cuts import rounding_check
+
+            result.rounding = rounding_check(sym0, arg0, aux0, draws, refs, fused_outs, result.per_output, names,
+                                             layouts, run64, compare) or None
+            release()
+    del fused_outs
     result.constant = [_label(i, name) for i, name in enumerate(names) if _constant([r[i] for r in refs])]
     result.row_sets, result.moved_rows = dict(layouts), moved
     result.positional_max_rel = max(positional) if positional else None
@@ -676,16 +729,51 @@ def _verify(original, fused, params, input_shapes, seed, inputs, spread, max_mem
     return result
 
 
-def _try_piecewise(result: VerifyResult, original, fused, draws, names, layouts) -> None:
-    """Where it passes better: the piecewise comparison at the NMS inputs replaces the errors
-    of ``result`` (the whole comparison's kept in ``result.piecewise``)."""
+def _float64_runner(symbol, arg, aux, shapes, budget) -> Any:
+    """``run(symbol', arg, aux, feeds)`` → the outputs of each feed in float64 (None where MXNet cannot
+    run them so), for symbols cut from the original ``symbol``; or None where the original is not a
+    float32 model or its float64 run would not fit the memory budget (said in ``budget``'s notes)."""
+    import mxnet as mx
+
+    from ..engine.memory import fmt_bytes, model_memory
+    from ..precision.policy import is_bf16
+
+    for v in list(arg.values()) + list(aux.values()):
+        if is_bf16(v.dtype) or np.issubdtype(np.dtype(v.dtype), np.floating) and np.dtype(v.dtype) != np.float32:
+            return None          # not a float32 model
+    est = model_memory(symbol, arg, aux, shapes, input_dtypes(symbol, arg, aux))
+    need = None if est is None else 2 * (est.run() + est.params)
+    if need is not None and not budget.allows(need):
+        budget.note("verify: the float64 judgement of the values that differ was left out: it needs %s "
+                    "(the original in float64)" % fmt_bytes(need))
+        return None
+    cast: Dict[str, Dict[str, Any]] = {}
+
+    def run(sym, a, u, feeds):
+        if not cast:         # the parameters in float64, made once, when first needed
+            cast["arg"] = {k: v.astype("float64") if np.dtype(v.dtype) == np.float32 else v for k, v in arg.items()}
+            cast["aux"] = {k: v.astype("float64") if np.dtype(v.dtype) == np.float32 else v for k, v in aux.items()}
+        feeds = [{k: np.asarray(v, np.float64) if np.asarray(v).dtype == np.float32 else v for k, v in f.items()}
+                 for f in feeds]
+        try:
+            return run_many(sym, cast["arg"], cast["aux"], feeds)
+        except (mx.base.MXNetError, FusionError, ValueError, TypeError):
+            return None
+
+    return run
+
+
+def _try_piecewise(result: VerifyResult, original, fused, draws, names, layouts, run64=None) -> None:
+    """Where it passes better: the piecewise comparison at the NMS, sort and step inputs replaces the
+    errors of ``result`` (the whole comparison's kept in ``result.piecewise``), with its float64
+    judgement (``run64``) of the values that still differ."""
     import mxnet as mx
 
     from .cuts import piecewise_many
 
-    outs, cuts_cmp, cut_names, fields = [], [], None, []
+    outs, cuts_cmp, cut_names, fields, judged = [], [], None, [], None
     try:
-        per_draw = piecewise_many(*original, *fused, draws, names, layouts, run_many, compare)
+        per_draw = piecewise_many(*original, *fused, draws, names, layouts, run_many, compare, run64=run64)
     except (FusionError, ValueError, KeyError, mx.base.MXNetError):
         return        # a graph MXNet or the cut cannot take: the whole comparison stands
     if per_draw is None:
@@ -694,6 +782,7 @@ def _try_piecewise(result: VerifyResult, original, fused, draws, names, layouts)
         outs.append(got[0])
         cuts_cmp.append(got[1])
         cut_names, fields = got[2], got[3]
+        judged = got[4] if len(got) > 4 else None
     out, at_cuts = _merge(outs), _merge(cuts_cmp)
     worst = max(out.max_rel, at_cuts.max_rel)
     if at_cuts.nonfinite_mismatch or out.nonfinite_mismatch or not worst < result.max_rel:
@@ -704,6 +793,7 @@ def _try_piecewise(result: VerifyResult, original, fused, draws, names, layouts)
     result.max_abs, result.max_rel = max(out.max_abs, at_cuts.max_abs), worst
     result.per_output = out.per_output
     result.nonfinite_mismatch = out.nonfinite_mismatch
+    result.rounding = judged or None
 
 
 def _backend_aborts(symbol) -> bool:
