@@ -84,7 +84,10 @@ def gluon_export(net, input_shape: Tuple[int, ...], seed: int = 0, init=None, bn
     else:
         net(mx.nd.zeros(input_shape))
     sym = net._cached_graph[1]
-    params = {p.var().name: p.data() for p in net.collect_params().values()}
+    # a parameter the graph does not read (monodepth2's encoder keeps its ResNet's unused classifier)
+    # was never given a shape: left out
+    used = set(sym.list_arguments()) | set(sym.list_auxiliary_states())
+    params = {p.var().name: p.data() for p in net.collect_params().values() if p.var().name in used}
     aux_names = set(sym.list_auxiliary_states())
     arg = {k: v for k, v in params.items() if k not in aux_names}
     aux = {k: v for k, v in params.items() if k in aux_names}
