@@ -163,7 +163,7 @@ def gluoncv_shape(name: str, family: str, small: bool = False) -> Optional[Tuple
     if family == "other":
         if name.startswith("monodepth2"):
             return (1, 6 if "posenet" in name else 3, 192, 640)
-        return (1, 3, 127, 127)                     # siamrpn's template (it takes two inputs: fails at export)
+        return (1, 3, 127, 127)                     # siamrpn's template (and its 255² search image: build())
     if name.startswith("cifar_"):
         return (1, 3, 32, 32)
     if name.startswith(("inceptionv3", "xception")):
@@ -354,6 +354,10 @@ def build(model: Model, seed: int = 0):
         from fusion.testing.gcv_zoo import gcv_zoo_model
 
         shape = model.shape or _segmentation_shape(model.name)
+        if model.name.startswith("siamrpn"):        # two inputs: the template and the image searched
+            shapes = [tuple(shape), (1, 3, 255, 255)]
+            sym, arg, aux = gcv_zoo_model(model.name, shapes, seed, bn_by_nodes=True)
+            return sym, arg, aux, {"data%d" % i: s for i, s in enumerate(shapes)}
         sym, arg, aux = gcv_zoo_model(model.name, shape, seed, bn_by_nodes=True)
     elif model.zoo == "fusion.testing":
         from fusion.testing.gluoncv import gluoncv_model
@@ -418,7 +422,10 @@ def _verify_figures(v, rtol: float) -> dict:
     d = v.to_dict(rtol)
     return {"ok": d["ok"], "status": d["status"], "max_rel": d["max_rel"], "rtol": rtol, "failure": d["failure"],
             "original_spread": (d["original_spread"] or {}).get("max_rel"),
-            "piecewise": bool(d["piecewise"])}
+            "piecewise": bool(d["piecewise"]),
+            # values judged against the original in float64 (fusion/check/cuts.py): (name, fused, original f32)
+            "float64": [[e["value"], e["fused"], e["original_f32"]] if e.get("value") is not None else [None, e["why"]]
+                        for e in d.get("float64") or []]}
 
 
 def _load() -> str:

@@ -79,10 +79,23 @@ def gluon_export(net, input_shape: Tuple[int, ...], seed: int = 0, init=None, bn
 
     net.initialize(init if init is not None else mx.init.Xavier(magnitude=2.0))
     net.hybridize()
-    if call_with is not None:
-        net(*call_with)
-    else:
-        net(mx.nd.zeros(input_shape))
+    args = list(call_with) if call_with is not None else [mx.nd.zeros(input_shape)]
+    try:
+        net(*args)
+    except ValueError as e:
+        if "Deferred initialization failed" not in str(e):
+            raise
+        # a parameter no op reads (monodepth2's encoder keeps its ResNet's classifier) never gets a shape,
+        # and the hybridized call infers every parameter's: run once imperatively (the parameters read get
+        # theirs), give the others a placeholder shape, then hybridize again (gluon_export drops them)
+        net.hybridize(active=False)
+        net(*args)
+        for p in net.collect_params().values():
+            if p._deferred_init:
+                p.shape = tuple(d if d else 1 for d in p.shape)
+                p._finish_deferred_init()
+        net.hybridize()
+        net(*args)
     sym = net._cached_graph[1]
     # a parameter the graph does not read (monodepth2's encoder keeps its ResNet's unused classifier)
     # was never given a shape: left out

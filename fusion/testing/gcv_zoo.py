@@ -22,8 +22,9 @@ from typing import Tuple
 import numpy as np
 
 
-def gcv_zoo_model(name: str, input_shape: Tuple[int, ...], seed: int = 0, bn_by_nodes: bool = False, **kwargs):
-    """(symbol, arg_params, aux_params); ``bn_by_nodes``: the BatchNorm parameters found by the nodes'
+def gcv_zoo_model(name: str, input_shape, seed: int = 0, bn_by_nodes: bool = False, **kwargs):
+    """(symbol, arg_params, aux_params) at ``input_shape`` (a list of shapes for a network of several
+    inputs); ``bn_by_nodes``: the BatchNorm parameters found by the nodes'
     inputs (``randomize_batchnorm_of``: also those GluonCV's SSD heads name like weights) rather than
     by their names."""
     import gluoncv
@@ -39,7 +40,11 @@ def gcv_zoo_model(name: str, input_shape: Tuple[int, ...], seed: int = 0, bn_by_
         except (TypeError, Warning):    # a classifier (e.g. resnet50_v2): no pretrained base to leave out
             # (darknet53 passes it on to a Block, which raises Warning at an unknown keyword)
             net = gluoncv.model_zoo.get_model(name, **kwargs)
-    sym, arg, aux = gluon_export(net, input_shape, seed, init=_xavier(), bn_by_nodes=bn_by_nodes)
+    # several inputs (a list of shapes: SiamRPN's template and search image): called with one array of
+    # zeros each, the symbol's inputs named data0, data1, …
+    several = isinstance(input_shape, list)
+    sym, arg, aux = gluon_export(net, () if several else input_shape, seed, init=_xavier(), bn_by_nodes=bn_by_nodes,
+                                 call_with=[mx.nd.zeros(s) for s in input_shape] if several else None)
     rng = np.random.default_rng(seed + 1)
     for k in sorted(arg):
         if k.endswith("_bias"):
