@@ -355,7 +355,7 @@ def build(model: Model, seed: int = 0):
 
         shape = model.shape or _segmentation_shape(model.name)
         if model.name.startswith("siamrpn"):        # two inputs: the template and the image searched
-            shapes = [tuple(shape), (1, 3, 255, 255)]
+            shapes = [tuple(shape), (1, 3, 287, 287)]     # the size its cross-correlation's fixed 24² reshape needs
             sym, arg, aux = gcv_zoo_model(model.name, shapes, seed, bn_by_nodes=True)
             return sym, arg, aux, {"data%d" % i: s for i, s in enumerate(shapes)}
         sym, arg, aux = gcv_zoo_model(model.name, shape, seed, bn_by_nodes=True)

@@ -297,6 +297,8 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     graph.compact()
     report.nodes_before, report.ops_before = len(graph.nodes), len(graph.op_nodes())
     strip_guards(graph)
+    if input_shapes:
+        _refuse_reading_past_buffers(graph, arg_params or {}, aux_params or {}, input_shapes)
     ctx = Context(graph, arg_params or {}, aux_params or {}, mode, input_shapes, input_dtypes, precision, device)
     ctx.half = half
     checker = SelfCheck(ctx, enabled=self_check, budget=max_memory if self_check and input_shapes else None)
@@ -380,6 +382,29 @@ def _check_half(sym, half, fused16, arg_out, aux_out, input_shapes, report: Fusi
                         "fused_attention computing their products in it): %s; casts kept where "
                         "MXNet's own ops read another dtype; the self-check ran in float32 on the CPU"
                         % (half.casts, len(half.params16), made))
+
+
+def _refuse_reading_past_buffers(graph: Graph, arg_params: Mapping[str, Any], aux_params: Mapping[str, Any],
+                                 input_shapes: Mapping[str, Sequence[int]]) -> None:
+    """FusionError where the model does not run at ``input_shapes``: a reshape to a fully given shape of
+    another size, which MXNet 1.9.1 infers without comparing sizes and then runs reading past its input's
+    buffer (undefined outputs; without oneDNN it stops with a size check).  GluonCV's SiamRPN hard-codes its
+    cross-correlation's 24×24, which a 287×287 search image gives."""
+    from .engine.facts import SIZE_KEEPING, infer, misread
+    from .ir.graph import Entry
+
+    shapes = {k: tuple(v.shape) for k, v in list(arg_params.items()) + list(aux_params.items())}
+    shapes.update({k: tuple(v) for k, v in input_shapes.items()})
+    found, _ = infer(graph, shapes)
+    for nd in graph.nodes:
+        if nd.op in SIZE_KEEPING and nd.inputs:
+            ins, out = [found.get(e) for e in nd.inputs], found.get(Entry(nd, 0))
+            if misread(nd.op, ins, out):
+                given = ", ".join("%s=%s" % (k, ",".join(map(str, v))) for k, v in input_shapes.items())
+                raise FusionError(
+                    "the model does not run at input shapes %s: %s '%s' makes %s of %s (%d values of %d; MXNet "
+                    "1.9.1 reads past its input there, its outputs are undefined)"
+                    % (given, nd.op, nd.name, tuple(out), tuple(ins[0]), int(np.prod(out)), int(np.prod(ins[0]))))
 
 
 def _note_miscomputed(report: FusionReport, miscomputed: Sequence[str]) -> None:
