@@ -390,21 +390,19 @@ def _refuse_reading_past_buffers(graph: Graph, arg_params: Mapping[str, Any], au
     another size, which MXNet 1.9.1 infers without comparing sizes and then runs reading past its input's
     buffer (undefined outputs; without oneDNN it stops with a size check).  GluonCV's SiamRPN hard-codes its
     cross-correlation's 24×24, which a 287×287 search image gives."""
-    from .engine.facts import SIZE_KEEPING, infer, misread
-    from .ir.graph import Entry
+    from .engine.facts import SIZE_KEEPING, first_misread, infer
 
     shapes = {k: tuple(v.shape) for k, v in list(arg_params.items()) + list(aux_params.items())}
     shapes.update({k: tuple(v) for k, v in input_shapes.items()})
     found, _ = infer(graph, shapes)
-    for nd in graph.nodes:
-        if nd.op in SIZE_KEEPING and nd.inputs:
-            ins, out = [found.get(e) for e in nd.inputs], found.get(Entry(nd, 0))
-            if misread(nd.op, ins, out):
-                given = ", ".join("%s=%s" % (k, ",".join(map(str, v))) for k, v in input_shapes.items())
-                raise FusionError(
-                    "the model does not run at input shapes %s: %s '%s' makes %s of %s (%d values of %d; MXNet "
-                    "1.9.1 reads past its input there, its outputs are undefined)"
-                    % (given, nd.op, nd.name, tuple(out), tuple(ins[0]), int(np.prod(out)), int(np.prod(ins[0]))))
+    e = first_misread(found, ops=SIZE_KEEPING)
+    if e is not None:
+        nd, out, ins = e.node, found[e], found[e.node.inputs[0]]
+        given = ", ".join("%s=%s" % (k, ",".join(map(str, v))) for k, v in input_shapes.items())
+        raise FusionError(
+            "the model does not run at input shapes %s: %s '%s' makes %s of %s (%d values of %d; MXNet "
+            "1.9.1 reads past its input there, its outputs are undefined)"
+            % (given, nd.op, nd.name, tuple(out), tuple(ins), int(np.prod(out)), int(np.prod(ins))))
 
 
 def _note_miscomputed(report: FusionReport, miscomputed: Sequence[str]) -> None:

@@ -51,7 +51,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..ir.graph import Entry, Graph, Node
+from ..ir.graph import Entry, Graph, Node, upstream
 from .rowsets import NMS, SORTS, align_rows
 
 #: the NMS ops a fused graph may hold in place of the original's (by the original node's name)
@@ -119,7 +119,7 @@ def cut_points(g0: Graph, g1: Graph) -> List[Cut]:
 def _fused_cut(nd: Node, other: Node, by_name0: Mapping[str, Node]) -> Optional[Cut]:
     """The cut before fused op ``other`` (named after the original's ``nd``) where the original ops it
     stands for hold a step or a sort; None where they do not, or its inputs are not found in the original."""
-    ins, at, stops = [], [], set()
+    ins, at, stops = [], [], []
     for k, e in enumerate(other.inputs):
         if e.node.op == "null":
             continue
@@ -128,20 +128,13 @@ def _fused_cut(nd: Node, other: Node, by_name0: Mapping[str, Node]) -> Optional[
             return None
         ins.append(k)
         at.append((src.name, e.index))
-        stops.add(id(src))
+        stops.append(src)
     if not ins:
         return None
-    seen, todo, found, members = set(), [nd], False, []
-    while todo:
-        n = todo.pop()
-        if id(n) in seen or id(n) in stops:
-            continue
-        seen.add(id(n))
-        if n.op != "null":
-            members.append(n.name)
-        found = found or n.op in DISCONTINUOUS
-        todo.extend(e.node for e in n.inputs)
-    return Cut(nd.name, "fused", tuple(ins), tuple(at), tuple(members)) if found else None
+    stood_for = [n for n in upstream([nd], stops) if n.op != "null"]
+    if not any(n.op in DISCONTINUOUS for n in stood_for):
+        return None
+    return Cut(nd.name, "fused", tuple(ins), tuple(at), tuple(n.name for n in stood_for))
 
 
 def _cut(g: Graph, cuts: Sequence[Cut]) -> Tuple[List[str], List[Entry]]:
@@ -184,15 +177,9 @@ def _cut_original(g: Graph, cuts: Sequence[Cut]) -> Tuple[List[str], List[Entry]
 def follows_a_step(entry: Entry) -> Optional[str]:
     """The first step, sort or NMS op (as "op 'name'") between the graph's variables and ``entry`` that reads
     a computed value (one fed only variables — the values at the cuts — steps alike in every run), or None."""
-    seen, todo = set(), [entry.node]
-    while todo:
-        n = todo.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
+    for n in upstream([entry.node]):
         if n.op in DISCONTINUOUS and any(e.node.op != "null" for e in n.inputs):
             return "%s '%s'" % (n.op, n.name)
-        todo.extend(e.node for e in n.inputs)
     return None
 
 
@@ -274,47 +261,19 @@ def piecewise_many(original: Any, arg0: Mapping[str, Any], aux0: Mapping[str, An
         cut_vars0, computed0 = _cut_original(g, cuts)
         wanted_cuts = sorted({where[j][0] for j in bad_cut})
         heads = [g.heads[i] for i in bad_out] + [computed0[j] for j in wanted_cuts]
-        labels = [names[i] for i in bad_out] + ["the %s of '%s'" % results[0][3][j][::-1] for j in bad_cut]
-        steps = [follows_a_step(h) for h in heads]
-        g.heads = heads
-        sym = g.to_symbol()
-        args = set(sym.list_arguments())
         feeds64 = []
         for feed, vals in zip(feeds, vals0):
-            f = {k: v for k, v in feed.items() if k in args}
-            f.update((n, v) for n, v in zip(cut_vars0, vals[len(names):]) if n in args)
+            f = dict(feed)
+            f.update(zip(cut_vars0, vals[len(names):]))
             feeds64.append(f)
-        got64 = None if all(steps[:len(bad_out)]) and all(
-            steps[len(bad_out) + wanted_cuts.index(where[j][0])] for j in bad_cut) else run64(sym, arg0, aux0, feeds64)
-        entries = [("output", i, names[i], steps[n]) for n, i in enumerate(bad_out)] + \
-                  [("cut", j, "the %s of '%s'" % results[0][3][j][::-1],
-                    steps[len(bad_out) + wanted_cuts.index(where[j][0])]) for j in bad_cut]
-        for kind, idx, key, step in entries:
-            if step is not None:
-                judged.append({"kind": kind, "index": idx, "value": None,
-                               "why": "%s follows %s, which the fused graph does not hold to cut at" % (key, step)})
-                continue
-            if got64 is None:
-                judged.append({"kind": kind, "index": idx, "value": None,
-                               "why": "MXNet cannot run %s of the original in float64" % key})
-                continue
-            e_o = e_f = rel = 0.0
-            for d, (r, (out0, aligned, refs, gots)) in enumerate(zip(results, values)):
-                if kind == "output":
-                    lay = {0: layouts[idx]} if idx in layouts else {}
-                    exact = got64[d][bad_out.index(idx)]
-                    mine, theirs = out0[idx], aligned[idx]
-                    rel = max(rel, r[0].per_output[idx][2])
-                else:
-                    lay = {}
-                    j, cols = where[idx]
-                    exact = got64[d][len(bad_out) + wanted_cuts.index(j)][..., cols]
-                    mine, theirs = refs[idx], gots[idx]
-                    rel = max(rel, r[1].per_output[idx][2])
-                e_o = max(e_o, _rel_to(exact, mine, lay, compare))
-                e_f = max(e_f, _rel_to(exact, theirs, lay, compare))
-            judged.append({"kind": kind, "index": idx, "value": key, "max_rel": rel, "original_f32": e_o,
-                           "fused": e_f})
+        items = [_Judged("output", i, names[i], n, slice(None), {0: layouts[i]} if i in layouts else {},
+                         [(v[0][i], v[1][i], r[0].per_output[i][2]) for r, v in zip(results, values)])
+                 for n, i in enumerate(bad_out)]
+        items += [_Judged("cut", j, "the %s of '%s'" % results[0][3][j][::-1],
+                          len(bad_out) + wanted_cuts.index(where[j][0]), where[j][1], {},
+                          [(v[2][j], v[3][j], r[1].per_output[j][2]) for r, v in zip(results, values)])
+                  for j in bad_cut]
+        judged = _judge(g, heads, items, feeds64, arg0, aux0, run64, compare)
     return [r + (judged,) for r in results]
 
 
@@ -329,27 +288,53 @@ def rounding_check(original: Any, arg0: Mapping[str, Any], aux0: Mapping[str, An
     if not bad:
         return []
     g = Graph.from_symbol(original)
-    steps = {i: follows_a_step(g.heads[i]) for i in bad}
-    judged: List[Dict[str, Any]] = [
-        {"kind": "output", "index": i, "value": None,
-         "why": "%s follows %s, which the fused graph does not hold to cut at" % (names[i], steps[i])}
-        for i in bad if steps[i] is not None]
-    bad = [i for i in bad if steps[i] is None]
-    if not bad:
-        return judged
-    g.heads = [g.heads[i] for i in bad]
-    sym = g.to_symbol()
-    args = set(sym.list_arguments())
-    got64 = run64(sym, arg0, aux0, [{k: v for k, v in f.items() if k in args} for f in feeds]) if run64 else None
-    if got64 is None:
-        return judged + [{"kind": "output", "index": i, "value": None,
-                          "why": "MXNet cannot run %s of the original in float64" % names[i]} for i in bad]
-    for n, i in enumerate(bad):
-        lay = {0: layouts[i]} if i in layouts else {}
-        e_o = max(_rel_to(got64[d][n], refs[d][i], lay, compare) for d in range(len(feeds)))
-        e_f = max(_rel_to(got64[d][n], fused_outs[d][i], lay, compare) for d in range(len(feeds)))
-        judged.append({"kind": "output", "index": i, "value": names[i], "max_rel": per_output[i][2],
-                       "original_f32": e_o, "fused": e_f})
+    items = [_Judged("output", i, names[i], n, slice(None), {0: layouts[i]} if i in layouts else {},
+                     [(refs[d][i], fused_outs[d][i], per_output[i][2]) for d in range(len(feeds))])
+             for n, i in enumerate(bad)]
+    return _judge(g, [g.heads[i] for i in bad], items, feeds, arg0, aux0, run64, compare)
+
+
+@dataclass(frozen=True)
+class _Judged:
+    """A value to judge against float64: ``head`` its place among the heads run in float64, ``cols`` the
+    part of it compared, ``draws`` (the original's float32 value, the fused model's, their max rel) per draw."""
+
+    kind: str
+    index: int
+    label: str
+    head: int
+    cols: Any
+    layout: Any
+    draws: Any
+
+
+def _judge(g: Graph, heads: Sequence[Entry], items: Sequence[_Judged], feeds: Sequence[Mapping[str, Any]],
+           arg0: Mapping[str, Any], aux0: Mapping[str, Any], run64, compare) -> List[Dict[str, Any]]:
+    """Each of ``items`` judged: ``g`` run in float64 with ``heads`` (``run64``; once, where any item is
+    judged), and how far the original's and the fused model's values are from it; or why not."""
+    steps = [follows_a_step(h) for h in heads]
+    got64 = None
+    if run64 is not None and any(steps[it.head] is None for it in items):
+        g.heads = list(heads)
+        sym = g.to_symbol()
+        args = set(sym.list_arguments())
+        got64 = run64(sym, arg0, aux0, [{k: v for k, v in f.items() if k in args} for f in feeds])
+    judged: List[Dict[str, Any]] = []
+    for it in items:
+        step = steps[it.head]
+        if step is not None or got64 is None:
+            why = ("%s follows %s, which the fused graph does not hold to cut at" % (it.label, step)
+                   if step is not None else "MXNet cannot run %s of the original in float64" % it.label)
+            judged.append({"kind": it.kind, "index": it.index, "value": None, "why": why})
+            continue
+        e_o = e_f = rel = 0.0
+        for d, (mine, theirs, r) in enumerate(it.draws):
+            exact = got64[d][it.head] if it.cols == slice(None) else got64[d][it.head][..., it.cols]
+            e_o = max(e_o, _rel_to(exact, mine, it.layout, compare))
+            e_f = max(e_f, _rel_to(exact, theirs, it.layout, compare))
+            rel = max(rel, r)
+        judged.append({"kind": it.kind, "index": it.index, "value": it.label, "max_rel": rel, "original_f32": e_o,
+                       "fused": e_f})
     return judged
 
 

@@ -134,8 +134,10 @@ class VerifyResult:
             return "fused outputs differ from the original: " + "; ".join(self.nonfinite)
         spread = "" if self.spread is None else "; the original's own spread, MXNet's backend on vs off: %.3g" % (
             self.spread)
+        from .cuts import ROUNDING_FACTOR
+
         worst = max((e for e in self.rounding or [] if e.get("value") is not None), default=None,
-                    key=lambda e: e["fused"] - 2.0 * e["original_f32"])
+                    key=lambda e: e["fused"] - ROUNDING_FACTOR * e["original_f32"])
         if worst is not None:
             spread += "; against the original run in float64, %s is %.3g off, the original's float32 %.3g" % (
                 worst["value"], worst["fused"], worst["original_f32"])

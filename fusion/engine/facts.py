@@ -32,7 +32,7 @@ self-check runs every rewrite at every probe.
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -103,15 +103,20 @@ def misread(op: str, ins: Sequence[Optional[Shape]], out: Optional[Shape]) -> bo
     return False
 
 
-def _sizes_kept(shapes: Mapping[Entry, Shape], among: Optional[Mapping[Entry, Shape]] = None) -> bool:
-    """Whether MXNet runs every op as the shapes say (see ``misread``); only the values ``among``
-    when given (their inputs' shapes read from ``shapes``)."""
+def first_misread(shapes: Mapping[Entry, Shape], among: Optional[Mapping[Entry, Shape]] = None,
+                  ops: Any = SIZE_KEEPING | {"where"}) -> Optional[Entry]:
+    """The first value of an op of ``ops`` that MXNet does not run as the shapes say (see ``misread``),
+    or None; only the values ``among`` when given (their inputs' shapes read from ``shapes``)."""
     for e, out in (shapes if among is None else among).items():
         nd = e.node
-        if (nd.op in SIZE_KEEPING or nd.op == "where") and nd.inputs and \
-                misread(nd.op, [shapes.get(i) for i in nd.inputs], out):
-            return False
-    return True
+        if nd.op in ops and nd.inputs and misread(nd.op, [shapes.get(i) for i in nd.inputs], out):
+            return e
+    return None
+
+
+def _sizes_kept(shapes: Mapping[Entry, Shape], among: Optional[Mapping[Entry, Shape]] = None) -> bool:
+    """Whether MXNet runs every op as the shapes say (see ``misread``)."""
+    return first_misread(shapes, among) is None
 
 
 def infer(graph: Graph, shapes: Mapping[str, Shape], dtypes: Optional[Mapping[str, str]] = None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 import networkx as nx
 
@@ -381,6 +381,20 @@ class Graph:
 # MXNet's load_json crashed at depth ~19,000 on an 8 MiB stack, ~2,500 on 1 MiB, ~600 on 256 KiB.
 # The elementwise rule writes at most 256 levels; files nesting deeper than this are refused.
 MAX_EXPR_DEPTH = 4096
+
+
+def upstream(start: Iterable[Node], stop: Iterable[Node] = ()) -> Iterator[Node]:
+    """Each node ``start`` reads from, directly or not (``start`` included), once; the nodes of ``stop``
+    are neither yielded nor walked through."""
+    seen = {id(n) for n in stop}
+    todo = list(start)
+    while todo:
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        yield n
+        todo.extend(e.node for e in n.inputs)
 
 
 def expr_depth(expr: str) -> int:
