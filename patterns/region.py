@@ -61,11 +61,15 @@ as one function): within the contract's 1e-4 (``--verify``'s measure), which the
 holds it to.  ``patterns/unfuse_region.py`` rebuilds the stock ops from the program: the
 program's reference semantics.
 
+Outputs: the anchor's value first, then each value inside that is also read outside or is a graph
+output (``exported_nodes``, in graph order): the rewrite replaces each (``Rule.exported``), and no post
+step runs in place over a value given back.
+
 Cut (each region's cut and why is in the report, ``--explain`` lists every edge): at an op a
 region does not take (``Flatten``, ``FullyConnected``, ``Deconvolution``, reshapes, a 3-D or NHWC
 convolution, an activation the contract lacks), at a value whose shape or dtype is unknown or not
-4-D float32, where a value is also read outside (the pattern), where a value is a graph output,
-at MAX_NODES nodes, and where the CPU's cost table (``fusion/engine/cost.py``; without entries its
+4-D float32, where a value read outside leads back into the region (``leads_back``: the region as one
+op would read what follows from its own output) or past MAX_OUTPUTS values read outside, at MAX_NODES nodes, and where the CPU's cost table (``fusion/engine/cost.py``; without entries its
 conservative rule: two convolutions, or one and two other ops or steps) says the region does not
 pay -- a refused region's ops are left to the other rules.  Refused: ``mode='training'`` (no
 backward), ``device='gpu'`` (a CPU op), an op library without ``fused_region``.
@@ -94,7 +98,7 @@ from fusion.ir.errors import FusionError
 from fusion.ir.expr import parse_expr
 from fusion.ir import opdefs
 from fusion.ir.graph import Entry, Node
-from fusion.ir.matcher import Match, State, Trace, match_pattern
+from fusion.ir.matcher import Match, State, Trace, leads_back, match_pattern
 from fusion.ir.pattern import Const, Pattern, Region, Var, op
 
 OP = "fused_region"
@@ -102,6 +106,7 @@ RULE = "region"
 PROGRAM_VERSION = 1
 MAX_NODES = 512          # per region; a longer chain becomes several regions (the cut says so)
 MAX_INPUTS = 4096        # the pattern's count of distinct inputs, parameters included
+MAX_OUTPUTS = 64         # values a region gives back: its anchor's and those read outside it (see exported)
 MAX_CONCAT = 128
 
 CONV_OPS = ("Convolution",)
@@ -576,6 +581,21 @@ def member(node: Node, ctx) -> bool:
     return refusal(node, ctx) is None and refused_in(node, ctx) is None
 
 
+def exportable(node: Node, ctx) -> bool:
+    """Whether a region may give back ``node``'s value as one of its outputs (a gate broadcast is read
+    through, its value never made)."""
+    return _KIND_OF.get(node.op) != "gate_broadcast"
+
+
+def exported_nodes(region: Sequence[Node], ctx) -> List[Node]:
+    """The nodes of ``region`` (in order, the anchor -- the last -- aside) whose values are read outside
+    it or are graph outputs: the region's outputs after its anchor's."""
+    inside = {id(n) for n in region}
+    users, heads = ctx.graph.consumers(), {id(e.node) for e in ctx.graph.heads}
+    return [n for n in region[:-1]
+            if id(n) in heads or any(id(u) not in inside for u, _ in users.get(n, ()))]
+
+
 def why_not(node: Node, ctx) -> Optional[str]:
     """The near-miss of a convolution no region takes (the other ops' refusals are the cuts' reasons;
     an op library without fused_region is not news: regions are then simply not made)."""
@@ -605,6 +625,8 @@ class ProgramBuilder:
         self.ctx = ctx
         self.region = list(region)
         self.inside = {id(n) for n in region}
+        #: the values the region gives back, in output order: the anchor's, then those read outside it
+        self.outputs: List[Entry] = [Entry(region[-1])] + [Entry(n) for n in exported_nodes(region, ctx)]
         self.data: List[Entry] = []
         self.params: List[Entry] = []
         self.ops: List[Dict[str, Any]] = []
@@ -657,7 +679,8 @@ class ProgramBuilder:
         ctx, region = self.ctx, self.region
         users = ctx.graph.consumers()
         anchor = region[-1]
-        inline = {id(n) for n in region if n is not anchor and n.op in ELEMENTWISE and _inlined(n, users, self.inside)}
+        given = {id(e.node) for e in self.outputs}
+        inline = {id(n) for n in region if id(n) not in given and n.op in ELEMENTWISE and _inlined(n, users, self.inside)}
         # gate broadcasts are read through: their products read the gate itself (y · g)
         through = {id(n) for n in region if _KIND_OF.get(n.op) == "gate_broadcast"}
         trees = {}
@@ -684,7 +707,8 @@ class ProgramBuilder:
             else:
                 for e in n.inputs:
                     uses[e] = uses.get(e, 0) + 1
-        uses[Entry(anchor)] = uses.get(Entry(anchor), 0) + 1
+        for e in self.outputs:      # a value given back stays as it is: no step runs in place over it
+            uses[e] = uses.get(e, 0) + 1
 
         def leaf(t) -> _Handle:
             e = t[1]
@@ -698,7 +722,10 @@ class ProgramBuilder:
                 self.value[Entry(n)] = lowering.lower(trees[id(n)]).ref
             else:
                 self.value[Entry(n)] = self._op(n)
-        self.output = self.value[Entry(anchor)]
+        refs = [self.value[e] for e in self.outputs]
+        if len(set(refs)) != len(refs):
+            raise FusionError("two of the region's outputs are one program value")
+        self.output_refs = refs
         return self
 
     def _op(self, n: Node) -> Any:
@@ -758,7 +785,7 @@ class ProgramBuilder:
                     out[k] = v
             ops.append(out)
         return {"version": PROGRAM_VERSION, "params": [list(param_shape(e, self.ctx)) for e in self.params],
-                "ops": ops, "outputs": [number(self.output)]}
+                "ops": ops, "outputs": [number(r) for r in self.output_refs]}
 
     @property
     def steps(self) -> int:
@@ -827,36 +854,45 @@ def build_program(region: Sequence[Node], ctx) -> ProgramBuilder:
 
 # ---------------------------------------------------------------- where a region was cut, and why
 
-def _cut_reason(e: Entry, region_ids: set, ctx, users, heads) -> str:
+def _cut_reason(e: Entry, region: Sequence[Node], ctx, users, heads) -> str:
     """Why the region does not reach back over ``e``, a value it reads (in the order the pattern's
-    growth asks: a variable, another output than the first, a graph output, an op no region takes,
-    a value also read outside)."""
-    nd = e.node
+    growth asks: a variable, another output than the first, an op no region takes, a value read
+    outside that the region could not give back)."""
+    nd, region_ids = e.node, {id(n) for n in region}
     if nd.is_variable:
         return "a graph input"
-    if e.index != 0:
-        return "output %d of %s '%s' (a region takes an op's first output)" % (e.index, nd.op, nd.name)
     if nd.op == OP:
         return "the output of another region"
-    if id(nd) in heads:
-        return "'%s' is also a graph output" % nd.name
+    if e.index != 0:
+        return "output %d of %s '%s' (a region takes an op's first output)" % (e.index, nd.op, nd.name)
     why = refusal(nd, ctx)
     if why:
         return why
+    holder = getattr(ctx, "claimed", {}).get(id(nd))
+    if holder is not None and holder != region[-1].name:
+        return "in the region at '%s'" % holder
     outside = [u for u, _ in users.get(nd, ()) if id(u) not in region_ids]
-    if outside:
-        return "also read by %s '%s' outside the region" % (outside[0].op, outside[0].name)
-    return refused_in(nd, ctx) or "the region reached its limit of %d nodes" % MAX_NODES
+    if outside or id(nd) in heads:
+        read = ("also read by %s '%s' outside the region" % (outside[0].op, outside[0].name) if outside
+                else "'%s' is also a graph output" % nd.name)
+        if not exportable(nd, ctx):
+            return read + " (a gate broadcast is read through, never made)"
+        back = leads_back(outside, region_ids, users, region[-1].pos)
+        if back is not None:
+            return read + ", which leads back into it (to %s '%s'): one op cannot give it and read what " \
+                          "follows from it" % (back.op, back.name)
+        if len(exported_nodes(region, ctx)) + 1 >= MAX_OUTPUTS:
+            return read + "; the region gives back its limit of %d values" % MAX_OUTPUTS
+    return refused_in(nd, ctx) or "the region reached its limit of %d nodes or %d inputs" % (MAX_NODES, MAX_INPUTS)
 
 
 def _out_reasons(anchor: Node, region_ids: set, ctx, users, heads) -> List[Tuple[str, str]]:
     """Why the region ends at ``anchor``: (what reads its output, why that is not in the region)."""
     out = [("the graph's outputs", "a graph output")] if id(anchor) in heads else []
-    readers = users.get(anchor, ())
-    for u, _ in readers:
+    for u, _ in users.get(anchor, ()):
+        if id(u) in region_ids:
+            continue
         why = refusal(u, ctx) if u.op != OP else "another region"
-        if why is None and len(readers) > 1:
-            why = "the output is read by %d ops: a value read in several places ends a region" % len(readers)
         out.append(("%s '%s'" % (u.op, u.name), _short(why or refused_in(u, ctx) or "in another region", u)))
     return out
 
@@ -876,19 +912,25 @@ def describe(region: Sequence[Node], prog: ProgramBuilder, ctx) -> Dict[str, Any
     users, heads = ctx.graph.consumers(), {id(e.node) for e in ctx.graph.heads}
     anchor = region[-1]
     ins = [("'%s'" % e.node.name + ("[%d]" % e.index if e.index else ""),
-            _short(_cut_reason(e, ids, ctx, users, heads), e.node)) for e in prog.data]
+            _short(_cut_reason(e, region, ctx, users, heads), e.node)) for e in prog.data]
     outs = _out_reasons(anchor, ids, ctx, users, heads)
+    given = [("'%s'" % e.node.name, ", ".join(sorted({"%s '%s'" % (u.op, u.name) for u, _ in users.get(e.node, ())
+                                                        if id(u) not in ids})) or "a graph output")
+             for e in prog.outputs[1:]]
     cut_in = "; ".join("%s (%s)" % kv for kv in ins[:2]) + (" (+%d more)" % (len(ins) - 2) if len(ins) > 2 else "")
     cut_out = "%s (%s)" % outs[0] if outs else "nothing"
+    also = "; also gives back %s" % ", ".join(v for v, _ in given[:3]) + (
+        " (+%d more)" % (len(given) - 3) if len(given) > 3 else "") if given else ""
     summary = ("region '%s': %d ops → %s (%d convolution(s), %d other op(s), %d post step(s)); "
-               "cut at %s → … → %s" % (anchor.name, len(region), OP, prog.convs, len(prog.ops) - prog.convs,
-                                        prog.steps, cut_in or "nothing", cut_out))
+               "cut at %s → … → %s%s" % (anchor.name, len(region), OP, prog.convs, len(prog.ops) - prog.convs,
+                                          prog.steps, cut_in or "nothing", cut_out, also))
     lines = ["reads %s: %s" % kv for kv in ins] + ["read by %s: %s" % kv for kv in outs]
+    lines += ["gives back %s, read by %s" % kv for kv in given]
     lines.append("%d data input(s), %d parameter(s), %d program op(s), %.1f M multiply-adds"
                  % (len(prog.data), len(prog.params), len(prog.ops), prog.mmacs))
     return {"summary": summary, "lines": lines, "ops": len(region), "convolutions": prog.convs,
             "program_ops": len(prog.ops), "post_steps": prog.steps, "data_inputs": len(prog.data),
-            "params": len(prog.params),
+            "params": len(prog.params), "outputs": len(prog.outputs),
             "cuts": {"inputs": [{"value": v, "reason": r} for v, r in ins],
                      "outputs": [{"reader": v, "reason": r} for v, r in outs]}}
 
@@ -909,7 +951,10 @@ class RegionRule(Rule):
 
     def pattern(self) -> Pattern:
         return Region(member, "region", min_nodes=2, max_nodes=MAX_NODES, max_inputs=MAX_INPUTS, ops=ANCHOR_OPS,
-                      why_not=why_not)
+                      why_not=why_not, max_outputs=MAX_OUTPUTS, exportable=exportable)
+
+    def exported(self, m: Match) -> set:
+        return {id(n) for n in exported_nodes(m["region"], m.ctx)}
 
     def check(self, m: Match) -> Optional[str]:
         region, ctx = m["region"], m.ctx
@@ -938,11 +983,14 @@ class RegionRule(Rule):
         region = m["region"]
         prog = build_program(region, m.ctx)
         program = prog.program()
+        k = len(prog.outputs)
         attrs = {"program": json.dumps(program, separators=(",", ":")), "num_data": len(prog.data),
-                 "num_outputs": 1}
-        y = b.op(OP, prog.data + prog.params, attrs=attrs, name=m.anchor.name)
+                 "num_outputs": k}
+        y = b.op(OP, prog.data + prog.params, attrs=attrs, name=m.anchor.name, num_outputs=k)
         b.details.update(describe(region, prog, m.ctx))
-        return y
+        if k == 1:
+            return y
+        return dict(zip(prog.outputs, y))
 
 
 RULES: List[Rule] = [RegionRule()]

@@ -12,7 +12,7 @@ import fusion
 from fusion.doors import cli
 from fusion.native.env import subgraph_backend
 from fusion.ir.graph import Graph
-from fusion.engine.workarounds import CONV_CHAIN_NEXT, backend_hazards
+from fusion.engine.workarounds import CONV_CHAIN_NEXT, backend_hazards, guard_layer_outputs
 
 from conftest import random_params
 
@@ -103,6 +103,44 @@ def test_unfuse_guards_a_layer_output_its_stock_form_exposes():
     plain = fusion.unfuse(res.symbol, input_shapes=shapes, arg_params=res.arg_params, aux_params=res.aux_params)
     ops = [n["op"] for n in json.loads(plain.tojson())["nodes"]]
     assert "FullyConnected" in ops and "Reshape" in ops
+    _check_default_bind(plain, res.arg_params, res.aux_params, inputs, ref)
+
+
+def test_a_layer_output_handed_out_through_copy_is_a_hazard_and_guarded():
+    """``_copy`` (what keeps an output's name) hands the layer's output out as a graph output does:
+    MXNet's convolution pass fuses the sigmoid and gives _copy its value too."""
+    conv = _conv()
+    y = S.Group([S.Activation(conv, act_type="sigmoid"), S._internal._copy(conv)])
+    shapes = {"data": IMG["data"]}
+    arg, aux = random_params(y, shapes)
+    inputs = _inputs(y, shapes, seed=2)
+    ref = run(y, arg, aux, inputs, default_bind=False)
+    assert len(backend_hazards(Graph.from_symbol(y))) == 1
+    g = Graph.from_symbol(y)
+    assert guard_layer_outputs(g) == ["conv"]
+    _check_default_bind(g.to_symbol(), arg, aux, inputs, ref)
+
+
+def test_unfuse_of_a_region_giving_back_a_layer_output_is_guarded():
+    """A region that gives back a convolution's output (a graph output, kept as _copy) read inside by
+    a sigmoid: un-fused, the stock Convolution is read by both, and MXNet would hand out the sigmoid."""
+    from fusion.engine.rewrite import implemented
+    if not implemented("fused_region", "cpu"):
+        pytest.skip("this op library has no CPU fused_region")
+    x = S.var("data")
+    gate = S.Convolution(S.Activation(S.Convolution(S.contrib.AdaptiveAvgPooling2D(x, output_size=1), kernel=(1, 1),
+                                                    num_filter=2, name="fc0"), act_type="relu"),
+                         kernel=(1, 1), num_filter=3, name="fc1")
+    y = S.Group([S.broadcast_mul(x, S.sigmoid(gate)), gate])
+    shapes = {"data": IMG["data"]}
+    arg, aux = random_params(y, shapes)
+    inputs = _inputs(y, shapes, seed=3)
+    ref = run(y, arg, aux, inputs, default_bind=False)
+    res = fusion.fuse(y, arg, aux, input_shapes=shapes)
+    assert "fused_region" in res.graph.count_ops(), res.report.to_text(explain=True)
+    _check_default_bind(res.symbol, res.arg_params, res.aux_params, inputs, ref)
+    plain = fusion.unfuse(res.symbol, input_shapes=shapes, arg_params=res.arg_params, aux_params=res.aux_params)
+    assert "Reshape" in [n["op"] for n in json.loads(plain.tojson())["nodes"]]
     _check_default_bind(plain, res.arg_params, res.aux_params, inputs, ref)
 
 

@@ -518,21 +518,35 @@ def test_unsupported_op_cuts_the_region_and_the_report_says_why():
     assert "region 'c4'" in text and "exp" in text
 
 
-def test_value_read_outside_cuts_the_region():
+def test_value_read_outside_is_given_back():
     r = relu(conv(S.var("data"), "c1"), name="r1")
     y = S.Group([conv(relu(conv(r, "c2")), "c3"), S.exp(r)])
-    f = fuse_graph(y, *random_params(y, X), rules=["region"])
+    f = fuse_round_trip(y, rules=["region"])
+    (n,) = f.regions()
+    assert n.num_outputs == 2 and len(f.program()["outputs"]) == 2
     (d,) = [x["details"] for x in f.report.rules["region"].fused]
-    assert any("also read by exp" in c["reason"] for c in d["cuts"]["inputs"]), d
+    assert d["outputs"] == 2 and "gives back 'r1', read by exp 'exp" in " ".join(d["lines"]), d
+    assert d["cuts"]["inputs"] == [{"value": "'data'", "reason": "a graph input"}], d
 
 
-def test_graph_output_inside_cuts_the_region():
+def test_value_read_outside_that_leads_back_into_the_region_cuts_it():
+    r = relu(conv(S.var("data"), "c1"), name="r1")
+    y = conv(relu(conv(r, "c2")) + S.exp(r), "c3")
+    f = fuse_round_trip(y, rules=["region"])
+    (d,) = [x["details"] for x in f.report.rules["region"].fused]
+    assert any("also read by exp" in c["reason"] and "leads back into it" in c["reason"]
+               for c in d["cuts"]["inputs"]), d
+    assert all(n.num_outputs == 1 for n in f.regions())
+
+
+def test_graph_output_inside_is_given_back():
     r = relu(conv(S.var("data"), "c1"), name="r1")
     y = S.Group([relu(conv(relu(conv(r, "c2")), "c3"), name="out"), r])
-    f = fuse_graph(y, *random_params(y, X), rules=["region"])
+    f = fuse_round_trip(y, rules=["region"])
     assert [n.name for n in f.regions()] == ["out"], f.text()
+    assert [(e.node.name, e.index) for e in f.graph.heads] == [("out", 0), ("out", 1)]
     (d,) = [x["details"] for x in f.report.rules["region"].fused]
-    assert d["cuts"]["inputs"] == [{"value": "'r1'", "reason": "'r1' is also a graph output"}], d
+    assert "gives back 'r1', read by a graph output" in d["lines"], d
 
 
 def test_value_of_another_dtype_is_not_taken():

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
-import networkx as nx
 import numpy as np
 
 from ..ir.attrs import Attrs
@@ -75,6 +74,8 @@ class Context:
         #: set by a rule whose refusal opens candidates other rules stood aside for: the engine runs
         #: one more pass even if this one changed nothing (a finite set of refusals: it ends)
         self.another_pass = False
+        #: while a rule runs: node id -> the anchor of the match of this pass that holds it
+        self.claimed: Dict[int, str] = {}
         self.input_shapes = {k: tuple(v) for k, v in (input_shapes or {}).items()}
         self._probes: Optional[List[Dict[str, tuple]]] = None
         self._small: Optional[Tuple[List[Dict[str, tuple]], int]] = None
@@ -652,11 +653,11 @@ class _Pass:
         if any(not any(op_name in by_op for op_name in group) for group in required):
             return 0            # an op every match needs is not in the graph
         roots = pattern.roots()
-        users_cache: list = []          # consumers / networkx view, computed on first need
-        nx_cache: list = []
+        users_cache: list = []          # consumers, computed on first need
         heads = {id(e.node) for e in graph.heads}
         rr = self.report.rule(rule)
         taken: Dict[int, str] = {}
+        self.ctx.claimed = taken        # node id -> the anchor of the match of this rule that holds it
         matches: List[Match] = []
         if roots:
             anchors = sorted((n for op_name in roots for n in by_op.get(op_name, ())), key=lambda n: -n.pos)
@@ -666,20 +667,24 @@ class _Pass:
             if anchor.is_variable or id(anchor) in taken:
                 continue
             try:
-                self._candidates(rule, rr, anchor, pattern, users_cache, heads, taken, matches, nx_cache)
+                self._candidates(rule, rr, anchor, pattern, users_cache, heads, taken, matches)
             except Exception as e:   # a rule's bug must not cost the user the whole model: skip this candidate
                 self.report.reject(rule, anchor.name, anchor.name, _internal(rule, e))
-        return self._apply(rule, rr, matches)
+        try:
+            return self._apply(rule, rr, matches)
+        finally:
+            self.ctx.claimed = {}
 
-    def _candidates(self, rule, rr, anchor, pattern, users_cache, heads, taken, matches, nx_cache) -> None:
+    def _candidates(self, rule, rr, anchor, pattern, users_cache, heads, taken, matches) -> None:
         """Try ``anchor``: take the first structural match passing every filter, or record why none did."""
         graph, ctx = self.graph, self.ctx
         trace = Trace(graph, ctx)
+        trace.claimed = taken
         first_reason = first_key = None
         accepted = None
         for st in match_pattern(pattern, Entry(anchor), State({}, ()), trace):
             m = Match(anchor, st, ctx)
-            exported = {id(m.node(n)) for n in rule.exports if m.has(n)}
+            exported = rule.exported(m)
             if not users_cache:
                 users_cache.append(graph.consumers())
             reason = _escape_reason(m, users_cache[0], heads, exported, rule)
@@ -688,9 +693,7 @@ class _Pass:
                 if owner is not None:
                     reason = "overlaps the %s match already taken at '%s'" % (rule.name, owner)
             if reason is None and exported:
-                if not nx_cache:
-                    nx_cache.append(graph.to_networkx())
-                reason = _cycle_reason(m, exported, graph, nx_cache[0])
+                reason = _cycle_reason(m, users_cache[0], matches)
             if reason is None:
                 reason = _quantized_reason(m)
             if reason is None and rule.inference_only and ctx.mode == "training":
@@ -891,21 +894,30 @@ def _training_reason(m: Match, b: "Builder", mapping: Dict[Entry, Entry], ctx: "
     return None
 
 
-def _cycle_reason(m: Match, exported: Set[int], graph: Graph, nxg: nx.DiGraph) -> Optional[str]:
-    index = {id(nd): i for i, nd in enumerate(graph.nodes)}
+def _cycle_reason(m: Match, users: Dict[Node, List], taken: Sequence[Match]) -> Optional[str]:
+    """Why replacing ``m`` (whose rewrite also replaces interior values, ``Rule.exported``) would make
+    the graph cyclic, or None: a path from one of its nodes through nodes outside it back into it --
+    in the graph where each match already ``taken`` in this batch is one node as well (two matches
+    that each read the other's values are a cycle neither shows alone)."""
     inside = {id(n) for n in m.nodes}
-    for nd in m.nodes:
-        if id(nd) not in exported:
+    group: Dict[int, int] = {id(n): k for k, t in enumerate(taken) for n in t.nodes}
+    entered: Set[int] = set()
+    seen: Set[int] = set()
+    todo = [u for n in m.nodes for u, _ in users.get(n, ()) if id(u) not in inside]
+    while todo:
+        n = todo.pop()
+        if id(n) in inside:
+            src = next((e.node for e in n.inputs if id(e.node) not in inside), n)
+            return ("fusing would create a cycle: '%s' inside the match reads '%s', which depends on the match's "
+                    "own outputs" % (n.name, src.name))
+        if id(n) in seen:
             continue
-        for e in m.external_inputs():
-            if e.node.is_variable:
-                continue
-            for user in nxg.successors(index[id(nd)]):
-                if id(graph.nodes[user]) in inside:
-                    continue
-                if nx.has_path(nxg, user, index[id(e.node)]):
-                    return ("fusing would create a cycle: '%s' depends on '%s' inside the match"
-                            % (e.node.name, nd.name))
+        seen.add(id(n))
+        k = group.get(id(n))
+        if k is not None and k not in entered:       # one node with the other match: all of its outputs
+            entered.add(k)
+            todo.extend(taken[k].nodes)
+        todo.extend(u for u, _ in users.get(n, ()))
     return None
 
 

@@ -21,7 +21,7 @@ Rules keep no state between ``check`` and ``rewrite``: both read the match.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Set, Tuple, Union
 
 from ..ir.graph import Entry
 from ..ir.matcher import Match
@@ -59,6 +59,11 @@ class Rule:
 
     def check(self, m: Match) -> Optional[str]:
         return None
+
+    def exported(self, m: Match) -> Set[int]:
+        """The ids of matched nodes (besides the anchor) whose outputs the rewrite also replaces, so
+        they may be read outside the match or be graph outputs: by default those ``exports`` names."""
+        return {id(m.node(n)) for n in self.exports if m.has(n)}
 
     def outside_use_ok(self, m: Match, entry: Entry, user: Any) -> bool:
         """Whether ``user``, outside the match, may keep reading the interior value ``entry``.

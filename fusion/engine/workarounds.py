@@ -86,7 +86,10 @@ def _hazards(graph: Graph) -> List[Tuple[Node, List[Tuple[Node, int]]]]:
             continue
         readers = [(u, slot) for u, slot in users.get(nd, ()) if u.inputs[slot].index == 0]
         fusable = [(u, slot) for u, slot in readers if u.op in fused_ops]
-        as_head = heads.get(Entry(nd), 0)
+        # a _copy (what keeps a graph output's name where a rewrite replaced its node) hands out the
+        # layer's output as a graph output does: measured, Group([sigmoid(conv), _copy(conv)]) gives
+        # _copy the sigmoid's value too
+        as_head = heads.get(Entry(nd), 0) + sum(1 for u, _ in readers if u.op == "_copy")
         if not fusable or len(readers) + as_head < 2 or (nd.op != "FullyConnected" and not as_head):
             continue
         found.append((nd, fusable))

@@ -346,6 +346,8 @@ class Graph:
         kept = [nd for nd in nodes if not nd.dead]
         for i, nd in enumerate(kept):
             nd.pos = float(i)
+        if any(e.node.pos >= nd.pos for nd in kept for e in nd.inputs):
+            kept = _in_order(kept)
         self.nodes = kept
         self._compacted = True
 
@@ -381,6 +383,34 @@ class Graph:
 # MXNet's load_json crashed at depth ~19,000 on an 8 MiB stack, ~2,500 on 1 MiB, ~600 on 256 KiB.
 # The elementwise rule writes at most 256 levels; files nesting deeper than this are refused.
 MAX_EXPR_DEPTH = 4096
+
+
+def _in_order(nodes: List[Node]) -> List[Node]:
+    """``nodes`` (positions 0..n-1, each node's producers among them) in topological order, each
+    node as early as its position allows: a rewrite that gives back several values (a region read
+    at several points) puts its node where some readers of its values stood before it."""
+    import heapq
+
+    waiting = {id(nd): len({id(e.node) for e in nd.inputs}) for nd in nodes}
+    readers: Dict[int, List[Node]] = defaultdict(list)
+    for nd in nodes:
+        for src in {id(e.node): e.node for e in nd.inputs}.values():
+            readers[id(src)].append(nd)
+    ready = [(nd.pos, k, nd) for k, nd in enumerate(nodes) if waiting[id(nd)] == 0]
+    heapq.heapify(ready)
+    out: List[Node] = []
+    while ready:
+        _, k, nd = heapq.heappop(ready)
+        out.append(nd)
+        for r in readers[id(nd)]:
+            waiting[id(r)] -= 1
+            if waiting[id(r)] == 0:
+                heapq.heappush(ready, (r.pos, id(r), r))
+    if len(out) != len(nodes):
+        raise GraphError("a rewrite left the graph with a cycle (%d of %d nodes in order)" % (len(out), len(nodes)))
+    for i, nd in enumerate(out):
+        nd.pos = float(i)
+    return out
 
 
 def upstream(start: Iterable[Node], stop: Iterable[Node] = ()) -> Iterator[Node]:

@@ -52,12 +52,13 @@ class Trace:
     the message is only formatted when read.
     """
 
-    __slots__ = ("depth", "_fmt", "_args", "graph", "ctx", "excluded")
+    __slots__ = ("depth", "_fmt", "_args", "graph", "ctx", "excluded", "claimed")
 
     def __init__(self, graph: Any = None, ctx: Any = None) -> None:
         self.graph = graph      # for patterns that look at consumers (Region)
         self.ctx = ctx
         self.excluded: Optional[str] = None   # a Region's why_not for a refused anchor
+        self.claimed: Any = ()      # ids of nodes matches already taken in this pass hold (a Region grows around them)
         self.depth = 0
         self._fmt: Optional[str] = None
         self._args: tuple = ()
@@ -188,21 +189,28 @@ def _grow_region(p: Region, entry: Entry, trace: Trace) -> List[Node]:
         ids = {id(n) for n in nodes}
         return {e for n in nodes for e in n.inputs if id(e.node) not in ids}
 
+    outputs = 1
+
     grown = True
     while grown and len(region) < p.max_nodes:
         grown = False
         for nd in list(region):
             for e in nd.inputs:
                 cand = e.node
-                if (id(cand) in inside or cand.op == "null" or e.index != 0
-                        or id(cand) in heads or not p.member(cand, trace.ctx)):
+                if (id(cand) in inside or cand.op == "null" or e.index != 0 or id(cand) in trace.claimed
+                        or not p.member(cand, trace.ctx)):
                     continue
-                if any(id(u) not in inside for u, _ in users.get(cand, ())):
-                    continue
+                outside = [u for u, _ in users.get(cand, ()) if id(u) not in inside]
+                if outside or id(cand) in heads:
+                    if (outputs >= p.max_outputs or (p.exportable is not None and not p.exportable(cand, trace.ctx))
+                            or leads_back(outside, inside, users, anchor.pos)):
+                        continue
                 if size and total + size(cand) > p.max_size:
                     continue
                 if len(external_inputs(region + [cand])) > p.max_inputs:
                     continue
+                if outside or id(cand) in heads:
+                    outputs += 1
                 inside.add(id(cand))
                 region.append(cand)
                 if size:
@@ -212,6 +220,23 @@ def _grow_region(p: Region, entry: Entry, trace: Trace) -> List[Node]:
                     break
     region.sort(key=lambda n: n.pos)
     return region
+
+
+def leads_back(starts: Sequence[Node], inside: set, users: Dict[Node, List[Tuple[Node, int]]],
+               last: float) -> Optional[Node]:
+    """The first node of ``inside`` (ids) that a path from ``starts`` (outside) reaches, or None.  The
+    graph's nodes are in topological order (``pos``), so the walk stops past ``last``, the largest
+    position inside."""
+    seen, todo = set(), [n for n in starts if n.pos <= last]
+    while todo:
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if id(n) in inside:
+            return n
+        todo.extend(u for u, _ in users.get(n, ()) if u.pos <= last)
+    return None
 
 
 def _match_inputs(pats: Sequence[Pattern], node: Node, k: int, st: State, trace: Trace) -> Iterator[State]:

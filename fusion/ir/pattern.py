@@ -157,6 +157,12 @@ class Region(Pattern):
     FuseOps), up to ``max_nodes`` ops and ``max_inputs`` distinct external inputs, and,
     when ``size(node)`` is given, up to ``max_size`` in the sum of the nodes' sizes (a
     node that stands for several ops, e.g. a fused one, counts as that many).
+    With ``max_outputs`` > 1 it also takes producers whose output is read outside the region
+    or is a graph output (``exportable(node, ctx)`` permitting), up to ``max_outputs``
+    values in all with the anchor's: each becomes an output of the rewrite, which must
+    replace it (``Rule.exported``).  Such a producer is taken only where no reader outside
+    leads back into the region (the region as one op would then read its own output:
+    ``leads_back`` in the matcher).
     Binds ``name`` to the region's nodes in topological order; regions smaller than
     ``min_nodes`` do not match.  ``why_not(node, ctx)``, when given, says why an anchor
     that ``member`` refuses was refused, for the exclusions worth reporting (it returns
@@ -166,7 +172,8 @@ class Region(Pattern):
     def __init__(self, member: Callable[[Any, Any], bool], name: str, min_nodes: int = 2,
                  max_nodes: int = 32, max_inputs: int = 8, ops: Iterable[str] = (),
                  why_not: Optional[Callable[[Any, Any], Optional[str]]] = None,
-                 size: Optional[Callable[[Any], int]] = None, max_size: Optional[int] = None):
+                 size: Optional[Callable[[Any], int]] = None, max_size: Optional[int] = None,
+                 max_outputs: int = 1, exportable: Optional[Callable[[Any, Any], bool]] = None):
         self.member = member
         self.why_not = why_not
         self.ops = frozenset(ops)      # ops an anchor may have (empty: any); lets the engine skip the rest
@@ -176,6 +183,8 @@ class Region(Pattern):
         self.max_inputs = max_inputs
         self.size = size
         self.max_size = max_size
+        self.max_outputs = max_outputs
+        self.exportable = exportable
 
     def roots(self) -> FrozenSet[str]:
         return self.ops

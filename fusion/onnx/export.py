@@ -1177,8 +1177,12 @@ def _wrap(op: str, fn: Callable[..., list]) -> Callable[..., list]:
         except _NeedsUnfuse:
             st = _st()
             st.unfuse.append(node["name"])
-            name, inputs, _ = node_io(node, kwargs)
-            return [helper.make_node("Identity", inputs[:1], [name], name=name)]
+            name, inputs, attrs = node_io(node, kwargs)
+            # a placeholder per output (MXNet's exporter names output k > 0 name + str(k)); the stock
+            # ops take its place in the next conversion
+            k = int(attrs.get("num_outputs", 1) or 1)
+            outs = [name] + [name + str(i) for i in range(1, k)]
+            return [helper.make_node("Identity", inputs[:1], [o], name=o) for o in outs]
         except OnnxExportError:
             raise
         except Exception as e:
