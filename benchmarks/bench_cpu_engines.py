@@ -224,7 +224,9 @@ def mx_engine(sym, arg, aux, inputs, subgraph: bool = True):
     return timed, step, how
 
 
-def ort_engine(path: str, inputs, spin: bool):
+def ort_options(spin: bool):
+    """ONNX Runtime's session options here: all graph optimizations, OMP_NUM_THREADS intra-op threads,
+    sequential, worker threads spinning only when ``spin``."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -235,7 +237,13 @@ def ort_engine(path: str, inputs, spin: bool):
     so.log_severity_level = 3
     if not spin:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    return so
+
+
+def ort_engine(path: str, inputs, spin: bool):
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(path, ort_options(spin), providers=["CPUExecutionProvider"])
     names = [i.name for i in sess.get_inputs()]
     feed = {n: inputs[n] for n in names}
 

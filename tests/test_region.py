@@ -764,9 +764,15 @@ def test_fused_region_runs_like_the_stock_ops(block):
     y = {"se": _se_block, "bottleneck": lambda: conv(relu(conv(relu(conv(S.var("data"), "a", k=1, p=0)), "b")),
                                                      "c", k=1, p=0) + S.var("data"),
          "dense": lambda: _dense_layer(_dense_layer(conv(S.var("data"), "s"), "l0"), "l1")}[block]()
+    assert_runs_like_the_stock_ops(y, regions=1)
+
+
+def assert_runs_like_the_stock_ops(y, regions: int):
+    """fuse(y) makes ``regions`` fused_region ops and computes what ``y`` computes at two shapes, its
+    unfuse too, and fusing it again changes nothing."""
     arg, aux = random_params(y, X)
     res = fusion.fuse(y, arg, aux, input_shapes=X)
-    assert ops(res).get("fused_region") == 1, res.report.to_text(explain=True)
+    assert ops(res).get("fused_region") == regions, res.report.to_text(explain=True)
     for shapes in (X, {"data": (3, 8, 12, 10)}):
         v = fusion.verify(y, res, (arg, aux), shapes)
         assert v.max_rel <= 1e-4, v
@@ -775,6 +781,7 @@ def test_fused_region_runs_like_the_stock_ops(block):
     assert v.max_rel <= 1e-4, v
     again = fusion.fuse(res.symbol, res.arg_params, res.aux_params, input_shapes=X)
     assert again.symbol.tojson() == res.symbol.tojson()
+    return res
 
 
 @needs_op

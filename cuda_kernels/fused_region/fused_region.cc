@@ -1012,6 +1012,21 @@ class Region : public DnnlObjects {
       home_[d] = t;
       lives_in(d, t);
     }
+    // The outputs (plain float32) are copied out as soon as their op has run, so that the buffers of
+    // values a region gives back half-way (a backbone's stage read by a head) are free again for what
+    // follows, as they would be between two regions; a value given back is never overwritten in
+    // place (writable) nor absorbed into another op (plan counts outputs as readers).
+    std::vector<bool> copied(p.outputs.size(), false);
+    auto copy_out = [&](int value) {
+      for (size_t k = 0; k < p.outputs.size(); ++k) {
+        if (copied[k] || (value >= 0 && p.outputs[k] != value)) continue;
+        const int v = p.outputs[k];
+        const int t = new_tensor(plain(dims_[v], dnnl_f32), new_storage(kUser, 0));
+        user_.push_back({true, static_cast<int>(k), t});
+        copy(home_[v], t, "output " + std::to_string(k));
+        copied[k] = true;
+      }
+    };
     for (int i = 0; i < static_cast<int>(ops_.size()); ++i) {
       const PlanOp& po = ops_[i];
       switch (po.op->kind) {
@@ -1020,13 +1035,9 @@ class Region : public DnnlObjects {
         case OpKind::Concat: concat(po, i); break;
         default: elementwise(po, i); break;
       }
+      copy_out(po.out);
     }
-    for (size_t k = 0; k < p.outputs.size(); ++k) {  // the outputs: plain float32
-      const int v = p.outputs[k];
-      const int t = new_tensor(plain(dims_[v], dnnl_f32), new_storage(kUser, 0));
-      user_.push_back({true, static_cast<int>(k), t});
-      copy(home_[v], t, "output " + std::to_string(k));
-    }
+    copy_out(-1);
     allocate();
     plan_text_ += "built in " + std::to_string(ms_since(t0)) + " ms\n";
     publish_plan();
