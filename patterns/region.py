@@ -68,8 +68,9 @@ step runs in place over a value given back.
 Cut (each region's cut and why is in the report, ``--explain`` lists every edge): at an op a
 region does not take (``Flatten``, ``FullyConnected``, ``Deconvolution``, reshapes, a 3-D or NHWC
 convolution, an activation the contract lacks), at a value whose shape or dtype is unknown or not
-4-D float32, where a value read outside leads back into the region (``leads_back``: the region as one
-op would read what follows from its own output) or past MAX_OUTPUTS values read outside, at MAX_NODES nodes, and where the CPU's cost table (``fusion/engine/cost.py``; without entries its
+4-D float32, where a value read outside leads back into the region (``leads_back``: the region as
+one op would read what follows from its own output) or past MAX_OUTPUTS values read outside, at
+MAX_NODES nodes, and where the CPU's cost table (``fusion/engine/cost.py``; without entries its
 conservative rule: two convolutions, or one and two other ops or steps) says the region does not
 pay -- a refused region's ops are left to the other rules.  Refused: ``mode='training'`` (no
 backward), ``device='gpu'`` (a CPU op), an op library without ``fused_region``.

@@ -679,7 +679,6 @@ class _Pass:
         """Try ``anchor``: take the first structural match passing every filter, or record why none did."""
         graph, ctx = self.graph, self.ctx
         trace = Trace(graph, ctx)
-        trace.claimed = taken
         first_reason = first_key = None
         accepted = None
         for st in match_pattern(pattern, Entry(anchor), State({}, ()), trace):

@@ -396,16 +396,16 @@ def _in_order(nodes: List[Node]) -> List[Node]:
     for nd in nodes:
         for src in {id(e.node): e.node for e in nd.inputs}.values():
             readers[id(src)].append(nd)
-    ready = [(nd.pos, k, nd) for k, nd in enumerate(nodes) if waiting[id(nd)] == 0]
+    ready = [(nd.pos, nd) for nd in nodes if waiting[id(nd)] == 0]     # positions are distinct: never a tie
     heapq.heapify(ready)
     out: List[Node] = []
     while ready:
-        _, k, nd = heapq.heappop(ready)
+        _, nd = heapq.heappop(ready)
         out.append(nd)
         for r in readers[id(nd)]:
             waiting[id(r)] -= 1
             if waiting[id(r)] == 0:
-                heapq.heappush(ready, (r.pos, id(r), r))
+                heapq.heappush(ready, (r.pos, r))
     if len(out) != len(nodes):
         raise GraphError("a rewrite left the graph with a cycle (%d of %d nodes in order)" % (len(out), len(nodes)))
     for i, nd in enumerate(out):

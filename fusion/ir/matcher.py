@@ -52,13 +52,12 @@ class Trace:
     the message is only formatted when read.
     """
 
-    __slots__ = ("depth", "_fmt", "_args", "graph", "ctx", "excluded", "claimed")
+    __slots__ = ("depth", "_fmt", "_args", "graph", "ctx", "excluded")
 
     def __init__(self, graph: Any = None, ctx: Any = None) -> None:
         self.graph = graph      # for patterns that look at consumers (Region)
         self.ctx = ctx
         self.excluded: Optional[str] = None   # a Region's why_not for a refused anchor
-        self.claimed: Any = ()      # ids of nodes matches already taken in this pass hold (a Region grows around them)
         self.depth = 0
         self._fmt: Optional[str] = None
         self._args: tuple = ()
@@ -189,6 +188,7 @@ def _grow_region(p: Region, entry: Entry, trace: Trace) -> List[Node]:
         ids = {id(n) for n in nodes}
         return {e for n in nodes for e in n.inputs if id(e.node) not in ids}
 
+    claimed = getattr(trace.ctx, "claimed", {})     # nodes other matches of this pass hold: grown around
     outputs = 1
 
     grown = True
@@ -197,11 +197,12 @@ def _grow_region(p: Region, entry: Entry, trace: Trace) -> List[Node]:
         for nd in list(region):
             for e in nd.inputs:
                 cand = e.node
-                if (id(cand) in inside or cand.op == "null" or e.index != 0 or id(cand) in trace.claimed
+                if (id(cand) in inside or cand.op == "null" or e.index != 0 or id(cand) in claimed
                         or not p.member(cand, trace.ctx)):
                     continue
                 outside = [u for u, _ in users.get(cand, ()) if id(u) not in inside]
-                if outside or id(cand) in heads:
+                given_back = bool(outside) or id(cand) in heads
+                if given_back:
                     if (outputs >= p.max_outputs or (p.exportable is not None and not p.exportable(cand, trace.ctx))
                             or leads_back(outside, inside, users, anchor.pos)):
                         continue
@@ -209,8 +210,7 @@ def _grow_region(p: Region, entry: Entry, trace: Trace) -> List[Node]:
                     continue
                 if len(external_inputs(region + [cand])) > p.max_inputs:
                     continue
-                if outside or id(cand) in heads:
-                    outputs += 1
+                outputs += given_back
                 inside.add(id(cand))
                 region.append(cand)
                 if size:
