@@ -16,7 +16,7 @@ import importlib
 from typing import Dict, List, Optional, Tuple
 
 #: The modules of the library, in the order their rules are listed.
-MODULES = ("constant_fold", "attention", "squeeze_excitation", "split_attention", "dense_act", "skip_layer_norm",
+MODULES = ("constant_fold", "pad_conv", "attention", "squeeze_excitation", "split_attention", "dense_act", "skip_layer_norm",
            "conv_bn_act", "layer_norm", "gelu", "softmax", "elementwise", "qkv_projection",
            "inverted_residual", "dense_block", "region", "box_nms", "max_pool", "roi_align", "bilinear_resize")
 

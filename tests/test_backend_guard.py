@@ -144,6 +144,56 @@ def test_unfuse_of_a_region_giving_back_a_layer_output_is_guarded():
     _check_default_bind(plain, res.arg_params, res.aux_params, inputs, ref)
 
 
+@pytest.mark.parametrize("mode", ["inference", "training"])
+def test_batchnorm_statistics_of_a_convolution_are_guarded(mode):
+    """Convolution → BatchNorm(output_mean_var=True) with its variance read: MXNet's convolution pass
+    folds the BatchNorm and hands out the convolution's (N, C, H, W) output as the (C,) variance."""
+    bn = S.BatchNorm(_conv(), fix_gamma=False, output_mean_var=True, name="bn")
+    y = S.Group([bn[0], S.relu(bn[2])])
+    shapes = {"data": IMG["data"]}
+    arg, aux = random_params(y, shapes)
+    inputs = _inputs(y, shapes, seed=4)
+    ref = run(y, arg, aux, inputs, default_bind=False)
+    original = run(y, arg, aux, inputs, default_bind=True)
+    assert [o.shape for o in original] != [r.shape for r in ref]        # MXNet's own bug, as given
+    assert backend_hazards(Graph.from_symbol(y)) == ["conv -> bn"]
+    assert backend_hazards(Graph.from_symbol(S.Group([bn[0]]))) == []  # the statistics unread: right
+    res = fusion.fuse(y, arg, aux, input_shapes=shapes, mode=mode)
+    _check_default_bind(res.symbol, res.arg_params, res.aux_params, inputs, ref)
+    plain = fusion.unfuse(res.symbol, input_shapes=shapes, arg_params=res.arg_params, aux_params=res.aux_params)
+    _check_default_bind(plain, res.arg_params, res.aux_params, inputs, ref)
+
+
+def test_an_add_of_a_convolution_with_itself_is_guarded():
+    """``elemwise_add(conv, conv)`` (what un-fusing writes for ``broadcast_add(x, x)``): MXNet's pass
+    fuses the add as a sum into the convolution and the bind fails (measured); the second operand is
+    guarded."""
+    for chain in (_conv(), _bn(_conv())):
+        y = S.relu(S.elemwise_add(chain, chain))
+        shapes = {"data": IMG["data"]}
+        arg, aux = random_params(y, shapes)
+        inputs = _inputs(y, shapes, seed=5)
+        ref = run(y, arg, aux, inputs, default_bind=False)
+        with pytest.raises(mx.base.MXNetError):          # "Shape inconsistent" / "Check failed: !is_none()"
+            run(y, arg, aux, inputs, default_bind=True)
+        g = Graph.from_symbol(y)
+        assert len(backend_hazards(g)) == 1
+        guard_layer_outputs(g)
+        add = next(n for n in g.nodes if n.op == "elemwise_add")
+        assert [e.node.op for e in add.inputs] == [("Convolution" if chain.name == "conv" else "BatchNorm"), "Reshape"]
+        _check_default_bind(g.to_symbol(), arg, aux, inputs, ref)
+    # the form a user writes (broadcast_add, which the pass does not take) round-trips through unfuse
+    bn = _bn(_conv())
+    y = S.relu(S.broadcast_add(bn, bn))
+    arg, aux = random_params(y, {"data": IMG["data"]})
+    inputs = _inputs(y, {"data": IMG["data"]}, seed=6)
+    ref = run(y, arg, aux, inputs, default_bind=False)
+    res = fusion.fuse(y, arg, aux, input_shapes={"data": IMG["data"]})
+    plain = fusion.unfuse(res.symbol, input_shapes={"data": IMG["data"]}, arg_params=res.arg_params,
+                          aux_params=res.aux_params)
+    _check_default_bind(plain, res.arg_params, res.aux_params, inputs, ref)
+
+
 def test_no_warning_and_no_guard_where_nothing_is_exposed():
     y = _relu(_bn(_conv()))                      # the chain's last value is the only output
     shapes = {"data": IMG["data"]}

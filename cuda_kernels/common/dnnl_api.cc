@@ -37,6 +37,15 @@ bool dnnl_reference_impl(const_dnnl_primitive_desc_t pd) {
   return std::string(name).compare(0, 4, "ref:") == 0;
 }
 
+int dnnl_impl_rank(const_dnnl_primitive_desc_t pd) {
+  const char* name = nullptr;
+  if (!pd || dnnl().dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &name) != dnnl_success || !name)
+    return 0;
+  const std::string n(name);
+  if (n.compare(0, 4, "ref:") == 0) return 2;
+  return n.find("gemm") != std::string::npos ? 1 : 0;
+}
+
 dnnl_stream_t dnnl_thread_stream() {
   struct Stream {
     dnnl_stream_t s = nullptr;

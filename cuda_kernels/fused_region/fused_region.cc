@@ -126,6 +126,7 @@ std::vector<PlanOp> plan(const Program& p) {
 struct Config {
   bool bf16 = false;
   bool nhwc = false;  // activations in NHWC; else the layouts oneDNN picks ("any": blocked on AVX-512)
+  dnnl_format_tag_t blocked = dnnl_aBcd8b;  // the channel-blocked layout of this CPU's vector width
 };
 
 // bfloat16 activations go NHWC where the CPU has AMX: oneDNN picks its AMX convolutions
@@ -148,6 +149,9 @@ Config config_for(bool bf16) {
   } else {
     throw OpError("MXFUSION_REGION_LAYOUT must be auto, any or nhwc, got '" + v + "'");
   }
+  const unsigned isa = static_cast<unsigned>(dnnl().dnnl_get_effective_cpu_isa());
+  const unsigned avx512 = static_cast<unsigned>(dnnl_cpu_isa_avx512_core);
+  c.blocked = (isa & avx512) == avx512 ? dnnl_aBcd16b : dnnl_aBcd8b;
   return c;
 }
 
@@ -559,9 +563,12 @@ class Region : public DnnlObjects {
     Fuse fuse = Fuse::None;
     int variant = 0;
   };
-  // The first primitive descriptor `make(attr, variant)` gives that is not oneDNN's reference code,
+  // The first primitive descriptor `make(attr, variant)` gives with one of oneDNN's direct kernels,
   // trying the items fused (as sum + post-ops, as post-ops) before separately, and each variant
-  // (e.g. a source layout) in order; the first reference one where nothing else exists.
+  // (e.g. a source layout) in order; failing that the first gemm-based one, then the first reference
+  // one (dnnl_impl_rank).  A convolution reading a plain value (a grouped convolution's, which only
+  // oneDNN's gemm kernel takes on AVX2 where a group is narrower than a vector) thus reads it
+  // reordered into the layout its direct kernel picks rather than running gemm on the plain layout.
   Choice choose(const std::vector<Item>& items, bool allow_sum, int variants,
                 const std::function<dnnl_primitive_desc_t(const_dnnl_primitive_attr_t, int)>& make,
                 const std::string& what) {
@@ -571,7 +578,8 @@ class Region : public DnnlObjects {
       modes.push_back(Fuse::Binary);
     }
     modes.push_back(Fuse::None);
-    Choice fallback;
+    Choice best;
+    int best_rank = 3;
     for (Fuse f : modes)
       for (int v = 0; v < variants; ++v) {
         dnnl_primitive_attr_t attr = nullptr;
@@ -583,17 +591,20 @@ class Region : public DnnlObjects {
           api.dnnl_primitive_desc_destroy(pd);
           continue;
         }
-        if (!dnnl_reference_impl(pd)) {
-          if (fallback.pd) api.dnnl_primitive_desc_destroy(fallback.pd);
-          return {pd, f, v};
+        const int rank = dnnl_impl_rank(pd);
+        if (rank >= best_rank) {
+          api.dnnl_primitive_desc_destroy(pd);
+          continue;
         }
-        if (!fallback.pd) fallback = {pd, f, v};
-        else api.dnnl_primitive_desc_destroy(pd);
+        if (best.pd) api.dnnl_primitive_desc_destroy(best.pd);
+        best = {pd, f, v};
+        best_rank = rank;
+        if (rank == 0) return best;
       }
-    if (!fallback.pd)
+    if (!best.pd)
       throw OpError(what + ": oneDNN has no primitive for it on this CPU" +
                     (dt_ == dnnl_bf16 ? " in bfloat16 (which needs avx512_bf16 or amx_bf16)" : ""));
-    return fallback;
+    return best;
   }
 
   // The binary post-ops' operands (DNNL_ARG_ATTR_MULTIPLE_POST_OP(i) | DNNL_ARG_SRC_1), after the
@@ -696,10 +707,14 @@ class Region : public DnnlObjects {
     const_dnnl_memory_desc_t bmd = bias ? plain({O}, dnnl_f32) : nullptr;
     const_dnnl_memory_desc_t dst = md_tag(yd, dt_, cfg_.nhwc ? dnnl_nhwc : dnnl_format_tag_any);
     const_dnnl_memory_desc_t src_any = md_tag(xd, dt_, dnnl_format_tag_any);
-    // A convolution reads its producer's layout; a data input (or a producer's layout without an
-    // optimised kernel) in the layout the convolution picks, reordered once.
+    // A convolution reads its producer's layout; where that has no direct kernel (a grouped
+    // convolution's plain output, choose), the channel-blocked layout, reordered once; a data input
+    // in the layout the convolution picks.
     std::vector<const_dnnl_memory_desc_t> srcs;
-    if (!is_data(x)) srcs.push_back(md_of(home_[x]));
+    if (!is_data(x)) {
+      srcs.push_back(md_of(home_[x]));
+      if (!cfg_.nhwc && xd.size() == 4) srcs.push_back(md_tag(xd, dt_, cfg_.blocked));
+    }
     srcs.push_back(src_any);
     const dnnl_dims_t strides = {op.stride[0], op.stride[1]}, dil = {op.dilate[0] - 1, op.dilate[1] - 1},
                       pad = {op.pad[0], op.pad[1]};

@@ -10,6 +10,13 @@ wheel, subgraph backend on vs off):
   ``Group([relu(fc), fc])`` returns ``relu(fc)`` twice, ``Group([relu(fc), tanh(fc)])``
   returns ``tanh(relu(fc))``, ``Group([fc2(fc), relu(fc)])`` a wrong ``relu(fc)``;
 * Convolution read by such an op and also a graph output (either order);
+* Convolution read by a BatchNorm with ``output_mean_var=True`` whose mean or variance is read
+  (or is a graph output): the pass folds the BatchNorm into the convolution and hands out the
+  folded convolution's output as the mean and the variance too (``Group([bn[0], bn[2]])`` gives a
+  (N, C, H, W) array for the (C,) variance, measured);
+* a member of that chain read twice by one add, ``elemwise_add(conv, conv)`` (what ``unfuse``
+  writes for ``broadcast_add(x, x)``): the pass fuses the add as a sum into the convolution and
+  the bind fails ("Shape inconsistent", measured); the add's second operand is guarded;
 * more generally, a member of the chain its convolution pass fuses -- Convolution →
   [BatchNorm] → [elemwise_add] → [activation] -- that is a graph output while the chain goes
   on past it: ``Group([relu(bn(conv)), bn(conv)])`` returns ``relu(bn(conv))`` twice, and so
@@ -69,6 +76,14 @@ def _in_conv_chain(nd: Node) -> bool:
     return False
 
 
+def _statistics_read(bn: Node, users, heads: Dict[Entry, int]) -> bool:
+    """Whether ``bn`` is a BatchNorm returning its mean and variance with either read or an output."""
+    if bn.op != "BatchNorm" or not bn.param("output_mean_var", False):
+        return False
+    return (any(u.inputs[slot].index in (1, 2) for u, slot in users.get(bn, ()))
+            or any(e.node is bn and e.index in (1, 2) for e in heads))
+
+
 def _hazards(graph: Graph) -> List[Tuple[Node, List[Tuple[Node, int]]]]:
     """(node, the readers MXNet's backend would fuse into it) for each node whose other uses the
     default bind would hand a wrong value: the FullyConnected and conv-chain cases above."""
@@ -86,9 +101,20 @@ def _hazards(graph: Graph) -> List[Tuple[Node, List[Tuple[Node, int]]]]:
             continue
         readers = [(u, slot) for u, slot in users.get(nd, ()) if u.inputs[slot].index == 0]
         fusable = [(u, slot) for u, slot in readers if u.op in fused_ops]
+        if nd.op == "Convolution":
+            stats = [(u, slot) for u, slot in fusable if slot == 0 and _statistics_read(u, users, heads)]
+            if stats:
+                found.append((nd, stats))
+                continue
         # a _copy (what keeps a graph output's name where a rewrite replaced its node) hands out the
         # layer's output as a graph output does: measured, Group([sigmoid(conv), _copy(conv)]) gives
         # _copy the sigmoid's value too
+        if "elemwise_add" in fused_ops:
+            twice = [(u, 1) for u, slot in readers if slot == 0 and u.op in ("elemwise_add", "_npi_add")
+                     and len(u.inputs) == 2 and u.inputs[1] == u.inputs[0]]
+            if twice:
+                found.append((nd, twice))
+                continue
         as_head = heads.get(Entry(nd), 0) + sum(1 for u, _ in readers if u.op == "_copy")
         if not fusable or len(readers) + as_head < 2 or (nd.op != "FullyConnected" and not as_head):
             continue
