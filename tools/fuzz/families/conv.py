@@ -95,13 +95,13 @@ def _conv(b, x, shape, label: str):
         kw["layout"] = {1: "NCW", 2: "NCHW", 3: "NCDHW"}[nd]
     name = b.name("conv" if op == "Convolution" else "deconv")
     spatial = shape[2:]
-    if op == "Convolution" and nd >= 2 and d.maybe(0.15, label=label + " explicit Pad"):
+    if op == "Convolution" and nd >= 2 and d.maybe(0.3, label=label + " explicit Pad"):
         # "same" padding written as a Pad op (Xception, exported graphs): pad_into_conv's forms and
         # near-misses (another mode or value, uneven amounts)
         mode = d.choice(["constant", "edge", "reflect"], [6, 1, 1], label=label + " Pad mode")
-        value = 0.0 if mode != "constant" or d.maybe(0.85, label=label + " Pad zero") else 1.5
+        value = 0.0 if mode != "constant" or d.maybe(0.9, label=label + " Pad zero") else 1.5
         before = d.int(1, 2, label=label + " Pad before")
-        after = before if d.maybe(0.75, label=label + " Pad even") else d.int(0, 2, label=label + " Pad after")
+        after = before if d.maybe(0.8, label=label + " Pad even") else d.int(0, 2, label=label + " Pad after")
         if mode == "reflect" and min(spatial) <= max(before, after):
             mode = "edge"       # reflect pads less than the axis is long
         x = S.Pad(x, mode=mode, pad_width=(0, 0, 0, 0) + (before, after) * nd, constant_value=value,
