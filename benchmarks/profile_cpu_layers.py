@@ -2,6 +2,7 @@
 ONNX Runtime's on the same graph, layer by layer.
 
     OMP_NUM_THREADS=2 python benchmarks/profile_cpu_layers.py [--model resnet50_v1b] [--runs 20]
+                                                               [--against ort|mxnet]
                                                                [--json out.json] [--top 15]
 
 Where ``bench_cpu_engines.py`` finds ONNX Runtime ahead of the fused model, this says whether the
@@ -14,7 +15,11 @@ Runtime with all graph optimizations.
   loads): every primitive's execution time, oneDNN 3.x's (the region: ``onednn_verbose``) and
   MXNet's own oneDNN's for the ops outside regions (``dnnl_verbose``), ``--runs`` forward calls
   after two warm-up calls;
-* ONNX Runtime: ``SessionOptions.enable_profiling`` (per node kernel times), the same calls.
+* ONNX Runtime: ``SessionOptions.enable_profiling`` (per node kernel times), the same calls;
+* or, ``--against mxnet``, the original (unfused) model under MXNet's default bind, in a child
+  process of its own with the same verbose mode: where the fused model is *slower than MXNet*, which
+  layers lose and what runs them (how CIFAR ResNeXt-29's loss was found: the 1×1 convolutions after
+  each grouped one ran oneDNN's gemm kernel in the region, MXNet's ran ``jit_1x1``).
 
 Convolutions are paired by what they compute: input channels, output channels, groups, kernel and
 the input and output planes (the same layer on both sides; layers of the same shape are summed
@@ -100,16 +105,19 @@ def parse_ort_profile(path: str):
     return out
 
 
-def _child(model: str, runs: int) -> None:
-    """In the child: fuse, bind, 2 warm-up calls, then ``runs`` calls with verbose output marked."""
+def _child(model: str, runs: int, original: bool = False) -> None:
+    """In the child: fuse (unless ``original``), bind, 2 warm-up calls, then ``runs`` calls with
+    verbose output marked."""
     import numpy as np
     from bench_cpu_engines import build, mx_engine
     import fusion
     sym, arg, aux, shapes = build(model)
-    res = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+    if not original:
+        res = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+        sym, arg, aux = res.symbol, res.arg_params, res.aux_params
     rng = np.random.default_rng(0)
     inputs = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
-    _, step, _ = mx_engine(res.symbol, res.arg_params, res.aux_params, inputs)
+    _, step, _ = mx_engine(sym, arg, aux, inputs)
     for _ in range(2):
         step()
     sys.stdout.flush()
@@ -120,12 +128,16 @@ def _child(model: str, runs: int) -> None:
     print("PROFILE_END", flush=True)
 
 
-def profile_ours(model: str, runs: int):
+def profile_ours(model: str, runs: int, original: bool = False):
+    """{key: [total ms, count]} of the fused model's run (``original``: the unfused model's, MXNet's
+    default bind), in a child process with oneDNN's verbose mode on."""
     env = dict(os.environ, ONEDNN_VERBOSE="profile_exec", DNNL_VERBOSE="1", MXNET_ONEDNN_VERBOSE="0")
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", model, "--runs", str(runs)],
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", model, "--runs", str(runs)]
+    p = subprocess.run(cmd + (["--child-original"] if original else []),
                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if p.returncode != 0:
-        raise SystemExit("profile_cpu_layers: the fused model's run failed:\n" + p.stdout[-3000:])
+        raise SystemExit("profile_cpu_layers: the %s model's run failed:\n%s"
+                         % ("original" if original else "fused", p.stdout[-3000:]))
     text = p.stdout
     body = text.split("PROFILE_START", 1)[-1].split("PROFILE_END", 1)[0]
     return parse_verbose(body.splitlines())
@@ -168,44 +180,76 @@ def profile_ort(model: str, runs: int, folder: str):
             {k: float(np.median(v)) for k, v in wall.items()})
 
 
-def compare(ours, theirs, runs: int, top: int) -> dict:
+def wall_against_mxnet(model: str, runs: int) -> dict:
+    """Both models' wall clock without profiling, MXNet's default bind each: the median of ``runs``
+    calls, interleaved (ms)."""
+    import time
+
+    import numpy as np
+    from bench_cpu_engines import build, mx_engine
+    import fusion
+    sym, arg, aux, shapes = build(model)
+    res = fusion.fuse(sym, arg, aux, input_shapes=shapes)
+    rng = np.random.default_rng(0)
+    inputs = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+    ours, _, _ = mx_engine(res.symbol, res.arg_params, res.aux_params, inputs)
+    theirs, _, _ = mx_engine(sym, arg, aux, inputs)
+    wall = {"ours": [], "mxnet": []}
+    for k in range(2 + runs):
+        for name, call in (("ours", ours), ("mxnet", theirs)):
+            t0 = time.perf_counter()
+            call()
+            if k >= 2:
+                wall[name].append((time.perf_counter() - t0) * 1e3)
+    return {k: float(np.median(v)) for k, v in wall.items()}
+
+
+#: The column label of each baseline.
+LABELS = {"ort": "ORT", "mxnet": "MXNet"}
+
+
+def compare(ours, theirs, runs: int, top: int, against: str = "ort") -> dict:
     convs = sorted({k for k in list(ours) + list(theirs) if k.startswith("conv ")})
     rows = []
     for k in convs:
         a, b = ours.get(k, [0.0, 0]), theirs.get(k, [0.0, 0])
         rows.append({"layer": k, "count": max(a[1], b[1]) // max(runs, 1), "ours_ms": a[0] / runs,
-                     "ort_ms": b[0] / runs})
+                     against + "_ms": b[0] / runs})
     other_ours = {k: v[0] / runs for k, v in ours.items() if not k.startswith("conv ")}
-    other_ort = {k: v[0] / runs for k, v in theirs.items() if not k.startswith("conv ")}
-    return {"convolutions": rows, "other_ours": other_ours, "other_ort": other_ort,
-            "conv_ours_ms": sum(r["ours_ms"] for r in rows), "conv_ort_ms": sum(r["ort_ms"] for r in rows),
-            "top": sorted(rows, key=lambda r: r["ort_ms"] - r["ours_ms"])[:top]}
+    other_theirs = {k: v[0] / runs for k, v in theirs.items() if not k.startswith("conv ")}
+    return {"against": against, "convolutions": rows, "other_ours": other_ours, "other_" + against: other_theirs,
+            "conv_ours_ms": sum(r["ours_ms"] for r in rows),
+            "conv_%s_ms" % against: sum(r[against + "_ms"] for r in rows),
+            "top": sorted(rows, key=lambda r: r[against + "_ms"] - r["ours_ms"])[:top]}
 
 
 def print_report(model: str, cmp: dict, runs: int, wall: dict) -> None:
     from bench_cpu_engines import ISA, cpu_model, threads
     from fusion.precision import policy
+    a = cmp.get("against", "ort")
+    lab = LABELS[a]
     flags = policy.cpu_flags()
     print("CPU: %s; ISA: %s; %d thread(s); model %s; per call, mean of %d calls (sums of kernel times)"
           % (cpu_model(), " ".join(f for f in ISA if f in flags) or "none of " + ",".join(ISA), threads(), model, runs))
-    print("%-44s %5s %10s %10s %7s" % ("convolution (kernel in->out, plane)", "n", "ours ms", "ORT ms", "ORT/ours"))
+    print("%-44s %5s %10s %10s %9s" % ("convolution (kernel in->out, plane)", "n", "ours ms", lab + " ms",
+                                       lab + "/ours"))
     for r in cmp["convolutions"]:
-        ratio = r["ort_ms"] / r["ours_ms"] if r["ours_ms"] else float("nan")
-        print("%-44s %5d %10.3f %10.3f %7.2f" % (r["layer"], r["count"], r["ours_ms"], r["ort_ms"], ratio))
-    co, ct = cmp["conv_ours_ms"], cmp["conv_ort_ms"]
-    print("%-44s %5s %10.2f %10.2f %7.2f" % ("all convolutions", "", co, ct, ct / co if co else float("nan")))
-    oo, ot = sum(cmp["other_ours"].values()), sum(cmp["other_ort"].values())
+        ratio = r[a + "_ms"] / r["ours_ms"] if r["ours_ms"] else float("nan")
+        print("%-44s %5d %10.3f %10.3f %9.2f" % (r["layer"], r["count"], r["ours_ms"], r[a + "_ms"], ratio))
+    co, ct = cmp["conv_ours_ms"], cmp["conv_%s_ms" % a]
+    print("%-44s %5s %10.2f %10.2f %9.2f" % ("all convolutions", "", co, ct, ct / co if co else float("nan")))
+    oo, ot = sum(cmp["other_ours"].values()), sum(cmp["other_" + a].values())
     print("%-44s %5s %10.2f %10.2f" % ("everything else", "", oo, ot))
     for k, v in sorted(cmp["other_ours"].items(), key=lambda kv: -kv[1])[:6]:
         print("   ours  %-36s %10.3f" % (k, v))
-    for k, v in sorted(cmp["other_ort"].items(), key=lambda kv: -kv[1])[:6]:
-        print("   ORT   %-36s %21.3f" % (k, v))
-    print("%-44s %5s %10.2f %10.2f %7.2f  (medians of %d calls, no profiling: the time outside the kernels "
-          "is the difference)" % ("wall clock", "", wall["ours"], wall["ort"], wall["ours"] / wall["ort"], runs))
-    print("where ours loses most to ONNX Runtime:")
+    for k, v in sorted(cmp["other_" + a].items(), key=lambda kv: -kv[1])[:6]:
+        print("   %-5s %-36s %21.3f" % (lab, k, v))
+    print("%-44s %5s %10.2f %10.2f %9.2f  (medians of %d calls, no profiling: the time outside the kernels "
+          "is the difference)" % ("wall clock", "", wall["ours"], wall[a], wall["ours"] / wall[a], runs))
+    print("where ours loses most to %s:" % ("ONNX Runtime" if a == "ort" else "MXNet's default bind"))
     for r in cmp["top"]:
-        print("   %-44s ours %.3f ms, ORT %.3f ms (%+.3f ms per call)" % (r["layer"], r["ours_ms"], r["ort_ms"],
-                                                                      r["ours_ms"] - r["ort_ms"]))
+        print("   %-44s ours %.3f ms, %s %.3f ms (%+.3f ms per call)" % (r["layer"], r["ours_ms"], lab, r[a + "_ms"],
+                                                                     r["ours_ms"] - r[a + "_ms"]))
 
 
 def main(argv=None) -> int:
@@ -214,10 +258,14 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=20, help="profiled calls per engine (default 20)")
     ap.add_argument("--top", type=int, default=10, help="layers listed where ours loses most (default 10)")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--against", choices=sorted(LABELS), default="ort",
+                    help="ort: ONNX Runtime on the fused model's export (default); mxnet: the original model "
+                         "under MXNet's default bind")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-original", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        _child(args.child, args.runs)
+        _child(args.child, args.runs, original=args.child_original)
         return 0
     from bench_cpu_engines import known_models
     if args.model not in known_models():
@@ -226,9 +274,13 @@ def main(argv=None) -> int:
     if not any(k.startswith("conv ") for k in ours):
         print("profile_cpu_layers: no convolution in the fused model's oneDNN verbose output (is fused_region in "
               "this op library?)", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix="mxf-prof-") as folder:
-        theirs, wall = profile_ort(args.model, args.runs, folder)
-    cmp = compare(ours, theirs, args.runs, args.top)
+    if args.against == "mxnet":
+        theirs = profile_ours(args.model, args.runs, original=True)
+        wall = wall_against_mxnet(args.model, args.runs)
+    else:
+        with tempfile.TemporaryDirectory(prefix="mxf-prof-") as folder:
+            theirs, wall = profile_ort(args.model, args.runs, folder)
+    cmp = compare(ours, theirs, args.runs, args.top, args.against)
     print_report(args.model, cmp, args.runs, wall)
     if args.json:
         with open(args.json, "w") as f:

@@ -72,3 +72,25 @@ def test_the_tool_runs_on_the_tiny_model(tmp_path):
     got = json.loads(out.read_text())
     assert got["convolutions"] and got["conv_ours_ms"] > 0 and got["conv_ort_ms"] > 0, r.stdout
     assert "all convolutions" in r.stdout
+
+
+def test_against_mxnet_keys_its_columns_by_the_baseline():
+    cmp = P.compare(P.parse_verbose(VERBOSE), P.parse_verbose(VERBOSE[:2]), runs=1, top=2, against="mxnet")
+    assert cmp["against"] == "mxnet" and cmp["conv_mxnet_ms"] == pytest.approx(0.5)
+    assert {r["layer"]: r["mxnet_ms"] for r in cmp["convolutions"]} == {"conv 3x3 64->64 56x56->56x56": 0.5,
+                                                                        "conv 3x3 32->32 g32 112x112->56x56": 0.0}
+    assert "other_mxnet" in cmp and "conv_ort_ms" not in cmp
+
+
+def test_the_tool_runs_against_mxnet_on_the_tiny_model(tmp_path):
+    from fusion.engine.rewrite import implemented
+    if not implemented("fused_region", "cpu"):
+        pytest.skip("this op library has no CPU fused_region")
+    out = tmp_path / "prof.json"
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "profile_cpu_layers.py"), "--model", "tiny_cnn",
+                        "--runs", "2", "--against", "mxnet", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["against"] == "mxnet" and got["conv_ours_ms"] > 0 and got["conv_mxnet_ms"] > 0, r.stdout
+    assert "MXNet/ours" in r.stdout and "where ours loses most to MXNet's default bind" in r.stdout
