@@ -43,7 +43,8 @@ int dnnl_impl_rank(const_dnnl_primitive_desc_t pd) {
     return 0;
   const std::string n(name);
   if (n.compare(0, 4, "ref:") == 0) return 2;
-  return n.find("gemm") != std::string::npos ? 1 : 0;
+  const size_t g = n.find("gemm");  // "gemm:jit", "x64:gemm:jit"; not a "brgemm" kernel (direct)
+  return g != std::string::npos && (g < 2 || n.compare(g - 2, 2, "br") != 0) ? 1 : 0;
 }
 
 dnnl_stream_t dnnl_thread_stream() {

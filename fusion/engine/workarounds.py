@@ -101,24 +101,20 @@ def _hazards(graph: Graph) -> List[Tuple[Node, List[Tuple[Node, int]]]]:
             continue
         readers = [(u, slot) for u, slot in users.get(nd, ()) if u.inputs[slot].index == 0]
         fusable = [(u, slot) for u, slot in readers if u.op in fused_ops]
-        if nd.op == "Convolution":
-            stats = [(u, slot) for u, slot in fusable if slot == 0 and _statistics_read(u, users, heads)]
-            if stats:
-                found.append((nd, stats))
-                continue
+        guard: List[Tuple[Node, int]] = []
+        if nd.op == "Convolution":      # a BatchNorm whose statistics are read
+            guard += [(u, slot) for u, slot in fusable if slot == 0 and _statistics_read(u, users, heads)]
+        if "elemwise_add" in fused_ops:  # an add of the value with itself: its second operand
+            guard += [(u, 1) for u, slot in readers if slot == 0 and u.op in ("elemwise_add", "_npi_add")
+                      and len(u.inputs) == 2 and u.inputs[1] == u.inputs[0]]
         # a _copy (what keeps a graph output's name where a rewrite replaced its node) hands out the
         # layer's output as a graph output does: measured, Group([sigmoid(conv), _copy(conv)]) gives
         # _copy the sigmoid's value too
-        if "elemwise_add" in fused_ops:
-            twice = [(u, 1) for u, slot in readers if slot == 0 and u.op in ("elemwise_add", "_npi_add")
-                     and len(u.inputs) == 2 and u.inputs[1] == u.inputs[0]]
-            if twice:
-                found.append((nd, twice))
-                continue
         as_head = heads.get(Entry(nd), 0) + sum(1 for u, _ in readers if u.op == "_copy")
-        if not fusable or len(readers) + as_head < 2 or (nd.op != "FullyConnected" and not as_head):
-            continue
-        found.append((nd, fusable))
+        if fusable and len(readers) + as_head >= 2 and (nd.op == "FullyConnected" or as_head):
+            guard += [r for r in fusable if r not in guard]
+        if guard:
+            found.append((nd, guard))
     return found
 
 
