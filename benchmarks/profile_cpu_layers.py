@@ -146,8 +146,6 @@ def profile_ours(model: str, runs: int, original: bool = False):
 def profile_ort(model: str, runs: int, folder: str):
     """ONNX Runtime's per-node profile, and both engines' wall clock without any profiling: the
     median of ``runs`` calls each, interleaved (ms)."""
-    import time
-
     import numpy as np
     import onnxruntime as ort
     from bench_cpu_engines import build, export_onnx_file, mx_engine, ort_options
@@ -162,13 +160,7 @@ def profile_ort(model: str, runs: int, folder: str):
     warm = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
     feed = {i.name: inputs[i.name] for i in warm.get_inputs()}
     ours, _, _ = mx_engine(res.symbol, res.arg_params, res.aux_params, inputs)
-    wall = {"ours": [], "ort": []}
-    for k in range(2 + runs):
-        for name, call in (("ours", ours), ("ort", lambda: warm.run(None, feed))):
-            t0 = time.perf_counter()
-            call()
-            if k >= 2:
-                wall[name].append((time.perf_counter() - t0) * 1e3)
+    wall = interleaved_medians({"ours": ours, "ort": lambda: warm.run(None, feed)}, runs)
     so.enable_profiling = True
     so.profile_file_prefix = os.path.join(folder, "ort")
     sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
@@ -176,15 +168,12 @@ def profile_ort(model: str, runs: int, folder: str):
         sess.run(None, feed)
     prof = parse_ort_profile(sess.end_profiling())
     # the first two calls (warm-up) are in the profile too: scale to the timed calls
-    return ({k: [v[0] * runs / (runs + 2), v[1] * runs // (runs + 2)] for k, v in prof.items()},
-            {k: float(np.median(v)) for k, v in wall.items()})
+    return {k: [v[0] * runs / (runs + 2), v[1] * runs // (runs + 2)] for k, v in prof.items()}, wall
 
 
 def wall_against_mxnet(model: str, runs: int) -> dict:
     """Both models' wall clock without profiling, MXNet's default bind each: the median of ``runs``
     calls, interleaved (ms)."""
-    import time
-
     import numpy as np
     from bench_cpu_engines import build, mx_engine
     import fusion
@@ -194,9 +183,17 @@ def wall_against_mxnet(model: str, runs: int) -> dict:
     inputs = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
     ours, _, _ = mx_engine(res.symbol, res.arg_params, res.aux_params, inputs)
     theirs, _, _ = mx_engine(sym, arg, aux, inputs)
-    wall = {"ours": [], "mxnet": []}
+    return interleaved_medians({"ours": ours, "mxnet": theirs}, runs)
+
+
+def interleaved_medians(calls: dict, runs: int) -> dict:
+    """{name: median ms} of ``runs`` calls of each, interleaved, after two untimed rounds."""
+    import time
+
+    import numpy as np
+    wall = {name: [] for name in calls}
     for k in range(2 + runs):
-        for name, call in (("ours", ours), ("mxnet", theirs)):
+        for name, call in calls.items():
             t0 = time.perf_counter()
             call()
             if k >= 2:

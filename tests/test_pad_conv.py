@@ -21,7 +21,7 @@ def padded(width=(1, 1, 1, 1), mode="constant", value=0.0, nd=2, conv_pad=0, str
 
 
 def rejected(res):
-    return "\n".join(res.report.to_text(explain=True).splitlines())
+    return res.report.to_text(explain=True)
 
 
 @pytest.mark.parametrize("kw", [
@@ -90,15 +90,12 @@ def test_training_gradients_are_the_same():
 ])
 def test_refusals(kw, reason):
     y = padded(**kw)
-    shape = (2, 8, 9, 4) if kw.get("layout") == "NHWC" else (2, 4, 9, 8)
     if kw.get("layout") == "NHWC":
-        # MXNet's Pad pads axes 2 and 3 whatever the convolution's layout: H and C here
-        y = S.Convolution(S.Pad(S.var("data"), mode="constant", pad_width=(0, 0, 0, 0, 1, 1, 1, 1), name="pad"),
-                          kernel=(3, 3), num_filter=4, layout="NHWC", name="conv")
-        # MXNet's CPU Convolution does not run NHWC: the report is what is checked
-        res = fusion.fuse(y, input_shapes={"data": shape}, rules=["pad_into_conv"])
+        # MXNet's CPU Convolution does not run NHWC: the report is what is checked (MXNet's Pad pads
+        # axes 2 and 3 whatever the convolution's layout: H and W of (N, H, W, C) here)
+        res = fusion.fuse(y, input_shapes={"data": (2, 9, 8, 4)}, rules=["pad_into_conv"])
     else:
-        res = fuse_and_check(y, {"data": shape}, rules=["pad_into_conv"])
+        res = fuse_and_check(y, {"data": (2, 4, 9, 8)}, rules=["pad_into_conv"])
     assert ops(res) == {"Pad": 1, "Convolution": 1}, ops(res)
     assert reason in rejected(res), rejected(res)
 

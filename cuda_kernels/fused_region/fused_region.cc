@@ -138,20 +138,18 @@ struct Config {
 Config config_for(bool bf16) {
   Config c;
   c.bf16 = bf16;
+  const unsigned isa = static_cast<unsigned>(dnnl().dnnl_get_effective_cpu_isa());
+  auto has = [isa](dnnl_cpu_isa_t level) { return (isa & static_cast<unsigned>(level)) == static_cast<unsigned>(level); };
   const char* env = std::getenv("MXFUSION_REGION_LAYOUT");
   const std::string v = env ? env : "";
   if (v.empty() || v == "auto") {
-    const unsigned isa = static_cast<unsigned>(dnnl().dnnl_get_effective_cpu_isa());
-    const unsigned amx = static_cast<unsigned>(dnnl_cpu_isa_avx512_core_amx);
-    c.nhwc = bf16 && (isa & amx) == amx;
+    c.nhwc = bf16 && has(dnnl_cpu_isa_avx512_core_amx);
   } else if (v == "any" || v == "nhwc") {
     c.nhwc = v == "nhwc";
   } else {
     throw OpError("MXFUSION_REGION_LAYOUT must be auto, any or nhwc, got '" + v + "'");
   }
-  const unsigned isa = static_cast<unsigned>(dnnl().dnnl_get_effective_cpu_isa());
-  const unsigned avx512 = static_cast<unsigned>(dnnl_cpu_isa_avx512_core);
-  c.blocked = (isa & avx512) == avx512 ? dnnl_aBcd16b : dnnl_aBcd8b;
+  c.blocked = has(dnnl_cpu_isa_avx512_core) ? dnnl_aBcd16b : dnnl_aBcd8b;
   return c;
 }
 
