@@ -40,6 +40,7 @@ from fusion.engine.rule import Rule
 
 from ._block_shapes import layout_reason, not_2d
 from ._dtypes import float32_reason
+from .region import taken_by_region
 
 
 def _pair(v, default) -> tuple:
@@ -76,6 +77,9 @@ class DeconvAct(Rule):
         return deconv_pattern(self.with_act)
 
     def check(self, m: Match) -> Optional[str]:
+        taken = taken_by_region(m)
+        if taken:
+            return taken
         d = m.node("deconv")
         if m.ctx.device != "cpu":
             return "fused_deconv has no %s implementation" % m.ctx.device

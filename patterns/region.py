@@ -14,6 +14,7 @@ escapes, so no cycle can form), after BatchNorm folding has run (``conv_bn_act``
 
     the ops a region takes (every value 4-D NCHW float32):
     Convolution 2-D: any groups, stride, pad, dilation, bias or not          → conv
+    Deconvolution 2-D: one group, no target_shape, adj ≤ pad                 → deconv
     Pooling 2-D max | avg | global, valid | full; mean(axis=(2, 3), keepdims),
       AdaptiveAvgPooling2D(1)                                                → pool
     Concat(dim=1)                                                            → concat
@@ -66,9 +67,9 @@ output (``exported_nodes``, in graph order): the rewrite replaces each (``Rule.e
 step runs in place over a value given back.
 
 Cut (each region's cut and why is in the report, ``--explain`` lists every edge): at an op a
-region does not take (``Flatten``, ``FullyConnected``, ``Deconvolution``, reshapes, a 3-D or NHWC
-convolution, an activation the contract lacks), at a value whose shape or dtype is unknown or not
-4-D float32, where a value read outside leads back into the region (``leads_back``: the region as
+region does not take (``Flatten``, ``FullyConnected``, reshapes, a 3-D or NHWC convolution, a grouped
+Deconvolution or one with ``target_shape``, an activation the contract lacks), at a value whose shape
+or dtype is unknown or not 4-D float32, where a value read outside leads back into the region (``leads_back``: the region as
 one op would read what follows from its own output) or past MAX_OUTPUTS values read outside, at
 MAX_NODES nodes, and where the CPU's cost table (``fusion/engine/cost.py``; without entries its
 conservative rule: two convolutions, or one and two other ops or steps) says the region does not
@@ -82,8 +83,10 @@ BF16_ATTRS), and MXNet's AMP does not convert the graph's convolutions first (th
 The CNN block rules stand aside where a region takes all of a candidate's ops (``taken_by_region``:
 squeeze_excitation, dense_block, inverted_residual, grouped_conv, concat_bn_act) and fuse as before
 in training, on the GPU, without this rule (``--rules default,-region``) and where a region was
-refused; ``split_attention`` (reshapes, softmax) and ``deconv_act`` (Deconvolution) take ops no region
-takes and stay; ``pool_before_pointwise_conv`` (a stock rewrite) runs first and the region takes its result.
+refused; ``deconv_act`` stands aside the same way where a region takes the Deconvolution (a pose or
+CenterNet head: backbone and head one region, oneDNN's deconvolution kernels inside it);
+``split_attention`` (reshapes, softmax) takes ops no region takes and stays;
+``pool_before_pointwise_conv`` (a stock rewrite) runs first and the region takes its result.
 """
 from __future__ import annotations
 
@@ -111,6 +114,7 @@ MAX_OUTPUTS = 64         # values a region gives back: its anchor's and those re
 MAX_CONCAT = 128
 
 CONV_OPS = ("Convolution",)
+DECONV_OPS = ("Deconvolution",)
 POOL_OPS = ("Pooling",)
 GLOBAL_MEAN_OPS = ("mean", "_contrib_AdaptiveAvgPooling2D")
 CONCAT_OPS = ("Concat",)
@@ -123,7 +127,7 @@ SCALAR_OPS = {"_plus_scalar": "add", "_PlusScalar": "add", "_minus_scalar": "sub
               "_rminus_scalar": "rsub", "_RMinusScalar": "rsub", "_mul_scalar": "mul", "_MulScalar": "mul",
               "_div_scalar": "div", "_DivScalar": "div"}
 ELEMENTWISE = frozenset(ADD_OPS + MUL_OPS + ACT_OPS + tuple(SCALAR_OPS) + ("fused_elemwise",))
-ANCHOR_OPS = frozenset(CONV_OPS + POOL_OPS + GLOBAL_MEAN_OPS + CONCAT_OPS + BATCHNORM_OPS) | ELEMENTWISE
+ANCHOR_OPS = frozenset(CONV_OPS + DECONV_OPS + POOL_OPS + GLOBAL_MEAN_OPS + CONCAT_OPS + BATCHNORM_OPS) | ELEMENTWISE
 
 
 def _f32(v) -> float:
@@ -141,6 +145,7 @@ def _concat_pattern() -> Pattern:
 #: (``w``, ``b``, ``gamma``, …), bound by name.
 PATTERNS: Dict[str, Pattern] = {
     "conv": op.Convolution(Var("x"), Const("w"), Const("bias", optional=True), name="op"),
+    "deconv": op.Deconvolution(Var("x"), Const("w"), Const("bias", optional=True), name="op"),
     "pool": op.Pooling(Var("x"), name="op"),
     "global_mean": op(*GLOBAL_MEAN_OPS)(Var("x"), name="op"),
     "concat": _concat_pattern(),
@@ -148,12 +153,12 @@ PATTERNS: Dict[str, Pattern] = {
 }
 #: The elementwise ops' inputs are the leaves of their expression trees (``node_tree``), by slot.
 _ARITY_OF = {**{o: 2 for o in ADD_OPS + MUL_OPS}, **{o: 1 for o in ACT_OPS + tuple(SCALAR_OPS)}}
-_KIND_OF = {**{o: "conv" for o in CONV_OPS}, **{o: "pool" for o in POOL_OPS},
+_KIND_OF = {**{o: "conv" for o in CONV_OPS}, **{o: "deconv" for o in DECONV_OPS}, **{o: "pool" for o in POOL_OPS},
             **{o: "global_mean" for o in GLOBAL_MEAN_OPS}, **{o: "concat" for o in CONCAT_OPS},
             **{o: "batchnorm" for o in BATCHNORM_OPS}, **{o: "binary" for o in ADD_OPS + MUL_OPS},
             **{o: "unary" for o in ACT_OPS + tuple(SCALAR_OPS)},
             **{o: "gate_broadcast" for o in GATE_BROADCAST_OPS}}
-_PARAM_ROLES = {"conv": ("w", "bias"), "batchnorm": ("gamma", "beta", "mean", "var")}
+_PARAM_ROLES = {"conv": ("w", "bias"), "deconv": ("w", "bias"), "batchnorm": ("gamma", "beta", "mean", "var")}
 
 
 def bind(node: Node, ctx) -> Optional[Dict[str, Any]]:
@@ -427,6 +432,27 @@ def _attrs_reason(node: Node, kind: str, b: Dict[str, Any], ctx) -> Optional[str
         w = param_shape(b["w"], ctx)
         if w is not None and len(w) != 4:
             return "Convolution '%s' has a weight of shape %s" % (name, w)
+        return None
+    if kind == "deconv":
+        kernel = tuple(node.param("kernel", ()) or ())
+        if len(kernel) != 2:
+            return "Deconvolution '%s' is %d-D (kernel %s): a region takes 2-D deconvolutions" % (name, len(kernel),
+                                                                                                kernel)
+        if node.param("layout") not in (None, "NCHW"):
+            return "Deconvolution '%s' has layout %s: a region takes NCHW" % (name, node.param("layout"))
+        if int(node.param("num_group")) != 1:
+            return "Deconvolution '%s' is grouped (num_group=%d): a region's deconv has one group" % (
+                name, int(node.param("num_group")))
+        if any(int(v) for v in tuple(node.param("target_shape") or ())):
+            return "Deconvolution '%s' sets target_shape (MXNet then computes its padding)" % name
+        pad, adj = _pairs(node, "pad", 0), _pairs(node, "adj", 0)
+        if any(a > p for a, p in zip(adj, pad)):
+            return "Deconvolution '%s' has adj %s larger than pad %s" % (name, adj, pad)
+        if _true(node.param("no_bias")) == ("bias" in b):
+            return "Deconvolution '%s' has no_bias=%s with %d inputs" % (name, node.param("no_bias"), len(node.inputs))
+        w = param_shape(b["w"], ctx)
+        if w is not None and len(w) != 4:
+            return "Deconvolution '%s' has a weight of shape %s" % (name, w)
         return None
     if kind == "pool":
         if node.attrs.get("layout") not in (None, "None", "NCHW"):
@@ -744,6 +770,16 @@ class ProgramBuilder:
                              "kernel": [kh, kw], "stride": list(_pairs(n, "stride", 1)), "pad": list(_pairs(n, "pad", 0)),
                              "dilate": list(_pairs(n, "dilate", 1)), "groups": int(n.param("num_group")),
                              "filters": int(n.attrs["num_filter"])})
+        if kind == "deconv":
+            kh, kw = tuple(n.param("kernel"))
+            x = ctx.shape(b["x"])
+            self.convs += 1
+            self.mmacs += float(np.prod(x)) * float(n.param("num_filter")) * kh * kw / 1e6
+            return self.add({"op": "deconv", "in": self.ref(b["x"]), "weight": self.param(b["w"]),
+                             "bias": self.param(b["bias"]) if "bias" in b else None,
+                             "kernel": [kh, kw], "stride": list(_pairs(n, "stride", 1)), "pad": list(_pairs(n, "pad", 0)),
+                             "dilate": list(_pairs(n, "dilate", 1)), "adj": list(_pairs(n, "adj", 0)),
+                             "filters": int(n.param("num_filter"))})
         if kind in ("pool", "global_mean"):
             if kind == "pool":
                 mode = n.attrs.get("pool_type", "max")

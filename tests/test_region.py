@@ -142,6 +142,61 @@ def test_convolutions(kw):
     assert f.regions()[0].attrs["num_data"] == 1 and len(f.regions()[0].inputs) == 1 + len(p["params"])
 
 
+def deconv(x, name, f=8, k=4, s=2, p=1, adj=0, d=1, bias=True, **kw):
+    return S.Deconvolution(x, kernel=(k, k), stride=(s, s), pad=(p, p), adj=(adj, adj), dilate=(d, d), num_filter=f,
+                           no_bias=not bias, name=name, **kw)
+
+
+def _pose_head(bias=False):
+    """GluonCV's simple-pose head over a convolution: (deconv 4x4/2 → BatchNorm → relu) x 2, a 1x1 convolution."""
+    x = relu(conv(S.var("data"), "c0", 16))
+    for k in range(2):
+        x = relu(bn(deconv(x, "up%d" % k, bias=bias), "up%d_bn" % k))
+    return conv(x, "heat", 5, k=1, p=0)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(bias=False), dict(k=3, p=1, adj=1), dict(k=2, p=0), dict(k=3, s=1, p=1),
+                                dict(k=3, d=2, p=2)],
+                         ids=lambda kw: ",".join("%s=%s" % i for i in kw.items()) or "plain")
+def test_deconvolutions(kw):
+    """MXNet's Deconvolution as the program's deconv: its weight (C, O, KH, KW) and its attributes as they are."""
+    y = conv(relu(deconv(relu(conv(S.var("data"), "c1")), "up", **kw)), "c2")
+    f = fuse_round_trip(y)
+    p = f.program()
+    assert [o["op"] for o in p["ops"]] == ["conv", "deconv", "conv"]
+    d = p["ops"][1]
+    k = kw.get("k", 4)
+    assert (d["kernel"], d["stride"], d["pad"], d["adj"], d["dilate"], d["filters"]) == (
+        [k] * 2, [kw.get("s", 2)] * 2, [kw.get("p", 1)] * 2, [kw.get("adj", 0)] * 2, [kw.get("d", 1)] * 2, 8)
+    assert (d["bias"] is None) == (kw.get("bias") is False) and "groups" not in d
+    assert p["params"][d["weight"]] == [8, 8, k, k]
+    assert d["post"] == [{"eltwise": "relu"}]
+
+
+def test_pose_head_is_one_region_and_deconv_rules_stand_aside():
+    y = _pose_head()
+    f = fuse_round_trip(y)
+    assert f.graph.count_ops() == {"fused_region": 1}, f.text()
+    assert [o["op"] for o in f.program()["ops"]] == ["conv", "deconv", "batchnorm", "deconv", "batchnorm", "conv"]
+    g = fuse_graph(y, *random_params(y, X), rules=["default", "-region"])
+    assert "fused_region" not in g.graph.count_ops() and g.graph.count_ops().get("Deconvolution", 0) + \
+        g.graph.count_ops().get("fused_deconv", 0) == 2, g.graph.count_ops()
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(num_group=2), "grouped (num_group=2): a region's deconv has one group"),
+    (dict(target_shape=(18, 18)), "target_shape (MXNet then computes its padding)"),
+    (dict(k=3, p=0, adj=1), "adj (1, 1) larger than pad (0, 0)"),
+])
+def test_deconvolution_the_contract_lacks_ends_the_region(kw, why):
+    y = conv(relu(conv(relu(deconv(relu(conv(S.var("data"), "c1")), "up", **kw)), "c2")), "c3")
+    f = fuse_graph(y, *random_params(y, X, inputs=["data"]), shapes=X, rules=["region"])
+    reasons = [c["reason"] for x in f.report.rules["region"].fused for c in x["details"]["cuts"]["inputs"]] + \
+        f.near_misses()
+    assert any(why in r for r in reasons), f.text()
+    assert all(o["op"] != "deconv" for p in f.programs() for o in p["ops"])
+
+
 POOLS = {
     "max3s2": (lambda x: S.Pooling(x, kernel=(3, 3), stride=(2, 2), pad=(1, 1), pool_type="max"),
                {"mode": "max", "kernel": [3, 3], "stride": [2, 2], "pad": [1, 1], "convention": "valid", "global": False}),
@@ -759,11 +814,12 @@ def test_unfuse_refuses_a_program_it_cannot_read():
 # ---------------------------------------------------------------- with the op (after the merge)
 
 @needs_op
-@pytest.mark.parametrize("block", ["se", "bottleneck", "dense"])
+@pytest.mark.parametrize("block", ["se", "bottleneck", "dense", "pose_head", "pose_head_bias"])
 def test_fused_region_runs_like_the_stock_ops(block):
     y = {"se": _se_block, "bottleneck": lambda: conv(relu(conv(relu(conv(S.var("data"), "a", k=1, p=0)), "b")),
                                                      "c", k=1, p=0) + S.var("data"),
-         "dense": lambda: _dense_layer(_dense_layer(conv(S.var("data"), "s"), "l0"), "l1")}[block]()
+         "dense": lambda: _dense_layer(_dense_layer(conv(S.var("data"), "s"), "l0"), "l1"),
+         "pose_head": _pose_head, "pose_head_bias": lambda: _pose_head(bias=True)}[block]()
     assert_runs_like_the_stock_ops(y, regions=1)
 
 

@@ -83,7 +83,7 @@ std::vector<PlanOp> plan(const Program& p) {
     switch (op.kind) {
       case OpKind::BatchNorm: {
         const int q = maker[a];
-        if (q >= 0 && ops[q].op->kind == OpKind::Conv && ops[q].post.empty() && !ops[q].bn &&
+        if (q >= 0 && (ops[q].op->kind == OpKind::Conv || ops[q].op->kind == OpKind::Deconv) && ops[q].post.empty() && !ops[q].bn &&
             absorb(a, k, op.post))
           ops[q].bn = &op, done = true;
         break;
@@ -309,6 +309,7 @@ class Region : public DnnlObjects {
     dnnl_primitive_t reorder = nullptr;
     int packed = -1, bias = -1;   // tensors
     std::vector<float> folded, bias_values;
+    bool transposed = false;      // a deconvolution: the parameter is (C, O, KH, KW)
   };
   // A constant operand of a binary primitive (a BatchNorm's scale or shift, the pooling divisor
   // fix): float32 values written plain, reordered into the layout the primitive reads -- oneDNN's
@@ -699,6 +700,7 @@ class Region : public DnnlObjects {
     const int64_t G = op.groups, O = op.filters, C = xd[1];
     ConvPack pk;
     pk.po = &po;
+    pk.transposed = op.kind == OpKind::Deconv;  // oneDNN's (O, I, KH, KW) over MXNet's (C, O, KH, KW): "iohw"
     pk.wdims = G > 1 ? Dims{G, O / G, C / G, op.kernel[0], op.kernel[1]} : Dims{O, C, op.kernel[0], op.kernel[1]};
     const_dnnl_memory_desc_t wany = md_tag(pk.wdims, dt_, dnnl_format_tag_any);
     const bool bias = op.bias >= 0 || po.bn;
@@ -714,14 +716,21 @@ class Region : public DnnlObjects {
       if (!cfg_.nhwc && xd.size() == 4) srcs.push_back(md_tag(xd, dt_, cfg_.blocked));
     }
     srcs.push_back(src_any);
+    // a deconvolution's adj extra rows at the end come out of its padding there (program: adj <= pad)
     const dnnl_dims_t strides = {op.stride[0], op.stride[1]}, dil = {op.dilate[0] - 1, op.dilate[1] - 1},
-                      pad = {op.pad[0], op.pad[1]};
+                      pad = {op.pad[0], op.pad[1]}, pad_r = {op.pad[0] - op.adj[0], op.pad[1] - op.adj[1]};
     std::vector<Item> items = items_of(po);
     auto make = [&](const_dnnl_primitive_attr_t attr, int v) -> dnnl_primitive_desc_t {
       dnnl_primitive_desc_t pd = nullptr;
-      return MXF_OK(api.dnnl_convolution_forward_primitive_desc_create(
-                 &pd, api.engine, dnnl_forward_inference, dnnl_convolution_direct, srcs[v], wany, bmd, dst, strides,
-                 dil, pad, pad, attr)) ? pd : nullptr;
+      const dnnl_status_t st =
+          pk.transposed
+              ? api.dnnl_deconvolution_forward_primitive_desc_create(&pd, api.engine, dnnl_forward_inference,
+                                                                     dnnl_deconvolution_direct, srcs[v], wany, bmd,
+                                                                     dst, strides, dil, pad, pad_r, attr)
+              : api.dnnl_convolution_forward_primitive_desc_create(&pd, api.engine, dnnl_forward_inference,
+                                                                   dnnl_convolution_direct, srcs[v], wany, bmd, dst,
+                                                                   strides, dil, pad, pad, attr);
+      return MXF_OK(st) ? pd : nullptr;
     };
     Choice c = choose(items, true, static_cast<int>(srcs.size()), make, what);
     const int src = view(x, query(c.pd, dnnl_query_src_md));
@@ -750,7 +759,7 @@ class Region : public DnnlObjects {
     const int out = in_place ? home_[items[sum_item(items)].value] : arena_tensor(D);
     std::vector<std::pair<int, int>> args = {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, pk.packed}, {DNNL_ARG_DST, out}};
     if (bias) args.push_back({DNNL_ARG_BIAS, pk.bias});
-    const_dnnl_memory_desc_t user_w = plain(pk.wdims, dnnl_f32);
+    const_dnnl_memory_desc_t user_w = pk.transposed ? md_tag(pk.wdims, dnnl_f32, dnnl_iohw) : plain(pk.wdims, dnnl_f32);
     check(api.dnnl_memory_create(&pk.user, user_w, api.engine, DNNL_MEMORY_NONE), "creating a memory");
     mems.push_back(pk.user);
     dnnl_primitive_desc_t rpd = reorder_pd(user_w, md_of(pk.packed), what + " weights");
@@ -1043,7 +1052,8 @@ class Region : public DnnlObjects {
     for (int i = 0; i < static_cast<int>(ops_.size()); ++i) {
       const PlanOp& po = ops_[i];
       switch (po.op->kind) {
-        case OpKind::Conv: conv(po, i); break;
+        case OpKind::Conv:
+        case OpKind::Deconv: conv(po, i); break;
         case OpKind::Pool: pool(po); break;
         case OpKind::Concat: concat(po, i); break;
         default: elementwise(po, i); break;
@@ -1172,10 +1182,18 @@ class Region : public DnnlObjects {
       const float* b = op.bias >= 0 ? param(op.bias) : nullptr;
       const int64_t O = op.filters, per = numel(pk.wdims) / O;
       if (pk.po->bn) {
+        // output channel o's weights: rows o·per … of (O, …), or the (KH·KW) runs at c·O + o of a
+        // deconvolution's (C, O, KH, KW)
+        const int64_t K = op.kernel[0] * op.kernel[1], runs = pk.transposed ? per / K : 1;
         for (int64_t o = 0; o < O; ++o) {
           float scale, shift;
           bn_affine(*pk.po->bn, o, &scale, &shift);
-          for (int64_t i = 0; i < per; ++i) pk.folded[o * per + i] = w[o * per + i] * scale;
+          if (pk.transposed) {
+            for (int64_t c = 0; c < runs; ++c)
+              for (int64_t k = 0; k < K; ++k) pk.folded[(c * O + o) * K + k] = w[(c * O + o) * K + k] * scale;
+          } else {
+            for (int64_t i = 0; i < per; ++i) pk.folded[o * per + i] = w[o * per + i] * scale;
+          }
           pk.bias_values[o] = (b ? b[o] : 0.f) * scale + shift;
         }
         w = pk.folded.data();

@@ -16,6 +16,7 @@ using json::Value;
 const char* op_name(OpKind k) {
   switch (k) {
     case OpKind::Conv: return "conv";
+    case OpKind::Deconv: return "deconv";
     case OpKind::Pool: return "pool";
     case OpKind::Concat: return "concat";
     case OpKind::Add: return "add";
@@ -161,12 +162,12 @@ Op parse_op(const Value& o, int index, int self, size_t num_params) {
   const std::string kind = string(need(o, "op", w), "op", w);
   Op op;
   static const std::pair<const char*, OpKind> kinds[] = {
-      {"conv", OpKind::Conv}, {"pool", OpKind::Pool}, {"concat", OpKind::Concat}, {"add", OpKind::Add},
+      {"conv", OpKind::Conv}, {"deconv", OpKind::Deconv}, {"pool", OpKind::Pool}, {"concat", OpKind::Concat}, {"add", OpKind::Add},
       {"mul", OpKind::Mul}, {"batchnorm", OpKind::BatchNorm}, {"act", OpKind::Act}};
   bool known = false;
   for (const auto& k : kinds)
     if (kind == k.first) op.kind = k.second, known = true;
-  if (!known) w.field("op", "unknown op '" + kind + "' (conv, pool, concat, add, mul, batchnorm, act)");
+  if (!known) w.field("op", "unknown op '" + kind + "' (conv, deconv, pool, concat, add, mul, batchnorm, act)");
   w.at += " (" + kind + ")";
 
   const Value& in = need(o, "in", w);
@@ -192,6 +193,23 @@ Op parse_op(const Value& o, int index, int self, size_t num_params) {
       pair_field(o, "dilate", w, 1, op.dilate, false);
       if (const Value* g = o.find("groups")) op.groups = integer(*g, "groups", w);
       if (op.groups < 1) w.field("groups", "must be >= 1");
+      op.filters = integer(need(o, "filters", w), "filters", w);
+      if (op.filters < 1) w.field("filters", "must be >= 1");
+      break;
+    }
+    case OpKind::Deconv: {
+      allowed.insert({"weight", "bias", "kernel", "stride", "pad", "dilate", "adj", "filters"});
+      op.weight = param_ref(need(o, "weight", w), "weight", w, num_params);
+      const Value* b = o.find("bias");
+      if (b && b->kind != Value::Null) op.bias = param_ref(*b, "bias", w, num_params);
+      pair_field(o, "kernel", w, 1, op.kernel, true);
+      pair_field(o, "stride", w, 1, op.stride, false);
+      pair_field(o, "pad", w, 0, op.pad, false);
+      pair_field(o, "dilate", w, 1, op.dilate, false);
+      pair_field(o, "adj", w, 0, op.adj, false);
+      for (int i = 0; i < 2; ++i)
+        if (op.adj[i] > op.pad[i])
+          w.field("adj", "must not exceed pad (the extra rows come out of the padding: oneDNN pads pad - adj at the end)");
       op.filters = integer(need(o, "filters", w), "filters", w);
       if (op.filters < 1) w.field("filters", "must be >= 1");
       break;
@@ -325,6 +343,18 @@ std::vector<Dims> infer_values(const Program& p, const std::vector<Dims>& data) 
           const int64_t span = x[2 + i] + 2 * op.pad[i], ext = op.dilate[i] * (op.kernel[i] - 1) + 1;
           if (span < ext) w.field("kernel", "the (dilated) kernel does not fit the padded input " + dims_str(x));
           y[2 + i] = (span - ext) / op.stride[i] + 1;
+        }
+        break;
+      }
+      case OpKind::Deconv: {
+        need_rank4(x);
+        const int64_t C = x[1], O = op.filters;
+        param_is(op.weight, {C, O, op.kernel[0], op.kernel[1]}, "weight");
+        if (op.bias >= 0) param_is(op.bias, {O}, "bias");
+        y = {x[0], O, 0, 0};
+        for (int i = 0; i < 2; ++i) {  // MXNet's Deconvolution: (H - 1)·S - 2P + D·(K - 1) + 1 + adj
+          y[2 + i] = (x[2 + i] - 1) * op.stride[i] - 2 * op.pad[i] + op.dilate[i] * (op.kernel[i] - 1) + 1 + op.adj[i];
+          if (y[2 + i] < 1) w.field("pad", "leaves no output of the input " + dims_str(x));
         }
         break;
       }

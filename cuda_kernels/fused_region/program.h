@@ -11,7 +11,7 @@ namespace region {
 
 using Dims = std::vector<int64_t>;
 
-enum class OpKind { Conv, Pool, Concat, Add, Mul, BatchNorm, Act };
+enum class OpKind { Conv, Deconv, Pool, Concat, Add, Mul, BatchNorm, Act };
 const char* op_name(OpKind k);
 
 // The eltwise functions of a post step (README's table), each oneDNN's eltwise algorithm.
@@ -28,10 +28,11 @@ struct Op {
   OpKind kind = OpKind::Act;
   std::vector<int> in;  // values read (conv, pool, batchnorm, act: one)
   std::vector<Step> post;
-  // conv
+  // conv, deconv (a deconv has one group; its weight is MXNet's (C, O, KH, KW))
   int weight = -1, bias = -1;  // parameter numbers (bias -1: none)
   int64_t kernel[2] = {1, 1}, stride[2] = {1, 1}, pad[2] = {0, 0}, dilate[2] = {1, 1};
   int64_t groups = 1, filters = 0;
+  int64_t adj[2] = {0, 0};  // deconv: extra output rows / columns at the end
   // pool
   bool max = true, full = false, include_pad = true, global = false;
   // batchnorm

@@ -93,6 +93,19 @@ class Builder:
         shape = self._shape(sym)
         return self._value(op, sym, shape)
 
+    def deconv(self, x, filters, kernel=4, stride=2, pad=1, adj=0, dilate=1, bias=True, post=()):
+        n, c, h, w = self.shape[x]
+        k = _pair(kernel)
+        wk = self.param(self.rng.normal(0, 1.0 / np.sqrt(c * k[0] * k[1]), (c, filters) + k).astype(np.float32))
+        bk = self.param(self.rng.normal(0, 0.1, (filters,)).astype(np.float32)) if bias else None
+        op = {"op": "deconv", "in": x, "weight": wk, "bias": bk, "kernel": list(k), "stride": list(_pair(stride)),
+              "pad": list(_pair(pad)), "dilate": list(_pair(dilate)), "adj": list(_pair(adj)), "filters": filters}
+        args = [self.sym[x], self.param_syms[wk]] + ([self.param_syms[bk]] if bias else [])
+        sym = mx.sym.Deconvolution(*args, kernel=k, stride=_pair(stride), pad=_pair(pad), adj=_pair(adj),
+                                   dilate=_pair(dilate), num_filter=filters, no_bias=not bias)
+        sym = self._post(op, sym, post)
+        return self._value(op, sym, self._shape(sym))
+
     def pool(self, x, mode="max", kernel=3, stride=2, pad=1, convention="valid", count_include_pad=True,
              glob=False, post=()):
         op = {"op": "pool", "in": x, "mode": mode, "kernel": list(_pair(kernel)), "stride": list(_pair(stride)),
@@ -246,6 +259,32 @@ def test_convolutions(kw):
     b = Builder((2, cin, 13, 11))
     y = b.conv(0, filters, **kw)
     b.check([y])
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(bias=False), dict(kernel=3, stride=2, pad=1, adj=1), dict(kernel=2, stride=2, pad=0),
+    dict(kernel=3, stride=1, pad=1), dict(kernel=(4, 3), stride=(2, 1), pad=(1, 1)), dict(kernel=3, dilate=2, pad=2),
+    dict(kernel=4, stride=2, pad=1, post=({"eltwise": "relu"},)),
+], ids=lambda kw: "-".join("%s%s" % kv for kv in kw.items() if kv[0] != "post") + ("-relu" if "post" in kw else ""))
+def test_deconvolutions(kw):
+    """MXNet's Deconvolution (weight (C, O, KH, KW); OH = (H - 1)·S - 2P + D·(K - 1) + 1 + adj)."""
+    b = Builder((2, 16, 7, 9))
+    y = b.deconv(0, 12, **kw)
+    b.check([y])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_pose_head_deconvolutions_with_their_batchnorms_folded(bias):
+    """GluonCV's simple-pose head: deconv 4x4/2 → BatchNorm → relu, twice, then a 1x1 convolution; each
+    BatchNorm folded into the deconvolution before it (its weight's second axis is the output channel)."""
+    b = Builder((1, 16, 6, 5))
+    x = b.conv(0, 24, post=({"eltwise": "relu"},))
+    for _ in range(2):
+        x = b.batchnorm(b.deconv(x, 8, bias=bias), post=({"eltwise": "relu"},))
+    y = b.conv(x, 5, kernel=1, pad=0)
+    b.check([y])
+    plan = last_plan()
+    assert plan.count("(deconv) weights") == 2 and "batchnorm" not in plan.replace("+ batchnorm", ""), plan
 
 
 @pytest.mark.parametrize("step", ELTWISE, ids=lambda s: s["eltwise"])
@@ -560,7 +599,19 @@ def mutate(path_value):
 
 DELETE = object()
 MALFORMED = [  # (program, expected message)
-    (mutate([(("ops", 0, "op"), "deconv")]), r"op 0, field 'op': unknown op 'deconv'"),
+    (mutate([(("ops", 0, "op"), "warp")]), r"op 0, field 'op': unknown op 'warp'"),
+    (lambda: {"version": 1, "params": [[8, 4, 3, 3], [8], [8, 6, 3, 3]], "outputs": [2],
+              "ops": [conv_op(), {"op": "deconv", "in": 1, "weight": 2, "kernel": [3, 3], "stride": [2, 2],
+                                  "pad": [0, 0], "adj": [1, 1], "filters": 6}]},
+     r"op 1 \(deconv\), field 'adj': must not exceed pad"),
+    (lambda: {"version": 1, "params": [[8, 4, 3, 3], [8], [6, 8, 4, 4]], "outputs": [2],
+              "ops": [conv_op(), {"op": "deconv", "in": 1, "weight": 2, "kernel": [4, 4], "stride": [2, 2],
+                                  "pad": [1, 1], "filters": 6}]},
+     r"op 1 \(deconv\), field 'weight': parameter 2 is \(6,8,4,4\) but must be \(8,6,4,4\)"),
+    (lambda: {"version": 1, "params": [[8, 4, 3, 3], [8], [8, 6, 4, 4]], "outputs": [2],
+              "ops": [conv_op(), {"op": "deconv", "in": 1, "weight": 2, "kernel": [4, 4], "groups": 2,
+                                  "filters": 6}]},
+     r"op 1 \(deconv\), field 'groups': unknown field"),
     (mutate([(("ops", 0, "in"), 1)]), r"op 0 \(conv\), field 'in': value 1 is read before it is made"),
     (mutate([(("ops", 0, "in"), -1)]), r"op 0 \(conv\), field 'in': value -1 does not exist"),
     (mutate([(("ops", 0, "weight"), 5)]), r"op 0 \(conv\), field 'weight': parameter 5 does not exist"),

@@ -120,7 +120,12 @@ def _conv(b, x, shape, label: str):
         adj = 1 if s == 2 and d.maybe(0.2, label=label + " adj") else 0
         if adj:
             kw["adj"] = (adj,) * nd
-        out = tuple((w - 1) * s - 2 * pad + k + adj for w in spatial)
+        dil = 2 if k >= 2 and d.maybe(0.15, label=label + " deconv dilate") else 1
+        if dil > 1:
+            kw["dilate"] = (dil,) * nd
+        out = tuple((w - 1) * s - 2 * pad + dil * (k - 1) + 1 + adj for w in spatial)
+        if not adj and d.maybe(0.1, label=label + " target_shape"):
+            kw["target_shape"] = out      # MXNet then computes the padding (a region refuses it)
         y = S.Deconvolution(x, kernel=(k,) * nd, stride=(s,) * nd, pad=(pad,) * nd, num_filter=f, num_group=g,
                             name=name, **kw)
     if min(out) < 1:
