@@ -421,38 +421,26 @@ def _true(v) -> bool:
 def _attrs_reason(node: Node, kind: str, b: Dict[str, Any], ctx) -> Optional[str]:
     """What the contract cannot express in the op's attributes (None: it can)."""
     o, name = node.op, node.name
-    if kind == "conv":
+    if kind in ("conv", "deconv"):
         kernel = tuple(node.param("kernel", ()) or ())
         if len(kernel) != 2:
-            return "Convolution '%s' is %d-D (kernel %s): a region takes 2-D convolutions" % (name, len(kernel), kernel)
+            return "%s '%s' is %d-D (kernel %s): a region takes 2-D %ss" % (o, name, len(kernel), kernel, o.lower())
         if node.param("layout") not in (None, "NCHW"):
-            return "Convolution '%s' has layout %s: a region takes NCHW" % (name, node.param("layout"))
+            return "%s '%s' has layout %s: a region takes NCHW" % (o, name, node.param("layout"))
+        if kind == "deconv":
+            if int(node.param("num_group")) != 1:
+                return "%s '%s' is grouped (num_group=%d): a region's deconv has one group" % (
+                    o, name, int(node.param("num_group")))
+            if any(int(v) for v in tuple(node.param("target_shape") or ())):
+                return "%s '%s' sets target_shape (MXNet then computes its padding)" % (o, name)
+            pad, adj = _pairs(node, "pad", 0), _pairs(node, "adj", 0)
+            if any(a > p for a, p in zip(adj, pad)):
+                return "%s '%s' has adj %s larger than pad %s" % (o, name, adj, pad)
         if _true(node.param("no_bias")) == ("bias" in b):
-            return "Convolution '%s' has no_bias=%s with %d inputs" % (name, node.param("no_bias"), len(node.inputs))
+            return "%s '%s' has no_bias=%s with %d inputs" % (o, name, node.param("no_bias"), len(node.inputs))
         w = param_shape(b["w"], ctx)
         if w is not None and len(w) != 4:
-            return "Convolution '%s' has a weight of shape %s" % (name, w)
-        return None
-    if kind == "deconv":
-        kernel = tuple(node.param("kernel", ()) or ())
-        if len(kernel) != 2:
-            return "Deconvolution '%s' is %d-D (kernel %s): a region takes 2-D deconvolutions" % (name, len(kernel),
-                                                                                                kernel)
-        if node.param("layout") not in (None, "NCHW"):
-            return "Deconvolution '%s' has layout %s: a region takes NCHW" % (name, node.param("layout"))
-        if int(node.param("num_group")) != 1:
-            return "Deconvolution '%s' is grouped (num_group=%d): a region's deconv has one group" % (
-                name, int(node.param("num_group")))
-        if any(int(v) for v in tuple(node.param("target_shape") or ())):
-            return "Deconvolution '%s' sets target_shape (MXNet then computes its padding)" % name
-        pad, adj = _pairs(node, "pad", 0), _pairs(node, "adj", 0)
-        if any(a > p for a, p in zip(adj, pad)):
-            return "Deconvolution '%s' has adj %s larger than pad %s" % (name, adj, pad)
-        if _true(node.param("no_bias")) == ("bias" in b):
-            return "Deconvolution '%s' has no_bias=%s with %d inputs" % (name, node.param("no_bias"), len(node.inputs))
-        w = param_shape(b["w"], ctx)
-        if w is not None and len(w) != 4:
-            return "Deconvolution '%s' has a weight of shape %s" % (name, w)
+            return "%s '%s' has a weight of shape %s" % (o, name, w)
         return None
     if kind == "pool":
         if node.attrs.get("layout") not in (None, "None", "NCHW"):

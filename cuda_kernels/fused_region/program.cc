@@ -182,8 +182,10 @@ Op parse_op(const Value& o, int index, int self, size_t num_params) {
 
   std::set<std::string> allowed = {"op", "in", "post"};
   switch (op.kind) {
-    case OpKind::Conv: {
-      allowed.insert({"weight", "bias", "kernel", "stride", "pad", "dilate", "groups", "filters"});
+    case OpKind::Conv:
+    case OpKind::Deconv: {  // a deconv has one group and may add `adj` rows at the end
+      const bool conv = op.kind == OpKind::Conv;
+      allowed.insert({"weight", "bias", "kernel", "stride", "pad", "dilate", "filters", conv ? "groups" : "adj"});
       op.weight = param_ref(need(o, "weight", w), "weight", w, num_params);
       const Value* b = o.find("bias");
       if (b && b->kind != Value::Null) op.bias = param_ref(*b, "bias", w, num_params);
@@ -191,25 +193,15 @@ Op parse_op(const Value& o, int index, int self, size_t num_params) {
       pair_field(o, "stride", w, 1, op.stride, false);
       pair_field(o, "pad", w, 0, op.pad, false);
       pair_field(o, "dilate", w, 1, op.dilate, false);
-      if (const Value* g = o.find("groups")) op.groups = integer(*g, "groups", w);
-      if (op.groups < 1) w.field("groups", "must be >= 1");
-      op.filters = integer(need(o, "filters", w), "filters", w);
-      if (op.filters < 1) w.field("filters", "must be >= 1");
-      break;
-    }
-    case OpKind::Deconv: {
-      allowed.insert({"weight", "bias", "kernel", "stride", "pad", "dilate", "adj", "filters"});
-      op.weight = param_ref(need(o, "weight", w), "weight", w, num_params);
-      const Value* b = o.find("bias");
-      if (b && b->kind != Value::Null) op.bias = param_ref(*b, "bias", w, num_params);
-      pair_field(o, "kernel", w, 1, op.kernel, true);
-      pair_field(o, "stride", w, 1, op.stride, false);
-      pair_field(o, "pad", w, 0, op.pad, false);
-      pair_field(o, "dilate", w, 1, op.dilate, false);
-      pair_field(o, "adj", w, 0, op.adj, false);
-      for (int i = 0; i < 2; ++i)
-        if (op.adj[i] > op.pad[i])
-          w.field("adj", "must not exceed pad (the extra rows come out of the padding: oneDNN pads pad - adj at the end)");
+      if (conv) {
+        if (const Value* g = o.find("groups")) op.groups = integer(*g, "groups", w);
+        if (op.groups < 1) w.field("groups", "must be >= 1");
+      } else {
+        pair_field(o, "adj", w, 0, op.adj, false);
+        for (int i = 0; i < 2; ++i)
+          if (op.adj[i] > op.pad[i])
+            w.field("adj", "must not exceed pad (the extra rows come out of the padding: oneDNN pads pad - adj at the end)");
+      }
       op.filters = integer(need(o, "filters", w), "filters", w);
       if (op.filters < 1) w.field("filters", "must be >= 1");
       break;
