@@ -112,21 +112,17 @@ class _Stock:
 
     def _op(self, d: Dict[str, Any], where: str, name: str) -> Entry:
         kind = d.get("op")
-        if kind == "conv":
+        if kind in ("conv", "deconv"):
             w, bias = self.param(d, "weight", where), self.param(d, "bias", where)
             attrs = {"kernel": _pair(d["kernel"], where + " kernel"), "stride": _pair(d["stride"], where + " stride"),
                      "pad": _pair(d["pad"], where + " pad"), "dilate": _pair(d["dilate"], where + " dilate"),
-                     "num_group": int(d["groups"]), "num_filter": int(d["filters"]), "no_bias": bias is None}
-            ins = [self.value(d["in"], where), w] + ([bias] if bias is not None else [])
-            return self.op("Convolution", ins, attrs, name)
-        if kind == "deconv":
-            w, bias = self.param(d, "weight", where), self.param(d, "bias", where)
-            attrs = {"kernel": _pair(d["kernel"], where + " kernel"), "stride": _pair(d["stride"], where + " stride"),
-                     "pad": _pair(d["pad"], where + " pad"), "dilate": _pair(d["dilate"], where + " dilate"),
-                     "adj": _pair(d.get("adj", [0, 0]), where + " adj"), "num_group": 1,
                      "num_filter": int(d["filters"]), "no_bias": bias is None}
+            if kind == "conv":
+                attrs["num_group"] = int(d["groups"])
+            else:
+                attrs.update(adj=_pair(d.get("adj", [0, 0]), where + " adj"), num_group=1)
             ins = [self.value(d["in"], where), w] + ([bias] if bias is not None else [])
-            return self.op("Deconvolution", ins, attrs, name)
+            return self.op("Convolution" if kind == "conv" else "Deconvolution", ins, attrs, name)
         if kind == "pool":
             if d.get("mode") not in ("max", "avg") or d.get("convention") not in ("valid", "full"):
                 raise FusionError("%s: mode %r / convention %r" % (where, d.get("mode"), d.get("convention")))

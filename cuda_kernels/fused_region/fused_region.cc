@@ -83,8 +83,8 @@ std::vector<PlanOp> plan(const Program& p) {
     switch (op.kind) {
       case OpKind::BatchNorm: {
         const int q = maker[a];
-        if (q >= 0 && (ops[q].op->kind == OpKind::Conv || ops[q].op->kind == OpKind::Deconv) && ops[q].post.empty() && !ops[q].bn &&
-            absorb(a, k, op.post))
+        const bool conv = q >= 0 && (ops[q].op->kind == OpKind::Conv || ops[q].op->kind == OpKind::Deconv);
+        if (conv && ops[q].post.empty() && !ops[q].bn && absorb(a, k, op.post))
           ops[q].bn = &op, done = true;
         break;
       }
@@ -1187,18 +1187,14 @@ class Region : public DnnlObjects {
       const float* b = op.bias >= 0 ? param(op.bias) : nullptr;
       const int64_t O = op.filters, per = numel(pk.wdims) / O;
       if (pk.po->bn) {
-        // output channel o's weights: rows o·per … of (O, …), or the (KH·KW) runs at c·O + o of a
-        // deconvolution's (C, O, KH, KW)
-        const int64_t K = op.kernel[0] * op.kernel[1], runs = pk.transposed ? per / K : 1;
+        // output channel o's weights: the runs of K at (c·O + o)·K -- one run of `per` for (O, …), C
+        // runs of KH·KW for a deconvolution's (C, O, KH, KW)
+        const int64_t K = pk.transposed ? op.kernel[0] * op.kernel[1] : per, runs = per / K;
         for (int64_t o = 0; o < O; ++o) {
           float scale, shift;
           bn_affine(*pk.po->bn, o, &scale, &shift);
-          if (pk.transposed) {
-            for (int64_t c = 0; c < runs; ++c)
-              for (int64_t k = 0; k < K; ++k) pk.folded[(c * O + o) * K + k] = w[(c * O + o) * K + k] * scale;
-          } else {
-            for (int64_t i = 0; i < per; ++i) pk.folded[o * per + i] = w[o * per + i] * scale;
-          }
+          for (int64_t c = 0; c < runs; ++c)
+            for (int64_t i = (c * O + o) * K; i < (c * O + o + 1) * K; ++i) pk.folded[i] = w[i] * scale;
           pk.bias_values[o] = (b ? b[o] : 0.f) * scale + shift;
         }
         w = pk.folded.data();
