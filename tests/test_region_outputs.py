@@ -6,6 +6,7 @@ outputs; a backbone read by several heads is one region instead of a region per 
 branch points.  Refused (the region is cut there, with the reason): a value whose reader outside
 leads back into the region, and past ``MAX_OUTPUTS``.
 """
+import json
 import types
 
 import mxnet as mx
@@ -14,8 +15,10 @@ import pytest
 
 import fusion
 import patterns.region as region
+from fusion.check.cuts import cut_points
 from fusion.engine.rewrite import _cycle_reason, implemented
-from fusion.ir.graph import Graph
+from fusion.ir.graph import Entry, Graph
+from fusion.ir.names import GIVES_BACK, gives_back
 
 from conftest import ops, random_params
 from test_region import S, X, assert_runs_like_the_stock_ops, bn, conv, fuse_graph, fuse_round_trip, relu
@@ -59,6 +62,43 @@ def test_a_backbone_read_by_several_heads_is_one_region_with_its_stage_outputs()
 def test_each_output_is_the_value_it_replaces_at_two_shapes():
     """Every head of the fused graph equals the original's (unfused: the program's stock ops)."""
     fuse_round_trip(backbone_with_heads(), rules=["region"])
+
+
+def test_each_output_records_the_value_it_gives_back():
+    """A region's name is one of its values; ``__gives_back__`` says which of the original's values
+    each output is (fusion/ir/names.py), for verify to cut at them."""
+    y = backbone_with_heads()
+    f = fuse_round_trip(y, rules=["region"])
+    big = max(f.regions(), key=lambda n: n.num_outputs)
+    got = [gives_back(Entry(big, i)) for i in range(big.num_outputs)]
+    assert {"s1", "s2"} <= {name for name, _ in got} and all(i == 0 for _, i in got), got
+    assert len(set(got)) == big.num_outputs
+    small = min(f.regions(), key=lambda n: n.num_outputs)
+    assert GIVES_BACK not in small.attrs          # one output: its name says it
+    assert gives_back(Entry(small)) == (small.name, 0)
+
+
+def _peaks_head():
+    """CenterNet's head: heat = sigmoid(conv(relu(conv(x)))), its peaks heat * (max_pool(heat) == heat)."""
+    heat = S.sigmoid(conv(relu(conv(S.var("data"), "h1")), "h2", f=4), name="heat")
+    pool = S.Pooling(heat, kernel=(3, 3), stride=(1, 1), pad=(1, 1), pool_type="max", name="peak_pool")
+    return S.elemwise_mul(S.broadcast_equal(pool, heat, name="eq"), heat, name="keep")
+
+
+def test_verify_cuts_where_a_region_gives_back_the_values_a_step_reads():
+    """The region (convolutions, sigmoid, pooling) gives back the pooled map and the heat map; the
+    comparison after them is inside a fused_elemwise: verify cuts at the original's two values, not
+    at the region's name (the pooling) twice, and the cut stands for the comparison and the product
+    only."""
+    y = _peaks_head()
+    f = fuse_graph(y, *random_params(y, X), rules=["region", "elementwise"])
+    (r,) = f.regions()
+    assert r.num_outputs == 2 and {gives_back(Entry(r, i)) for i in range(2)} == {("peak_pool", 0), ("heat", 0)}
+    (cut,) = cut_points(Graph.from_symbol(y), f.graph)
+    assert cut.kind == "fused" and cut.node == "keep", cut
+    keep = next(n for n in f.graph.op_nodes() if n.name == "keep")
+    assert [gives_back(keep.inputs[k]) for k in cut.inputs] == list(cut.at)
+    assert set(cut.at) == {("peak_pool", 0), ("heat", 0)} and set(cut.members) == {"keep", "eq"}, cut
 
 
 def test_an_output_keeps_its_value_where_a_step_would_run_in_place_over_it():
@@ -131,6 +171,8 @@ def test_graph_outputs_inside_a_region_save_load_and_bind(tmp_path):
     res.symbol.save(str(tmp_path / "m-symbol.json"))
     sym = mx.sym.load(str(tmp_path / "m-symbol.json"))
     assert sym.list_outputs() == y.list_outputs()      # the graph's output names stay
+    (given,) = [a[GIVES_BACK] for a in sym.attr_dict().values() if GIVES_BACK in a]
+    assert sorted(n for n, _ in json.loads(given)) == ["out", "r1"]     # the values the region gives back
     mod = mx.mod.Module(sym, data_names=["data"], label_names=None)
     mod.bind(data_shapes=[("data", X["data"])], for_training=False)
     mod.set_params(res.arg_params, res.aux_params)

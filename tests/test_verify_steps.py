@@ -3,11 +3,14 @@ inputs of its sorts and steps (fusion/check/cuts.py) — CenterNet's peak pickin
 ``heat * (max_pool(heat) == heat)`` and its ``topk`` — and, where a value still differs, judged
 against a float64 run of the original.  Near-ties and the original's own rounding pass; a wrong
 value before, at or after a cut still fails."""
+import json
+
 import mxnet as mx
 import numpy as np
 
 import fusion
 from fusion.check.cuts import ROUNDING_FACTOR
+from fusion.ir.names import GIVES_BACK
 
 S = mx.sym
 N = 64
@@ -78,6 +81,20 @@ def test_a_step_inside_a_fused_op_is_cut_at_the_fused_ops_inputs():
     assert v.piecewise is not None and v.piecewise["cuts"] == ["keep"]
     assert {f for _, f, _ in v.piecewise["inputs"]} == {"input 0", "input 1"}
     assert check(peaks(), peaks(fused_form=True), weights(wrong=0.01)).status() == "MISMATCH"
+
+
+def test_a_step_reading_values_a_node_of_several_outputs_gives_back_is_cut_at_those_values():
+    """A region gives back several of the original's values under one name (its ``__gives_back__``
+    says which): the cut before the fused op reading them feeds each the original's value there."""
+    heat = S.reshape(S.broadcast_mul(S.var("data"), S.var("w")), shape=(1, 1, 8, 8), name="heat_f")
+    pool = S.Pooling(heat, kernel=(3, 3), pad=(1, 1), stride=(1, 1), pool_type="max", name="pool_f")
+    given = json.dumps([["pool", 0], ["heat", 0]])
+    both = S.split(S.concat(pool, heat, dim=1), num_outputs=2, axis=1, name="pool", attr={GIVES_BACK: given})
+    fused = S.fused_elemwise(both[0], both[1], expr="mul(eq(x0, x1), x1)", num_args=2, name="keep")
+    v = check(peaks(), fused, weights(nudge=1.2e-7))
+    assert v.status() == "OK", v
+    assert v.piecewise is not None and v.piecewise["cuts"] == ["keep"]
+    assert check(peaks(), fused, weights(wrong=0.01)).status() == "MISMATCH"
 
 
 # ---------------------------------------------------------------------------------------- float64

@@ -52,6 +52,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ..ir.graph import Entry, Graph, Node, upstream
+from ..ir.names import gives_back
 from .rowsets import NMS, SORTS, align_rows
 
 #: the NMS ops a fused graph may hold in place of the original's (by the original node's name)
@@ -123,11 +124,12 @@ def _fused_cut(nd: Node, other: Node, by_name0: Mapping[str, Node]) -> Optional[
     for k, e in enumerate(other.inputs):
         if e.node.op == "null":
             continue
-        src = by_name0.get(e.node.name)
-        if src is None or src.op == "null" or e.index >= src.num_outputs:
+        name, index = gives_back(e)         # a region's outputs: the original's values they give back
+        src = by_name0.get(name)
+        if src is None or src.op == "null" or index >= src.num_outputs:
             return None
         ins.append(k)
-        at.append((src.name, e.index))
+        at.append((src.name, index))
         stops.append(src)
     if not ins:
         return None

@@ -20,6 +20,7 @@ repeat until one changes nothing, so ``fuse(fuse(g)) == fuse(g)``.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
@@ -28,6 +29,7 @@ from ..ir.attrs import Attrs
 from ..ir.errors import FusionError
 from ..ir.graph import Entry, Graph, Node
 from ..ir.matcher import Match, State, Trace, match_pattern
+from ..ir.names import GIVES_BACK
 from ..ir.pattern import required_ops
 from ..precision.policy import FLOAT32, BF16_CODE, PARAM_DTYPES, cast_slots, dtype_name, is_bf16, reduced_attrs, to_bf16
 from .reasons import NearMiss
@@ -802,9 +804,15 @@ class _Pass:
             if not n.is_variable:
                 origins[n] = mine
         made = set(b.created)
+        given: Dict[Node, Dict[int, Entry]] = {}
         for old, new in replaces.items():
             if new.node in made:        # a value the rewrite made (not one it forwards, as a removed Dropout)
                 self.ctx.lineage[new] = self.ctx.lineage.get(old, old)
+                if new.node.num_outputs > 1:
+                    given.setdefault(new.node, {})[new.index] = self.ctx.lineage[new]
+        for n, outs in given.items():   # which of the user's values each output is (fusion/ir/names.py)
+            n.attrs[GIVES_BACK] = json.dumps([[outs[i].node.name, outs[i].index] if i in outs else None
+                                              for i in range(n.num_outputs)], separators=(",", ":"))
 
 
 def _tell_refused(rule, m: Match, reason: str) -> None:

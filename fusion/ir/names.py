@@ -22,10 +22,33 @@ any node and keeps the new name: ``keep_output_names`` returns those, and the re
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Dict, List, Optional, Set, Tuple
 
 from .graph import Entry, Graph, Node
+
+#: a fused op of several outputs records, per output, the value of the graph it was fused from that
+#: the output gives back (a JSON list of ``[node name, output index]``, ``null`` where none): a
+#: region's outputs are the values of several of the original's nodes, and its own name says only
+#: one of them.  ``fusion.verify`` reads it to cut a fused graph where the original's values are
+#: (``fusion/check/cuts.py``); MXNet keeps ``__*__`` attributes through save and load, and the ops
+#: ignore them.
+GIVES_BACK = "__gives_back__"
+
+
+def gives_back(entry: Entry) -> Tuple[str, int]:
+    """The (node name, output index) of the fused-from graph's value that ``entry`` gives back: as
+    its node's ``GIVES_BACK`` records it where it does, else the entry's own."""
+    raw = entry.node.attrs.raw(GIVES_BACK) if entry.node.num_outputs > 1 else None
+    if raw is not None:
+        try:
+            got = json.loads(raw)[entry.index]
+            if got is not None:
+                return str(got[0]), int(got[1])
+        except (ValueError, TypeError, IndexError, KeyError):
+            pass            # a hand-edited attribute: the entry's own name, as without one
+    return entry.node.name, entry.index
 
 
 def keep_output_names(graph: Graph, names: List[str],
