@@ -42,9 +42,17 @@ int dnnl_impl_rank(const_dnnl_primitive_desc_t pd) {
   if (!pd || dnnl().dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &name) != dnnl_success || !name)
     return 0;
   const std::string n(name);
-  if (n.compare(0, 4, "ref:") == 0) return 2;
+  if (n.compare(0, 4, "ref:") == 0) return 3;
   const size_t g = n.find("gemm");  // "gemm:jit", "x64:gemm:jit"; not a "brgemm" kernel (direct)
-  return g != std::string::npos && (g < 2 || n.compare(g - 2, 2, "br") != 0) ? 1 : 0;
+  if (g != std::string::npos && (g < 2 || n.compare(g - 2, 2, "br") != 0)) return 2;
+  // a direct kernel for a narrower vector than the CPU's ("jit_1x1:avx2" on AVX-512): its layout
+  // (nChw8c) also sends the binary ops after it to reference code there
+  static const bool avx512 = (static_cast<unsigned>(dnnl().dnnl_get_effective_cpu_isa()) &
+                              static_cast<unsigned>(dnnl_cpu_isa_avx512_core)) ==
+                             static_cast<unsigned>(dnnl_cpu_isa_avx512_core);
+  const size_t colon = n.rfind(':');
+  const std::string isa = colon == std::string::npos ? "" : n.substr(colon + 1);
+  return avx512 && (isa == "avx2" || isa == "avx" || isa == "sse41") ? 1 : 0;
 }
 
 dnnl_stream_t dnnl_thread_stream() {

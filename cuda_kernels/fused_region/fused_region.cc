@@ -578,7 +578,7 @@ class Region : public DnnlObjects {
     }
     modes.push_back(Fuse::None);
     Choice best;
-    int best_rank = 3;
+    int best_rank = 4;
     for (Fuse f : modes)
       for (int v = 0; v < variants; ++v) {
         dnnl_primitive_attr_t attr = nullptr;
