@@ -14,7 +14,8 @@ from .ir.graph import Graph, GraphError
 from .engine.report import FusionReport
 from .engine.rewrite import Context, run_rules
 from .engine.selfcheck import SelfCheck
-from .engine.workarounds import backend_hazards, guard_layer_outputs, strip_guards
+from .engine.workarounds import (backend_hazards, guard_layer_outputs, guard_new_nan_fusions, nan_changing_fusions,
+                                 strip_guards)
 from .precision.policy import dtype_name
 
 MODES = ("inference", "training")
@@ -273,6 +274,7 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     names = _output_names(given, graph)
     graph.canonicalize_ops()
     miscomputed = backend_hazards(graph)       # the model as given, under MXNet's default bind
+    nan_fused = {u.name for _, u, _ in nan_changing_fusions(graph)}
     if arg_params or aux_params:
         check_param_values(graph, None, arg_params or {}, aux_params or {}, input_dtypes)
     amp = None
@@ -331,6 +333,11 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
                             "activation (MXNet 1.9.1's oneDNN backend otherwise hands the other readers the "
                             "activation's result): %s" % (len(guarded), ", ".join(guarded[:5])
                                                           + (" …" if len(guarded) > 5 else "")))
+    guarded = guard_new_nan_fusions(graph, nan_fused)
+    if guarded:
+        report.notes.append("%d op(s) now right after a layer pass through an identity Reshape (MXNet 1.9.1's oneDNN "
+                            "backend would fuse them into the layer and change their NaN and inf results): %s"
+                            % (len(guarded), ", ".join(guarded[:5]) + (" …" if len(guarded) > 5 else "")))
     from .engine.shape_hints import hint_param_shapes     # Module.bind / SymbolBlock: shapes from the data alone
     hint_param_shapes(graph, ctx)
     report.nodes_after, report.ops_after = len(graph.nodes), len(graph.op_nodes())
@@ -643,6 +650,7 @@ def unfuse(symbol: Any, input_shapes: Optional[Mapping[str, Sequence[int]]] = No
 
     rules = RULES if nodes is None else [only_nodes(r, set(nodes)) for r in RULES]
     graph = _as_graph(symbol)
+    nan_fused = {u.name for _, u, _ in nan_changing_fusions(graph)}
     names = _output_names(symbol, graph)
     report = FusionReport(mode="inference")
     # a model fused with precision="bf16": its stock form is checked against it at the bf16 tolerance
@@ -663,4 +671,5 @@ def unfuse(symbol: Any, input_shapes: Optional[Mapping[str, Sequence[int]]] = No
         raise FusionError("cannot unfuse %s: %s" % (", ".join(left), reasons or "no stock form"))
     _keep_output_names(graph, names, report)
     guard_layer_outputs(graph)      # stock ops again: keep them clear of MXNet's oneDNN backend bug
+    guard_new_nan_fusions(graph, nan_fused)
     return graph.to_symbol()

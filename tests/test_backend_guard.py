@@ -12,7 +12,7 @@ import fusion
 from fusion.doors import cli
 from fusion.native.env import subgraph_backend
 from fusion.ir.graph import Graph
-from fusion.engine.workarounds import CONV_CHAIN_NEXT, backend_hazards, guard_layer_outputs
+from fusion.engine.workarounds import CONV_CHAIN_NEXT, backend_hazards, guard_layer_outputs, strip_guards
 
 from conftest import random_params
 
@@ -244,3 +244,81 @@ def test_chain_list_covers_what_mxnet_fuses_after_a_chain_member(member):
         if wrong and ops[name] not in CONV_CHAIN_NEXT[member]:
             missing.append(name)
     assert not missing, missing
+
+
+# ---------------------------------------------------------------- NaN and inf through a fused activation
+
+def _nan_inputs(shape, seed=0):
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 2
+    x.flat[0], x.flat[1], x.flat[2] = np.nan, np.inf, -np.inf
+    return x
+
+
+def _dense_head(between):
+    """FullyConnected -> ``between`` -> clip(0, 6): MXNet's backend does not fuse the clip into the layer."""
+    fc = S.FullyConnected(S.var("data"), num_hidden=8, name="fc")
+    return S.clip(between(fc), 0.0, 6.0, name="clip")
+
+
+def _conv_head(between, act=_relu):
+    return act(between(S.Convolution(S.var("data"), kernel=(1, 1), num_filter=4, name="conv")))
+
+
+NEW_NAN_FUSIONS = {     # a rewrite leaves a layer and an op the backend fuses with other NaN results adjacent
+    "dense_bn_clip": (lambda: _dense_head(lambda t: S.BatchNorm(t, axis=1, fix_gamma=False, name="bn")), (2, 6)),
+    "dense_dropout_clip": (lambda: _dense_head(lambda t: S.Dropout(t, p=0.5, name="drop")), (2, 6)),
+    "conv_dropout_relu": (lambda: _conv_head(lambda t: S.Dropout(t, p=0.5, name="drop")), (2, 3, 5, 5)),
+    "conv_dropout_sigmoid": (lambda: _conv_head(lambda t: S.Dropout(t, p=0.5, name="drop"),
+                                                lambda t: S.Activation(t, act_type="sigmoid", name="sig")), (2, 3, 5, 5)),
+}
+
+
+def _assert_same_values(got, ref):
+    for o, r in zip(got, ref):
+        assert np.array_equal(np.isnan(o), np.isnan(r)) and np.array_equal(np.isinf(o), np.isinf(r))
+        fin = np.isfinite(r)
+        np.testing.assert_allclose(o[fin], r[fin], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(NEW_NAN_FUSIONS))
+def test_an_op_a_rewrite_leaves_after_a_layer_keeps_its_nan_and_inf_results(name):
+    """A folded BatchNorm or a removed Dropout puts an op right after a layer where MXNet's backend fuses
+    it, with other NaN results (fc -> clip(0, 6): 0, where the clip op gives NaN; conv -> relu: NaN,
+    where the relu op gives 0): it reads the layer through the identity guard, and the fused model
+    under the default bind gives the NaN and inf the original gives there (and unfuse keeps them)."""
+    make, shape = NEW_NAN_FUSIONS[name]
+    y = make()
+    arg, aux = random_params(y, {"data": shape})
+    x = {"data": _nan_inputs(shape)}
+    ref = run(y, arg, aux, x, default_bind=False)
+    res = fusion.fuse(y, arg, aux, input_shapes={"data": shape})
+    assert res.graph.count_ops().get("Reshape") == 1, res.graph.count_ops()
+    bare = res.graph.copy()
+    strip_guards(bare)                      # what the guard keeps away: other NaN positions
+    got = run(bare.to_symbol(), res.arg_params, res.aux_params, x, default_bind=True)
+    assert any(not np.array_equal(np.isnan(o), np.isnan(r)) for o, r in zip(got, ref))
+    assert any("change their NaN and inf results" in n for n in res.report.notes), res.report.notes
+    _assert_same_values(run(res.symbol, res.arg_params, res.aux_params, x, default_bind=True), ref)
+    plain = fusion.unfuse(res.symbol)
+    _assert_same_values(run(plain, res.arg_params, res.aux_params, x, default_bind=True), ref)
+    again = fusion.fuse(res.symbol, res.arg_params, res.aux_params, input_shapes={"data": shape})
+    assert again.symbol.tojson() == res.symbol.tojson()
+
+
+@pytest.mark.parametrize("name", ["conv_bn_relu", "conv_relu", "dense_bn_relu", "dense_clip"])
+def test_no_guard_where_the_backend_fused_the_op_before_or_keeps_its_results(name):
+    """conv -> BatchNorm -> relu: the backend's convolution chain takes the BatchNorm too, so the original
+    ran relu fused already; fc -> relu: the same results fused or not; fc -> clip written so: the
+    original's own default bind fuses it."""
+    make, shape = {
+        "conv_bn_relu": (lambda: _conv_head(_bn), (2, 3, 5, 5)),
+        "conv_relu": (lambda: _conv_head(lambda t: t), (2, 3, 5, 5)),
+        "dense_bn_relu": (lambda: _relu(S.BatchNorm(S.FullyConnected(S.var("data"), num_hidden=8, name="fc"),
+                                                    axis=1, fix_gamma=False, name="bn")), (2, 6)),
+        "dense_clip": (lambda: _dense_head(lambda t: t), (2, 6)),
+    }[name]
+    y = make()
+    arg, aux = random_params(y, {"data": shape})
+    res = fusion.fuse(y, arg, aux, input_shapes={"data": shape})
+    assert "Reshape" not in res.graph.count_ops(), res.graph.count_ops()
+    assert not any("NaN and inf" in n for n in res.report.notes), res.report.notes

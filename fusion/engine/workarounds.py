@@ -41,7 +41,7 @@ layer, so every reader gets the value the graph says.  The same holds for the gr
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Set, Tuple
 
 from ..ir.graph import Entry, Graph, Node
 
@@ -160,6 +160,73 @@ def guard_layer_outputs(graph: Graph) -> List[str]:
             added.append(guard)
             u.inputs[slot] = Entry(guard)
         guarded.append(nd.name)
+    if added:
+        graph.nodes.extend(added)
+        graph.mark_changed()
+        graph.compact()
+    return guarded
+
+
+# ---------------------------------------------------------------- NaN and inf through a fused activation
+
+# (layer op) -> the readers (``_nan_kind``) whose NaN and inf results MXNet 1.9.1's oneDNN backend changes
+# when it fuses them into the layer (measured with the pip wheel: an input holding NaN, +inf and -inf,
+# backend off vs on): after a FullyConnected, clip(0, 6) gives 0 for NaN (the clip op alone: NaN) and
+# exp gives inf; after a Convolution, relu keeps NaN (the relu op alone: 0), sigmoid and clip give 0.
+# Every other reader the backend fuses (tanh, softrelu, softsign, leaky, elu, gelu, selu, square, sqrt,
+# abs) gave the op's own results.
+NAN_CHANGED: Dict[str, frozenset] = {
+    "FullyConnected": frozenset({"clip", "exp"}),
+    "Convolution": frozenset({"clip", "relu", "sigmoid"}),
+}
+
+
+def _nan_kind(nd: Node) -> str:
+    if nd.op == "Activation":
+        return str(nd.param("act_type", ""))
+    if nd.op == "LeakyReLU":
+        return "leaky:" + str(nd.param("act_type", "leaky"))
+    return nd.op
+
+
+def nan_changing_fusions(graph: Graph) -> List[Tuple[Node, Node, int]]:
+    """(layer, reader, input slot) for each reader MXNet's backend fuses into a layer with other NaN or
+    inf results than the reader alone (``NAN_CHANGED``): a FullyConnected's, or a member's of a
+    Convolution's chain."""
+    users = graph.consumers()
+    found = []
+    for nd in graph.nodes:
+        if nd.op == "FullyConnected":
+            fused_ops, kind = FUSED_AFTER["FullyConnected"], "FullyConnected"
+        elif nd.op in CONV_CHAIN_NEXT and _in_conv_chain(nd):
+            fused_ops, kind = CONV_CHAIN_NEXT[nd.op] & _ACTS, "Convolution"
+        else:
+            continue
+        for u, slot in users.get(nd, ()):
+            if slot == 0 and u.inputs[0].index == 0 and u.op in fused_ops and _nan_kind(u) in NAN_CHANGED[kind]:
+                found.append((nd, u, slot))
+    return found
+
+
+def guard_new_nan_fusions(graph: Graph, before: Set[str]) -> List[str]:
+    """Guard (in place, as ``guard_layer_outputs`` does) each reader the backend would fuse into a layer
+    with other NaN and inf results than its own, where the graph fused from did not have that fusion
+    (``before``: its readers' names, from ``nan_changing_fusions``): a folded BatchNorm or a removed
+    Dropout between a FullyConnected and a clip leaves them adjacent.  Finite values are the same
+    either way; a model's NaN and inf stay as its default bind gave them.  Returns the readers' names."""
+    added: List[Node] = []
+    guarded: List[str] = []
+    names = {n.name for n in graph.nodes}
+    for nd, u, slot in nan_changing_fusions(graph):
+        if u.name in before:
+            continue
+        guarded.append(u.name)
+        guard = Node("Reshape", graph.unique_name(u.name + "_guard", names), None, [Entry(nd)])
+        guard.attrs["shape"] = (-2,)
+        guard.pos = u.pos - 0.5 + len(added) * 1e-6
+        names.add(guard.name)
+        added.append(guard)
+        u.inputs[slot] = Entry(guard)
     if added:
         graph.nodes.extend(added)
         graph.mark_changed()
