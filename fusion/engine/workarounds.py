@@ -146,25 +146,29 @@ def strip_guards(graph: Graph) -> None:
     graph.compact()
 
 
-def guard_layer_outputs(graph: Graph) -> List[str]:
-    """Insert the guards described above (in place); returns the names of the layers guarded."""
-    guarded: List[str] = []
+def _insert_guards(graph: Graph, reads: List[Tuple[Node, Node, int]]) -> None:
+    """Each (layer, reader, slot): the reader's input ``slot`` reads the layer through an identity
+    ``Reshape(shape=(-2,))`` placed just before the reader (in place)."""
     added: List[Node] = []
-    for nd, fusable in _hazards(graph):
-        names = {n.name for n in graph.nodes}
-        for u, slot in fusable:
-            guard = Node("Reshape", graph.unique_name(u.name + "_guard", names), None, [Entry(nd)])
-            guard.attrs["shape"] = (-2,)
-            guard.pos = u.pos - 0.5 + len(added) * 1e-6
-            names.add(guard.name)
-            added.append(guard)
-            u.inputs[slot] = Entry(guard)
-        guarded.append(nd.name)
+    names = {n.name for n in graph.nodes}
+    for nd, u, slot in reads:
+        guard = Node("Reshape", graph.unique_name(u.name + "_guard", names), None, [Entry(nd)])
+        guard.attrs["shape"] = (-2,)
+        guard.pos = u.pos - 0.5 + len(added) * 1e-6
+        names.add(guard.name)
+        added.append(guard)
+        u.inputs[slot] = Entry(guard)
     if added:
         graph.nodes.extend(added)
         graph.mark_changed()
         graph.compact()
-    return guarded
+
+
+def guard_layer_outputs(graph: Graph) -> List[str]:
+    """Insert the guards described above (in place); returns the names of the layers guarded."""
+    found = _hazards(graph)
+    _insert_guards(graph, [(nd, u, slot) for nd, fusable in found for u, slot in fusable])
+    return [nd.name for nd, _ in found]
 
 
 # ---------------------------------------------------------------- NaN and inf through a fused activation
@@ -214,24 +218,9 @@ def guard_new_nan_fusions(graph: Graph, before: Set[str]) -> List[str]:
     (``before``: its readers' names, from ``nan_changing_fusions``): a folded BatchNorm or a removed
     Dropout between a FullyConnected and a clip leaves them adjacent.  Finite values are the same
     either way; a model's NaN and inf stay as its default bind gave them.  Returns the readers' names."""
-    added: List[Node] = []
-    guarded: List[str] = []
-    names = {n.name for n in graph.nodes}
-    for nd, u, slot in nan_changing_fusions(graph):
-        if u.name in before:
-            continue
-        guarded.append(u.name)
-        guard = Node("Reshape", graph.unique_name(u.name + "_guard", names), None, [Entry(nd)])
-        guard.attrs["shape"] = (-2,)
-        guard.pos = u.pos - 0.5 + len(added) * 1e-6
-        names.add(guard.name)
-        added.append(guard)
-        u.inputs[slot] = Entry(guard)
-    if added:
-        graph.nodes.extend(added)
-        graph.mark_changed()
-        graph.compact()
-    return guarded
+    new = [(nd, u, slot) for nd, u, slot in nan_changing_fusions(graph) if u.name not in before]
+    _insert_guards(graph, new)
+    return [u.name for _, u, _ in new]
 
 
 # ---------------------------------------------------------------- training: prelu's γ gradient
