@@ -19,6 +19,11 @@ from .engine.workarounds import (backend_hazards, guard_layer_outputs, guard_new
 from .precision.policy import dtype_name
 
 MODES = ("inference", "training")
+
+
+def _first_five(names: Sequence[str]) -> str:
+    """The first five of ``names`` for a report note, "…" where there are more."""
+    return ", ".join(names[:5]) + (" …" if len(names) > 5 else "")
 DEVICES = ("cpu", "gpu")
 
 
@@ -331,13 +336,12 @@ def _fuse(symbol, arg_params, aux_params, rules, mode, input_shapes, input_dtype
     if guarded:
         report.notes.append("%d layer output(s) read more than once pass through an identity Reshape before an "
                             "activation (MXNet 1.9.1's oneDNN backend otherwise hands the other readers the "
-                            "activation's result): %s" % (len(guarded), ", ".join(guarded[:5])
-                                                          + (" …" if len(guarded) > 5 else "")))
+                            "activation's result): %s" % (len(guarded), _first_five(guarded)))
     guarded = guard_new_nan_fusions(graph, nan_fused)
     if guarded:
         report.notes.append("%d op(s) now right after a layer pass through an identity Reshape (MXNet 1.9.1's oneDNN "
                             "backend would fuse them into the layer and change their NaN and inf results): %s"
-                            % (len(guarded), ", ".join(guarded[:5]) + (" …" if len(guarded) > 5 else "")))
+                            % (len(guarded), _first_five(guarded)))
     from .engine.shape_hints import hint_param_shapes     # Module.bind / SymbolBlock: shapes from the data alone
     hint_param_shapes(graph, ctx)
     report.nodes_after, report.ops_after = len(graph.nodes), len(graph.op_nodes())
@@ -423,7 +427,7 @@ def _note_miscomputed(report: FusionReport, miscomputed: Sequence[str]) -> None:
         "%d layer output(s) are graph outputs or read elsewhere while it fuses a reader into the layer (%s), and "
         "those outputs get the reader's value; the fused model routes such reads through an identity Reshape "
         "and runs right (compare with MXNET_SUBGRAPH_BACKEND=NONE)"
-        % (len(miscomputed), ", ".join(miscomputed[:5]) + (" …" if len(miscomputed) > 5 else "")))
+        % (len(miscomputed), _first_five(miscomputed)))
 
 
 def _count_wanting_shapes(report: FusionReport) -> None:
@@ -488,7 +492,7 @@ def _keep_output_names(graph: Graph, names: Optional[list], report: FusionReport
     if lost:
         report.notes.append("%d output name(s) changed (an op's own output name, or a parameter handed out "
                             "that is held in another dtype now, which no node can be named as): %s"
-                            % (len(lost), ", ".join(lost[:5]) + (" …" if len(lost) > 5 else "")))
+                            % (len(lost), _first_five(lost)))
 
 
 def _cost_note(report: FusionReport) -> None:
@@ -543,7 +547,7 @@ def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read:
                             "widened exactly to float32 (the fused ops' weights cast back to the same bits)%s"
                             % (amp_read["casts"], amp_read["widened"],
                                "; %d op(s) AMP ran in bfloat16 stay MXNet's and now run in float32: %s"
-                               % (len(left), ", ".join(left[:5]) + (" …" if len(left) > 5 else "")) if left else ""))
+                               % (len(left), _first_five(left)) if left else ""))
     amp = sorted({n.op for n in graph.op_nodes() if n.op in ("amp_cast", "amp_multicast")})
     # an amp_multicast alone (GluonCV's SSD box decoder matches dtypes with it in a float32 model) is no
     # sign of AMP: a cast to a reduced dtype is
@@ -568,11 +572,11 @@ def _precision_notes(graph: Graph, ctx: Context, report: FusionReport, amp_read:
     if between:
         report.notes.append("precision bf16: %d fused op output(s) held in bfloat16 between ops (read only by "
                             "bfloat16 products, which rounded them anyway): %s" % (
-                                len(between), ", ".join(between[:5]) + (" …" if len(between) > 5 else "")))
+                                len(between), _first_five(between)))
     if copies:
         report.notes.append("precision bf16: %d float32 output(s) also written rounded to bfloat16 for the readers "
                             "that round them (bf16_copy: the next product's data; the residual stream keeps "
-                            "float32): %s" % (len(copies), ", ".join(copies[:5]) + (" …" if len(copies) > 5 else "")))
+                            "float32): %s" % (len(copies), _first_five(copies)))
     kept = {k: v for k, v in ctx.precision_kept.items() if k.split("'")[1] in {n.name for n in graph.op_nodes()}}
     if kept:
         report.notes.append("precision bf16: %d fused op(s) stay float32: %s" % (
@@ -590,7 +594,7 @@ def _own_convolutions_note(graph: Graph, op: str, report: FusionReport) -> None:
                         "precision='bfloat16'; MXNet's AMP, whose bfloat16 convolutions between MXNet's ops are "
                         "slower than float32, was not run)%s" % (
                             op, len(taken), "; %d convolution(s) outside stay float32: %s" % (
-                                len(left), ", ".join(left[:5]) + (" …" if len(left) > 5 else "")) if left else ""))
+                                len(left), _first_five(left)) if left else ""))
 
 
 def _collect_params(graph: Graph, ctx: Context, aux_names: set, copy_params: bool = True):

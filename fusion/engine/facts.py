@@ -293,10 +293,11 @@ def infer_nodes(nodes: Sequence[Node], known: Mapping[Entry, Shape], dtypes: Opt
             shapes[name] = tuple(s)
             if param_dtypes and nd.name in param_dtypes:
                 types[name] = param_dtypes[nd.name]
+            jnode: Dict[str, Any] = {"op": "null", "name": name, "inputs": []}
             declared = nd.attrs.raw("__dtype__")     # bfloat16 (the precision policy's weights) is only
-            jnodes.append({"op": "null", "name": name, "inputs": []}     # declared: MXNet's API cannot pass it
-                          if declared is None else {"op": "null", "name": name, "inputs": [],
-                                                    "attrs": {"__dtype__": declared}})
+            if declared is not None:                 # declared: MXNet's Python API cannot pass it by name
+                jnode["attrs"] = {"__dtype__": declared}
+            jnodes.append(jnode)
             rows.append(1)
             continue
         refs = []
